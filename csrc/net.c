@@ -1,0 +1,641 @@
+/* net.c - layer-table networks: forward, backward, losses, evaluation and the local training round. */
+#include "edgefl.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Samples per forward/backward pass. A minibatch larger than this (full-batch GD) is
+ * processed in chunks whose gradients add up, so the workspace stays bounded. */
+#define EF_MAX_CHUNK 128
+
+/* ---------------------------------------------------------------- shapes and workspace */
+
+static int64_t in_size(const ef_layer *l) { return (int64_t)l->in_c * l->in_h * l->in_w; }
+static int64_t out_size(const ef_layer *l) { return (int64_t)l->out_c * l->out_h * l->out_w; }
+
+/* Where each piece of the float workspace starts, for a given chunk size. */
+typedef struct {
+    float *x;           /* gathered input chunk  [chunk * in_size(layer 0)] */
+    float *act[64];     /* output of each layer  [chunk * out_size(l)] (flatten aliases its input) */
+    float *delta_a;     /* backward ping-pong    [chunk * max act size] */
+    float *delta_b;
+    float *col;         /* im2col of one sample  [max in_c*k*k*out_h*out_w] */
+    float *grad;        /* per-step gradient     [n_params] */
+    int64_t total;
+} layout;
+
+static int check_net(const ef_net *net)
+{
+    if (!net || net->n_layers <= 0 || net->n_layers > 64 || !net->layers) return EF_ERR_ARGS;
+    for (int32_t i = 0; i < net->n_layers; i++) {
+        const ef_layer *l = &net->layers[i];
+        if (in_size(l) <= 0 || out_size(l) <= 0) return EF_ERR_ARGS;
+        if (i > 0 && in_size(l) != out_size(&net->layers[i - 1])) return EF_ERR_ARGS;
+        switch (l->op) {
+        case EF_DENSE:
+            if (l->w_off < 0 || l->w_off + in_size(l) * l->out_c > net->n_params) return EF_ERR_ARGS;
+            break;
+        case EF_CONV2D:
+            if (l->k <= 0 || l->stride <= 0 || l->pad < 0) return EF_ERR_ARGS;
+            if (l->out_h != (l->in_h + 2 * l->pad - l->k) / l->stride + 1) return EF_ERR_ARGS;
+            if (l->out_w != (l->in_w + 2 * l->pad - l->k) / l->stride + 1) return EF_ERR_ARGS;
+            if (l->w_off < 0 ||
+                l->w_off + (int64_t)l->out_c * l->in_c * l->k * l->k > net->n_params)
+                return EF_ERR_ARGS;
+            break;
+        case EF_MAXPOOL2D:
+            if (l->k <= 0 || l->stride <= 0 || l->pad != 0 || l->in_c != l->out_c) return EF_ERR_ARGS;
+            if (l->out_h != (l->in_h - l->k) / l->stride + 1) return EF_ERR_ARGS;
+            if (l->out_w != (l->in_w - l->k) / l->stride + 1) return EF_ERR_ARGS;
+            break;
+        case EF_RELU:
+        case EF_FLATTEN:
+            if (in_size(l) != out_size(l)) return EF_ERR_ARGS;
+            break;
+        default:
+            return EF_ERR_ARGS;
+        }
+        if (l->b_off >= 0 && l->b_off + l->out_c > net->n_params) return EF_ERR_ARGS;
+    }
+    return EF_OK;
+}
+
+static int64_t make_layout(layout *lay, float *base, const ef_net *net, int64_t chunk)
+{
+    int64_t off = 0, max_act = in_size(&net->layers[0]), max_col = 0;
+    lay->x = base ? base + off : NULL;
+    off += chunk * in_size(&net->layers[0]);
+    for (int32_t i = 0; i < net->n_layers; i++) {
+        const ef_layer *l = &net->layers[i];
+        if (l->op == EF_FLATTEN) {
+            lay->act[i] = i == 0 ? lay->x : lay->act[i - 1];
+        } else {
+            lay->act[i] = base ? base + off : NULL;
+            off += chunk * out_size(l);
+        }
+        if (out_size(l) > max_act) max_act = out_size(l);
+        if (l->op == EF_CONV2D) {
+            int64_t c = (int64_t)l->in_c * l->k * l->k * l->out_h * l->out_w;
+            if (c > max_col) max_col = c;
+        }
+    }
+    lay->delta_a = base ? base + off : NULL;
+    off += chunk * max_act;
+    lay->delta_b = base ? base + off : NULL;
+    off += chunk * max_act;
+    lay->col = base ? base + off : NULL;
+    off += max_col;
+    lay->grad = base ? base + off : NULL;
+    off += net->n_params;
+    lay->total = off;
+    return off;
+}
+
+int64_t ef_chunk_for_batch(int64_t batch_size, int64_t n)
+{
+    int64_t b = (batch_size <= 0 || batch_size > n) ? n : batch_size;
+    if (b > EF_MAX_CHUNK) b = EF_MAX_CHUNK;
+    return b < 1 ? 1 : b;
+}
+
+int ef_workspace_size(int64_t *n_float, int64_t *n_int, const ef_net *net, int64_t chunk,
+                      int64_t n)
+{
+    layout lay;
+    if (check_net(net) != EF_OK || chunk <= 0) return EF_ERR_ARGS;
+    *n_float = make_layout(&lay, NULL, net, chunk);
+    *n_int = 3 * (n > 0 ? n : 0); /* permutation + (key, index) pairs for sorting */
+    return EF_OK;
+}
+
+/* ---------------------------------------------------------------- layers */
+
+static void im2col(float *restrict col, const float *restrict img, const ef_layer *l)
+{
+    const int64_t ohw = (int64_t)l->out_h * l->out_w;
+    for (int32_t c = 0; c < l->in_c; c++)
+        for (int32_t ky = 0; ky < l->k; ky++)
+            for (int32_t kx = 0; kx < l->k; kx++) {
+                float *row = col + (((int64_t)c * l->k + ky) * l->k + kx) * ohw;
+                const float *plane = img + (int64_t)c * l->in_h * l->in_w;
+                for (int32_t oy = 0; oy < l->out_h; oy++) {
+                    int32_t iy = oy * l->stride - l->pad + ky;
+                    float *dst = row + (int64_t)oy * l->out_w;
+                    if (iy < 0 || iy >= l->in_h) {
+                        for (int32_t ox = 0; ox < l->out_w; ox++) dst[ox] = 0.0f;
+                        continue;
+                    }
+                    const float *src = plane + (int64_t)iy * l->in_w;
+                    for (int32_t ox = 0; ox < l->out_w; ox++) {
+                        int32_t ix = ox * l->stride - l->pad + kx;
+                        dst[ox] = (ix >= 0 && ix < l->in_w) ? src[ix] : 0.0f;
+                    }
+                }
+            }
+}
+
+static void col2im(float *restrict img, const float *restrict col, const ef_layer *l)
+{
+    const int64_t ohw = (int64_t)l->out_h * l->out_w;
+    memset(img, 0, sizeof(float) * (size_t)in_size(l));
+    for (int32_t c = 0; c < l->in_c; c++)
+        for (int32_t ky = 0; ky < l->k; ky++)
+            for (int32_t kx = 0; kx < l->k; kx++) {
+                const float *row = col + (((int64_t)c * l->k + ky) * l->k + kx) * ohw;
+                float *plane = img + (int64_t)c * l->in_h * l->in_w;
+                for (int32_t oy = 0; oy < l->out_h; oy++) {
+                    int32_t iy = oy * l->stride - l->pad + ky;
+                    if (iy < 0 || iy >= l->in_h) continue;
+                    const float *src = row + (int64_t)oy * l->out_w;
+                    float *dst = plane + (int64_t)iy * l->in_w;
+                    for (int32_t ox = 0; ox < l->out_w; ox++) {
+                        int32_t ix = ox * l->stride - l->pad + kx;
+                        if (ix >= 0 && ix < l->in_w) dst[ix] += src[ox];
+                    }
+                }
+            }
+}
+
+static void layer_forward(float *out, const float *in, float *col, const ef_layer *l,
+                          const float *params, int64_t b)
+{
+    const int64_t isz = in_size(l), osz = out_size(l);
+    switch (l->op) {
+    case EF_DENSE: {
+        const float *w = params + l->w_off;
+        ef_sgemm(0, 1, b, l->out_c, isz, 1.0f, in, isz, w, isz, 0.0f, out, l->out_c);
+        if (l->b_off >= 0) {
+            const float *bias = params + l->b_off;
+            for (int64_t s = 0; s < b; s++)
+                for (int32_t o = 0; o < l->out_c; o++) out[s * l->out_c + o] += bias[o];
+        }
+        break;
+    }
+    case EF_CONV2D: {
+        const float *w = params + l->w_off;
+        const int64_t ohw = (int64_t)l->out_h * l->out_w, ckk = (int64_t)l->in_c * l->k * l->k;
+        for (int64_t s = 0; s < b; s++) {
+            float *o = out + s * osz;
+            im2col(col, in + s * isz, l);
+            ef_sgemm(0, 0, l->out_c, ohw, ckk, 1.0f, w, ckk, col, ohw, 0.0f, o, ohw);
+            if (l->b_off >= 0) {
+                const float *bias = params + l->b_off;
+                for (int32_t c = 0; c < l->out_c; c++)
+                    for (int64_t p = 0; p < ohw; p++) o[c * ohw + p] += bias[c];
+            }
+        }
+        break;
+    }
+    case EF_MAXPOOL2D:
+        for (int64_t s = 0; s < b; s++)
+            for (int32_t c = 0; c < l->in_c; c++) {
+                const float *plane = in + s * isz + (int64_t)c * l->in_h * l->in_w;
+                float *o = out + s * osz + (int64_t)c * l->out_h * l->out_w;
+                for (int32_t oy = 0; oy < l->out_h; oy++)
+                    for (int32_t ox = 0; ox < l->out_w; ox++) {
+                        const float *win = plane + (int64_t)oy * l->stride * l->in_w + ox * l->stride;
+                        float m = win[0];
+                        for (int32_t ky = 0; ky < l->k; ky++)
+                            for (int32_t kx = 0; kx < l->k; kx++) {
+                                float v = win[(int64_t)ky * l->in_w + kx];
+                                if (v > m) m = v;
+                            }
+                        o[oy * l->out_w + ox] = m;
+                    }
+            }
+        break;
+    case EF_RELU:
+        for (int64_t i = 0; i < b * osz; i++) out[i] = in[i] > 0.0f ? in[i] : 0.0f;
+        break;
+    case EF_FLATTEN:
+        break; /* the output aliases the input */
+    }
+}
+
+/* dout -> parameter gradients (accumulated into grad) and, if din, the input gradient. */
+static void layer_backward(float *din, float *grad, float *col, const float *dout,
+                           const float *in, const float *out, const ef_layer *l,
+                           const float *params, int64_t b)
+{
+    const int64_t isz = in_size(l), osz = out_size(l);
+    switch (l->op) {
+    case EF_DENSE: {
+        const float *w = params + l->w_off;
+        ef_sgemm(1, 0, l->out_c, isz, b, 1.0f, dout, l->out_c, in, isz, 1.0f, grad + l->w_off, isz);
+        if (l->b_off >= 0) {
+            float *gb = grad + l->b_off;
+            for (int64_t s = 0; s < b; s++)
+                for (int32_t o = 0; o < l->out_c; o++) gb[o] += dout[s * l->out_c + o];
+        }
+        if (din) ef_sgemm(0, 0, b, isz, l->out_c, 1.0f, dout, l->out_c, w, isz, 0.0f, din, isz);
+        break;
+    }
+    case EF_CONV2D: {
+        const float *w = params + l->w_off;
+        const int64_t ohw = (int64_t)l->out_h * l->out_w, ckk = (int64_t)l->in_c * l->k * l->k;
+        for (int64_t s = 0; s < b; s++) {
+            const float *d = dout + s * osz;
+            im2col(col, in + s * isz, l);
+            ef_sgemm(0, 1, l->out_c, ckk, ohw, 1.0f, d, ohw, col, ohw, 1.0f, grad + l->w_off, ckk);
+            if (l->b_off >= 0) {
+                float *gb = grad + l->b_off;
+                for (int32_t c = 0; c < l->out_c; c++) {
+                    float acc = 0.0f;
+                    for (int64_t p = 0; p < ohw; p++) acc += d[c * ohw + p];
+                    gb[c] += acc;
+                }
+            }
+            if (din) {
+                ef_sgemm(1, 0, ckk, ohw, l->out_c, 1.0f, w, ckk, d, ohw, 0.0f, col, ohw);
+                col2im(din + s * isz, col, l);
+            }
+        }
+        break;
+    }
+    case EF_MAXPOOL2D:
+        if (!din) break;
+        memset(din, 0, sizeof(float) * (size_t)(b * isz));
+        for (int64_t s = 0; s < b; s++)
+            for (int32_t c = 0; c < l->in_c; c++) {
+                const int64_t poff = s * isz + (int64_t)c * l->in_h * l->in_w;
+                const float *plane = in + poff;
+                const float *o = out + s * osz + (int64_t)c * l->out_h * l->out_w;
+                const float *d = dout + s * osz + (int64_t)c * l->out_h * l->out_w;
+                for (int32_t oy = 0; oy < l->out_h; oy++)
+                    for (int32_t ox = 0; ox < l->out_w; ox++) {
+                        /* route to the first maximum of the window (the one forward kept) */
+                        int64_t base = (int64_t)oy * l->stride * l->in_w + ox * l->stride, at = base;
+                        float m = o[oy * l->out_w + ox];
+                        int found = 0;
+                        for (int32_t ky = 0; ky < l->k && !found; ky++)
+                            for (int32_t kx = 0; kx < l->k; kx++) {
+                                int64_t p = base + (int64_t)ky * l->in_w + kx;
+                                if (plane[p] == m) { at = p; found = 1; break; }
+                            }
+                        din[poff + at] += d[oy * l->out_w + ox];
+                    }
+            }
+        break;
+    case EF_RELU:
+        if (din)
+            for (int64_t i = 0; i < b * osz; i++) din[i] = out[i] > 0.0f ? dout[i] : 0.0f;
+        break;
+    case EF_FLATTEN:
+        if (din && din != dout) memcpy(din, dout, sizeof(float) * (size_t)(b * osz));
+        break;
+    }
+}
+
+/* ---------------------------------------------------------------- losses */
+
+#define LABEL(s) (labels[idx ? idx[s] : base + (s)])
+#define TARGET(s) (targets + (idx ? idx[s] : base + (s)) * nout)
+
+/* Sum over the chunk of per-sample losses; if dlogits, writes d(loss)/d(scores) * scale. */
+static double loss_chunk(float *dlogits, int64_t *correct, const float *scores, int32_t loss,
+                         int64_t nout, const int32_t *labels, const float *targets,
+                         const int64_t *idx, int64_t base, int64_t b, float scale)
+{
+    double total = 0.0;
+    int64_t ok = 0;
+    for (int64_t s = 0; s < b; s++) {
+        const float *z = scores + s * nout;
+        float *dz = dlogits ? dlogits + s * nout : NULL;
+        switch (loss) {
+        case EF_LOSS_SOFTMAX_CE: {
+            int32_t y = LABEL(s);
+            int64_t arg = 0;
+            float m = z[0], se = 0.0f;
+            for (int64_t c = 1; c < nout; c++)
+                if (z[c] > m) { m = z[c]; arg = c; }
+            for (int64_t c = 0; c < nout; c++) se += expf(z[c] - m);
+            total += (double)logf(se) + m - z[y];
+            ok += arg == y;
+            if (dz) {
+                const float inv = scale / se;
+                for (int64_t c = 0; c < nout; c++) dz[c] = expf(z[c] - m) * inv;
+                dz[y] -= scale;
+            }
+            break;
+        }
+        case EF_LOSS_LOGISTIC: {
+            double zz = z[0], y = LABEL(s) == 1 ? 1.0 : 0.0;
+            total += (zz > 0 ? zz : 0.0) - y * zz + log1p(exp(-fabs(zz)));
+            ok += (zz > 0) == (y > 0.5);
+            if (dz) dz[0] = (float)(1.0 / (1.0 + exp(-zz)) - y) * scale;
+            break;
+        }
+        case EF_LOSS_MSE: {
+            const float *t = TARGET(s);
+            double acc = 0.0;
+            for (int64_t c = 0; c < nout; c++) {
+                double r = (double)z[c] - t[c];
+                acc += r * r;
+                if (dz) dz[c] = (float)r * scale;
+            }
+            total += 0.5 * acc;
+            if (nout == 1) ok += (z[0] > 0) == (t[0] > 0);
+            break;
+        }
+        case EF_LOSS_SQHINGE: {
+            int32_t y = LABEL(s);
+            double acc = 0.0;
+            if (nout == 1) {
+                double yy = y == 1 ? 1.0 : -1.0, h = 1.0 - yy * z[0];
+                if (h > 0) acc += h * h;
+                if (dz) dz[0] = h > 0 ? (float)(-yy * h) * scale : 0.0f;
+                ok += (z[0] > 0) == (y == 1);
+            } else {
+                int64_t arg = 0;
+                for (int64_t c = 0; c < nout; c++) {
+                    double yy = c == y ? 1.0 : -1.0, h = 1.0 - yy * z[c];
+                    if (h > 0) acc += h * h;
+                    if (dz) dz[c] = h > 0 ? (float)(-yy * h) * scale : 0.0f;
+                    if (z[c] > z[arg]) arg = c;
+                }
+                ok += arg == y;
+            }
+            total += 0.5 * acc;
+            break;
+        }
+        }
+    }
+    if (correct) *correct += ok;
+    return total;
+}
+
+/* lambda/2 * ||W||^2 over weight tensors; adds lambda * W to grad when grad != NULL. */
+static double l2_term(float *grad, const ef_net *net, const float *params)
+{
+    double acc = 0.0;
+    if (net->l2 == 0.0f) return 0.0;
+    for (int32_t i = 0; i < net->n_layers; i++) {
+        const ef_layer *l = &net->layers[i];
+        int64_t nw;
+        if (l->op == EF_DENSE) nw = in_size(l) * l->out_c;
+        else if (l->op == EF_CONV2D) nw = (int64_t)l->out_c * l->in_c * l->k * l->k;
+        else continue;
+        const float *w = params + l->w_off;
+        for (int64_t j = 0; j < nw; j++) {
+            acc += (double)w[j] * w[j];
+            if (grad) grad[l->w_off + j] += net->l2 * w[j];
+        }
+    }
+    return 0.5 * net->l2 * acc;
+}
+
+/* ---------------------------------------------------------------- passes over a set of samples */
+
+static void gather(float *dst, const float *x, const int64_t *idx, int64_t base, int64_t b,
+                   int64_t isz)
+{
+    if (!idx) {
+        memcpy(dst, x + base * isz, sizeof(float) * (size_t)(b * isz));
+        return;
+    }
+    for (int64_t s = 0; s < b; s++)
+        memcpy(dst + s * isz, x + idx[s] * isz, sizeof(float) * (size_t)isz);
+}
+
+static const float *forward_chunk(const layout *lay, const ef_net *net, const float *params,
+                                  int64_t b)
+{
+    const float *in = lay->x;
+    for (int32_t i = 0; i < net->n_layers; i++) {
+        layer_forward(lay->act[i], in, lay->col, &net->layers[i], params, b);
+        in = lay->act[i];
+    }
+    return in;
+}
+
+static void backward_chunk(const layout *lay, float *grad, const ef_net *net,
+                           const float *params, int64_t b)
+{
+    float *d = lay->delta_a, *other = lay->delta_b;
+    for (int32_t i = net->n_layers - 1; i >= 0; i--) {
+        const ef_layer *l = &net->layers[i];
+        const float *in = i == 0 ? lay->x : lay->act[i - 1];
+        float *din = i == 0 ? NULL : other;
+        if (l->op == EF_FLATTEN) { /* same memory layout: pass the gradient through */
+            continue;
+        }
+        /* skip the input gradient below the first layer with parameters */
+        int need_din = 0;
+        for (int32_t j = 0; j < i; j++)
+            if (net->layers[j].op == EF_DENSE || net->layers[j].op == EF_CONV2D) need_din = 1;
+        layer_backward(need_din ? din : NULL, grad, lay->col, d, in, lay->act[i], l, params, b);
+        if (!need_din) break;
+        other = d;
+        d = din;
+    }
+}
+
+static int64_t out_dim(const ef_net *net) { return out_size(&net->layers[net->n_layers - 1]); }
+
+/* Mean loss (with l2) and gradient over samples idx[0..n) (or base..base+n). grad is zeroed. */
+static double batch_grad(float *grad, const layout *lay, int64_t chunk, const ef_net *net,
+                         const float *params, const float *x, const int32_t *labels,
+                         const float *targets, const int64_t *idx, int64_t base, int64_t n)
+{
+    const int64_t isz = in_size(&net->layers[0]), nout = out_dim(net);
+    const float scale = 1.0f / (float)n;
+    double total = 0.0;
+    memset(grad, 0, sizeof(float) * (size_t)net->n_params);
+    for (int64_t s0 = 0; s0 < n; s0 += chunk) {
+        int64_t b = n - s0 < chunk ? n - s0 : chunk;
+        gather(lay->x, x, idx ? idx + s0 : NULL, base + s0, b, isz);
+        const float *scores = forward_chunk(lay, net, params, b);
+        total += loss_chunk(lay->delta_a, NULL, scores, net->loss, nout, labels, targets,
+                            idx ? idx + s0 : NULL, base + s0, b, scale);
+        backward_chunk(lay, grad, net, params, b);
+    }
+    return total / (double)n + l2_term(grad, net, params);
+}
+
+int ef_forward(float *out, float *work, const ef_net *net, const float *params, const float *x,
+               int64_t n, int64_t chunk)
+{
+    layout lay;
+    if (check_net(net) != EF_OK || chunk <= 0) return EF_ERR_ARGS;
+    make_layout(&lay, work, net, chunk);
+    const int64_t isz = in_size(&net->layers[0]), nout = out_dim(net);
+    for (int64_t s0 = 0; s0 < n; s0 += chunk) {
+        int64_t b = n - s0 < chunk ? n - s0 : chunk;
+        gather(lay.x, x, NULL, s0, b, isz);
+        const float *scores = forward_chunk(&lay, net, params, b);
+        memcpy(out + s0 * nout, scores, sizeof(float) * (size_t)(b * nout));
+    }
+    return EF_OK;
+}
+
+int ef_loss_grad(float *grad, double *loss, float *work, const ef_net *net, const float *params,
+                 const float *x, const int32_t *labels, const float *targets, int64_t n,
+                 int64_t chunk)
+{
+    layout lay;
+    if (check_net(net) != EF_OK || chunk <= 0 || n <= 0) return EF_ERR_ARGS;
+    make_layout(&lay, work, net, chunk);
+    *loss = batch_grad(grad, &lay, chunk, net, params, x, labels, targets, NULL, 0, n);
+    return isfinite(*loss) ? EF_OK : EF_ERR_NONFINITE;
+}
+
+int ef_evaluate(double *loss_sum, int64_t *correct, float *work, const ef_net *net,
+                const float *params, const float *x, const int32_t *labels, const float *targets,
+                int64_t n, int64_t chunk)
+{
+    layout lay;
+    if (check_net(net) != EF_OK || chunk <= 0) return EF_ERR_ARGS;
+    make_layout(&lay, work, net, chunk);
+    const int64_t isz = in_size(&net->layers[0]), nout = out_dim(net);
+    *loss_sum = 0.0;
+    *correct = 0;
+    for (int64_t s0 = 0; s0 < n; s0 += chunk) {
+        int64_t b = n - s0 < chunk ? n - s0 : chunk;
+        gather(lay.x, x, NULL, s0, b, isz);
+        const float *scores = forward_chunk(&lay, net, params, b);
+        *loss_sum += loss_chunk(NULL, correct, scores, net->loss, nout, labels, targets, NULL,
+                                s0, b, 1.0f);
+    }
+    return EF_OK;
+}
+
+/* ---------------------------------------------------------------- seeded shuffle */
+
+static uint64_t splitmix64(uint64_t z)
+{
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+uint64_t ef_shuffle_key(uint64_t seed, int64_t epoch, int64_t i)
+{
+    uint64_t stream = splitmix64(seed ^ (0x9E3779B97F4A7C15ULL * (uint64_t)(epoch + 1)));
+    return splitmix64(stream + (uint64_t)i);
+}
+
+typedef struct { uint64_t key; int64_t idx; } keyed;
+
+static int cmp_keyed(const void *a, const void *b)
+{
+    const keyed *x = a, *y = b;
+    if (x->key != y->key) return x->key < y->key ? -1 : 1;
+    return (x->idx > y->idx) - (x->idx < y->idx);
+}
+
+void ef_shuffle(int64_t *perm, int64_t *iwork, uint64_t seed, int64_t epoch, int64_t n)
+{
+    keyed *pairs = (keyed *)(void *)iwork;
+    for (int64_t i = 0; i < n; i++) {
+        pairs[i].key = ef_shuffle_key(seed, epoch, i);
+        pairs[i].idx = i;
+    }
+    qsort(pairs, (size_t)n, sizeof(keyed), cmp_keyed);
+    for (int64_t i = 0; i < n; i++) perm[i] = pairs[i].idx;
+}
+
+/* ---------------------------------------------------------------- the local round */
+
+static int all_finite(const float *g, int64_t n)
+{
+    uint32_t bad = 0; /* an all-ones exponent is inf or nan; integer OR vectorises */
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, g + i, sizeof u);
+        bad |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    return !bad;
+}
+
+int ef_local_train(float *params, float *momentum, ef_train_stats *stats, ef_train_result *res,
+                   float *work, int64_t *iwork, const ef_net *net, const float *x,
+                   const int32_t *labels, const float *targets, int64_t n,
+                   const ef_train_cfg *cfg)
+{
+    layout lay;
+    const int64_t P = net ? net->n_params : 0;
+    res->mean_loss = 0.0;
+    res->steps = 0;
+    res->samples = 0;
+    res->bad_step = -1;
+    if (check_net(net) != EF_OK || n <= 0 || cfg->lr < 0) return EF_ERR_ARGS;
+    if (cfg->momentum != 0.0f && !momentum) return EF_ERR_ARGS;
+    const int full_batch = cfg->batch_size <= 0 || cfg->batch_size >= n;
+    const int64_t bs = full_batch ? n : cfg->batch_size;
+    const int64_t chunk = ef_chunk_for_batch(bs, n);
+    const int64_t per_epoch = (n + bs - 1) / bs;
+    const int64_t total = cfg->steps > 0 ? cfg->steps : (int64_t)cfg->epochs * per_epoch;
+    make_layout(&lay, work, net, chunk);
+    float *g = lay.grad, *grad0 = stats ? stats->grad0 : NULL;
+    double *st = stats ? stats->step_stats : NULL;
+    if (st && (!grad0 || !stats->w_start || !stats->run_sum)) return EF_ERR_ARGS;
+    if (st) {
+        memcpy(stats->w_start, params, sizeof(float) * (size_t)P);
+        memset(stats->run_sum, 0, sizeof(float) * (size_t)P);
+    }
+    if (grad0 && cfg->grad0_mode == 2) {
+        double l0 = batch_grad(grad0, &lay, chunk, net, params, x, labels, targets, NULL, 0, n);
+        if (!isfinite(l0) || !all_finite(grad0, P)) { res->bad_step = 0; return EF_ERR_NONFINITE; }
+    }
+    int64_t *perm = iwork, epoch = 0, pos = n;
+    double loss_acc = 0.0;
+    for (int64_t step = 0; step < total; step++) {
+        const int64_t *idx = NULL;
+        int64_t b = bs, base = 0;
+        if (full_batch) {
+            b = n;
+        } else {
+            if (pos >= n) {
+                ef_shuffle(perm, iwork + n, cfg->seed, epoch++, n);
+                pos = 0;
+            }
+            b = n - pos < bs ? n - pos : bs;
+            idx = perm + pos;
+            pos += b;
+        }
+        double loss = batch_grad(g, &lay, chunk, net, params, x, labels, targets, idx, base, b);
+        if (!isfinite(loss) || !all_finite(g, P)) {
+            res->bad_step = step;
+            res->mean_loss = loss;
+            return EF_ERR_NONFINITE;
+        }
+        loss_acc += loss;
+        if (grad0 && step == 0 && cfg->grad0_mode != 2)
+            memcpy(grad0, g, sizeof(float) * (size_t)P);
+        if (st && step < stats->max_steps) {
+            double dg = 0.0, dw = 0.0, ss = 0.0;
+            float *rs = stats->run_sum;
+            const float *w0 = stats->w_start;
+            for (int64_t j = 0; j < P; j++) {
+                double a = (double)grad0[j] - g[j], c = (double)w0[j] - params[j];
+                rs[j] += g[j];
+                dg += a * a;
+                dw += c * c;
+                ss += (double)rs[j] * rs[j];
+            }
+            st[3 * step] = sqrt(dg);
+            st[3 * step + 1] = sqrt(dw);
+            st[3 * step + 2] = ss;
+        }
+        if (cfg->weight_decay != 0.0f)
+            for (int64_t j = 0; j < P; j++) g[j] += cfg->weight_decay * params[j];
+        if (stats && stats->grad_sum)
+            for (int64_t j = 0; j < P; j++) stats->grad_sum[j] += g[j];
+        if (momentum) { /* also at momentum 0, so MFL's buffer holds the last direction */
+            const float m = cfg->momentum, lr = cfg->lr;
+            for (int64_t j = 0; j < P; j++) {
+                momentum[j] = m * momentum[j] + g[j];
+                params[j] -= lr * momentum[j];
+            }
+        } else {
+            const float lr = cfg->lr;
+            for (int64_t j = 0; j < P; j++) params[j] -= lr * g[j];
+        }
+        res->steps = step + 1;
+        res->samples += b;
+    }
+    res->mean_loss = res->steps ? loss_acc / (double)res->steps : 0.0;
+    return EF_OK;
+}

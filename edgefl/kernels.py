@@ -1,0 +1,353 @@
+"""Picks the kernel backend and validates every call before it reaches a kernel.
+
+The compiled core (`edgefl._core`, C behind Cython) and the pure-NumPy twin
+(`edgefl.reference`) expose the same functions with the same arguments and side effects and
+assume valid input. This module checks dtypes, shapes, contiguity and sizes once, in Python,
+and raises errors that name the argument, so both backends fail the same way.
+
+EDGEFL_BACKEND=numpy selects the reference; EDGEFL_BACKEND=c requires the compiled core;
+unset, the compiled core is used when it was built and the reference otherwise.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+
+from . import reference
+from .errors import KernelError, NonFiniteError  # noqa: F401  (re-exported)
+
+_REQUESTED = os.environ.get("EDGEFL_BACKEND", "").strip().lower()
+if _REQUESTED not in ("", "c", "numpy"):
+    raise ImportError(f"EDGEFL_BACKEND={_REQUESTED!r} is not a backend; use 'c' or 'numpy'")
+
+
+def _load_c():
+    from . import _blas  # noqa: F401  (preloads scipy-openblas32 when the core links it)
+    from . import _core
+
+    _core.blas_set_threads(1)  # one GEMM thread per caller: clients run in their own threads
+    return _core
+
+
+if _REQUESTED == "numpy":
+    impl = reference
+else:
+    try:
+        impl = _load_c()
+    except ImportError as exc:
+        if _REQUESTED == "c":
+            raise ImportError(f"EDGEFL_BACKEND=c but the compiled core did not load: {exc}") from exc
+        warnings.warn(f"edgefl: compiled core unavailable ({exc}); using the NumPy reference",
+                      RuntimeWarning, stacklevel=2)
+        impl = reference
+
+backend = "numpy" if impl is reference else "c"
+
+
+# ---------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------
+
+def check_array(name: str, a, dtype, *, size: int | None = None, ndim: int | None = None,
+                shape: tuple | None = None, writable: bool = False) -> np.ndarray:
+    """Return `a` if it is a C-contiguous ndarray of `dtype` (and the given size/shape)."""
+    if not isinstance(a, np.ndarray):
+        raise KernelError(f"{name}: expected a numpy array of {np.dtype(dtype).name}, "
+                          f"got {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise KernelError(f"{name}: dtype {a.dtype} where {np.dtype(dtype).name} is required")
+    if not a.flags.c_contiguous:
+        raise KernelError(f"{name}: array is not C-contiguous (strides {a.strides}); "
+                          f"pass np.ascontiguousarray({name})")
+    if writable and not a.flags.writeable:
+        raise KernelError(f"{name}: array is read-only but the kernel writes into it")
+    if ndim is not None and a.ndim != ndim:
+        raise KernelError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise KernelError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
+    if size is not None and a.size != size:
+        raise KernelError(f"{name}: expected {size} elements, got {a.size} (shape {a.shape})")
+    return a
+
+
+def _check_buffers(name: str, xs, n: int) -> list:
+    xs = list(xs)
+    if not xs:
+        raise KernelError(f"{name}: need at least one buffer")
+    for i, x in enumerate(xs):
+        check_array(f"{name}[{i}]", x, np.float32, size=n)
+    return xs
+
+
+# ---------------------------------------------------------------------------------------
+# vector kernels
+# ---------------------------------------------------------------------------------------
+
+def weighted_sum(out: np.ndarray, xs, weights) -> np.ndarray:
+    """out = sum_k weights[k] * xs[k] over K separate buffers, in one streaming pass."""
+    check_array("out", out, np.float32, writable=True)
+    xs = _check_buffers("xs", xs, out.size)
+    w = np.ascontiguousarray(weights, dtype=np.float64).reshape(-1)
+    if w.size != len(xs):
+        raise KernelError(f"weights: {w.size} weights for {len(xs)} buffers")
+    if not np.all(np.isfinite(w)):
+        raise KernelError(f"weights: not finite: {w.tolist()}")
+    impl.weighted_sum(out, xs, w)
+    return out
+
+
+def axpy(y: np.ndarray, x: np.ndarray, a: float) -> np.ndarray:
+    """y += a * x"""
+    check_array("y", y, np.float32, writable=True)
+    check_array("x", x, np.float32, size=y.size)
+    impl.axpy(y, x, float(a))
+    return y
+
+
+def scale(x: np.ndarray, a: float) -> np.ndarray:
+    """x *= a"""
+    check_array("x", x, np.float32, writable=True)
+    impl.scale(x, float(a))
+    return x
+
+
+def dot(x: np.ndarray, y: np.ndarray) -> float:
+    check_array("x", x, np.float32)
+    check_array("y", y, np.float32, size=x.size)
+    return impl.dot(x, y)
+
+
+def sqnorm(x: np.ndarray) -> float:
+    check_array("x", x, np.float32)
+    return impl.sqnorm(x)
+
+
+def median(out: np.ndarray, xs) -> np.ndarray:
+    """Coordinate-wise median of K buffers."""
+    check_array("out", out, np.float32, writable=True)
+    xs = _check_buffers("xs", xs, out.size)
+    impl.median(out, xs)
+    return out
+
+
+def trimmed_mean(out: np.ndarray, xs, trim: int) -> np.ndarray:
+    """Coordinate-wise mean after dropping the `trim` largest and smallest values."""
+    check_array("out", out, np.float32, writable=True)
+    xs = _check_buffers("xs", xs, out.size)
+    trim = int(trim)
+    if trim < 0 or 2 * trim >= len(xs):
+        raise KernelError(f"trim: {trim} leaves nothing to average of {len(xs)} buffers "
+                          f"(need 0 <= trim < {len(xs)}/2)")
+    impl.trimmed_mean(out, xs, trim)
+    return out
+
+
+def f32_to_f16(out: np.ndarray, x: np.ndarray) -> np.ndarray:
+    check_array("x", x, np.float32)
+    check_array("out", out, np.uint16, size=x.size, writable=True)
+    impl.f32_to_f16(out, x)
+    return out
+
+
+def f16_to_f32(out: np.ndarray, h: np.ndarray) -> np.ndarray:
+    check_array("h", h, np.uint16)
+    check_array("out", out, np.float32, size=h.size, writable=True)
+    impl.f16_to_f32(out, h)
+    return out
+
+
+def _check_segments(seg_offsets, n: int) -> np.ndarray:
+    seg = check_array("seg_offsets", seg_offsets, np.int64, ndim=1)
+    if seg.size < 2 or seg[0] != 0 or seg[-1] != n or np.any(np.diff(seg) < 0):
+        raise KernelError(f"seg_offsets: must rise from 0 to {n}, got {seg.tolist()[:8]}...")
+    return seg
+
+
+def f32_to_i8(out: np.ndarray, scales: np.ndarray, x: np.ndarray, seg_offsets) -> np.ndarray:
+    """Symmetric int8 with one scale per segment (layer)."""
+    check_array("x", x, np.float32)
+    check_array("out", out, np.int8, size=x.size, writable=True)
+    seg = _check_segments(seg_offsets, x.size)
+    check_array("scales", scales, np.float32, size=seg.size - 1, writable=True)
+    impl.f32_to_i8(out, scales, x, seg)
+    return out
+
+
+def i8_to_f32(out: np.ndarray, q: np.ndarray, scales: np.ndarray, seg_offsets) -> np.ndarray:
+    check_array("q", q, np.int8)
+    check_array("out", out, np.float32, size=q.size, writable=True)
+    seg = _check_segments(seg_offsets, q.size)
+    check_array("scales", scales, np.float32, size=seg.size - 1)
+    impl.i8_to_f32(out, q, scales, seg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# networks
+# ---------------------------------------------------------------------------------------
+
+def _check_net(model):
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, np.ndarray) or layers.dtype != np.int64 or layers.ndim != 2:
+        raise KernelError("model: not an edgefl Model (no int64 layer program)")
+    return model
+
+
+def check_inputs(model, x, what: str = "x") -> np.ndarray:
+    """x must be float32, C-contiguous, (n, *input_shape) or any shape with that per-sample size."""
+    _check_net(model)
+    check_array(what, x, np.float32)
+    if x.ndim < 1 or x.shape[0] == 0:
+        raise KernelError(f"{what}: no samples (shape {x.shape})")
+    per_sample = int(np.prod(x.shape[1:], dtype=np.int64)) if x.ndim > 1 else 1
+    if per_sample != model.in_size:
+        raise KernelError(f"{what}: samples of shape {x.shape[1:]} ({per_sample} values) do not fit "
+                          f"model {model.kind} with input shape {model.input_shape} "
+                          f"({model.in_size} values)")
+    return x
+
+
+def labels_and_targets(model, y, n: int, what: str = "y"):
+    """Split y into (int32 labels, None) for classification losses or (None, float32 targets)
+    for MSE. MSE on integer labels with one output uses y = +1 for label 1 and -1 otherwise
+    (MFL's even/odd regression, specs/mfl.md section 3)."""
+    if not isinstance(y, np.ndarray):
+        raise KernelError(f"{what}: expected a numpy array, got {type(y).__name__}")
+    if y.shape[0] != n:
+        raise KernelError(f"{what}: {y.shape[0]} labels for {n} samples")
+    if model.loss == 3:  # MSE
+        if np.issubdtype(y.dtype, np.integer):
+            if model.n_out != 1:
+                t = np.zeros((n, model.n_out), dtype=np.float32)
+                t[np.arange(n), y] = 1.0
+            else:
+                t = np.where(y == 1, 1.0, -1.0).astype(np.float32)
+        else:
+            t = np.ascontiguousarray(y, dtype=np.float32)
+        if t.size != n * model.n_out:
+            raise KernelError(f"{what}: targets of shape {y.shape} for {model.n_out} outputs")
+        if not np.all(np.isfinite(t)):
+            raise KernelError(f"{what}: targets are not all finite")
+        return None, t.reshape(n, model.n_out)
+    if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1:
+        raise KernelError(f"{what}: class labels must be a 1-D integer array, got {y.dtype} {y.shape}")
+    hi = 2 if model.n_out == 1 else model.n_out
+    if y.size and (int(y.min()) < 0 or int(y.max()) >= hi):
+        raise KernelError(f"{what}: labels span [{int(y.min())}, {int(y.max())}] but model "
+                          f"{model.kind} takes 0..{hi - 1}")
+    return np.ascontiguousarray(y, dtype=np.int32), None
+
+
+def _check_params(model, params, what="params", writable=False):
+    check_array(what, params, np.float32, writable=writable)
+    if params.size != model.n_params:
+        raise KernelError(f"{what}: {params.size} values but model {model.kind} has "
+                          f"{model.n_params} parameters (layer table {model.table.digest[:12]})")
+    return params
+
+
+def forward(model, params, x) -> np.ndarray:
+    """Network scores (logits, or the raw output for regression), shape (n, n_out)."""
+    _check_params(model, params)
+    check_inputs(model, x)
+    out = np.empty((x.shape[0], model.n_out), dtype=np.float32)
+    impl.forward(out, model, params, x)
+    return out
+
+
+def loss_grad(model, params, x, y):
+    """(mean loss including the L2 term, gradient buffer) over all of x."""
+    _check_params(model, params)
+    check_inputs(model, x)
+    labels, targets = labels_and_targets(model, y, x.shape[0])
+    grad = np.empty(model.n_params, dtype=np.float32)
+    loss = impl.loss_grad(grad, model, params, x, labels, targets)
+    return loss, grad
+
+
+def evaluate(model, params, x, y) -> dict:
+    """Mean loss (with the L2 term) and accuracy on a data set, computed by the kernels."""
+    _check_params(model, params)
+    check_inputs(model, x)
+    labels, targets = labels_and_targets(model, y, x.shape[0])
+    loss_sum, correct = impl.evaluate(model, params, x, labels, targets)
+    l2 = 0.0
+    if model.l2:
+        for row in model.layers:
+            if row[0] in (1, 2):
+                n_w = int(row[1] * row[2] * row[3] * row[4]) if row[0] == 1 else \
+                    int(row[4] * row[1] * row[7] * row[7])
+                w = params[int(row[10]):int(row[10]) + n_w]
+                l2 += 0.5 * model.l2 * float(np.dot(w.astype(np.float64), w))
+    n = x.shape[0]
+    return {"loss": loss_sum / n + l2, "accuracy": correct / n, "correct": int(correct), "n": n}
+
+
+TRAIN_DEFAULTS = dict(lr=0.01, momentum=0.0, weight_decay=0.0, batch_size=32, epochs=1, steps=0,
+                      grad0_mode=0, seed=0)
+GRAD0_MODES = {"none": 0, "batch": 1, "full": 2}
+
+
+def train_config(**kw) -> dict:
+    """Validated local-round hyper-parameters (see ef_train_cfg in csrc/edgefl.h)."""
+    unknown = set(kw) - set(TRAIN_DEFAULTS)
+    if unknown:
+        raise KernelError(f"train config: unknown key(s) {sorted(unknown)}; valid: {sorted(TRAIN_DEFAULTS)}")
+    cfg = dict(TRAIN_DEFAULTS, **kw)
+    if isinstance(cfg["grad0_mode"], str):
+        if cfg["grad0_mode"] not in GRAD0_MODES:
+            raise KernelError(f"train config: grad0_mode {cfg['grad0_mode']!r}; valid: {list(GRAD0_MODES)}")
+        cfg["grad0_mode"] = GRAD0_MODES[cfg["grad0_mode"]]
+    for key in ("lr", "momentum", "weight_decay"):
+        cfg[key] = float(cfg[key])
+        if not np.isfinite(cfg[key]) or cfg[key] < 0:
+            raise KernelError(f"train config: {key} = {cfg[key]} must be finite and >= 0")
+    if cfg["momentum"] >= 1:
+        raise KernelError(f"train config: momentum = {cfg['momentum']} must be < 1")
+    for key in ("batch_size", "epochs", "steps", "grad0_mode", "seed"):
+        cfg[key] = int(cfg[key])
+    if cfg["steps"] < 0 or cfg["epochs"] < 0 or (cfg["steps"] == 0 and cfg["epochs"] == 0):
+        raise KernelError(f"train config: need epochs > 0 or steps > 0 (got epochs={cfg['epochs']}, "
+                          f"steps={cfg['steps']})")
+    if cfg["grad0_mode"] not in (0, 1, 2):
+        raise KernelError(f"train config: grad0_mode {cfg['grad0_mode']} not in 0, 1, 2")
+    if not 0 <= cfg["seed"] < 2 ** 64:
+        raise KernelError(f"train config: seed {cfg['seed']} must be in [0, 2**64)")
+    return cfg
+
+
+def planned_steps(cfg: dict, n: int) -> int:
+    bs = n if cfg["batch_size"] <= 0 or cfg["batch_size"] >= n else cfg["batch_size"]
+    return cfg["steps"] if cfg["steps"] > 0 else cfg["epochs"] * -(-n // bs)
+
+
+def local_train(model, params, x, y, cfg: dict, momentum=None, grad0=None, grad_sum=None,
+                step_stats=None) -> dict:
+    """One local round in one kernel call; params (and momentum, grad0, grad_sum, step_stats)
+    are updated in place. cfg comes from train_config(). Raises NonFiniteError naming the step."""
+    _check_params(model, params, writable=True)
+    check_inputs(model, x)
+    labels, targets = labels_and_targets(model, y, x.shape[0])
+    if cfg.get("momentum", 0.0) and momentum is None:
+        raise KernelError("momentum: a momentum buffer is required when momentum > 0")
+    if momentum is not None:
+        _check_params(model, momentum, "momentum", writable=True)
+    if grad0 is not None:
+        _check_params(model, grad0, "grad0", writable=True)
+    if grad_sum is not None:
+        _check_params(model, grad_sum, "grad_sum", writable=True)
+    if step_stats is not None:
+        check_array("step_stats", step_stats, np.float64, ndim=2, writable=True)
+        if step_stats.shape[1] != 3:
+            raise KernelError(f"step_stats: shape {step_stats.shape}, need (steps, 3)")
+        if grad0 is None:
+            raise KernelError("step_stats: needs grad0 (the start-point gradient)")
+    return impl.local_train(params, momentum, model, x, labels, targets, cfg, grad0=grad0,
+                            grad_sum=grad_sum, step_stats=step_stats)
+
+
+def shuffle(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The permutation local_train visits samples in for (seed, epoch)."""
+    return impl.shuffle(int(seed), int(epoch), int(n))

@@ -1,0 +1,252 @@
+"""The model zoo: architectures as layer programs over one LayerTable.
+
+A `Model` is what the kernels run: an int64 layer program (one row per layer, the C core's
+`ef_layer`), a loss, an optional L2 term, and the LayerTable naming the parameter slices. It
+holds no parameters; a parameter vector is a flat float32 buffer of `model.n_params`.
+
+Kinds: linear (regression), logreg (binary), softmax, svm (squared hinge + L2, specs/mfl.md
+section 3), mlp (hidden sizes), cnn (a conv stack from config) and the presets cnn-mnist
+(FedAvg paper), cnn-cifar (FedUmf appendix, specs/fedumf.md section 5) and lenet-cifar
+(FedMR's CNNCifar, specs/fedmr.md section 6).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from math import prod, sqrt
+
+import numpy as np
+
+from .errors import KernelError
+from .params import LayerTable
+
+# layer program columns (must match ef_layer in csrc/edgefl.h)
+OP_DENSE, OP_CONV2D, OP_MAXPOOL2D, OP_RELU, OP_FLATTEN = 1, 2, 3, 4, 5
+LOSS_SOFTMAX_CE, LOSS_LOGISTIC, LOSS_MSE, LOSS_SQHINGE = 1, 2, 3, 4
+LOSS_NAMES = {LOSS_SOFTMAX_CE: "softmax-ce", LOSS_LOGISTIC: "logistic", LOSS_MSE: "mse",
+              LOSS_SQHINGE: "squared-hinge"}
+COLUMNS = ("op", "in_c", "in_h", "in_w", "out_c", "out_h", "out_w", "k", "stride", "pad",
+           "w_off", "b_off")
+
+
+@dataclass(frozen=True)
+class Model:
+    kind: str
+    spec: str                 # canonical JSON of the options it was built from
+    input_shape: tuple        # per sample, channels first
+    num_classes: int          # 0 for regression
+    n_out: int
+    loss: int
+    l2: float
+    layers: np.ndarray        # int64 (L, 12) layer program, read-only
+    table: LayerTable
+    units: tuple              # FedMR recombination units: tuples of table entry names per layer
+
+    @property
+    def n_params(self) -> int:
+        return self.table.size
+
+    @property
+    def in_size(self) -> int:
+        return prod(self.input_shape)
+
+    def init(self, seed: int = 0, zero: bool = False) -> np.ndarray:
+        """A fresh parameter buffer: PyTorch's default initialisation (weights and biases
+        ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), i.e. kaiming_uniform(a=sqrt(5))), seeded; or zeros."""
+        buf = self.table.zeros()
+        if zero:
+            return buf
+        rng = np.random.default_rng(seed)
+        for row in self.layers:
+            op, w_off, b_off = int(row[0]), int(row[10]), int(row[11])
+            if op == OP_DENSE:
+                fan_in, n_w = int(row[1] * row[2] * row[3]), int(row[1] * row[2] * row[3] * row[4])
+            elif op == OP_CONV2D:
+                fan_in = int(row[1] * row[7] * row[7])
+                n_w = int(row[4]) * fan_in
+            else:
+                continue
+            bound = 1.0 / sqrt(fan_in)
+            buf[w_off:w_off + n_w] = rng.uniform(-bound, bound, n_w)
+            if b_off >= 0:
+                buf[b_off:b_off + int(row[4])] = rng.uniform(-bound, bound, int(row[4]))
+        return buf
+
+    def describe(self) -> str:
+        lines = [f"{self.kind}: input {self.input_shape}, {self.n_params:,} parameters, "
+                 f"loss {LOSS_NAMES[self.loss]}" + (f", l2 {self.l2}" if self.l2 else "")]
+        for e in self.table.entries:
+            lines.append(f"  {e.name:<16} {str(e.shape):<20} @ {e.offset}")
+        return "\n".join(lines)
+
+
+class _Builder:
+    """Appends layers, tracking the activation shape and laying out parameters."""
+
+    def __init__(self, input_shape):
+        shape = tuple(int(d) for d in input_shape)
+        if len(shape) == 1:
+            shape = (shape[0], 1, 1)
+        if len(shape) != 3 or min(shape) <= 0:
+            raise KernelError(f"model: input_shape {tuple(input_shape)} must be (features,) or (C, H, W)")
+        self.shape = shape
+        self.rows, self.entries, self.units = [], [], []
+        self.n_params = 0
+        self.counts = {}
+
+    def _param(self, name, shape):
+        off = self.n_params
+        self.entries.append((name, tuple(shape), off))
+        self.n_params += prod(shape)
+        return off
+
+    def _name(self, prefix):
+        self.counts[prefix] = self.counts.get(prefix, 0) + 1
+        return f"{prefix}{self.counts[prefix]}"
+
+    def _row(self, op, out_shape, k=0, stride=0, pad=0, w_off=-1, b_off=-1):
+        c, h, w = self.shape
+        oc, oh, ow = out_shape
+        self.rows.append([op, c, h, w, oc, oh, ow, k, stride, pad, w_off, b_off])
+        self.shape = tuple(out_shape)
+
+    def dense(self, out, bias=True):
+        if self.shape[1:] != (1, 1):
+            self.flatten()
+        name = self._name("fc")
+        fan_in = self.shape[0]
+        w = self._param(f"{name}.weight", (out, fan_in))
+        b = self._param(f"{name}.bias", (out,)) if bias else -1
+        self.units.append((f"{name}.weight",) + ((f"{name}.bias",) if bias else ()))
+        self._row(OP_DENSE, (out, 1, 1), w_off=w, b_off=b)
+
+    def conv(self, out, k, stride=1, pad=0, bias=True):
+        c, h, w_ = self.shape
+        oh, ow = (h + 2 * pad - k) // stride + 1, (w_ + 2 * pad - k) // stride + 1
+        if oh <= 0 or ow <= 0:
+            raise KernelError(f"model: conv k={k} pad={pad} does not fit input {self.shape}")
+        name = self._name("conv")
+        w = self._param(f"{name}.weight", (out, c, k, k))
+        b = self._param(f"{name}.bias", (out,)) if bias else -1
+        self.units.append((f"{name}.weight",) + ((f"{name}.bias",) if bias else ()))
+        self._row(OP_CONV2D, (out, oh, ow), k=k, stride=stride, pad=pad, w_off=w, b_off=b)
+
+    def pool(self, k, stride=None):
+        stride = stride or k
+        c, h, w = self.shape
+        oh, ow = (h - k) // stride + 1, (w - k) // stride + 1
+        if oh <= 0 or ow <= 0:
+            raise KernelError(f"model: maxpool k={k} does not fit input {self.shape}")
+        self._row(OP_MAXPOOL2D, (c, oh, ow), k=k, stride=stride)
+
+    def relu(self):
+        self._row(OP_RELU, self.shape)
+
+    def flatten(self):
+        self._row(OP_FLATTEN, (prod(self.shape), 1, 1))
+
+    def build(self, kind, spec, input_shape, num_classes, loss, l2=0.0) -> Model:
+        layers = np.array(self.rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+        layers.setflags(write=False)
+        return Model(kind=kind, spec=json.dumps(spec, sort_keys=True), input_shape=tuple(input_shape),
+                     num_classes=num_classes, n_out=self.shape[0], loss=loss, l2=float(l2),
+                     layers=layers, table=LayerTable(tuple(self.entries)), units=tuple(self.units))
+
+
+# ------------------------------------------------------------------------------ model kinds
+
+def _binary_outputs(kind, num_classes):
+    if num_classes != 2:
+        raise KernelError(f"model {kind}: needs a binary task (2 classes, labels 0/1), dataset has "
+                          f"{num_classes}; use dataset option binary: even-odd")
+    return 1
+
+
+def _linear(b, num_classes, *, bias=True, outputs=1):
+    b.dense(int(outputs), bias=bool(bias))
+    return LOSS_MSE, 0.0
+
+
+def _logreg(b, num_classes, *, bias=True):
+    b.dense(_binary_outputs("logreg", num_classes), bias=bool(bias))
+    return LOSS_LOGISTIC, 0.0
+
+
+def _softmax(b, num_classes, *, bias=True):
+    b.dense(num_classes, bias=bool(bias))
+    return LOSS_SOFTMAX_CE, 0.0
+
+
+def _svm(b, num_classes, *, l2=0.1, bias=False):
+    b.dense(1 if num_classes == 2 else num_classes, bias=bool(bias))
+    return LOSS_SQHINGE, float(l2)
+
+
+def _mlp(b, num_classes, *, hidden=(200, 200)):
+    for h in hidden:
+        b.dense(int(h))
+        b.relu()
+    b.dense(num_classes)
+    return LOSS_SOFTMAX_CE, 0.0
+
+
+def _cnn(b, num_classes, *, conv=(), fc=()):
+    """conv: list of {out, k, stride=1, pad=0, pool=0}; each conv is followed by ReLU and,
+    if pool > 0, a pool x pool max-pool; fc: hidden sizes of the dense layers after it."""
+    for i, layer in enumerate(conv):
+        opts = dict(layer)
+        unknown = set(opts) - {"out", "k", "stride", "pad", "pool"}
+        if unknown or "out" not in opts or "k" not in opts:
+            raise KernelError(f"model cnn: conv[{i}] = {layer}: needs out and k; "
+                              f"optional stride, pad, pool; unknown {sorted(unknown)}")
+        b.conv(int(opts["out"]), int(opts["k"]), int(opts.get("stride", 1)), int(opts.get("pad", 0)))
+        b.relu()
+        if int(opts.get("pool", 0)) > 0:
+            b.pool(int(opts["pool"]))
+    for h in fc:
+        b.dense(int(h))
+        b.relu()
+    b.dense(num_classes)
+    return LOSS_SOFTMAX_CE, 0.0
+
+
+PRESETS = {
+    # McMahan et al. (FedAvg) MNIST CNN: 1,663,370 parameters at 28x28x1, 10 classes.
+    "cnn-mnist": dict(conv=[dict(out=32, k=5, pad=2, pool=2), dict(out=64, k=5, pad=2, pool=2)],
+                      fc=[512]),
+    # FedUmf appendix CIFAR CNN (specs/fedumf.md section 5): 797,962 parameters at 32x32x3.
+    "cnn-cifar": dict(conv=[dict(out=64, k=5, pool=2), dict(out=64, k=5, pool=2)], fc=[384, 192]),
+    # FedMR's CNNCifar (specs/fedmr.md section 6): 62,006 parameters at 32x32x3.
+    "lenet-cifar": dict(conv=[dict(out=6, k=5, pool=2), dict(out=16, k=5, pool=2)], fc=[120, 84]),
+}
+
+KINDS = {"linear": _linear, "logreg": _logreg, "softmax": _softmax, "svm": _svm, "mlp": _mlp,
+         "cnn": _cnn}
+
+
+def model_names() -> list:
+    return sorted(KINDS) + sorted(PRESETS)
+
+
+def build_model(spec, input_shape, num_classes: int) -> Model:
+    """spec: a name ("mlp") or a mapping {name: ..., options...}."""
+    spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+    name = spec.pop("name", None)
+    if name in PRESETS:
+        opts = dict(PRESETS[name])
+        opts.update(spec)
+        kind = "cnn"
+    elif name in KINDS:
+        opts, kind = spec, name
+    else:
+        raise KernelError(f"model: unknown name {name!r}; valid: {', '.join(model_names())}")
+    fn = KINDS[kind]
+    allowed = fn.__code__.co_varnames[2:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    unknown = sorted(set(opts) - set(allowed))
+    if unknown:
+        raise KernelError(f"model {name}: unknown option(s) {unknown}; valid: {sorted(allowed)}")
+    if kind not in ("linear",) and int(num_classes) < 2:
+        raise KernelError(f"model {name}: needs a classification dataset (num_classes >= 2)")
+    b = _Builder(input_shape)
+    loss, l2 = fn(b, int(num_classes), **opts)
+    return b.build(name, dict(name=name, **opts), input_shape, int(num_classes), loss, l2)
