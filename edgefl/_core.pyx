@@ -1,0 +1,460 @@
+# cython: language_level=3
+"""Cython binding of csrc/ (the only Cython file). Arguments arrive validated by
+edgefl.kernels; every kernel runs with the GIL released."""
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint64_t
+from libc.stdlib cimport malloc, free
+import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "edgefl.h" nogil:
+    void ef_weighted_sum(float *out, const float *const *xs, const double *weights, int64_t k, int64_t n)
+    void ef_axpy(float *y, const float *x, int64_t n, float a)
+    void ef_scale(float *x, int64_t n, float a)
+    double ef_dot(const float *x, const float *y, int64_t n)
+    double ef_sqnorm(const float *x, int64_t n)
+    void ef_median(float *out, float *scratch, const float *const *xs, int64_t k, int64_t n)
+    void ef_trimmed_mean(float *out, float *scratch, const float *const *xs, int64_t k, int64_t n, int64_t trim)
+    void ef_f32_to_f16(uint16_t *out, const float *inp, int64_t n)
+    void ef_f16_to_f32(float *out, const uint16_t *inp, int64_t n)
+    void ef_f32_to_i8(int8_t *out, float *scales, const float *inp, const int64_t *seg_offsets, int64_t nseg)
+    void ef_i8_to_f32(float *out, const int8_t *inp, const float *scales, const int64_t *seg_offsets, int64_t nseg)
+    int ef_have_blas()
+    void ef_blas_set_threads(int n)
+
+
+def have_blas():
+    return bool(ef_have_blas())
+
+
+def blas_set_threads(int n):
+    ef_blas_set_threads(n)
+
+# ======================= vector kernels and codecs =======================================
+
+# Arrays may have any shape: kernels.py has checked dtype, contiguity and size, and
+# `.reshape(-1)` of a C-contiguous array is a view, so kernels write straight into the
+# caller's buffers. Inputs are `const` memoryviews so read-only buffers (received payloads)
+# are accepted. Pointer tables and scratch are allocated here; kernels allocate nothing.
+
+cdef inline float *_f32(float[::1] v) noexcept:
+    return &v[0] if v.shape[0] > 0 else NULL
+
+
+cdef inline const float *_cf32(const float[::1] v) noexcept:
+    return &v[0] if v.shape[0] > 0 else NULL
+
+
+cdef const float **_pointer_table(list xs, list keep) except NULL:
+    """malloc'ed table of the K buffers' data pointers; `keep` holds the views alive."""
+    cdef Py_ssize_t i, k = len(xs)
+    cdef const float[::1] v
+    cdef const float **ptrs = <const float **> malloc(max(k, 1) * sizeof(float *))
+    if ptrs == NULL:
+        raise MemoryError(f"pointer table for {k} buffers")
+    try:
+        for i in range(k):
+            v = xs[i].reshape(-1)
+            keep.append(v)
+            ptrs[i] = _cf32(v)
+    except BaseException:
+        free(ptrs)
+        raise
+    return ptrs
+
+
+def weighted_sum(out, xs, weights):
+    """out = sum_k weights[k] * xs[k] (ef_weighted_sum)."""
+    cdef float[::1] o = out.reshape(-1)
+    cdef const double[::1] w = weights
+    cdef list keep = []
+    cdef int64_t k = len(xs), n = o.shape[0]
+    cdef const float **ptrs = _pointer_table(list(xs), keep)
+    cdef float *po = _f32(o)
+    try:
+        with nogil:
+            ef_weighted_sum(po, <const float *const *> ptrs, &w[0], k, n)
+    finally:
+        free(ptrs)
+
+
+def axpy(y, x, float a):
+    """y += a * x (ef_axpy)."""
+    cdef float[::1] vy = y.reshape(-1)
+    cdef const float[::1] vx = x.reshape(-1)
+    cdef float *py = _f32(vy)
+    cdef const float *px = _cf32(vx)
+    with nogil:
+        ef_axpy(py, px, vy.shape[0], a)
+
+
+def scale(x, float a):
+    """x *= a (ef_scale)."""
+    cdef float[::1] vx = x.reshape(-1)
+    cdef float *px = _f32(vx)
+    with nogil:
+        ef_scale(px, vx.shape[0], a)
+
+
+def dot(x, y):
+    """sum x*y in float64 (ef_dot)."""
+    cdef const float[::1] vx = x.reshape(-1)
+    cdef const float[::1] vy = y.reshape(-1)
+    cdef const float *px = _cf32(vx)
+    cdef const float *py = _cf32(vy)
+    cdef double r
+    with nogil:
+        r = ef_dot(px, py, vx.shape[0])
+    return r
+
+
+def sqnorm(x):
+    """sum x*x in float64 (ef_sqnorm)."""
+    cdef const float[::1] vx = x.reshape(-1)
+    cdef const float *px = _cf32(vx)
+    cdef double r
+    with nogil:
+        r = ef_sqnorm(px, vx.shape[0])
+    return r
+
+
+def median(out, xs):
+    """Coordinate-wise median of the K buffers (ef_median)."""
+    cdef float[::1] o = out.reshape(-1)
+    cdef list keep = []
+    cdef int64_t k = len(xs), n = o.shape[0]
+    cdef float *po = _f32(o)
+    cdef float *scratch = <float *> malloc(max(k, 1) * sizeof(float))
+    if scratch == NULL:
+        raise MemoryError(f"scratch for {k} buffers")
+    cdef const float **ptrs
+    try:
+        ptrs = _pointer_table(list(xs), keep)
+        try:
+            with nogil:
+                ef_median(po, scratch, <const float *const *> ptrs, k, n)
+        finally:
+            free(ptrs)
+    finally:
+        free(scratch)
+
+
+def trimmed_mean(out, xs, int64_t trim):
+    """Coordinate-wise mean without the `trim` smallest and largest values (ef_trimmed_mean)."""
+    cdef float[::1] o = out.reshape(-1)
+    cdef list keep = []
+    cdef int64_t k = len(xs), n = o.shape[0]
+    cdef float *po = _f32(o)
+    cdef float *scratch = <float *> malloc(max(k, 1) * sizeof(float))
+    if scratch == NULL:
+        raise MemoryError(f"scratch for {k} buffers")
+    cdef const float **ptrs
+    try:
+        ptrs = _pointer_table(list(xs), keep)
+        try:
+            with nogil:
+                ef_trimmed_mean(po, scratch, <const float *const *> ptrs, k, n, trim)
+        finally:
+            free(ptrs)
+    finally:
+        free(scratch)
+
+
+def f32_to_f16(out, x):
+    """IEEE binary16 bits of x, round to nearest even (ef_f32_to_f16)."""
+    cdef uint16_t[::1] o = out.reshape(-1)
+    cdef const float[::1] vx = x.reshape(-1)
+    cdef int64_t n = vx.shape[0]
+    if n == 0:
+        return
+    with nogil:
+        ef_f32_to_f16(&o[0], &vx[0], n)
+
+
+def f16_to_f32(out, h):
+    """float32 values of binary16 bits (ef_f16_to_f32)."""
+    cdef float[::1] o = out.reshape(-1)
+    cdef const uint16_t[::1] vh = h.reshape(-1)
+    cdef int64_t n = vh.shape[0]
+    if n == 0:
+        return
+    with nogil:
+        ef_f16_to_f32(&o[0], &vh[0], n)
+
+
+def f32_to_i8(out, scales, x, seg_offsets):
+    """Symmetric int8 with one scale per segment; writes out and scales (ef_f32_to_i8)."""
+    cdef int8_t[::1] o = out.reshape(-1)
+    cdef float[::1] sc = scales.reshape(-1)
+    cdef const float[::1] vx = x.reshape(-1)
+    cdef const int64_t[::1] seg = seg_offsets
+    cdef int64_t nseg = seg.shape[0] - 1
+    cdef int8_t *po = &o[0] if o.shape[0] > 0 else NULL
+    cdef float *psc = _f32(sc)
+    cdef const float *px = _cf32(vx)
+    with nogil:
+        ef_f32_to_i8(po, psc, px, &seg[0], nseg)
+
+
+def i8_to_f32(out, q, scales, seg_offsets):
+    """x = q * scale of its segment (ef_i8_to_f32)."""
+    cdef float[::1] o = out.reshape(-1)
+    cdef const int8_t[::1] vq = q.reshape(-1)
+    cdef const float[::1] sc = scales.reshape(-1)
+    cdef const int64_t[::1] seg = seg_offsets
+    cdef int64_t nseg = seg.shape[0] - 1
+    cdef float *po = _f32(o)
+    cdef const int8_t *pq = &vq[0] if vq.shape[0] > 0 else NULL
+    cdef const float *psc = _cf32(sc)
+    with nogil:
+        ef_i8_to_f32(po, pq, psc, &seg[0], nseg)
+
+
+# ======================= networks =========================================================
+
+cdef extern from "edgefl.h" nogil:
+    ctypedef struct ef_layer:
+        int32_t op, in_c, in_h, in_w, out_c, out_h, out_w, k, stride, pad
+        int64_t w_off, b_off
+    ctypedef struct ef_net:
+        const ef_layer *layers
+        int32_t n_layers
+        int32_t loss
+        int64_t n_params
+        float l2
+    ctypedef struct ef_train_cfg:
+        float lr, momentum, weight_decay
+        int32_t batch_size, epochs, steps, grad0_mode
+        uint64_t seed
+    ctypedef struct ef_train_stats:
+        float *grad0
+        float *grad_sum
+        double *step_stats
+        int64_t max_steps
+        float *w_start
+        float *run_sum
+    ctypedef struct ef_train_result:
+        double mean_loss
+        int64_t steps, samples, bad_step
+    int EF_OK, EF_ERR_NONFINITE, EF_ERR_ARGS
+    int ef_workspace_size(int64_t *n_float, int64_t *n_int, const ef_net *net, int64_t chunk, int64_t n)
+    int64_t ef_chunk_for_batch(int64_t batch_size, int64_t n)
+    int ef_forward(float *out, float *work, const ef_net *net, const float *params, const float *x,
+                   int64_t n, int64_t chunk)
+    int ef_loss_grad(float *grad, double *loss, float *work, const ef_net *net, const float *params,
+                     const float *x, const int32_t *labels, const float *targets, int64_t n, int64_t chunk)
+    int ef_evaluate(double *loss_sum, int64_t *correct, float *work, const ef_net *net,
+                    const float *params, const float *x, const int32_t *labels, const float *targets,
+                    int64_t n, int64_t chunk)
+    int ef_local_train(float *params, float *momentum, ef_train_stats *stats, ef_train_result *res,
+                       float *work, int64_t *iwork, const ef_net *net, const float *x,
+                       const int32_t *labels, const float *targets, int64_t n, const ef_train_cfg *cfg)
+    void ef_shuffle(int64_t *perm, int64_t *iwork, uint64_t seed, int64_t epoch, int64_t n)
+
+from .errors import KernelError, NonFiniteError
+
+cdef enum:
+    MAX_LAYERS = 64
+# Evaluation and inference run over chunks of this many samples.
+EVAL_CHUNK = 128
+
+
+cdef struct NetBox:
+    ef_net net
+    ef_layer layers[MAX_LAYERS]
+
+
+cdef int fill_net(NetBox *box, object net) except -1:
+    cdef const int64_t[:, ::1] t = net.layers
+    cdef Py_ssize_t i
+    if t.shape[0] > MAX_LAYERS or t.shape[1] != 12:
+        raise KernelError(f"net.layers: shape ({t.shape[0]}, {t.shape[1]}), need (<= {MAX_LAYERS}, 12)")
+    for i in range(t.shape[0]):
+        box.layers[i].op = <int32_t>t[i, 0]
+        box.layers[i].in_c = <int32_t>t[i, 1]
+        box.layers[i].in_h = <int32_t>t[i, 2]
+        box.layers[i].in_w = <int32_t>t[i, 3]
+        box.layers[i].out_c = <int32_t>t[i, 4]
+        box.layers[i].out_h = <int32_t>t[i, 5]
+        box.layers[i].out_w = <int32_t>t[i, 6]
+        box.layers[i].k = <int32_t>t[i, 7]
+        box.layers[i].stride = <int32_t>t[i, 8]
+        box.layers[i].pad = <int32_t>t[i, 9]
+        box.layers[i].w_off = t[i, 10]
+        box.layers[i].b_off = t[i, 11]
+    box.net.layers = box.layers
+    box.net.n_layers = <int32_t>t.shape[0]
+    box.net.loss = <int32_t>net.loss
+    box.net.n_params = <int64_t>net.n_params
+    box.net.l2 = <float>net.l2
+    return 0
+
+
+cdef object workspace(NetBox *box, int64_t chunk, int64_t n):
+    cdef int64_t nf = 0, ni = 0
+    if ef_workspace_size(&nf, &ni, &box.net, chunk, n) != EF_OK:
+        raise KernelError("net: inconsistent layer table (shapes, offsets or parameter count)")
+    return np.empty(max(nf, 1), dtype=np.float32), np.empty(max(ni, 1), dtype=np.int64)
+
+
+cdef const int32_t *label_ptr(object labels) except? NULL:
+    cdef const int32_t[::1] v
+    if labels is None:
+        return NULL
+    v = labels.reshape(-1)
+    return &v[0] if v.shape[0] else NULL
+
+
+cdef const float *target_ptr(object targets) except? NULL:
+    cdef const float[::1] v
+    if targets is None:
+        return NULL
+    v = targets.reshape(-1)
+    return &v[0] if v.shape[0] else NULL
+
+
+def chunk_for_batch(batch_size, n):
+    return ef_chunk_for_batch(batch_size, n)
+
+
+def forward(out, net, params, x):
+    """out[n, n_out] = network scores for x[n, ...]."""
+    cdef NetBox box
+    fill_net(&box, net)
+    cdef float[::1] o = out.reshape(-1)
+    cdef const float[::1] p = params.reshape(-1)
+    cdef const float[::1] xv = x.reshape(-1)
+    cdef int64_t n = x.shape[0], chunk = min(EVAL_CHUNK, max(n, 1))
+    work, _ = workspace(&box, chunk, 0)
+    cdef float[::1] w = work
+    cdef int rc
+    if n == 0:
+        return out
+    with nogil:
+        rc = ef_forward(&o[0], &w[0], &box.net, &p[0], &xv[0], n, chunk)
+    if rc != EF_OK:
+        raise KernelError("forward: the C core rejected the arguments")
+    return out
+
+
+def loss_grad(grad, net, params, x, labels, targets):
+    """grad = d(mean loss)/d(params) over all given samples; returns the mean loss (with l2)."""
+    cdef NetBox box
+    fill_net(&box, net)
+    cdef float[::1] g = grad.reshape(-1)
+    cdef const float[::1] p = params.reshape(-1)
+    cdef const float[::1] xv = x.reshape(-1)
+    cdef const int32_t *lab = label_ptr(labels)
+    cdef const float *tgt = target_ptr(targets)
+    cdef int64_t n = x.shape[0], chunk = ef_chunk_for_batch(n, n)
+    work, _ = workspace(&box, chunk, 0)
+    cdef float[::1] w = work
+    cdef double loss = 0
+    cdef int rc
+    with nogil:
+        rc = ef_loss_grad(&g[0], &loss, &w[0], &box.net, &p[0], &xv[0], lab, tgt, n, chunk)
+    if rc == EF_ERR_NONFINITE:
+        raise NonFiniteError(0, f"loss_grad: loss is {loss} (not finite)")
+    if rc != EF_OK:
+        raise KernelError("loss_grad: the C core rejected the arguments")
+    return loss
+
+
+def evaluate(net, params, x, labels, targets):
+    """(summed loss without the l2 term, number of correct predictions) over x."""
+    cdef NetBox box
+    fill_net(&box, net)
+    cdef const float[::1] p = params.reshape(-1)
+    cdef const float[::1] xv = x.reshape(-1)
+    cdef const int32_t *lab = label_ptr(labels)
+    cdef const float *tgt = target_ptr(targets)
+    cdef int64_t n = x.shape[0], chunk = min(EVAL_CHUNK, max(n, 1)), correct = 0
+    cdef double loss = 0
+    cdef int rc
+    if n == 0:
+        return 0.0, 0
+    work, _ = workspace(&box, chunk, 0)
+    cdef float[::1] w = work
+    with nogil:
+        rc = ef_evaluate(&loss, &correct, &w[0], &box.net, &p[0], &xv[0], lab, tgt, n, chunk)
+    if rc != EF_OK:
+        raise KernelError("evaluate: the C core rejected the arguments")
+    return loss, correct
+
+
+def shuffle(seed, epoch, n):
+    """The permutation ef_local_train uses for (seed, epoch)."""
+    perm = np.empty(max(n, 1), dtype=np.int64)
+    iwork = np.empty(max(2 * n, 1), dtype=np.int64)
+    cdef int64_t[::1] pv = perm, iv = iwork
+    cdef uint64_t s = seed
+    cdef int64_t e = epoch, nn = n
+    with nogil:
+        ef_shuffle(&pv[0], &iv[0], s, e, nn)
+    return perm[:n]
+
+
+cdef float *opt_f32(object a) except? NULL:
+    cdef float[::1] v
+    if a is None:
+        return NULL
+    v = a.reshape(-1)
+    return &v[0]
+
+
+def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad_sum=None,
+                step_stats=None):
+    """One local round in C (see ef_local_train); params/momentum/stat buffers are updated in
+    place. Returns {"mean_loss", "steps", "samples"}; raises NonFiniteError naming the step."""
+    cdef NetBox box
+    fill_net(&box, net)
+    cdef ef_train_cfg c
+    c.lr = cfg["lr"]
+    c.momentum = cfg["momentum"]
+    c.weight_decay = cfg["weight_decay"]
+    c.batch_size = cfg["batch_size"]
+    c.epochs = cfg["epochs"]
+    c.steps = cfg["steps"]
+    c.grad0_mode = cfg["grad0_mode"]
+    c.seed = <uint64_t>cfg["seed"]
+    cdef int64_t n = x.shape[0]
+    cdef int64_t bs = n if (c.batch_size <= 0 or c.batch_size >= n) else c.batch_size
+    work, iwork = workspace(&box, ef_chunk_for_batch(bs, n), n)
+    cdef float[::1] w = work
+    cdef int64_t[::1] iw = iwork
+    cdef float[::1] p = params.reshape(-1)
+    cdef const float[::1] xv = x.reshape(-1)
+    cdef const int32_t *lab = label_ptr(labels)
+    cdef const float *tgt = target_ptr(targets)
+    cdef float *mom = opt_f32(momentum)
+    cdef ef_train_stats st
+    cdef ef_train_stats *stp = NULL
+    cdef double[:, ::1] ss
+    w_start = run_sum = None
+    st.grad0 = opt_f32(grad0)
+    st.grad_sum = opt_f32(grad_sum)
+    st.step_stats = NULL
+    st.max_steps = 0
+    st.w_start = NULL
+    st.run_sum = NULL
+    if step_stats is not None:
+        ss = step_stats
+        st.step_stats = &ss[0, 0]
+        st.max_steps = ss.shape[0]
+        w_start = np.empty(box.net.n_params, dtype=np.float32)
+        run_sum = np.empty(box.net.n_params, dtype=np.float32)
+        st.w_start = opt_f32(w_start)
+        st.run_sum = opt_f32(run_sum)
+    if st.grad0 != NULL or st.grad_sum != NULL or st.step_stats != NULL:
+        stp = &st
+    cdef ef_train_result res
+    cdef int rc
+    with nogil:
+        rc = ef_local_train(&p[0], mom, stp, &res, &w[0], &iw[0], &box.net, &xv[0], lab, tgt, n, &c)
+    if rc == EF_ERR_NONFINITE:
+        raise NonFiniteError(res.bad_step, f"local_train: non-finite loss or gradient at step "
+                             f"{res.bad_step} (loss {res.mean_loss}); lower the learning rate")
+    if rc != EF_OK:
+        raise KernelError("local_train: the C core rejected the arguments")
+    return {"mean_loss": res.mean_loss, "steps": res.steps, "samples": res.samples}

@@ -1,0 +1,350 @@
+"""Networks: gradients against finite differences, the C core against the NumPy reference,
+determinism, the momentum convention, the optional statistics, and bad input."""
+import numpy as np
+import pytest
+
+from edgefl import kernels, reference
+from edgefl.errors import KernelError, NonFiniteError
+from edgefl.models import build_model
+
+try:
+    from edgefl import _core
+except ImportError:  # CI builds the core strictly; only a bare checkout lacks it
+    _core = None
+
+needs_core = pytest.mark.skipif(_core is None, reason="compiled core not built (pip install -e .)")
+
+# C vs NumPy tolerance table (float32 everywhere; differences come from summation order and
+# BLAS blocking). Relative entries are scaled by the largest magnitude of the reference value.
+TOL = {
+    "forward": dict(rtol=1e-5, atol=1e-5),
+    "loss": dict(rtol=1e-5, atol=1e-6),
+    "grad_rel": 1e-4,          # max |c - ref| / max |ref|
+    "train_params": 1e-4,      # after a few steps, same scale rule
+    "step_stats": dict(rtol=1e-3, atol=1e-5),
+}
+
+# Small architectures that together cover every layer (dense, conv with padding and stride,
+# maxpool, ReLU, flatten) and every loss (softmax CE, logistic, MSE, squared hinge + L2).
+CASES = {
+    "softmax": (dict(name="softmax"), (12,), 4),
+    "mlp": (dict(name="mlp", hidden=[7, 5]), (2, 3, 3), 3),
+    "logreg": (dict(name="logreg"), (6,), 2),
+    "linear": (dict(name="linear"), (6,), 2),
+    "linear-multi": (dict(name="linear", outputs=3, bias=False), (5,), 0),
+    "svm-binary": (dict(name="svm", l2=0.3), (8,), 2),
+    "svm-multi": (dict(name="svm", l2=0.1, bias=True), (8,), 4),
+    "cnn": (dict(name="cnn", conv=[dict(out=3, k=3, pad=1, pool=2), dict(out=4, k=2, stride=2)],
+                 fc=[6]), (2, 8, 8), 3),
+    "cnn-pool-stride": (dict(name="cnn", conv=[dict(out=2, k=3, stride=1, pool=3)], fc=[]),
+                        (1, 9, 9), 2),
+}
+
+
+def make_data(case, n=11, seed=0, dtype=np.float32):
+    spec, shape, classes = CASES[case]
+    model = build_model(spec, shape, max(classes, 2) if classes else 0) if classes else \
+        build_model(spec, shape, 0)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n,) + shape).astype(dtype)
+    if model.loss == 3 and model.n_out > 1:
+        y = rng.standard_normal((n, model.n_out)).astype(np.float32)
+    else:
+        y = rng.integers(0, max(classes, 2), n).astype(np.int32)
+    return model, x, y
+
+
+def split(model, y, n):
+    return kernels.labels_and_targets(model, y, n)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gradient_matches_finite_differences_in_float64(case):
+    model, x, y = make_data(case)
+    labels, targets = split(model, y, x.shape[0])
+    p = model.init(3).astype(np.float64)
+    x64 = x.astype(np.float64)
+    t64 = None if targets is None else targets.astype(np.float64)
+    grad = np.empty_like(p)
+    reference.loss_grad(grad, model, p, x64, labels, t64)
+    rng = np.random.default_rng(1)
+    coords = rng.choice(p.size, size=min(p.size, 40), replace=False)
+    h = 1e-6
+    for j in coords:
+        e = np.zeros_like(p)
+        e[j] = h
+        g = np.empty_like(p)
+        lp = reference.loss_grad(g, model, p + e, x64, labels, t64)
+        lm = reference.loss_grad(g, model, p - e, x64, labels, t64)
+        fd = (lp - lm) / (2 * h)
+        assert abs(fd - grad[j]) <= 1e-6 + 1e-5 * abs(fd), (case, model.table.entries, j, fd, grad[j])
+
+
+@pytest.mark.parametrize("preset,shape", [("cnn-mnist", (1, 28, 28)), ("cnn-cifar", (3, 32, 32)),
+                                          ("lenet-cifar", (3, 32, 32))])
+def test_preset_gradients_match_finite_differences(preset, shape):
+    model = build_model(preset, shape, 10)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2,) + shape)
+    y = np.array([3, 7], dtype=np.int32)
+    p = model.init(0).astype(np.float64)
+    grad = np.empty_like(p)
+    reference.loss_grad(grad, model, p, x, y, None)
+    # one coordinate in every parameter tensor, where the signal is largest
+    for e in model.table.entries:
+        j = e.offset + int(np.argmax(np.abs(grad[e.offset:e.offset + e.size])))
+        d = np.zeros_like(p)
+        d[j] = 1e-6
+        g = np.empty_like(p)
+        fd = (reference.loss_grad(g, model, p + d, x, y, None)
+              - reference.loss_grad(g, model, p - d, x, y, None)) / 2e-6
+        assert abs(fd - grad[j]) <= 1e-6 + 1e-4 * abs(fd), (preset, e.name, fd, grad[j])
+
+
+def test_preset_parameter_counts_match_the_papers():
+    assert build_model("cnn-mnist", (1, 28, 28), 10).n_params == 1_663_370   # FedAvg paper
+    assert build_model("cnn-cifar", (3, 32, 32), 10).n_params == 797_962     # specs/fedumf.md 5
+    assert build_model("lenet-cifar", (3, 32, 32), 10).n_params == 62_006    # specs/fedmr.md 6
+    assert build_model({"name": "mlp", "hidden": [200, 200]}, (784,), 10).n_params == 199_210
+
+
+# ----------------------------------------------------------------------------- C vs NumPy
+
+def close_rel(a, b, rel):
+    scale = max(float(np.max(np.abs(b))), 1e-12)
+    return float(np.max(np.abs(a.astype(np.float64) - b))) / scale <= rel
+
+
+@needs_core
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_forward_loss_grad_evaluate_parity(case):
+    model, x, y = make_data(case, n=150)  # > one evaluation chunk
+    labels, targets = split(model, y, x.shape[0])
+    p = model.init(5)
+    p_before, x_before = p.copy(), x.copy()
+    outs = [np.full((x.shape[0], model.n_out), np.nan, np.float32) for _ in range(2)]
+    _core.forward(outs[0], model, p, x)
+    reference.forward(outs[1], model, p, x)
+    np.testing.assert_allclose(outs[0], outs[1], **TOL["forward"])
+    grads = [np.full(model.n_params, np.nan, np.float32) for _ in range(2)]
+    l_c = _core.loss_grad(grads[0], model, p, x, labels, targets)
+    l_r = reference.loss_grad(grads[1], model, p, x, labels, targets)
+    np.testing.assert_allclose(l_c, l_r, **TOL["loss"])
+    assert close_rel(grads[0], grads[1], TOL["grad_rel"])
+    (s_c, k_c), (s_r, k_r) = (_core.evaluate(model, p, x, labels, targets),
+                              reference.evaluate(model, p, x, labels, targets))
+    np.testing.assert_allclose(s_c, s_r, **TOL["loss"])
+    assert k_c == k_r
+    # inputs untouched
+    np.testing.assert_array_equal(p, p_before)
+    np.testing.assert_array_equal(x, x_before)
+
+
+@needs_core
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mode", ["epochs-momentum-wd", "steps-grad0-batch", "full-batch-grad0-full"])
+def test_local_train_parity_with_every_mutated_argument(case, mode):
+    model, x, y = make_data(case, n=23)
+    labels, targets = split(model, y, x.shape[0])
+    if mode == "epochs-momentum-wd":
+        cfg = kernels.train_config(lr=0.05, momentum=0.9, weight_decay=1e-3, batch_size=5,
+                                   epochs=2, seed=11)
+    elif mode == "steps-grad0-batch":
+        cfg = kernels.train_config(lr=0.05, batch_size=4, steps=9, grad0_mode="batch", seed=2)
+    else:
+        cfg = kernels.train_config(lr=0.05, batch_size=0, epochs=3, grad0_mode="full", seed=2)
+    steps = kernels.planned_steps(cfg, x.shape[0])
+    results = []
+    for impl in (_core, reference):
+        p = model.init(7)
+        mom = np.full(model.n_params, 0.25, np.float32)
+        g0 = np.full(model.n_params, np.nan, np.float32) if cfg["grad0_mode"] else None
+        gsum = np.zeros(model.n_params, np.float32)
+        stats = np.full((steps, 3), np.nan) if g0 is not None else None
+        res = impl.local_train(p, mom, model, x, labels, targets, cfg, grad0=g0, grad_sum=gsum,
+                               step_stats=stats)
+        results.append((p, mom, g0, gsum, stats, res))
+    (p1, m1, g1, s1, st1, r1), (p2, m2, g2, s2, st2, r2) = results
+    assert r1["steps"] == r2["steps"] == steps
+    assert r1["samples"] == r2["samples"]
+    np.testing.assert_allclose(r1["mean_loss"], r2["mean_loss"], rtol=1e-4, atol=1e-6)
+    for a, b in ((p1, p2), (m1, m2), (s1, s2)):
+        assert close_rel(a, b, TOL["train_params"])
+    if g1 is not None:
+        assert close_rel(g1, g2, TOL["grad_rel"])
+        np.testing.assert_allclose(st1, st2, **TOL["step_stats"])
+
+
+@needs_core
+def test_shuffle_is_the_same_permutation_in_both_backends():
+    for seed, epoch, n in [(0, 0, 1), (1, 0, 10), (2**63 + 5, 7, 1000), (42, 3, 60000)]:
+        perm = _core.shuffle(seed, epoch, n)
+        np.testing.assert_array_equal(perm, reference.shuffle(seed, epoch, n))
+        assert sorted(perm.tolist()) == list(range(n))
+    assert not np.array_equal(_core.shuffle(1, 0, 100), _core.shuffle(1, 1, 100))
+
+
+# ----------------------------------------------------------------------------- semantics
+
+def test_same_seed_same_bytes_different_seed_different_bytes():
+    model, x, y = make_data("cnn", n=40)
+    out = []
+    for seed in (5, 5, 6):
+        p = model.init(0)
+        cfg = kernels.train_config(lr=0.1, batch_size=8, epochs=2, seed=seed)
+        kernels.local_train(model, p, x, y, cfg)
+        out.append(p.tobytes())
+    assert out[0] == out[1]
+    assert out[0] != out[2]
+    assert model.init(3).tobytes() == model.init(3).tobytes() != model.init(4).tobytes()
+
+
+def test_momentum_follows_pytorch_convention_by_hand():
+    """d = gamma d + g; w -= eta d (specs/mfl.md 2.2). Model: w*x with x=1, y=0, loss w^2/2,
+    so g = w. eta=0.1, gamma=0.9, w0=1: w = 0.9, 0.72, 0.486 and d = 1, 1.8, 2.34; the
+    `v = gamma v + eta g` convention would leave v = 0.234 in the buffer."""
+    model = build_model(dict(name="linear", bias=False), (1,), 0)
+    x = np.ones((1, 1), np.float32)
+    y = np.zeros((1, 1), np.float32)
+    w_seq, d_seq = [], []
+    p = np.ones(1, np.float32)
+    d = np.zeros(1, np.float32)
+    for _ in range(3):
+        kernels.local_train(model, p, x, y, kernels.train_config(lr=0.1, momentum=0.9, batch_size=0,
+                                                                 steps=1), momentum=d)
+        w_seq.append(float(p[0]))
+        d_seq.append(float(d[0]))
+    np.testing.assert_allclose(w_seq, [0.9, 0.72, 0.486], rtol=1e-6)
+    np.testing.assert_allclose(d_seq, [1.0, 1.8, 2.34], rtol=1e-6)
+    # weight decay joins the gradient before momentum: g = w + wd*w
+    p[:] = 1.0
+    d[:] = 0.0
+    kernels.local_train(model, p, x, y, kernels.train_config(lr=0.1, momentum=0.9, weight_decay=0.5,
+                                                             batch_size=0, steps=1), momentum=d)
+    np.testing.assert_allclose([p[0], d[0]], [1 - 0.1 * 1.5, 1.5], rtol=1e-6)
+
+
+def test_zero_momentum_buffer_gives_plain_sgd_bit_for_bit():
+    model, x, y = make_data("mlp", n=30)
+    a, b = model.init(1), model.init(1)
+    cfg = kernels.train_config(lr=0.1, batch_size=4, epochs=2, seed=9)
+    kernels.local_train(model, a, x, y, cfg)
+    d = np.zeros_like(b)
+    kernels.local_train(model, b, x, y, cfg, momentum=d)
+    assert a.tobytes() == b.tobytes()
+
+
+def test_full_batch_training_is_gradient_descent():
+    model, x, y = make_data("svm-binary", n=17)
+    p = model.init(2)
+    manual = p.copy()
+    for _ in range(4):
+        _, g = kernels.loss_grad(model, manual, x, y)
+        manual -= np.float32(0.2) * g
+    kernels.local_train(model, p, x, y, kernels.train_config(lr=0.2, batch_size=0, epochs=4))
+    np.testing.assert_allclose(p, manual, rtol=1e-5, atol=1e-6)
+
+
+def test_statistics_mean_what_they_say():
+    model, x, y = make_data("mlp", n=40)
+    cfg = kernels.train_config(lr=0.05, batch_size=8, steps=7, grad0_mode="batch", seed=4)
+    p0 = model.init(0)
+    p = p0.copy()
+    g0, gsum = np.empty_like(p), np.zeros_like(p)
+    stats = np.zeros((7, 3))
+    kernels.local_train(model, p, x, y, cfg, grad0=g0, grad_sum=gsum, step_stats=stats)
+    # grad0 (batch mode) = gradient at the start point on the first minibatch
+    first = kernels.shuffle(4, 0, 40)[:8]
+    _, g_first = kernels.loss_grad(model, p0, np.ascontiguousarray(x[first]), y[first])
+    np.testing.assert_allclose(g0, g_first, rtol=1e-4, atol=1e-6)
+    # plain SGD: the end point is the start minus lr times the running gradient sum
+    np.testing.assert_allclose(p, p0 - np.float32(0.05) * gsum, rtol=1e-4, atol=1e-5)
+    assert stats[0, 0] == pytest.approx(0.0, abs=1e-6) and stats[0, 1] == 0.0
+    assert np.all(stats[1:, 1] > 0)
+    np.testing.assert_allclose(stats[-1, 2], float(np.dot(gsum.astype(np.float64), gsum)), rtol=1e-4)
+    # full mode = gradient over all local data
+    g_full = np.empty_like(p)
+    kernels.local_train(model, p0.copy(), x, y, kernels.train_config(
+        lr=0.05, batch_size=8, steps=1, grad0_mode="full"), grad0=g_full)
+    np.testing.assert_allclose(g_full, kernels.loss_grad(model, p0, x, y)[1], rtol=1e-4, atol=1e-6)
+
+
+def test_steps_cross_epoch_boundaries_and_count_samples():
+    model, x, y = make_data("softmax", n=10)
+    res = kernels.local_train(model, model.init(0), x, y,
+                              kernels.train_config(lr=0.1, batch_size=4, steps=7))
+    assert res["steps"] == 7
+    assert res["samples"] == 4 + 4 + 2 + 4 + 4 + 2 + 4
+
+
+def test_training_reduces_loss_on_a_learnable_task():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 10)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int32)
+    model = build_model("softmax", (10,), 2)
+    p = model.init(0)
+    before = kernels.evaluate(model, p, x, y)
+    kernels.local_train(model, p, x, y, kernels.train_config(lr=0.5, batch_size=16, epochs=5))
+    after = kernels.evaluate(model, p, x, y)
+    assert after["loss"] < 0.5 * before["loss"]
+    assert after["accuracy"] > 0.95
+
+
+def test_evaluate_includes_the_l2_term_like_the_training_loss():
+    model, x, y = make_data("svm-binary", n=20)
+    p = model.init(1)
+    loss, _ = kernels.loss_grad(model, p, x, y)
+    assert kernels.evaluate(model, p, x, y)["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_inputs_name_the_cause():
+    model, x, y = make_data("cnn", n=12)
+    p = model.init(0)
+    cfg = kernels.train_config(lr=0.1, batch_size=4, epochs=1)
+    with pytest.raises(KernelError, match="x: dtype float64"):
+        kernels.local_train(model, p, x.astype(np.float64), y, cfg)
+    with pytest.raises(KernelError, match="not C-contiguous"):
+        kernels.forward(model, p, np.asfortranarray(x.reshape(12, -1)))
+    with pytest.raises(KernelError, match=r"samples of shape \(2, 7, 8\)"):
+        kernels.forward(model, p, np.ascontiguousarray(x[:, :, :7, :]))
+    with pytest.raises(KernelError, match="no samples"):
+        kernels.local_train(model, p, x[:0], y[:0], cfg)
+    with pytest.raises(KernelError, match="parameters"):
+        kernels.local_train(model, np.zeros(p.size + 1, np.float32), x, y, cfg)
+    with pytest.raises(KernelError, match="labels span"):
+        kernels.local_train(model, p, x, y + 10, cfg)
+    with pytest.raises(KernelError, match="3 labels for 12 samples"):
+        kernels.evaluate(model, p, x, y[:3])
+    with pytest.raises(KernelError, match="momentum buffer is required"):
+        kernels.local_train(model, p, x, y, kernels.train_config(lr=0.1, momentum=0.5))
+    with pytest.raises(KernelError, match="unknown key"):
+        kernels.train_config(learning_rate=0.1)
+    with pytest.raises(KernelError, match="momentum = 1.0 must be < 1"):
+        kernels.train_config(momentum=1.0)
+    ro = p.copy()
+    ro.setflags(write=False)
+    with pytest.raises(KernelError, match="read-only"):
+        kernels.local_train(model, ro, x, y, cfg)
+    other = build_model("softmax", (2, 8, 8), 3)
+    with pytest.raises(KernelError, match="does not match"):
+        other.table.require_same(model.table, "checkpoint")
+
+
+def test_non_finite_loss_stops_and_names_the_step():
+    model, x, y = make_data("mlp", n=16)
+    x = x.copy()
+    x[9] = np.inf  # sample 9 poisons whichever minibatch it lands in
+    p = model.init(0)
+    cfg = kernels.train_config(lr=0.1, batch_size=4, epochs=1, seed=1)
+    bad_step = int(np.where(kernels.shuffle(1, 0, 16) == 9)[0][0]) // 4
+    with pytest.raises(NonFiniteError, match=f"step {bad_step}") as info:
+        kernels.local_train(model, p, x, y, cfg)
+    assert info.value.step == bad_step
+    assert np.all(np.isfinite(p))
+    with pytest.raises(NonFiniteError, match="step"):
+        kernels.local_train(model, model.init(0), make_data("mlp", n=16)[1], y,
+                            kernels.train_config(lr=1e30, batch_size=4, epochs=3))
