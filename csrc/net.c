@@ -111,6 +111,18 @@ int ef_workspace_size(int64_t *n_float, int64_t *n_int, const ef_net *net, int64
 
 /* ---------------------------------------------------------------- layers */
 
+/* Output columns ox whose input column ox*stride - pad + kx lies inside [0, in_w). */
+static void valid_cols(int32_t *lo, int32_t *hi, const ef_layer *l, int32_t kx)
+{
+    int32_t a = 0, b = l->out_w;
+    while (a < b && a * l->stride - l->pad + kx < 0) a++;
+    while (b > a && (b - 1) * l->stride - l->pad + kx >= l->in_w) b--;
+    *lo = a;
+    *hi = b;
+}
+
+/* One sample's image -> columns (rows ordered c, ky, kx), bounds hoisted out of the inner loop
+ * so the copy is contiguous (stride 1) and vectorisable. */
 static void im2col(float *restrict col, const float *restrict img, const ef_layer *l)
 {
     const int64_t ohw = (int64_t)l->out_h * l->out_w;
@@ -119,18 +131,23 @@ static void im2col(float *restrict col, const float *restrict img, const ef_laye
             for (int32_t kx = 0; kx < l->k; kx++) {
                 float *row = col + (((int64_t)c * l->k + ky) * l->k + kx) * ohw;
                 const float *plane = img + (int64_t)c * l->in_h * l->in_w;
+                int32_t lo, hi;
+                valid_cols(&lo, &hi, l, kx);
                 for (int32_t oy = 0; oy < l->out_h; oy++) {
                     int32_t iy = oy * l->stride - l->pad + ky;
                     float *dst = row + (int64_t)oy * l->out_w;
                     if (iy < 0 || iy >= l->in_h) {
-                        for (int32_t ox = 0; ox < l->out_w; ox++) dst[ox] = 0.0f;
+                        memset(dst, 0, sizeof(float) * (size_t)l->out_w);
                         continue;
                     }
-                    const float *src = plane + (int64_t)iy * l->in_w;
-                    for (int32_t ox = 0; ox < l->out_w; ox++) {
-                        int32_t ix = ox * l->stride - l->pad + kx;
-                        dst[ox] = (ix >= 0 && ix < l->in_w) ? src[ix] : 0.0f;
+                    const float *src = plane + (int64_t)iy * l->in_w - l->pad + kx;
+                    for (int32_t ox = 0; ox < lo; ox++) dst[ox] = 0.0f;
+                    if (l->stride == 1) {
+                        memcpy(dst + lo, src + lo, sizeof(float) * (size_t)(hi - lo));
+                    } else {
+                        for (int32_t ox = lo; ox < hi; ox++) dst[ox] = src[ox * l->stride];
                     }
+                    for (int32_t ox = hi; ox < l->out_w; ox++) dst[ox] = 0.0f;
                 }
             }
 }
@@ -144,17 +161,63 @@ static void col2im(float *restrict img, const float *restrict col, const ef_laye
             for (int32_t kx = 0; kx < l->k; kx++) {
                 const float *row = col + (((int64_t)c * l->k + ky) * l->k + kx) * ohw;
                 float *plane = img + (int64_t)c * l->in_h * l->in_w;
+                int32_t lo, hi;
+                valid_cols(&lo, &hi, l, kx);
                 for (int32_t oy = 0; oy < l->out_h; oy++) {
                     int32_t iy = oy * l->stride - l->pad + ky;
                     if (iy < 0 || iy >= l->in_h) continue;
-                    const float *src = row + (int64_t)oy * l->out_w;
-                    float *dst = plane + (int64_t)iy * l->in_w;
-                    for (int32_t ox = 0; ox < l->out_w; ox++) {
-                        int32_t ix = ox * l->stride - l->pad + kx;
-                        if (ix >= 0 && ix < l->in_w) dst[ix] += src[ox];
+                    const float *restrict src = row + (int64_t)oy * l->out_w;
+                    float *restrict dst = plane + (int64_t)iy * l->in_w - l->pad + kx;
+                    if (l->stride == 1) {
+                        for (int32_t ox = lo; ox < hi; ox++) dst[ox] += src[ox];
+                    } else {
+                        for (int32_t ox = lo; ox < hi; ox++) dst[ox * l->stride] += src[ox];
                     }
                 }
             }
+}
+
+/* Separate restrict-qualified loops so the compiler vectorises the select. */
+static void relu_forward(float *restrict out, const float *restrict in, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float v = in[i];
+        out[i] = v > 0.0f ? v : 0.0f;
+    }
+}
+
+static void relu_backward(float *restrict din, const float *restrict out,
+                          const float *restrict dout, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float d = dout[i]; /* unconditional load: lets the select vectorise */
+        din[i] = out[i] > 0.0f ? d : 0.0f;
+    }
+}
+
+/* Sum of n floats with eight independent partial sums (vectorisable, fixed order). */
+static float sum8(const float *x, int64_t n)
+{
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j];
+    float t = 0.0f;
+    for (; i < n; i++) t += x[i];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + t;
+}
+
+/* Index (within the plane) of the first maximum of a pooling window, as forward chose it. */
+static int64_t window_argmax(const float *plane, const ef_layer *l, int32_t oy, int32_t ox)
+{
+    int64_t base = (int64_t)oy * l->stride * l->in_w + (int64_t)ox * l->stride, at = base;
+    float m = plane[base];
+    for (int32_t ky = 0; ky < l->k; ky++)
+        for (int32_t kx = 0; kx < l->k; kx++) {
+            int64_t p = base + (int64_t)ky * l->in_w + kx;
+            if (plane[p] > m) { m = plane[p]; at = p; }
+        }
+    return at;
 }
 
 static void layer_forward(float *out, const float *in, float *col, const ef_layer *l,
@@ -206,7 +269,7 @@ static void layer_forward(float *out, const float *in, float *col, const ef_laye
             }
         break;
     case EF_RELU:
-        for (int64_t i = 0; i < b * osz; i++) out[i] = in[i] > 0.0f ? in[i] : 0.0f;
+        relu_forward(out, in, b * osz);
         break;
     case EF_FLATTEN:
         break; /* the output aliases the input */
@@ -240,11 +303,7 @@ static void layer_backward(float *din, float *grad, float *col, const float *dou
             ef_sgemm(0, 1, l->out_c, ckk, ohw, 1.0f, d, ohw, col, ohw, 1.0f, grad + l->w_off, ckk);
             if (l->b_off >= 0) {
                 float *gb = grad + l->b_off;
-                for (int32_t c = 0; c < l->out_c; c++) {
-                    float acc = 0.0f;
-                    for (int64_t p = 0; p < ohw; p++) acc += d[c * ohw + p];
-                    gb[c] += acc;
-                }
+                for (int32_t c = 0; c < l->out_c; c++) gb[c] += sum8(d + c * ohw, ohw);
             }
             if (din) {
                 ef_sgemm(1, 0, ckk, ohw, l->out_c, 1.0f, w, ckk, d, ohw, 0.0f, col, ohw);
@@ -260,26 +319,14 @@ static void layer_backward(float *din, float *grad, float *col, const float *dou
             for (int32_t c = 0; c < l->in_c; c++) {
                 const int64_t poff = s * isz + (int64_t)c * l->in_h * l->in_w;
                 const float *plane = in + poff;
-                const float *o = out + s * osz + (int64_t)c * l->out_h * l->out_w;
                 const float *d = dout + s * osz + (int64_t)c * l->out_h * l->out_w;
                 for (int32_t oy = 0; oy < l->out_h; oy++)
-                    for (int32_t ox = 0; ox < l->out_w; ox++) {
-                        /* route to the first maximum of the window (the one forward kept) */
-                        int64_t base = (int64_t)oy * l->stride * l->in_w + ox * l->stride, at = base;
-                        float m = o[oy * l->out_w + ox];
-                        int found = 0;
-                        for (int32_t ky = 0; ky < l->k && !found; ky++)
-                            for (int32_t kx = 0; kx < l->k; kx++) {
-                                int64_t p = base + (int64_t)ky * l->in_w + kx;
-                                if (plane[p] == m) { at = p; found = 1; break; }
-                            }
-                        din[poff + at] += d[oy * l->out_w + ox];
-                    }
+                    for (int32_t ox = 0; ox < l->out_w; ox++)
+                        din[poff + window_argmax(plane, l, oy, ox)] += d[oy * l->out_w + ox];
             }
         break;
     case EF_RELU:
-        if (din)
-            for (int64_t i = 0; i < b * osz; i++) din[i] = out[i] > 0.0f ? dout[i] : 0.0f;
+        if (din) relu_backward(din, out, dout, b * osz);
         break;
     case EF_FLATTEN:
         if (din && din != dout) memcpy(din, dout, sizeof(float) * (size_t)(b * osz));
