@@ -84,7 +84,7 @@ class LayerTable:
         for e in self.entries:
             if e.name == name:
                 return e
-        raise KeyError(f"no layer {name!r}; layers are {list(self.names)}")
+        raise KernelError(f"no layer {name!r}; layers are {list(self.names)}")
 
     def segment_offsets(self) -> np.ndarray:
         """Start of every entry plus the end: the per-layer segments int8 codecs use."""
