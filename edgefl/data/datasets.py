@@ -1,0 +1,591 @@
+"""Dataset loaders. Each reads one source into stored units (`Raw`); `finish` turns that into
+the normalised float32 `Dataset` every other layer uses (DESIGN.md "Data").
+
+Nothing here downloads: bundled data (scikit-learn's digits), files in a directory (IDX,
+CIFAR-10 binary batches, npz, csv) or generated data (synthetic) only.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .idx import find_idx, read_idx
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
+MNIST_DIR = "/usr/share/datasets/mnist"                    # no Debian package; copy files here
+DIGITS_SPLIT_SEED = 0        # the fixed seed of digits' stratified 80/20 train/test split
+DIGITS_TEST_FRACTION = 0.2
+
+DIGIT_NAMES = tuple(str(i) for i in range(10))
+FASHION_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                 "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
+                 "dog", "frog", "horse", "ship", "truck")
+EVEN_ODD_NAMES = ("odd", "even")   # label 1 = even digit, as MFL's even/odd task (specs/mfl.md §6)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A train/test split ready for training: normalised float32 features, int32 labels.
+
+    `x_*` are C-contiguous float32, (n, C, H, W) for images and (n, d) for tabular data, with
+    raw = x * norm_std + norm_mean; the norm arrays have shape (C,) for images (broadcast over
+    axis 1) and (d,) or (1,) for tabular data. `y_*` are int32 class labels (num_classes > 0)
+    or float32 regression targets of shape (n,) or (n, k) (num_classes == 0).
+    `client_ids` is each training sample's natural owner (synthetic data) or None.
+    `y_train_original` keeps the class labels from before a relabelling (`binary="even-odd"`),
+    so label-skew partitioners can split by the original digit as MFL §6 Case 2 does; else None.
+    """
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    input_shape: tuple
+    num_classes: int
+    class_names: tuple
+    norm_mean: np.ndarray
+    norm_std: np.ndarray
+    raw_range: tuple
+    client_ids: np.ndarray | None = None
+    y_train_original: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Raw:
+    """One source's arrays in stored units, plus how to normalise them (see `finish`)."""
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    class_names: tuple
+    norm_mean: np.ndarray
+    norm_std: np.ndarray
+    raw_range: tuple
+    client_ids: np.ndarray | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# finishing: limits, relabelling, normalisation
+# ---------------------------------------------------------------------------------------
+
+def finish(raw: Raw, limit_train: int | None = None, limit_test: int | None = None,
+           binary: str | bool | None = None) -> Dataset:
+    """Apply the options every loader shares and normalise to float32.
+
+    limit_train / limit_test keep the first N samples (all of them if fewer exist); the slice
+    is taken before conversion so a small limit never materialises the whole set in float32.
+    binary="even-odd" relabels classes to 1 (even) / 0 (odd), MFL's convex task (mfl.md §6).
+    """
+    n_train = _limit("limit_train", limit_train, len(raw.y_train))
+    n_test = _limit("limit_test", limit_test, len(raw.y_test))
+    y_train, y_test = raw.y_train[:n_train], raw.y_test[:n_test]
+    num_classes, class_names, original = raw.num_classes, raw.class_names, None
+    if binary not in (None, False):
+        if binary != "even-odd":
+            raise ValueError(f"{raw.name}: binary={binary!r} is not a relabelling; use 'even-odd'")
+        if raw.num_classes == 0:
+            raise ValueError(f"{raw.name}: binary='even-odd' needs class labels, "
+                             f"but this dataset has regression targets")
+        original = np.ascontiguousarray(y_train, dtype=np.int32)
+        y_train, y_test = (y_train % 2 == 0), (y_test % 2 == 0)
+        num_classes, class_names = 2, EVEN_ODD_NAMES
+    label_dtype = np.int32 if num_classes else np.float32
+    x_train = _normalise(raw.x_train[:n_train], raw.norm_mean, raw.norm_std)
+    client_ids = None if raw.client_ids is None else raw.client_ids[:n_train].copy()
+    return Dataset(
+        name=raw.name,
+        x_train=x_train,
+        y_train=np.ascontiguousarray(y_train, dtype=label_dtype),
+        x_test=_normalise(raw.x_test[:n_test], raw.norm_mean, raw.norm_std),
+        y_test=np.ascontiguousarray(y_test, dtype=label_dtype),
+        input_shape=tuple(x_train.shape[1:]),
+        num_classes=num_classes,
+        class_names=tuple(class_names),
+        norm_mean=np.asarray(raw.norm_mean, dtype=np.float32),
+        norm_std=np.asarray(raw.norm_std, dtype=np.float32),
+        raw_range=raw.raw_range,
+        client_ids=client_ids,
+        y_train_original=original,
+    )
+
+
+def _limit(key: str, value, n: int) -> int:
+    if value is None:
+        return n
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return min(int(value), n)
+
+
+def _normalise(raw: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """(raw - mean) / std in float32; mean/std broadcast over the channel axis of images."""
+    shape = (-1, 1, 1) if raw.ndim == 4 else (-1,)
+    x = raw.astype(np.float32)   # always a fresh, writable, C-contiguous array
+    x -= np.asarray(mean, dtype=np.float32).reshape(shape)
+    x /= np.asarray(std, dtype=np.float32).reshape(shape)
+    return x
+
+
+def standardisation(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel (images) or per-feature (tabular) mean and std of `x`; a zero std becomes 1."""
+    axes = (0, 2, 3) if x.ndim == 4 else (0,)
+    mean = x.mean(axis=axes, dtype=np.float64)
+    std = x.std(axis=axes, dtype=np.float64)
+    std[std == 0] = 1.0
+    return mean.astype(np.float32), std.astype(np.float32)
+
+
+def stratified_split(y: np.ndarray, test_fraction: float,
+                     seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, test) indices holding out round(test_fraction * n_c) samples of each class.
+
+    Regression targets (float) are split uniformly at random instead.
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    rng = np.random.default_rng(seed)
+    groups = ([np.flatnonzero(y == c) for c in np.unique(y)]
+              if np.issubdtype(y.dtype, np.integer) else [np.arange(len(y))])
+    test = []
+    for members in groups:
+        n_test = int(np.floor(test_fraction * len(members) + 0.5))
+        test.append(rng.permutation(members)[:n_test])
+    test_idx = np.sort(np.concatenate(test))
+    train_mask = np.ones(len(y), dtype=bool)
+    train_mask[test_idx] = False
+    return np.flatnonzero(train_mask), test_idx
+
+
+def check_arrays(source: str, x_key: str, x: np.ndarray, y_key: str, y: np.ndarray) -> None:
+    """Raise ValueError naming `source` and the key if x/y are empty, ragged or non-finite."""
+    if len(x) == 0:
+        raise ValueError(f"{source}: {x_key} is empty (shape {x.shape})")
+    if len(x) != len(y):
+        raise ValueError(f"{source}: {x_key} has {len(x)} samples but {y_key} has {len(y)}")
+    if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        bad = int(np.argwhere(~np.isfinite(x.reshape(len(x), -1)))[0, 0])
+        raise ValueError(f"{source}: {x_key} has non-finite values (first in sample {bad})")
+    if np.issubdtype(y.dtype, np.floating) and not np.isfinite(y).all():
+        raise ValueError(f"{source}: {y_key} has non-finite values")
+
+
+def class_labels(source: str, key: str, y: np.ndarray) -> np.ndarray:
+    """`y` as int64 class labels; ValueError naming the key if they are not whole numbers >= 0."""
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise ValueError(f"{source}: {key} must be one label per sample, got shape {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        if not np.issubdtype(y.dtype, np.number) or not np.all(np.mod(y, 1) == 0):
+            raise ValueError(f"{source}: {key} holds non-integer values ({y.dtype}); class labels "
+                             f"must be whole numbers (use task='regression' for targets)")
+    y = y.astype(np.int64)
+    if len(y) and y.min() < 0:
+        raise ValueError(f"{source}: {key} has negative label {int(y.min())}")
+    return y
+
+
+# ---------------------------------------------------------------------------------------
+# digits (scikit-learn, bundled)
+# ---------------------------------------------------------------------------------------
+
+def load_digits() -> Raw:
+    """scikit-learn's 1797 8x8 digits (raw 0..16) as (n, 1, 8, 8) images.
+
+    Test split: round(20%) of each class, drawn with the fixed seed DIGITS_SPLIT_SEED = 0
+    (1438 train / 359 test).
+    Normalised with the training split's scalar pixel mean and std.
+    """
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError as exc:
+        raise ImportError("digits needs scikit-learn (pip install 'edgefl[data]')") from exc
+    bunch = sklearn_digits()
+    x = bunch.images.astype(np.uint8).reshape(-1, 1, 8, 8)   # stored as float64 0..16
+    y = bunch.target.astype(np.int64)
+    train, test = stratified_split(y, DIGITS_TEST_FRACTION, DIGITS_SPLIT_SEED)
+    mean = np.float32(x[train].mean())
+    std = np.float32(x[train].std())
+    return Raw("digits", x[train], y[train], x[test], y[test], 10, DIGIT_NAMES,
+               np.array([mean], np.float32), np.array([std], np.float32), (0, 16))
+
+
+# ---------------------------------------------------------------------------------------
+# MNIST / Fashion-MNIST (IDX files)
+# ---------------------------------------------------------------------------------------
+
+_IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+              "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def load_fashion_mnist(*, path: str = FASHION_MNIST_DIR) -> Raw:
+    """Fashion-MNIST from IDX files in `path`; per-channel mean 0.2860, std 0.3530 (x255)."""
+    return _load_idx_dataset("fashion-mnist", path, FASHION_NAMES, 0.2860, 0.3530,
+                             "install Debian's package (apt-get install dataset-fashion-mnist)")
+
+
+def load_mnist(*, path: str = MNIST_DIR) -> Raw:
+    """MNIST from IDX files in `path`; mean 0.1307, std 0.3081 (x255), as fedumf.md §5 proposes."""
+    return _load_idx_dataset("mnist", path, DIGIT_NAMES, 0.1307, 0.3081,
+                             "copy the four MNIST IDX files there")
+
+
+def _load_idx_dataset(name, directory, class_names, mean, std, how_to_get) -> Raw:
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"{name}: dataset directory {directory} does not exist; {how_to_get}, or set the "
+            f"dataset option path to a directory holding {', '.join(_IDX_FILES)} "
+            f"(each may end in .gz)")
+    arrays = []
+    for stem in _IDX_FILES:
+        found = find_idx(directory, stem)
+        if found is None:
+            raise FileNotFoundError(f"{name}: no {stem} or {stem}.gz in {directory}")
+        arrays.append((found, read_idx(found)))
+    (xtr_f, x_train), (ytr_f, y_train), (xte_f, x_test), (yte_f, y_test) = arrays
+    for (x_file, x), (y_file, y) in ((arrays[0], arrays[1]), (arrays[2], arrays[3])):
+        if x.ndim != 3 or x.dtype != np.uint8:
+            raise ValueError(f"{x_file}: expected uint8 images of shape (n, rows, cols), "
+                             f"got {x.dtype} {x.shape}")
+        if y.ndim != 1:
+            raise ValueError(f"{y_file}: expected a 1-D label array, got shape {y.shape}")
+        check_arrays(name, x_file, x, y_file, y)
+        if y.max() >= len(class_names):
+            raise ValueError(f"{y_file}: label {int(y.max())} is outside 0..{len(class_names) - 1}")
+    if x_test.shape[1:] != x_train.shape[1:]:
+        raise ValueError(f"{xte_f}: image shape {x_test.shape[1:]} differs from {xtr_f}'s "
+                         f"{x_train.shape[1:]}")
+    scale = np.float32(255.0)
+    return Raw(name, x_train[:, None], y_train.astype(np.int64), x_test[:, None],
+               y_test.astype(np.int64), len(class_names), class_names,
+               np.array([mean * scale], np.float32), np.array([std * scale], np.float32), (0, 255))
+
+
+# ---------------------------------------------------------------------------------------
+# CIFAR-10 (binary version)
+# ---------------------------------------------------------------------------------------
+
+_CIFAR_TRAIN = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
+_CIFAR_TEST = "test_batch.bin"
+_CIFAR_RECORD = 1 + 3 * 32 * 32   # label byte + 3 channel planes of 32x32, row-major
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+
+def load_cifar10(*, path: str | None = None) -> Raw:
+    """CIFAR-10 binary batches (`data_batch_1..5.bin`, `test_batch.bin`) from `path` or its
+    `cifar-10-batches-bin` subdirectory, as (n, 3, 32, 32); per-channel mean/std as fedumf.md §5.
+    """
+    if path is None:
+        raise ValueError("cifar10: set the dataset option path to the directory holding the "
+                         "CIFAR-10 binary version (data_batch_1.bin .. data_batch_5.bin, "
+                         "test_batch.bin)")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"cifar10: dataset directory {path} does not exist; unpack the "
+                                f"CIFAR-10 binary version (cifar-10-binary.tar.gz) there")
+    sub = os.path.join(path, "cifar-10-batches-bin")
+    directory = sub if os.path.isdir(sub) else path
+    missing = [f for f in _CIFAR_TRAIN + (_CIFAR_TEST,)
+               if not os.path.isfile(os.path.join(directory, f))]
+    if missing:
+        raise FileNotFoundError(f"cifar10: {directory} lacks {', '.join(missing)}")
+    x_train, y_train = _read_cifar_batches([os.path.join(directory, f) for f in _CIFAR_TRAIN])
+    x_test, y_test = _read_cifar_batches([os.path.join(directory, _CIFAR_TEST)])
+    names = CIFAR10_NAMES
+    meta = os.path.join(directory, "batches.meta.txt")
+    if os.path.isfile(meta):
+        with open(meta, encoding="utf-8") as f:
+            listed = tuple(line.strip() for line in f if line.strip())
+        names = listed if len(listed) == 10 else names
+    scale = np.float32(255.0)
+    return Raw("cifar10", x_train, y_train, x_test, y_test, 10, names,
+               np.array(CIFAR10_MEAN, np.float32) * scale,
+               np.array(CIFAR10_STD, np.float32) * scale,
+               (0, 255))
+
+
+def _read_cifar_batches(files: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    records = []
+    for file in files:
+        data = np.fromfile(file, dtype=np.uint8)
+        if data.size == 0 or data.size % _CIFAR_RECORD:
+            raise ValueError(f"{file}: {data.size} bytes is not a whole number of "
+                             f"{_CIFAR_RECORD}-byte CIFAR-10 records")
+        rows = data.reshape(-1, _CIFAR_RECORD)
+        if rows[:, 0].max() > 9:
+            raise ValueError(f"{file}: label {int(rows[:, 0].max())} is outside 0..9; "
+                             f"is this a CIFAR-100 file?")
+        records.append(rows)
+    rows = np.concatenate(records) if len(records) > 1 else records[0]
+    return np.ascontiguousarray(rows[:, 1:]).reshape(-1, 3, 32, 32), rows[:, 0].astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# a board's own data: npz and csv
+# ---------------------------------------------------------------------------------------
+
+_TASKS = ("classification", "regression")
+_NORMALISATIONS = ("standard", "none")
+
+
+def load_npz(*, path: str, x_train: str = "x_train", y_train: str = "y_train",
+             x_test: str = "x_test", y_test: str = "y_test", test_fraction: float | None = None,
+             split_seed: int = 0, task: str = "classification", num_classes: int | None = None,
+             class_names: list | None = None, normalize: str = "standard",
+             channels_last: bool = False) -> Raw:
+    """Arrays from an .npz file (loaded without pickle); the key options name its arrays.
+
+    x: (n, d) tabular, (n, H, W) one-channel images or (n, C, H, W) images ((n, H, W, C) with
+    channels_last). Without test arrays in the file, test_fraction holds out a seeded,
+    stratified share of the training arrays. normalize="standard" uses the training set's
+    per-channel/per-feature mean and std; "none" keeps the stored values.
+    """
+    _check_choice("npz", "task", task, _TASKS)
+    _check_choice("npz", "normalize", normalize, _NORMALISATIONS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"npz: file {path} does not exist")
+    with np.load(path, allow_pickle=False) as npz:
+        stored = set(npz.files)
+
+        def get(key):
+            if key not in stored:
+                raise ValueError(f"{path}: no array {key!r} (the file holds {sorted(stored)})")
+            return npz[key]
+
+        xs, ys = get(x_train), get(y_train)
+        has_test = x_test in stored or y_test in stored
+        if has_test and test_fraction is not None:
+            raise ValueError(f"{path}: holds {x_test!r}/{y_test!r} and test_fraction is set; "
+                             f"use one or the other")
+        if has_test:
+            xt, yt = get(x_test), get(y_test)
+        elif test_fraction is None:
+            raise ValueError(f"{path}: no test arrays {x_test!r}/{y_test!r} (the file holds "
+                             f"{sorted(stored)}); name them or set test_fraction")
+    xs = _feature_layout(path, x_train, xs, channels_last)
+    check_arrays(path, x_train, xs, y_train, ys)
+    if has_test:
+        xt = _feature_layout(path, x_test, xt, channels_last)
+        check_arrays(path, x_test, xt, y_test, yt)
+        if xt.shape[1:] != xs.shape[1:]:
+            raise ValueError(f"{path}: {x_test} has per-sample shape {xt.shape[1:]} but "
+                             f"{x_train} has {xs.shape[1:]}")
+    else:
+        train, test = stratified_split(_labels_for_split(ys, task, path), test_fraction, split_seed)
+        xs, ys, xt, yt = xs[train], ys[train], xs[test], ys[test]
+    return _tabular_raw("npz", path, xs, ys, xt, yt, (y_train, y_test), task, num_classes,
+                        class_names, normalize)
+
+
+def load_csv(*, path: str, label: str | int = "label", test_path: str | None = None,
+             test_fraction: float | None = None, split_seed: int = 0, delimiter: str = ",",
+             task: str = "classification", num_classes: int | None = None,
+             class_names: list | None = None, normalize: str = "standard") -> Raw:
+    """Tabular data from a CSV file: one label column (header name or 0-based index, negative
+    counts from the end) and numeric feature columns. The first row is a header if any of its
+    cells is not a number. The test set comes from test_path (same columns) or a seeded,
+    stratified test_fraction of the file (default 0.2 when test_path is not given).
+    """
+    _check_choice("csv", "task", task, _TASKS)
+    _check_choice("csv", "normalize", normalize, _NORMALISATIONS)
+    if test_path is not None and test_fraction is not None:
+        raise ValueError("csv: set test_path or test_fraction, not both")
+    header, table = _read_csv(path, delimiter)
+    column = _label_column(path, header, label, table.shape[1])
+    xs, ys = np.delete(table, column, axis=1), table[:, column]
+    if test_path is not None:
+        test_header, test_table = _read_csv(test_path, delimiter)
+        if test_table.shape[1] != table.shape[1] or (header and test_header != header):
+            raise ValueError(f"{test_path}: columns {test_header or test_table.shape[1]} differ "
+                             f"from {path}'s {header or table.shape[1]}")
+        xt, yt = np.delete(test_table, column, axis=1), test_table[:, column]
+    else:
+        y_split = _labels_for_split(ys, task, path)
+        train, test = stratified_split(y_split, 0.2 if test_fraction is None else test_fraction,
+                                       split_seed)
+        xs, ys, xt, yt = xs[train], ys[train], xs[test], ys[test]
+    label_key = f"label column {label!r}"
+    check_arrays(path, "features", xs, label_key, ys)
+    check_arrays(test_path or path, "test features", xt, label_key, yt)
+    return _tabular_raw("csv", path, xs, ys, xt, yt, (label_key, label_key), task, num_classes,
+                        class_names, normalize)
+
+
+def _check_choice(source, key, value, choices):
+    if value not in choices:
+        raise ValueError(f"{source}: {key}={value!r}; valid: {', '.join(choices)}")
+
+
+def _feature_layout(path, key, x, channels_last):
+    """x as (n, d) or (n, C, H, W)."""
+    if x.ndim == 2:
+        return x
+    if x.ndim == 3:
+        return x[:, None]
+    if x.ndim == 4:
+        return np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if channels_last else x
+    raise ValueError(f"{path}: {key} has shape {x.shape}; expected (n, d), (n, H, W) or "
+                     f"(n, C, H, W)")
+
+
+def _labels_for_split(y, task, source):
+    """The array stratified_split should stratify on: class labels, or float targets."""
+    if task == "classification":
+        return class_labels(source, "labels", y)
+    return np.asarray(y, dtype=np.float64)
+
+
+def _tabular_raw(name, path, xs, ys, xt, yt, y_keys, task, num_classes, class_names, normalize):
+    if not np.issubdtype(xs.dtype, np.number) or not np.issubdtype(xt.dtype, np.number):
+        raise ValueError(f"{path}: features must be numeric, got {xs.dtype}")
+    if task == "classification":
+        ys, yt = class_labels(path, y_keys[0], ys), class_labels(path, y_keys[1], yt)
+        seen = int(max(ys.max(), yt.max())) + 1
+        if num_classes is None:
+            num_classes = len(class_names) if class_names else seen
+        if seen > num_classes:
+            raise ValueError(f"{path}: label {seen - 1} is outside 0..{num_classes - 1} "
+                             f"(num_classes={num_classes})")
+        names = tuple(class_names) if class_names else tuple(str(i) for i in range(num_classes))
+        if len(names) != num_classes:
+            raise ValueError(f"{path}: {len(names)} class_names for {num_classes} classes")
+    else:
+        if not np.issubdtype(ys.dtype, np.number) or not np.issubdtype(yt.dtype, np.number):
+            raise ValueError(f"{path}: regression targets {y_keys[0]} must be numeric, "
+                             f"got {ys.dtype}")
+        if ys.ndim not in (1, 2) or yt.shape[1:] != ys.shape[1:]:
+            raise ValueError(f"{path}: regression targets must have shape (n,) or (n, k) in "
+                             f"both splits, got {y_keys[0]} {ys.shape} and {y_keys[1]} {yt.shape}")
+        num_classes, names = 0, ()
+    if normalize == "standard":
+        mean, std = standardisation(xs)
+    else:
+        channels = xs.shape[1] if xs.ndim in (2, 4) else 1
+        mean, std = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+    return Raw(name, xs, ys, xt, yt, num_classes, names, mean, std,
+               (float(xs.min()), float(xs.max())))
+
+
+def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray]:
+    """(header or None, float64 table) of a CSV file; errors name the file, line and column."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"csv: file {path} does not exist")
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = [(n, row) for n, row in enumerate(csv.reader(f, delimiter=delimiter), start=1)
+                if any(cell.strip() for cell in row)]
+    if not rows:
+        raise ValueError(f"{path}: the file is empty")
+    header = None
+    if not all(_is_number(cell) for cell in rows[0][1]):
+        header = [cell.strip() for cell in rows[0][1]]
+        rows = rows[1:]
+    if not rows:
+        raise ValueError(f"{path}: the file has a header but no data rows")
+    width = len(header) if header else len(rows[0][1])
+    for line, row in rows:
+        if len(row) != width:
+            raise ValueError(f"{path}: line {line} has {len(row)} columns, expected {width}")
+    try:
+        return header, np.array([row for _, row in rows], dtype=np.float64)
+    except ValueError:
+        for line, row in rows:
+            for col, cell in enumerate(row):
+                if not _is_number(cell):
+                    name = header[col] if header else col
+                    raise ValueError(f"{path}: line {line}, column {name!r}: {cell!r} is not a "
+                                     f"number") from None
+        raise
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
+def _label_column(path, header, label, width) -> int:
+    if isinstance(label, str):
+        if header is None:
+            raise ValueError(f"{path}: has no header row, so label={label!r} cannot be found; "
+                             f"give the label column's index instead")
+        if label not in header:
+            raise ValueError(f"{path}: no column named {label!r}; columns: {', '.join(header)}")
+        return header.index(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not -width <= label < width:
+        raise ValueError(f"{path}: label={label!r} is not a column name or an index in "
+                         f"{-width}..{width - 1}")
+    if width < 2:
+        raise ValueError(f"{path}: needs a label column and at least one feature column")
+    return label % width
+
+
+# ---------------------------------------------------------------------------------------
+# synthetic(alpha, beta)
+# ---------------------------------------------------------------------------------------
+
+def load_synthetic(*, alpha: float = 0.0, beta: float = 0.0, dim: int = 30, classes: int = 5,
+                   clients: int = 20, samples_per_client: int = 200, size_sigma: float = 0.0,
+                   test_fraction: float = 0.2, seed: int = 0) -> Raw:
+    """Synthetic(alpha, beta), the FedProx-style softmax-regression data of FedUmf's appendix
+    (specs/fedumf.md §5, following its [ext] FedDC generator: dim 30, 5 classes, 20 clients,
+    ~200 samples per client).
+
+    Client k draws n_k ~ LogNormal(log(samples_per_client), size_sigma) samples
+    x ~ N(v_k, Sigma), Sigma = diag(j^-1.2), labelled y = argmax(x W_k + b_k).
+    alpha spreads the client optima: W_k, b_k ~ N(u_k, 1) with u_k ~ N(0, alpha); at alpha = 0
+    all clients share one W, b ~ N(0, 1). beta spreads the inputs: v_k ~ N(B_k, 1) per
+    coordinate with B_k ~ N(0, beta); at beta = 0 every v_k = 0. So (0, 0) is homogeneous, as
+    the FedDC code's iid_sol/iid_data flags make it.
+    Each client also draws test_fraction/(1 - test_fraction) * n_k held-out samples from its own
+    distribution; the test set pools them (FedDC tests on the training data; we do not).
+    `client_ids` records each training sample's client, for the `natural` partition.
+    Features are left unnormalised.
+    """
+    for key, value in (("dim", dim), ("classes", classes), ("clients", clients),
+                       ("samples_per_client", samples_per_client)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"synthetic: {key} must be a positive integer, got {value!r}")
+    if classes < 2:
+        raise ValueError(f"synthetic: classes must be at least 2, got {classes}")
+    for key, value in (("alpha", alpha), ("beta", beta), ("size_sigma", size_sigma)):
+        if not value >= 0:
+            raise ValueError(f"synthetic: {key} must be >= 0, got {value!r}")
+    if not 0.0 <= test_fraction < 1.0:
+        raise ValueError(f"synthetic: test_fraction must be in [0, 1), got {test_fraction!r}")
+    rng = np.random.default_rng(seed)
+    scale = np.power(np.arange(1, dim + 1, dtype=np.float64), -1.2) ** 0.5   # sqrt(diag(Sigma))
+    sizes = rng.lognormal(np.log(samples_per_client + 1e-3), size_sigma, clients).astype(int)
+    sizes = np.maximum(sizes, 1)
+    test_sizes = np.floor(sizes * test_fraction / (1.0 - test_fraction) + 0.5).astype(int)
+    opt_means = rng.normal(0.0, alpha, clients)
+    input_means = np.zeros((clients, dim))
+    if beta > 0:
+        input_means = rng.normal(rng.normal(0.0, beta, clients)[:, None], 1.0, (clients, dim))
+    w = rng.normal(0.0, 1.0, (dim, classes))
+    b = rng.normal(0.0, 1.0, classes)
+    parts = {"x_train": [], "y_train": [], "x_test": [], "y_test": []}
+    for k in range(clients):
+        if alpha > 0:
+            w = rng.normal(opt_means[k], 1.0, (dim, classes))
+            b = rng.normal(opt_means[k], 1.0, classes)
+        x = input_means[k] + rng.standard_normal((sizes[k] + test_sizes[k], dim)) * scale
+        y = np.argmax(x @ w + b, axis=1)
+        parts["x_train"].append(x[:sizes[k]])
+        parts["y_train"].append(y[:sizes[k]])
+        parts["x_test"].append(x[sizes[k]:])
+        parts["y_test"].append(y[sizes[k]:])
+    xs, ys, xt, yt = (np.concatenate(parts[k]) for k in ("x_train", "y_train", "x_test", "y_test"))
+    if len(yt) == 0:
+        raise ValueError("synthetic: test_fraction leaves no test samples; raise test_fraction")
+    owners = np.repeat(np.arange(clients, dtype=np.int32), sizes)
+    return Raw("synthetic", xs, ys.astype(np.int64), xt, yt.astype(np.int64), classes,
+               tuple(str(c) for c in range(classes)), np.zeros(1, np.float32),
+               np.ones(1, np.float32), (float(xs.min()), float(xs.max())), client_ids=owners)
