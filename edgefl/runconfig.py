@@ -1,0 +1,293 @@
+"""The run configuration of `edgefl simulate`: YAML (plus `--set dotted.key=value`
+overrides, parsed by edgefl.config) validated into frozen dataclasses, with defaults.
+
+    dataset:   {name: digits}                 # + the dataset's options (edgefl.data)
+    partition: {name: iid, clients: 10}       # + the partitioner's options
+    model:     {name: softmax}                # + the model's options; init: uniform | zeros
+    strategy:  {name: mfl, gamma: 0.5}        # + the algorithm's parameters as sibling keys
+    train:     {lr: 0.1, batch_size: 32, epochs: 1}   # or steps; momentum, weight_decay, lr_decay
+    rounds: 20
+    clients_per_round: 5                      # or fraction (of partition.clients); default: all
+    seed: 0
+    eval_every: 1                             # evaluate every k rounds (and after the last)
+
+Every error names the file, the dotted key (and says when it came from --set) and the valid
+choices. A config may also be named by the stem of a file shipped in edgefl/configs
+(`edgefl simulate quickstart`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import types
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from typing import Any, Mapping
+
+from . import kernels
+from .config import Config, ConfigError, load_config
+from .data import dataset_options, partition_options
+from .models import model_names
+from .strategies import StrategyError, get_strategy, strategy_names, strategy_params
+
+__all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mapping",
+           "builtin_configs", "resolve_config_path", "ConfigError"]
+
+TOP_KEYS = ("dataset", "partition", "model", "strategy", "train", "rounds", "clients_per_round",
+            "fraction", "seed", "eval_every")
+# model.init: "uniform" is Model.init's seeded default; "zeros" is specs/mfl.md §9 item 11's
+# w(0) = 0 for the convex models. The other model keys are the model's options.
+MODEL_INITS = ("uniform", "zeros")
+DEFAULTS = {
+    "dataset": {"name": "digits"},
+    "partition": {"name": "iid", "clients": 10},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedavg"},
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local hyper-parameters (the `train:` section). epochs and steps are exclusive: setting
+    steps (> 0) runs that many minibatch steps per round instead of epochs."""
+    lr: float = 0.1
+    batch_size: int = 32
+    epochs: int = 1
+    steps: int = 0
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lr_decay: float = 1.0          # eta_t = lr * lr_decay**(t-1)
+
+    def kernel_kwargs(self) -> dict:
+        """The keyword arguments of kernels.train_config (everything but lr_decay)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lr_decay"}
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.pop("steps" if self.steps == 0 else "epochs")
+        return out
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dataset: Mapping[str, Any]
+    partition: Mapping[str, Any]
+    model: Mapping[str, Any]
+    strategy: str
+    strategy_params: Mapping[str, Any]
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rounds: int = 10
+    clients_per_round: int = 0     # resolved: the M selected each round
+    seed: int = 0
+    eval_every: int = 1
+    path: str | None = None        # the file it came from (relative dataset paths use it)
+
+    @property
+    def clients(self) -> int:
+        return int(self.partition["clients"])
+
+    def to_dict(self) -> dict:
+        """The resolved configuration in the YAML vocabulary; loading it again gives the
+        same RunConfig."""
+        return {
+            "dataset": dict(self.dataset),
+            "partition": dict(self.partition),
+            "model": dict(self.model),
+            "strategy": {"name": self.strategy, **dict(self.strategy_params)},
+            "train": self.train.to_dict(),
+            "rounds": self.rounds,
+            "clients_per_round": self.clients_per_round,
+            "seed": self.seed,
+            "eval_every": self.eval_every,
+        }
+
+    def as_config(self) -> Config:
+        """The edgefl.config mapping for dataset_from_config / partition_from_config."""
+        return Config({"dataset": dict(self.dataset), "partition": dict(self.partition),
+                       "seed": self.seed}, self.path)
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------
+
+def builtin_configs() -> dict:
+    """{name: path} of the configs shipped in edgefl/configs."""
+    root = resources.files("edgefl").joinpath("configs")
+    if not root.is_dir():
+        return {}
+    return {entry.name[:-5]: str(entry) for entry in sorted(root.iterdir(), key=lambda e: e.name)
+            if entry.name.endswith(".yaml")}
+
+
+def resolve_config_path(name_or_path: str | os.PathLike) -> str:
+    """A file path as given if it exists, else the shipped config of that name."""
+    path = os.fspath(name_or_path)
+    if os.path.exists(path):
+        return path
+    shipped = builtin_configs()
+    stem = os.path.basename(path)
+    stem = stem[:-5] if stem.endswith(".yaml") else stem
+    if os.sep not in path and stem in shipped:
+        return shipped[stem]
+    raise ConfigError(f"{path}: config file does not exist, and it is not a built-in config "
+                      f"({', '.join(shipped) or 'none installed'})")
+
+
+def load_run_config(name_or_path: str | os.PathLike, overrides=()) -> RunConfig:
+    """Read and validate a run config file (or a built-in config by name) with overrides."""
+    path = resolve_config_path(name_or_path)
+    raw = load_config(path, overrides)
+    return run_config_from_mapping(raw, path, overrides)
+
+
+def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()) -> RunConfig:
+    """Validate a config mapping (as read from YAML) into a RunConfig."""
+    v = _Validator(path, overrides)
+    data = dict(data)
+    for key in data:
+        if key not in TOP_KEYS:
+            v.fail(key, f"unknown key; valid keys: {', '.join(TOP_KEYS)}")
+
+    dataset = v.section(data, "dataset")
+    v.options(dataset, "dataset", dataset_options)
+    partition = v.section(data, "partition")
+    v.options(partition, "partition", partition_options, extra=("clients",))
+    clients = partition.setdefault("clients", DEFAULTS["partition"]["clients"])
+    v.integer("partition.clients", clients, lo=1)
+    model = v.section(data, "model")
+    if model["name"] not in model_names():
+        v.fail("model.name", f"unknown model {model['name']!r}; valid: {', '.join(model_names())}")
+    if model.get("init", "uniform") not in MODEL_INITS:
+        v.fail("model.init", f"{model['init']!r}; valid: {', '.join(MODEL_INITS)}")
+
+    strategy = v.section(data, "strategy")
+    name = strategy.pop("name")
+    if name not in strategy_names():
+        v.fail("strategy.name", f"unknown strategy {name!r}; valid: {', '.join(strategy_names())}")
+    valid_params = strategy_params(name)
+    for key in strategy:
+        if key not in valid_params:
+            v.fail(f"strategy.{key}", f"unknown parameter of {name}; valid: "
+                                      f"{', '.join(['name', *valid_params])}")
+    try:
+        instance = get_strategy(name, **strategy)
+    except StrategyError as exc:   # a bad value; the message names the parameter
+        bad = next((k for k in strategy if f" {k} = " in str(exc)), None)
+        v.fail(f"strategy.{bad}" if bad else "strategy", str(exc))
+    params = instance.hyperparameters()
+
+    train = _train(v, data.get("train", {}))
+    rounds = v.integer("rounds", data.get("rounds", 10), lo=1)
+    seed = v.integer("seed", data.get("seed", 0), lo=0)
+    eval_every = v.integer("eval_every", data.get("eval_every", 1), lo=1)
+    m = _clients_per_round(v, data, clients)
+    return RunConfig(dataset=_frozen(dataset), partition=_frozen(partition), model=_frozen(model),
+                     strategy=name, strategy_params=_frozen(params), train=train, rounds=rounds,
+                     clients_per_round=m, seed=seed, eval_every=eval_every, path=path)
+
+
+def _train(v: "_Validator", section) -> TrainConfig:
+    if not isinstance(section, Mapping):
+        v.fail("train", f"must be a mapping of {', '.join(f.name for f in fields(TrainConfig))}, "
+                        f"got {section!r}")
+    valid = [f.name for f in fields(TrainConfig)]
+    for key in section:
+        if key not in valid:
+            v.fail(f"train.{key}", f"unknown key; valid keys: {', '.join(valid)}")
+    if "epochs" in section and "steps" in section:
+        v.fail("train.steps", "give train.epochs or train.steps, not both")
+    values = {}
+    defaults = TrainConfig()
+    for key in ("lr", "momentum", "weight_decay", "lr_decay"):
+        values[key] = v.number(f"train.{key}", section.get(key, getattr(defaults, key)))
+    values["batch_size"] = v.integer("train.batch_size", section.get("batch_size", 32), lo=0)
+    if "steps" in section:
+        values["steps"] = v.integer("train.steps", section["steps"], lo=1)
+        values["epochs"] = 0
+    else:
+        values["epochs"] = v.integer("train.epochs", section.get("epochs", 1), lo=1)
+    if not values["lr"] > 0:
+        v.fail("train.lr", f"{values['lr']} must be > 0")
+    if not 0 < values["lr_decay"] <= 1:
+        v.fail("train.lr_decay", f"{values['lr_decay']} must be in (0, 1]")
+    try:
+        kernels.train_config(**{k: x for k, x in values.items() if k != "lr_decay"})
+    except ValueError as exc:
+        key = next((k for k in values if str(exc).startswith(f"train config: {k} ")), None)
+        v.fail(f"train.{key}" if key else "train", str(exc).replace("train config: ", ""))
+    return TrainConfig(**values)
+
+
+def _clients_per_round(v: "_Validator", data: Mapping, clients: int) -> int:
+    if "clients_per_round" in data and "fraction" in data:
+        v.fail("fraction", "give clients_per_round or fraction, not both")
+    if "clients_per_round" in data:
+        m = v.integer("clients_per_round", data["clients_per_round"], lo=1)
+        if m > clients:
+            v.fail("clients_per_round", f"{m} is more than partition.clients = {clients}")
+        return m
+    fraction = v.number("fraction", data.get("fraction", 1.0))
+    if not 0 < fraction <= 1:
+        v.fail("fraction", f"{fraction} must be in (0, 1]")
+    # M = round(C * N), at least 1 (specs/fedumf.md §8.11)
+    return max(1, min(clients, int(round(fraction * clients))))
+
+
+def _frozen(mapping: Mapping) -> Mapping:
+    return types.MappingProxyType(dict(mapping))
+
+
+class _Validator:
+    """Builds error messages: file, dotted key (and whether --set gave it), problem."""
+
+    def __init__(self, path: str | None, overrides=()):
+        self.path = path or "<config>"
+        self.overridden = {item.partition("=")[0].strip() for item in overrides}
+
+    def fail(self, key: str, problem: str):
+        parts = key.split(".")
+        from_set = any(".".join(parts[:i]) in self.overridden for i in range(1, len(parts) + 1))
+        raise ConfigError(f"{self.path}: {key}{' (from --set)' if from_set else ''}: {problem}")
+
+    def section(self, data: Mapping, name: str) -> dict:
+        """A named section as a dict with a string `name` (a bare string is the name)."""
+        value = data.get(name, DEFAULTS[name])
+        if isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, Mapping):
+            self.fail(name, f"must be a mapping with a name, got {value!r}")
+        value = {"name": DEFAULTS[name]["name"], **value}
+        if not isinstance(value["name"], str):
+            self.fail(f"{name}.name", f"must be a string, got {value['name']!r}")
+        return value
+
+    def options(self, section: dict, kind: str, options_of, extra=()) -> None:
+        try:
+            valid = options_of(section["name"])
+        except ValueError as exc:
+            self.fail(f"{kind}.name", str(exc))
+        for key in section:
+            if key != "name" and key not in valid and key not in extra:
+                choices = ", ".join(("name", *extra, *valid))
+                self.fail(f"{kind}.{key}", f"unknown option of {kind} {section['name']!r}; "
+                                           f"valid: {choices}")
+
+    def integer(self, key: str, value, lo: int | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(key, f"must be an integer, got {value!r}")
+        if lo is not None and value < lo:
+            self.fail(key, f"{value} must be >= {lo}")
+        return int(value)
+
+    def number(self, key: str, value) -> float:
+        if isinstance(value, str):     # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                self.fail(key, f"must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.fail(key, f"must be a number, got {value!r}")
+        if not math.isfinite(value):
+            self.fail(key, f"must be finite, got {value!r}")
+        return float(value)

@@ -1,0 +1,383 @@
+"""In-process simulation: the aggregator and N virtual clients in one process
+(DESIGN.md "Who uses it" 1; issue #3 item 4).
+
+`run_federation` is the round loop over in-memory clients: select -> configure -> train the
+tasked clients in a thread pool (the C core releases the GIL) -> aggregate in sorted client
+order -> evaluate. `simulate` wraps it for a RunConfig: loads the dataset, partitions it,
+builds the model, and writes to an output directory
+
+    metrics.jsonl  one JSON object per round: round, test_accuracy, test_loss (null on
+                   rounds not evaluated), train_loss (mean over the uploaders' local steps),
+                   uplink_bytes, downlink_bytes (float32 bytes of the buffers actually sent,
+                   summed over recipients), wall_s (this round), train_wall_s (the parallel
+                   training phase), elapsed_s, selected (sorted ids), trained (clients that
+                   trained; FedUmf trains unselected ones too), plus the strategy's metrics
+    summary.json   final/best accuracy, rounds, the resolved config, model_sha256 (of the
+                   final global float32 buffer), bytes moved, timings (overhead_fraction =
+                   share of wall time outside the training phase)
+    model.npz      the final global buffer, layer table (JSON), model spec, round, the
+                   strategy's state buffers and meta, the input normalisation
+    curves.png     test accuracy and loss by round
+
+Determinism: selection is seeded by (seed, round), each local round by (seed, round,
+client) (`strategies.client_seed`), and aggregation visits clients in sorted order, so the
+final model is bit-identical whatever the number of worker threads or their scheduling.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from . import __version__, kernels
+from .config import ConfigError, dataset_from_config, partition_from_config
+from .errors import KernelError, NonFiniteError
+from .models import Model, build_model
+from .runconfig import RunConfig
+from .strategies import (LocalData, Setup, State, Strategy, get_strategy, mean_train_loss,
+                         select_clients)
+
+__all__ = ["RunResult", "run_federation", "simulate", "local_datasets", "model_sha256",
+           "load_checkpoint", "Progress"]
+
+
+@dataclass
+class RunResult:
+    state: State                      # the server state after the last round
+    client_states: dict               # {client: State | None}
+    history: list = field(default_factory=list)   # one metrics dict per round
+    params: np.ndarray | None = None  # strategy.global_model(state)
+
+    @property
+    def model_sha256(self) -> str:
+        return model_sha256(self.params)
+
+
+def model_sha256(params: np.ndarray) -> str:
+    """sha256 of the float32 buffer's bytes."""
+    return hashlib.sha256(np.ascontiguousarray(params, dtype=np.float32).tobytes()).hexdigest()
+
+
+def local_datasets(dataset, split, model: Model) -> dict:
+    """{client: LocalData} for a Dataset and a Partition (per-client labels when the
+    partitioner replaced them, as label-noise does)."""
+    out = {}
+    for c, idx in enumerate(split.indices):
+        y = split.labels[c] if split.labels is not None else dataset.y_train[idx]
+        out[c] = LocalData(c, model, np.ascontiguousarray(dataset.x_train[idx]),
+                           np.ascontiguousarray(y))
+    return out
+
+
+def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping[int, LocalData],
+                   setup: Setup, clients_per_round: int, *, rounds: int | None = None,
+                   test: tuple | None = None, eval_every: int = 1, workers: int | None = None,
+                   on_round: Callable[[dict], None] | None = None) -> RunResult:
+    """Run `rounds` (default setup.rounds) rounds of `strategy` over in-memory `clients`.
+
+    Each round selects `clients_per_round` of setup.clients, trains every client the
+    strategy tasks (FedUmf tasks unselected clients too), passes the uploads of tasks with
+    upload=True to `aggregate` in sorted client order, and evaluates the global model on
+    `test` = (x, y) every `eval_every` rounds and after the last. `on_round(record)` sees
+    each round's metrics as soon as it is done.
+    """
+    rounds = setup.rounds if rounds is None else rounds
+    missing = sorted(set(setup.clients) - set(clients))
+    if missing:
+        raise ValueError(f"run_federation: no local data for client(s) {missing[:10]}")
+    model = clients[setup.clients[0]].model
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers = {workers}: need at least 1 thread")
+    state = strategy.init(init_params, setup)
+    client_states: dict = {c: None for c in setup.clients}
+    history = []
+    started = time.perf_counter()
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edgefl-client") \
+        if workers > 1 else None
+    try:
+        for r in range(1, rounds + 1):
+            t0 = time.perf_counter()
+            selected = select_clients(setup.seed, r, setup.clients, clients_per_round)
+            tasks = strategy.configure(r, selected, state)
+            order = sorted(tasks)
+
+            def train_one(c, r=r, tasks=tasks):
+                try:
+                    return strategy.train(tasks[c], clients[c], client_states[c])
+                except NonFiniteError as exc:
+                    raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc
+
+            t1 = time.perf_counter()
+            results = list(pool.map(train_one, order)) if pool else [train_one(c) for c in order]
+            train_wall = time.perf_counter() - t1
+            updates = {}
+            for c, (update, new_state) in zip(order, results):
+                client_states[c] = new_state
+                if tasks[c].upload:
+                    updates[c] = update
+                elif update.buffers:
+                    raise RuntimeError(f"{strategy.name}: client {c} was not allowed to upload in "
+                                       f"round {r} but its update carries buffers "
+                                       f"{sorted(update.buffers)}")
+            state, metrics = strategy.aggregate(r, updates, state)
+            record = {"round": r, "test_accuracy": None, "test_loss": None,
+                      "train_loss": metrics.pop("train_loss", mean_train_loss(updates)),
+                      "uplink_bytes": sum(u.nbytes for u in updates.values()),
+                      "downlink_bytes": sum(t.nbytes for t in tasks.values()),
+                      "selected": list(selected), "trained": len(tasks)}
+            if test is not None and (r % eval_every == 0 or r == rounds):
+                result = kernels.evaluate(model, strategy.global_model(state), *test)
+                record["test_accuracy"], record["test_loss"] = result["accuracy"], result["loss"]
+            now = time.perf_counter()
+            record.update({"wall_s": now - t0, "train_wall_s": train_wall,
+                           "elapsed_s": now - started})
+            record.update(metrics)
+            history.append(record)
+            if on_round is not None:
+                on_round(record)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    return RunResult(state, client_states, history, strategy.global_model(state))
+
+
+# ---------------------------------------------------------------------------------------
+# simulate: a RunConfig to an output directory
+# ---------------------------------------------------------------------------------------
+
+def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: int | None = None,
+             progress: bool | None = None, stream=None) -> dict:
+    """Run the configured federation and write metrics.jsonl, summary.json, model.npz and
+    curves.png into `out_dir` (None: write nothing). progress: None = show a progress bar on
+    stderr (a bar on a TTY, one line per round otherwise), False = silent. Returns the
+    summary dict."""
+    dataset = dataset_from_config(config.as_config())
+    split = partition_from_config(config.as_config(), dataset)
+    model_spec = {k: v for k, v in config.model.items() if k != "init"}
+    try:
+        model = build_model(model_spec, dataset.input_shape, dataset.num_classes)
+    except KernelError as exc:
+        raise ConfigError(f"{config.path or '<config>'}: model: {exc}") from None
+    init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
+    strategy = get_strategy(config.strategy, **config.strategy_params)
+    setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),
+                  lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds)
+    clients = local_datasets(dataset, split, model)
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+
+    metrics_file = None
+    if out_dir is not None:
+        out_dir = os.fspath(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w", encoding="utf-8")
+    bar = Progress(config.rounds, stream or sys.stderr, enabled=progress is not False)
+
+    def on_round(record):
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(_jsonable(record)) + "\n")
+            metrics_file.flush()
+        bar.update(record)
+
+    try:
+        result = run_federation(strategy, init_params, clients, setup, config.clients_per_round,
+                                test=(dataset.x_test, dataset.y_test),
+                                eval_every=config.eval_every, workers=workers, on_round=on_round)
+    finally:
+        bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+
+    summary = _summary(config, model, result, workers)
+    if out_dir is not None:
+        _write_json(os.path.join(out_dir, "summary.json"), summary)
+        save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset)
+        try:
+            plot_curves(result.history, os.path.join(out_dir, "curves.png"),
+                        f"{config.strategy} on {dataset.name}, {config.clients} clients")
+        except ImportError as exc:   # matplotlib is an optional extra
+            print(f"edgefl simulate: curves.png skipped: {exc}", file=stream or sys.stderr)
+    return summary
+
+
+def _summary(config: RunConfig, model: Model, result: RunResult, workers: int) -> dict:
+    evaluated = [h for h in result.history if h["test_accuracy"] is not None]
+    best = max(evaluated, key=lambda h: h["test_accuracy"])
+    last = result.history[-1]
+    wall = last["elapsed_s"]
+    train = sum(h["train_wall_s"] for h in result.history)
+    return {
+        "final_accuracy": last["test_accuracy"],
+        "final_loss": last["test_loss"],
+        "best_accuracy": best["test_accuracy"],
+        "best_round": best["round"],
+        "rounds": len(result.history),
+        "model_sha256": result.model_sha256,
+        "n_params": model.n_params,
+        "uplink_bytes": sum(h["uplink_bytes"] for h in result.history),
+        "downlink_bytes": sum(h["downlink_bytes"] for h in result.history),
+        "wall_s": wall,
+        "train_wall_s": train,
+        "overhead_fraction": (wall - train) / wall if wall > 0 else 0.0,
+        "workers": workers,
+        "backend": kernels.backend,
+        "edgefl_version": __version__,
+        "config": config.to_dict(),
+    }
+
+
+def save_checkpoint(path: str, model: Model, strategy: Strategy, result: RunResult, dataset=None):
+    """model.npz, written atomically (temporary file, fsync, rename). No pickles: strings are
+    stored as numpy unicode scalars, so np.load(path) works with allow_pickle=False."""
+    arrays = {
+        "params": np.asarray(result.params),
+        "table": np.array(json.dumps(model.table.to_json())),
+        "model_spec": np.array(model.spec),
+        "input_shape": np.array(model.input_shape, dtype=np.int64),
+        "num_classes": np.array(model.num_classes, dtype=np.int64),
+        "round": np.array(result.history[-1]["round"] if result.history else 0, dtype=np.int64),
+        "strategy": np.array(json.dumps({"name": strategy.name, **strategy.hyperparameters()})),
+        "state_meta": np.array(json.dumps(_jsonable(dict(result.state.meta)))),
+    }
+    for name, buf in result.state.buffers.items():
+        arrays[f"state.{name}"] = np.asarray(buf)
+    if dataset is not None:
+        arrays["norm_mean"] = np.asarray(dataset.norm_mean)
+        arrays["norm_std"] = np.asarray(dataset.norm_std)
+        arrays["class_names"] = np.array(json.dumps(list(dataset.class_names)))
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> dict:
+    """The arrays of a model.npz with its JSON fields decoded (table as a LayerTable)."""
+    from .params import LayerTable
+
+    with np.load(path, allow_pickle=False) as z:
+        out = {k: z[k] for k in z.files}
+    for key in ("table", "strategy", "state_meta", "class_names", "model_spec"):
+        if key in out:
+            out[key] = json.loads(str(out[key]))
+    out["table"] = LayerTable.from_json(out["table"])
+    out["round"] = int(out["round"])
+    return out
+
+
+def plot_curves(history: list, path: str, title: str = "") -> None:
+    """curves.png: test accuracy (left) and test/train loss (right) by round; matplotlib's
+    Agg canvas directly, no pyplot state."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("curves.png needs matplotlib (pip install 'edgefl[plot]')") from exc
+    evaluated = [h for h in history if h["test_accuracy"] is not None]
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    acc, loss = fig.subplots(1, 2)
+    acc.plot([h["round"] for h in evaluated], [h["test_accuracy"] for h in evaluated], marker=".")
+    acc.set_xlabel("round")
+    acc.set_ylabel("test accuracy")
+    acc.grid(True, alpha=0.3)
+    loss.plot([h["round"] for h in evaluated], [h["test_loss"] for h in evaluated], marker=".",
+              label="test loss")
+    loss.plot([h["round"] for h in history], [h["train_loss"] for h in history], marker=".",
+              label="train loss (local steps)")
+    loss.set_xlabel("round")
+    loss.set_ylabel("loss")
+    loss.grid(True, alpha=0.3)
+    loss.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
+
+
+def _write_json(path: str, data) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(data), f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _jsonable(x):
+    """Plain JSON types; NaN/inf become null (JSON has no NaN)."""
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+# ---------------------------------------------------------------------------------------
+# progress on stderr
+# ---------------------------------------------------------------------------------------
+
+class Progress:
+    """Round, accuracy and ETA on a stream: a redrawn bar when it is a TTY, one line per
+    round otherwise; nothing when disabled (--quiet)."""
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream, enabled: bool = True):
+        self.total, self.stream, self.enabled = total, stream, enabled
+        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+        self.last_accuracy = None
+        self.drawn = False
+
+    def update(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        r, elapsed = record["round"], record["elapsed_s"]
+        if record["test_accuracy"] is not None:
+            self.last_accuracy = record["test_accuracy"]
+        eta = elapsed / r * (self.total - r)
+        acc = "  -   " if self.last_accuracy is None else f"{self.last_accuracy:.4f}"
+        loss = record["train_loss"]
+        loss = "nan" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"
+        if self.tty:
+            filled = self.WIDTH * r // self.total
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            self.stream.write(f"\rround {r:>{len(str(self.total))}}/{self.total} [{bar}] "
+                              f"acc {acc}  train loss {loss}  ETA {_duration(eta)} ")
+            self.drawn = True
+        else:
+            self.stream.write(f"round {r}/{self.total} acc {acc} train_loss {loss} "
+                              f"{record['wall_s']:.3f}s ETA {_duration(eta)}\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = False
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    m, s = divmod(seconds, 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m"

@@ -1,0 +1,485 @@
+"""Federated-learning algorithms as strategies: a server half and a client half, pure, no I/O
+(DESIGN.md "Strategies").
+
+    strategy = get_strategy("mfl", gamma=0.5)
+    state = strategy.init(w0, Setup(clients=range(10), train={"lr": 0.05}))
+    tasks = strategy.configure(1, [2, 5, 7], state)                 # {client: Task}
+    update, cstate = strategy.train(tasks[2], local_data[2], None)  # on the client
+    state, metrics = strategy.aggregate(1, {2: u2, 5: u5, 7: u7}, state)
+    w = strategy.global_model(state)
+
+Rules every strategy follows:
+
+- **Pure.** No I/O, no clocks, no global RNG. Randomness comes from the seeds in `Task.train`
+  (derived from (run seed, round, client) by `Strategy.local_config`), so a client's local
+  round is the same whichever thread or board runs it.
+- **Copy-on-write.** `State`, `Task` and `Update` hand their buffers over: the constructors
+  make them read-only, so a strategy that writes into a buffer it received fails loudly
+  instead of corrupting the caller's model. New buffers are new arrays.
+- **State is returned**, never mutated: `aggregate` returns a new `State`; `train` returns the
+  client's new state. A `State` is what a checkpoint saves (buffers + JSON-able meta).
+- **Fixed order.** Aggregation visits clients in sorted id order with float64 accumulation
+  (`weighted_average`), so the result does not depend on the order updates arrived in.
+
+Round numbers start at 1 (round t = 1..T, the convention of specs/fedumf.md §2.1).
+The global model is `state.buffers["params"]` unless a strategy overrides `global_model`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .. import kernels
+
+__all__ = ["StrategyError", "Setup", "Task", "Update", "State", "LocalData", "Strategy",
+           "register", "get_strategy", "strategy_names", "strategy_params", "client_seed",
+           "select_clients", "exact_weights", "aggregation_weights", "weighted_average",
+           "average_updates", "mean_train_loss", "local_round", "check_choice", "check_number",
+           "WEIGHTINGS"]
+
+WEIGHTINGS = ("samples", "uniform")
+
+
+class StrategyError(ValueError):
+    """A strategy name, parameter or input the strategy cannot use; the message names it."""
+
+
+# ---------------------------------------------------------------------------------------
+# read-only containers
+# ---------------------------------------------------------------------------------------
+
+def _frozen_buffers(buffers: Mapping[str, np.ndarray], what: str) -> Mapping[str, np.ndarray]:
+    out = {}
+    for name, buf in dict(buffers).items():
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
+                or not buf.flags.c_contiguous:
+            got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
+            raise StrategyError(f"{what} buffer {name!r}: need a flat contiguous float32 array, "
+                                f"got {got}")
+        buf.flags.writeable = False
+        out[str(name)] = buf
+    return types.MappingProxyType(out)
+
+
+def _frozen_mapping(mapping) -> Mapping:
+    return types.MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the server half knows about a run when it starts (the `cfg` of `init`).
+
+    clients:  every client id of the federation (FedUmf trains all of them, not only the
+              selected ones).
+    train:    the base local hyper-parameters, keyword arguments of `kernels.train_config`
+              (lr, batch_size, epochs | steps, momentum, weight_decay; no seed).
+    lr_decay: per-round factor, eta_t = lr * lr_decay**(t-1) (FedUmf appendix: 0.998).
+    seed:     the run seed; each local round's data order is seeded from (seed, round, client).
+    rounds:   the planned number of rounds T (0 if open-ended).
+    """
+    clients: tuple = ()
+    train: Mapping = field(default_factory=dict)
+    lr_decay: float = 1.0
+    seed: int = 0
+    rounds: int = 0
+
+    def __post_init__(self):
+        clients = tuple(int(c) for c in self.clients)
+        if len(set(clients)) != len(clients) or any(c < 0 for c in clients):
+            raise StrategyError(f"setup.clients: need distinct non-negative ids, "
+                                f"got {clients[:10]}")
+        train = dict(self.train)
+        if "seed" in train:
+            raise StrategyError("setup.train: 'seed' is derived per (round, client); "
+                                "set Setup.seed")
+        kernels.train_config(**train)   # validates keys and values now, not in round 7
+        if not (isinstance(self.lr_decay, (int, float)) and 0 < self.lr_decay <= 1):
+            raise StrategyError(f"setup.lr_decay: {self.lr_decay!r} must be in (0, 1]")
+        object.__setattr__(self, "clients", tuple(sorted(clients)))
+        object.__setattr__(self, "train", _frozen_mapping(train))
+        object.__setattr__(self, "lr_decay", float(self.lr_decay))
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "rounds", int(self.rounds))
+
+    def to_json(self) -> dict:
+        return {"clients": list(self.clients), "train": dict(self.train),
+                "lr_decay": self.lr_decay, "seed": self.seed, "rounds": self.rounds}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "Setup":
+        return cls(**dict(data))
+
+    def lr(self, round: int) -> float:
+        """eta_t for round t >= 1."""
+        lr = float(self.train.get("lr", kernels.TRAIN_DEFAULTS["lr"]))
+        return lr * self.lr_decay ** (round - 1)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What the server asks one client to do in one round.
+
+    buffers: the buffers the client starts from, by name ("params", and e.g. "momentum").
+    source:  "global" when they are the broadcast global buffers (the same arrays for every
+             client; one retained publish on the model topic), "client" when they were made
+             for this client alone (FedMR's per-client models; one publish per client).
+    upload:  whether the client may upload its result (FedUmf's authorisation); a client
+             with upload=False trains, keeps what it needs in its state and sends nothing.
+    train:   the resolved local hyper-parameters for this client and round, a
+             `kernels.train_config` dict (per-client overrides such as `steps` and the seed
+             derived from (seed, round, client) are already in it).
+    scalars: strategy-specific numbers sent with the task (e.g. FedVeca's tau).
+    """
+    round: int
+    buffers: Mapping[str, np.ndarray]
+    train: Mapping[str, Any]
+    source: str = "global"
+    upload: bool = True
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.source not in ("global", "client"):
+            raise StrategyError(f"task.source: {self.source!r}; valid: global, client")
+        object.__setattr__(self, "buffers", _frozen_buffers(self.buffers, "task"))
+        object.__setattr__(self, "train", _frozen_mapping(self.train))
+        object.__setattr__(self, "scalars", _frozen_mapping(self.scalars))
+
+    @property
+    def nbytes(self) -> int:
+        """float32 bytes of the buffers this task sends down."""
+        return sum(b.nbytes for b in self.buffers.values())
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one client sends back after a local round.
+
+    buffers:     named result buffers ("params", "momentum", ...); empty when the task did
+                 not allow an upload.
+    num_samples: the client's sample count |D_i| (the weight of `weighting: samples`).
+    train_loss:  mean minibatch loss over the local steps.
+    steps:       local steps taken (tau_i; FedNova normalises by it).
+    scalars:     further strategy-specific numbers (FedUmf's "fused" flag, FedVeca's
+                 estimates, ...).
+    """
+    buffers: Mapping[str, np.ndarray]
+    num_samples: int
+    train_loss: float
+    steps: int
+    scalars: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "buffers", _frozen_buffers(self.buffers, "update"))
+        object.__setattr__(self, "scalars", _frozen_mapping(self.scalars))
+        object.__setattr__(self, "num_samples", int(self.num_samples))
+        object.__setattr__(self, "steps", int(self.steps))
+        object.__setattr__(self, "train_loss", float(self.train_loss))
+
+    @property
+    def nbytes(self) -> int:
+        """float32 bytes of the buffers this update sends up."""
+        return sum(b.nbytes for b in self.buffers.values())
+
+
+@dataclass(frozen=True)
+class State:
+    """Server or client state: named flat buffers plus JSON-able metadata. Never mutated;
+    a strategy returns a new State. This is exactly what a checkpoint stores."""
+    buffers: Mapping[str, np.ndarray]
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "buffers", _frozen_buffers(self.buffers, "state"))
+        object.__setattr__(self, "meta", _frozen_mapping(self.meta))
+
+    def replace(self, buffers: Mapping | None = None, **meta) -> "State":
+        """A new State with some buffers and/or meta keys replaced."""
+        new_buffers = dict(self.buffers)
+        new_buffers.update(buffers or {})
+        new_meta = dict(self.meta)
+        new_meta.update(meta)
+        return State(new_buffers, new_meta)
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """What a client holds locally: its id, the model architecture (the same on every
+    client) and its samples (float32 C-contiguous x, int32 labels or float32 targets y)."""
+    client: int
+    model: Any
+    x: np.ndarray
+    y: np.ndarray
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.x.shape[0])
+
+
+# ---------------------------------------------------------------------------------------
+# the interface
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Strategy:
+    """Base class. Subclasses are frozen dataclasses whose fields are the algorithm's
+    hyper-parameters (named as in its spec), validated in `__post_init__`; they register
+    with `@register("name")`.
+
+    Server half: `init`, `configure`, `aggregate`. Client half: `train`. The defaults here
+    are FedAvg's (broadcast "params", train locally, upload "params"); algorithms override
+    what differs.
+    """
+    name: ClassVar[str] = ""
+
+    # ---------------------------------------------------------------- server half
+    def init(self, global_params: np.ndarray, cfg: Setup) -> State:
+        """The server state before round 1: a copy of the initial model and the setup."""
+        return State({"params": _copy(global_params, "global_params")},
+                     {"round": 0, "setup": cfg.to_json()})
+
+    def configure(self, round: int, clients: Sequence[int], state: State) -> dict:
+        """{client: Task} for round `round`; `clients` are the selected clients."""
+        setup = self.setup(state)
+        shared = {"params": state.buffers["params"]}
+        return {c: Task(round, shared, self.local_config(setup, round, c)) for c in sorted(clients)}
+
+    def aggregate(self, round: int, updates: Mapping[int, Update], state: State):
+        """(new state, metrics) from the uploads of round `round`."""
+        raise NotImplementedError
+
+    def global_model(self, state: State) -> np.ndarray:
+        """The model to evaluate, export and checkpoint."""
+        return state.buffers["params"]
+
+    # ---------------------------------------------------------------- client half
+    def train(self, task: Task, local_data: LocalData, client_state: State | None):
+        """(Update, new client state) for one local round. `client_state` is None the first
+        time a client trains."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def setup(state: State) -> Setup:
+        return Setup.from_json(state.meta["setup"])
+
+    @staticmethod
+    def local_config(setup: Setup, round: int, client: int, **overrides) -> dict:
+        """The `kernels.train_config` of `client`'s local round `round`: the setup's train
+        section, the round's lr (eta_t = lr * lr_decay**(t-1)), the data-order seed from
+        (seed, round, client), then per-client `overrides` (e.g. steps)."""
+        cfg = dict(setup.train)
+        cfg["lr"] = setup.lr(round)
+        cfg["seed"] = client_seed(setup.seed, round, client)
+        cfg.update(overrides)
+        return kernels.train_config(**cfg)
+
+    def hyperparameters(self) -> dict:
+        """The hyper-parameters this instance was built with."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# ---------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type] = {}
+_MODULES = ("fedavg", "fednova", "mfl", "fedumf")   # imported on first lookup
+
+
+def register(name: str):
+    """Class decorator: make a Strategy subclass available as get_strategy(name)."""
+    def wrap(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+            raise TypeError(f"register({name!r}): {cls!r} is not a Strategy subclass")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise StrategyError(f"strategy {name!r} is registered twice "
+                                f"({_REGISTRY[name].__module__} and {cls.__module__})")
+        if not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen:
+            raise TypeError(f"register({name!r}): {cls.__name__} must be a frozen dataclass")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return wrap
+
+
+def _load_builtin() -> None:
+    for module in _MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+
+
+def strategy_names() -> list:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def strategy_params(name: str) -> dict:
+    """{parameter: default} of strategy `name`."""
+    cls = _lookup(name)
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def get_strategy(name: str, **params) -> Strategy:
+    """The strategy `name` with its hyper-parameters. An unknown name or parameter raises
+    StrategyError listing the valid ones; a bad value raises naming the parameter."""
+    cls = _lookup(name)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key in params:
+        if key not in valid:
+            raise StrategyError(f"strategy {name!r}: unknown parameter {key!r}; valid: "
+                                f"{', '.join(valid) or '(none)'}")
+    return cls(**params)
+
+
+def _lookup(name: str) -> type:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise StrategyError(f"unknown strategy {name!r}; valid: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+# ---------------------------------------------------------------------------------------
+# parameter checks shared by the algorithm modules
+# ---------------------------------------------------------------------------------------
+
+def check_choice(strategy: str, key: str, value, choices: Iterable) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise StrategyError(f"strategy {strategy!r}: {key} = {value!r}; "
+                            f"valid: {', '.join(choices)}")
+
+
+def check_number(strategy: str, key: str, value, lo: float, hi: float, *,
+                 lo_open: bool = False, hi_open: bool = False, why: str = "") -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and np.isfinite(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise StrategyError(f"strategy {strategy!r}: {key} = {value!r} must be a number in "
+                            f"{interval}" + (f" ({why})" if why else ""))
+
+
+# ---------------------------------------------------------------------------------------
+# selection and seeds (shared by every strategy, so reductions like FedUmf alpha=0 == FedAvg
+# hold bit for bit: same selection, same data order)
+# ---------------------------------------------------------------------------------------
+
+_SELECT_STREAM = 0x5E1EC7   # separates the selection stream from the per-client train seeds
+_TRAIN_STREAM = 0x7EA1
+
+
+def client_seed(seed: int, round: int, client: int) -> int:
+    """The seed of `client`'s local round `round`: a 64-bit hash of (seed, round, client),
+    independent of thread scheduling, strategy and strategy parameters."""
+    ss = np.random.SeedSequence((int(seed), _TRAIN_STREAM, int(round), int(client)))
+    return int(ss.generate_state(1, np.uint64)[0])
+
+
+def select_clients(seed: int, round: int, clients: Sequence[int], m: int) -> list:
+    """m of `clients`, uniformly without replacement, from a Generator seeded by
+    (seed, round) alone (specs/fedumf.md §8.11: fixed M, uniform without replacement).
+    Stateless, so a resumed run selects the same clients, and independent of the strategy
+    and its parameters (specs/fedumf.md §9 P15). Returned sorted."""
+    clients = sorted(int(c) for c in clients)
+    if not 1 <= m <= len(clients):
+        raise StrategyError(f"select_clients: cannot select {m} of {len(clients)} clients")
+    if m == len(clients):
+        return clients
+    rng = np.random.default_rng((int(seed), _SELECT_STREAM, int(round)))
+    picked = rng.choice(len(clients), size=m, replace=False)
+    return sorted(clients[i] for i in picked)
+
+
+# ---------------------------------------------------------------------------------------
+# aggregation math (free functions over flat buffers)
+# ---------------------------------------------------------------------------------------
+
+def exact_weights(updates: Mapping[int, Update], weighting: str = "samples"):
+    """(sorted client ids, exact rational weights summing to exactly 1).
+
+    samples: p_i = |D_i| / sum_j |D_j| (FedAvg, McMahan et al. 2017; MFL (8)-(9)).
+    uniform: p_i = 1 / K (FedUmf step 8, specs/fedumf.md §2.3).
+    """
+    clients = sorted(updates)
+    if not clients:
+        raise StrategyError("aggregate: no updates to aggregate")
+    if weighting == "uniform":
+        return clients, [Fraction(1, len(clients))] * len(clients)
+    if weighting != "samples":
+        raise StrategyError(f"weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
+    counts = [updates[c].num_samples for c in clients]
+    total = sum(counts)
+    if total <= 0 or min(counts) < 0:
+        raise StrategyError(f"aggregate: sample counts {counts} cannot weight an average")
+    return clients, [Fraction(n, total) for n in counts]
+
+
+def aggregation_weights(updates: Mapping[int, Update], weighting: str = "samples"):
+    """(sorted client ids, float64 weights) of `exact_weights`. Each weight is the correctly
+    rounded value of the exact ratio, so strategies that agree mathematically on the weights
+    (FedNova with equal tau, MFL with gamma = 0, FedUmf with alpha = 0) agree bit for bit."""
+    clients, exact = exact_weights(updates, weighting)
+    return clients, np.array([float(p) for p in exact])
+
+
+def weighted_average(buffers: Sequence[np.ndarray], weights) -> np.ndarray:
+    """A new buffer sum_k weights[k] * buffers[k]: one streaming pass over K separate
+    buffers, float64 accumulation in k order, one rounding to float32 (kernels.weighted_sum)."""
+    buffers = list(buffers)
+    if not buffers:
+        raise StrategyError("weighted_average: no buffers")
+    out = np.empty_like(buffers[0])
+    kernels.weighted_sum(out, buffers, weights)
+    return out
+
+
+def average_updates(updates: Mapping[int, Update], name: str, clients: Sequence[int],
+                    weights) -> np.ndarray:
+    """weighted_average of buffer `name` over `clients` (in that order)."""
+    missing = [c for c in clients if name not in updates[c].buffers]
+    if missing:
+        raise StrategyError(f"aggregate: update of client(s) {missing} has no {name!r} buffer "
+                            f"(got {sorted(updates[missing[0]].buffers)})")
+    return weighted_average([updates[c].buffers[name] for c in clients], weights)
+
+
+def mean_train_loss(updates: Mapping[int, Update]) -> float:
+    """Mean minibatch loss over all local steps of the uploaded updates
+    (specs/fedumf.md §8.15: over the authorised clients' steps)."""
+    steps = sum(u.steps for u in updates.values())
+    if not steps:
+        return float("nan")
+    return sum(u.train_loss * u.steps for _, u in sorted(updates.items())) / steps
+
+
+# ---------------------------------------------------------------------------------------
+# the client's local round
+# ---------------------------------------------------------------------------------------
+
+def local_round(data: LocalData, start: np.ndarray, cfg: Mapping,
+                momentum: np.ndarray | None = None):
+    """Train from a private copy of `start` for one local round (one C call); returns
+    (params, momentum, result). A momentum buffer is copied from `momentum` if given
+    (MFL carries it), else a fresh zero buffer is used when cfg momentum > 0 (FedAvg-style
+    local momentum, reset every round: specs/fedumf.md §8.8)."""
+    params = _copy(start, "task params")
+    mom = None
+    if momentum is not None:
+        mom = _copy(momentum, "task momentum")
+    elif cfg["momentum"] > 0:
+        mom = np.zeros_like(params)
+    result = kernels.local_train(data.model, params, data.x, data.y, dict(cfg), momentum=mom)
+    return params, mom, result
+
+
+def _copy(buf: np.ndarray, what: str) -> np.ndarray:
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1:
+        got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
+        raise StrategyError(f"{what}: need a flat float32 buffer, got {got}")
+    return np.array(buf, dtype=np.float32, order="C", copy=True)

@@ -1,0 +1,80 @@
+"""MFL, Momentum Federated Learning: Liu, Chen, Chen, Zhang, "Accelerating Federated
+Learning via Momentum Gradient Descent", IEEE TPDS 31(8), 2020 (specs/mfl.md).
+
+Client i runs tau local heavy-ball (MGD) steps from the broadcast (w, d), specs/mfl.md §2.2:
+
+    d_i(t) = gamma d_i(t-1) + grad F_i(w_i(t-1))        (6)
+    w_i(t) = w_i(t-1) - eta d_i(t)                      (7)
+
+d accumulates raw gradients and eta multiplies the whole buffer (PyTorch SGD, dampening 0),
+which is the kernels' convention; with an lr schedule the current eta is applied to d and d
+is never rescaled (§9 item 13). Every round the client uploads BOTH w_i and d_i; the server
+averages both with the same weights p_i = |D_i| / |D| and broadcasts both (§2.3):
+
+    d(k tau) = sum_i p_i d_i(k tau)                     (8)
+    w(k tau) = sum_i p_i w_i(k tau)                     (9)
+
+Neither is reset: momentum carries across rounds through its average, d(0) = 0 (§2.4).
+The server keeps no state of its own beyond (w, d); clients keep none (they overwrite both
+buffers with the broadcast).
+
+- gamma = 0 is FedAvg bit for bit (§10 item 1): the kernel's buffer update d = 0*d + g
+  then w -= eta*d is exactly plain SGD, and the parameter average uses the same weights in
+  the same order.
+- gamma must be in [0, 1) (§10 item 10: gamma >= 1 is rejected by validation).
+- MFL is specified for synchronous full participation (§9 item 12). With fewer uploads than
+  clients the weights are renormalised over the uploaders: an extension, labelled as such in
+  the round metrics ("partial_participation": true).
+- The momentum is MFL's; `train.momentum` must stay 0 (set `gamma`).
+- Traffic is 2x FedAvg's in both directions (§4): two buffers each way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, aggregation_weights,
+               average_updates, check_choice, check_number, local_round, mean_train_loss, register)
+
+
+@register("mfl")
+@dataclass(frozen=True)
+class MFL(Strategy):
+    gamma: float = 0.5
+    weighting: str = "samples"
+
+    def __post_init__(self):
+        check_number("mfl", "gamma", self.gamma, 0.0, 1.0, hi_open=True,
+                     why="the momentum attenuation factor; specs/mfl.md §10 item 10")
+        check_choice("mfl", "weighting", self.weighting, WEIGHTINGS)
+
+    def init(self, global_params, cfg):
+        if cfg.train.get("momentum", 0.0):
+            raise StrategyError(f"mfl: train.momentum = {cfg.train['momentum']} conflicts with "
+                                f"MFL's own momentum; set strategy gamma instead and leave "
+                                f"train.momentum at 0")
+        state = super().init(global_params, cfg)
+        return state.replace({"momentum": np.zeros_like(state.buffers["params"])})
+
+    def configure(self, round, clients, state):
+        setup = self.setup(state)
+        shared = {"params": state.buffers["params"], "momentum": state.buffers["momentum"]}
+        return {c: Task(round, shared, self.local_config(setup, round, c, momentum=self.gamma))
+                for c in sorted(clients)}
+
+    def aggregate(self, round, updates, state):
+        clients, weights = aggregation_weights(updates, self.weighting)
+        params = average_updates(updates, "params", clients, weights)       # (9)
+        momentum = average_updates(updates, "momentum", clients, weights)   # (8)
+        metrics = {"train_loss": mean_train_loss(updates)}
+        if len(clients) < len(self.setup(state).clients):
+            metrics["partial_participation"] = True
+        return state.replace({"params": params, "momentum": momentum}, round=round), metrics
+
+    def train(self, task, local_data, client_state):
+        params, momentum, result = local_round(local_data, task.buffers["params"], task.train,
+                                               momentum=task.buffers["momentum"])
+        buffers = {"params": params, "momentum": momentum} if task.upload else {}
+        update = Update(buffers, local_data.num_samples, result["mean_loss"], result["steps"])
+        return update, client_state

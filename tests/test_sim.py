@@ -1,0 +1,235 @@
+"""`edgefl simulate`: the run config (vocabulary, defaults, errors that name the key), the
+outputs, determinism across thread counts, byte accounting, and the shipped quickstart."""
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from edgefl.cli import main
+from edgefl.config import ConfigError
+from edgefl.runconfig import builtin_configs, load_run_config, run_config_from_mapping
+from edgefl.sim import Progress, load_checkpoint, model_sha256, simulate
+
+SMALL = {
+    "dataset": {"name": "digits", "limit_train": 600},
+    "partition": {"name": "iid", "clients": 6},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedavg"},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "rounds": 4,
+    "clients_per_round": 3,
+    "seed": 0,
+}
+METRIC_KEYS = {"round", "test_accuracy", "test_loss", "train_loss", "uplink_bytes",
+               "downlink_bytes", "wall_s", "selected"}
+
+
+def write(tmp_path, data, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def small(**changes):
+    data = json.loads(json.dumps(SMALL))
+    for key, value in changes.items():
+        section, _, sub = key.partition("__")
+        if sub:
+            data[section][sub] = value
+        elif value is None:
+            data.pop(section)
+        else:
+            data[section] = value
+    return data
+
+
+# ---------------------------------------------------------------------------------------
+# run config
+# ---------------------------------------------------------------------------------------
+
+def test_defaults_fill_an_empty_config(tmp_path):
+    config = load_run_config(write(tmp_path, {}))
+    assert config.dataset["name"] == "digits" and config.partition["clients"] == 10
+    assert config.model["name"] == "softmax" and config.strategy == "fedavg"
+    assert config.strategy_params == {"weighting": "samples"}
+    assert config.clients_per_round == 10 and config.rounds == 10 and config.seed == 0
+    assert config.train.lr == 0.1 and config.train.epochs == 1 and config.train.steps == 0
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_run_config(write(tmp_path, small(strategy={"name": "mfl"}, train={"steps": 3},
+                                                   clients_per_round=None, fraction=0.5)))
+    assert config.clients_per_round == 3 and config.strategy_params["gamma"] == 0.5
+    again = run_config_from_mapping(config.to_dict(), config.path)
+    assert again.to_dict() == config.to_dict()
+    assert again.train.steps == 3 and again.train.epochs == 0
+
+
+def test_overrides_and_string_shorthands(tmp_path):
+    config = load_run_config(write(tmp_path, small(strategy="mfl", model="svm",
+                                                   dataset__binary="even-odd"), "short.yaml"))
+    assert config.strategy == "mfl" and config.model == {"name": "svm"}
+    path = write(tmp_path, small())
+    config = load_run_config(path, ["strategy.name=fedumf", "strategy.alpha=0.5", "train.lr=1e-2",
+                                    "partition.clients=12", "clients_per_round=4"])
+    assert config.strategy == "fedumf" and config.strategy_params["alpha"] == 0.5
+    assert config.train.lr == 0.01 and config.clients == 12 and config.clients_per_round == 4
+
+
+@pytest.mark.parametrize("data, overrides, message", [
+    (small(round=3), (), r"run\.yaml: round: unknown key; valid keys: dataset, partition, model"),
+    (small(train__lrr=0.1), (), r"train\.lrr: unknown key; valid keys: lr, batch_size, epochs"),
+    (small(train__lr="fast"), (), r"train\.lr: must be a number, got 'fast'"),
+    (small(train__lr=0), (), r"train\.lr: 0\.0 must be > 0"),
+    (small(train__momentum=1.0), (), r"train\.momentum: .*must be < 1"),
+    (small(train__steps=5), (), r"train\.steps: give train\.epochs or train\.steps, not both"),
+    (small(rounds=0), (), r"rounds: 0 must be >= 1"),
+    (small(rounds=2.5), (), r"rounds: must be an integer, got 2\.5"),
+    (small(clients_per_round=7), (), r"clients_per_round: 7 is more than partition\.clients = 6"),
+    (small(fraction=0.5), (), r"fraction: give clients_per_round or fraction, not both"),
+    (small(strategy={"name": "fedsgd"}), (), r"strategy\.name: unknown strategy 'fedsgd'; valid: .*fedavg"),
+    (small(strategy={"name": "mfl", "alpha": 1}), (),
+     r"strategy\.alpha: unknown parameter of mfl; valid: name, gamma, weighting"),
+    (small(strategy={"name": "mfl", "gamma": 1.2}), (), r"strategy\.gamma: .*gamma = 1\.2 must be"),
+    (small(dataset={"name": "imagenet"}), (), r"dataset\.name: unknown dataset 'imagenet'; valid: digits"),
+    (small(dataset__colour=True), (), r"dataset\.colour: unknown option of dataset 'digits'"),
+    (small(partition__alpha=0.3), (), r"partition\.alpha: unknown option of partition 'iid'"),
+    (small(partition={"name": "dirichlet", "clients": 0}), (), r"partition\.clients: 0 must be >= 1"),
+    (small(model={"name": "resnet"}), (), r"model\.name: unknown model 'resnet'; valid: .*mlp"),
+    (small(model={"name": "mlp", "init": "xavier"}), (), r"model\.init: 'xavier'; valid: uniform, zeros"),
+    (small(), ("train.batchsize=3",), r"train\.batchsize \(from --set\): unknown key"),
+    (small(), ("strategy.gamma=0.3",), r"strategy\.gamma \(from --set\): unknown parameter of fedavg"),
+])
+def test_config_errors_name_the_file_the_key_and_the_choices(tmp_path, data, overrides, message):
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_run_config(path, overrides)
+    assert str(info.value).startswith(path)
+
+
+def test_model_option_errors_surface_at_build_naming_the_file(tmp_path):
+    config = load_run_config(write(tmp_path, small(model={"name": "mlp", "width": 3})))
+    with pytest.raises(ConfigError, match=r"run\.yaml: model: model mlp: unknown option\(s\) \['width'\]"):
+        simulate(config, None, progress=False)
+
+
+def test_builtin_configs_resolve_by_name_and_unknown_names_list_them():
+    assert {"quickstart", "mfl", "fedumf"} <= set(builtin_configs())
+    for name in ("quickstart", "mfl", "fedumf"):
+        load_run_config(name)            # every shipped config validates
+    with pytest.raises(ConfigError, match=r"not a built-in config \(.*quickstart"):
+        load_run_config("quikstart")
+
+
+# ---------------------------------------------------------------------------------------
+# outputs and determinism
+# ---------------------------------------------------------------------------------------
+
+def test_outputs_exist_and_parse(tmp_path):
+    config = load_run_config(write(tmp_path, small(eval_every=3)))
+    out = tmp_path / "out"
+    summary = simulate(config, out, workers=2, progress=False)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert METRIC_KEYS <= set(row)
+        assert len(row["selected"]) == 3 and row["selected"] == sorted(row["selected"])
+    # evaluated every 3 rounds and after the last
+    assert [r["test_accuracy"] is not None for r in rows] == [False, False, True, True]
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert on_disk["rounds"] == 4 and on_disk["final_accuracy"] == rows[-1]["test_accuracy"]
+    assert on_disk["best_accuracy"] >= on_disk["final_accuracy"] > 0.5
+    assert on_disk["config"] == config.to_dict()
+    ckpt = load_checkpoint(str(out / "model.npz"))
+    assert model_sha256(ckpt["params"]) == on_disk["model_sha256"]
+    assert ckpt["round"] == 4 and ckpt["table"].size == ckpt["params"].size == 650
+    assert ckpt["model_spec"] == {"name": "softmax"}
+    assert ckpt["strategy"] == {"name": "fedavg", "weighting": "samples"}
+    assert np.array_equal(ckpt["state.params"], ckpt["params"])
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
+
+
+def test_same_seed_same_model_whatever_the_thread_count(tmp_path):
+    config = load_run_config(write(tmp_path, small(strategy={"name": "fedumf"})))
+    one = simulate(config, None, workers=1, progress=False)
+    two = simulate(config, None, workers=2, progress=False)
+    four = simulate(config, None, workers=4, progress=False)
+    assert one["model_sha256"] == two["model_sha256"] == four["model_sha256"]
+    other = simulate(load_run_config(config.path, ["seed=1"]), None, workers=2, progress=False)
+    assert other["model_sha256"] != one["model_sha256"]
+
+
+def test_byte_accounting_counts_the_float32_buffers_sent(tmp_path):
+    """FedAvg moves M * 4d each way; MFL twice that (specs/mfl.md §10 item 11)."""
+    d = 650
+    rows = {}
+    for name in ("fedavg", "mfl"):
+        out = tmp_path / name
+        simulate(load_run_config(write(tmp_path, small(strategy={"name": name})), ), out,
+                 progress=False)
+        rows[name] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["uplink_bytes"] == r["downlink_bytes"] == 3 * 4 * d for r in rows["fedavg"])
+    assert all(r["uplink_bytes"] == r["downlink_bytes"] == 2 * 3 * 4 * d for r in rows["mfl"])
+
+
+# ---------------------------------------------------------------------------------------
+# CLI and progress
+# ---------------------------------------------------------------------------------------
+
+def test_quickstart_reaches_90_percent(tmp_path, capsys):
+    out = tmp_path / "qs"
+    assert main(["simulate", "quickstart", "--out", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_accuracy"] > 0.9 and summary["rounds"] == 20
+    captured = capsys.readouterr()
+    assert captured.err == ""                                  # --quiet
+    assert "final accuracy" in captured.out and str(out) in captured.out
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
+    path = write(tmp_path, small())
+    assert main(["simulate", path, "--set", "strategy.name=fedsgd", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "strategy.name (from --set): unknown strategy 'fedsgd'" in err[0]
+
+
+def test_cli_reports_divergence_naming_round_and_client(tmp_path, capsys):
+    path = write(tmp_path, small(model={"name": "mlp"}, train={"lr": 1e10}))
+    assert main(["simulate", path, "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    assert "training diverged: round 1, client" in capsys.readouterr().err
+
+
+def test_progress_prints_one_line_per_round_when_not_a_tty():
+    stream = io.StringIO()
+    bar = Progress(3, stream)
+    for r in (1, 2, 3):
+        bar.update({"round": r, "test_accuracy": 0.5 + r / 10, "train_loss": 1.0 / r,
+                    "elapsed_s": float(r), "wall_s": 1.0})
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and lines[2].startswith("round 3/3 acc 0.8000")
+    assert "ETA 1s" in lines[1] and "ETA 0s" in lines[2]
+    silent = io.StringIO()
+    Progress(3, silent, enabled=False).update({"round": 1, "test_accuracy": 0.5, "train_loss": 1.0,
+                                                "elapsed_s": 1.0, "wall_s": 1.0})
+    assert silent.getvalue() == ""
+
+
+def test_progress_redraws_a_bar_on_a_tty():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    bar = Progress(4, stream)
+    bar.update({"round": 2, "test_accuracy": None, "train_loss": 0.5, "elapsed_s": 2.0, "wall_s": 1.0})
+    bar.close()
+    text = stream.getvalue()
+    assert text.startswith("\rround 2/4 [############------------]") and "ETA 2s" in text
+    assert text.endswith("\n")
