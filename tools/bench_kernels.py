@@ -20,18 +20,35 @@ aggregate: out = sum_k w_k * x_k over K separate float32 buffers of P floats, fo
   for memcpy. vs_memcpy = gb_per_s / memcpy's gb_per_s at the same K, P. Combinations whose
   buffers exceed the memory budget (default 6 GB, capped by MemAvailable) are reported as
   skipped rows.
+
+train: samples/s of one local epoch (seeded shuffle, minibatch gather, forward, backward, SGD
+  step) on MNIST-shaped random data (1x28x28, 10 classes) at batch 32 and 64, for softmax
+  (784->10), mlp (784-200-200-10) and cnn-mnist (FedAvg's CNN), as
+    c      edgefl._core.local_train (one call per epoch)
+    numpy  edgefl.reference.local_train (the NumPy twin, same loop)
+    torch  the same network and SGD step in PyTorch (torch.set_num_threads(1)); skipped, with
+           a note, when torch is not importable (it is never an edgefl dependency)
+  vs_numpy / vs_torch = samples_per_s / that implementation's at the same model and batch.
+
+OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE: some machines set these to pin old OpenBLAS builds to
+safe kernels; they also pin current NumPy and scipy-openblas32 to older (slower) code paths.
+The tool removes them before NumPy loads, so c and numpy run the kernels OpenBLAS would pick
+by itself; --keep-openblas-env keeps them.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ["OPENBLAS_NUM_THREADS"] = "1"  # before numpy: one thread, comparable numbers
+if "--keep-openblas-env" not in sys.argv:
+    for _var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        os.environ.pop(_var, None)
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,13 +157,97 @@ def _aggregate_rows(base: dict, k: int, p: int, repeats: int) -> Iterator[dict]:
 
 
 # ---------------------------------------------------------------------------------------
+# train: one local epoch through local_train
+# ---------------------------------------------------------------------------------------
+
+TRAIN_MODELS = (
+    # (row name, model spec, samples per timed epoch: full, quick)
+    ("softmax", {"name": "softmax"}, (8192, 2048)),
+    ("mlp", {"name": "mlp", "hidden": [200, 200]}, (4096, 1024)),
+    ("cnn-mnist", {"name": "cnn-mnist"}, (512, 128)),
+)
+
+
+def _torch_epoch(name: str, x: np.ndarray, y: np.ndarray, batch: int):
+    """One epoch of the same network and plain SGD step in PyTorch, or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    nn = torch.nn
+    if name == "softmax":
+        net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    elif name == "mlp":
+        net = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200),
+                            nn.ReLU(), nn.Linear(200, 10))
+    else:
+        net = nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                            nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y.astype(np.int64))
+
+    def epoch():
+        perm = torch.randperm(tx.shape[0])
+        for i in range(0, tx.shape[0], batch):
+            idx = perm[i:i + batch]
+            opt.zero_grad()
+            loss_fn(net(tx[idx]), ty[idx]).backward()
+            opt.step()
+    return epoch
+
+
+def bench_train(args) -> Iterator[dict]:
+    from edgefl import reference
+    from edgefl.kernels import train_config
+    from edgefl.models import build_model
+
+    rng = np.random.default_rng(0)
+    repeats = 3 if args.quick else 5
+    for name, spec, sizes in TRAIN_MODELS:
+        n = sizes[1] if args.quick else sizes[0]
+        x = rng.standard_normal((n, 1, 28, 28)).astype(np.float32)
+        y = rng.integers(0, 10, n).astype(np.int32)
+        model = build_model(spec, (1, 28, 28), 10)
+        for batch in (32, 64):
+            base = {"bench": "train", "model": name, "batch": batch}
+            cfg = train_config(lr=0.01, batch_size=batch, epochs=1, seed=1)
+            impls = []
+            for impl_name, impl in (("c", _core), ("numpy", reference)):
+                if impl is None:
+                    yield dict(base, impl=impl_name, samples_per_s=None, note=_NO_CORE)
+                    continue
+                params = model.init(0)
+                impls.append((impl_name, lambda impl=impl, params=params: impl.local_train(
+                    params, None, model, x, y, None, cfg)))
+            torch_epoch = _torch_epoch(name, x, y, batch)
+            if torch_epoch is not None:
+                impls.append(("torch", torch_epoch))
+            medians = dict(zip([i for i, _ in impls], time_medians([f for _, f in impls], repeats)))
+            rates = {i: n / t for i, t in medians.items()}
+            for impl_name, rate in rates.items():
+                row = dict(base, impl=impl_name, samples_per_s=round(rate), median_s=round(
+                    medians[impl_name], 5), repeats=repeats, n=n)
+                for ref in ("numpy", "torch"):
+                    if ref in rates and ref != impl_name:
+                        row[f"vs_{ref}"] = round(rate / rates[ref], 2)
+                yield row
+            if torch_epoch is None:
+                yield dict(base, impl="torch", samples_per_s=None,
+                           note="skipped: torch not importable (pip install torch to compare)")
+
+
+# ---------------------------------------------------------------------------------------
 # registry: each entry yields row dicts. The training benchmark (local_train steps/s) is added
 # here by its owner, e.g. `bench_training`; keep one function per benchmark.
 # ---------------------------------------------------------------------------------------
 
 BENCHMARKS: list[Callable[[argparse.Namespace], Iterator[dict]]] = [
+    bench_train,
     bench_aggregate,
-    # bench_training,  <- the training benchmark goes here
 ]
 
 
@@ -174,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", action="append", metavar="NAME",
                     help="run only this benchmark (repeatable): "
                          + ", ".join(b.__name__.removeprefix("bench_") for b in BENCHMARKS))
+    ap.add_argument("--keep-openblas-env", action="store_true",
+                    help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (read before NumPy loads)")
     ap.add_argument("--mem-budget-gb", type=float, default=6.0,
                     help="skip sizes whose buffers need more than this (default 6)")
     args = ap.parse_args(argv)
