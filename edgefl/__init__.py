@@ -5,6 +5,9 @@ pure-NumPy reference). Set EDGEFL_BACKEND=numpy before import to force the refer
 """
 __version__ = "0.1.0"
 
+# Load the BLAS the compiled core links before anything imports edgefl._core, whichever
+# backend is selected (tests and benchmarks import the core directly for parity checks).
+from . import _blas  # noqa: E402,F401
 from .kernels import backend  # noqa: E402,F401
 
 __all__ = ["__version__", "backend"]

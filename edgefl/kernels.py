@@ -24,8 +24,7 @@ if _REQUESTED not in ("", "c", "numpy"):
 
 
 def _load_c():
-    from . import _blas  # noqa: F401  (preloads scipy-openblas32 when the core links it)
-    from . import _core
+    from . import _core  # edgefl/__init__ has preloaded the BLAS it links
 
     _core.blas_set_threads(1)  # one GEMM thread per caller: clients run in their own threads
     return _core
