@@ -1,0 +1,261 @@
+/* test_core.c - C unit tests of csrc/ without Python: built natively by tests/test_c_core.py
+ * and for aarch64/armhf under qemu-user by tools/check_arm.sh. Prints one line per failed
+ * check and ends with "N passed, N failed". */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "edgefl.h"
+
+static int passed, failed;
+
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        if (cond) {                                                                        \
+            passed++;                                                                      \
+        } else {                                                                           \
+            failed++;                                                                      \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                    \
+            printf(__VA_ARGS__);                                                           \
+            printf("\n");                                                                  \
+        }                                                                                  \
+    } while (0)
+
+static uint64_t rng_state = 0x2545F4914F6CDD1DULL;
+
+static double urand(void) /* xorshift64*, uniform in [0, 1) */
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (double)((rng_state * 0x2545F4914F6CDD1DULL) >> 11) / 9007199254740992.0;
+}
+
+static float nrand(void) { return (float)(2.0 * urand() - 1.0); }
+
+/* ------------------------------------------------------------------ gemm */
+
+static void test_gemm(void)
+{
+    enum { M = 7, N = 13, K = 70 };
+    static float a[M * K], b[K * N], c[M * N];
+    for (int ta = 0; ta < 2; ta++)
+        for (int tb = 0; tb < 2; tb++) {
+            for (int i = 0; i < M * K; i++) a[i] = nrand();
+            for (int i = 0; i < K * N; i++) b[i] = nrand();
+            for (int i = 0; i < M * N; i++) c[i] = 1.0f;
+            const int lda = ta ? M : K, ldb = tb ? K : N;
+            ef_sgemm(ta, tb, M, N, K, 0.5f, a, lda, b, ldb, 2.0f, c, N);
+            double worst = 0.0;
+            for (int i = 0; i < M; i++)
+                for (int j = 0; j < N; j++) {
+                    double acc = 0.0;
+                    for (int p = 0; p < K; p++)
+                        acc += (double)(ta ? a[p * M + i] : a[i * K + p]) *
+                               (tb ? b[j * K + p] : b[p * N + j]);
+                    double want = 0.5 * acc + 2.0, d = fabs(want - c[i * N + j]);
+                    if (d > worst) worst = d;
+                }
+            CHECK(worst < 1e-4, "sgemm ta=%d tb=%d: max error %g", ta, tb, worst);
+        }
+}
+
+/* ------------------------------------------------------------------ vector kernels, codecs */
+
+static int cmp_float(const void *x, const void *y)
+{
+    float a = *(const float *)x, b = *(const float *)y;
+    return (a > b) - (a < b);
+}
+
+static void test_vec(void)
+{
+    enum { K = 9, N = 1000 };
+    static float bufs[K][N], out[N], col[K], scratch[K];
+    const float *xs[K];
+    double w[K];
+    for (int k = 0; k < K; k++) {
+        for (int j = 0; j < N; j++) bufs[k][j] = nrand();
+        xs[k] = bufs[k];
+        w[k] = urand();
+    }
+    ef_weighted_sum(out, xs, w, K, N);
+    double worst = 0.0;
+    for (int j = 0; j < N; j++) {
+        double acc = 0.0;
+        for (int k = 0; k < K; k++) acc += w[k] * (double)bufs[k][j];
+        if (fabs(acc - out[j]) > worst) worst = fabs(acc - out[j]);
+    }
+    CHECK(worst < 1e-6, "weighted_sum: max error %g", worst);
+
+    ef_median(out, scratch, xs, K, N);
+    int bad_median = 0, bad_trim = 0;
+    for (int j = 0; j < N; j++) {
+        for (int k = 0; k < K; k++) col[k] = bufs[k][j];
+        qsort(col, K, sizeof(float), cmp_float);
+        bad_median += out[j] != col[K / 2];
+    }
+    CHECK(bad_median == 0, "median: %d coordinates differ from sorting", bad_median);
+    ef_trimmed_mean(out, scratch, xs, K, N, 2);
+    for (int j = 0; j < N; j++) {
+        for (int k = 0; k < K; k++) col[k] = bufs[k][j];
+        qsort(col, K, sizeof(float), cmp_float);
+        double acc = 0.0;
+        for (int k = 2; k < K - 2; k++) acc += col[k];
+        bad_trim += fabs(acc / (K - 4) - out[j]) > 1e-6;
+    }
+    CHECK(bad_trim == 0, "trimmed_mean: %d coordinates off", bad_trim);
+
+    double dot = ef_dot(bufs[0], bufs[1], N), naive = 0.0;
+    for (int j = 0; j < N; j++) naive += (double)bufs[0][j] * bufs[1][j];
+    CHECK(fabs(dot - naive) < 1e-9, "dot: %g vs %g", dot, naive);
+
+    static uint16_t h[N];
+    static float back[N];
+    ef_f32_to_f16(h, bufs[2], N);
+    ef_f16_to_f32(back, h, N);
+    worst = 0.0;
+    for (int j = 0; j < N; j++) {
+        double rel = fabs(back[j] - bufs[2][j]) / fmax(fabs(bufs[2][j]), 6.1e-5);
+        if (rel > worst) worst = rel;
+    }
+    CHECK(worst <= 1.0 / 2048, "f16 round trip: relative error %g", worst);
+    const float specials[4] = {1.0f, 65504.0f, 1e6f, -0.0f};
+    const uint16_t want[4] = {0x3c00, 0x7bff, 0x7c00, 0x8000};
+    ef_f32_to_f16(h, specials, 4);
+    CHECK(!memcmp(h, want, sizeof want), "f16 specials: %04x %04x %04x %04x", h[0], h[1], h[2],
+          h[3]);
+
+    static int8_t q[N];
+    float scales[2];
+    const int64_t seg[3] = {0, 400, N};
+    ef_f32_to_i8(q, scales, bufs[3], seg, 2);
+    ef_i8_to_f32(back, q, scales, seg, 2);
+    int bad_i8 = 0;
+    for (int j = 0; j < N; j++) bad_i8 += fabs(back[j] - bufs[3][j]) > 0.5 * scales[j >= 400] + 1e-7;
+    CHECK(bad_i8 == 0, "int8 round trip: %d values beyond scale/2", bad_i8);
+}
+
+/* ------------------------------------------------------------------ networks */
+
+/* conv(2->3, k3, pad1, stride1) -> relu -> maxpool 2 -> flatten -> dense(48->4) on 2x8x8. */
+static ef_layer cnn_layers[5];
+
+static ef_net make_cnn(void)
+{
+    const ef_layer conv = {EF_CONV2D, 2, 8, 8, 3, 8, 8, 3, 1, 1, 0, 54};
+    const ef_layer relu = {EF_RELU, 3, 8, 8, 3, 8, 8, 0, 0, 0, -1, -1};
+    const ef_layer pool = {EF_MAXPOOL2D, 3, 8, 8, 3, 4, 4, 2, 2, 0, -1, -1};
+    const ef_layer flat = {EF_FLATTEN, 3, 4, 4, 48, 1, 1, 0, 0, 0, -1, -1};
+    const ef_layer fc = {EF_DENSE, 48, 1, 1, 4, 1, 1, 0, 0, 0, 57, 57 + 192};
+    ef_net net;
+    cnn_layers[0] = conv;
+    cnn_layers[1] = relu;
+    cnn_layers[2] = pool;
+    cnn_layers[3] = flat;
+    cnn_layers[4] = fc;
+    net.layers = cnn_layers;
+    net.n_layers = 5;
+    net.loss = EF_LOSS_SOFTMAX_CE;
+    net.n_params = 57 + 192 + 4;
+    net.l2 = 0.0f;
+    return net;
+}
+
+enum { NS = 24, IN = 2 * 8 * 8 };
+
+static void test_gradient_and_training(void)
+{
+    ef_net net = make_cnn();
+    const int64_t P = net.n_params;
+    static float x[NS * IN], params[300], grad[300], probe[300], work[200000];
+    static int64_t iwork[3 * NS];
+    static int32_t labels[NS];
+    int64_t nf = 0, ni = 0;
+    CHECK(ef_workspace_size(&nf, &ni, &net, NS, NS) == EF_OK && nf <= 200000,
+          "workspace: %lld floats", (long long)nf);
+    for (int i = 0; i < NS * IN; i++) x[i] = nrand();
+    for (int s = 0; s < NS; s++) labels[s] = s % 4;
+    for (int64_t j = 0; j < P; j++) params[j] = 0.3f * nrand();
+
+    double loss = 0.0;
+    CHECK(ef_loss_grad(grad, &loss, work, &net, params, x, labels, NULL, NS, 8) == EF_OK,
+          "loss_grad status");
+    /* central differences in float on a few coordinates of every tensor */
+    const int64_t probes[6] = {0, 31, 54, 56, 100, 250};
+    for (int t = 0; t < 6; t++) {
+        const int64_t j = probes[t];
+        const float h = 1e-3f;
+        double lp, lm;
+        memcpy(probe, params, sizeof(float) * (size_t)P);
+        probe[j] += h;
+        ef_loss_grad(work + 100000, &lp, work, &net, probe, x, labels, NULL, NS, 8);
+        probe[j] -= 2 * h;
+        ef_loss_grad(work + 100000, &lm, work, &net, probe, x, labels, NULL, NS, 8);
+        double fd = (lp - lm) / (2.0 * h);
+        CHECK(fabs(fd - grad[j]) < 2e-3 + 2e-2 * fabs(fd), "grad[%lld]: analytic %g, fd %g",
+              (long long)j, grad[j], fd);
+    }
+
+    /* a local round lowers the loss, and is deterministic for a seed */
+    ef_train_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.lr = 0.1f;
+    cfg.momentum = 0.9f;
+    cfg.batch_size = 6;
+    cfg.epochs = 15;
+    cfg.seed = 7;
+    static float p1[300], p2[300], m1[300], m2[300];
+    memcpy(p1, params, sizeof(float) * (size_t)P);
+    memcpy(p2, params, sizeof(float) * (size_t)P);
+    memset(m1, 0, sizeof m1);
+    memset(m2, 0, sizeof m2);
+    ef_train_result r1, r2;
+    CHECK(ef_local_train(p1, m1, NULL, &r1, work, iwork, &net, x, labels, NULL, NS, &cfg) == EF_OK,
+          "local_train status");
+    ef_local_train(p2, m2, NULL, &r2, work, iwork, &net, x, labels, NULL, NS, &cfg);
+    CHECK(!memcmp(p1, p2, sizeof(float) * (size_t)P), "local_train not deterministic");
+    CHECK(r1.steps == 15 * 4 && r1.samples == 15 * NS, "steps %lld samples %lld",
+          (long long)r1.steps, (long long)r1.samples);
+    double after = 0.0;
+    ef_loss_grad(grad, &after, work, &net, p1, x, labels, NULL, NS, 8);
+    CHECK(after < 0.5 * loss, "loss %g -> %g after training", loss, after);
+    int64_t correct = 0;
+    double sum = 0.0;
+    ef_evaluate(&sum, &correct, work, &net, p1, x, labels, NULL, NS, 5);
+    CHECK(correct >= NS - 2, "evaluate: %lld of %d correct after fitting", (long long)correct, NS);
+
+    /* a huge learning rate stops with EF_ERR_NONFINITE and names the step */
+    cfg.lr = 1e30f;
+    cfg.momentum = 0.0f;
+    memcpy(p1, params, sizeof(float) * (size_t)P);
+    int rc = ef_local_train(p1, NULL, NULL, &r1, work, iwork, &net, x, labels, NULL, NS, &cfg);
+    CHECK(rc == EF_ERR_NONFINITE && r1.bad_step >= 1, "non-finite: rc %d bad_step %lld", rc,
+          (long long)r1.bad_step);
+}
+
+static void test_shuffle(void)
+{
+    enum { N = 1000 };
+    static int64_t perm[N], iwork[2 * N];
+    static int seen[N];
+    ef_shuffle(perm, iwork, 42, 3, N);
+    int ok = 1, moved = 0;
+    for (int i = 0; i < N; i++) {
+        if (perm[i] < 0 || perm[i] >= N || seen[perm[i]]++) ok = 0;
+        moved += perm[i] != i;
+    }
+    CHECK(ok, "shuffle is not a permutation");
+    CHECK(moved > N / 2, "shuffle left %d of %d in place", N - moved, N);
+}
+
+int main(void)
+{
+    test_gemm();
+    test_vec();
+    test_gradient_and_training();
+    test_shuffle();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
