@@ -25,6 +25,7 @@ final model is bit-identical whatever the number of worker threads or their sche
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -94,6 +95,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     if missing:
         raise ValueError(f"run_federation: no local data for client(s) {missing[:10]}")
     model = clients[setup.clients[0]].model
+    if not setup.units:   # the server knows the architecture (FedMR recombines per layer)
+        setup = dataclasses.replace(setup, units=Setup.units_of(model))
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers = {workers}: need at least 1 thread")
@@ -173,6 +176,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
                   lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds)
     clients = local_datasets(dataset, split, model)
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    prepare = getattr(strategy, "prepare", None)   # an offline phase before round 1 (DUW's table)
+    if prepare is not None:
+        strategy = prepare(init_params, clients, setup, config=config, out_dir=out_dir,
+                           stream=None if progress is False else (stream or sys.stderr),
+                           workers=workers)
 
     metrics_file = None
     if out_dir is not None:

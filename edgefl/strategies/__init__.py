@@ -82,12 +82,17 @@ class Setup:
     lr_decay: per-round factor, eta_t = lr * lr_decay**(t-1) (FedUmf appendix: 0.998).
     seed:     the run seed; each local round's data order is seeded from (seed, round, client).
     rounds:   the planned number of rounds T (0 if open-ended).
+    units:    the model's parameter layout by layer, for strategies that work per layer
+              (FedMR's recombination units, specs/fedmr.md §3): one tuple of (offset, size)
+              slices of the flat buffer per layer, in buffer order (`Setup.units_of(model)`);
+              empty when the server was not told. `run_federation` fills it in.
     """
     clients: tuple = ()
     train: Mapping = field(default_factory=dict)
     lr_decay: float = 1.0
     seed: int = 0
     rounds: int = 0
+    units: tuple = ()
 
     def __post_init__(self):
         clients = tuple(int(c) for c in self.clients)
@@ -106,10 +111,19 @@ class Setup:
         object.__setattr__(self, "lr_decay", float(self.lr_decay))
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "rounds", int(self.rounds))
+        object.__setattr__(self, "units", tuple(tuple((int(o), int(n)) for o, n in unit)
+                                                for unit in self.units))
 
     def to_json(self) -> dict:
         return {"clients": list(self.clients), "train": dict(self.train),
-                "lr_decay": self.lr_decay, "seed": self.seed, "rounds": self.rounds}
+                "lr_decay": self.lr_decay, "seed": self.seed, "rounds": self.rounds,
+                "units": [[list(s) for s in unit] for unit in self.units]}
+
+    @staticmethod
+    def units_of(model) -> tuple:
+        """`units` for a Model: its `model.units` (table entry names per layer) as slices."""
+        return tuple(tuple((model.table[name].offset, model.table[name].size) for name in unit)
+                     for unit in model.units)
 
     @classmethod
     def from_json(cls, data: Mapping) -> "Setup":
@@ -289,7 +303,8 @@ class Strategy:
 # ---------------------------------------------------------------------------------------
 
 _REGISTRY: dict[str, type] = {}
-_MODULES = ("fedavg", "fednova", "mfl", "fedumf")   # imported on first lookup
+# imported on first lookup
+_MODULES = ("fedavg", "fednova", "mfl", "fedumf", "duw", "fedveca", "fedmr")
 
 
 def register(name: str):
