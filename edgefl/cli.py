@@ -150,6 +150,38 @@ register(Command("simulate", "run the aggregator and N clients in one process (C
 
 
 # ---------------------------------------------------------------------------------------
+# edgefl duw-train
+# ---------------------------------------------------------------------------------------
+
+def _duw_train_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="JSON",
+                        help="weight file to write (use it with strategy.weights=JSON)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="client simulation threads (default: the number of CPUs)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+
+
+def _duw_train(args: argparse.Namespace) -> int:
+    from .duw_train import train_from_config
+    from .runconfig import load_run_config
+
+    config = load_run_config(args.config, args.overrides)
+    doc = train_from_config(config, args.out, workers=args.workers,
+                            stream=None if args.quiet else sys.stderr)
+    curve = doc["meta_loss"]
+    change = f"meta-loss {curve[0]:.4f} -> {curve[-1]:.4f}" if curve else "no meta-iterations"
+    print(f"duw: {doc['rounds']} x {len(doc['clients'])} weight table ({doc['base']}), "
+          f"{len(curve)} meta-iterations, {change}, {doc['wall_s']:.2f} s; written to {args.out}")
+    return 0
+
+
+register(Command("duw-train", "learn DUW's rounds x clients aggregation-weight table offline by "
+                              "unrolled simulation (specs/duw.md §2.4-2.7) and write it as JSON",
+                 _duw_train_arguments, _duw_train))
+
+
+# ---------------------------------------------------------------------------------------
 # edgefl info
 # ---------------------------------------------------------------------------------------
 
@@ -174,6 +206,113 @@ def _info(args: argparse.Namespace) -> int:
 
 register(Command("info", "print version, kernel backend, BLAS and the datasets available here",
                  lambda parser: None, _info))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl export
+# ---------------------------------------------------------------------------------------
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a run directory from `edgefl simulate` or its model.npz")
+    parser.add_argument("--out", metavar="ONNX",
+                        help="file to write (default: model.onnx, or model.int8.onnx with "
+                             "--quantize, next to the checkpoint)")
+    parser.add_argument("--quantize", choices=["int8"],
+                        help="static int8 quantisation (onnxruntime), calibrated on training "
+                             "samples; reports the test accuracy change")
+    parser.add_argument("--no-softmax", action="store_true",
+                        help="leave out the probabilities output (scores only)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .export import export_checkpoint
+
+    out = args.out
+    if out is None:
+        directory = args.source if os.path.isdir(args.source) else \
+            os.path.dirname(os.path.abspath(args.source))
+        out = os.path.join(directory, "model.int8.onnx" if args.quantize else "model.onnx")
+    report = export_checkpoint(args.source, out, quantize=args.quantize,
+                               softmax=not args.no_softmax)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"exported {report['model']} ({report['n_params']:,} parameters, "
+          f"{report['algorithm'] or 'unknown algorithm'} round {report['round']}, layer table "
+          f"{report['table_digest'][:12]}) to {report['out']} ({report['bytes']:,} bytes)")
+    fp32, int8 = report["accuracy_fp32"], report["accuracy_int8"]
+    if report["test_samples"]:
+        print(f"test accuracy (onnxruntime, {report['test_samples']} samples): fp32 {fp32:.4f}"
+              + (f", int8 {int8:.4f} (change {int8 - fp32:+.4f}; fp32 file "
+                 f"{report['bytes_fp32']:,} bytes)" if int8 is not None else ""))
+    elif fp32 is not None:
+        print(f"test accuracy {fp32:.4f} (the run's summary; not re-measured: {report['note']})")
+    elif report["note"]:
+        print(f"test accuracy not measured: {report['note']}")
+    return 0
+
+
+register(Command("export", "export a trained model (run directory or model.npz) to ONNX",
+                 _export_arguments, _export))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl predict
+# ---------------------------------------------------------------------------------------
+
+def _predict_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL_ONNX", help="a model from `edgefl export`")
+    parser.add_argument("--input", required=True, metavar="FILE",
+                        help=".npy or .csv of raw samples, or an image file for image models")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="onnxruntime threads (default 1)")
+    parser.add_argument("--top", type=int, default=3, metavar="K",
+                        help="classes listed per sample (default 3)")
+    parser.add_argument("--json", action="store_true",
+                        help="print classes and all probabilities as JSON")
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import json
+
+    from .infer import Predictor, read_inputs
+
+    predictor = Predictor(args.model, threads=args.threads, check_interval=None)
+    meta = predictor.metadata
+    input_range = json.loads(meta["input_range"]) if meta.get("input_range") else None
+    x = read_inputs(args.input, predictor.input_shape, input_range)
+    if meta.get("decision") == "none":
+        values = predictor.scores(x)
+        if args.json:
+            print(json.dumps({"model": args.model, "input": args.input,
+                              "values": values.tolist()}))
+        else:
+            for i, row in enumerate(values):
+                print(f"{i}: " + " ".join(f"{v:.6g}" for v in row))
+        return 0
+    classes, probs = predictor.predict(x)
+    names = predictor.class_names
+    if args.json:
+        print(json.dumps({"model": args.model, "input": args.input, "class_names": list(names),
+                          "classes": classes.tolist(),
+                          "names": [names[c] for c in classes],
+                          "probabilities": probs.tolist()}))
+        return 0
+    top = max(1, min(args.top, probs.shape[1]))
+    for i, (c, p) in enumerate(zip(classes, probs)):
+        best = sorted(range(len(p)), key=lambda k: -p[k])[:top]
+        listed = ", ".join(f"{names[k]} {p[k]:.4f}" for k in best)
+        print(f"{i}: {names[c]} (class {c}, p={p[c]:.4f})  top {top}: {listed}")
+    return 0
+
+
+register(Command("predict", "classify samples (npy, csv or an image) with an exported ONNX model",
+                 _predict_arguments, _predict))
 
 
 if __name__ == "__main__":
