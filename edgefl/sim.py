@@ -207,7 +207,9 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     summary = _summary(config, model, result, workers)
     if out_dir is not None:
         _write_json(os.path.join(out_dir, "summary.json"), summary)
-        save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset)
+        save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset,
+                        dataset_config=_absolute_paths(config.dataset, config.path))
+        _export_onnx(out_dir, stream or sys.stderr)
         try:
             plot_curves(result.history, os.path.join(out_dir, "curves.png"),
                         f"{config.strategy} on {dataset.name}, {config.clients} clients")
@@ -242,9 +244,32 @@ def _summary(config: RunConfig, model: Model, result: RunResult, workers: int) -
     }
 
 
-def save_checkpoint(path: str, model: Model, strategy: Strategy, result: RunResult, dataset=None):
+def _absolute_paths(dataset_section, config_path) -> dict:
+    """The dataset section with relative path/test_path resolved against the config file, so a
+    checkpoint names data that `edgefl export` can find from any directory."""
+    section = dict(dataset_section)
+    base = os.path.dirname(os.path.abspath(config_path)) if config_path else os.getcwd()
+    for key in ("path", "test_path"):
+        if isinstance(section.get(key), str) and not os.path.isabs(section[key]):
+            section[key] = os.path.normpath(os.path.join(base, section[key]))
+    return section
+
+
+def _export_onnx(out_dir: str, stream) -> None:
+    """model.onnx next to model.npz (atomic replace), when the optional onnx extra is present."""
+    try:
+        from .export import export_checkpoint
+        export_checkpoint(out_dir, os.path.join(out_dir, "model.onnx"))
+    except ImportError as exc:
+        print(f"edgefl simulate: model.onnx skipped ({exc}; pip install 'edgefl[export]')",
+              file=stream)
+
+
+def save_checkpoint(path: str, model: Model, strategy: Strategy, result: RunResult, dataset=None,
+                    dataset_config=None):
     """model.npz, written atomically (temporary file, fsync, rename). No pickles: strings are
-    stored as numpy unicode scalars, so np.load(path) works with allow_pickle=False."""
+    stored as numpy unicode scalars, so np.load(path) works with allow_pickle=False.
+    dataset_config: the run's dataset section, so an export can reload the test data."""
     arrays = {
         "params": np.asarray(result.params),
         "table": np.array(json.dumps(model.table.to_json())),
@@ -261,6 +286,8 @@ def save_checkpoint(path: str, model: Model, strategy: Strategy, result: RunResu
         arrays["norm_mean"] = np.asarray(dataset.norm_mean)
         arrays["norm_std"] = np.asarray(dataset.norm_std)
         arrays["class_names"] = np.array(json.dumps(list(dataset.class_names)))
+    if dataset_config is not None:
+        arrays["dataset"] = np.array(json.dumps(_jsonable(dict(dataset_config))))
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         np.savez(f, **arrays)
@@ -275,7 +302,7 @@ def load_checkpoint(path: str) -> dict:
 
     with np.load(path, allow_pickle=False) as z:
         out = {k: z[k] for k in z.files}
-    for key in ("table", "strategy", "state_meta", "class_names", "model_spec"):
+    for key in ("table", "strategy", "state_meta", "class_names", "model_spec", "dataset"):
         if key in out:
             out[key] = json.loads(str(out[key]))
     out["table"] = LayerTable.from_json(out["table"])

@@ -152,6 +152,12 @@ def test_outputs_exist_and_parse(tmp_path):
     assert ckpt["strategy"] == {"name": "fedavg", "weighting": "samples"}
     assert np.array_equal(ckpt["state.params"], ckpt["params"])
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ckpt["dataset"]["name"] == "digits"      # so `edgefl export` can re-measure it
+    # the final model is exported for onnxruntime, and it is the checkpoint's model
+    import onnxruntime as ort
+    session = ort.InferenceSession(str(out / "model.onnx"))
+    meta = session.get_modelmeta().custom_metadata_map
+    assert model_sha256(ckpt["params"]) in json.dumps(meta)
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
 
 
