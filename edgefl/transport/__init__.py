@@ -1,0 +1,5 @@
+"""Transport: how the aggregator and clients reach each other (DESIGN.md "Wire protocol").
+
+topics.py builds and parses every MQTT topic; wire.py encodes, checks, chunks and reassembles
+the binary frames that carry models and updates (byte layout in docs/protocol.md).
+"""
