@@ -147,7 +147,7 @@ int ef_local_train(float *params, float *momentum, ef_train_stats *stats, ef_tra
                    const ef_train_cfg *cfg);
 
 /* The epoch permutation used by ef_local_train: sort i by key(seed, epoch, i) (then by i).
- * iwork: 2n int64. */
+ * iwork: 4n int64. */
 void ef_shuffle(int64_t *perm, int64_t *iwork, uint64_t seed, int64_t epoch, int64_t n);
 uint64_t ef_shuffle_key(uint64_t seed, int64_t epoch, int64_t i);
 

@@ -386,7 +386,7 @@ def evaluate(net, params, x, labels, targets):
 def shuffle(seed, epoch, n):
     """The permutation ef_local_train uses for (seed, epoch)."""
     perm = np.empty(max(n, 1), dtype=np.int64)
-    iwork = np.empty(max(2 * n, 1), dtype=np.int64)
+    iwork = np.empty(max(4 * n, 1), dtype=np.int64)
     cdef int64_t[::1] pv = perm, iv = iwork
     cdef uint64_t s = seed
     cdef int64_t e = epoch, nn = n

@@ -170,7 +170,7 @@ static void test_gradient_and_training(void)
     ef_net net = make_cnn();
     const int64_t P = net.n_params;
     static float x[NS * IN], params[300], grad[300], probe[300], work[200000];
-    static int64_t iwork[3 * NS];
+    static int64_t iwork[5 * NS];
     static int32_t labels[NS];
     int64_t nf = 0, ni = 0;
     CHECK(ef_workspace_size(&nf, &ni, &net, NS, NS) == EF_OK && nf <= 200000,
@@ -238,7 +238,7 @@ static void test_gradient_and_training(void)
 static void test_shuffle(void)
 {
     enum { N = 1000 };
-    static int64_t perm[N], iwork[2 * N];
+    static int64_t perm[N], iwork[4 * N];
     static int seen[N];
     ef_shuffle(perm, iwork, 42, 3, N);
     int ok = 1, moved = 0;
