@@ -15,6 +15,15 @@
 extern "C" {
 #endif
 
+/* Hot loops get an AVX2 clone next to the baseline SSE2 code on x86-64 with GCC and glibc
+ * (ifunc picks one at load time); everywhere else, plain C99 for the target. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__) && \
+    !defined(EF_NO_MULTIVERSION)
+#define EF_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define EF_MULTIVERSION
+#endif
+
 /* ------------------------------------------------------------------------------------------
  * Vector kernels over flat float32 buffers (vec.c)
  * ---------------------------------------------------------------------------------------- */

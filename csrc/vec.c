@@ -103,6 +103,7 @@ static void acc_store(float *restrict out, const double *restrict acc, int64_t n
         out[j] = (float)acc[j];
 }
 
+EF_MULTIVERSION
 void ef_weighted_sum(float *out, const float *const *xs, const double *weights, int64_t k, int64_t n)
 {
     double acc[EF_SUM_BLOCK];
