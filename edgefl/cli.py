@@ -119,6 +119,16 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, metavar="N",
                         help="client training threads (default: the number of CPUs)")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    parser.add_argument("--transport", choices=["inproc", "mqtt"], default="inproc",
+                        help="inproc (default): clients as function calls; mqtt: the "
+                             "aggregator and every client as roles with their own MQTT "
+                             "connection, through --broker or an embedded broker")
+    parser.add_argument("--broker", metavar="URL",
+                        help="with --transport mqtt: mqtt://[user:pass@]host[:port] of a "
+                             "running broker (default: start an embedded one for the run)")
+    parser.add_argument("--chunk-size", type=int, default=128 * 1024, metavar="BYTES",
+                        help="with --transport mqtt: bytes per MQTT message; larger frames "
+                             "are chunked (default 131072, AWS IoT's limit)")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -133,8 +143,12 @@ def _simulate(args: argparse.Namespace) -> int:
     out = args.out or os.path.join("runs", stem)
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers {args.workers}: need at least 1 thread")
+    if args.broker is not None and args.transport != "mqtt":
+        raise ValueError("--broker needs --transport mqtt")
+    mqtt = {"max_payload": args.chunk_size} if args.transport == "mqtt" else None
     try:
-        summary = simulate(config, out, workers=args.workers, progress=not args.quiet)
+        summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
+                           transport=args.transport, broker=args.broker, mqtt=mqtt)
     except NonFiniteError as exc:
         print(f"edgefl simulate: training diverged: {exc}", file=sys.stderr)
         return 1
@@ -313,6 +327,396 @@ def _predict(args: argparse.Namespace) -> int:
 
 register(Command("predict", "classify samples (npy, csv or an image) with an exported ONNX model",
                  _predict_arguments, _predict))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl broker
+# ---------------------------------------------------------------------------------------
+
+def _broker_arguments(parser: argparse.ArgumentParser) -> None:
+    from .transport.broker import DEFAULT_MAX_PACKET_BYTES, KINDS
+
+    parser.add_argument("--port", type=int, default=1883, metavar="N",
+                        help="TCP port (default 1883; 0 picks a free one)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; the embedded broker "
+                             "is anonymous: use broker/mosquitto.conf for a network)")
+    parser.add_argument("--kind", choices=KINDS, default="auto",
+                        help="mosquitto (found on PATH), python (amqtt, pip install "
+                             "'edgefl[broker]'), or auto: mosquitto when installed")
+    parser.add_argument("--max-packet-bytes", type=int, default=DEFAULT_MAX_PACKET_BYTES,
+                        metavar="N", help="largest MQTT packet accepted (default "
+                                          f"{DEFAULT_MAX_PACKET_BYTES})")
+
+
+def _broker(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from .transport.broker import EmbeddedBroker
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with EmbeddedBroker(port=args.port, kind=args.kind, host=args.host,
+                        max_packet_bytes=args.max_packet_bytes) as broker:
+        print(f"edgefl broker: {broker.kind} listening on {broker.url} (max packet "
+              f"{broker.max_packet_bytes} bytes); Ctrl-C or SIGTERM stops it", flush=True)
+        while not stop.wait(1.0):
+            if not broker.running:
+                print(f"edgefl broker: the {broker.kind} broker exited: "
+                      f"{broker.log_tail() or 'no output'}", file=sys.stderr)
+                return 1
+    print("edgefl broker: stopped", flush=True)
+    return 0
+
+
+register(Command("broker", "run the embedded MQTT broker (Mosquitto or amqtt) on this machine "
+                           "until SIGINT/SIGTERM",
+                 _broker_arguments, _broker))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl config show
+# ---------------------------------------------------------------------------------------
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    from .service.layered import ROLES, add_service_config_arguments
+
+    actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="print a service's resolved settings and where each "
+                                           "came from (defaults, profile, site file, --set)")
+    show.add_argument("--role", choices=ROLES, default="client",
+                      help="the service whose settings to resolve (default: client)")
+    add_service_config_arguments(show, site_option="--site")
+    show.add_argument("--json", action="store_true", help="values and sources as JSON")
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .service.layered import service_config_from_args, to_json_text
+
+    config = service_config_from_args(args.role, args)
+    print(to_json_text(config) if args.json else config.describe())
+    return 0
+
+
+register(Command("config", "inspect the layered service configuration (config show)",
+                 _config_arguments, _config))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl install-service
+# ---------------------------------------------------------------------------------------
+
+def _install_service_arguments(parser: argparse.ArgumentParser) -> None:
+    from .service.install import ROLE_UNITS
+
+    parser.add_argument("--role", required=True, choices=list(ROLE_UNITS),
+                        help="the service to install")
+    parser.add_argument("--id", dest="node_id", metavar="ID",
+                        help="client id (client), the client whose model to serve (infer), "
+                             "node id (aggregator; default: aggregator)")
+    parser.add_argument("--profile", metavar="NAME",
+                        help="device profile (default: detected from the board)")
+    parser.add_argument("--prefix", default="/", metavar="DIR",
+                        help="stage the files under DIR instead of / (default: /)")
+    parser.add_argument("--python", metavar="PATH",
+                        help="interpreter the unit runs (default: this one, sys.executable)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the files and commands, write nothing")
+
+
+def _install_service(args: argparse.Namespace) -> int:
+    from .service.install import format_report, install, plan_install
+
+    plan = plan_install(args.role, args.node_id, profile=args.profile, prefix=args.prefix,
+                        python=args.python)
+    done = install(plan, dry_run=args.dry_run)
+    print(format_report(plan, done, args.dry_run))
+    return 0
+
+
+register(Command("install-service", "write a systemd unit and site-file skeleton for a role and "
+                                    "print the systemctl commands (nothing is run)",
+                 _install_service_arguments, _install_service))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl compare
+# ---------------------------------------------------------------------------------------
+
+def _compare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="run directories of "
+                        "`edgefl simulate` (each holding summary.json and metrics.jsonl)")
+    parser.add_argument("--target", type=float, metavar="ACC",
+                        help="add a rounds-to-target column: the first round whose test "
+                             "accuracy is >= ACC (a fraction, e.g. 0.9); * = not reached")
+    parser.add_argument("--out", default="compare.png", metavar="PNG",
+                        help="overlay plot of accuracy and loss by round (default: compare.png "
+                             "in the current directory)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the rows as JSON instead of a Markdown table")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from .compare import check_target, comparison_rows, load_runs, markdown_table, plot_overlay
+
+    target = None if args.target is None else check_target(args.target)
+    runs = load_runs(args.dirs)
+    rows = comparison_rows(runs, target)
+    plot_overlay(runs, args.out, target)
+    if args.json:
+        print(json.dumps({"target": target, "plot": args.out, "runs": rows}, indent=1))
+    else:
+        print(markdown_table(rows, target))
+        print(f"\noverlay plot: {args.out}")
+    return 0
+
+
+register(Command("compare", "compare finished runs: a Markdown table (final/best accuracy, "
+                            "rounds to a target, bytes moved, wall time) and an overlay plot",
+                 _compare_arguments, _compare))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl aggregator / edgefl client / edgefl status: the roles over MQTT
+# ---------------------------------------------------------------------------------------
+
+def _mqtt_transport(config, client_id: str, **options):
+    """An MqttTransport from a service config's broker section (url, user, password file,
+    TLS files)."""
+    from .transport.mqtt import MqttTransport
+
+    broker = config.section("broker")
+    tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
+    return MqttTransport(broker["url"], client_id, username=broker.get("username"),
+                         password_file=broker.get("password_file"), **tls, **options)
+
+
+def _role_start(role: str, args: argparse.Namespace, extra_overrides=()):
+    from .service import logs, profiles
+    from .service.layered import load_service_config
+
+    config = load_service_config(role, args.site, profile=args.profile,
+                                 overrides=list(args.overrides) + list(extra_overrides))
+    logs.setup_logging(config["log.level"])
+    profiles.apply_threads(config["compute.threads"])
+    return config
+
+
+def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
+    from .service.layered import add_service_config_arguments
+
+    add_service_config_arguments(parser)
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="a round closes this long after it is announced, with the "
+                             "updates it has (default 300)")
+    parser.add_argument("--quorum", type=float, metavar="FRACTION",
+                        help="close a round early once this fraction of its uploaders sent "
+                             "their update (default 1.0: all of them, or the deadline)")
+    parser.add_argument("--min-updates", type=int, metavar="N",
+                        help="fewest updates a round is aggregated with; fewer at the deadline "
+                             "announce the round again (default 1)")
+    parser.add_argument("--clients", metavar="ID,ID,...",
+                        help="the client ids of the federation, in the order of the run "
+                             "config's partition (default: client-0 ... client-<N-1>)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where metrics.jsonl, summary.json and model.npz go (default: "
+                             "<state_dir>/run)")
+
+
+def _aggregator(args: argparse.Namespace) -> int:
+    import os
+
+    from .roles import AggregatorSettings
+    from .runconfig import load_run_config
+    from .service.notify import Notifier
+    from .service.signals import install_stop_handlers
+    from .sim import run_aggregator
+
+    config = _role_start("aggregator", args)
+    run_config = load_run_config(config["run"])
+    state_dir = config.state_dir
+    out = args.out or os.path.join(state_dir, "run")
+
+    def setting(flag, key, default):
+        # the command line, else the site file when the layered schema declares the key
+        # (`clients`, `round.deadline`, `round.quorum`, `round.min_updates`), else default
+        return flag if flag is not None else config.get(key, default)
+
+    clients = setting([c.strip() for c in args.clients.split(",")] if args.clients else None,
+                      "clients", None)
+    settings = AggregatorSettings(node_id=config["node.id"],
+                                  federation=config["node.federation"],
+                                  round_timeout_s=setting(args.deadline, "round.deadline", 300.0),
+                                  quorum=setting(args.quorum, "round.quorum", 1.0),
+                                  min_updates=setting(args.min_updates, "round.min_updates", 1),
+                                  max_payload=config["transport.chunk_size"],
+                                  compression=config["transport.compression"],
+                                  profile=config.profile)
+    transport = _mqtt_transport(config, config["node.id"])
+    notifier = Notifier.from_environment()
+    with install_stop_handlers() as stop, notifier.watchdog_pinger():
+        summary = run_aggregator(run_config, transport, state_dir, settings=settings,
+                                 client_ids=clients, out_dir=out, stop=stop, notifier=notifier)
+        notifier.stopping()
+    if summary is None:
+        print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'}); the checkpoint "
+              f"in {state_dir} resumes the run", flush=True)
+        return 0
+    print(f"{run_config.strategy}: final accuracy {summary['final_accuracy']:.4f}, "
+          f"{summary['rounds']} rounds, model sha256 {summary['model_sha256']}; outputs in "
+          f"{out}", flush=True)
+    return 0
+
+
+register(Command("aggregator", "run the federation's rounds over MQTT (the run config named "
+                               "by the site file's `run`); resumes from its checkpoint",
+                 _aggregator_arguments, _aggregator))
+
+
+def _client_arguments(parser: argparse.ArgumentParser) -> None:
+    from .service.layered import add_service_config_arguments
+
+    add_service_config_arguments(parser)
+    parser.add_argument("--partition", metavar="RUN_CONFIG",
+                        help="train on a shard of this run config's dataset and partition "
+                             "(a simulated or test fleet) instead of the site file's data")
+    parser.add_argument("--shard", type=int, metavar="INDEX",
+                        help="with --partition: which client's shard (0-based)")
+    parser.add_argument("--exit-when-finished", action="store_true",
+                        help="exit once the run is finished instead of waiting for the next")
+
+
+def _client(args: argparse.Namespace) -> int:
+    import json
+    import logging
+
+    from .roles import Client, ClientSettings
+    from .service import profiles
+    from .service.notify import Notifier
+    from .service.signals import install_stop_handlers
+
+    if (args.partition is None) != (args.shard is None):
+        raise ValueError("--partition and --shard go together")
+    run_config, extra = None, []
+    if args.partition is not None:
+        from .runconfig import load_run_config
+        from .sim import _absolute_paths
+
+        run_config = load_run_config(args.partition)
+        # the site file's data is the run's dataset (shown by `edgefl config show`)
+        extra = [f"data={json.dumps(_absolute_paths(run_config.dataset, run_config.path))}"]
+    config = _role_start("client", args, extra)
+    if run_config is not None:
+        from .sim import client_shard
+
+        x, y = client_shard(run_config, args.shard)
+    else:
+        from .data import load_dataset
+
+        data = dict(config["data"])
+        dataset = load_dataset(data.pop("name"), **data)
+        x, y = dataset.x_train, dataset.y_train
+    rss = profiles.check_memory_budget(config["compute.memory_budget_mb"], "after loading data")
+    node = config["node.id"]
+    logging.getLogger("edgefl.roles.client").info(
+        "%s: %d samples of shape %s loaded (%.0f MiB resident)", node, len(x), x.shape[1:], rss)
+    settings = ClientSettings(node, config["node.federation"],
+                              max_payload=config["transport.chunk_size"],
+                              compression=config["transport.compression"],
+                              exit_when_finished=args.exit_when_finished,
+                              profile=config.profile)
+    transport = _mqtt_transport(config, node)
+    notifier = Notifier.from_environment()
+    with install_stop_handlers() as stop, notifier.watchdog_pinger():
+        client = Client(settings, (x, y), transport, config.state_dir, stop=stop,
+                        notifier=notifier)
+        client.run()
+        notifier.stopping()
+    print(f"edgefl client {node}: {'run finished' if client.finished else 'stopped'}; last "
+          f"round trained {client.progress.trained}", flush=True)
+    return 0
+
+
+register(Command("client", "train on this node's data whenever the aggregator's round tasks "
+                           "it (site file: id, data, broker, state directory)",
+                 _client_arguments, _client))
+
+
+def _status_arguments(parser: argparse.ArgumentParser) -> None:
+    from .service.layered import add_service_config_arguments
+
+    add_service_config_arguments(parser)
+    parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
+                        help="whose site file --config is (default aggregator)")
+    parser.add_argument("--broker", metavar="URL",
+                        help="broker to ask, without a site file (default "
+                             "mqtt://localhost:1883)")
+    parser.add_argument("--federation", metavar="ID", help="federation id (default: the site "
+                        "file's node.federation, else 'default')")
+    parser.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
+                        help="longest wait for the retained statuses (default 2)")
+    parser.add_argument("--json", action="store_true", help="print the statuses as JSON")
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import time
+
+    from .roles.messages import MessageError, parse_status
+    from .service.status import format_fleet
+    from .transport.base import Message
+    from .transport.mqtt import MqttTransport
+    from .transport.topics import Topics
+
+    client_id = f"edgefl-status-{os.getpid()}-{os.urandom(3).hex()}"
+    config = None
+    if args.site is not None or args.overrides or args.profile is not None:
+        from .service.layered import load_service_config
+
+        config = load_service_config(args.role, args.site, profile=args.profile,
+                                     overrides=args.overrides)
+    if args.broker is not None:
+        transport = MqttTransport(args.broker, client_id, clean_session=True)
+    elif config is not None:
+        transport = _mqtt_transport(config, client_id, clean_session=True)
+    else:
+        transport = MqttTransport("mqtt://localhost:1883", client_id, clean_session=True)
+    federation = args.federation or (config["node.federation"] if config else "default")
+    topics = Topics(federation)
+    transport.connect()
+    statuses = {}
+    try:
+        transport.subscribe(topics.subscription("status"), qos=1)
+        end = time.monotonic() + max(0.0, args.wait)
+        quiet_until = time.monotonic() + min(0.5, args.wait)
+        while time.monotonic() < min(end, quiet_until):
+            item = transport.receive(timeout=max(0.0, min(end, quiet_until) - time.monotonic()))
+            if not isinstance(item, Message) or not item.payload:
+                continue
+            quiet_until = time.monotonic() + 0.3      # retained ones come in a burst
+            try:
+                _, node = topics.parse(item.topic)
+                statuses[node] = parse_status(item.payload, node)
+            except (MessageError, ValueError) as exc:
+                print(f"edgefl status: ignored {item.topic}: {exc}", file=sys.stderr)
+    finally:
+        transport.close(timeout=1.0, announce_offline=False)
+    rows = [statuses[n] for n in sorted(statuses)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_fleet(rows))
+    return 0
+
+
+register(Command("status", "print the fleet (node, online, version, profile, last round) "
+                           "from the retained status topics",
+                 _status_arguments, _status))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 
 `run_federation` is the round loop over in-memory clients: select -> configure -> train the
 tasked clients in a thread pool (the C core releases the GIL) -> aggregate in sorted client
-order -> evaluate. `simulate` wraps it for a RunConfig: loads the dataset, partitions it,
-builds the model, and writes to an output directory
+order -> evaluate. `run_over_broker` runs the same rounds through an MQTT broker with the
+real roles (edgefl.roles: the aggregator and one client per shard, each with its own
+connection, as threads of this process), and `run_aggregator` is `edgefl aggregator`.
+`simulate` wraps either for a RunConfig (`transport="inproc"` or `"mqtt"`): loads the
+dataset, partitions it, builds the model, and writes to an output directory
 
     metrics.jsonl  one JSON object per round: round, test_accuracy, test_loss (null on
                    rounds not evaluated), train_loss (mean over the uploaders' local steps),
@@ -47,7 +50,8 @@ from .strategies import (LocalData, Setup, State, Strategy, get_strategy, mean_t
                          select_clients)
 
 __all__ = ["RunResult", "run_federation", "simulate", "local_datasets", "model_sha256",
-           "load_checkpoint", "Progress"]
+           "load_checkpoint", "Progress", "PreparedRun", "prepare_run", "client_shard",
+           "run_over_broker", "run_aggregator", "write_outputs", "TRANSPORTS"]
 
 
 @dataclass
@@ -154,33 +158,256 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
 
 
 # ---------------------------------------------------------------------------------------
+# the same rounds through an MQTT broker
+# ---------------------------------------------------------------------------------------
+
+def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: str = "auto",
+                    workers: int | None = None, on_round: Callable[[dict], None] | None = None,
+                    max_payload: int = 128 * 1024, compression: str = "none",
+                    round_timeout_s: float = 120.0, federation: str | None = None,
+                    state_dir: str | None = None, connect_timeout: float = 30.0):
+    """Run `run` through an MQTT broker: the aggregator role in this thread and one client
+    role per shard in its own thread, each with its own MQTT connection, as a fleet would
+    (edgefl.roles). url: the broker (None: an EmbeddedBroker of `broker_kind` for the run).
+    At most `workers` clients train at once. Returns (RunResult, a description of the
+    transport for the summary). The final model equals run_federation's bit for bit when
+    compression is "none"."""
+    import tempfile
+    import threading
+
+    from .roles import (Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan,
+                        default_client_ids)
+    from .transport.broker import EmbeddedBroker, packet_bytes_for
+    from .transport.mqtt import MqttTransport, parse_broker_url
+
+    config = run.config
+    federation = federation or f"sim-{os.urandom(4).hex()}"   # fresh topics: no leftovers
+    ids = default_client_ids(len(run.setup.clients))
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    if url is not None:
+        parse_broker_url(url)                      # a bad URL fails before anything starts
+    stop = threading.Event()
+    slots = threading.Semaphore(max(1, workers))
+    errors: list = []
+    broker, scratch, roles, threads = None, None, [], []
+    try:
+        if url is None:
+            broker = EmbeddedBroker(kind=broker_kind,
+                                    max_packet_bytes=packet_bytes_for(max_payload)).start()
+            url = broker.url
+        address = parse_broker_url(url)
+        if state_dir is None:
+            scratch = tempfile.TemporaryDirectory(prefix="edgefl-sim-")
+        root = scratch.name if scratch is not None else state_dir
+
+        def transport(node):
+            return MqttTransport(url, f"edgefl-{federation}-{node}", clean_session=True,
+                                 connect_timeout=connect_timeout, reconnect_min=0.1,
+                                 reconnect_max=2.0)
+
+        for c, node in enumerate(ids):
+            data = run.clients[c]
+            role = Client(ClientSettings(node, federation, max_payload=max_payload,
+                                         compression=compression, exit_when_finished=True,
+                                         raise_on_error=True),
+                          (data.x, data.y), transport(node), os.path.join(root, node),
+                          stop=stop, train_slots=slots)
+
+            def body(role=role):
+                try:
+                    role.run()
+                except BaseException as exc:       # noqa: BLE001 -- re-raised below
+                    errors.append(exc)
+                    stop.set()
+
+            thread = threading.Thread(target=body, name=f"edgefl-{node}", daemon=True)
+            thread.start()
+            roles.append(role)
+            threads.append(thread)
+        deadline = time.monotonic() + connect_timeout
+        for role in roles:
+            while not role.ready.wait(0.05):
+                if errors or time.monotonic() > deadline:
+                    stop.set()
+                    if errors:
+                        raise errors[0]
+                    raise TimeoutError(f"simulation clients did not connect to {address} "
+                                       f"within {connect_timeout:g} s")
+        plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                       config.clients_per_round, ids,
+                       test=(run.dataset.x_test, run.dataset.y_test),
+                       eval_every=config.eval_every, description=config.to_dict())
+        settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
+                                      max_payload=max_payload, compression=compression)
+        aggregator = Aggregator(plan, transport("aggregator"), os.path.join(root, "aggregator"),
+                                settings, stop=stop,
+                                on_round=(lambda record, history: on_round(record))
+                                if on_round else None)
+        result = aggregator.run()
+        for thread in threads:
+            thread.join(timeout=30.0)
+        if errors:
+            raise errors[0]
+        if not result.finished:
+            raise RuntimeError(f"simulation over {address} stopped after round "
+                               f"{len(result.history)} of {run.setup.rounds}")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10.0)
+        if broker is not None:
+            broker.stop()
+        if scratch is not None:
+            scratch.cleanup()
+    client_states = {c: role.client_state for c, role in enumerate(roles)}
+    info = {"name": "mqtt", "broker": str(address),
+            "broker_kind": broker.kind if broker is not None else "external",
+            "federation": federation, "max_payload": max_payload, "compression": compression,
+            "run_id": result.run_id, "late": result.stats["late"],
+            "duplicates": result.stats["duplicates"], "rejected": result.stats["rejected"],
+            "resends": result.stats["resends"]}
+    return RunResult(result.state, client_states, result.history, result.params), info
+
+
+def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
+                   client_ids=None, out_dir: str | None = None, workers: int | None = None,
+                   stop=None, notifier=None, stream=None) -> dict | None:
+    """`edgefl aggregator`: run (or resume) the configured run over `transport` with the
+    state in `state_dir`, rewriting out_dir/metrics.jsonl after every round and writing
+    summary.json, model.npz (+ onnx, curves) when the run finishes. Returns the summary, or
+    None when stopped before the end."""
+    from .roles import Aggregator, AggregatorCheckpoint, RunPlan, default_client_ids
+
+    stream = stream or sys.stderr
+    ckpt = AggregatorCheckpoint.load(state_dir)
+    strategy = None
+    if ckpt is not None:      # the strategy as the run used it (DUW's table is not retrained)
+        strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
+    run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False, stream=stream,
+                      strategy=strategy)
+    ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
+    if len(ids) != len(run.setup.clients):
+        raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
+                          f"{len(run.setup.clients)} but {len(ids)} client ids were given")
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, ids, test=(run.dataset.x_test, run.dataset.y_test),
+                   eval_every=config.eval_every, description=config.to_dict())
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+
+    def on_round(record, history):
+        if out_dir is not None:
+            from .roles.state import atomic_write
+            atomic_write(os.path.join(out_dir, "metrics.jsonl"),
+                         "".join(json.dumps(_jsonable(h)) + "\n" for h in history).encode())
+
+    aggregator = Aggregator(plan, transport, state_dir, settings, on_round=on_round, stop=stop,
+                            notifier=notifier)
+    result = aggregator.run()
+    if not result.finished:
+        return None
+    run_result = RunResult(result.state, {}, result.history, result.params)
+    summary = _summary(config, run.model, run_result, workers or 1)
+    summary["transport"] = {"name": "mqtt", "federation": settings.federation,
+                            "run_id": result.run_id, "aggregated_rounds": result.aggregated}
+    if out_dir is not None:
+        write_outputs(out_dir, config, run.model, run.strategy, run_result, run.dataset,
+                      summary, stream, "edgefl aggregator")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------
 # simulate: a RunConfig to an output directory
 # ---------------------------------------------------------------------------------------
 
+@dataclass
+class PreparedRun:
+    """A RunConfig made concrete: data, split, model, initial parameters, the strategy (after
+    its offline phase, e.g. DUW's table), the Setup (units filled in) and each client's
+    LocalData. What `simulate` and `edgefl aggregator` start from."""
+    config: RunConfig
+    dataset: object
+    split: object
+    model: Model
+    init_params: np.ndarray
+    strategy: Strategy
+    setup: Setup
+    clients: dict
+
+
+def build_run_model(config: RunConfig, dataset) -> Model:
+    model_spec = {k: v for k, v in config.model.items() if k != "init"}
+    try:
+        return build_model(model_spec, dataset.input_shape, dataset.num_classes)
+    except KernelError as exc:
+        raise ConfigError(f"{config.path or '<config>'}: model: {exc}") from None
+
+
+def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
+                progress: bool | None = None, stream=None,
+                strategy: Strategy | None = None) -> PreparedRun:
+    """Load the dataset, partition it, build the model and its seeded initial buffer, and
+    the strategy; run the strategy's offline phase (`prepare`, DUW's table) unless a ready
+    `strategy` is given (a resumed aggregator takes it from its checkpoint)."""
+    dataset = dataset_from_config(config.as_config())
+    split = partition_from_config(config.as_config(), dataset)
+    model = build_run_model(config, dataset)
+    init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
+    setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),
+                  lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds,
+                  units=Setup.units_of(model))
+    clients = local_datasets(dataset, split, model)
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    if strategy is None:
+        strategy = get_strategy(config.strategy, **config.strategy_params)
+        prepare = getattr(strategy, "prepare", None)   # an offline phase (DUW's table)
+        if prepare is not None:
+            strategy = prepare(init_params, clients, setup, config=config, out_dir=out_dir,
+                               stream=None if progress is False else (stream or sys.stderr),
+                               workers=workers)
+    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients)
+
+
+def client_shard(config: RunConfig, index: int) -> tuple:
+    """(x, y) of client `index` under the config's dataset and partition: what the
+    in-process simulation gives that client, for a test or simulation fleet whose clients
+    are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
+    dataset = dataset_from_config(config.as_config())
+    split = partition_from_config(config.as_config(), dataset)
+    n = len(split.indices)
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+        raise ConfigError(f"{config.path or '<config>'}: shard {index!r}: the partition has "
+                          f"clients 0..{n - 1}")
+    idx = split.indices[index]
+    y = split.labels[index] if split.labels is not None else dataset.y_train[idx]
+    return np.ascontiguousarray(dataset.x_train[idx]), np.ascontiguousarray(y)
+
+
+TRANSPORTS = ("inproc", "mqtt")
+
+
 def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: int | None = None,
-             progress: bool | None = None, stream=None) -> dict:
+             progress: bool | None = None, stream=None, transport: str = "inproc",
+             broker: str | None = None, broker_kind: str = "auto",
+             mqtt: Mapping | None = None) -> dict:
     """Run the configured federation and write metrics.jsonl, summary.json, model.npz and
     curves.png into `out_dir` (None: write nothing). progress: None = show a progress bar on
     stderr (a bar on a TTY, one line per round otherwise), False = silent. Returns the
-    summary dict."""
-    dataset = dataset_from_config(config.as_config())
-    split = partition_from_config(config.as_config(), dataset)
-    model_spec = {k: v for k, v in config.model.items() if k != "init"}
-    try:
-        model = build_model(model_spec, dataset.input_shape, dataset.num_classes)
-    except KernelError as exc:
-        raise ConfigError(f"{config.path or '<config>'}: model: {exc}") from None
-    init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
-    strategy = get_strategy(config.strategy, **config.strategy_params)
-    setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),
-                  lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds)
-    clients = local_datasets(dataset, split, model)
+    summary dict.
+
+    transport "inproc" (default) runs `run_federation`; "mqtt" runs the same rounds through
+    a broker -- `broker` (a URL), or an EmbeddedBroker of `broker_kind` started for the run --
+    with the aggregator and one client per partition shard as threads of this process
+    (`run_over_broker`; `mqtt`: its keyword options). Both give the same final model."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
+    if transport == "inproc" and broker is not None:
+        raise ValueError("a broker URL needs transport 'mqtt'")
+    run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
+                      stream=stream)
+    dataset, model, strategy = run.dataset, run.model, run.strategy
+    init_params, clients, setup = run.init_params, run.clients, run.setup
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
-    prepare = getattr(strategy, "prepare", None)   # an offline phase before round 1 (DUW's table)
-    if prepare is not None:
-        strategy = prepare(init_params, clients, setup, config=config, out_dir=out_dir,
-                           stream=None if progress is False else (stream or sys.stderr),
-                           workers=workers)
 
     metrics_file = None
     if out_dir is not None:
@@ -195,27 +422,44 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
             metrics_file.flush()
         bar.update(record)
 
+    broker_info = None
     try:
-        result = run_federation(strategy, init_params, clients, setup, config.clients_per_round,
-                                test=(dataset.x_test, dataset.y_test),
-                                eval_every=config.eval_every, workers=workers, on_round=on_round)
+        if transport == "inproc":
+            result = run_federation(strategy, init_params, clients, setup,
+                                    config.clients_per_round,
+                                    test=(dataset.x_test, dataset.y_test),
+                                    eval_every=config.eval_every, workers=workers,
+                                    on_round=on_round)
+        else:
+            result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
+                                                  workers=workers, on_round=on_round,
+                                                  **dict(mqtt or {}))
     finally:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
 
     summary = _summary(config, model, result, workers)
+    if broker_info is not None:
+        summary["transport"] = broker_info
     if out_dir is not None:
-        _write_json(os.path.join(out_dir, "summary.json"), summary)
-        save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset,
-                        dataset_config=_absolute_paths(config.dataset, config.path))
-        _export_onnx(out_dir, stream or sys.stderr)
-        try:
-            plot_curves(result.history, os.path.join(out_dir, "curves.png"),
-                        f"{config.strategy} on {dataset.name}, {config.clients} clients")
-        except ImportError as exc:   # matplotlib is an optional extra
-            print(f"edgefl simulate: curves.png skipped: {exc}", file=stream or sys.stderr)
+        write_outputs(out_dir, config, model, strategy, result, dataset, summary,
+                      stream or sys.stderr, "edgefl simulate")
     return summary
+
+
+def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strategy,
+                  result: RunResult, dataset, summary: dict, stream, who: str) -> None:
+    """summary.json, model.npz, model.onnx (with the export extra) and curves.png."""
+    _write_json(os.path.join(out_dir, "summary.json"), summary)
+    save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset,
+                    dataset_config=_absolute_paths(config.dataset, config.path))
+    _export_onnx(out_dir, stream)
+    try:
+        plot_curves(result.history, os.path.join(out_dir, "curves.png"),
+                    f"{config.strategy} on {dataset.name}, {config.clients} clients")
+    except ImportError as exc:   # matplotlib is an optional extra
+        print(f"{who}: curves.png skipped: {exc}", file=stream)
 
 
 def _summary(config: RunConfig, model: Model, result: RunResult, workers: int) -> dict:

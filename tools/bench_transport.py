@@ -25,6 +25,30 @@ frame: edgefl.transport.wire on a model of P float32 parameters in four layers, 
   vs_memcpy = gb_per_s / memcpy's gb_per_s at the same P. Targets (issue 4): f32 encode and
   decode >= 1 GB/s.
 
+round: the aggregator and 10 clients (edgefl.roles, each with its own MQTT connection, as
+  `edgefl simulate --transport mqtt` runs them, all in this one process) training a
+  1M-parameter MLP (digits, 64-13333-10, one local step) through a broker, compression none,
+  with frames chunked to 128 KiB (AWS IoT's limit) and unchunked (one message per frame),
+  for each embedded broker: mosquitto (the production broker) and amqtt (the pure-Python
+  fallback). Per round:
+    round_s     wall time from the previous round's checkpoint to this round's (median over
+                rounds 2..R-1: round 1 warms up, the last one also evaluates on the test set)
+    train_s     the slowest client's local training that round (reported by the clients)
+    overhead_s  round_s - train_s: selection, encoding, the broker, decoding, reassembly,
+                aggregation and the fsync'ed checkpoint
+    raw_s       raw paho-mqtt moving the same bytes through the same broker in the same run:
+                one publisher sends the model's chunks (QoS 1) to 10 subscribers, then 10
+                publishers send theirs to one subscriber; median of `repeats` rounds
+    vs_raw      overhead_s / raw_s (issue 4 target: <= 2 through Mosquitto)
+    agg_cpu_s   CPU seconds of the aggregator's own thread per round (decoding, checking and
+                aggregating the updates, the checkpoint): what bounds how many clients one
+                aggregator serves per round (docs/scaling.md)
+  All roles share this machine's cores and one Python process here; on a fleet every client
+  decodes, trains and encodes on its own board.
+fleet: a small model (softmax, 650 parameters) and 100 clients (50 with --quick), all
+  selected every round, through Mosquitto: round time, overhead and the aggregator's CPU per
+  round with a large fleet (docs/scaling.md).
+
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are removed before NumPy loads, as in
 tools/bench_kernels.py (--keep-openblas-env keeps them).
 """
@@ -141,13 +165,193 @@ def _frame_rows(table: LayerTable, x: np.ndarray, compression: str, repeats: int
 
 
 # ---------------------------------------------------------------------------------------
-# registry: each entry yields row dicts. The MQTT round-overhead benchmark (10 clients, a
-# 1M-parameter model through Mosquitto and the embedded broker, next to raw paho moving the
-# same bytes) is added here by its owner, e.g. `bench_round`; keep one function per benchmark.
+# round: per-round overhead of the roles through a broker, next to raw paho
+# ---------------------------------------------------------------------------------------
+
+ROUND_CLIENTS = 10
+ROUND_HIDDEN = 13333          # 64*13333 + 13333 + 13333*10 + 10 = 999,985 parameters
+
+
+def _run_config(clients: int, rounds: int, model: dict, train: dict):
+    from edgefl.runconfig import run_config_from_mapping
+
+    return run_config_from_mapping({
+        "dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": clients},
+        "model": model, "strategy": {"name": "fedavg"}, "train": train, "rounds": rounds,
+        "clients_per_round": clients, "seed": 0, "eval_every": rounds})
+
+
+def _roles_rounds(config, url: str, max_payload: int) -> list[dict]:
+    """The per-round records of a run of the roles through the broker at `url`, each with
+    `cycle_s`: the time from the previous round's commit (checkpoint written) to this one's,
+    so everything the aggregator does between rounds counts."""
+    from edgefl.sim import prepare_run, run_over_broker
+
+    run = prepare_run(config, progress=False)
+    commits = []        # (wall clock, the aggregator thread's CPU time) at each commit
+    result, _ = run_over_broker(
+        run, url, max_payload=max_payload, round_timeout_s=600, workers=os.cpu_count() or 1,
+        on_round=lambda record: commits.append((time.perf_counter(), time.thread_time())))
+    history = [dict(h) for h in result.history]
+    for i in range(1, len(history)):
+        history[i]["cycle_s"] = commits[i][0] - commits[i - 1][0]
+        history[i]["agg_cpu_s"] = commits[i][1] - commits[i - 1][1]
+    history[0]["cycle_s"] = history[0]["wall_s"]
+    history[0]["agg_cpu_s"] = float("nan")
+    return history
+
+
+def _raw_paho_round(url: str, clients: int, payloads: list[bytes], timeout: float = 120.0):
+    """Seconds raw paho-mqtt needs to move one round's messages through the broker: the
+    model's chunks from one publisher to `clients` subscribers, then each client's chunks to
+    one subscriber (QoS 1 both ways, TCP_NODELAY as edgefl sets it)."""
+    import socket
+    import threading
+
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from edgefl.transport.mqtt import parse_broker_url
+
+    address = parse_broker_url(url)
+    tag = os.urandom(4).hex()
+    made = []
+
+    def nodelay(client, userdata, sock):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connect(name, topic=None, expect=0):
+        done = threading.Event()
+        state = {"n": 0}
+        subscribed = threading.Event()
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{tag}-{name}",
+                             clean_session=True)
+        client.max_inflight_messages_set(16)
+        client.on_socket_open = nodelay
+
+        def on_message(c, u, msg):
+            state["n"] += 1
+            if state["n"] >= expect:
+                done.set()
+
+        client.on_message = on_message
+        client.on_subscribe = lambda *a: subscribed.set()
+        client.connect(address.host, address.port, keepalive=60)
+        client.loop_start()
+        if topic is not None:
+            client.subscribe(topic, qos=1)
+            if not subscribed.wait(10):
+                raise RuntimeError(f"raw paho: no SUBACK from {address}")
+        made.append(client)
+        return client, done, state
+
+    try:
+        down = f"raw/{tag}/model"
+        up = f"raw/{tag}/update/+"
+        n = len(payloads)
+        subscribers = [connect(f"c{i}", down, n) for i in range(clients)]
+        aggregator, agg_done, _ = connect("agg", up, n * clients)
+        publishers = [connect(f"p{i}")[0] for i in range(clients)]
+        t0 = time.perf_counter()
+        for p in payloads:
+            aggregator.publish(down, p, qos=1)
+        for _, done, _ in subscribers:
+            if not done.wait(timeout):
+                raise RuntimeError("raw paho: the model did not reach every subscriber")
+        for i, pub in enumerate(publishers):
+            for p in payloads:
+                pub.publish(f"raw/{tag}/update/c{i}", p, qos=1)
+        if not agg_done.wait(timeout):
+            raise RuntimeError("raw paho: not every update reached the aggregator")
+        return time.perf_counter() - t0
+    finally:
+        for client in made:
+            client.disconnect()
+            client.loop_stop()
+
+
+def bench_round(args) -> Iterator[dict]:
+    from edgefl.sim import prepare_run
+    from edgefl.transport.broker import (EmbeddedBroker, find_mosquitto, have_python_broker,
+                                         packet_bytes_for)
+
+    rounds = 4 if args.quick else 7
+    repeats = 3 if args.quick else 5
+    config = _run_config(ROUND_CLIENTS, rounds, {"name": "mlp", "hidden": [ROUND_HIDDEN]},
+                         {"lr": 0.01, "batch_size": 8, "steps": 1})
+    table = prepare_run(config, progress=False).model.table
+    x = np.random.default_rng(0).standard_normal(table.size).astype(np.float32)
+    frame = wire.encode("update", 1, "client-0", {"params": x},
+                        {"run": "bench", "num_samples": 180, "train_loss": 1.0, "steps": 1,
+                         "train_s": 0.0, "strategy": {}}, table)
+    whole = 1 << (len(frame) - 1).bit_length()          # one message per frame
+    chunks = [AWS_IOT_MAX_PAYLOAD, whole]
+    brokers = [("mosquitto", find_mosquitto() is not None), ("amqtt", have_python_broker())]
+    for name, available in brokers:
+        for chunk in chunks:
+            payloads = wire.split(frame, chunk)
+            row = {"bench": "round", "impl": f"roles/{name}", "clients": ROUND_CLIENTS,
+                   "P": table.size, "chunk": chunk if chunk < whole else "whole frame",
+                   "messages": len(payloads) * (1 + ROUND_CLIENTS)}
+            if not available:
+                row["note"] = f"{name} not installed: skipped"
+                yield row
+                continue
+            kind = "mosquitto" if name == "mosquitto" else "python"
+            with EmbeddedBroker(kind=kind, max_packet_bytes=packet_bytes_for(chunk)) as broker:
+                raw = [_raw_paho_round(broker.url, ROUND_CLIENTS, payloads)
+                       for _ in range(repeats)]
+                history = _roles_rounds(config, broker.url, chunk)
+            middle = history[1:-1] or history
+            round_s = statistics.median(h["cycle_s"] for h in middle)
+            train_s = statistics.median(h["train_wall_s"] for h in middle)
+            overhead = statistics.median(h["cycle_s"] - h["train_wall_s"] for h in middle)
+            raw_s = statistics.median(raw)
+            row.update({"round_s": round(round_s, 4), "train_s": round(train_s, 4),
+                        "overhead_s": round(overhead, 4), "raw_s": round(raw_s, 4),
+                        "vs_raw": round(overhead / raw_s, 2),
+                        "agg_cpu_s": round(statistics.median(h["agg_cpu_s"] for h in middle),
+                                           4),
+                        "rounds": len(middle), "repeats": repeats})
+            yield row
+
+
+def bench_fleet(args) -> Iterator[dict]:
+    """100 clients (50 with --quick) with a 650-parameter model through Mosquitto."""
+    from edgefl.transport.broker import EmbeddedBroker, find_mosquitto
+
+    clients = 50 if args.quick else 100
+    rounds = 4 if args.quick else 6
+    row = {"bench": "fleet", "impl": "roles/mosquitto", "clients": clients, "P": 650}
+    if find_mosquitto() is None:
+        row["note"] = "mosquitto not installed: skipped"
+        yield row
+        return
+    config = _run_config(clients, rounds, {"name": "softmax"},
+                         {"lr": 0.1, "batch_size": 32, "epochs": 1})
+    with EmbeddedBroker(kind="mosquitto") as broker:
+        t0 = time.perf_counter()
+        history = _roles_rounds(config, broker.url, AWS_IOT_MAX_PAYLOAD)
+        total = time.perf_counter() - t0
+    middle = history[1:-1] or history
+    row.update({"round_s": round(statistics.median(h["cycle_s"] for h in middle), 4),
+                "train_s": round(statistics.median(h["train_wall_s"] for h in middle), 4),
+                "overhead_s": round(statistics.median(h["cycle_s"] - h["train_wall_s"]
+                                                      for h in middle), 4),
+                "agg_cpu_s": round(statistics.median(h["agg_cpu_s"] for h in middle), 4),
+                "updates": min(h["updates"] for h in history), "rounds": len(middle),
+                "run_s": round(total, 2)})
+    yield row
+
+
+# ---------------------------------------------------------------------------------------
+# registry: each entry yields row dicts; keep one function per benchmark
 # ---------------------------------------------------------------------------------------
 
 BENCHMARKS: list[Callable[[argparse.Namespace], Iterator[dict]]] = [
     bench_frame,
+    bench_round,
+    bench_fleet,
 ]
 
 

@@ -1,0 +1,758 @@
+"""The aggregator: the only round loop of a federation over MQTT (DESIGN.md "Layers").
+
+    aggregator = Aggregator(plan, transport, state_dir, AggregatorSettings(round_timeout_s=60))
+    result = aggregator.run()          # returns when the run is finished (or stop is set)
+
+Each round r:
+
+1. select (`select_clients(seed, r, ...)`, stateless) and `strategy.configure` -> tasks;
+2. announce: the retained JSON announcement on `round` (round, deadline, model hash,
+   per-client tasks), then the model: the global model once on `model` (FedMR's per-client
+   models on `model/<client>`), as binary frames chunked to `max_payload`;
+3. collect updates on `update/+` until the round closes: every uploader in ("all"), a
+   quorum fraction of them ("quorum"), every uploader still missing is offline by its Last
+   Will ("offline"), or the deadline passed ("deadline"). A round with no update by its
+   deadline is announced again with a new deadline. Late updates (for a closed round) are
+   dropped, duplicates (QoS 1 repeats, a client re-sending) ignored, updates from clients
+   not allowed to upload this round (FedUmf) refused, every bad frame logged with its reason;
+4. aggregate in sorted client order (`strategy.aggregate`), evaluate on the test set;
+5. checkpoint atomically (roles/state.py), then append "aggregated" to the journal
+   `rounds.jsonl` -- the record that each round was aggregated exactly once;
+6. publish the round's metrics and events.
+
+Restarted with the same state directory it loads the checkpoint and re-announces the round
+that was open; clients that had already uploaded it re-send their stored update.
+
+Retained messages and chunks (docs/protocol.md section 5): a retained topic keeps only the
+last message, so a model frame that needs several chunks is published with the retain flag
+clear (and the stale retained frame cleared); a client that missed it (joined late, lost a
+chunk) asks with `need_model` in its status, or is re-sent its model when its status turns
+online again, on its own `model/<client>` topic. A model that fits one frame is retained.
+
+Determinism: selection, task seeds and aggregation order are those of
+`edgefl.sim.run_federation`, so with compression "none" a run over a broker ends with the
+same model, bit for bit, as the in-process simulation of the same config and seed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .. import kernels
+from ..models import Model
+from ..strategies import (Setup, State, Strategy, StrategyError, Update, mean_train_loss,
+                          select_clients)
+from ..transport import wire
+from ..transport.base import ConnectionEvent, Message, Transport, TransportError
+from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
+from .messages import (MessageError, TopicCache, build_announcement, buffers_sha256,
+                       finished_announcement, new_announce_id, parse_status,
+                       parse_update_scalars, peek_frame, status_payload)
+from .state import (JOURNAL_FILE, AggregatorCheckpoint, StateError, append_journal, jsonable,
+                    read_journal)
+
+__all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult",
+           "run_fingerprint", "default_client_ids"]
+
+log = logging.getLogger("edgefl.roles.aggregator")
+
+CLOSE_REASONS = ("all", "quorum", "offline", "deadline", "no_uploads")
+
+
+def default_client_ids(n: int) -> tuple:
+    """The node ids of a federation of n clients when none are configured: client-0 ..."""
+    return tuple(f"client-{i}" for i in range(int(n)))
+
+
+@dataclass(frozen=True)
+class AggregatorSettings:
+    """How the aggregator runs rounds over the broker.
+
+    round_timeout_s: the deadline, seconds after a round is announced.
+    quorum:          fraction of a round's uploaders whose updates close it early
+                     (1.0: wait for all of them, or for the deadline).
+    min_updates:     fewest updates a round is aggregated with; a round that has fewer at
+                     its deadline is announced again.
+    max_payload:     bytes per MQTT message; larger frames are chunked (AWS IoT: 128 KiB).
+    compression:     none | f16 | int8, how the models travel down (clients choose theirs).
+    resend_interval_s: at most one model re-send per client per interval.
+    """
+    node_id: str = "aggregator"
+    federation: str = "default"
+    prefix: str = DEFAULT_PREFIX
+    round_timeout_s: float = 300.0
+    quorum: float = 1.0
+    min_updates: int = 1
+    max_payload: int = 128 * 1024
+    compression: str = "none"
+    reassembly_timeout_s: float = 60.0
+    resend_interval_s: float = 1.0
+    profile: str | None = None
+    poll_s: float = 0.25
+
+    def __post_init__(self):
+        validate_id(self.node_id, "aggregator node id")
+        validate_id(self.federation, "federation id")
+        if not self.round_timeout_s > 0:
+            raise ValueError(f"round_timeout_s = {self.round_timeout_s!r}: need > 0 seconds")
+        if not 0 < self.quorum <= 1:
+            raise ValueError(f"quorum = {self.quorum!r}: a fraction in (0, 1] of the round's "
+                             "uploaders")
+        if isinstance(self.min_updates, bool) or not isinstance(self.min_updates, int) \
+                or self.min_updates < 1:
+            raise ValueError(f"min_updates = {self.min_updates!r}: need an integer >= 1")
+        if self.compression not in wire.COMPRESSIONS:
+            raise ValueError(f"compression {self.compression!r}; valid: "
+                             f"{', '.join(wire.COMPRESSIONS)}")
+        if not 1024 <= self.max_payload:
+            raise ValueError(f"max_payload = {self.max_payload!r}: need >= 1024 bytes")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What one run is: everything the aggregator needs besides the network.
+
+    strategy / init_params / setup: as for run_federation (setup.units filled in).
+    client_ids: the node id of strategy client i at position i.
+    test:       (x, y) to evaluate the global model on, or None.
+    description: the run's config as JSON data (part of the checkpoint's fingerprint).
+    """
+    strategy: Strategy
+    init_params: np.ndarray
+    setup: Setup
+    model: Model
+    clients_per_round: int
+    client_ids: tuple
+    test: tuple | None = None
+    eval_every: int = 1
+    description: Mapping = field(default_factory=dict)
+
+    def __post_init__(self):
+        ids = tuple(self.client_ids)
+        if len(ids) != len(self.setup.clients):
+            raise ValueError(f"run plan: {len(ids)} client ids for {len(self.setup.clients)} "
+                             f"clients")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"run plan: client ids are not distinct: {list(ids)[:10]}")
+        for node in ids:
+            validate_id(node, "client id")
+        object.__setattr__(self, "client_ids", ids)
+
+
+def run_fingerprint(plan: RunPlan, settings: AggregatorSettings) -> str:
+    """What identifies a run in its checkpoint: config, clients, federation, strategy."""
+    doc = {"config": jsonable(dict(plan.description)), "clients": list(plan.client_ids),
+           "federation": settings.federation, "prefix": settings.prefix,
+           "strategy": plan.strategy.name, "table": plan.model.table.digest,
+           "rounds": plan.setup.rounds, "seed": plan.setup.seed}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@dataclass
+class AggregatorResult:
+    run_id: str
+    state: State
+    params: np.ndarray
+    history: list
+    aggregated: list
+    finished: bool
+    stats: dict
+
+
+@dataclass
+class _Downlink:
+    """The payloads of one model frame, kept to re-send it."""
+    topic: str
+    payloads: list
+    retained: bool
+    sha: str
+
+
+@dataclass
+class _OpenRound:
+    round: int
+    selected: list
+    tasks: dict                      # strategy client id -> Task
+    node_tasks: dict                 # node id -> Task
+    uploaders: set
+    started: float                   # perf_counter at opening
+    announce_id: str = ""
+    opened: float = 0.0
+    deadline: float = 0.0
+    announcement: bytes = b""
+    downlinks: dict = field(default_factory=dict)     # "global" or node -> _Downlink
+    copies: dict = field(default_factory=dict)        # node -> its copy of the global model
+    received: dict = field(default_factory=dict)      # node -> Update
+    train_s: dict = field(default_factory=dict)       # node -> seconds
+    refused: set = field(default_factory=set)         # nodes whose update aggregate refused
+    last_resend: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=lambda: {"late": 0, "duplicates": 0, "rejected": 0,
+                                                  "resends": 0, "announcements": 0,
+                                                  "wire_up_bytes": 0, "wire_down_bytes": 0})
+
+
+class Aggregator:
+    """Runs the rounds of `plan` over `transport` (not yet connected), persisting to
+    `state_dir`. on_round(record, history) is called after each round is checkpointed;
+    `stop` (an Event-like object) ends the loop between steps."""
+
+    def __init__(self, plan: RunPlan, transport: Transport, state_dir: str | os.PathLike,
+                 settings: AggregatorSettings = AggregatorSettings(), *,
+                 on_round: Callable[[dict, list], None] | None = None, stop=None,
+                 notifier=None):
+        self.plan = plan
+        self.transport = transport
+        self.state_dir = os.fspath(state_dir)
+        self.settings = settings
+        self.on_round = on_round
+        self.stop = stop if stop is not None else threading.Event()
+        self.notifier = notifier
+        self.topics = Topics(settings.federation, settings.prefix)
+        self._topic_cache = TopicCache(self.topics)
+        self.table = plan.model.table
+        self.members = {node: i for i, node in enumerate(plan.client_ids)}
+        self.fingerprint = run_fingerprint(plan, settings)
+        # Room for every uploader's chunked update in flight at once (two buffers each, e.g.
+        # MFL's model and momentum, plus headroom), and never less than wire's default.
+        in_flight = plan.clients_per_round * (2 * 4 * plan.model.n_params + (64 << 10)) * 3 // 2
+        self.reassembler = wire.Reassembler(settings.reassembly_timeout_s,
+                                            max_bytes=max(256 << 20, in_flight))
+        self.online: dict[str, bool] = {}
+        self.open: _OpenRound | None = None
+        self.ckpt: AggregatorCheckpoint | None = None
+        self.stats = {"late": 0, "duplicates": 0, "rejected": 0, "resends": 0}
+        self._logged: set = set()            # (node, message id) already reported
+        self._cleared: set = set()           # retained topics cleared this session
+        self._retained: set = set()          # model topics we left a retained frame on
+        self._connects = 0                   # `connected` events handled
+
+    # ------------------------------------------------------------------ public
+    @property
+    def rounds(self) -> int:
+        return self.plan.setup.rounds
+
+    @property
+    def run_id(self) -> str | None:
+        return self.ckpt.run_id if self.ckpt else None
+
+    @property
+    def journal_path(self) -> str:
+        return os.path.join(self.state_dir, JOURNAL_FILE)
+
+    def run(self) -> AggregatorResult:
+        os.makedirs(self.state_dir, exist_ok=True)
+        self.ckpt = self._load_or_start()
+        self._connect()
+        if self.notifier is not None:
+            self.notifier.ready(f"aggregator: run {self.ckpt.run_id}, {self.ckpt.round} of "
+                                f"{self.rounds} rounds done")
+        try:
+            done = self.ckpt.round
+            self._event("run_resumed" if done else "run_started", round=done + 1)
+            for r in range(done + 1, self.rounds + 1):
+                if self.stop.is_set():
+                    break
+                if not self._run_round(r):
+                    break
+            finished = self.ckpt.round >= self.rounds
+            if finished:
+                self._finish()
+        finally:
+            self.open = None
+            self._close()
+        return AggregatorResult(self.ckpt.run_id, self.ckpt.state,
+                                self.plan.strategy.global_model(self.ckpt.state),
+                                list(self.ckpt.history), list(self.ckpt.aggregated),
+                                self.ckpt.round >= self.rounds, dict(self.stats))
+
+    # ------------------------------------------------------------------ start and stop
+    def _strategy_record(self) -> dict:
+        return {"name": self.plan.strategy.name,
+                "params": self.plan.strategy.hyperparameters()}
+
+    def _load_or_start(self) -> AggregatorCheckpoint:
+        ckpt = AggregatorCheckpoint.load(self.state_dir)
+        if ckpt is not None:
+            if ckpt.fingerprint != self.fingerprint:
+                raise StateError(
+                    f"{self.state_dir}: holds the checkpoint of run {ckpt.run_id} made with "
+                    f"another configuration (fingerprint {ckpt.fingerprint[:12]}, this run "
+                    f"{self.fingerprint[:12]}: config, clients, federation or strategy "
+                    f"differ); use another state directory, or remove the checkpoint to start "
+                    f"over")
+            if ckpt.aggregated != list(range(1, ckpt.round + 1)):
+                raise StateError(f"{self.state_dir}: checkpoint of round {ckpt.round} lists "
+                                 f"aggregated rounds {ckpt.aggregated}; it is inconsistent")
+            self._reconcile_journal(ckpt)
+            log.info("resuming run %s from its checkpoint: %d of %d rounds aggregated",
+                     ckpt.run_id, ckpt.round, self.rounds)
+            return ckpt
+        state = self.plan.strategy.init(self.plan.init_params, self.plan.setup)
+        ckpt = AggregatorCheckpoint(
+            run_id=os.urandom(8).hex(), fingerprint=self.fingerprint, round=0, aggregated=[],
+            state=state, strategy=self._strategy_record(),
+            rng={"seed": self.plan.setup.seed,
+                 "streams": "selection (seed, round); local data order (seed, round, client); "
+                            "FedMR permutations (seed, round): stateless"})
+        ckpt.save(self.state_dir)
+        append_journal(self.journal_path, {"event": "started", "run": ckpt.run_id,
+                                           "at": time.time()})
+        log.info("run %s started: %s, %d rounds, %d clients", ckpt.run_id,
+                 self.plan.strategy.name, self.rounds, len(self.plan.client_ids))
+        return ckpt
+
+    def _reconcile_journal(self, ckpt: AggregatorCheckpoint) -> None:
+        """A crash between the checkpoint's rename and the journal's append leaves a round
+        in the checkpoint only: append it now, so the journal lists every aggregated round
+        exactly once."""
+        logged = {rec.get("round") for rec in read_journal(self.journal_path)
+                  if rec.get("event") == "aggregated" and rec.get("run") == ckpt.run_id}
+        for r in ckpt.aggregated:
+            if r not in logged:
+                append_journal(self.journal_path, {"event": "aggregated", "run": ckpt.run_id,
+                                                   "round": r, "recovered": True,
+                                                   "at": time.time()})
+        append_journal(self.journal_path, {"event": "resumed", "run": ckpt.run_id,
+                                           "round": ckpt.round, "at": time.time()})
+
+    def _status(self, online: bool, will: bool = False) -> bytes:
+        # The will is fixed at connect time: it carries no last round (it would be stale).
+        return status_payload(self.settings.node_id, "aggregator", online,
+                              profile=self.settings.profile,
+                              last_round=self.ckpt.round if self.ckpt and not will else None,
+                              run=self.run_id,
+                              round=self.open.round if self.open and online else None)
+
+    def _connect(self) -> None:
+        t = self.transport
+        t.set_will(self.topics.status(self.settings.node_id), self._status(False, will=True))
+        t.connect()
+        t.subscribe(self.topics.subscription("update"), qos=1)
+        t.subscribe(self.topics.subscription("status"), qos=1)
+        self._publish_status()
+
+    def _close(self) -> None:
+        try:
+            # Unsubscribe first: with nothing arriving while the transport disconnects, its
+            # DISCONNECT goes out and the broker discards the will (paho can otherwise stop
+            # its network thread between reading a message and writing the DISCONNECT).
+            for topic_filter in self.transport.subscriptions:
+                self.transport.unsubscribe(topic_filter)
+            # our own offline status (with the last round), not the will set at connect
+            self._publish_status(online=False)
+            self.transport.close(announce_offline=False)
+        except (TransportError, OSError) as exc:
+            log.warning("closing the connection: %s", exc)
+
+    def _publish_status(self, online: bool = True) -> None:
+        try:
+            self.transport.publish(self.topics.status(self.settings.node_id),
+                                   self._status(online), qos=1, retain=True)
+        except TransportError as exc:
+            log.warning("status not published: %s", exc)
+
+    def _event(self, event: str, **fields) -> None:
+        doc = {"event": event, "run": self.run_id, "node": self.settings.node_id,
+               "at": time.time(), **fields}
+        try:
+            self.transport.publish(self.topics.events(), json.dumps(jsonable(doc)).encode(),
+                                   qos=1)
+        except TransportError as exc:
+            log.debug("event %s not published: %s", event, exc)
+
+    def _finish(self) -> None:
+        sha = hashlib.sha256(np.ascontiguousarray(
+            self.plan.strategy.global_model(self.ckpt.state), dtype=np.float32)).hexdigest()
+        doc = finished_announcement(run_id=self.ckpt.run_id, aggregator=self.settings.node_id,
+                                    rounds=self.rounds, model_sha256=sha)
+        self.transport.publish(self.topics.round(), json.dumps(doc).encode(), qos=1,
+                               retain=True)
+        for topic in sorted(self._retained):     # no stale round's model for late joiners
+            self.transport.clear_retained(topic)
+        self._event("run_finished", rounds=self.rounds, model_sha256=sha)
+        self.transport.flush(10.0)
+        log.info("run %s finished: %d rounds, final model sha256 %s", self.ckpt.run_id,
+                 self.rounds, sha)
+
+    # ------------------------------------------------------------------ one round
+    def _run_round(self, r: int) -> bool:
+        """Open, collect, aggregate and commit round r; False when stopped first."""
+        plan, state = self.plan, self.ckpt.state
+        selected = select_clients(plan.setup.seed, r, plan.setup.clients,
+                                  plan.clients_per_round)
+        tasks = plan.strategy.configure(r, selected, state)
+        node_tasks = {plan.client_ids[c]: t for c, t in tasks.items()}
+        self.open = o = _OpenRound(r, list(selected), tasks, node_tasks,
+                                   {n for n, t in node_tasks.items() if t.upload},
+                                   time.perf_counter())
+        self._announce()
+        if self.notifier is not None:
+            self.notifier.status(f"round {r}/{self.rounds}: collecting updates")
+        closed_by = self._collect()
+        if closed_by is None:
+            log.info("round %d abandoned: stop requested; the checkpoint of round %d stands",
+                     r, self.ckpt.round)
+            return False
+        updates = {self.members[n]: u for n, u in o.received.items()}
+        state, metrics = self._aggregate(r, updates, state)
+        record = self._record(o, updates, state, metrics, closed_by)
+        self._commit(r, state, record)
+        return True
+
+    def _announce(self) -> None:
+        """Publish the announcement of the open round (a new id and deadline), then its
+        models. Also used to announce the round again after a deadline without updates."""
+        o, s = self.open, self.settings
+        o.announce_id = new_announce_id()
+        o.opened = time.time()
+        o.deadline = o.opened + s.round_timeout_s
+        o.counts["announcements"] += 1
+        if not o.downlinks:
+            self._build_downlinks()
+        glob = o.downlinks.get("global")
+        client_sha = {n: d.sha for n, d in o.downlinks.items() if n != "global"}
+        model = {"spec": json.loads(self.plan.model.spec),
+                 "input_shape": list(self.plan.model.input_shape),
+                 "num_classes": int(self.plan.model.num_classes),
+                 "table": self.table.digest}
+        doc = build_announcement(
+            run_id=self.ckpt.run_id, aggregator=s.node_id, round=o.round, rounds=self.rounds,
+            announce_id=o.announce_id, opened=o.opened, deadline=o.deadline,
+            strategy=self._strategy_record(), model=model, compression=s.compression,
+            global_sha=glob.sha if glob else None, tasks=o.node_tasks,
+            client_index=self.members, client_sha=client_sha)
+        o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+        self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
+        for downlink in o.downlinks.values():
+            self._publish_downlink(downlink)
+        self._publish_status()
+        self._event("round_opened", round=o.round, deadline=o.deadline,
+                    selected=[self.plan.client_ids[c] for c in o.selected],
+                    announcement=o.counts["announcements"])
+        log.info("round %d announced (%s): %d tasks, %d uploaders, deadline in %.0f s",
+                 o.round, o.announce_id, len(o.node_tasks), len(o.uploaders),
+                 s.round_timeout_s)
+
+    def _frame(self, kind: str, buffers, recipient: str | None = None) -> _Downlink:
+        o, s = self.open, self.settings
+        data = wire.encode(kind, o.round, s.node_id, buffers, {"run": self.ckpt.run_id},
+                           self.table, s.compression, recipient=recipient)
+        if s.compression != "none":      # the hash is of what the clients will decode
+            buffers = wire.decode(data, wire.Expectation(self.table, kinds=kind)).buffers
+        payloads = wire.split(data, s.max_payload)
+        topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
+        return _Downlink(topic, payloads, len(payloads) == 1, buffers_sha256(buffers))
+
+    def _build_downlinks(self) -> None:
+        o = self.open
+        shared = None
+        for node, task in sorted(o.node_tasks.items()):
+            if task.source == "global":
+                if shared is None:
+                    shared = task.buffers
+                    o.downlinks["global"] = self._frame("model", shared)
+                elif not all(task.buffers.get(k) is v for k, v in shared.items()) \
+                        or set(task.buffers) != set(shared):
+                    raise StrategyError(f"{self.plan.strategy.name}: round {o.round}: tasks with "
+                                        f"source 'global' carry different buffers (client "
+                                        f"{node}); per-client buffers need source 'client'")
+            else:
+                o.downlinks[node] = self._frame("client_model", task.buffers, recipient=node)
+
+    def _publish_downlink(self, d: _Downlink) -> None:
+        if not d.retained and d.topic not in self._cleared:
+            # the topic's retained message is a stale whole frame or a lone chunk
+            self.transport.publish(d.topic, b"", qos=1, retain=True)
+            self._cleared.add(d.topic)
+        for payload in d.payloads:
+            self.transport.publish(d.topic, payload, qos=1, retain=d.retained)
+            self.open.counts["wire_down_bytes"] += len(payload)
+        if d.retained:
+            self._cleared.discard(d.topic)
+            self._retained.add(d.topic)
+
+    def _resend(self, node: str, why: str) -> None:
+        """Send `node` its model again on its own topic (rate-limited)."""
+        o = self.open
+        now = time.monotonic()
+        if now - o.last_resend.get(node, -math.inf) < self.settings.resend_interval_s:
+            return
+        o.last_resend[node] = now
+        downlink = o.downlinks.get(node) or o.copies.get(node)
+        if downlink is None:
+            task = o.node_tasks[node]
+            downlink = self._frame("client_model", task.buffers, recipient=node)
+            downlink.retained = False        # a copy for one client, not its retained state
+            o.copies[node] = downlink
+        for payload in downlink.payloads:
+            self.transport.publish(downlink.topic, payload, qos=1, retain=downlink.retained)
+            o.counts["wire_down_bytes"] += len(payload)
+        o.counts["resends"] += 1
+        self.stats["resends"] += 1
+        log.info("round %d: model re-sent to %s (%s)", o.round, node, why)
+
+    # ------------------------------------------------------------------ collecting
+    def _close_reason(self) -> str | None:
+        o, s = self.open, self.settings
+        if not o.uploaders:
+            return "no_uploads"
+        got = set(o.received)
+        if got >= o.uploaders:
+            return "all"
+        floor = min(s.min_updates, len(o.uploaders))
+        if len(got) >= max(math.ceil(s.quorum * len(o.uploaders) - 1e-9), floor):
+            return "quorum"
+        waiting = {n for n in o.uploaders - got - o.refused if self.online.get(n) is not False}
+        if not waiting and len(got) >= floor:
+            return "offline"
+        return None
+
+    def _collect(self) -> str | None:
+        o, s = self.open, self.settings
+        while True:
+            reason = self._close_reason()
+            if reason is not None:
+                return reason
+            if self.stop.is_set():
+                return None
+            now = time.time()
+            if now >= o.deadline:
+                if len(o.received) >= min(s.min_updates, len(o.uploaders)):
+                    return "deadline"
+                log.warning("round %d: %d update(s) by the deadline, %d needed; announcing it "
+                            "again with a new deadline", o.round, len(o.received),
+                            min(s.min_updates, len(o.uploaders)))
+                self._announce()
+                continue
+            item = self.transport.receive(timeout=max(0.0, min(s.poll_s, o.deadline - now)))
+            while item is not None:
+                self._handle(item)
+                if self._close_reason() is not None:
+                    break
+                item = self.transport.receive(timeout=0)
+
+    def _handle(self, item) -> None:
+        if isinstance(item, ConnectionEvent):
+            first = item.connected and self._connects == 0
+            self._connects += item.connected
+            if first:
+                return                        # the connect() of _connect, already handled
+            if item.connected and not item.session_present:
+                log.warning("broker lost our session (restarted without persistence?): "
+                            "publishing status, announcement and models again")
+                self._publish_status()
+                if self.open is not None:
+                    self._cleared.clear()
+                    self.transport.publish(self.topics.round(), self.open.announcement, qos=1,
+                                           retain=True)
+                    for downlink in self.open.downlinks.values():
+                        self._publish_downlink(downlink)
+            elif not item.connected:
+                log.warning("broker connection lost (%s); the transport reconnects",
+                            item.reason)
+            return
+        if not isinstance(item, Message):
+            return
+        try:
+            kind, node = self._topic_cache.parse(item.topic)
+        except TopicError as exc:
+            self._reject(None, f"message on an unexpected topic: {exc}")
+            return
+        if kind == "update":
+            self._on_update(node, item.payload)
+        elif kind == "status":
+            self._on_status(node, item.payload)
+
+    def _reject(self, node: str | None, reason: str, key=None) -> None:
+        if self.open is not None:
+            self.open.counts["rejected"] += 1
+        self.stats["rejected"] += 1
+        if key is None or key not in self._logged:
+            if key is not None:
+                self._logged.add(key)
+            log.warning("rejected %s: %s", f"update from {node!r}" if node else "message", reason)
+
+    def _on_update(self, node: str, payload: bytes) -> None:
+        o = self.open
+        if node not in self.members:
+            self._reject(node, f"{node!r} is not a client of this federation "
+                               f"({len(self.members)} clients: {', '.join(list(self.members)[:5])}"
+                               f"{', ...' if len(self.members) > 5 else ''})")
+            return
+        peek = peek_frame(payload)
+        if peek is None:
+            try:
+                wire.read_header(payload)          # says what is wrong with it
+                raise wire.FrameError("magic", "not a frame")
+            except wire.FrameError as exc:
+                self._reject(node, f"[{exc.code}] {exc.reason}")
+            return
+        frame_round, message_id = peek
+        key = (node, message_id)
+        if frame_round < o.round:
+            o.counts["late"] += 1
+            self.stats["late"] += 1
+            if key not in self._logged:
+                self._logged.add(key)
+                log.info("late update from %s for closed round %d (open round %d): dropped",
+                         node, frame_round, o.round)
+            return
+        if frame_round > o.round:
+            self._reject(node, f"update for round {frame_round}, but round {o.round} is open",
+                         key)
+            return
+        if node not in o.uploaders:
+            why = ("was not selected to upload this round (FedUmf: only authorised clients "
+                   "upload)" if node in o.node_tasks else "has no task this round")
+            self._reject(node, f"round {o.round}: {node} {why}", key)
+            return
+        if node in o.received or node in o.refused:
+            o.counts["duplicates"] += 1
+            self.stats["duplicates"] += 1
+            if key not in self._logged:
+                self._logged.add(key)
+                log.info("duplicate update from %s for round %d ignored (message %016x)",
+                         node, o.round, message_id)
+            return
+        expect = wire.Expectation.for_topic("update", node, self.table, rounds=o.round)
+        try:
+            frame = self.reassembler.add(payload, expect)
+        except wire.FrameError as exc:
+            self._reject(node, f"[{exc.code}] {exc.reason}", key)
+            return
+        if frame is None:
+            return
+        where = f"update of {node} for round {o.round}"
+        try:
+            scalars = parse_update_scalars(frame.scalars, where)
+        except MessageError as exc:
+            self._reject(node, str(exc), key)
+            return
+        if scalars["run"] != self.ckpt.run_id:
+            self._reject(node, f"{where} belongs to run {scalars['run']}, this is run "
+                               f"{self.ckpt.run_id}", key)
+            return
+        if not frame.buffers:
+            self._reject(node, f"{where} carries no buffers, but the task asked for an upload",
+                         key)
+            return
+        try:
+            update = Update(dict(frame.buffers), scalars["num_samples"], scalars["train_loss"],
+                            scalars["steps"], scalars["strategy"])
+        except StrategyError as exc:
+            self._reject(node, f"{where}: {exc}", key)
+            return
+        o.received[node] = update
+        o.train_s[node] = scalars["train_s"]
+        o.counts["wire_up_bytes"] += frame.nbytes
+        log.debug("round %d: update from %s (%d/%d)", o.round, node, len(o.received),
+                  len(o.uploaders))
+
+    def _on_status(self, node: str, payload: bytes) -> None:
+        if not payload:
+            return                               # a cleared retained status
+        try:
+            doc = parse_status(payload, node)
+        except MessageError as exc:
+            log.warning("ignored status on %s: %s", self.topics.status(node), exc)
+            return
+        if node not in self.members:
+            return
+        before = self.online.get(node)
+        now_online = doc["online"]
+        self.online[node] = now_online
+        if before is not now_online:
+            log.info("client %s is %s", node, "online" if now_online else "offline")
+            self._event("client_joined" if now_online else "client_left", client=node)
+        o = self.open
+        if o is None or node not in o.node_tasks or node in o.received or not now_online:
+            return
+        if doc.get("need_model") == o.round:
+            self._resend(node, "it asked for the model of this round")
+        elif before is False:
+            downlink = o.downlinks.get(node) or o.downlinks.get("global")
+            if downlink is not None and not downlink.retained:
+                self._resend(node, "it came back online and the model was chunked (not retained)")
+
+    # ------------------------------------------------------------------ closing
+    def _aggregate(self, r: int, updates: dict, state: State):
+        strategy = self.plan.strategy
+        try:
+            return strategy.aggregate(r, updates, state)
+        except StrategyError as exc:
+            # Find the update(s) the strategy cannot use, drop them, aggregate the rest.
+            bad = {}
+            for c, u in sorted(updates.items()):
+                try:
+                    strategy.aggregate(r, {c: u}, state)
+                except StrategyError as single:
+                    bad[c] = single
+            if not bad or len(bad) == len(updates):
+                raise StrategyError(f"round {r}: aggregation failed: {exc}") from exc
+            for c, why in bad.items():
+                node = self.plan.client_ids[c]
+                self._reject(node, f"round {r}: the strategy cannot use it: {why}")
+                del updates[c]
+                self.open.received.pop(node, None)
+                self.open.refused.add(node)
+            return strategy.aggregate(r, updates, state)
+
+    def _record(self, o: _OpenRound, updates: dict, state: State, metrics: dict,
+                closed_by: str) -> dict:
+        plan = self.plan
+        record = {"round": o.round, "test_accuracy": None, "test_loss": None,
+                  "train_loss": metrics.pop("train_loss", mean_train_loss(updates)),
+                  "uplink_bytes": sum(u.nbytes for u in updates.values()),
+                  "downlink_bytes": sum(t.nbytes for t in o.tasks.values()),
+                  "selected": list(o.selected), "trained": len(o.tasks)}
+        if plan.test is not None and (o.round % plan.eval_every == 0 or o.round == self.rounds):
+            result = kernels.evaluate(plan.model, plan.strategy.global_model(state), *plan.test)
+            record["test_accuracy"], record["test_loss"] = result["accuracy"], result["loss"]
+        now = time.perf_counter()
+        record.update({"wall_s": now - o.started,
+                       "train_wall_s": max(o.train_s.values(), default=0.0),
+                       "elapsed_s": self.ckpt.elapsed_s + (now - o.started)})
+        record.update(metrics)
+        missing = sorted(o.uploaders - set(o.received))
+        record.update({"closed_by": closed_by, "updates": len(updates), "missing": missing,
+                       **{k: v for k, v in o.counts.items()}})
+        return record
+
+    def _commit(self, r: int, state: State, record: dict) -> None:
+        ckpt = self.ckpt
+        new = AggregatorCheckpoint(ckpt.run_id, ckpt.fingerprint, r, ckpt.aggregated + [r],
+                                   state, ckpt.strategy, ckpt.rng, ckpt.history + [record],
+                                   record["elapsed_s"])
+        new.save(self.state_dir)          # the round is aggregated once this rename is done
+        self.ckpt = new
+        self.open = None
+        sha = hashlib.sha256(np.ascontiguousarray(
+            self.plan.strategy.global_model(state), dtype=np.float32)).hexdigest()
+        append_journal(self.journal_path, {"event": "aggregated", "run": new.run_id, "round": r,
+                                           "updates": record["updates"],
+                                           "closed_by": record["closed_by"],
+                                           "model_sha256": sha, "at": time.time()})
+        acc = record["test_accuracy"]
+        log.info("round %d aggregated: %d update(s), closed by %s%s, %.3f s", r,
+                 record["updates"], record["closed_by"],
+                 f", test accuracy {acc:.4f}" if acc is not None else "", record["wall_s"])
+        try:
+            self.transport.publish(self.topics.metrics(self.settings.node_id),
+                                   json.dumps(jsonable(record)).encode(), qos=0)
+        except TransportError:
+            pass
+        self._event("round_closed", round=r, closed_by=record["closed_by"],
+                    updates=record["updates"], missing=record["missing"],
+                    test_accuracy=record["test_accuracy"])
+        self._publish_status()
+        if self.on_round is not None:
+            self.on_round(record, list(new.history))

@@ -1,0 +1,512 @@
+"""A client: waits for a round that tasks it, trains with the strategy's client half,
+uploads, and persists its progress so that no round is trained twice (DESIGN.md "Layers").
+
+    client = Client(ClientSettings("client-3"), (x, y), transport, state_dir)
+    client.run()               # until stop is set (or the run finishes, exit_when_finished)
+
+The client follows the run: the strategy, the model architecture and every local
+hyper-parameter come with the round announcement, so nothing but its data, its id and the
+broker are configured on the board. Per announcement:
+
+- not tasked: nothing to do; an older round than the one last trained: ignored;
+- the round last trained: its stored update is re-sent (once per announcement: the
+  aggregator was restarted and lost what it had received, or this client restarted and may
+  not have finished publishing); a round is never trained twice;
+- a new round: wait for its model (the global `model` frame, or its own `model/<client>`
+  frame, whose content must hash to the announced sha256), train in a worker thread
+  (the C core releases the GIL; the loop keeps handling messages and the stop signal),
+  persist progress atomically (client strategy state, round, the encoded update), then
+  upload the update in chunks of `max_payload` with QoS 1.
+
+A model that does not arrive within `model_wait_s` (joined mid-round, missed a chunk) is
+asked for again by publishing the status with `need_model`. Every frame and announcement is
+checked (topic, sender, round, hash, finite values); a bad one is logged with its reason
+and dropped, and the client keeps running.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KernelError, NonFiniteError
+from ..models import build_model
+from ..strategies import LocalData, StrategyError, get_strategy
+from ..transport import wire
+from ..transport.base import ConnectionEvent, Message, Transport, TransportError
+from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
+from .messages import (MessageError, TopicCache, buffers_sha256, parse_announcement,
+                       peek_frame, status_payload, task_from_announcement, update_scalars)
+from .state import ClientProgress
+
+__all__ = ["ClientSettings", "Client"]
+
+log = logging.getLogger("edgefl.roles.client")
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """node_id: this client's id (its topics, its MQTT client id, the ACL user).
+    max_payload: bytes per MQTT message of an upload; compression: none | f16 | int8.
+    model_wait_s: how long to wait for an announced model before asking for it again
+    (doubling up to 60 s). exit_when_finished: return from run() when the run finishes
+    (simulations, tests); a service keeps waiting for the next run. raise_on_error: a local
+    round that fails (diverged, bad task) raises out of run() naming the round and client
+    (simulations); otherwise it is logged and the client waits for the next round."""
+    node_id: str
+    federation: str = "default"
+    prefix: str = DEFAULT_PREFIX
+    max_payload: int = 128 * 1024
+    compression: str = "none"
+    model_wait_s: float = 5.0
+    reassembly_timeout_s: float = 60.0
+    exit_when_finished: bool = False
+    profile: str | None = None
+    poll_s: float = 0.25
+    max_early_bytes: int = 64 << 20
+    raise_on_error: bool = False
+
+    def __post_init__(self):
+        validate_id(self.node_id, "client id")
+        validate_id(self.federation, "federation id")
+        if self.compression not in wire.COMPRESSIONS:
+            raise ValueError(f"compression {self.compression!r}; valid: "
+                             f"{', '.join(wire.COMPRESSIONS)}")
+        if not self.model_wait_s > 0:
+            raise ValueError(f"model_wait_s = {self.model_wait_s!r}: need > 0 seconds")
+        if self.max_payload < 1024:
+            raise ValueError(f"max_payload = {self.max_payload!r}: need >= 1024 bytes")
+
+
+_TRAINING_DONE = object()
+
+
+class _Job:
+    """One local round running in a worker thread."""
+
+    def __init__(self, announcement: dict, task, local: LocalData, strategy, client_state,
+                 slots, wake):
+        self.wake = wake
+        self.announcement = announcement
+        self.round = int(announcement["round"])
+        self.task = task
+        self.result = None
+        self.error: BaseException | None = None
+        self.train_s = 0.0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"edgefl-train-{local.client}",
+                                       args=(local, strategy, client_state, slots), daemon=True)
+
+    def _run(self, local, strategy, client_state, slots) -> None:
+        try:
+            if slots is not None:
+                slots.acquire()
+            try:
+                t0 = time.perf_counter()
+                self.result = strategy.train(self.task, local, client_state)
+                self.train_s = time.perf_counter() - t0
+            finally:
+                if slots is not None:
+                    slots.release()
+        except BaseException as exc:        # noqa: BLE001 -- reported by the main loop
+            self.error = exc
+        finally:
+            self.done.set()
+            # Wake the main loop, which blocks on the transport's queue: the queue is the
+            # one place it waits, so the end of training is one more item in it.
+            self.wake.put(_TRAINING_DONE)
+
+
+class Client:
+    """One federated client over `transport` (not yet connected). `data` is (x, y): its
+    samples, float32 C-contiguous features and labels/targets. `state_dir` holds its
+    progress. `train_slots` (a Semaphore) bounds how many clients of one process train at
+    once (simulations)."""
+
+    def __init__(self, settings: ClientSettings, data, transport: Transport,
+                 state_dir: str | os.PathLike, *, stop=None, train_slots=None, notifier=None):
+        self.settings = settings
+        self.node = settings.node_id
+        x, y = data
+        self.x = np.ascontiguousarray(x)
+        self.y = np.ascontiguousarray(y)
+        self.transport = transport
+        self.state_dir = os.fspath(state_dir)
+        self.stop = stop if stop is not None else threading.Event()
+        self.train_slots = train_slots
+        self.notifier = notifier
+        self.topics = Topics(settings.federation, settings.prefix)
+        self._topic_cache = TopicCache(self.topics)
+        self.reassembler = wire.Reassembler(settings.reassembly_timeout_s)
+        self.progress = ClientProgress()
+        self.ann: dict | None = None            # the announcement acted on
+        self.next_ann: dict | None = None       # one that arrived while training
+        self.finished = False
+        self.job: _Job | None = None
+        self.waiting = None                     # [round, since (monotonic), times asked]
+        self.early: deque = deque()             # frames that came before their announcement
+        self._early_bytes = 0
+        self._answered: str | None = None       # announcement id our upload answered
+        self._run_key = None                    # (run, model table, strategy) prepared for
+        self._model = None
+        self._strategy = None
+        self._unusable: str | None = None
+        self._expect: dict = {}
+        self.stats = {"trained": 0, "uploads": 0, "resent": 0, "rejected": 0, "asked": 0}
+        self._writer: threading.Thread | None = None   # stores the last update frame
+        self.ready = threading.Event()          # set once connected and subscribed
+        self._connects = 0                      # `connected` events handled
+
+    # ------------------------------------------------------------------ public
+    @property
+    def client_state(self):
+        return self.progress.client_state
+
+    def run(self) -> None:
+        os.makedirs(self.state_dir, exist_ok=True)
+        self.progress = ClientProgress.load(self.state_dir)
+        if self.progress.upload_missing:
+            log.warning("%s: the update of round %d was not stored before the process ended "
+                        "(%s missing): that round is not trained again and cannot be re-sent",
+                        self.node, self.progress.trained, self.progress.upload_missing)
+        self._connect()
+        self.ready.set()
+        if self.notifier is not None:
+            self.notifier.ready(f"client {self.node}: waiting for a round")
+        try:
+            while not self.stop.is_set():
+                if self.finished and self.job is None and self.settings.exit_when_finished:
+                    break
+                item = self.transport.receive(timeout=self.settings.poll_s)
+                while item is not None:
+                    self._handle(item)
+                    item = self.transport.receive(timeout=0) if self.job is None or \
+                        not self.job.done.is_set() else None
+                if self.job is not None and self.job.done.is_set():
+                    self._finish_job()
+                if self.job is None and self.next_ann is not None:
+                    doc, self.next_ann = self.next_ann, None
+                    self._adopt(doc)
+                self._maybe_ask_for_model()
+            if self.job is not None and not self.job.done.is_set():
+                log.info("%s: stopping; round %d's training is abandoned (it is trained again "
+                         "after a restart)", self.node, self.job.round)
+        finally:
+            self._close()
+
+    # ------------------------------------------------------------------ connection
+    def _status(self, online: bool, will: bool = False, **extra) -> bytes:
+        # The will is fixed at connect time: it carries no last round (it would be stale).
+        return status_payload(self.node, "client", online, profile=self.settings.profile,
+                              last_round=None if will else (self.progress.trained or None),
+                              run=self.progress.run_id, **extra)
+
+    def _publish_status(self, online: bool = True, **extra) -> None:
+        try:
+            self.transport.publish(self.topics.status(self.node),
+                                   self._status(online, **extra), qos=1, retain=True)
+        except TransportError as exc:
+            log.warning("%s: status not published: %s", self.node, exc)
+
+    def _connect(self) -> None:
+        t = self.transport
+        t.set_will(self.topics.status(self.node), self._status(False, will=True))
+        t.connect()
+        t.subscribe(self.topics.round(), qos=1)
+        t.subscribe(self.topics.model(), qos=1)
+        t.subscribe(self.topics.client_model(self.node), qos=1)
+        self._publish_status()
+
+    def _close(self) -> None:
+        self._join_writer()
+        try:
+            if self.transport.connected:
+                # Unsubscribe first, so nothing arrives while the transport disconnects and
+                # its DISCONNECT is sent (the broker then discards the will); then our own
+                # offline status, with the last round, which the will cannot carry.
+                for topic_filter in self.transport.subscriptions:
+                    self.transport.unsubscribe(topic_filter)
+                self._publish_status(online=False)
+            self.transport.close(announce_offline=False)
+        except (TransportError, OSError) as exc:
+            log.warning("%s: closing the connection: %s", self.node, exc)
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, item) -> None:
+        if isinstance(item, ConnectionEvent):
+            if not item.connected:
+                log.warning("%s: broker connection lost (%s); the transport reconnects",
+                            self.node, item.reason)
+            elif self._connects > 0 and not item.session_present:
+                self._publish_status()        # the broker lost our retained status
+            self._connects += item.connected
+            return
+        if not isinstance(item, Message):
+            return
+        try:
+            kind, node = self._topic_cache.parse(item.topic)
+        except TopicError as exc:
+            self._reject(f"message on an unexpected topic: {exc}")
+            return
+        if kind == "round":
+            self._on_announcement(item.payload)
+        elif kind == "model" or (kind == "client_model" and node == self.node):
+            self._on_model(kind, item.payload)
+        else:
+            self._reject(f"message on {item.topic}, which this client did not subscribe to")
+
+    def _reject(self, reason: str) -> None:
+        self.stats["rejected"] += 1
+        log.warning("%s: rejected %s", self.node, reason)
+
+    def _on_announcement(self, payload: bytes) -> None:
+        if not payload:
+            return                                  # cleared retained announcement
+        try:
+            doc = parse_announcement(payload)
+        except MessageError as exc:
+            self._reject(str(exc))                  # "announcement: <what is wrong>"
+            return
+        current = self.next_ann or self.ann
+        if current is not None and current.get("announce") == doc["announce"]:
+            return                                  # the same announcement again (QoS 1)
+        if self.job is not None:
+            self.next_ann = doc                     # acted on once the training is done
+            return
+        self._adopt(doc)
+
+    def _prepare_run(self, doc: dict) -> None:
+        """Build the model and the strategy's client half the announcement describes, and
+        check this client's data fits the model; otherwise remember why not."""
+        model_doc = doc["model"]
+        key = (doc["run"], model_doc["table"], repr(doc["strategy"]))
+        if key == self._run_key:
+            return
+        self._run_key, self._unusable = key, None
+        try:
+            model = build_model(model_doc["spec"], tuple(model_doc["input_shape"]),
+                                int(model_doc["num_classes"]))
+        except (KernelError, TypeError, ValueError) as exc:
+            self._unusable = f"cannot build the run's model {model_doc['spec']!r}: {exc}"
+            return
+        if model.table.digest != model_doc["table"]:
+            self._unusable = (f"the run's model {model_doc['spec']!r} builds here with layer "
+                              f"table {model.table.digest[:12]}, the announcement says "
+                              f"{model_doc['table'][:12]} (another edgefl version?)")
+            return
+        if tuple(self.x.shape[1:]) != tuple(model.input_shape):
+            self._unusable = (f"local data has samples of shape {tuple(self.x.shape[1:])}, the "
+                              f"run's model takes {tuple(model.input_shape)}")
+            return
+        params = doc["strategy"]["params"]
+        try:
+            strategy = get_strategy(doc["strategy"]["name"], **params)
+        except (StrategyError, TypeError) as exc:
+            self._unusable = f"strategy of the run: {exc}"
+            return
+        self._model, self._strategy = model, strategy
+
+    def _adopt(self, doc: dict) -> None:
+        self.ann = doc
+        self.waiting = None
+        self._expect = {}
+        if doc.get("finished"):
+            self.finished = True
+            log.info("%s: run %s finished after round %d (final model sha256 %s)", self.node,
+                     doc["run"], doc["round"], doc["model_sha256"][:16])
+            self._publish_status()
+            return
+        self.finished = False
+        if doc["run"] != self.progress.run_id:
+            if self.progress.run_id is not None:
+                log.info("%s: a new run %s (was %s): local progress reset", self.node,
+                         doc["run"], self.progress.run_id)
+            self.progress = ClientProgress(run_id=doc["run"])
+            self._answered = None
+        self._prepare_run(doc)
+        entry = doc["tasks"].get(self.node)
+        r = int(doc["round"])
+        if entry is None:
+            log.debug("%s: not tasked in round %d", self.node, r)
+            return
+        if r < self.progress.trained:
+            log.debug("%s: announcement of round %d, already at round %d: ignored", self.node,
+                      r, self.progress.trained)
+            return
+        if r == self.progress.trained:
+            if entry["upload"] and self.progress.upload is not None \
+                    and self._answered != doc["announce"]:
+                self._upload(self.progress.upload)
+                self._answered = doc["announce"]
+                self.stats["resent"] += 1
+                log.info("%s: round %d announced again: its stored update re-sent (not "
+                         "trained twice)", self.node, r)
+            return
+        if self._unusable is not None:
+            log.error("%s: cannot take part in round %d: %s", self.node, r, self._unusable)
+            return
+        table = self._model.table
+        senders = {doc["aggregator"]}
+        self._expect = {
+            "model": wire.Expectation(table, kinds="model", rounds=r, senders=senders),
+            "client_model": wire.Expectation(table, kinds="client_model", rounds=r,
+                                             senders=senders, topic_recipient=self.node)}
+        self.waiting = [r, time.monotonic(), 0]
+        early, self.early, self._early_bytes = list(self.early), deque(), 0
+        for kind, payload in early:
+            if self.waiting is None:
+                break
+            self._on_model(kind, payload)
+
+    def _keep_early(self, kind: str, payload: bytes) -> None:
+        self.early.append((kind, payload))
+        self._early_bytes += len(payload)
+        while self._early_bytes > self.settings.max_early_bytes and self.early:
+            _, dropped = self.early.popleft()
+            self._early_bytes -= len(dropped)
+
+    def _on_model(self, kind: str, payload: bytes) -> None:
+        if not payload:
+            return
+        peek = peek_frame(payload)
+        if peek is None:
+            try:
+                wire.read_header(payload)          # says what is wrong with it
+                raise wire.FrameError("magic", "not a frame")
+            except wire.FrameError as exc:
+                self._reject(f"{kind} frame: [{exc.code}] {exc.reason}")
+            return
+        frame_round = peek[0]
+        current = int(self.ann["round"]) if self.ann and not self.ann.get("finished") else 0
+        if self.ann is None or frame_round > current:
+            self._keep_early(kind, payload)         # its announcement has not come yet
+            return
+        if self.waiting is None or frame_round < current:
+            log.debug("%s: %s frame of round %d not needed (round %d, %s)", self.node, kind,
+                      frame_round, current, "waiting" if self.waiting else "not waiting")
+            return
+        try:
+            frame = self.reassembler.add(payload, self._expect[kind])
+        except wire.FrameError as exc:
+            self._reject(f"{kind} frame: [{exc.code}] {exc.reason}")
+            return
+        if frame is not None:
+            self._on_model_frame(kind, frame)
+
+    def _on_model_frame(self, kind: str, frame) -> None:
+        doc = self.ann
+        entry = doc["tasks"][self.node]
+        if entry["source"] == "client" and kind == "model":
+            return                                  # FedMR: the shared model is not ours
+        expected = entry["model_sha256"] if entry["source"] == "client" else doc["model_sha256"]
+        sha = buffers_sha256(frame.buffers)
+        if sha != expected:
+            self._reject(f"{kind} frame of round {frame.round}: content sha256 {sha[:16]} is not "
+                         f"the announced {expected[:16]} (a stale or foreign model)")
+            return
+        if frame.scalars.get("run") != doc["run"]:
+            self._reject(f"{kind} frame of round {frame.round} names run "
+                         f"{frame.scalars.get('run')!r}, the announcement run {doc['run']}")
+            return
+        try:
+            task = task_from_announcement(doc, self.node, frame.buffers)
+        except (MessageError, StrategyError) as exc:
+            self._reject(f"task of round {frame.round}: {exc}")
+            self.waiting = None
+            return
+        local = LocalData(int(entry["client"]), self._model, self.x, self.y)
+        self.waiting = None
+        self.job = _Job(doc, task, local, self._strategy, self.progress.client_state,
+                        self.train_slots, self.transport.messages)
+        self.job.thread.start()
+        if self.notifier is not None:
+            self.notifier.status(f"round {frame.round}: training")
+        log.debug("%s: training round %d", self.node, frame.round)
+
+    def _maybe_ask_for_model(self) -> None:
+        if self.waiting is None or self.job is not None:
+            return
+        r, since, asked = self.waiting
+        wait = min(self.settings.model_wait_s * 2 ** asked, 60.0)
+        if time.monotonic() - since < wait:
+            return
+        self.waiting = [r, time.monotonic(), asked + 1]
+        self.stats["asked"] += 1
+        log.info("%s: no complete model for round %d after %.1f s: asking for it", self.node,
+                 r, wait)
+        self._publish_status(need_model=r)
+
+    # ------------------------------------------------------------------ training done
+    def _finish_job(self) -> None:
+        job, self.job = self.job, None
+        r, doc = job.round, job.announcement
+        if job.error is not None:
+            exc = job.error
+            kind = "diverged" if isinstance(exc, NonFiniteError) else "failed"
+            client = doc["tasks"][self.node]["client"]
+            if self.settings.raise_on_error:
+                if isinstance(exc, NonFiniteError):
+                    raise NonFiniteError(exc.step, f"round {r}, client {client}: {exc}") from exc
+                raise exc
+            log.error("%s: round %d: training %s: %s", self.node, r, kind, exc)
+            if not isinstance(exc, (StrategyError, KernelError, ValueError,
+                                    FloatingPointError)):
+                raise exc
+            return
+        update, new_state = job.result
+        frame = None
+        if job.task.upload:
+            if not update.buffers:
+                log.error("%s: round %d: the strategy produced no buffers to upload", self.node,
+                          r)
+                return
+            try:
+                frame = wire.encode("update", r, self.node, update.buffers,
+                                    update_scalars(update, doc["run"], job.train_s),
+                                    self._model.table, self.settings.compression)
+            except wire.EncodeError as exc:
+                log.error("%s: round %d: update not sent: %s", self.node, r, exc)
+                return
+        self._join_writer()
+        self.progress = ClientProgress(run_id=doc["run"], trained=r, upload=frame,
+                                       client_state=new_state)
+        self.progress.save(self.state_dir)        # before the upload: never trained twice
+        self.stats["trained"] += 1
+        if frame is not None:
+            self._upload(frame)
+            self._answered = doc["announce"]
+        # the frame itself is stored while the upload goes out (kept for re-sending)
+        self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
+                                        name=f"edgefl-save-{self.node}", daemon=True)
+        self._writer.start()
+        self._publish_status()
+        log.debug("%s: round %d done (%.3f s training%s)", self.node, r, job.train_s,
+                  ", uploaded" if frame is not None else ", nothing to upload")
+
+    def _save_upload(self, progress: ClientProgress) -> None:
+        try:
+            progress.save_upload(self.state_dir)
+        except OSError as exc:
+            log.error("%s: the update of round %d could not be stored (%s); it cannot be "
+                      "re-sent if this round is announced again", self.node, progress.trained,
+                      exc)
+
+    def _join_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def _upload(self, frame: bytes) -> None:
+        topic = self.topics.update(self.node)
+        try:
+            for chunk in wire.split(frame, self.settings.max_payload):
+                self.transport.publish(topic, chunk, qos=1)
+            self.stats["uploads"] += 1
+        except TransportError as exc:
+            log.error("%s: upload failed: %s; it is re-sent when the round is announced "
+                      "again", self.node, exc)

@@ -1,0 +1,341 @@
+"""The JSON documents the roles exchange besides frames: the
+round announcement, the node status, and the scalars of an update frame. Built and checked
+here only (docs/roles.md describes them); a document that fails a check raises
+MessageError naming the field.
+
+Round announcement (retained, `<prefix>/<fed>/round`):
+
+    {"v": 1, "run": "3f9c...", "aggregator": "aggregator", "round": 3, "rounds": 20,
+     "announce": "a1b2...",                 # new for every (re-)announcement of a round
+     "opened": 1700000000.0, "deadline": 1700000300.0,          # Unix time, seconds
+     "strategy": {"name": "mfl", "params": {"gamma": 0.9, "weighting": "samples"}},
+     "model": {"spec": {"name": "softmax"}, "input_shape": [64], "num_classes": 10,
+               "table": "<layer table sha256>"},
+     "compression": "none",
+     "model_sha256": "<sha256 of the global model's buffers>",  # null: no global model
+     "train": {...}, "scalars": {...},      # the values every task shares
+     "tasks": {"client-2": {"client": 2, "upload": true, "source": "global",
+                            "train": {"seed": "1234..."}, "scalars": {}}}}
+
+A per-client task (source "client", FedMR) also carries its own "model_sha256". Train
+seeds travel as decimal strings (they are 64-bit; JSON numbers are exact only to 2^53).
+The final announcement of a run is {"v": 1, "run": ..., "aggregator": ..., "round": T,
+"rounds": T, "finished": true, "model_sha256": ...}.
+
+Status (retained, `status/<node>`; the Last Will carries the same object with online
+false): {"node", "role", "online", "version", "profile", "last_round", "run", and from a
+client waiting for a model it cannot get, "need_model": round}.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import time
+from typing import Mapping
+
+import numpy as np
+
+from .. import __version__
+from ..strategies import Task
+from ..transport import wire
+from ..transport.topics import TopicError, Topics, validate_id
+from .state import tag_floats, untag_floats
+
+__all__ = ["MessageError", "VERSION", "buffers_sha256", "peek_frame", "TopicCache", "new_announce_id", "build_announcement",
+           "parse_announcement", "finished_announcement", "task_from_announcement",
+           "status_payload", "parse_status", "update_scalars", "parse_update_scalars"]
+
+VERSION = 1
+MAX_JSON_BYTES = 4 << 20
+
+
+class MessageError(ValueError):
+    """A JSON document that is not what the protocol says; the message names the field."""
+
+
+def buffers_sha256(buffers: Mapping[str, np.ndarray]) -> str:
+    """sha256 over the buffers in name order: each name (UTF-8), a NUL, the float32 bytes.
+    With one buffer "params" this differs from sim.model_sha256 (the bytes alone) by the
+    name prefix; it identifies a frame's content, not a model file."""
+    h = hashlib.sha256()
+    for name in sorted(buffers):
+        h.update(name.encode("utf-8") + b"\0")
+        h.update(np.ascontiguousarray(buffers[name], dtype=np.float32).data)
+    return h.hexdigest()
+
+
+_PEEK = struct.Struct("<4sxxxxI28xQ")      # magic, round (byte 8), message id (byte 40)
+
+
+def peek_frame(payload) -> tuple[int, int] | None:
+    """(round, message id) from a frame's header at the offsets of docs/protocol.md 2.1,
+    without checking it: enough to sort a payload (late, current, future) before the full
+    checks of wire.Reassembler. None when it cannot be a frame (those checks then say why)."""
+    if len(payload) < wire.HEADER_SIZE:
+        return None
+    magic, round_, message_id = _PEEK.unpack_from(payload, 0)
+    return (round_, message_id) if magic == wire.MAGIC else None
+
+
+class TopicCache:
+    """Topics.parse with a memory: a role sees the same few topics over and over, and
+    parsing validates every character of the ids."""
+
+    def __init__(self, topics: Topics, limit: int = 65536):
+        self.topics, self.limit = topics, limit
+        self._seen: dict = {}
+
+    def parse(self, topic: str):
+        hit = self._seen.get(topic)
+        if hit is None:
+            hit = self.topics.parse(topic)          # TopicError for a foreign topic
+            if len(self._seen) >= self.limit:
+                self._seen.clear()
+            self._seen[topic] = hit
+        return hit
+
+
+def new_announce_id() -> str:
+    return os.urandom(8).hex()
+
+
+# ---------------------------------------------------------------------------------------
+# announcement
+# ---------------------------------------------------------------------------------------
+
+def _common(dicts: list[dict]) -> dict:
+    """The key/values every dict shares exactly (the rest stays per task)."""
+    if not dicts:
+        return {}
+    first = dicts[0]
+    return {k: v for k, v in first.items()
+            if all(k in d and _same(d[k], v) for d in dicts[1:])}
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _wire_train(cfg: Mapping) -> dict:
+    out = dict(cfg)
+    if "seed" in out:
+        out["seed"] = str(int(out["seed"]))
+    return out
+
+
+def build_announcement(*, run_id: str, aggregator: str, round: int, rounds: int,
+                       announce_id: str, opened: float, deadline: float, strategy: dict,
+                       model: dict, compression: str, global_sha: str | None,
+                       tasks: Mapping[str, Task], client_index: Mapping[str, int],
+                       client_sha: Mapping[str, str]) -> dict:
+    """The announcement of `round`. tasks: {node id: Task}; client_index: {node id: the
+    strategy's client id}; client_sha: {node id: sha of its per-client model}."""
+    nodes = sorted(tasks)
+    trains = [_wire_train(tasks[n].train) for n in nodes]
+    scalars = [tag_floats(dict(tasks[n].scalars)) for n in nodes]
+    common_train, common_scalars = _common(trains), _common(scalars)
+    entries = {}
+    for n, train, sc in zip(nodes, trains, scalars):
+        task = tasks[n]
+        entry = {"client": int(client_index[n]), "upload": bool(task.upload),
+                 "source": task.source,
+                 "train": {k: v for k, v in train.items() if k not in common_train},
+                 "scalars": {k: v for k, v in sc.items() if k not in common_scalars}}
+        if task.source == "client":
+            entry["model_sha256"] = client_sha[n]
+        entries[n] = entry
+    return {"v": VERSION, "run": run_id, "aggregator": aggregator, "round": int(round),
+            "rounds": int(rounds), "announce": announce_id, "opened": float(opened),
+            "deadline": float(deadline), "strategy": tag_floats(strategy), "model": model,
+            "compression": compression, "model_sha256": global_sha,
+            "train": common_train, "scalars": common_scalars, "tasks": entries}
+
+
+def finished_announcement(*, run_id: str, aggregator: str, rounds: int,
+                          model_sha256: str) -> dict:
+    return {"v": VERSION, "run": run_id, "aggregator": aggregator, "round": int(rounds),
+            "rounds": int(rounds), "finished": True, "model_sha256": model_sha256,
+            "announce": new_announce_id()}
+
+
+def _need(doc: Mapping, key: str, kind, where: str = "announcement"):
+    if key not in doc:
+        raise MessageError(f"{where}: missing field {key!r}")
+    value = doc[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise MessageError(f"{where}: {key} = {value!r} must be {kind}")
+    if not isinstance(value, kinds):
+        names = "/".join(k.__name__ for k in kinds)
+        raise MessageError(f"{where}: {key} must be {names}, got {type(value).__name__} "
+                           f"{str(value)[:60]!r}")
+    return value
+
+
+def _loads(payload: bytes, what: str) -> dict:
+    if len(payload) > MAX_JSON_BYTES:
+        raise MessageError(f"{what}: {len(payload)} bytes, the limit is {MAX_JSON_BYTES}")
+    try:
+        doc = json.loads(payload.decode("utf-8"),
+                         parse_constant=lambda c: (_ for _ in ()).throw(
+                             MessageError(f"{what}: {c} is not JSON")))
+    except UnicodeDecodeError as exc:
+        raise MessageError(f"{what}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise MessageError(f"{what}: not JSON ({exc.msg} at line {exc.lineno} column "
+                           f"{exc.colno})") from None
+    if not isinstance(doc, dict):
+        raise MessageError(f"{what}: a JSON object was expected, got {type(doc).__name__}")
+    return doc
+
+
+def parse_announcement(payload: bytes) -> dict:
+    """The checked announcement (or final announcement) in `payload`."""
+    doc = _loads(payload, "announcement")
+    if doc.get("v") != VERSION:
+        raise MessageError(f"announcement: version {doc.get('v')!r}, this node speaks {VERSION}")
+    _need(doc, "run", str)
+    try:
+        validate_id(_need(doc, "aggregator", str), "announcement aggregator")
+    except TopicError as exc:
+        raise MessageError(str(exc)) from None
+    for key in ("round", "rounds"):
+        value = _need(doc, key, int)
+        if value < 0 or value >= 2 ** 32:
+            raise MessageError(f"announcement: {key} = {value} out of range")
+    _need(doc, "announce", str)
+    if doc.get("finished") is True:
+        _need(doc, "model_sha256", str)
+        return doc
+    if doc["round"] < 1:
+        raise MessageError(f"announcement: round {doc['round']}: rounds start at 1")
+    for key in ("opened", "deadline"):
+        value = _need(doc, key, (int, float))
+        if not math.isfinite(value):
+            raise MessageError(f"announcement: {key} is not finite")
+    strategy = _need(doc, "strategy", dict)
+    _need(strategy, "name", str, "announcement strategy")
+    _need(strategy, "params", dict, "announcement strategy")
+    model = _need(doc, "model", dict)
+    _need(model, "spec", (dict, str), "announcement model")
+    shape = _need(model, "input_shape", list, "announcement model")
+    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0
+                            for d in shape):
+        raise MessageError(f"announcement model: input_shape {shape!r} must be positive ints")
+    _need(model, "num_classes", int, "announcement model")
+    _need(model, "table", str, "announcement model")
+    _need(doc, "compression", str)
+    if doc.get("model_sha256") is not None:
+        _need(doc, "model_sha256", str)
+    _need(doc, "train", dict)
+    _need(doc, "scalars", dict)
+    tasks = _need(doc, "tasks", dict)
+    for node, entry in tasks.items():
+        where = f"announcement task {node!r}"
+        try:
+            validate_id(node, where)
+        except TopicError as exc:
+            raise MessageError(str(exc)) from None
+        if not isinstance(entry, dict):
+            raise MessageError(f"{where}: must be an object")
+        client = _need(entry, "client", int, where)
+        if client < 0:
+            raise MessageError(f"{where}: client {client} must be >= 0")
+        _need(entry, "upload", bool, where)
+        if _need(entry, "source", str, where) not in ("global", "client"):
+            raise MessageError(f"{where}: source {entry['source']!r}; valid: global, client")
+        _need(entry, "train", dict, where)
+        _need(entry, "scalars", dict, where)
+        if entry["source"] == "client":
+            _need(entry, "model_sha256", str, where)
+        elif doc.get("model_sha256") is None:
+            raise MessageError(f"{where}: source global but the announcement has no "
+                               "model_sha256")
+    return doc
+
+
+def task_from_announcement(doc: Mapping, node: str, buffers: Mapping[str, np.ndarray]) -> Task:
+    """The strategy Task of `node` in announcement `doc`, starting from `buffers` (the
+    received model). MessageError if its train section is not a valid train config."""
+    from .. import kernels
+    from ..errors import KernelError
+
+    entry = doc["tasks"][node]
+    train = dict(doc["train"])
+    train.update(entry["train"])
+    try:
+        cfg = kernels.train_config(**train)
+    except (KernelError, TypeError, ValueError) as exc:
+        raise MessageError(f"announcement task {node!r}: train: {exc}") from None
+    scalars = untag_floats(dict(doc["scalars"]))
+    scalars.update(untag_floats(dict(entry["scalars"])))
+    return Task(int(doc["round"]), buffers, cfg, source=entry["source"], upload=entry["upload"],
+                scalars=scalars)
+
+
+# ---------------------------------------------------------------------------------------
+# status
+# ---------------------------------------------------------------------------------------
+
+def status_payload(node: str, role: str, online: bool, *, profile: str | None = None,
+                   last_round: int | None = None, run: str | None = None,
+                   **extra) -> bytes:
+    doc = {"node": node, "role": role, "online": bool(online), "version": __version__,
+           "profile": profile, "last_round": last_round, "run": run, "at": time.time()}
+    doc.update({k: v for k, v in extra.items() if v is not None})
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def parse_status(payload: bytes, topic_node: str) -> dict:
+    """A checked status document; its node must be the topic's node."""
+    doc = _loads(payload, f"status of {topic_node!r}")
+    where = f"status of {topic_node!r}"
+    if doc.get("node") != topic_node:
+        raise MessageError(f"{where}: names node {doc.get('node')!r}, published on the topic "
+                           f"of {topic_node!r}")
+    _need(doc, "online", bool, where)
+    need = doc.get("need_model")
+    if need is not None and (isinstance(need, bool) or not isinstance(need, int)):
+        raise MessageError(f"{where}: need_model must be a round number, got {need!r}")
+    return doc
+
+
+# ---------------------------------------------------------------------------------------
+# update scalars
+# ---------------------------------------------------------------------------------------
+
+def update_scalars(update, run_id: str, train_s: float) -> dict:
+    """The scalars of an update frame: the Update's fields, the run it belongs to, the
+    client's training time, and the strategy's own scalars (non-finite floats tagged)."""
+    return {"run": run_id, "num_samples": int(update.num_samples),
+            "train_loss": tag_floats(float(update.train_loss)), "steps": int(update.steps),
+            "train_s": float(train_s), "strategy": tag_floats(dict(update.scalars))}
+
+
+def parse_update_scalars(scalars: Mapping, where: str) -> dict:
+    """(checked) {run, num_samples, train_loss, steps, train_s, strategy} of an update."""
+    out = {}
+    if not isinstance(scalars.get("run"), str):
+        raise MessageError(f"{where}: scalar 'run' missing or not a string")
+    out["run"] = scalars["run"]
+    for key in ("num_samples", "steps"):
+        value = scalars.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MessageError(f"{where}: scalar {key!r} = {value!r} must be an integer >= 0")
+        out[key] = value
+    loss = untag_floats(scalars.get("train_loss"))
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        raise MessageError(f"{where}: scalar 'train_loss' = {loss!r} must be a number")
+    out["train_loss"] = float(loss)
+    train_s = scalars.get("train_s", 0.0)
+    if isinstance(train_s, bool) or not isinstance(train_s, (int, float)) or train_s < 0:
+        raise MessageError(f"{where}: scalar 'train_s' = {train_s!r} must be a number >= 0")
+    out["train_s"] = float(train_s)
+    strategy = scalars.get("strategy", {})
+    if not isinstance(strategy, dict):
+        raise MessageError(f"{where}: scalar 'strategy' must be an object")
+    out["strategy"] = untag_floats(strategy)
+    return out

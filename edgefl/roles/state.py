@@ -1,0 +1,385 @@
+"""What the roles keep on disk, written so that a crash at any instant leaves either the old
+file or the new one, never a torn one (DESIGN.md "Reliability rules").
+
+Every write goes to a temporary file in the same directory, is flushed and fsync'ed, renamed
+over the target (atomic on POSIX), and then the directory itself is fsync'ed so the rename
+survives a power cut. Arrays are stored as .npz with no pickles (strings as NumPy unicode
+scalars, JSON for structure), so `np.load(path, allow_pickle=False)` reads them.
+
+    save_arrays(path, {"state.params": w}, {"round": 3})    # atomic npz: arrays + JSON meta
+    arrays, meta = load_arrays(path)                       # StateError names file and cause
+    append_journal(path, {"round": 3, "event": "aggregated"})   # one fsync'ed JSON line
+
+`AggregatorCheckpoint` and `ClientProgress` are the two records the roles persist.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..strategies import State
+
+__all__ = ["StateError", "atomic_write", "save_arrays", "load_arrays", "write_json",
+           "read_json", "append_journal", "read_journal", "jsonable", "tag_floats",
+           "untag_floats", "AggregatorCheckpoint",
+           "ClientProgress", "CHECKPOINT_FILE", "JOURNAL_FILE", "PROGRESS_FILE"]
+
+CHECKPOINT_FILE = "aggregator.npz"
+JOURNAL_FILE = "rounds.jsonl"
+PROGRESS_FILE = "client.npz"
+_META_KEY = "__meta__"
+
+
+class StateError(ValueError):
+    """A state file that cannot be read or does not belong to this run; the message names
+    the file and the cause."""
+
+
+# ---------------------------------------------------------------------------------------
+# atomic files
+# ---------------------------------------------------------------------------------------
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return                     # a platform without directory fds: the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Replace `path` with `data`: temporary file in the same directory, fsync, rename,
+    fsync of the directory. The old file stays intact if anything fails on the way
+    (including a full disk), and the temporary file is removed."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def jsonable(x):
+    """Plain JSON types; NaN/inf become null (JSON has no NaN); tuples become lists."""
+    if isinstance(x, Mapping):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+_NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def tag_floats(x):
+    """JSON data that keeps non-finite floats: each becomes {"nonfinite": "nan" | "inf" |
+    "-inf"} (JSON has no NaN), numpy scalars and arrays become Python values, tuples lists.
+    `untag_floats` is the inverse, so strategy metadata and scalars survive a round trip
+    bit for bit (Python's float repr round-trips exactly)."""
+    if isinstance(x, Mapping):
+        return {str(k): tag_floats(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [tag_floats(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return tag_floats(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return {"nonfinite": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+    return x
+
+
+def untag_floats(x):
+    if isinstance(x, dict):
+        if len(x) == 1 and "nonfinite" in x and x["nonfinite"] in _NONFINITE:
+            return _NONFINITE[x["nonfinite"]]
+        return {k: untag_floats(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [untag_floats(v) for v in x]
+    return x
+
+
+def write_json(path, data) -> None:
+    atomic_write(path, (json.dumps(jsonable(data), indent=1) + "\n").encode("utf-8"))
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise StateError(f"{path}: unreadable JSON state file ({exc})") from None
+
+
+def save_arrays(path, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+    """An .npz of `arrays` plus `meta` as JSON, written atomically."""
+    if _META_KEY in arrays:
+        raise ValueError(f"save_arrays: {_META_KEY!r} is reserved for the metadata")
+    buf = io.BytesIO()
+    np.savez(buf, **{_META_KEY: np.array(json.dumps(jsonable(meta)))},
+             **{k: np.asarray(v) for k, v in arrays.items()})
+    atomic_write(path, buf.getvalue())
+
+
+def load_arrays(path) -> tuple[dict, dict]:
+    """(arrays, meta) of a file written by save_arrays. FileNotFoundError if absent;
+    StateError naming the file for anything unreadable."""
+    path = os.fspath(path)
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise StateError(f"{path}: unreadable state file ({type(exc).__name__}: {exc}); it was "
+                         "not written by this edgefl, or the disk corrupted it") from None
+    if _META_KEY not in arrays:
+        raise StateError(f"{path}: not an edgefl state file (no {_META_KEY!r} entry)")
+    try:
+        meta = json.loads(str(arrays.pop(_META_KEY)))
+    except ValueError as exc:
+        raise StateError(f"{path}: metadata is not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise StateError(f"{path}: metadata is {type(meta).__name__}, not an object")
+    return arrays, meta
+
+
+def append_journal(path, record: Mapping) -> None:
+    """Append one JSON line and fsync it: an append-only log that survives a crash (a torn
+    last line, from a crash mid-write, is skipped by read_journal)."""
+    line = (json.dumps(jsonable(record), separators=(",", ":")) + "\n").encode("utf-8")
+    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_journal(path) -> list[dict]:
+    """The records of an append_journal file; [] if it does not exist."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue           # the torn tail of a crash mid-append
+    return out
+
+
+def _state_arrays(state: State | None, prefix: str) -> dict:
+    return {} if state is None else {f"{prefix}{k}": v for k, v in state.buffers.items()}
+
+
+def _state_from(arrays: dict, meta, prefix: str) -> State:
+    buffers = {k[len(prefix):]: np.ascontiguousarray(v, dtype=np.float32)
+               for k, v in arrays.items() if k.startswith(prefix)}
+    return State(buffers, meta or {})
+
+
+# ---------------------------------------------------------------------------------------
+# the aggregator's checkpoint
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class AggregatorCheckpoint:
+    """Everything the aggregator needs to continue after a crash, saved after every round.
+
+    run_id:      a random id made when the run started, kept across restarts; clients key
+                 their own state by it (a new run resets them).
+    fingerprint: what the run is (config, federation, client ids): a restart with another
+                 config is refused instead of mixing two runs in one state directory.
+    round:       the last aggregated round (0 before round 1).
+    aggregated:  the rounds aggregated so far, in order, each once.
+    state:       the strategy's server State (global model, momentum, FedMR's model list,
+                 FedVeca's tau table, ... and the setup it was initialised with).
+    strategy:    name and hyper-parameters as used (DUW with its learned table), so a
+                 restart does not redo an offline phase.
+    rng:         the run seed. Every random choice is a pure function of (seed, round[,
+                 client]) -- selection, local data order, FedMR's permutations -- so the
+                 seed and `round` are the whole RNG state.
+    history:     the per-round metrics records so far (metrics.jsonl is rewritten from it).
+    elapsed_s:   wall time spent in rounds so far (the clock of `elapsed_s` in records).
+    """
+    run_id: str
+    fingerprint: str
+    round: int
+    aggregated: list
+    state: State
+    strategy: dict
+    rng: dict
+    history: list = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def save(self, directory) -> str:
+        path = os.path.join(os.fspath(directory), CHECKPOINT_FILE)
+        meta = {"format": "edgefl-aggregator-checkpoint", "version": 1, "run_id": self.run_id,
+                "fingerprint": self.fingerprint, "round": self.round,
+                "aggregated": list(self.aggregated),
+                "state_meta": tag_floats(dict(self.state.meta)),
+                "strategy": tag_floats(self.strategy), "rng": self.rng, "history": self.history,
+                "elapsed_s": self.elapsed_s}
+        save_arrays(path, _state_arrays(self.state, "state."), meta)
+        return path
+
+    @classmethod
+    def load(cls, directory) -> "AggregatorCheckpoint | None":
+        """The checkpoint in `directory`, or None if there is none."""
+        path = os.path.join(os.fspath(directory), CHECKPOINT_FILE)
+        try:
+            arrays, meta = load_arrays(path)
+        except FileNotFoundError:
+            return None
+        if meta.get("format") != "edgefl-aggregator-checkpoint" or meta.get("version") != 1:
+            raise StateError(f"{path}: not an edgefl aggregator checkpoint of version 1 "
+                             f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
+        try:
+            aggregated = [int(r) for r in meta["aggregated"]]
+            return cls(run_id=str(meta["run_id"]), fingerprint=str(meta["fingerprint"]),
+                       round=int(meta["round"]), aggregated=aggregated,
+                       state=_state_from(arrays, untag_floats(meta["state_meta"]), "state."),
+                       strategy=untag_floats(dict(meta["strategy"])), rng=dict(meta["rng"]),
+                       history=list(meta.get("history", [])),
+                       elapsed_s=float(meta.get("elapsed_s", 0.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"{path}: incomplete checkpoint ({type(exc).__name__}: {exc})") \
+                from None
+
+
+# ---------------------------------------------------------------------------------------
+# a client's progress
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class ClientProgress:
+    """What a client persists after each local round, before it uploads.
+
+    run_id:        the run this progress belongs to (a new run id resets it).
+    trained:       the last round trained (0: none). A round is never trained twice: an
+                   announcement of this round again (the aggregator restarted) re-sends
+                   `upload` instead.
+    upload:        the encoded update frame of round `trained` (None when the task did not
+                   allow an upload), kept to be re-sent byte for byte when the round is
+                   announced again (the aggregator restarted and lost what it had received)
+                   or this client restarted (its last publish may not have reached the
+                   broker); the aggregator ignores a copy it already has. Stored in a file
+                   of its own (`save_upload`); if the process ended before that file was
+                   written, load() says so in `upload_missing` and the round cannot be
+                   re-sent (it is still not trained again).
+    client_state:  the strategy's client State (MFL none, FedUmf's stored update g, ...).
+    """
+    run_id: str | None = None
+    trained: int = 0
+    upload: bytes | None = None
+    client_state: State | None = None
+    upload_missing: str | None = None     # load(): the update file that was never written
+
+    def save(self, directory) -> str:
+        """Write the progress file: round, client state, and the name of the update file,
+        which `save_upload` writes. A client calls save() before it uploads (so a round is
+        never trained twice) and save_upload() while the upload goes out (the 4 bytes per
+        parameter of the frame stay off the path from training to the aggregator)."""
+        directory = os.fspath(directory)
+        path = os.path.join(directory, PROGRESS_FILE)
+        meta = {"format": "edgefl-client-progress", "version": 1, "run_id": self.run_id,
+                "trained": self.trained, "upload_file": self.upload_file,
+                "upload_bytes": None if self.upload is None else len(self.upload),
+                "has_client_state": self.client_state is not None,
+                "client_state_meta": tag_floats(dict(self.client_state.meta))
+                if self.client_state is not None else None}
+        save_arrays(path, _state_arrays(self.client_state, "client_state."), meta)
+        return path
+
+    @property
+    def upload_file(self) -> str | None:
+        return None if self.upload is None else f"update-{self.trained}.frame"
+
+    def save_upload(self, directory) -> None:
+        """Write the update frame file (atomically), then delete older ones."""
+        directory = os.fspath(directory)
+        if self.upload is not None:
+            atomic_write(os.path.join(directory, self.upload_file), self.upload)
+        for name in os.listdir(directory):
+            if name.startswith("update-") and name.endswith(".frame") \
+                    and name != self.upload_file:
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except OSError:
+                    pass
+
+    @classmethod
+    def load(cls, directory) -> "ClientProgress":
+        """The persisted progress in `directory`, or a fresh one if there is none."""
+        directory = os.fspath(directory)
+        path = os.path.join(directory, PROGRESS_FILE)
+        try:
+            arrays, meta = load_arrays(path)
+        except FileNotFoundError:
+            return cls()
+        if meta.get("format") != "edgefl-client-progress" or meta.get("version") != 1:
+            raise StateError(f"{path}: not an edgefl client progress file of version 1")
+        try:
+            upload, missing = None, None
+            if meta["upload_file"] is not None:
+                upload_path = os.path.join(directory, meta["upload_file"])
+                try:
+                    with open(upload_path, "rb") as f:
+                        upload = f.read()
+                except FileNotFoundError:
+                    missing = upload_path      # the process ended before it was written
+                except OSError as exc:
+                    raise StateError(f"{path}: its stored update {upload_path} is unreadable "
+                                     f"({exc.strerror or exc})") from None
+                if upload is not None and len(upload) != meta["upload_bytes"]:
+                    raise StateError(f"{upload_path}: {len(upload)} bytes, the progress file "
+                                     f"says {meta['upload_bytes']}")
+            state = _state_from(arrays, untag_floats(meta["client_state_meta"]),
+                                "client_state.") \
+                if meta["has_client_state"] else None
+            return cls(run_id=meta["run_id"], trained=int(meta["trained"]), upload=upload,
+                       client_state=state, upload_missing=missing)
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, StateError):
+                raise
+            raise StateError(f"{path}: incomplete progress file ({type(exc).__name__}: "
+                             f"{exc})") from None

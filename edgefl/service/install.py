@@ -1,0 +1,345 @@
+"""`edgefl install-service`: write a role's systemd unit (with this interpreter's path), a
+site-file skeleton and the sysusers entry for the `edgefl` user, then print the systemctl
+commands. Nothing is downloaded and nothing is run: the operator runs the printed commands.
+
+    plan = plan_install("client", "07", profile="rpi4")          # validates everything
+    for path, action in install(plan): print(action, path)
+    print(format_commands(plan))
+
+The units are package data (edgefl/service/units/, mirrored in devices/systemd/ for review).
+Their ExecStart names PYTHON_PLACEHOLDER, the venv path docs/deployment.md uses; the
+installer puts the real interpreter there. `prefix` stages the files under another root
+(tests, image builds); the paths inside the files stay the final ones.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+
+import yaml
+
+from . import profiles
+from .layered import ETC_DIR, KEYS, ROLES
+
+__all__ = ["PYTHON_PLACEHOLDER", "InstallError", "InstallPlan", "PlannedFile", "ROLE_UNITS",
+           "check_interpreter", "check_node_id", "format_commands", "install", "plan_install",
+           "render_unit", "unit_template"]
+
+PYTHON_PLACEHOLDER = "/opt/edgefl/venv/bin/python"
+UNIT_DIR = "/etc/systemd/system"
+SYSUSERS_FILE = "/etc/sysusers.d/edgefl.conf"
+STATE_ROOT = "/var/lib/edgefl"
+# ProtectHome=yes and PrivateTmp=yes hide these from the service: an interpreter there
+# cannot start (status=203/EXEC)
+HIDDEN_FROM_SERVICE = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")
+_SAFE_PATH = re.compile(r"^/[A-Za-z0-9/._+-]+$")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class InstallError(ValueError):
+    """An installation that would not work; the message names the cause and the fix."""
+
+
+@dataclass(frozen=True)
+class RoleUnit:
+    role: str
+    template: str            # file name in edgefl/service/units/ and devices/systemd/
+    command: str             # the edgefl subcommand ExecStart runs
+    instance: bool           # a template unit: one instance per id
+
+    def unit_name(self, node_id: str) -> str:
+        return self.template.replace("@.", f"@{node_id}.") if self.instance else self.template
+
+    def site_path(self, node_id: str) -> str:
+        return os.path.join(ETC_DIR, f"{self.role}-{node_id}.yaml" if self.instance
+                            else f"{self.role}.yaml")
+
+
+ROLE_UNITS = {
+    "client": RoleUnit("client", "edgefl-client@.service", "client", True),
+    "aggregator": RoleUnit("aggregator", "edgefl-aggregator.service", "aggregator", False),
+    "infer": RoleUnit("infer", "edgefl-infer.service", "serve", False),
+}
+
+
+def _units_dir():
+    return resources.files("edgefl").joinpath("service").joinpath("units")
+
+
+def unit_template(role: str) -> str:
+    """The unit text of `role` as shipped (ExecStart names PYTHON_PLACEHOLDER)."""
+    return _units_dir().joinpath(_role(role).template).read_text(encoding="utf-8")
+
+
+def _role(role: str) -> RoleUnit:
+    if role not in ROLE_UNITS:
+        raise InstallError(f"role {role!r}: valid roles are {', '.join(ROLES)}")
+    return ROLE_UNITS[role]
+
+
+def check_interpreter(python: str) -> str:
+    """`python` if a systemd service can execute it: an absolute path without characters
+    that systemd's ExecStart would interpret, executable, and outside the directories the
+    units' sandbox hides."""
+    if not os.path.isabs(python):
+        raise InstallError(f"interpreter {python!r}: need an absolute path")
+    if not _SAFE_PATH.match(python):
+        raise InstallError(f"interpreter {python!r}: the path has characters systemd's ExecStart "
+                           f"would interpret (spaces, quotes, %, $); use a venv at a plain path "
+                           f"such as {os.path.dirname(os.path.dirname(PYTHON_PLACEHOLDER))}")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise InstallError(f"interpreter {python}: no such executable file")
+    for hidden in HIDDEN_FROM_SERVICE:
+        if python == hidden or python.startswith(hidden + "/"):
+            raise InstallError(
+                f"interpreter {python} is under {hidden}, which the units' sandbox hides "
+                f"(ProtectHome=yes, PrivateTmp=yes), so the service could not start: install "
+                f"edgefl in a venv outside {', '.join(HIDDEN_FROM_SERVICE)} (docs/deployment.md "
+                f"uses {os.path.dirname(os.path.dirname(PYTHON_PLACEHOLDER))}) and run that "
+                f"venv's edgefl, or pass --python")
+    return python
+
+
+def check_node_id(role: str, node_id: str | None) -> str:
+    """The node id for `role`: required for client and infer (the client whose model infer
+    serves), "aggregator" by default. It names a unit instance, files and a topic level, so
+    it is restricted to letters, digits, '.', '_' and '-' (64 at most, no leading symbol)."""
+    if node_id is None:
+        if role == "aggregator":
+            return "aggregator"
+        what = "client id" if role == "client" else "id of the client whose model it serves"
+        raise InstallError(f"--role {role} needs --id (the {what})")
+    if not _SAFE_ID.match(node_id):
+        raise InstallError(f"--id {node_id!r}: use 1-64 letters, digits, '.', '_' or '-', "
+                           f"starting with a letter or digit (it names the unit instance, the "
+                           f"site file and an MQTT topic level)")
+    return node_id
+
+
+def render_unit(role: str, python: str) -> str:
+    """The unit of `role` with ExecStart's interpreter replaced by `python` (not checked
+    here: see check_interpreter)."""
+    text = unit_template(role)
+    exec_lines = [line for line in text.splitlines() if line.startswith("ExecStart=")]
+    if len(exec_lines) != 1 or not exec_lines[0].startswith(f"ExecStart={PYTHON_PLACEHOLDER} "):
+        raise InstallError(f"{_role(role).template}: expected one ExecStart= line starting "
+                           f"with {PYTHON_PLACEHOLDER}; the shipped unit was modified")
+    return text.replace(f"ExecStart={PYTHON_PLACEHOLDER} ", f"ExecStart={python} ", 1)
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    path: str        # the final path (/etc/...)
+    target: str      # where it is written: path under the prefix
+    content: str
+    mode: int
+    keep_existing: bool = False   # a site file the owner may have edited is never replaced
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    role: str
+    node_id: str
+    profile: str
+    profile_note: str
+    unit: str                 # the unit to enable, e.g. edgefl-client@07.service
+    python: str
+    prefix: str
+    files: tuple
+    commands: tuple           # argument lists, printed for the operator
+    warnings: tuple = ()
+
+
+def plan_install(role: str, node_id: str | None = None, *, profile: str | None = None,
+                 prefix: str = "/", python: str | None = None,
+                 device_tree_model: str = profiles.DEVICE_TREE_MODEL) -> InstallPlan:
+    """Validate the request and build the files and commands of an installation."""
+    spec = _role(role)
+    node_id = check_node_id(role, node_id)
+    python = check_interpreter(python or sys.executable)
+    if profile is None:
+        profile, how = profiles.detect_profile(device_tree_model)
+        if profile is None:
+            raise InstallError(f"cannot detect the board ({how}); pass --profile, one of "
+                               f"{', '.join(profiles.profile_names())}")
+        note = f"detected from {how}"
+    else:
+        try:
+            profiles.profile_path(profile)
+        except ValueError as exc:
+            raise InstallError(f"--profile: {exc}") from None
+        note = "from --profile"
+    prefix = os.path.abspath(prefix)
+    unit = spec.unit_name(node_id)
+
+    def staged(path):
+        return os.path.join(prefix, path.lstrip("/"))
+
+    site = spec.site_path(node_id)
+    sysusers = _units_dir().joinpath("sysusers-edgefl.conf").read_text(encoding="utf-8")
+    unit_path = os.path.join(UNIT_DIR, spec.template)
+    files = (
+        PlannedFile(unit_path, staged(unit_path), render_unit(role, python), 0o644),
+        PlannedFile(site, staged(site), site_skeleton(role, node_id, profile), 0o644,
+                    keep_existing=True),
+        PlannedFile(SYSUSERS_FILE, staged(SYSUSERS_FILE), sysusers, 0o644),
+    )
+    commands = (("systemd-sysusers", SYSUSERS_FILE), ("systemctl", "daemon-reload"),
+                ("systemctl", "enable", "--now", unit))
+    warnings = []
+    from ..cli import COMMANDS
+    if spec.command not in COMMANDS:
+        warnings.append(f"this edgefl has no `edgefl {spec.command}` command yet, so {unit} "
+                        f"will fail to start until an edgefl that has it is installed")
+    return InstallPlan(role, node_id, profile, note, unit, python, prefix, files, commands,
+                       tuple(warnings))
+
+
+def site_skeleton(role: str, node_id: str, profile: str) -> str:
+    """The site file the installer writes: the settings only this site knows, and the
+    profile's values as comments to override."""
+    site = _role(role).site_path(node_id)
+    with open(profiles.profile_path(profile), encoding="utf-8") as f:
+        board = yaml.safe_load(f) or {}
+    who = {"client": f"edgefl client {node_id}", "aggregator": "the edgefl aggregator",
+           "infer": f"the edgefl inference service (model of client {node_id})"}[role]
+    lines = [
+        f"# Site settings of {who}, written by `edgefl install-service`.",
+        f"# Layers, later ones win: package defaults -> device profile {profile} -> this file",
+        "# -> --set on the command line. To see every value and where it came from:",
+        f"#   edgefl config show --role {role} --site {site}",
+        f"profile: {profile}",
+    ]
+    if role in ("client", "aggregator"):
+        lines += [
+            "node:",
+            f"  id: {_yaml_scalar(node_id)}",
+            "  federation: default",
+            "broker:",
+            "  url: mqtt://localhost:1883      # e.g. mqtts://gateway.local:8883 (TLS)",
+            f"  # username: {_yaml_scalar(node_id)}",
+            f"  # password_file: {ETC_DIR}/{role}-{node_id}.password   # mode 0640, group edgefl",
+            f"  # ca_file: {ETC_DIR}/ca.crt",
+        ]
+    if role == "client":
+        lines += [
+            "data:                            # this board's training data (docs/data.md)",
+            "  name: fashion-mnist            # a demo (apt install dataset-fashion-mnist);",
+            "  limit_train: 6000              # replace with the board's own npz or csv",
+        ]
+    if role == "aggregator":
+        lines += ["run: quickstart                  # the run config: a YAML file in "
+                  "edgefl simulate's format, or a built-in name"]
+    if role == "infer":
+        lines += ["infer:",
+                  f"  model: {STATE_ROOT}/client-{node_id}/model.onnx   # written by "
+                  f"edgefl-client@{node_id}"]
+    board_lines = []
+    for section, values in board.items():
+        if section in KEYS:          # a top-level key (suggested_model), not a section
+            if role in KEYS[section].roles:
+                board_lines.append(f"# {section}: {_flow(values)}")
+            continue
+        keys = [(k, v) for k, v in values.items() if role in KEYS[f"{section}.{k}"].roles]
+        if keys:
+            board_lines.append(f"# {section}:")
+            board_lines += [f"#   {k}: {_flow(v)}" for k, v in keys]
+    if board_lines:
+        lines += ["", f"# The profile's settings ({profiles.profile_path(profile)}); "
+                      "uncomment to override:"] + board_lines
+    lines += ["# log:", "#   level: info"]
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_scalar(value: str) -> str:
+    # quoted when YAML would read it as something else ("07" is an int, "on" a bool)
+    return value if yaml.safe_load(value) == value else f'"{value}"'
+
+
+def _flow(value) -> str:
+    if isinstance(value, str):
+        return _yaml_scalar(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
+
+
+def install(plan: InstallPlan, dry_run: bool = False) -> list[tuple[str, str]]:
+    """Write the plan's files (nothing with dry_run). Returns (path, action) pairs, action one
+    of "written", "replaced", "unchanged", "kept (exists)", or "would write" and so on with
+    dry_run."""
+    if not dry_run and plan.prefix == "/" and hasattr(os, "geteuid") and os.geteuid() != 0:
+        raise InstallError(f"writing {UNIT_DIR} and {ETC_DIR} needs root: run it with sudo, "
+                           f"e.g. sudo {os.path.dirname(plan.python)}/edgefl install-service ...")
+    done = []
+    for f in plan.files:
+        exists = os.path.exists(f.target)
+        if exists and f.keep_existing:
+            action = "kept (exists)"
+        elif exists:
+            with open(f.target, encoding="utf-8") as old:
+                action = "unchanged" if old.read() == f.content else "replaced"
+        else:
+            action = "written"
+        if dry_run:
+            action = {"written": "would write", "replaced": "would replace"}.get(action, action)
+        elif action in ("written", "replaced"):
+            _write(f.target, f.content, f.mode)
+        done.append((f.target, action))
+    return done
+
+
+def _write(path: str, content: str, mode: int) -> None:
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+    except PermissionError as exc:
+        raise InstallError(f"{directory}: permission denied ({exc.strerror}); run as root or "
+                           f"stage the files with --prefix DIR") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            os.fchmod(out.fileno(), mode)
+            out.write(content)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def format_commands(plan: InstallPlan) -> str:
+    """The commands for the operator, one per line, shell-quoted (printed, never run)."""
+    lines = [shlex.join(c) for c in plan.commands]
+    return "\n".join(lines)
+
+
+def format_report(plan: InstallPlan, done, dry_run: bool) -> str:
+    lines = [f"{plan.unit}: {plan.role} {plan.node_id}, profile {plan.profile} "
+             f"({plan.profile_note}), interpreter {plan.python}"]
+    width = max(len(action) for _, action in done)
+    lines += [f"  {action:<{width}}  {path}" for path, action in done]
+    if dry_run:
+        for f in plan.files:
+            lines += ["", f"--- {f.target}", f.content.rstrip("\n")]
+        lines.append("")
+    for warning in plan.warnings:
+        lines.append(f"warning: {warning}")
+    if plan.prefix != "/":
+        lines.append(f"staged under {plan.prefix}: copy the files to / (their paths inside are "
+                     f"final), then on the board, as root:")
+    else:
+        lines.append("next, as root:")
+    lines += ["  " + line for line in format_commands(plan).splitlines()]
+    lines.append(f"then: journalctl -u {plan.unit} -f    and    systemctl status {plan.unit}")
+    return "\n".join(lines)
+

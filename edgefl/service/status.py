@@ -1,0 +1,75 @@
+"""The fleet table `edgefl status` prints from the retained status topics.
+
+Each node publishes a retained JSON object on `edgefl/<fed>/status/<node>` (its Last Will
+sets `online` to false). The MQTT side collects them; this module only formats:
+
+    {"node": "pi-07", "online": true, "version": "0.1.0", "profile": "rpi4",
+     "last_round": 12, "role": "client"}
+
+`role` is optional. A missing field prints as "-", so a node running an older edgefl that
+does not send every field still gets its row.
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["FLEET_COLUMNS", "format_fleet"]
+
+FLEET_COLUMNS = ("node", "online", "version", "profile", "last round")
+
+
+def _natural_key(node: str):
+    # pi-2 before pi-10
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", node)]
+
+
+def _cell(value) -> str:
+    if value is None or value == "":
+        return "-"
+    return str(value)
+
+
+def _online(value) -> str:
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return "?"
+
+
+def format_fleet(statuses: list[dict]) -> str:
+    """A table of nodes (online ones first, then by node name in natural order) and a summary
+    line, e.g.
+
+        node   online  version  profile  last round
+        pi-2   yes     0.1.0    rpi4     12
+        pi-10  no      0.1.0    rpi3     11
+        2 nodes: 1 online, 1 offline
+    """
+    if not statuses:
+        return "no nodes have published a status"
+    for i, status in enumerate(statuses):
+        if not isinstance(status, dict):
+            raise TypeError(f"format_fleet: status {i} is {type(status).__name__}, not a dict")
+    has_role = any(s.get("role") for s in statuses)
+    header = ("node",) + (("role",) if has_role else ()) + FLEET_COLUMNS[1:]
+    rows = []
+    for s in sorted(statuses, key=lambda s: (s.get("online") is not True,
+                                            _natural_key(_cell(s.get("node"))))):
+        row = [_cell(s.get("node"))]
+        if has_role:
+            row.append(_cell(s.get("role")))
+        row += [_online(s.get("online")), _cell(s.get("version")), _cell(s.get("profile")),
+                _cell(s.get("last_round"))]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [list(header)] + rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()
+             for r in [list(header)] + rows]
+    online = sum(1 for s in statuses if s.get("online") is True)
+    offline = sum(1 for s in statuses if s.get("online") is False)
+    unknown = len(statuses) - online - offline
+    plural = "s" if len(statuses) != 1 else ""
+    summary = f"{len(statuses)} node{plural}: {online} online, {offline} offline"
+    if unknown:
+        summary += f", {unknown} unknown"
+    return "\n".join(lines + [summary])

@@ -1,0 +1,378 @@
+"""Device profiles and the layered service configuration (issue #6 items 4 and 5): the
+shipped profiles, the order defaults -> profile -> site file -> command line, the source of
+every value, `edgefl config show`, and errors that name the file, line, key and valid values."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import yaml
+
+from edgefl import kernels
+from edgefl.cli import main
+from edgefl.config import ConfigError
+from edgefl.models import build_model
+from edgefl.service import profiles
+from edgefl.service.layered import KEYS, ROLES, defaults_path, load_service_config
+
+BOARDS = ["generic-x86", "jetson-nano", "rpi-zero2w", "rpi3", "rpi4", "rpi5"]
+NO_SITE = "/nonexistent/edgefl-test"          # etc_dir without site files
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def client(site=None, **kw):
+    kw.setdefault("etc_dir", NO_SITE)
+    return load_service_config("client", site, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# the shipped profiles
+# ---------------------------------------------------------------------------------------
+
+def test_the_six_boards_are_shipped():
+    assert profiles.profile_names() == BOARDS
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_profile_opens_with_its_board_and_sets_every_board_key(name):
+    path = profiles.profile_path(name)
+    with open(path) as f:
+        first = f.readline()
+        data = yaml.safe_load(first + f.read())
+    assert first.startswith("# "), f"{path} must open with a comment on the board"
+    board = profiles.board_summary(name)         # the first sentence: CPU, cores, RAM
+    assert board.endswith(".") and board in profiles.board_comment(name)
+    assert re.search(r"\dx Arm Cortex-A\d+|x86-64 .*\d+ cores", board), board
+    assert re.search(r"\d+ (MB|GB)", board), board
+    flat = {name if name == "suggested_model" else f"{name}.{key}"
+            for name, section in data.items()
+            for key in ([None] if name == "suggested_model" else section)}
+    assert flat == set(profiles.PROFILE_KEYS), f"{path}: sets {sorted(flat)}"
+    assert data["transport"]["compression"] in ("none", "f16", "int8")
+    assert data["compute"]["memory_budget_mb"] >= 64
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_every_profile_resolves_for_every_role(name, tmp_path):
+    model = tmp_path / "model.onnx"
+    for role, extra in [("client", ["node.id=a", "data.name=digits"]),
+                        ("aggregator", ["node.id=agg", "run=quickstart"]),
+                        ("infer", [f"infer.model={model}"])]:
+        config = load_service_config(role, None, profile=name, etc_dir=NO_SITE,
+                                     overrides=[f"--set {x}"[6:] for x in extra])
+        assert config.profile == name
+        for key in profiles.PROFILE_KEYS:
+            if key in config:
+                assert config.source(key).file == profiles.profile_path(name), key
+
+
+@pytest.mark.parametrize("name", BOARDS)
+def test_suggested_model_builds_and_its_comment_is_right(name):
+    config = client(profile=name, overrides=["node.id=a", "data.name=digits"])
+    model = build_model(config["suggested_model"], (1, 28, 28), 10)
+    with open(profiles.profile_path(name)) as f:
+        line = next(line for line in f if line.startswith("suggested_model:"))
+    stated = re.search(r"#.*?([\d,]+) parameters", line)
+    assert stated, f"{name}: say the suggested model's size in a comment"
+    assert int(stated.group(1).replace(",", "")) == model.n_params
+    x = np.random.default_rng(0).standard_normal((2, 1, 28, 28)).astype(np.float32)
+    assert kernels.forward(model, model.init(0), x).shape == (2, 10)
+    assert config["train.batch_size"] >= 1
+
+
+def test_defaults_file_declares_every_key_once():
+    needs = {"client": ["node.id=a", "data.name=digits"], "infer": ["infer.model=/m.onnx"],
+             "aggregator": ["node.id=a", "run=quickstart"]}
+    config = {role: load_service_config(role, None, profile="rpi4", etc_dir=NO_SITE,
+                                        overrides=needs[role])
+              for role in ROLES}
+    seen = set()
+    for role, c in config.items():
+        assert set(c.values) == {k for k, key in KEYS.items() if role in key.roles}
+        seen |= set(c.values)
+    assert seen == set(KEYS)
+
+
+# ---------------------------------------------------------------------------------------
+# layers and sources
+# ---------------------------------------------------------------------------------------
+
+def test_each_layer_overrides_the_one_below_and_is_named_as_the_source(tmp_path):
+    site = write(tmp_path / "client-07.yaml", """\
+profile: rpi4
+node:
+  id: "07"
+data: {name: digits}
+train:
+  batch_size: 8
+log:
+  level: warning
+""")
+    config = client(site, overrides=["log.level=debug"])
+    rpi4 = profiles.profile_path("rpi4")
+    # package default (no layer above sets it)
+    assert config["broker.url"] == "mqtt://localhost:1883"
+    assert config.source("broker.url").file == defaults_path()
+    assert str(config.source("broker.url")).startswith(f"{defaults_path()}:")
+    # profile over default
+    assert config["compute.threads"] == yaml.safe_load(open(rpi4))["compute"]["threads"]
+    assert config.source("compute.threads").layer == "device profile"
+    assert config.source("compute.threads").file == rpi4
+    # site over profile, with line and key
+    assert config["train.batch_size"] == 8
+    source = config.source("train.batch_size")
+    assert (source.layer, source.file, source.line, source.key) == ("site file", site, 6,
+                                                                    "train.batch_size")
+    assert str(source) == f"{site}:6: train.batch_size"
+    # command line over site
+    assert config["log.level"] == "debug"
+    assert str(config.source("log.level")) == "--set log.level=debug"
+    assert config["node.id"] == "07"
+
+
+def test_profile_choice_command_line_then_site_then_auto(tmp_path):
+    site = write(tmp_path / "s.yaml", 'profile: rpi3\nnode: {id: a}\ndata: {name: digits}\n')
+    assert client(site).profile == "rpi3"
+    assert client(site, profile="rpi5").profile == "rpi5"
+    assert client(site, overrides=["profile=jetson-nano"]).profile == "jetson-nano"
+    model = write(tmp_path / "model", "Raspberry Pi Zero 2 W Rev 1.0\0")
+    auto = client(None, overrides=["node.id=a", "data.name=digits"], device_tree_model=model)
+    assert auto.profile == "rpi-zero2w"
+    assert "Raspberry Pi Zero 2 W" in auto.source("profile").note
+    assert auto["train.batch_size"] == 16          # rpi-zero2w.yaml's value
+
+
+def test_site_file_default_path_is_used_when_present(tmp_path):
+    write(tmp_path / "client.yaml", "node: {id: from-etc}\ndata: {name: digits}\nprofile: rpi4\n")
+    config = load_service_config("client", None, etc_dir=str(tmp_path))
+    assert config["node.id"] == "from-etc"
+    assert config.source("node.id").file == str(tmp_path / "client.yaml")
+
+
+def test_set_on_a_dataset_option_keeps_the_site_dataset(tmp_path):
+    site = write(tmp_path / "s.yaml",
+                 "profile: rpi4\nnode: {id: a}\ndata: {name: npz, path: shard.npz, "
+                 "test_fraction: 0.2}\n")
+    config = client(site, overrides=["data.limit_train=100"])
+    assert config["data"] == {"name": "npz", "path": str(tmp_path / "shard.npz"),
+                              "test_fraction": 0.2, "limit_train": 100}
+    assert "over " + site in str(config.source("data"))
+    # a different dataset replaces the section (npz's options would not fit digits)
+    assert client(site, overrides=["data.name=digits"])["data"] == {"name": "digits"}
+
+
+def test_state_dir_falls_back_to_systemd_state_directory(tmp_path, monkeypatch):
+    config = client(None, profile="rpi4", overrides=["node.id=a", "data.name=digits"])
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/edgefl/client-a:/var/lib/other")
+    assert config.state_dir == "/var/lib/edgefl/client-a"
+    monkeypatch.delenv("STATE_DIRECTORY")
+    with pytest.raises(ConfigError, match=r"state_dir is not set .*STATE_DIRECTORY"):
+        _ = config.state_dir
+    explicit = client(None, profile="rpi4",
+                      overrides=["node.id=a", "data.name=digits", f"state_dir={tmp_path}"])
+    assert explicit.state_dir == str(tmp_path)
+
+
+def test_values_cannot_be_changed_through_the_config():
+    config = client(None, profile="rpi4", overrides=["node.id=a", "data.name=digits"])
+    config["data"]["name"] = "changed"
+    assert config["data"] == {"name": "digits"}
+    with pytest.raises(TypeError):
+        config.values["node.id"] = "b"
+
+
+# ---------------------------------------------------------------------------------------
+# errors: file, line, key, valid values
+# ---------------------------------------------------------------------------------------
+
+def test_unknown_profile_lists_the_valid_ones(tmp_path):
+    site = write(tmp_path / "s.yaml", "profile: rpi9\n")
+    with pytest.raises(ConfigError) as exc:
+        client(site)
+    assert str(exc.value) == (f"{site}:1: profile: unknown profile 'rpi9'; valid profiles: "
+                              f"{', '.join(BOARDS)}, auto")
+    with pytest.raises(ConfigError, match=r"^--profile pi4: unknown profile 'pi4'; valid"):
+        client(None, profile="pi4")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("transport:\n  compression: gzip\n",
+     r":2: transport.compression: 'gzip' is not valid; valid: none, f16, int8$"),
+    ("compute:\n  thread: 2\n",
+     r":2: compute.thread: unknown key \(did you mean compute.threads\?\); valid keys in "
+     r"compute: memory_budget_mb, threads$"),
+    ("brokr:\n  url: x\n", r":1: brokr: unknown key \(did you mean broker\?\); valid top-level"),
+    ("compute:\n  threads: -1\n", r":2: compute.threads: -1 is below the minimum 0$"),
+    ("compute:\n  threads: two\n", r":2: compute.threads: must be an integer, got 'two'$"),
+    ("transport: 3\n", r":1: transport: transport is a section \(keys: compression, chunk_size\)"),
+    ("node:\n  id: 07\n", r":2: node.id: must be a string, but YAML reads 07 as the number 7; "
+                          r"quote it: '07' -> '\"07\"'$"),
+    ("node:\n  id: a/b\n", r":2: node.id: 'a/b' contains '/'; an id is one MQTT topic level"),
+    ("run: quickstart\n", r":1: run: not a setting of the client \(read by the aggregator\); "
+                          r"valid keys for the client: profile, "),
+    ("data: {name: imagenet}\n", r":1: data: unknown dataset 'imagenet'; valid: digits, mnist"),
+    ("data: {name: digits, colour: red}\n",
+     r":1: data: unknown option 'colour' of dataset 'digits'; valid: name"),
+    ("suggested_model: {name: mlp, width: 3}\n", r":1: suggested_model: model mlp: unknown"),
+    ("compute: [1, 2\n", r":2: invalid YAML: expected ',' or ']'"),
+    ("- a\n- b\n", r": the top level must be a mapping of settings, got list$"),
+])
+def test_site_file_errors_name_file_line_key_and_valid_values(tmp_path, text, message):
+    # checked where written: --set node.id and data.name win, the file's values still fail
+    site = write(tmp_path / "site.yaml", text)
+    with pytest.raises(ConfigError) as exc:
+        client(site, profile="rpi4", overrides=["node.id=a", "data.name=digits"])
+    assert str(exc.value).startswith(site), str(exc.value)
+    assert re.search(message, str(exc.value)), str(exc.value)
+
+
+def test_command_line_errors_name_the_set_item():
+    with pytest.raises(ConfigError, match=r"^--set infer.threads=2: infer.threads is not a "
+                                          r"setting of the client \(read by the inference "
+                                          r"service\)"):
+        client(None, profile="rpi4", overrides=["infer.threads=2"])
+    with pytest.raises(ConfigError, match=r"^--set log.level=loud: log.level: 'loud' is not "
+                                          r"valid; valid: debug, info, warning, error, critical"):
+        client(None, profile="rpi4", overrides=["log.level=loud"])
+    with pytest.raises(ConfigError, match=r"^--set nokey: expected dotted.key=value"):
+        client(None, profile="rpi4", overrides=["nokey"])
+
+
+def test_missing_required_setting_names_key_and_where_to_set_it(tmp_path):
+    site = write(tmp_path / "s.yaml", "profile: rpi4\nnode: {id: a}\n")
+    with pytest.raises(ConfigError) as exc:
+        client(site)
+    assert str(exc.value) == (f"data: not set, and the client needs it (the client's training "
+                              f"data: a dataset section (docs/data.md)); set it in the site file "
+                              f"{site} or with --set data=...")
+    with pytest.raises(ConfigError, match=r"^infer.model: not set, and the inference service"):
+        load_service_config("infer", None, profile="rpi4", etc_dir=NO_SITE)
+    with pytest.raises(ConfigError, match=r"^run: not set, and the aggregator needs it"):
+        load_service_config("aggregator", None, profile="rpi4", etc_dir=NO_SITE,
+                            overrides=["node.id=agg"])
+
+
+def test_aggregator_run_config_must_exist(tmp_path):
+    site = write(tmp_path / "aggregator.yaml", "profile: generic-x86\nnode: {id: agg}\n"
+                                               "run: runs/missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"aggregator.yaml:3: run: .*missing.yaml: config file "
+                                          r"does not exist, and it is not a built-in config"):
+        load_service_config("aggregator", site)
+    run = tmp_path / "fed.yaml"
+    run.write_text("rounds: 2\n")
+    write(tmp_path / "aggregator.yaml", "profile: generic-x86\nnode: {id: agg}\nrun: fed.yaml\n")
+    assert load_service_config("aggregator", site)["run"] == str(run)
+
+
+def test_profile_may_set_only_board_keys(tmp_path, monkeypatch):
+    fake = tmp_path / "edgefl-profiles"
+    fake.mkdir()
+    (fake / "bad-board.yaml").write_text("# A board\nbroker:\n  url: mqtt://x\n")
+    monkeypatch.setattr(profiles, "_profile_dir", lambda: fake)
+    with pytest.raises(ConfigError, match=r"bad-board.yaml:3: broker.url: a device profile may "
+                                          r"set only the board-dependent keys \(compute.threads"):
+        client(None, profile="bad-board", overrides=["node.id=a", "data.name=digits"])
+
+
+def test_unknown_board_under_auto_asks_for_a_profile(tmp_path, monkeypatch):
+    model = write(tmp_path / "model", "Raspberry Pi Model B Rev 2\0")
+    monkeypatch.setattr(profiles.platform, "machine", lambda: "armv6l")
+    with pytest.raises(ConfigError) as exc:
+        client(None, overrides=["node.id=a", "data.name=digits"], device_tree_model=model)
+    assert "profile auto: board 'Raspberry Pi Model B Rev 2'" in str(exc.value)
+    assert str(exc.value).endswith("set profile to one of " + ", ".join(BOARDS))
+
+
+# ---------------------------------------------------------------------------------------
+# board detection, threads, memory
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model, machine, expected", [
+    ("Raspberry Pi Zero 2 W Rev 1.0", "aarch64", "rpi-zero2w"),
+    ("Raspberry Pi 3 Model B Plus Rev 1.3", "aarch64", "rpi3"),
+    ("Raspberry Pi 4 Model B Rev 1.4", "aarch64", "rpi4"),
+    ("Raspberry Pi 400 Rev 1.0", "aarch64", "rpi4"),
+    ("Raspberry Pi Compute Module 4 Rev 1.0", "armv7l", "rpi4"),
+    ("Raspberry Pi 5 Model B Rev 1.0", "aarch64", "rpi5"),
+    ("NVIDIA Jetson Nano Developer Kit", "aarch64", "jetson-nano"),
+    (None, "x86_64", "generic-x86"),
+    ("Raspberry Pi Zero W Rev 1.1", "armv6l", None),     # ARMv6: no wheels, no profile
+    (None, "riscv64", None),
+])
+def test_detect_profile(tmp_path, model, machine, expected):
+    path = tmp_path / "model"
+    if model is not None:
+        path.write_bytes(model.encode() + b"\0")
+    name, how = profiles.detect_profile(str(path), machine)
+    assert name == expected, how
+    if model is not None:
+        assert model in how
+
+
+def test_apply_threads():
+    have_blas = getattr(kernels.impl, "have_blas", lambda: False)()
+    n = len(os.sched_getaffinity(0))
+    try:
+        assert profiles.apply_threads(0) == (n if have_blas else 1)
+        assert profiles.apply_threads(2) == (2 if have_blas else 1)
+    finally:
+        if have_blas:
+            kernels.impl.blas_set_threads(1)    # what kernels.py sets at import
+    with pytest.raises(ValueError, match=r"compute.threads = -1: need an integer >= 0"):
+        profiles.apply_threads(-1)
+
+
+def test_memory_budget():
+    rss = profiles.resident_mb()
+    assert 16 < rss <= profiles.resident_mb(peak=True)   # Python + NumPy alone exceed 16 MiB
+    block = np.ones(16 << 20, dtype=np.float32)           # 64 MiB, touched: resident
+    assert profiles.resident_mb() > rss + 48
+    budget = int(profiles.resident_mb()) + 256
+    assert profiles.check_memory_budget(budget, "now") < budget
+    with pytest.raises(profiles.MemoryBudgetError,
+                       match=r"^\d+ MiB resident after loading data, over "
+                             r"compute.memory_budget_mb = 16: train on fewer samples"):
+        profiles.check_memory_budget(16, "after loading data")
+    del block
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl config show
+# ---------------------------------------------------------------------------------------
+
+def test_config_show_prints_values_and_sources(tmp_path, capsys):
+    site = write(tmp_path / "client-07.yaml",
+                 'profile: rpi4\nnode:\n  id: "07"\ndata: {name: digits}\n')
+    assert main(["config", "show", "--site", site, "--set", "train.batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("edgefl client: profile rpi4\n  board: Raspberry Pi 4 Model B")
+    rows = {line.split()[0]: line for line in out.splitlines()[8:] if line.strip()}
+    assert re.match(r"node.id +07 +" + re.escape(f"{site}:3: node.id") + "$", rows["node.id"])
+    assert rows["train.batch_size"].endswith("--set train.batch_size=8")
+    assert rows["compute.threads"].endswith(f"{profiles.profile_path('rpi4')}:5: compute.threads")
+    assert "infer.threads" not in rows            # not a client setting
+
+
+def test_config_show_json_and_roles(tmp_path, capsys):
+    assert main(["config", "show", "--role", "infer", "--profile", "rpi5", "--site",
+                 write(tmp_path / "infer.yaml", "infer: {model: m.onnx}\n"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["role"] == "infer" and doc["profile"] == "rpi5"
+    assert doc["values"]["infer"]["model"] == str(tmp_path / "m.onnx")
+    assert doc["sources"]["infer.model"]["line"] == 1
+    assert doc["sources"]["profile"]["file"] == "--profile rpi5"
+    assert [layer["layer"] for layer in doc["layers"]] == [
+        "package defaults", "device profile", "site file", "command line"]
+
+
+def test_config_show_error_is_one_line_naming_the_cause(tmp_path, capsys):
+    site = write(tmp_path / "s.yaml", "profile: rpi4\ntrain:\n  batch_size: 0\n")
+    assert main(["config", "show", "--site", site]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"edgefl config: error: {site}:3: train.batch_size: 0 is below the "
+                   f"minimum 1\n")

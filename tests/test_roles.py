@@ -1,0 +1,470 @@
+"""The roles' own parts, on the in-process loopback broker (tests/test_roles_e2e.py runs them
+through real brokers): atomic persistence (a crash at any instant leaves the old or the new
+file), the JSON documents (every bad field named), the client's checks of what it receives
+(topic, sender, round, hash, NaN: rejected with a reason, the client keeps running), a round
+never trained twice, and the aggregator's refusals (late, duplicate, unauthorised, another
+run's update)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+import yaml
+
+from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings, Client,
+                          ClientProgress, ClientSettings, RunPlan, StateError,
+                          default_client_ids)
+from edgefl.roles import messages as msg
+from edgefl.params import LayerTable
+from edgefl.roles.state import (append_journal, atomic_write, load_arrays, read_journal,
+                                save_arrays, tag_floats, untag_floats)
+from edgefl.runconfig import load_run_config
+from edgefl.sim import model_sha256, prepare_run, simulate
+from edgefl.strategies import State, Update, select_clients
+from edgefl.transport import wire
+from edgefl.transport.base import Message
+from edgefl.transport.loopback import LoopbackBroker
+from edgefl.transport.topics import Topics
+
+SMALL = {
+    "dataset": {"name": "digits", "limit_train": 300},
+    "partition": {"name": "iid", "clients": 3},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedavg"},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "rounds": 2,
+    "seed": 0,
+}
+
+
+def write_config(tmp_path, name="run.yaml", **changes):
+    data = json.loads(json.dumps(SMALL))
+    data.update(changes)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return load_run_config(str(path))
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+
+
+# ---------------------------------------------------------------------------------------
+# state.py: atomic files, checkpoints, progress, journal
+# ---------------------------------------------------------------------------------------
+
+def test_atomic_write_replaces_whole_files_and_keeps_the_old_one_on_failure(tmp_path,
+                                                                            monkeypatch):
+    path = tmp_path / "f.bin"
+    atomic_write(path, b"old")
+    atomic_write(path, b"new contents")
+    assert path.read_bytes() == b"new contents"
+
+    def crash(src, dst):          # the process dies between the fsync and the rename
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write(path, b"x" * 1000)
+    assert path.read_bytes() == b"new contents"
+    assert os.listdir(tmp_path) == ["f.bin"]          # no temporary file left behind
+
+
+def test_arrays_round_trip_without_pickles_and_corruption_names_the_file(tmp_path):
+    path = tmp_path / "s.npz"
+    w = np.arange(5, dtype=np.float32)
+    save_arrays(path, {"w": w}, {"round": 3, "loss": 0.5})
+    arrays, meta = load_arrays(path)
+    assert np.array_equal(arrays["w"], w) and meta == {"round": 3, "loss": 0.5}
+    with np.load(path, allow_pickle=False) as z:      # readable without pickle
+        assert set(z.files) == {"w", "__meta__"}
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(StateError, match=r"s\.npz: unreadable state file"):
+        load_arrays(path)
+
+
+def test_non_finite_floats_survive_json_tagging():
+    data = {"a": float("nan"), "b": [float("inf"), -float("inf"), 1.5], "c": (1, 2),
+            "d": np.float64(0.25), "e": None}
+    tagged = tag_floats(data)
+    text = json.dumps(tagged, allow_nan=False)               # valid JSON
+    back = untag_floats(json.loads(text))
+    assert np.isnan(back["a"]) and back["b"][:2] == [float("inf"), -float("inf")]
+    assert back["b"][2] == 1.5 and back["c"] == [1, 2] and back["d"] == 0.25
+    assert back["e"] is None
+
+
+def test_checkpoint_and_progress_round_trip(tmp_path):
+    state = State({"params": np.linspace(-1, 1, 7, dtype=np.float32),
+                   "momentum": np.ones(7, dtype=np.float32)},
+                  {"round": 4, "tau": {"0": 10, "1": 3}, "L": None, "gn2": float("inf")})
+    ckpt = AggregatorCheckpoint("r1", "fp", 4, [1, 2, 3, 4], state,
+                                {"name": "mfl", "params": {"gamma": 0.5}}, {"seed": 3},
+                                [{"round": 1}], 2.5)
+    ckpt.save(tmp_path)
+    back = AggregatorCheckpoint.load(tmp_path)
+    assert back.round == 4 and back.aggregated == [1, 2, 3, 4] and back.run_id == "r1"
+    for name in state.buffers:
+        assert np.array_equal(back.state.buffers[name], state.buffers[name])
+    assert back.state.meta["tau"] == {"0": 10, "1": 3} and back.state.meta["gn2"] == np.inf
+    assert back.history == [{"round": 1}] and back.elapsed_s == 2.5
+    assert AggregatorCheckpoint.load(tmp_path / "nowhere") is None
+
+    progress = ClientProgress("r1", 3, b"frame bytes", State({"g": np.zeros(7, np.float32)},
+                                                            {"round": 3, "lr": 0.1}))
+    progress.save(tmp_path)
+    progress.save_upload(tmp_path)
+    again = ClientProgress.load(tmp_path)
+    assert (again.run_id, again.trained, again.upload) == ("r1", 3, b"frame bytes")
+    assert again.client_state.meta == {"round": 3, "lr": 0.1} and not again.upload_missing
+    assert ClientProgress.load(tmp_path / "fresh").trained == 0
+    # the next round's progress is written, the process dies before its update file is:
+    # the round counts as trained (never again), its update is known to be missing
+    ClientProgress("r1", 4, b"next frame", None).save(tmp_path)
+    crashed = ClientProgress.load(tmp_path)
+    assert crashed.trained == 4 and crashed.upload is None
+    assert crashed.upload_missing.endswith("update-4.frame")
+    ClientProgress("r1", 4, b"next frame", None).save_upload(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("update-*")) == ["update-4.frame"]
+
+
+def test_journal_skips_a_torn_last_line(tmp_path):
+    path = tmp_path / "rounds.jsonl"
+    append_journal(path, {"event": "aggregated", "round": 1})
+    append_journal(path, {"event": "aggregated", "round": 2})
+    with open(path, "a") as f:
+        f.write('{"event": "aggreg')                  # a crash in the middle of a write
+    assert [r["round"] for r in read_journal(path)] == [1, 2]
+    assert read_journal(tmp_path / "none.jsonl") == []
+
+
+# ---------------------------------------------------------------------------------------
+# messages.py: the announcement, status and update scalars
+# ---------------------------------------------------------------------------------------
+
+def announcement_for(tmp_path, strategy="fedveca", **changes):
+    config = write_config(tmp_path, strategy={"name": strategy}, train={"lr": 0.05},
+                          **changes)
+    run = prepare_run(config, progress=False)
+    state = run.strategy.init(run.init_params, run.setup)
+    tasks = run.strategy.configure(1, [0, 1, 2], state)
+    ids = default_client_ids(3)
+    doc = msg.build_announcement(
+        run_id="run1", aggregator="agg", round=1, rounds=2, announce_id="a1", opened=1.0,
+        deadline=2.0, strategy={"name": run.strategy.name,
+                                "params": run.strategy.hyperparameters()},
+        model={"spec": json.loads(run.model.spec), "input_shape": list(run.model.input_shape),
+               "num_classes": run.model.num_classes, "table": run.model.table.digest},
+        compression="none", global_sha="ab" * 32,
+        tasks={ids[c]: t for c, t in tasks.items()}, client_index={n: i for i, n in
+                                                                enumerate(ids)},
+        client_sha={})
+    return run, tasks, doc
+
+
+def test_announcement_round_trips_every_task(tmp_path):
+    run, tasks, doc = announcement_for(tmp_path)
+    payload = json.dumps(doc).encode()
+    parsed = msg.parse_announcement(payload)
+    # seeds travel as strings (64-bit), shared values once
+    assert all(isinstance(t["train"]["seed"], str) for t in parsed["tasks"].values())
+    assert "lr" in parsed["train"] and "seed" not in parsed["train"]
+    for c, task in tasks.items():
+        node = f"client-{c}"
+        again = msg.task_from_announcement(parsed, node, task.buffers)
+        assert dict(again.train) == dict(task.train) and again.upload == task.upload
+        assert again.source == task.source and dict(again.scalars) == dict(task.scalars)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(v=2), "version 2, this node speaks 1"),
+    (lambda d: d.pop("deadline"), "missing field 'deadline'"),
+    (lambda d: d.update(round=0), "round 0: rounds start at 1"),
+    (lambda d: d.update(round=True), "round = True must be"),
+    (lambda d: d["model"].update(input_shape=[0]), "input_shape [0] must be positive ints"),
+    (lambda d: d["tasks"].update({"a/b": {}}), "contains '/'"),
+    (lambda d: d["tasks"]["client-0"].update(source="peer"), "source 'peer'; valid"),
+    (lambda d: d.update(model_sha256=None), "source global but the announcement has no "
+                                            "model_sha256"),
+])
+def test_bad_announcements_name_the_field(tmp_path, edit, message):
+    _, _, doc = announcement_for(tmp_path)
+    edit(doc)
+    with pytest.raises(msg.MessageError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        msg.parse_announcement(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("payload, message", [
+    (b"\xff\xfe", "not UTF-8"),
+    (b"{not json", "not JSON"),
+    (b'{"v": 1, "x": NaN}', "NaN is not JSON"),
+    (b"[1, 2]", "a JSON object was expected, got list"),
+])
+def test_announcement_that_is_not_json(payload, message):
+    with pytest.raises(msg.MessageError, match=message):
+        msg.parse_announcement(payload)
+
+
+def test_status_and_update_scalars():
+    payload = msg.status_payload("pi-7", "client", True, profile="rpi4", last_round=3,
+                                 need_model=4)
+    doc = msg.parse_status(payload, "pi-7")
+    assert doc["online"] is True and doc["last_round"] == 3 and doc["need_model"] == 4
+    with pytest.raises(msg.MessageError, match="names node 'pi-7', published on the topic of "
+                                               "'pi-8'"):
+        msg.parse_status(payload, "pi-8")
+    update = Update({}, 30, float("nan"), 5, {"beta": float("inf"), "fused": True})
+    scalars = msg.update_scalars(update, "run1", 0.25)
+    json.dumps(scalars, allow_nan=False)
+    back = msg.parse_update_scalars(json.loads(json.dumps(scalars)), "update")
+    assert np.isnan(back["train_loss"]) and back["strategy"] == {"beta": float("inf"),
+                                                                 "fused": True}
+    with pytest.raises(msg.MessageError, match="'num_samples' = -1 must be an integer >= 0"):
+        msg.parse_update_scalars(dict(scalars, num_samples=-1), "update")
+
+
+# ---------------------------------------------------------------------------------------
+# the client on its own: the test plays the aggregator on the loopback broker
+# ---------------------------------------------------------------------------------------
+
+def reseal(frame: bytes) -> bytes:
+    """Recompute both CRCs of an edited frame (docs/protocol.md 2.1: body CRC at byte 48
+    over [64, end), header CRC at byte 60 over [0, 60))."""
+    data = bytearray(frame)
+    struct.pack_into("<I", data, 48, zlib.crc32(data[64:]))
+    struct.pack_into("<I", data, 60, zlib.crc32(data[:60]))
+    return bytes(data)
+
+
+def with_nan(frame: bytes) -> bytes:
+    data = bytearray(frame)
+    start = wire.read_header(frame).data_offset
+    data[start:start + 4] = np.float32(np.nan).tobytes()
+    return reseal(bytes(data))
+
+
+class ClientHarness:
+    """One Client role in a thread; the test publishes what the aggregator would."""
+
+    def __init__(self, tmp_path, broker, run, node="client-0", shard=0, **settings):
+        self.run, self.node = run, node
+        self.topics = Topics("fed")
+        data = run.clients[shard]
+        self.client = Client(ClientSettings(node, "fed", model_wait_s=60, **settings),
+                             (data.x, data.y), broker.transport(node),
+                             tmp_path / f"state-{node}")
+        self.thread = threading.Thread(target=self.client.run, daemon=True)
+        self.thread.start()
+        assert self.client.ready.wait(5)
+
+    def stop(self):
+        self.client.stop.set()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+def test_client_checks_every_frame_and_trains_each_round_once(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "edgefl.roles.client")
+    broker = LoopbackBroker()
+    run, tasks, doc = announcement_for(tmp_path, strategy="fedavg")
+    table = run.model.table
+    agg = broker.transport("agg")
+    agg.connect()
+    agg.subscribe("edgefl/fed/update/+")
+    topics = Topics("fed")
+    global_buffers = tasks[0].buffers
+    good = wire.encode("model", 1, "agg", global_buffers, {"run": "run1"}, table)
+    doc["model_sha256"] = msg.buffers_sha256(global_buffers)
+    harness = ClientHarness(tmp_path, broker, run)
+    client = harness.client
+    try:
+        agg.publish(topics.round(), b"garbage", retain=True)
+        agg.publish(topics.round(), json.dumps(doc).encode(), retain=True)
+        other = {"params": np.zeros(table.size, dtype=np.float32)}
+        bad_frames = {
+            "sender": wire.encode("model", 1, "mallory", global_buffers, {"run": "run1"}, table),
+            "hash": wire.encode("model", 1, "agg", other, {"run": "run1"}, table),
+            "non_finite": with_nan(good),
+            "crc": good[:-1] + bytes([good[-1] ^ 1]),
+            "table_hash": wire.encode("model", 1, "agg",
+                                      {"params": np.zeros(10, np.float32)}, {"run": "run1"},
+                                      LayerTable.from_shapes([("w", (10,))])),
+        }
+        for frame in bad_frames.values():
+            agg.publish(topics.model(), frame)
+        # a model for another client on our own topic
+        agg.publish(topics.client_model("client-0"),
+                    wire.encode("client_model", 1, "agg", global_buffers, {"run": "run1"}, table,
+                                recipient="client-1"))
+        time.sleep(0.3)
+        assert client.stats["trained"] == 0 and harness.thread.is_alive()
+        log_text = caplog.text
+        for reason in ("rejected announcement: not JSON", "sender 'mallory' not expected",
+                       "is not the announced", "non-finite value", "crc mismatch",
+                       "[table_hash]", "[recipient]"):
+            assert reason in log_text, reason
+        agg.publish(topics.model(), good)
+        upload = next_update(agg)
+        # what the client sent is the strategy's own result for its task, bit for bit
+        expected, _ = run.strategy.train(tasks[0], run.clients[0], None)
+        frame = wire.decode(upload, wire.Expectation(table, kinds="update", rounds=1,
+                                                     topic_sender="client-0"))
+        assert np.array_equal(frame.buffers["params"], expected.buffers["params"])
+        assert frame.scalars["run"] == "run1" and frame.scalars["num_samples"] == 100
+        assert client.progress.trained == 1 and client.progress.upload == upload
+        # the same round announced again (aggregator restarted): re-sent, not retrained
+        doc["announce"] = "a2"
+        agg.publish(topics.round(), json.dumps(doc).encode(), retain=True)
+        assert next_update(agg) == upload
+        assert client.stats["trained"] == 1 and client.stats["resent"] == 1
+    finally:
+        harness.stop()
+    # restarted, the client finds the round it trained: it re-sends, it does not train
+    again = ClientHarness(tmp_path, broker, run)
+    try:
+        assert next_update(agg) == upload
+        assert again.client.stats["trained"] == 0 and again.client.progress.trained == 1
+    finally:
+        again.stop()
+
+
+def next_update(transport, timeout=5.0) -> bytes:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        item = transport.receive(timeout=0.1)
+        if isinstance(item, Message) and "/update/" in item.topic:
+            return item.payload
+    pytest.fail("no update within the timeout")
+
+
+def test_client_refuses_a_run_whose_model_does_not_fit_its_data(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "edgefl.roles.client")
+    broker = LoopbackBroker()
+    run, _, doc = announcement_for(tmp_path, strategy="fedavg")
+    doc["model"]["input_shape"] = [1, 28, 28]
+    agg = broker.transport("agg")
+    agg.connect()
+    harness = ClientHarness(tmp_path, broker, run)
+    try:
+        agg.publish(Topics("fed").round(), json.dumps(doc).encode(), retain=True)
+        wait_for(lambda: "cannot take part in round 1" in caplog.text, what="refusal")
+        assert "builds here with layer table" in caplog.text or "samples of shape" in caplog.text
+        assert harness.thread.is_alive()
+    finally:
+        harness.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# the aggregator with real clients on the loopback broker
+# ---------------------------------------------------------------------------------------
+
+def fleet(tmp_path, config, broker, settings=None, client_settings=None, start_clients=True):
+    run = prepare_run(config, progress=False)
+    ids = default_client_ids(len(run.setup.clients))
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, ids, test=(run.dataset.x_test, run.dataset.y_test),
+                   description=config.to_dict())
+    aggregator = Aggregator(plan, broker.transport("aggregator"), tmp_path / "agg",
+                            settings or AggregatorSettings(federation="fed", round_timeout_s=20))
+    clients = []
+    for c, node in enumerate(ids):
+        data = run.clients[c]
+        clients.append(Client(ClientSettings(node, "fed", exit_when_finished=True,
+                                             **(client_settings or {})),
+                              (data.x, data.y), broker.transport(node), tmp_path / node))
+    threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
+    if start_clients:
+        for t in threads:
+            t.start()
+    return run, aggregator, clients, threads
+
+
+@pytest.mark.parametrize("strategy", ["fedumf", "mfl"])
+def test_duplicated_deliveries_change_nothing(tmp_path, strategy):
+    """QoS 1 repeats: the broker delivers half of all messages twice."""
+    config = write_config(tmp_path, strategy={"name": strategy}, rounds=3,
+                          clients_per_round=2)
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker(duplicate_rate=0.5, seed=1)
+    _, aggregator, clients, threads = fleet(tmp_path, config, broker)
+    result = aggregator.run()
+    for t in threads:
+        t.join(5)
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert broker.stats["duplicated"] > 0
+    assert sum(c.stats["trained"] for c in clients) == sum(h["trained"] for h in result.history)
+
+
+def test_aggregator_refuses_foreign_late_and_unauthorised_updates(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "edgefl.roles.aggregator")
+    config = write_config(tmp_path, strategy={"name": "fedumf"}, rounds=2,
+                          clients_per_round=1)
+    broker = LoopbackBroker()
+    run, aggregator, clients, threads = fleet(tmp_path, config, broker, start_clients=False)
+    chosen = select_clients(config.seed, 1, range(3), 1)[0]
+    other = next(c for c in range(3) if c != chosen)
+    rogue = broker.transport("rogue")
+    rogue.connect()
+    table = run.model.table
+    params = {"params": run.init_params}
+
+    def forge(node, round, run_id):
+        scalars = msg.update_scalars(Update(params, 10, 0.5, 1), run_id, 0.0)
+        return wire.encode("update", round, node, params, scalars, table)
+
+    done = threading.Event()
+    result = {}
+
+    def body():
+        result["r"] = aggregator.run()
+        done.set()
+
+    agg_thread = threading.Thread(target=body, daemon=True)
+    agg_thread.start()
+    wait_for(lambda: aggregator.open is not None, what="round 1 to open")
+    run_id = aggregator.run_id
+    topics = Topics("fed")
+    rogue.publish(topics.update(f"client-{other}"), forge(f"client-{other}", 1, run_id))
+    rogue.publish(topics.update("stranger"), forge("stranger", 1, run_id))
+    rogue.publish(topics.update(f"client-{chosen}"), forge(f"client-{chosen}", 1, "old-run"))
+    rogue.publish(topics.update(f"client-{chosen}"), forge(f"client-{other}", 1, run_id))
+    wait_for(lambda: aggregator.stats["rejected"] >= 4, what="four rejections")
+    assert "was not selected to upload this round (FedUmf" in caplog.text
+    assert "'stranger' is not a client of this federation" in caplog.text
+    assert "belongs to run old-run" in caplog.text
+    assert f"sender 'client-{other}'" in caplog.text
+    for t in threads:
+        t.start()
+    assert done.wait(20)
+    r = result["r"]
+    assert r.finished and [h["updates"] for h in r.history] == [1, 1]
+    reference = simulate(config, None, progress=False)
+    assert model_sha256(r.params) == reference["model_sha256"]
+    for t in threads:
+        t.join(5)
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    config = write_config(tmp_path, rounds=1)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(tmp_path, config, broker)
+    assert aggregator.run().finished
+    for t in threads:
+        t.join(5)
+    other = write_config(tmp_path, "other.yaml", rounds=1, seed=1)
+    _, second, _, _ = fleet(tmp_path, other, broker, start_clients=False)
+    with pytest.raises(StateError, match="holds the checkpoint of run .* made with another "
+                                         "configuration"):
+        second.run()

@@ -1,0 +1,619 @@
+"""Running as systemd services (issue #6): sd_notify against a real unix datagram socket,
+SIGTERM/SIGINT in a real subprocess, journald logging, the fleet table, the units
+(systemd-analyze verify and security where the tool exists) and `edgefl install-service`."""
+import io
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from edgefl.cli import COMMANDS, main
+from edgefl.service import install as inst
+from edgefl.service.layered import load_service_config
+from edgefl.service.logs import setup_logging, stream_is_journal
+from edgefl.service.notify import Notifier, watchdog_interval
+from edgefl.service.signals import install_stop_handlers
+from edgefl.service.status import format_fleet
+
+REPO = Path(__file__).resolve().parent.parent
+UNITS = REPO / "edgefl" / "service" / "units"
+DEVICES = REPO / "devices" / "systemd"
+ROLES = ("client", "aggregator", "infer")
+
+
+# ---------------------------------------------------------------------------------------
+# sd_notify
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def notify_socket():
+    """A bound AF_UNIX datagram socket standing in for systemd: (NOTIFY_SOCKET value, recv)."""
+    directory = tempfile.mkdtemp(prefix="edgefl-n")    # short: sun_path holds 108 bytes
+    path = os.path.join(directory, "notify")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+
+    def recv(timeout=2.0):
+        server.settimeout(timeout)
+        try:
+            return server.recv(4096).decode()
+        except socket.timeout:
+            return None
+
+    yield path, recv
+    server.close()
+    shutil.rmtree(directory)
+
+
+def test_ready_status_stopping_reach_the_socket(notify_socket):
+    path, recv = notify_socket
+    notifier = Notifier.from_environment({"NOTIFY_SOCKET": path})
+    assert notifier.enabled
+    assert notifier.ready("client pi-07: waiting for round 1")
+    assert recv() == "READY=1\nSTATUS=client pi-07: waiting for round 1"
+    assert notifier.status("round 3: training\nsecond line")
+    assert recv() == "STATUS=round 3: training second line"   # a newline would start a field
+    assert notifier.extend_timeout(90)
+    assert recv() == "EXTEND_TIMEOUT_USEC=90000000"
+    assert notifier.stopping()
+    assert recv() == "STOPPING=1"
+    notifier.close()
+
+
+def test_abstract_namespace_socket():
+    name = f"edgefl-test-{os.getpid()}-{time.monotonic_ns()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind("\0" + name)
+    server.settimeout(2)
+    try:
+        notifier = Notifier("@" + name)
+        assert notifier.watchdog()
+        assert server.recv(100) == b"WATCHDOG=1"
+    finally:
+        server.close()
+
+
+def test_without_notify_socket_everything_is_a_no_op(tmp_path):
+    notifier = Notifier.from_environment({})
+    assert not notifier.enabled
+    assert notifier.ready("x") is False and notifier.status("x") is False
+    pinger = notifier.watchdog_pinger(interval=0.01).start()
+    assert not pinger.active
+    pinger.stop()
+    # a socket that is not there: the send fails, is logged, and does not raise
+    gone = Notifier(str(tmp_path / "missing"))
+    assert gone.ready() is False
+
+
+def test_watchdog_interval_from_environment():
+    pid = str(os.getpid())
+    assert watchdog_interval({"WATCHDOG_USEC": "30000000"}) == 30.0
+    assert watchdog_interval({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": pid}) == 30.0
+    assert watchdog_interval({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "junk"}) is None
+    assert watchdog_interval({}) is None
+
+
+def test_watchdog_pings_at_half_the_timeout_and_stops_cleanly(notify_socket):
+    path, recv = notify_socket
+    notifier = Notifier(path)
+    environ = {"WATCHDOG_USEC": "200000", "WATCHDOG_PID": str(os.getpid())}
+    with notifier.watchdog_pinger(environ=environ) as pinger:
+        assert pinger.interval == pytest.approx(0.1)
+        assert pinger.active
+        start = time.monotonic()
+        got = [recv(1.0) for _ in range(4)]
+        elapsed = time.monotonic() - start
+    assert got == ["WATCHDOG=1"] * 4
+    assert 0.25 <= elapsed < 1.0          # first ping at once, then every 0.1 s
+    assert not pinger.active
+    assert recv(0.3) is None               # nothing after stop()
+
+
+def test_watchdog_skips_pings_while_unhealthy(notify_socket):
+    path, recv = notify_socket
+    healthy = {"ok": False}
+    pinger = Notifier(path).watchdog_pinger(healthy=lambda: healthy["ok"], interval=0.05)
+    with pinger:
+        assert recv(0.3) is None           # a stuck main loop: systemd will see silence
+        healthy["ok"] = True
+        assert recv(1.0) == "WATCHDOG=1"
+    assert pinger.pings >= 1
+
+
+# ---------------------------------------------------------------------------------------
+# signals: a real process, signalled mid-work
+# ---------------------------------------------------------------------------------------
+
+# The loop a role runs: local epochs in the C core until a stop signal, then the state is
+# persisted atomically and the process exits 0. argv: state file, "ignore" to keep working
+# after the first signal (then only a second signal ends it).
+WORKER = r"""
+import json, sys
+import numpy as np
+from edgefl import kernels
+from edgefl.infer import write_atomic
+from edgefl.models import build_model
+from edgefl.service.signals import install_stop_handlers
+
+state_path, mode = sys.argv[1], sys.argv[2]
+stop = install_stop_handlers()
+rng = np.random.default_rng(0)
+x = rng.standard_normal((2048, 64)).astype(np.float32)
+y = rng.integers(0, 10, len(x)).astype(np.int32)
+model = build_model({"name": "mlp", "hidden": [64]}, (64,), 10)
+params = model.init(0)
+cfg = kernels.train_config(lr=0.05, batch_size=32, epochs=1)
+epochs = 0
+print("working", flush=True)
+while mode == "ignore" or not stop.is_set():
+    kernels.local_train(model, params, x, y, cfg)
+    epochs += 1
+write_atomic(state_path, json.dumps({"epochs": epochs, "signal": stop.name,
+                                     "params": params.tolist()}).encode())
+sys.exit(0)
+"""
+
+
+def _start_worker(state, mode="stop"):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(state), mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 20)
+    if not ready:
+        proc.kill()
+        pytest.fail("worker did not start within 20 s: " + proc.stderr.read())
+    line = proc.stdout.readline()
+    assert line == "working\n", line + proc.stderr.read()
+    time.sleep(0.3)                                     # several epochs in
+    assert proc.poll() is None, "worker ended before it was signalled"
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_ends_the_loop_persists_state_and_exits_0(tmp_path, signum):
+    state = tmp_path / "state.json"
+    proc = _start_worker(state)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    try:
+        code = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running 5 s after {signum.name}")
+    assert code == 0, proc.stderr.read()
+    assert time.monotonic() - sent < 5
+    saved = json.loads(state.read_text())
+    assert saved["signal"] == signum.name
+    assert saved["epochs"] >= 1
+    params = np.array(saved["params"], dtype=np.float32)
+    from edgefl.models import build_model
+    init = build_model({"name": "mlp", "hidden": [64]}, (64,), 10).init(0)
+    assert params.shape == init.shape and np.isfinite(params).all()
+    assert not np.array_equal(params, init)             # the trained state, not the start
+    assert not list(tmp_path.glob(".state.json.*"))     # no temporary file left behind
+
+
+def test_second_signal_forces_exit(tmp_path):
+    state = tmp_path / "state.json"
+    proc = _start_worker(state, mode="ignore")          # keeps working after the first one
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    assert proc.poll() is None, "the first SIGTERM must only request a stop"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("a second SIGTERM did not end the process")
+    assert code == -signal.SIGTERM
+    assert not state.exists()
+    # logged through logging's last-resort handler (the worker sets up no logging)
+    assert "SIGTERM again while stopping: exiting now" in proc.stderr.read()
+
+
+def test_handlers_are_restored_and_code_can_request_a_stop():
+    before = signal.getsignal(signal.SIGTERM)
+    with install_stop_handlers() as stop:
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        assert not stop.wait(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait(1.0) and stop.name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == before
+    stop = install_stop_handlers()
+    try:
+        stop.request()
+        assert stop.is_set() and stop.signum is None
+    finally:
+        stop.restore()
+
+
+# ---------------------------------------------------------------------------------------
+# logging
+# ---------------------------------------------------------------------------------------
+
+def _log_to_file(tmp_path, monkeypatch, journal_env, level="info"):
+    path = tmp_path / "log"
+    stream = open(path, "w")
+    st = os.fstat(stream.fileno())
+    if journal_env == "match":
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+    elif journal_env == "other":      # inherited from a parent whose stderr was the journal
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino + 1}")
+    else:
+        monkeypatch.delenv("JOURNAL_STREAM", raising=False)
+    logger = logging.getLogger(f"edgefl.test.{journal_env}.{level}")
+    logger.propagate = False
+    setup_logging(level, stream=stream, logger=logger)
+    return logger, stream, path
+
+
+def test_journal_stream_gets_priorities_and_no_timestamps(tmp_path, monkeypatch):
+    logger, stream, path = _log_to_file(tmp_path, monkeypatch, "match")
+    assert stream_is_journal(stream)
+    logger.debug("hidden at info")
+    logger.info("round 3 opened")
+    logger.warning("client pi-07 late")
+    logger.error("frame rejected:\nbad CRC")
+    logger.critical("disk full")
+    stream.close()
+    assert path.read_text().splitlines() == [
+        f"<6>{logger.name}: round 3 opened",
+        f"<4>{logger.name}: client pi-07 late",
+        f"<3>{logger.name}: frame rejected:",
+        "<3>bad CRC",                                   # every journal line keeps its level
+        f"<2>{logger.name}: disk full",
+    ]
+
+
+@pytest.mark.parametrize("journal_env", ["unset", "other"])
+def test_elsewhere_lines_are_timestamped(tmp_path, monkeypatch, journal_env):
+    logger, stream, path = _log_to_file(tmp_path, monkeypatch, journal_env, level="debug")
+    assert not stream_is_journal(stream)
+    logger.debug("detail")
+    logger.info("round 3 opened")
+    stream.close()
+    lines = path.read_text().splitlines()
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    assert re.fullmatch(stamp + rf" DEBUG   {re.escape(logger.name)}: detail", lines[0]), lines
+    assert re.fullmatch(stamp + rf" INFO    {re.escape(logger.name)}: round 3 opened", lines[1])
+
+
+def test_levels_and_reconfiguration():
+    logger = logging.getLogger("edgefl.test.levels")
+    logger.propagate = False
+    first, second = io.StringIO(), io.StringIO()
+    setup_logging("WARNING", stream=first, logger=logger, journal=True)
+    logger.info("dropped")
+    logger.warning("kept")
+    setup_logging("debug", stream=second, logger=logger, journal=True)   # replaces, no duplicate
+    logger.debug("now shown")
+    assert first.getvalue() == "<4>edgefl.test.levels: kept\n"
+    assert second.getvalue() == "<7>edgefl.test.levels: now shown\n"
+    assert len(logger.handlers) == 1
+    with pytest.raises(ValueError, match=r"log level 'loud': valid levels are debug, info, "
+                                         r"warning, error, critical"):
+        setup_logging("loud", stream=first, logger=logger)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl status: the fleet table
+# ---------------------------------------------------------------------------------------
+
+def test_format_fleet():
+    table = format_fleet([
+        {"node": "pi-10", "online": False, "version": "0.1.0", "profile": "rpi3",
+         "last_round": 11},
+        {"node": "pi-2", "online": True, "version": "0.1.0", "profile": "rpi4",
+         "last_round": 12},
+        {"node": "pi-3", "online": True, "version": "0.0.9"},
+    ])
+    assert table.splitlines() == [
+        "node   online  version  profile  last round",
+        "pi-2   yes     0.1.0    rpi4     12",
+        "pi-3   yes     0.0.9    -        -",
+        "pi-10  no      0.1.0    rpi3     11",
+        "3 nodes: 2 online, 1 offline",
+    ]
+
+
+def test_format_fleet_roles_unknown_and_empty():
+    table = format_fleet([{"node": "gw", "role": "aggregator", "online": True, "last_round": 0},
+                          {"node": "pi-1", "role": "client"}])
+    assert table.splitlines()[0].split() == ["node", "role", "online", "version", "profile",
+                                             "last", "round"]
+    assert table.splitlines()[1].split() == ["gw", "aggregator", "yes", "-", "-", "0"]
+    assert table.splitlines()[2].split() == ["pi-1", "client", "?", "-", "-", "-"]
+    assert table.endswith("2 nodes: 1 online, 0 offline, 1 unknown")
+    assert format_fleet([]) == "no nodes have published a status"
+    with pytest.raises(TypeError, match="status 0 is str"):
+        format_fleet(["pi-1"])
+
+
+# ---------------------------------------------------------------------------------------
+# the units
+# ---------------------------------------------------------------------------------------
+
+def _directives(text):
+    """[(section, key, value)] of a unit file (keys may repeat, so not configparser)."""
+    out, section = [], None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+        else:
+            key, _, value = line.partition("=")
+            out.append((section, key, value))
+    return out
+
+
+def _get(text, key):
+    return [v for _, k, v in _directives(text) if k == key]
+
+
+def test_devices_copies_match_the_packaged_units():
+    shipped = sorted(p.name for p in UNITS.iterdir())
+    assert shipped == sorted(p.name for p in DEVICES.iterdir()), "devices/systemd/ differs"
+    for name in shipped:
+        assert (UNITS / name).read_bytes() == (DEVICES / name).read_bytes(), \
+            f"devices/systemd/{name} differs from edgefl/service/units/{name}: copy it over"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_unit_directives(role):
+    text = inst.unit_template(role)
+    spec = inst.ROLE_UNITS[role]
+    state = spec.template.split(".")[0].replace("edgefl-", "").replace("@", "-%i")
+    expect = {
+        "Type": ["notify"], "User": ["edgefl"], "Group": ["edgefl"],
+        "Restart": ["on-failure"], "ProtectSystem": ["strict"], "ProtectHome": ["yes"],
+        "PrivateTmp": ["yes"], "NoNewPrivileges": ["yes"], "CapabilityBoundingSet": [""],
+        "StateDirectory": [f"edgefl/{state}"], "ReadWritePaths": [f"%S/edgefl/{state}"],
+    }
+    for key, value in expect.items():
+        assert _get(text, key) == value, f"{spec.template}: {key}"
+    assert int(_get(text, "WatchdogSec")[0]) >= 30
+    exec_start = _get(text, "ExecStart")[0].split()
+    site = spec.site_path("%i")
+    assert exec_start == [inst.PYTHON_PLACEHOLDER, "-m", "edgefl.cli", spec.command,
+                          "--config", site]
+    if role != "infer":
+        assert "network-online.target" in _get(text, "After")[0]
+        assert "network-online.target" in _get(text, "Wants")[0]
+    if role == "aggregator":
+        assert "mosquitto.service" in _get(text, "After")[0]
+        assert "mosquitto.service" in _get(text, "Wants")[0]
+    if role == "infer":
+        assert _get(text, "PrivateNetwork") == ["yes"]
+
+
+def test_installer_site_file_is_what_the_unit_reads():
+    for role, spec in inst.ROLE_UNITS.items():
+        text = inst.render_unit(role, "/usr/bin/python3")
+        node = "07" if spec.instance else "x"
+        config = _get(text, "ExecStart")[0].split()[-1].replace("%i", node)
+        assert config == spec.site_path(node)
+        assert spec.unit_name(node) == ("edgefl-client@07.service" if role == "client"
+                                        else spec.template)
+
+
+def _usable_python():
+    """An interpreter outside the directories the sandbox hides (for the installer)."""
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            return inst.check_interpreter(candidate)
+        except inst.InstallError:
+            continue
+    pytest.skip("no interpreter outside /home, /root and /tmp on this machine")
+
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+needs_systemd_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None,
+                                           reason="systemd-analyze is not installed")
+
+
+def _rendered_units(tmp_path):
+    """Each unit with a real interpreter, as files systemd-analyze can load (an instance
+    name for the client template)."""
+    out = []
+    for role, spec in inst.ROLE_UNITS.items():
+        path = tmp_path / spec.unit_name("07")
+        path.write_text(inst.render_unit(role, sys.executable))
+        out.append(path)
+    return out
+
+
+@needs_systemd_analyze
+def test_systemd_analyze_verify_accepts_the_units(tmp_path):
+    for path in _rendered_units(tmp_path):
+        result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(path)],
+                                capture_output=True, text=True, timeout=60)
+        # verify exits 0 on most problems and only prints them: any output is a failure
+        assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), \
+            f"{path.name}: {result.stdout}{result.stderr}"
+
+
+@needs_systemd_analyze
+def test_systemd_analyze_verify_catches_a_broken_unit(tmp_path):
+    # the check above can fail: a misspelt value is reported
+    path = tmp_path / "edgefl-aggregator.service"
+    path.write_text(inst.render_unit("aggregator", sys.executable).replace(
+        "ProtectSystem=strict", "ProtectSystem=strickt"))
+    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert "ProtectSystem" in result.stderr or "protect system" in result.stderr.lower()
+
+
+@needs_systemd_analyze
+def test_sandbox_exposure_is_low(tmp_path):
+    for path in _rendered_units(tmp_path):
+        result = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=true",
+                                 "--threshold=20", "--no-pager", str(path)],
+                                capture_output=True, text=True, timeout=60)
+        if "Unknown option" in result.stderr or "unrecognized option" in result.stderr:
+            pytest.skip("systemd-analyze security --offline needs systemd >= 250")
+        level = re.search(r"Overall exposure level for \S+: ([\d.]+)", result.stdout)
+        assert result.returncode == 0 and level, result.stdout[-500:] + result.stderr
+        assert float(level.group(1)) <= 2.0, f"{path.name}: exposure {level.group(1)}"
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl install-service
+# ---------------------------------------------------------------------------------------
+
+def test_install_client_writes_unit_site_file_and_sysusers(tmp_path):
+    python = _usable_python()
+    plan = inst.plan_install("client", "07", profile="rpi4", prefix=str(tmp_path), python=python)
+    done = inst.install(plan)
+    unit = tmp_path / "etc/systemd/system/edgefl-client@.service"
+    site = tmp_path / "etc/edgefl/client-07.yaml"
+    sysusers = tmp_path / "etc/sysusers.d/edgefl.conf"
+    assert done == [(str(unit), "written"), (str(site), "written"), (str(sysusers), "written")]
+    text = unit.read_text()
+    assert _get(text, "ExecStart") == [f"{python} -m edgefl.cli client --config "
+                                       f"/etc/edgefl/client-%i.yaml"]
+    assert inst.PYTHON_PLACEHOLDER not in text.split("[Service]")[1].split("\n#")[0]
+    assert oct(unit.stat().st_mode & 0o777) == "0o644"
+    assert sysusers.read_text().splitlines()[-1].split()[:2] == ["u", "edgefl"]
+    assert plan.commands == (("systemd-sysusers", "/etc/sysusers.d/edgefl.conf"),
+                             ("systemctl", "daemon-reload"),
+                             ("systemctl", "enable", "--now", "edgefl-client@07.service"))
+    # the skeleton is a valid site file for the client, and keeps "07" a string
+    skeleton = yaml.safe_load(site.read_text())
+    assert skeleton["node"]["id"] == "07" and skeleton["profile"] == "rpi4"
+    config = load_service_config("client", str(site))
+    assert config["node.id"] == "07"
+    assert config.source("node.id").file == str(site)
+    assert config.source("compute.threads").layer == "device profile"
+    # the profile's values are listed commented out; uncommented they are the same values
+    text = site.read_text()
+    listed = text[text.index("# The profile's settings"):].splitlines()[1:]
+    site.write_text(text + "\n".join(line[2:] for line in listed) + "\n")
+    edited = load_service_config("client", str(site))
+    for key in ("compute.threads", "compute.memory_budget_mb", "train.batch_size",
+                "transport.compression", "transport.chunk_size", "suggested_model"):
+        assert edited[key] == config[key], key
+        assert edited.source(key).file == str(site), key
+
+
+@pytest.mark.parametrize("role, node_id, unit", [
+    ("aggregator", None, "edgefl-aggregator.service"),
+    ("infer", "07", "edgefl-infer.service"),
+])
+def test_install_other_roles(tmp_path, role, node_id, unit):
+    plan = inst.plan_install(role, node_id, profile="generic-x86", prefix=str(tmp_path),
+                             python=_usable_python())
+    inst.install(plan)
+    assert plan.unit == unit
+    site = tmp_path / "etc/edgefl" / f"{role}.yaml"
+    if role == "infer":
+        config = load_service_config("infer", str(site))
+        assert config["infer.model"] == "/var/lib/edgefl/client-07/model.onnx"
+        assert config["infer.threads"] == 2          # generic-x86.yaml
+    else:
+        config = load_service_config("aggregator", str(site))
+        assert config["node.id"] == "aggregator" and config["run"].endswith("quickstart.yaml")
+
+
+def test_reinstall_keeps_the_edited_site_file(tmp_path):
+    python = _usable_python()
+    plan = inst.plan_install("client", "a1", profile="rpi3", prefix=str(tmp_path), python=python)
+    inst.install(plan)
+    site = tmp_path / "etc/edgefl/client-a1.yaml"
+    site.write_text(site.read_text().replace("mqtt://localhost:1883", "mqtt://gw.lan:1883"))
+    done = dict(inst.install(plan))
+    assert done[str(site)] == "kept (exists)"
+    assert "mqtt://gw.lan:1883" in site.read_text()
+    assert done[str(tmp_path / "etc/systemd/system/edgefl-client@.service")] == "unchanged"
+
+
+def test_dry_run_writes_nothing(tmp_path, capsys):
+    python = _usable_python()
+    code = main(["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",
+                 "--prefix", str(tmp_path), "--python", python, "--dry-run"])
+    assert code == 0
+    assert not any(tmp_path.iterdir())
+    out = capsys.readouterr().out
+    assert f"would write  {tmp_path}/etc/edgefl/client-07.yaml" in out
+    assert f"--- {tmp_path}/etc/systemd/system/edgefl-client@.service" in out
+
+
+def test_cli_install_service_prints_the_systemctl_commands(tmp_path, capsys):
+    python = _usable_python()
+    code = main(["install-service", "--role", "client", "--id", "pi-07", "--profile",
+                 "rpi-zero2w", "--prefix", str(tmp_path), "--python", python])
+    assert code == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == (f"edgefl-client@pi-07.service: client pi-07, profile rpi-zero2w "
+                        f"(from --profile), interpreter {python}")
+    i = lines.index(f"staged under {tmp_path}: copy the files to / (their paths inside are "
+                    f"final), then on the board, as root:")
+    assert lines[i + 1:i + 4] == ["  systemd-sysusers /etc/sysusers.d/edgefl.conf",
+                                  "  systemctl daemon-reload",
+                                  "  systemctl enable --now edgefl-client@pi-07.service"]
+    # until the MQTT roles exist the installer says the unit cannot start yet
+    assert ("warning: this edgefl has no `edgefl client` command yet" in out) == \
+        ("client" not in COMMANDS)
+    assert (tmp_path / "etc/edgefl/client-pi-07.yaml").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--role", "client"], r"--role client needs --id \(the client id\)"),
+    (["--role", "infer"], r"--role infer needs --id \(the id of the client whose model"),
+    (["--role", "client", "--id", "a/b"], r"--id 'a/b': use 1-64 letters, digits"),
+    (["--role", "client", "--id", "07", "--profile", "pi4"],
+     r"--profile: unknown profile 'pi4'; valid profiles: generic-x86, jetson-nano, rpi-zero2w"),
+    (["--role", "client", "--id", "07", "--python", "python3"],
+     r"interpreter 'python3': need an absolute path"),
+    (["--role", "client", "--id", "07", "--python", "/nonexistent/bin/python"],
+     r"interpreter /nonexistent/bin/python: no such executable file"),
+])
+def test_install_errors_name_the_cause(tmp_path, capsys, args, message):
+    if "--python" not in args:
+        args = args + ["--python", _usable_python()]
+    code = main(["install-service", *args, "--prefix", str(tmp_path)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert re.search(r"^edgefl install-service: error: " + message, err), err
+    assert not any(tmp_path.iterdir())
+
+
+def test_interpreter_hidden_by_the_sandbox_is_refused(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    with pytest.raises(inst.InstallError, match=r"is under /tmp, which the units' sandbox hides "
+                                                r"\(ProtectHome=yes, PrivateTmp=yes\)"):
+        inst.check_interpreter(str(fake))
+    with pytest.raises(inst.InstallError, match=r"characters systemd's ExecStart would interpret"):
+        inst.check_interpreter("/opt/my venv/bin/python")
+
+
+@needs_systemd_analyze
+def test_installed_unit_passes_verify(tmp_path):
+    python = _usable_python()
+    inst.install(inst.plan_install("client", "07", profile="rpi4", prefix=str(tmp_path),
+                                   python=python))
+    unit = (tmp_path / "etc/systemd/system/edgefl-client@.service").read_text()
+    instance = tmp_path / "edgefl-client@07.service"
+    instance.write_text(unit)
+    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(instance)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), \
+        result.stdout + result.stderr

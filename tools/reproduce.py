@@ -1,0 +1,1046 @@
+#!/usr/bin/env python3
+"""Run the papers' main comparisons at this machine's scale and write docs/results.md.
+
+    python tools/reproduce.py --quick          # 2-3 seeds, fewer rounds and data (~6 min, 2 cores)
+    python tools/reproduce.py                  # the full run: 5 seeds, the longer settings
+    python tools/reproduce.py --only mfl,duw --seeds 1 --out /tmp/r   # a subset
+
+Each experiment is a file tools/experiments/NAME.yaml:
+
+    title, paper, spec     what is reproduced and where the spec states it
+    headline               the claim in one line (the summary table of results.md)
+    claim                  the claim as the spec states it (quoted or paraphrased, with §)
+    setup, notes           what was scaled down and why; caveats printed with the results
+    base                   an `edgefl simulate` run config (its YAML vocabulary)
+    settings               NAME: {label, set: {...}, arms: [...], arm_set: {ARM: {...}},
+                           targets: [...]}: one comparison table each (e.g. C=0.1 / C=0.5)
+    arms                   NAME: {label, set: {...}, cost}: the algorithms compared
+    targets                accuracies for the rounds-to-target columns
+    columns                metrics shown (see METRICS)
+    checks                 the claim as testable statements about the seed means (see CHECKS)
+    seeds                  seeds 0..n-1 of every (setting, arm)
+    quick, full            overrides for that mode, merged into everything above
+
+A run's config is base, then the setting's `set`, then the arm's `set`, then the setting's
+`arm_set` for that arm (mappings merge key by key), with seed = the seed index. One
+extension of the vocabulary: `partition: {name: natural, owners: {label_sets: [[...], ...],
+per_client: N}}` gives client k the samples whose class is in label_sets[k] (a class shared
+by several clients is dealt round-robin among them, in sample order; at most per_client
+samples each, the rest unused), for the label-set environments of FedVeca's Case 3 and DUW's
+Env II, which no built-in partitioner draws. The resolved owner array goes to the `natural`
+partitioner.
+
+Runs go to OUT/EXPERIMENT/SETTING/ARM/seedK (each a normal `edgefl simulate` directory,
+readable by `edgefl compare`), plus OUT/EXPERIMENT/SETTING/overlay.png (seed 0 of every
+arm). Runs execute in --workers processes (default: the CPU count), one training thread
+each; results do not depend on the number of workers (simulate is deterministic per seed).
+
+docs/results.md keeps one section per mode (quick, full), each stating the command, its wall
+time and the machine; running one mode replaces only its section. With --only the report
+goes to OUT/results.md unless --results is given, so a partial run never overwrites the
+committed one. --report-only rebuilds the report from the run directories of an earlier
+invocation (OUT/manifest.json keeps its command and wall time).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import io
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import numpy as np
+import yaml
+
+EXPERIMENTS_DIR = os.path.join(REPO, "tools", "experiments")
+RESULTS = os.path.join(REPO, "docs", "results.md")
+MODES = ("quick", "full")
+
+TOP_KEYS = {"title", "paper", "spec", "headline", "claim", "setup", "notes", "order", "base",
+            "settings", "arms", "targets", "columns", "checks", "extras", "seeds", "quick",
+            "full"}
+SETTING_KEYS = {"label", "set", "arms", "arm_set", "targets"}
+ARM_KEYS = {"label", "set", "cost"}
+
+# metric -> (column header, True if higher is better / False if lower / None, formatter kind)
+METRICS = {
+    "final_accuracy": ("final acc", True, "acc"),
+    "best_accuracy": ("best acc", True, "acc"),
+    "final_test_loss": ("final test loss", False, "loss"),
+    "final_train_loss": ("final train loss", False, "loss"),
+    "rounds_to": ("rounds to target", False, "rounds"),   # one column per target
+    "bytes": ("up+down bytes", False, "bytes"),
+    "uplink_bytes": ("uplink bytes", False, "bytes"),
+    "downlink_bytes": ("downlink bytes", False, "bytes"),
+    "local_steps": ("local steps / round", None, "steps"),
+    "wall_s": ("wall / run", False, "time"),
+}
+CHECKS = ("compare", "order", "equal", "similar", "speedup", "curve")
+EXTRAS = ("duw_table", "fedmr_models")
+
+
+class ExperimentError(ValueError):
+    """A malformed experiment file; the message names the file and the key."""
+
+
+# ---------------------------------------------------------------------------------------
+# experiment files
+# ---------------------------------------------------------------------------------------
+
+def merge(base, extra):
+    """A deep copy of `base` with `extra` merged in, mapping by mapping (other values replace)."""
+    out = copy.deepcopy(base)
+    for key, value in (extra or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@dataclass
+class Experiment:
+    name: str
+    path: str
+    mode: str
+    doc: dict                     # the file with the mode's overrides merged in
+    seeds: int
+    settings: dict = field(default_factory=dict)
+    arms: dict = field(default_factory=dict)
+
+    @property
+    def order(self):
+        return (self.doc.get("order", 100), self.name)
+
+    def arms_of(self, setting: str) -> list:
+        listed = self.settings[setting].get("arms")
+        return list(listed) if listed else list(self.arms)
+
+    def targets_of(self, setting: str) -> list:
+        return [float(t) for t in self.settings[setting].get("targets",
+                                                             self.doc.get("targets", []))]
+
+    def config(self, setting: str, arm: str, seed: int) -> dict:
+        s = self.settings[setting]
+        config = merge(self.doc["base"], s.get("set"))
+        config = merge(config, self.arms[arm].get("set"))
+        config = merge(config, (s.get("arm_set") or {}).get(arm))
+        config["seed"] = int(seed)
+        return config
+
+
+def load_experiment(path: str, mode: str, seeds: int | None = None) -> Experiment:
+    name = os.path.splitext(os.path.basename(path))[0]
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise ExperimentError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ExperimentError(f"{path}: the top level must be a mapping")
+    unknown = sorted(set(raw) - TOP_KEYS)
+    if unknown:
+        raise ExperimentError(f"{path}: unknown key(s) {unknown}; valid: {sorted(TOP_KEYS)}")
+    for key in ("title", "spec", "headline", "claim", "base", "settings", "arms", "checks"):
+        if key not in raw:
+            raise ExperimentError(f"{path}: missing key {key!r}")
+    doc = merge({k: v for k, v in raw.items() if k not in MODES}, raw.get(mode))
+    n_seeds = int(seeds if seeds is not None else doc.get("seeds", 3))
+    if n_seeds < 1:
+        raise ExperimentError(f"{path}: seeds = {n_seeds} must be >= 1")
+    exp = Experiment(name, path, mode, doc, n_seeds, dict(doc["settings"]), dict(doc["arms"]))
+    for sname, setting in exp.settings.items():
+        if not isinstance(setting, dict):
+            raise ExperimentError(f"{path}: settings.{sname}: must be a mapping with keys "
+                                  f"{sorted(SETTING_KEYS)}")
+        bad = sorted(set(setting) - SETTING_KEYS)
+        if bad:
+            raise ExperimentError(f"{path}: settings.{sname}: unknown key(s) {bad}; valid: "
+                                  f"{sorted(SETTING_KEYS)}")
+        for arm in list(setting.get("arms") or []) + list(setting.get("arm_set") or {}):
+            if arm not in exp.arms:
+                raise ExperimentError(f"{path}: settings.{sname}: unknown arm {arm!r}; "
+                                      f"arms: {', '.join(exp.arms)}")
+    for aname, arm in exp.arms.items():
+        if not isinstance(arm, dict):
+            raise ExperimentError(f"{path}: arms.{aname}: must be a mapping with keys "
+                                  f"{sorted(ARM_KEYS)}")
+        bad = sorted(set(arm) - ARM_KEYS)
+        if bad:
+            raise ExperimentError(f"{path}: arms.{aname}: unknown key(s) {bad}; valid: "
+                                  f"{sorted(ARM_KEYS)}")
+    for column in doc.get("columns", []):
+        if column not in METRICS:
+            raise ExperimentError(f"{path}: columns: unknown metric {column!r}; valid: "
+                                  f"{', '.join(METRICS)}")
+    for i, check in enumerate(doc["checks"]):
+        _validate_check(exp, check, f"{path}: checks[{i}]")
+    for i, extra in enumerate(doc.get("extras", [])):
+        if not isinstance(extra, dict) or extra.get("kind") not in EXTRAS:
+            raise ExperimentError(f"{path}: extras[{i}]: kind must be one of {', '.join(EXTRAS)}")
+        for arm in _as_list(extra.get("arms")):
+            if arm not in exp.arms:
+                raise ExperimentError(f"{path}: extras[{i}]: unknown arm {arm!r}")
+    return exp
+
+
+def _validate_check(exp: Experiment, check: dict, where: str) -> None:
+    kind = check.get("kind")
+    if kind not in CHECKS:
+        raise ExperimentError(f"{where}: kind {kind!r}; valid: {', '.join(CHECKS)}")
+    if "claim" not in check:
+        raise ExperimentError(f"{where}: needs a 'claim' (the statement being tested)")
+    if check.get("role", "claim") not in ("claim", "extra"):
+        raise ExperimentError(f"{where}: role {check['role']!r}; valid: claim, extra")
+    metric = check.get("metric", "test_accuracy" if kind == "curve" else None)
+    if kind != "curve" and metric not in METRICS:
+        raise ExperimentError(f"{where}: metric {metric!r}; valid: {', '.join(METRICS)}")
+    arms = []
+    for key in ("better", "than", "arms", "arm", "baseline"):
+        value = check.get(key)
+        arms += value if isinstance(value, list) else ([value] if value else [])
+    for arm in arms:
+        if arm not in exp.arms:
+            raise ExperimentError(f"{where}: unknown arm {arm!r}; arms: {', '.join(exp.arms)}")
+    for key in ("settings", "larger_in", "than_in"):
+        value = check.get(key)
+        for s in (value if isinstance(value, list) else ([value] if value else [])):
+            if s not in exp.settings:
+                raise ExperimentError(f"{where}: unknown setting {s!r}; settings: "
+                                      f"{', '.join(exp.settings)}")
+
+
+def discover(only: list | None) -> list:
+    paths = sorted(os.path.join(EXPERIMENTS_DIR, f) for f in os.listdir(EXPERIMENTS_DIR)
+                   if f.endswith(".yaml"))
+    names = {os.path.splitext(os.path.basename(p))[0]: p for p in paths}
+    if only:
+        unknown = [n for n in only if n not in names]
+        if unknown:
+            raise ExperimentError(f"--only: unknown experiment(s) {unknown}; available: "
+                                  f"{', '.join(names)}")
+        return [names[n] for n in only]
+    return list(names.values())
+
+
+# ---------------------------------------------------------------------------------------
+# label-set owners (partition natural)
+# ---------------------------------------------------------------------------------------
+
+_LABEL_CACHE: dict = {}
+
+
+def owners_from_label_sets(labels: np.ndarray, n_clients: int, label_sets, per_client=None):
+    """Owner id per training sample (-1 = unused): client k holds the classes in
+    label_sets[k]; a class held by several clients is dealt round-robin among them in
+    sample order; each client keeps its first per_client samples."""
+    if len(label_sets) != n_clients:
+        raise ExperimentError(f"owners.label_sets has {len(label_sets)} entries for "
+                              f"{n_clients} clients")
+    owners = np.full(len(labels), -1, dtype=np.int64)
+    for cls in np.unique(labels):
+        holders = [k for k, s in enumerate(label_sets) if int(cls) in [int(c) for c in s]]
+        if holders:
+            idx = np.flatnonzero(labels == cls)
+            owners[idx] = np.asarray(holders)[np.arange(len(idx)) % len(holders)]
+    if per_client is not None:
+        for k in range(n_clients):
+            idx = np.flatnonzero(owners == k)
+            owners[idx[int(per_client):]] = -1
+    empty = [k for k in range(n_clients) if not np.any(owners == k)]
+    if empty:
+        raise ExperimentError(f"owners.label_sets: client(s) {empty} get no samples")
+    return owners
+
+
+def resolve_owners(config: dict) -> dict:
+    """Replace partition.owners = {label_sets, per_client} by the owner array."""
+    partition = config.get("partition") or {}
+    spec = partition.get("owners")
+    if not isinstance(spec, dict):
+        return config
+    bad = sorted(set(spec) - {"label_sets", "per_client"})
+    if bad or "label_sets" not in spec:
+        raise ExperimentError(f"partition.owners: needs label_sets (and optionally "
+                              f"per_client); unknown {bad}")
+    from edgefl.data import load_dataset
+    dataset = dict(config.get("dataset") or {"name": "digits"})
+    key = json.dumps(dataset, sort_keys=True)
+    if key not in _LABEL_CACHE:
+        ds = load_dataset(dataset.pop("name"), **dataset)
+        _LABEL_CACHE[key] = ds.y_train_original if ds.y_train_original is not None \
+            else ds.y_train
+    owners = owners_from_label_sets(_LABEL_CACHE[key], int(partition["clients"]),
+                                    spec["label_sets"], spec.get("per_client"))
+    config = copy.deepcopy(config)
+    config["partition"]["owners"] = owners.tolist()
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# jobs
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    experiment: str
+    setting: str
+    arm: str
+    seed: int
+    out: str
+    config: dict          # as written in the experiment (owners unresolved)
+    resolved: dict        # what runs: owners resolved to the owner array
+    cost: float = 1.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.experiment}/{self.setting}/{self.arm}/seed{self.seed}"
+
+
+def make_jobs(experiments: list, out_root: str) -> list:
+    from edgefl.runconfig import run_config_from_mapping
+    jobs = []
+    for exp in experiments:
+        for setting in exp.settings:
+            for arm in exp.arms_of(setting):
+                for seed in range(exp.seeds):
+                    config = exp.config(setting, arm, seed)
+                    where = f"{exp.path}: setting {setting}, arm {arm}"
+                    try:   # validate every config before anything runs
+                        resolved = resolve_owners(config)
+                        run_config_from_mapping(resolved, where)
+                    except ValueError as exc:
+                        raise ExperimentError(str(exc)) from None
+                    jobs.append(Job(exp.name, setting, arm, seed,
+                                    os.path.join(out_root, exp.name, setting, arm, f"seed{seed}"),
+                                    config, resolved, float(exp.arms[arm].get("cost", 1.0))))
+    return jobs
+
+
+def execute(job: dict) -> dict:
+    """Run one job (in a worker process): simulate into job["out"], return a status."""
+    started = time.perf_counter()
+    try:
+        from edgefl.runconfig import run_config_from_mapping
+        from edgefl.sim import simulate
+        config = run_config_from_mapping(job["config"])
+        if os.path.isdir(job["out"]):
+            shutil.rmtree(job["out"])          # no stale files from an earlier invocation
+        summary = simulate(config, job["out"], workers=job["threads"], progress=False,
+                           stream=io.StringIO())
+        elapsed = time.perf_counter() - started
+        with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
+            json.dump({"key": job["key"], "elapsed_s": elapsed}, f)
+        return {"key": job["key"], "ok": True, "elapsed_s": elapsed,
+                "final_accuracy": summary["final_accuracy"]}
+    except Exception:   # noqa: BLE001 -- any failure is reported per run; the others go on
+        return {"key": job["key"], "ok": False, "elapsed_s": time.perf_counter() - started,
+                "error": traceback.format_exc(limit=4)}
+
+
+def run_jobs(jobs: list, workers: int, log) -> dict:
+    """{job key: status}; heavier jobs start first so the pool ends evenly."""
+    order = sorted(jobs, key=lambda j: -j.cost)
+    payloads = [{"key": j.key, "out": j.out, "config": j.resolved,
+                 "threads": 1 if workers > 1 else (os.cpu_count() or 1)} for j in order]
+    results = {}
+    started = time.perf_counter()
+
+    def report(status):
+        results[status["key"]] = status
+        done = len(results)
+        what = (f"final acc {status['final_accuracy']:.4f}" if status["ok"]
+                else "FAILED: " + status["error"].strip().splitlines()[-1])
+        log(f"[{done:>{len(str(len(jobs)))}}/{len(jobs)}] {status['key']}: {what}, "
+            f"{status['elapsed_s']:.1f} s (elapsed {time.perf_counter() - started:.0f} s)")
+
+    if workers <= 1:
+        for payload in payloads:
+            report(execute(payload))
+        return results
+    import multiprocessing
+    with ProcessPoolExecutor(max_workers=workers,
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(execute, p) for p in payloads]
+        for future in as_completed(futures):
+            report(future.result())
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# metrics of finished runs
+# ---------------------------------------------------------------------------------------
+
+def local_steps_per_round(run, config: dict) -> float | None:
+    """Mean local SGD steps per round summed over the clients that trained: FedVeca logs its
+    per-client tau; otherwise from the partition sizes and the train section."""
+    if "tau" in run.history[0]:
+        return float(np.mean([sum(h["tau"].values()) for h in run.history]))
+    from edgefl.config import dataset_from_config, partition_from_config
+    from edgefl.runconfig import run_config_from_mapping
+    rc = run_config_from_mapping(config)
+    key = ("sizes", json.dumps(config.get("dataset"), sort_keys=True),
+           json.dumps(config.get("partition"), sort_keys=True), rc.seed)
+    if key not in _LABEL_CACHE:
+        cfg = rc.as_config()
+        split = partition_from_config(cfg, dataset_from_config(cfg))
+        _LABEL_CACHE[key] = [len(ix) for ix in split.indices]
+    sizes = _LABEL_CACHE[key]
+    train = rc.train
+
+    def steps(n):
+        if train.steps:
+            return train.steps
+        batch = train.batch_size or n
+        return train.epochs * math.ceil(n / batch)
+    return float(np.mean([sum(steps(sizes[c]) for c in h["selected"]) for h in run.history]))
+
+
+def run_metrics(job: Job, targets: list, columns: list) -> dict:
+    from edgefl.compare import load_run
+    run = load_run(job.out)
+    s, last = run.summary, run.history[-1]
+    try:
+        with open(os.path.join(job.out, "reproduce.json"), encoding="utf-8") as f:
+            elapsed = json.load(f)["elapsed_s"]
+    except (OSError, ValueError, KeyError):
+        elapsed = s.get("wall_s")
+    metrics = {
+        "final_accuracy": s["final_accuracy"], "best_accuracy": s["best_accuracy"],
+        "final_test_loss": s["final_loss"], "final_train_loss": last.get("train_loss"),
+        "bytes": run.bytes_moved, "uplink_bytes": s["uplink_bytes"],
+        "downlink_bytes": s["downlink_bytes"], "wall_s": elapsed, "rounds": s["rounds"],
+        "curve": {h["round"]: h["test_accuracy"] for h in run.history
+                  if h["test_accuracy"] is not None},
+        "out": job.out,
+    }
+    for t in targets:
+        metrics[f"rounds_to:{t:g}"] = run.rounds_to(t)
+    if "local_steps" in columns:
+        metrics["local_steps"] = local_steps_per_round(run, job.resolved)
+    return metrics
+
+
+@dataclass
+class Stat:
+    values: list            # per seed; None = not available (rounds: not reached)
+    censor: float | None = None   # rounds + 1, the value an unreached target counts as
+
+    @property
+    def known(self):
+        return [v for v in self.values if v is not None]
+
+    @property
+    def mean(self):
+        vals = [self.censor if v is None else v for v in self.values] \
+            if self.censor is not None else self.known
+        return float(np.mean(vals)) if vals else None
+
+    @property
+    def std(self):
+        vals = [self.censor if v is None else v for v in self.values] \
+            if self.censor is not None else self.known
+        return float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+
+
+def stat_of(runs: list, metric: str) -> Stat:
+    values = [r.get(metric) for r in runs]
+    if metric.startswith("rounds_to:") and runs:
+        return Stat(values, censor=max(r["rounds"] for r in runs) + 1)
+    return Stat(values)
+
+
+def fmt_stat(stat: Stat, kind: str) -> str:
+    from edgefl.compare import format_bytes, format_duration
+    known, n = stat.known, len(stat.values)
+    if kind == "rounds":
+        if not known:
+            return "*"
+        mean = float(np.mean(known))
+        std = float(np.std(known, ddof=1)) if len(known) > 1 else 0.0
+        text = f"{mean:.1f} ± {std:.1f}" if n > 1 else f"{known[0]}"
+        return text if len(known) == n else f"{text} ({len(known)}/{n}; * = not reached)"
+    if not known:
+        return "–"
+    mean = float(np.mean(known))
+    std = float(np.std(known, ddof=1)) if len(known) > 1 else 0.0
+    if kind == "acc":
+        return f"{mean:.4f} ± {std:.4f}" if n > 1 else f"{mean:.4f}"
+    if kind == "loss":
+        return f"{mean:.4f} ± {std:.4f}" if n > 1 else f"{mean:.4f}"
+    if kind == "bytes":
+        return format_bytes(mean)
+    if kind == "steps":
+        return f"{mean:.1f}"
+    if kind == "time":
+        return format_duration(mean)
+    return f"{mean:g}"
+
+
+# ---------------------------------------------------------------------------------------
+# checks
+# ---------------------------------------------------------------------------------------
+
+def _as_list(value):
+    return value if isinstance(value, list) else ([] if value is None else [value])
+
+
+def _metric_keys(check: dict, exp: Experiment, setting: str) -> list:
+    metric = check.get("metric")
+    if metric == "rounds_to":
+        targets = check.get("targets", "all")
+        targets = exp.targets_of(setting) if targets == "all" else _as_list(targets)
+        return [f"rounds_to:{float(t):g}" for t in targets]
+    return [metric]
+
+
+def _label(key: str) -> str:
+    if key.startswith("rounds_to:"):
+        return f"rounds to ≥{key.split(':')[1]}"
+    return METRICS[key][0]
+
+
+def _higher_better(key: str) -> bool:
+    return METRICS["rounds_to" if key.startswith("rounds_to:") else key][1]
+
+
+def _num(stat: Stat, key: str) -> str:
+    if stat.mean is None:
+        return "n/a"
+    if key.startswith("rounds_to:"):
+        return f"{stat.mean:.1f}"
+    kind = METRICS[key][2]
+    if kind == "bytes":
+        from edgefl.compare import format_bytes
+        return format_bytes(stat.mean)
+    return f"{stat.mean:.4f}"
+
+
+def evaluate_check(check: dict, exp: Experiment, table: dict) -> tuple:
+    """(held: bool | None, lines, weak): held is None when runs are missing or nothing was
+    comparable; weak counts comparisons that held by less than the seed-to-seed spread.
+    `table[setting][arm]` is the list of per-seed metric dicts."""
+    kind = check["kind"]
+    settings = _as_list(check.get("settings")) or list(exp.settings)
+    lines, verdicts, weak = [], [], 0
+
+    def runs_of(setting, arm):
+        return table.get(setting, {}).get(arm) or []
+
+    if kind == "speedup":
+        parts = {}
+        for s in (check["larger_in"], check["than_in"]):
+            parts[s] = []
+            for key in _metric_keys(check, exp, s):
+                arm, base = stat_of(runs_of(s, check["arm"]), key), \
+                    stat_of(runs_of(s, check["baseline"]), key)
+                if arm.mean is None or base.mean is None:
+                    return None, ["runs missing"], 0
+                ratio = base.mean / arm.mean if base.known or arm.known else None
+                parts[s].append((key, ratio))
+        for (key_a, sa), (key_b, sb) in zip(parts[check["larger_in"]], parts[check["than_in"]]):
+            if sa is None or sb is None:
+                lines.append(f"{_label(key_a)}: neither arm reached it in "
+                             f"{check['larger_in'] if sa is None else check['than_in']} — "
+                             f"not counted")
+                continue
+            held = sa > sb
+            verdicts.append(held)
+            lines.append(f"{_label(key_a)}: {sa:.2f}× in {check['larger_in']} vs {sb:.2f}× in "
+                         f"{check['than_in']} — {'held' if held else 'did not hold'}")
+        return (all(verdicts) if verdicts else None), lines, 0
+
+    for setting in settings:
+        if kind == "curve":
+            better, than = _as_list(check["better"]), _as_list(check["than"])
+            for a in better:
+                for b in than:
+                    ra, rb = runs_of(setting, a), runs_of(setting, b)
+                    if not ra or not rb:
+                        return None, ["runs missing"], 0
+                    rounds = sorted(ra[0]["curve"])
+                    mean_a = [np.mean([r["curve"][t] for r in ra]) for t in rounds]
+                    mean_b = [np.mean([r["curve"][t] for r in rb]) for t in rounds]
+                    ahead = sum(x > y for x, y in zip(mean_a, mean_b))
+                    held = ahead == len(rounds)
+                    verdicts.append(held)
+                    lines.append(f"{setting}: {a} ahead of {b} in {ahead} of {len(rounds)} "
+                                 f"evaluated rounds (seed-mean test accuracy) — "
+                                 f"{'held' if held else 'did not hold'}")
+            continue
+        for key in _metric_keys(check, exp, setting):
+            if kind == "compare":
+                margin = float(check.get("margin", 0.0))
+                for a in _as_list(check["better"]):
+                    for b in _as_list(check["than"]):
+                        sa, sb = stat_of(runs_of(setting, a), key), stat_of(runs_of(setting, b), key)
+                        if sa.mean is None or sb.mean is None:
+                            return None, ["runs missing"], 0
+                        if key.startswith("rounds_to:") and not sa.known and not sb.known:
+                            lines.append(f"{setting}, {_label(key)}: neither {a} nor {b} "
+                                         f"reached it within {int(sa.censor) - 1} rounds — "
+                                         f"not counted")
+                            continue
+                        gain = (sa.mean - sb.mean) if _higher_better(key) else (sb.mean - sa.mean)
+                        held = gain > margin
+                        verdicts.append(held)
+                        extra = ""
+                        if key.startswith("rounds_to:"):
+                            extra = f", {sb.mean / sa.mean:.2f}× fewer" if held else ""
+                            if any(v is None for v in sa.values + sb.values):
+                                extra += f"; not reached counts as {int(sa.censor)}"
+                        if margin:
+                            extra += f"; needs a gain > {margin:g}"
+                        noise = abs(sa.mean - sb.mean) <= max(sa.std, sb.std)
+                        weak += int(held and noise)
+                        lines.append(f"{setting}, {_label(key)}: {a} {_num(sa, key)} vs {b} "
+                                     f"{_num(sb, key)}{extra} — "
+                                     f"{'held' if held else 'did not hold'}"
+                                     f"{' (difference within the seed-to-seed spread)' if noise and held else ''}")
+            elif kind in ("order", "equal", "similar"):
+                arms = _as_list(check["arms"])
+                stats = [stat_of(runs_of(setting, a), key) for a in arms]
+                if any(st.mean is None for st in stats):
+                    return None, ["runs missing"], 0
+                means = [st.mean for st in stats]
+                values = ", ".join(f"{a} {_num(st, key)}" for a, st in zip(arms, stats))
+                if kind == "order":
+                    decreasing = check.get("direction", "decreasing") == "decreasing"
+                    pairs = list(zip(means, means[1:]))
+                    held = all((x > y) if decreasing else (x < y) for x, y in pairs)
+                    word = "decreasing" if decreasing else "increasing"
+                    lines.append(f"{setting}, {_label(key)} strictly {word} along {values} — "
+                                 f"{'held' if held else 'did not hold'}")
+                elif kind == "equal":
+                    held = len(set(means)) == 1
+                    lines.append(f"{setting}, {_label(key)} equal: {values} — "
+                                 f"{'held' if held else 'did not hold'}")
+                else:
+                    tol = float(check["tolerance"])
+                    spread = max(means) - min(means)
+                    held = spread <= tol
+                    lines.append(f"{setting}, {_label(key)} within {tol:g} of each other: "
+                                 f"{values} (spread {spread:.4f}) — "
+                                 f"{'held' if held else 'did not hold'}")
+                verdicts.append(held)
+    return (all(verdicts) if verdicts else None), lines, weak
+
+
+# ---------------------------------------------------------------------------------------
+# extras: what the algorithms learned, read back from the run directories
+# ---------------------------------------------------------------------------------------
+
+def duw_table_lines(runs: list) -> list:
+    """DUW's learned weight table (duw_weights.json), mean over seeds: first and last round
+    and the time average theta_k of Theorem 1 (specs/duw.md §7)."""
+    tables, sizes = [], None
+    for r in runs:
+        with open(os.path.join(r["out"], "duw_weights.json"), encoding="utf-8") as f:
+            doc = json.load(f)
+        table = doc["table"]
+        tables.append(np.asarray(json.loads(table) if isinstance(table, str) else table))
+        sizes = doc.get("num_samples")
+    mean = np.mean(tables, axis=0)
+    k = mean.shape[1]
+    fedavg = ", ".join(f"{n / sum(sizes):.2f}" for n in sizes) if sizes else "N_k/N"
+    lines = [("Learned aggregation weights Θ_k^(t), mean over seeds (FedAvg's N_k/N: "
+             f"{fedavg}):"), "",
+             "| round | " + " | ".join(f"client {c}" for c in range(k)) + " |",
+             "|---|" + "|".join("--:" for _ in range(k)) + "|"]
+    for label, row in (("1", mean[0]), (str(len(mean)), mean[-1]), ("mean over rounds",
+                                                                    mean.mean(axis=0))):
+        lines.append(f"| {label} | " + " | ".join(f"{w:.3f}" for w in row) + " |")
+    return lines + [""]
+
+
+_TEST_CACHE: dict = {}
+
+
+def fedmr_model_lines(runs: list, arm: str) -> list:
+    """Test accuracy of FedMR's K individual models at the end against their mean (the
+    global model FedMR evaluates, specs/fedmr.md §2.2 step 5)."""
+    from edgefl import kernels
+    from edgefl.config import dataset_from_config
+    from edgefl.models import build_model
+    from edgefl.runconfig import run_config_from_mapping
+    from edgefl.sim import load_checkpoint
+    glob, mean_k, best_k = [], [], []
+    for r in runs:
+        ck = load_checkpoint(os.path.join(r["out"], "model.npz"))
+        if "state.models" not in ck:
+            return [f"{arm}: no recombined model list in the checkpoint (stage 1 only).", ""]
+        with open(os.path.join(r["out"], "summary.json"), encoding="utf-8") as f:
+            config = json.load(f)["config"]
+        key = json.dumps(config["dataset"], sort_keys=True)
+        if key not in _TEST_CACHE:
+            ds = dataset_from_config(run_config_from_mapping(config).as_config())
+            _TEST_CACHE[key] = ds
+        ds = _TEST_CACHE[key]
+        model = build_model(ck["model_spec"], ds.input_shape, ds.num_classes)
+        k = int(ck["state_meta"]["slots"])
+        models = ck["state.models"].reshape(k, -1)
+        accs = [kernels.evaluate(model, np.ascontiguousarray(m), ds.x_test, ds.y_test)["accuracy"]
+                for m in models]
+        glob.append(kernels.evaluate(model, ck["params"], ds.x_test, ds.y_test)["accuracy"])
+        mean_k.append(float(np.mean(accs)))
+        best_k.append(float(np.max(accs)))
+    return [(f"{arm} at the last round, mean over seeds: the global model (mean of the K = "
+            f"{k} models) {np.mean(glob):.4f}; the K individual models {np.mean(mean_k):.4f} "
+            f"on average, best {np.mean(best_k):.4f}."), ""]
+
+
+def extra_lines(exp: Experiment, setting: str, table: dict) -> list:
+    lines = []
+    for extra in exp.doc.get("extras", []):
+        for arm in _as_list(extra.get("arms")):
+            runs = table.get(setting, {}).get(arm) or []
+            if not runs:
+                continue
+            try:
+                if extra["kind"] == "duw_table":
+                    lines += duw_table_lines(runs)
+                else:
+                    lines += fedmr_model_lines(runs, arm)
+            except (OSError, ValueError, KeyError) as exc:
+                lines += [f"({extra['kind']} of {arm} unavailable: {exc})", ""]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------
+
+def verdict_word(results: list) -> str:
+    claims = [(held, weak) for check, held, _, weak in results
+              if check.get("role", "claim") == "claim"]
+    if any(h is None for h, _ in claims):
+        return "Not evaluated (runs missing or nothing comparable)"
+    weak = sum(w for h, w in claims if h)
+    caveat = (f" ({weak} of its margins within the seed-to-seed spread)" if weak else "")
+    if all(h for h, _ in claims):
+        return "Held here" + caveat
+    if not any(h for h, _ in claims):
+        return "Did not hold here"
+    return "Partly held here" + caveat
+
+
+def describe_setting(exp: Experiment, setting: str) -> str:
+    from edgefl.compare import describe_section
+    arms = exp.arms_of(setting)
+    config = exp.config(setting, arms[0], 0)
+    train = ", ".join(f"{k} {v}" for k, v in (config.get("train") or {}).items())
+    who = (f"{config['clients_per_round']} clients/round" if "clients_per_round" in config
+           else f"fraction {config['fraction']}" if "fraction" in config else "all clients")
+    partition = dict(config.get("partition") or {})
+    owners = partition.get("owners")
+    if isinstance(owners, dict):
+        partition["owners"] = "label sets " + json.dumps(owners["label_sets"]).replace(" ", "") \
+            + (f", ≤{owners['per_client']} per client" if owners.get("per_client") else "")
+    return (f"{describe_section(config.get('dataset'))}; "
+            f"{describe_section(partition, skip=('name',))}; "
+            f"model {describe_section(config.get('model'))}; "
+            f"train: {train}; {config.get('rounds', 10)} rounds, {who}")
+
+
+def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
+    """(markdown, verdict) of one experiment."""
+    doc = exp.doc
+    out = [f"### {doc['title']}", "", f"*{doc.get('paper', '')}* — reproduces {doc['spec']}.", ""]
+    out += [f"**Claim.** {doc['claim'].strip()}", ""]
+    if doc.get("setup"):
+        seeds = (f"Seeds 0–{exp.seeds - 1}; every number below is the mean ± sample std "
+                 f"over the {exp.seeds} seeds." if exp.seeds > 1 else
+                 "One seed (0): no spread is shown.")
+        out += [f"**Setup here.** {doc['setup'].strip()} {seeds}", ""]
+    for setting in exp.settings:
+        s = exp.settings[setting]
+        out += [f"**{setting}** — {s.get('label', '')}".rstrip(" —"), "",
+                f"<sub>{describe_setting(exp, setting)}</sub>", ""]
+        columns = doc.get("columns", ["final_accuracy", "rounds_to", "bytes"])
+        targets = exp.targets_of(setting)
+        header, keys = ["arm"], []
+        for c in columns:
+            if c == "rounds_to":
+                for t in targets:
+                    header.append(f"rounds to ≥{t:g}")
+                    keys.append((f"rounds_to:{t:g}", "rounds"))
+            else:
+                header.append(METRICS[c][0])
+                keys.append((c, METRICS[c][2]))
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|---|" + "|".join("--:" for _ in keys) + "|")
+        for arm in exp.arms_of(setting):
+            runs = table.get(setting, {}).get(arm) or []
+            label = exp.arms[arm].get("label", arm)
+            cells = [f"{arm}: {label}" if label != arm else arm]
+            if not runs:
+                cells += ["failed"] * len(keys)
+            else:
+                cells += [fmt_stat(stat_of(runs, key), kind) for key, kind in keys]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        out.append("")
+        out += extra_lines(exp, setting, table)
+    results = []
+    for check in doc["checks"]:
+        held, lines, weak = evaluate_check(check, exp, table)
+        results.append((check, held, lines, weak))
+    verdict = verdict_word(results)
+    out += ["**Checks** (on the seed means):", ""]
+    for check, held, lines, _ in results:
+        role = "" if check.get("role", "claim") == "claim" else " *(our addition, not the paper's)*"
+        mark = {True: "held", False: "did not hold", None: "not evaluated"}[held]
+        out.append(f"- **{mark}** — {check['claim'].strip()}{role}")
+        out += [f"  - {line}" for line in lines]
+        if held is False and check.get("if_not"):
+            out.append(f"  - Likely reason: {check['if_not'].strip()}")
+    out.append("")
+    if failures:
+        out += ["**Failed runs:**", ""] + [f"- `{k}`: {v}" for k, v in sorted(failures.items())] \
+            + [""]
+    out.append(f"**Verdict: {verdict}.**")
+    out.append("")
+    for note in doc.get("notes", []):
+        out.append(f"- {note.strip()}")
+    if doc.get("notes"):
+        out.append("")
+    return "\n".join(out), verdict
+
+
+SECTION_RE = re.compile(r"<!-- reproduce:(\w+) (\{.*?\}) -->\n(.*?)<!-- /reproduce:\1 -->\n",
+                        re.DOTALL)
+
+
+def render_section(mode, manifest, experiments, tables, failures) -> tuple:
+    from edgefl.compare import format_duration
+    verdicts, body = {}, []
+    for exp in experiments:
+        text, verdict = render_experiment(exp, tables[exp.name], failures.get(exp.name, {}))
+        verdicts[exp.name] = verdict
+        body.append(text)
+    m = manifest
+    load = (f"load average {m['load_start']:.2f} at the start and {m['load_end']:.2f} at the "
+            f"end (other processes were running)" if m.get("load_start") is not None else "")
+    head = [f"## {'Quick' if mode == 'quick' else 'Full'} run", "",
+            (f"Produced by `{m['command']}` in **{format_duration(m['wall_s'])}** "
+            f"({m['wall_s']:.0f} s wall time, {m['runs']} runs, {m['workers']} worker "
+            f"process{'es' if m['workers'] != 1 else ''}) on {m['cpus']} CPUs ({m['machine']}), "
+            f"{load}; edgefl {m['edgefl']} ({m['backend']} backend), finished {m['date']}. "
+            f"Run directories: `{m['out']}` (not committed; `edgefl compare` reads them, and "
+            f"each setting has an overlay.png of seed 0)."), ""]
+    if m.get("rendered"):
+        head += [(f"The text of this section was re-rendered from those run directories by "
+                  f"`{m['rendered']['command']}` on {m['rendered']['date']}; no run was "
+                  f"repeated, and every number is from the runs above."), ""]
+    meta = {"wall_s": round(m["wall_s"], 1), "command": m["command"], "verdicts": verdicts,
+            "titles": {e.name: e.doc.get("headline", e.doc["title"]) for e in experiments}}
+    return "\n".join(head + body), meta
+
+
+def write_results(path: str, mode: str, section: str, meta: dict) -> None:
+    sections = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for match in SECTION_RE.finditer(f.read()):
+                sections[match.group(1)] = (json.loads(match.group(2)), match.group(3))
+    sections[mode] = (meta, section.rstrip("\n") + "\n")
+    names, titles = [], {}
+    for m in MODES:
+        if m in sections:
+            for name, title in sections[m][0]["titles"].items():
+                if name not in titles:
+                    names.append(name)
+                    titles[name] = title
+    from edgefl.compare import format_duration
+    modes = [m for m in ("full", "quick") if m in sections]
+    lines = ["# Reproducing the papers' main comparisons", "",
+             ("Generated by `tools/reproduce.py` from the experiments in `tools/experiments/` "
+             "(each file's header says which section of `../shared/specs/` it reproduces and "
+             "what was scaled down to fit this 2-core machine). Every number below comes from "
+             "the runs of the command stated in its section; nothing is copied from the "
+             "papers except the claims being tested. \"Held here\" means every check of the "
+             "paper's claim held on the seed means; with 2–5 seeds small differences can "
+             "flip, so the ± columns matter."), "",
+             "| paper / claim | " + " | ".join(f"{m} run ({format_duration(sections[m][0]['wall_s'])})"
+                                              for m in modes) + " |",
+             "|---|" + "|".join("---" for _ in modes) + "|"]
+    for name in names:
+        cells = [sections[m][0]["verdicts"].get(name, "not run") for m in modes]
+        lines.append(f"| **{name}**: {titles[name]} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("To run again: `python tools/reproduce.py --quick` (3–6 minutes here, depending on "
+                 "what else is running) or "
+                 "`python tools/reproduce.py` (the full run); `--only NAME` runs one "
+                 "experiment, `--seeds N` changes the number of seeds.")
+    lines.append("")
+    for m in modes:
+        meta_m, text = sections[m]
+        lines.append(f"<!-- reproduce:{m} {json.dumps(meta_m, ensure_ascii=False)} -->")
+        lines.append(text.rstrip("\n"))
+        lines.append(f"<!-- /reproduce:{m} -->")
+        lines.append("")
+    tmp = f"{path}.tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines).rstrip("\n") + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+
+def collect(experiments, jobs, statuses) -> tuple:
+    """({exp: {setting: {arm: [metrics per seed]}}}, {exp: {job key: error}})."""
+    from edgefl.compare import load_runs, plot_overlay
+    tables = {e.name: {} for e in experiments}
+    failures = {e.name: {} for e in experiments}
+    by_name = {e.name: e for e in experiments}
+    for job in jobs:
+        exp = by_name[job.experiment]
+        status = statuses.get(job.key)
+        if status is not None and not status["ok"]:
+            failures[exp.name][job.key] = status["error"].strip().splitlines()[-1]
+            continue
+        try:
+            metrics = run_metrics(job, exp.targets_of(job.setting), exp.doc.get("columns", []))
+        except (OSError, ValueError) as exc:
+            failures[exp.name][job.key] = str(exc)
+            continue
+        tables[exp.name].setdefault(job.setting, {}).setdefault(job.arm, []).append(metrics)
+    for exp in experiments:
+        for setting in exp.settings:
+            dirs = [j.out for j in jobs if j.experiment == exp.name and j.setting == setting
+                    and j.seed == 0 and j.key not in failures[exp.name]]
+            if dirs:
+                try:
+                    runs = load_runs(dirs)
+                    targets = exp.targets_of(setting)
+                    plot_overlay(runs, os.path.join(os.path.dirname(os.path.dirname(dirs[0])),
+                                                    "overlay.png"),
+                                 targets[0] if targets else None, f"{exp.name}: {setting}, seed 0")
+                except (OSError, ValueError, ImportError) as exc:
+                    print(f"overlay plot of {exp.name}/{setting} skipped: {exc}", file=sys.stderr)
+    return tables, failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer seeds, rounds and data (each experiment's `quick:` block)")
+    parser.add_argument("--seeds", type=int, metavar="N",
+                        help="seeds per (setting, arm), overriding the experiment files")
+    parser.add_argument("--only", metavar="NAME[,NAME]",
+                        help="run only these experiments (file names in tools/experiments)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="run directories (default: runs/reproduce-quick or "
+                             "runs/reproduce-full in the repository)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                        help="runs in parallel processes, one training thread each "
+                             "(default: the CPU count)")
+    parser.add_argument("--results", metavar="MD",
+                        help="report to write (default: docs/results.md; OUT/results.md "
+                             "with --only)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rebuild the report from OUT's run directories without running")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    mode = "quick" if args.quick else "full"
+    only = [n for n in (args.only or "").split(",") if n]
+    out = os.path.abspath(args.out or os.path.join(REPO, "runs", f"reproduce-{mode}"))
+    results = args.results or (os.path.join(out, "results.md") if only else RESULTS)
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: need at least 1")
+    if args.seeds is not None and args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: need at least 1")
+    manifest_path = os.path.join(out, "manifest.json")
+    manifest = None
+    if args.report_only:   # the experiments and seeds of the run being reported
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                manifest = json.load(f)
+        except OSError:
+            print(f"reproduce: error: {manifest_path}: no manifest; run without --report-only "
+                  f"first", file=sys.stderr)
+            return 2
+        if manifest.get("mode") != mode:
+            print(f"reproduce: error: {out} holds a {manifest.get('mode')} run; add or drop "
+                  f"--quick to match", file=sys.stderr)
+            return 2
+        only = only or manifest.get("only") or []
+        args.seeds = args.seeds if args.seeds is not None else manifest.get("seeds")
+    try:
+        experiments = sorted((load_experiment(p, mode, args.seeds) for p in discover(only)),
+                             key=lambda e: e.order)
+        jobs = make_jobs(experiments, out)
+    except (ExperimentError, OSError) as exc:
+        print(f"reproduce: error: {exc}", file=sys.stderr)
+        return 2
+
+    def log(message):
+        print(message, flush=True)
+
+    if args.report_only:
+        statuses = manifest.get("statuses", {})
+        manifest["rendered"] = {
+            "command": "python tools/reproduce.py --report-only" + "".join(
+                f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+                if a != "--report-only"),
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    else:
+        if args.workers > 1:   # one BLAS thread per worker process: no oversubscription
+            for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                os.environ.setdefault(var, "1")
+        load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        log(f"reproduce ({mode}): {len(experiments)} experiments, {len(jobs)} runs, "
+            f"{args.workers} worker process(es), output in {out}")
+        os.makedirs(out, exist_ok=True)
+        statuses = run_jobs(jobs, args.workers, log)
+        import edgefl
+        from edgefl import kernels
+        command = "python tools/reproduce.py" + (" --quick" if args.quick else "") + \
+            "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+                    if a != "--quick")
+        manifest = {
+            "command": command, "mode": mode, "runs": len(jobs), "workers": args.workers,
+            "cpus": os.cpu_count(), "machine": f"{platform.machine()}, {platform.system()}",
+            "edgefl": edgefl.__version__, "backend": kernels.backend,
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "out": os.path.relpath(out, REPO) if out.startswith(REPO) else out,
+            "load_start": load_start, "only": only, "seeds": args.seeds,
+            "statuses": statuses,
+        }
+    tables, failures = collect(experiments, jobs, statuses)
+    if not args.report_only:
+        manifest["load_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        manifest["wall_s"] = time.perf_counter() - started   # runs + metrics + plots
+        with open(manifest_path, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+    section, meta = render_section(mode, manifest, experiments, tables, failures)
+    write_results(results, mode, section, meta)
+    n_failed = sum(len(f) for f in failures.values())
+    for exp in experiments:
+        log(f"{exp.name}: {meta['verdicts'][exp.name]}")
+    log(f"report: {results}")
+    log(f"wall time: {manifest['wall_s']:.1f} s ({mode}, {len(jobs)} runs"
+        f"{f', {n_failed} failed' if n_failed else ''})"
+        + (" [recorded by the run; --report-only did not rerun]" if args.report_only else ""))
+    return 1 if n_failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
