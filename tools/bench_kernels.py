@@ -48,8 +48,6 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
@@ -57,6 +55,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout
+from _bench import time_medians, markdown  # noqa: E402  (tools/ is the script directory)
 
 try:
     from edgefl import (
@@ -69,20 +68,6 @@ except ImportError as exc:
     _NO_CORE = f"edgefl._core not built ({exc})"
 
 GB = 1e9
-
-
-def time_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median wall time of each fn over `repeats` rounds, after one untimed warm-up call each.
-    Rounds interleave the functions, so a drifting machine (other jobs, turbo) biases none."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
 
 
 def memory_budget(args) -> float:
@@ -249,23 +234,6 @@ BENCHMARKS: list[Callable[[argparse.Namespace], Iterator[dict]]] = [
     bench_train,
     bench_aggregate,
 ]
-
-
-def markdown(rows: list[dict]) -> str:
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-
-    def cell(v):
-        if v is None:
-            return ""
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 10_000:
-            return f"{v:,}".replace(",", "_")
-        return str(v)
-
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,6 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import argparse
 import json
 import logging
-import statistics
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout
+from _bench import time_medians  # noqa: E402  (tools/ is the script directory)
 
 from edgefl import kernels
 from edgefl.export import export_onnx, quantize_int8
@@ -47,20 +47,6 @@ from edgefl.models import build_model
 
 MODELS = {"mlp": dict(name="mlp", hidden=[200, 200]), "cnn-mnist": "cnn-mnist"}
 MEAN, STD = np.float32(0.1307 * 255), np.float32(0.3081 * 255)   # MNIST's statistics
-
-
-def time_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median wall time of each fn over `repeats` rounds, after one untimed warm-up call each;
-    rounds interleave the functions."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
 
 
 def bench(args) -> list[dict]:
