@@ -49,6 +49,19 @@ fleet: a small model (softmax, 650 parameters) and 100 clients (50 with --quick)
   selected every round, through Mosquitto: round time, overhead and the aggregator's CPU per
   round with a large fleet (docs/scaling.md).
 
+memory: issue 4's memory target, "a client process training the MLP on Fashion-MNIST holds
+  <= its data + 60 MB RSS". A real `edgefl client` process (its own interpreter, as a board
+  runs it) holding one client's shard of Fashion-MNIST (one tenth of the training set: 6,000
+  images, 18.8 MB of float32, in an .npz file its site file names, as a board stores its
+  data), training the MLP 784-200-200-10 (FedAvg's 2NN, 199,210 parameters) for 3 rounds of
+  one local epoch, through Mosquitto, with the aggregator in this process. Rows:
+    data_mb      the client's training arrays (x_train + y_train bytes)
+    peak_mb      the client process's peak resident set (VmHWM), polled until it exits
+    over_data_mb peak_mb - data_mb (target: <= 60)
+    import_mb    VmHWM of a process that only imports what the client imports (edgefl,
+                 the C core, NumPy, OpenBLAS, paho-mqtt, PyYAML), without data: the floor
+  Skipped with a note without Debian's dataset-fashion-mnist or mosquitto.
+
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are removed before NumPy loads, as in
 tools/bench_kernels.py (--keep-openblas-env keeps them).
 """
@@ -331,6 +344,106 @@ def bench_fleet(args) -> Iterator[dict]:
     yield row
 
 
+def _vm_hwm_mb(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _peak_of(cmd: list, env: dict, timeout: float) -> tuple[float, int, str]:
+    """(peak VmHWM MiB, exit code, stderr tail) of a child process, polled until it exits."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak, end = 0.0, time.monotonic() + timeout
+    import threading
+    err = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    while proc.poll() is None and time.monotonic() < end:
+        peak = max(peak, _vm_hwm_mb(proc.pid) or 0.0)
+        time.sleep(0.02)
+    if proc.poll() is None:
+        proc.kill()
+    code = proc.wait()
+    reader.join(5)
+    return peak, code, (err[0] if err else b"").decode(errors="replace")[-2000:]
+
+
+def bench_memory(args) -> Iterator[dict]:
+    """A real client process's peak RSS over its data (issue 4's memory target)."""
+    import tempfile
+    import threading
+
+    import yaml
+
+    from edgefl.data import load_dataset
+    from edgefl.roles import Aggregator, AggregatorSettings, RunPlan
+    from edgefl.runconfig import run_config_from_mapping
+    from edgefl.sim import prepare_run
+    from edgefl.transport.broker import EmbeddedBroker, find_mosquitto
+    from edgefl.transport.mqtt import MqttTransport
+
+    row = {"bench": "memory", "impl": "edgefl client", "model": "mlp 784-200-200-10",
+           "target_over_data_mb": 60}
+    if find_mosquitto() is None or not os.path.isdir("/usr/share/datasets/fashion-mnist"):
+        row["note"] = "needs mosquitto and Debian's dataset-fashion-mnist: skipped"
+        yield row
+        return
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)
+               + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    with tempfile.TemporaryDirectory(prefix="edgefl-mem-") as tmp:
+        ds = load_dataset("fashion-mnist", limit_train=6000, limit_test=1000)
+        shard = os.path.join(tmp, "shard.npz")
+        np.savez(shard, x_train=ds.x_train, y_train=ds.y_train, x_test=ds.x_test,
+                 y_test=ds.y_test)
+        data_mb = (ds.x_train.nbytes + ds.y_train.nbytes) / 2 ** 20
+        del ds
+        config = run_config_from_mapping({
+            "dataset": {"name": "npz", "path": shard, "normalize": "none"},
+            "partition": {"name": "iid", "clients": 1},
+            "model": {"name": "mlp", "hidden": [200, 200]}, "strategy": {"name": "fedavg"},
+            "train": {"lr": 0.05, "batch_size": 32, "epochs": 1}, "rounds": 3,
+            "clients_per_round": 1, "seed": 0})
+        run = prepare_run(config, progress=False)
+        plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 1, ("client-0",),
+                       test=(run.dataset.x_test, run.dataset.y_test), description=config.to_dict())
+        federation = f"mem{os.getpid()}"
+        with EmbeddedBroker(kind="mosquitto") as broker:
+            site = os.path.join(tmp, "client.yaml")
+            with open(site, "w") as f:
+                yaml.safe_dump({"node": {"id": "client-0", "federation": federation},
+                                "broker": {"url": broker.url},
+                                "state_dir": os.path.join(tmp, "client"),
+                                "log": {"level": "warning"}, "profile": "generic-x86",
+                                "data": {"name": "npz", "path": shard, "normalize": "none"}}, f)
+            aggregator = Aggregator(plan, MqttTransport(broker.url, "aggregator"),
+                                    os.path.join(tmp, "agg"),
+                                    AggregatorSettings(federation=federation,
+                                                       round_timeout_s=300))
+            done = threading.Thread(target=aggregator.run, daemon=True)
+            done.start()
+            peak, code, err = _peak_of(
+                [sys.executable, "-m", "edgefl.cli", "client", "--config", site,
+                 "--exit-when-finished"], env, timeout=600)
+            done.join(60)
+        if code != 0:
+            row["note"] = f"client exited {code}: {err.strip().splitlines()[-1:]}"
+            yield row
+            return
+        floor, _, _ = _peak_of([sys.executable, "-c",
+                                "import edgefl, edgefl.kernels, edgefl.roles.client, "
+                                "edgefl.transport.mqtt, yaml"], env, timeout=120)
+    row.update({"data_mb": round(data_mb, 1), "peak_mb": round(peak, 1),
+                "over_data_mb": round(peak - data_mb, 1), "import_mb": round(floor, 1)})
+    yield row
+
+
 # ---------------------------------------------------------------------------------------
 # registry: each entry yields row dicts; keep one function per benchmark
 # ---------------------------------------------------------------------------------------
@@ -339,6 +452,7 @@ BENCHMARKS: list[Callable[[argparse.Namespace], Iterator[dict]]] = [
     bench_frame,
     bench_round,
     bench_fleet,
+    bench_memory,
 ]
 
 

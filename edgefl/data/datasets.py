@@ -7,6 +7,7 @@ CIFAR-10 binary batches, npz, csv) or generated data (synthetic) only.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ class Raw:
     norm_std: np.ndarray
     raw_range: tuple
     client_ids: np.ndarray | None = None
+    # the x arrays were made by the loader for this Raw alone (read from a file): finish() may
+    # hand them out without a copy when they need no conversion (a board's float32 shard:
+    # one copy of its data in memory, not two at load time)
+    private: bool = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -96,13 +101,13 @@ def finish(raw: Raw, limit_train: int | None = None, limit_test: int | None = No
         y_train, y_test = (y_train % 2 == 0), (y_test % 2 == 0)
         num_classes, class_names = 2, EVEN_ODD_NAMES
     label_dtype = np.int32 if num_classes else np.float32
-    x_train = _normalise(raw.x_train[:n_train], raw.norm_mean, raw.norm_std)
+    x_train = _normalise(raw.x_train[:n_train], raw.norm_mean, raw.norm_std, raw.private)
     client_ids = None if raw.client_ids is None else raw.client_ids[:n_train].copy()
     return Dataset(
         name=raw.name,
         x_train=x_train,
         y_train=np.ascontiguousarray(y_train, dtype=label_dtype),
-        x_test=_normalise(raw.x_test[:n_test], raw.norm_mean, raw.norm_std),
+        x_test=_normalise(raw.x_test[:n_test], raw.norm_mean, raw.norm_std, raw.private),
         y_test=np.ascontiguousarray(y_test, dtype=label_dtype),
         input_shape=tuple(x_train.shape[1:]),
         num_classes=num_classes,
@@ -123,9 +128,17 @@ def _limit(key: str, value, n: int) -> int:
     return min(int(value), n)
 
 
-def _normalise(raw: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """(raw - mean) / std in float32; mean/std broadcast over the channel axis of images."""
+def _normalise(raw: np.ndarray, mean: np.ndarray, std: np.ndarray,
+               private: bool = False) -> np.ndarray:
+    """(raw - mean) / std in float32; mean/std broadcast over the channel axis of images.
+
+    A fresh, writable, C-contiguous array -- or, when the loader made `raw` for this dataset
+    alone (`private`) and it is already that in float32 with nothing to subtract or divide,
+    `raw` itself (a view of all of it), so loading does not hold the data twice."""
     shape = (-1, 1, 1) if raw.ndim == 4 else (-1,)
+    if private and raw.dtype == np.float32 and raw.flags.c_contiguous and raw.flags.writeable \
+            and not np.any(mean) and np.all(np.asarray(std) == 1):
+        return raw
     x = raw.astype(np.float32)   # always a fresh, writable, C-contiguous array
     x -= np.asarray(mean, dtype=np.float32).reshape(shape)
     x /= np.asarray(std, dtype=np.float32).reshape(shape)
@@ -379,8 +392,9 @@ def load_npz(*, path: str, x_train: str = "x_train", y_train: str = "y_train",
     else:
         train, test = stratified_split(_labels_for_split(ys, task, path), test_fraction, split_seed)
         xs, ys, xt, yt = xs[train], ys[train], xs[test], ys[test]
-    return _tabular_raw("npz", path, xs, ys, xt, yt, (y_train, y_test), task, num_classes,
-                        class_names, normalize)
+    raw = _tabular_raw("npz", path, xs, ys, xt, yt, (y_train, y_test), task, num_classes,
+                       class_names, normalize)
+    return dataclasses.replace(raw, private=True)     # np.load made these arrays
 
 
 def load_csv(*, path: str, label: str | int = "label", test_path: str | None = None,
