@@ -5,11 +5,13 @@ overrides, parsed by edgefl.config) validated into frozen dataclasses, with defa
     partition: {name: iid, clients: 10}       # + the partitioner's options
     model:     {name: softmax}                # + the model's options; init: uniform | zeros
     strategy:  {name: mfl, gamma: 0.5}        # + the algorithm's parameters as sibling keys
+                                              #   (fedavg/mfl/fednova: robust, docs/robust.md)
     train:     {lr: 0.1, batch_size: 32, epochs: 1}   # or steps; momentum, weight_decay, lr_decay
     rounds: 20
     clients_per_round: 5                      # or fraction (of partition.clients); default: all
     seed: 0
     eval_every: 1                             # evaluate every k rounds (and after the last)
+    attack: {kind: sign_flip, fraction: 0.2}  # optional: malicious clients (edgefl.attacks)
 
 Every error names the file, the dotted key (and says when it came from --set) and the valid
 choices. A config may also be named by the stem of a file shipped in edgefl/configs
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import types
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any, Mapping
 
 from . import kernels
+from .attacks import AttackError, attack_section
 from .config import Config, ConfigError, load_config
 from .data import dataset_options, partition_options
 from .models import model_names
@@ -34,7 +38,7 @@ __all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mappi
            "builtin_configs", "resolve_config_path", "ConfigError"]
 
 TOP_KEYS = ("dataset", "partition", "model", "strategy", "train", "rounds", "clients_per_round",
-            "fraction", "seed", "eval_every")
+            "fraction", "seed", "eval_every", "attack")
 # model.init: "uniform" is Model.init's seeded default; "zeros" is specs/mfl.md §9 item 11's
 # w(0) = 0 for the convex models. The other model keys are the model's options.
 MODEL_INITS = ("uniform", "zeros")
@@ -81,6 +85,7 @@ class RunConfig:
     seed: int = 0
     eval_every: int = 1
     path: str | None = None        # the file it came from (relative dataset paths use it)
+    attack: Mapping[str, Any] | None = None   # the `attack:` section (edgefl.attacks), resolved
 
     @property
     def clients(self) -> int:
@@ -89,7 +94,7 @@ class RunConfig:
     def to_dict(self) -> dict:
         """The resolved configuration in the YAML vocabulary; loading it again gives the
         same RunConfig."""
-        return {
+        out = {
             "dataset": dict(self.dataset),
             "partition": dict(self.partition),
             "model": dict(self.model),
@@ -100,6 +105,9 @@ class RunConfig:
             "seed": self.seed,
             "eval_every": self.eval_every,
         }
+        if self.attack is not None:       # absent when unset: plain runs keep their config
+            out["attack"] = dict(self.attack)
+        return out
 
     def as_config(self) -> Config:
         """The edgefl.config mapping for dataset_from_config / partition_from_config."""
@@ -121,15 +129,19 @@ def builtin_configs() -> dict:
 
 
 def resolve_config_path(name_or_path: str | os.PathLike) -> str:
-    """A file path as given if it exists, else the shipped config of that name."""
+    """A file path as given if it exists, else the shipped config of that name (also when a
+    directory of that name is in the way, e.g. the output of an earlier run)."""
     path = os.fspath(name_or_path)
-    if os.path.exists(path):
+    if os.path.exists(path) and not os.path.isdir(path):
         return path
     shipped = builtin_configs()
     stem = os.path.basename(path)
     stem = stem[:-5] if stem.endswith(".yaml") else stem
     if os.sep not in path and stem in shipped:
         return shipped[stem]
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a directory, not a config file (and not a built-in "
+                          f"config: {', '.join(shipped) or 'none installed'})")
     raise ConfigError(f"{path}: config file does not exist, and it is not a built-in config "
                       f"({', '.join(shipped) or 'none installed'})")
 
@@ -165,7 +177,7 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
     name = strategy.pop("name")
     if name not in strategy_names():
         v.fail("strategy.name", f"unknown strategy {name!r}; valid: {', '.join(strategy_names())}")
-    valid_params = strategy_params(name)
+    valid_params = strategy_params(name, extensions=True)
     for key in strategy:
         if key not in valid_params:
             v.fail(f"strategy.{key}", f"unknown parameter of {name}; valid: "
@@ -173,8 +185,7 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
     try:
         instance = get_strategy(name, **strategy)
     except StrategyError as exc:   # a bad value; the message names the parameter
-        bad = next((k for k in strategy if f" {k} = " in str(exc)), None)
-        v.fail(f"strategy.{bad}" if bad else "strategy", str(exc))
+        v.fail(_strategy_key(str(exc), strategy), str(exc))
     params = instance.hyperparameters()
 
     train = _train(v, data.get("train", {}))
@@ -182,9 +193,24 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
     seed = v.integer("seed", data.get("seed", 0), lo=0)
     eval_every = v.integer("eval_every", data.get("eval_every", 1), lo=1)
     m = _clients_per_round(v, data, clients)
+    try:
+        attack = attack_section(data.get("attack"), clients)
+    except AttackError as exc:
+        v.fail(exc.key, exc.problem)
     return RunConfig(dataset=_frozen(dataset), partition=_frozen(partition), model=_frozen(model),
                      strategy=name, strategy_params=_frozen(params), train=train, rounds=rounds,
-                     clients_per_round=m, seed=seed, eval_every=eval_every, path=path)
+                     clients_per_round=m, seed=seed, eval_every=eval_every, path=path,
+                     attack=None if attack is None else _frozen(attack))
+
+
+def _strategy_key(message: str, params: Mapping) -> str:
+    """The dotted key a strategy's error names: "strategy.gamma", or a nested parameter's
+    "strategy.robust.trim" (the messages say " robust.trim = ...")."""
+    for key in params:
+        found = re.search(rf" ({re.escape(key)}(?:\.\w+)*) = ", message)
+        if found:
+            return f"strategy.{found.group(1)}"
+    return "strategy"
 
 
 def _train(v: "_Validator", section) -> TrainConfig:

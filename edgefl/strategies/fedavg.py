@@ -10,24 +10,37 @@ tau steps) of minibatch SGD on its data, and uploads w_{t+1}^k. The server sets
 The weights are renormalised over the clients that uploaded. Local momentum (train.momentum
 > 0) uses a fresh zero buffer every round; nothing but the model crosses the network. The
 client keeps no state.
+
+`robust` (strategies/robust.py) aggregates the updates w_{t+1}^k - w_t instead, with a
+median, trimmed mean or clipped mean, after rejecting non-finite and outsized ones; unset,
+the average above is computed exactly as written.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from . import (WEIGHTINGS, Strategy, Update, aggregation_weights, average_updates, check_choice,
-               local_round, mean_train_loss, register)
+               extension_field, local_round, mean_train_loss, register)
+from .robust import aggregate_robustly, robust_params
 
 
 @register("fedavg")
 @dataclass(frozen=True)
 class FedAvg(Strategy):
     weighting: str = "samples"
+    robust: dict | None = extension_field()
 
     def __post_init__(self):
         check_choice("fedavg", "weighting", self.weighting, WEIGHTINGS)
+        object.__setattr__(self, "robust", robust_params("fedavg", self.robust))
 
     def aggregate(self, round, updates, state):
+        if self.robust is not None:
+            base = {"params": state.buffers["params"]}
+            new, accepted, metrics = aggregate_robustly("fedavg", round, updates, base,
+                                                        self.robust, self.weighting)
+            metrics["train_loss"] = mean_train_loss(accepted)
+            return state.replace(new, round=round), metrics
         clients, weights = aggregation_weights(updates, self.weighting)
         params = average_updates(updates, "params", clients, weights)
         metrics = {"train_loss": mean_train_loss(updates)}

@@ -26,6 +26,10 @@ Implementation: the update is the single weighted sum
 with the c_i computed in exact rational arithmetic and rounded once. With equal tau_i every
 c_i is exactly p_i and the residual weight exactly 0, so FedNova reproduces FedAvg bit for
 bit (the server model then drops out of the sum).
+
+`robust` (strategies/robust.py, an extension) applies its rule to the normalised updates
+(w_i - w) / ||a_i||_1 and scales the result by tau_eff over the accepted clients; with the
+mean rule and nothing rejected or clipped it is the sum above, bit for bit.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from . import (WEIGHTINGS, Strategy, StrategyError, Update, check_choice, exact_weights,
-               local_round, mean_train_loss, register, weighted_average)
+               extension_field, local_round, mean_train_loss, register, weighted_average)
+from .robust import aggregate_robustly, robust_params
 
 
 def normalizer(steps: int, momentum: float = 0.0) -> float:
@@ -63,15 +68,24 @@ def nova_coefficients(weights, norms):
 @dataclass(frozen=True)
 class FedNova(Strategy):
     weighting: str = "samples"
+    robust: dict | None = extension_field()
 
     def __post_init__(self):
         check_choice("fednova", "weighting", self.weighting, WEIGHTINGS)
+        object.__setattr__(self, "robust", robust_params("fednova", self.robust))
 
     def aggregate(self, round, updates, state):
         clients, weights = exact_weights(updates, self.weighting)
         missing = [c for c in clients if "a_norm" not in updates[c].scalars]
         if missing:
             raise StrategyError(f"fednova: update of client(s) {missing} lacks the 'a_norm' scalar")
+        if self.robust is not None:
+            norms = {c: updates[c].scalars["a_norm"] for c in clients}
+            new, accepted, metrics = aggregate_robustly(
+                "fednova", round, updates, {"params": state.buffers["params"]}, self.robust,
+                self.weighting, normalisers=norms)
+            metrics["train_loss"] = mean_train_loss(accepted)
+            return state.replace(new, round=round), metrics
         norms = [updates[c].scalars["a_norm"] for c in clients]
         coeffs, residual, tau_eff = nova_coefficients(weights, norms)
         buffers = [updates[c].buffers["params"] for c in clients]

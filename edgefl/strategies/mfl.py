@@ -27,6 +27,9 @@ buffers with the broadcast).
   the round metrics ("partial_participation": true).
 - The momentum is MFL's; `train.momentum` must stay 0 (set `gamma`).
 - Traffic is 2x FedAvg's in both directions (§4): two buffers each way.
+- `robust` (strategies/robust.py, an extension): (8) and (9) become the same robust rule
+  applied to the momentum and model updates d_i - d, w_i - w; a client rejected for either
+  buffer is dropped from both, and clipping scales both by its model update's factor.
 """
 from __future__ import annotations
 
@@ -35,7 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, aggregation_weights,
-               average_updates, check_choice, check_number, local_round, mean_train_loss, register)
+               average_updates, check_choice, check_number, extension_field, local_round,
+               mean_train_loss, register)
+from .robust import aggregate_robustly, robust_params
 
 
 @register("mfl")
@@ -43,11 +48,13 @@ from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, aggregation_we
 class MFL(Strategy):
     gamma: float = 0.5
     weighting: str = "samples"
+    robust: dict | None = extension_field()
 
     def __post_init__(self):
         check_number("mfl", "gamma", self.gamma, 0.0, 1.0, hi_open=True,
                      why="the momentum attenuation factor; specs/mfl.md §10 item 10")
         check_choice("mfl", "weighting", self.weighting, WEIGHTINGS)
+        object.__setattr__(self, "robust", robust_params("mfl", self.robust))
 
     def init(self, global_params, cfg):
         if cfg.train.get("momentum", 0.0):
@@ -64,6 +71,14 @@ class MFL(Strategy):
                 for c in sorted(clients)}
 
     def aggregate(self, round, updates, state):
+        if self.robust is not None:
+            base = {"params": state.buffers["params"], "momentum": state.buffers["momentum"]}
+            new, accepted, metrics = aggregate_robustly("mfl", round, updates, base,
+                                                        self.robust, self.weighting)
+            metrics["train_loss"] = mean_train_loss(accepted)
+            if len(accepted) < len(self.setup(state).clients):
+                metrics["partial_participation"] = True
+            return state.replace(new, round=round), metrics
         clients, weights = aggregation_weights(updates, self.weighting)
         params = average_updates(updates, "params", clients, weights)       # (9)
         momentum = average_updates(updates, "momentum", clients, weights)   # (8)
