@@ -1,0 +1,25 @@
+"""Shared test hygiene.
+
+Commands run in-process (`edgefl.cli.main([...])` for aggregator, client, serve, ...) call
+`edgefl.service.logs.setup_logging`, which installs a handler on the root logger writing to
+the sys.stderr of that moment -- under pytest, a capture stream closed when the test ends.
+Left installed, the next test's log records go to that closed stream ("--- Logging error
+---" on stderr) and any test that checks stderr fails depending on test order. Each test gets
+the logging configuration it started with back.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in ("edgefl",)]
+    saved = [(lg, list(lg.handlers), lg.level) for lg in loggers]
+    yield
+    for lg, handlers, level in saved:
+        for handler in [h for h in lg.handlers if h not in handlers]:
+            lg.removeHandler(handler)
+        lg.setLevel(level)
