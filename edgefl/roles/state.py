@@ -14,6 +14,7 @@ scalars, JSON for structure), so `np.load(path, allow_pickle=False)` reads them.
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
@@ -27,8 +28,8 @@ import numpy as np
 
 from ..strategies import State
 
-__all__ = ["StateError", "atomic_write", "save_arrays", "load_arrays", "write_json",
-           "read_json", "append_journal", "read_journal", "jsonable", "tag_floats",
+__all__ = ["StateError", "StateWriteError", "atomic_write", "save_arrays", "load_arrays",
+           "write_json", "read_json", "append_journal", "read_journal", "jsonable", "tag_floats",
            "untag_floats", "AggregatorCheckpoint",
            "ClientProgress", "CHECKPOINT_FILE", "JOURNAL_FILE", "PROGRESS_FILE"]
 
@@ -41,6 +42,30 @@ _META_KEY = "__meta__"
 class StateError(ValueError):
     """A state file that cannot be read or does not belong to this run; the message names
     the file and the cause."""
+
+
+class StateWriteError(OSError):
+    """A state file that could not be written (disk full, quota, read-only file system, I/O
+    error). The message names the file and the cause; the file's previous version is intact
+    (atomic_write) or the journal is as it was (append_journal). `errno` is the cause's."""
+
+    def __init__(self, message: str, errno_: int | None = None):
+        super().__init__(message)
+        self.errno = errno_
+
+
+_WRITE_HINTS = {
+    errno.ENOSPC: "the file system is full: free space there",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+}
+
+
+def _write_failed(path: str, exc: OSError, what: str) -> StateWriteError:
+    hint = _WRITE_HINTS.get(exc.errno)
+    cause = exc.strerror or str(exc)
+    return StateWriteError(f"{path}: cannot write {what} ({cause}"
+                           f"{'; ' + hint if hint else ''})", exc.errno)
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,24 +87,31 @@ def _fsync_dir(directory: str) -> None:
 
 def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     """Replace `path` with `data`: temporary file in the same directory, fsync, rename,
-    fsync of the directory. The old file stays intact if anything fails on the way
-    (including a full disk), and the temporary file is removed."""
+    fsync of the directory. The old file stays intact if anything fails on the way, and the
+    temporary file is removed; a write that fails (a full disk: ENOSPC, at write, flush or
+    fsync) raises StateWriteError naming the file and the cause."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                               dir=directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=directory)
+    except OSError as exc:
+        raise _write_failed(path, exc, "a new version; the old one is intact") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):
+            raise _write_failed(path, exc, f"its new version ({len(data)} bytes); the old "
+                                           "one is intact") from exc
         raise
     _fsync_dir(directory)
 
@@ -181,10 +213,27 @@ def append_journal(path, record: Mapping) -> None:
     """Append one JSON line and fsync it: an append-only log that survives a crash (a torn
     last line, from a crash mid-write, is skipped by read_journal)."""
     line = (json.dumps(jsonable(record), separators=(",", ":")) + "\n").encode("utf-8")
-    fd = os.open(os.fspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    path = os.fspath(path)
     try:
-        os.write(fd, line)
-        os.fsync(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise _write_failed(path, exc, "a journal record") from exc
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(line)
+            while view:                           # a full disk may take part of the line
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as exc:
+            # Cut the torn line off: the next record appended would otherwise be glued to it
+            # and both lost to read_journal.
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise _write_failed(path, exc, "a journal record; the journal is as it was") \
+                from exc
     finally:
         os.close(fd)
 
@@ -259,7 +308,12 @@ class AggregatorCheckpoint:
                 "state_meta": tag_floats(dict(self.state.meta)),
                 "strategy": tag_floats(self.strategy), "rng": self.rng, "history": self.history,
                 "elapsed_s": self.elapsed_s}
-        save_arrays(path, _state_arrays(self.state, "state."), meta)
+        try:
+            save_arrays(path, _state_arrays(self.state, "state."), meta)
+        except StateWriteError as exc:
+            raise StateWriteError(f"checkpoint of round {self.round} not saved: {exc}; a "
+                                  "restart resumes from the checkpoint that is there",
+                                  exc.errno) from exc
         return path
 
     @classmethod

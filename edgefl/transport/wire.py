@@ -28,7 +28,7 @@ import threading
 import time
 import types
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -831,6 +831,8 @@ class _Partial:
     recipient: str | None
     total: int
     started: float
+    reserved: int                               # bytes charged against the limits
+    held: int = 0                               # bytes of the chunks received so far
     parts: dict = field(default_factory=dict)   # chunk index -> (offset, bytes-like)
 
     def describe(self, sender: str) -> str:
@@ -849,34 +851,78 @@ class Reassembler:
     (header, CRC, kind, round, table hash, sender and topic) before it is buffered; the
     reassembled frame is then decoded with the same Expectation.
 
-    Memory: each incomplete message reserves its whole size on its first chunk; a message
-    that would take the reserved total beyond max_bytes, or a sender's incomplete messages
-    beyond max_pending_per_sender, is rejected (FrameError code "memory").
+    Limits (docs/limits.md), each refusal a FrameError:
+    - memory: each incomplete message reserves its whole size on its first chunk; a message
+      that would take the reserved total beyond `max_bytes`, a sender's reservations beyond
+      `max_bytes_per_sender`, or a sender's incomplete messages beyond
+      `max_pending_per_sender` is refused (code "memory"). The chunks held for a message
+      never add up to more than its size (overlapping ones are refused on arrival), so the
+      bytes buffered never exceed `bytes_in_flight`, which never exceeds `max_bytes`. A
+      message has at most one chunk per 16 bytes and no empty chunk, which bounds the
+      per-chunk bookkeeping too (and max_chunks_per_sender bounds it per round).
+    - flooding: with `max_chunks_per_sender`, a sender may deliver that many payloads per
+      round (chunks and whole frames, duplicates included: QoS 1 repeats are few, a flood is
+      not). The payload over budget is refused (code "flood"), the sender's incomplete
+      messages of that round are dropped and their memory released, and the sender is
+      ignored for the rest of that round: its further payloads cost one header check and
+      return None (counted in stats["ignored"], logged once). The sender is the topic's
+      (Expectation.topic_sender), else the chunk's metadata.
     Incomplete messages are dropped `timeout_s` after their first chunk, by expire(), which
-    add() also calls; drops are logged and returned by expire(). Thread-safe.
+    add() also calls; drops are logged and returned by expire().
+
+    Every refusal is counted in `rejected` (by code) and logged at DEBUG with its code (the
+    caller decides what to tell the operator; the roles log one warning per message).
+    `stats` counts frames, messages, chunks, duplicates, ignored, expired, floods; and
+    `peak_bytes` is the most ever reserved at once. Thread-safe.
     """
 
-    def __init__(self, timeout_s: float = 60.0, max_bytes: int = 256 << 20, *,
-                 max_pending_per_sender: int = 4, remember: int = 4096,
+    DEFAULT_MAX_BYTES = 256 << 20
+
+    def __init__(self, timeout_s: float = 60.0, max_bytes: int = DEFAULT_MAX_BYTES, *,
+                 max_pending_per_sender: int = 4, max_bytes_per_sender: int | None = None,
+                 max_chunks_per_sender: int | None = None, remember: int = 4096,
                  clock: Callable[[], float] = time.monotonic):
         if not timeout_s > 0:
             raise ValueError(f"Reassembler: timeout_s {timeout_s} must be > 0")
-        if not max_bytes > 0:
-            raise ValueError(f"Reassembler: max_bytes {max_bytes} must be > 0")
+        for name, value in (("max_bytes", max_bytes), ("max_pending_per_sender",
+                                                       max_pending_per_sender),
+                            ("max_bytes_per_sender", max_bytes_per_sender),
+                            ("max_chunks_per_sender", max_chunks_per_sender),
+                            ("remember", remember)):
+            if value is None and name in ("max_bytes_per_sender", "max_chunks_per_sender"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                    or not value > 0:
+                raise ValueError(f"Reassembler: {name} {value!r} must be an integer > 0")
         self.timeout_s = float(timeout_s)
         self.max_bytes = int(max_bytes)
         self.max_pending_per_sender = int(max_pending_per_sender)
+        self.max_bytes_per_sender = int(max_bytes_per_sender) \
+            if max_bytes_per_sender is not None else self.max_bytes
+        self.max_chunks_per_sender = int(max_chunks_per_sender) \
+            if max_chunks_per_sender is not None else None
         self.remember = int(remember)
         self._clock = clock
         self._partial: OrderedDict[tuple, _Partial] = OrderedDict()
         self._done: OrderedDict[tuple, None] = OrderedDict()
         self._reserved = 0
+        self._budget: OrderedDict[tuple, int] = OrderedDict()     # (sender, round) -> payloads
+        self._flooding: OrderedDict[tuple, None] = OrderedDict()  # (sender, round) ignored
+        self.rejected: Counter = Counter()
+        self.stats: Counter = Counter()
+        self.peak_bytes = 0
         self._lock = threading.Lock()
 
     @property
     def bytes_in_flight(self) -> int:
         """Bytes reserved by incomplete messages."""
         return self._reserved
+
+    @property
+    def bytes_buffered(self) -> int:
+        """Bytes of the chunks actually held (never more than bytes_in_flight)."""
+        with self._lock:
+            return sum(p.held for p in self._partial.values())
 
     @property
     def pending(self) -> int:
@@ -892,7 +938,8 @@ class Reassembler:
         reasons = []
         for key in [k for k, p in self._partial.items() if now - p.started > self.timeout_s]:
             p = self._partial.pop(key)
-            self._reserved -= p.total
+            self._reserved -= p.reserved
+            self.stats["expired"] += 1
             reason = (f"reassembly timeout: {p.describe(key[0])}: {len(p.parts)} of "
                       f"{p.header.chunk_count} chunks after {now - p.started:.1f} s "
                       f"(timeout {self.timeout_s:g} s); dropped")
@@ -905,53 +952,144 @@ class Reassembler:
         while len(self._done) > self.remember:
             self._done.popitem(last=False)
 
-    def add(self, data, expect: Expectation) -> Frame | None:
+    # -- flooding -------------------------------------------------------------------------
+
+    def is_flooding(self, sender: str, round: int) -> bool:
+        """True once `sender` went over its chunk budget for `round` (it is ignored)."""
+        return (sender, round) in self._flooding
+
+    def charge(self, sender: str, round: int, what: str = "payload") -> bool:
+        """Count one payload of `sender` for `round` against its budget (add() does this for
+        what it is given; a caller that refuses a payload before add() -- not a frame at
+        all -- charges it here). True: within budget. False: the sender is already ignored
+        for this round. The payload that goes over budget raises FrameError "flood"; the
+        transition is logged once, at WARNING."""
+        with self._lock:
+            try:
+                return self._charge(sender, round, what)
+            except FrameError as exc:
+                self.rejected[exc.code] += 1
+                log.debug("rejected [%s] %s", exc.code, exc.reason)
+                raise
+
+    def _charge(self, sender: str, round: int, what: str) -> bool:
+        key = (sender, round)
+        if key in self._flooding:
+            self.stats["ignored"] += 1
+            return False
+        if self.max_chunks_per_sender is None:
+            return True
+        used = self._budget.pop(key, 0) + 1
+        self._budget[key] = used                     # most recent last: trimmed LRU-first
+        while len(self._budget) > self.remember:
+            self._budget.popitem(last=False)
+        if used <= self.max_chunks_per_sender:
+            return True
+        self._flooding[key] = None
+        while len(self._flooding) > self.remember:
+            self._flooding.popitem(last=False)
+        dropped = [k for k, p in self._partial.items()
+                   if k[0] == sender and p.header.round == round]
+        released = 0
+        for k in dropped:
+            p = self._partial.pop(k)
+            self._reserved -= p.reserved
+            released += p.reserved
+        self.stats["floods"] += 1
+        log.warning("sender %r floods round %d: %s number %d is over its budget of %d per "
+                    "round; dropped for this round (%d incomplete message(s), %d bytes "
+                    "released); its further payloads for round %d are ignored", sender, round,
+                    what, used, self.max_chunks_per_sender, len(dropped), released, round)
+        raise FrameError("flood", f"{what} {used} of {sender!r} for round {round} is over "
+                                  f"its budget of {self.max_chunks_per_sender} per round; the "
+                                  f"sender is ignored for the rest of round {round}")
+
+    # -- adding ---------------------------------------------------------------------------
+
+    def add(self, data, expect: Expectation, *, charged: bool = False) -> Frame | None:
+        """The Frame once `data` completes a message, else None (class docstring).
+        charged: the caller already counted this payload against the sender's budget with
+        charge() (a role that counts every payload of a topic, frames or not)."""
+        try:
+            return self._add(data, expect, charged)
+        except FrameError as exc:
+            with self._lock:
+                self.rejected[exc.code] += 1
+            log.debug("rejected [%s] %s", exc.code, exc.reason)
+            raise
+
+    def _add(self, data, expect: Expectation, charged: bool) -> Frame | None:
         mv = _as_view(data)
         with self._lock:
             now = self._clock()
             self._expire(now)
             h = read_header(mv)
+            sender = expect.topic_sender
+            # Charged before the costly checks (CRC, JSON) so that a flooder costs one header
+            # parse per payload; only rounds the receiver expects, so a forged round number
+            # cannot open budgets without end.
+            if sender is not None and not charged \
+                    and (expect.rounds is None or h.round in expect.rounds):
+                if not self._charge(sender, h.round, "chunk" if h.is_chunk else "frame"):
+                    return None
             if not h.is_chunk:
                 frame = decode(data, expect)
                 key = (frame.sender, h.message_id)
                 if key in self._done:
+                    self.stats["duplicates"] += 1
                     return None
                 self._mark_done(key)
+                self.stats["frames"] += 1
                 return frame
-            return self._add_chunk(data, mv, h, expect, now)
+            return self._add_chunk(data, mv, h, expect, now, charged)
 
     def _add_chunk(self, data, mv: memoryview, h: Header, expect: Expectation,
-                   now: float) -> Frame | None:
+                   now: float, charged: bool) -> Frame | None:
         _check_header_expectation(h, expect)
         _check_body_crc(mv, h)
         meta = _parse_meta(mv, h)
         _meta_keys(meta, ("sender", "offset", "total"),
                    ("recipient",) if h.kind == "client_model" else (), h)
         sender, recipient = _check_parties(meta, h, expect)
+        if expect.topic_sender is None and not charged \
+                and not self._charge(sender, h.round, "chunk"):
+            return None
         total = _meta_int(meta, "total", h, "chunk", lo=HEADER_SIZE)
         offset = _meta_int(meta, "offset", h, "chunk")
+        if h.payload_len == 0:
+            raise FrameError("chunk", f"{h.describe()}: an empty chunk (split() never makes one)")
         if offset + h.payload_len > total:
             raise FrameError("chunk", f"{h.describe()}: bytes [{offset}, "
                                       f"{offset + h.payload_len}) beyond the message's {total}")
-        if h.chunk_count > total:
-            raise FrameError("chunk", f"{h.describe()}: {h.chunk_count} chunks for {total} bytes")
+        if h.chunk_count > -(-total // ALIGN):
+            # split() puts at least ALIGN bytes in every chunk but the last
+            raise FrameError("chunk", f"{h.describe()}: {h.chunk_count} chunks for {total} "
+                                      f"bytes (at most one per {ALIGN} bytes)")
         key = (sender, h.message_id)
         if key in self._done:
+            self.stats["duplicates"] += 1
             return None
         part = self._partial.get(key)
         if part is None:
-            held = sum(1 for k in self._partial if k[0] == sender)
-            if held >= self.max_pending_per_sender:
+            mine = [p for k, p in self._partial.items() if k[0] == sender]
+            if len(mine) >= self.max_pending_per_sender:
                 raise FrameError("memory", f"{h.describe()} from {sender!r}: the sender already "
-                                           f"has {held} incomplete message(s), the limit")
+                                           f"has {len(mine)} incomplete message(s), the limit")
             if total > self.max_bytes - self._reserved:
                 raise FrameError("memory", f"{h.describe()} from {sender!r}: a {total}-byte "
                                            f"message does not fit: {self._reserved} of "
                                            f"{self.max_bytes} bytes already reserved by "
                                            f"{len(self._partial)} incomplete message(s)")
-            part = _Partial(h, recipient, total, now)
+            held = sum(p.reserved for p in mine)
+            if total > self.max_bytes_per_sender - held:
+                raise FrameError("memory", f"{h.describe()} from {sender!r}: a {total}-byte "
+                                           f"message does not fit: the sender already holds "
+                                           f"{held} of its {self.max_bytes_per_sender}-byte "
+                                           "limit")
+            part = _Partial(h, recipient, total, now, total)
             self._partial[key] = part
             self._reserved += total
+            self.peak_bytes = max(self.peak_bytes, self._reserved)
         else:
             first = part.header
             mismatch = [f"{name} {getattr(h, name)} vs {getattr(first, name)}"
@@ -965,15 +1103,23 @@ class Reassembler:
                 raise FrameError("chunk", f"{h.describe()} from {sender!r} disagrees with "
                                           f"earlier chunks of its message: {', '.join(mismatch)}")
         if h.chunk_index in part.parts:
+            self.stats["duplicates"] += 1
             return None
+        if part.held + h.payload_len > part.total:
+            raise FrameError("chunk", f"{h.describe()} from {sender!r}: its {h.payload_len} "
+                                      f"bytes overlap earlier chunks: they would hold "
+                                      f"{part.held + h.payload_len} bytes of a {part.total}-byte "
+                                      "message")
         piece = mv[h.data_offset:]
+        part.held += h.payload_len
         # keep a view into immutable bytes; copy what the caller may reuse
         part.parts[h.chunk_index] = (offset, piece if isinstance(data, bytes) else bytes(piece))
+        self.stats["chunks"] += 1
         if len(part.parts) < h.chunk_count:
             return None
 
         del self._partial[key]
-        self._reserved -= part.total
+        self._reserved -= part.reserved
         self._mark_done(key)
         ordered = sorted(part.parts.values(), key=lambda p: p[0])
         at = 0
@@ -995,4 +1141,5 @@ class Reassembler:
         if frame.sender != sender:
             raise FrameError("sender", f"{part.describe(sender)}: the reassembled frame names "
                                        f"sender {frame.sender!r}")
+        self.stats["messages"] += 1
         return frame

@@ -1,0 +1,380 @@
+"""Fuzzing of the frame decoder and of chunk reassembly with hypothesis (docs/limits.md
+"Fuzzing"): random bytes, valid frames truncated, bit-flipped, with oversized length fields,
+a wrong layer-table hash, a wrong CRC or non-finite values, and chunk storms (many chunk sets,
+duplicates, any order, interleaved senders, sets that never complete, forged chunks) through
+`Reassembler`. The properties: nothing but FrameError is ever raised, every refusal is logged
+with its code, corruption is always caught (every bit of a frame is under a CRC), what is
+delivered is what was sent and only once, and the reassembler's memory stays within its
+limits at every step.
+
+A few hundred examples per property in CI (profile "ci"); EDGEFL_FUZZ_PROFILE=long runs
+10,000 each. `python tools/fuzz.py` is the long run with a table of outcomes."""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edgefl.params import LayerTable
+from edgefl.transport import wire
+from edgefl.transport.wire import Expectation, FrameError
+
+settings.register_profile(
+    "ci", max_examples=300, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                           HealthCheck.data_too_large])
+settings.register_profile(
+    "long", max_examples=10_000, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                           HealthCheck.data_too_large])
+FUZZ = settings.get_profile(os.environ.get("EDGEFL_FUZZ_PROFILE", "ci"))
+
+TABLE = LayerTable.from_shapes([("w", (16, 8)), ("b", (8,))])
+OTHER = LayerTable.from_shapes([("w", (8, 17))])            # same size class, other model
+SENDERS = ("pi-01", "pi-02", "pi-03")
+
+# header fields: (byte offset, struct format) in the 64-byte header (docs/protocol.md)
+FIELDS = {"round": (8, "<I"), "chunk_index": (12, "<I"), "chunk_count": (16, "<I"),
+          "meta_len": (20, "<I"), "payload_len": (24, "<Q"), "table_hash": (32, "<Q"),
+          "message_id": (40, "<Q"), "crc": (48, "<I")}
+
+
+def seal_header(data: bytes) -> bytes:
+    """The header CRC recomputed: a frame a buggy writer sends, not line noise."""
+    return data[:60] + struct.pack("<I", zlib.crc32(data[:60])) + data[64:]
+
+
+def seal(data: bytes) -> bytes:
+    """Body CRC, then header CRC, recomputed."""
+    with_crc = data[:48] + struct.pack("<I", zlib.crc32(data[64:])) + data[52:]
+    return seal_header(with_crc)
+
+
+def set_field(data: bytes, name: str, value: int) -> bytes:
+    at, fmt = FIELDS[name]
+    return data[:at] + struct.pack(fmt, value) + data[at + struct.calcsize(fmt):]
+
+
+def weights(seed: int, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(TABLE.size) * scale).astype(np.float32)
+
+
+@st.composite
+def frames(draw):
+    """(a valid whole frame, the Expectation that accepts it)."""
+    kind = draw(st.sampled_from(["update", "update", "model", "client_model", "onnx"]))
+    seed = draw(st.integers(0, 2 ** 16))
+    round_ = draw(st.integers(0, 5))
+    if kind == "onnx":
+        blob = draw(st.binary(min_size=0, max_size=600))
+        return (wire.encode("onnx", round_, "agg", {"model.onnx": blob}),
+                Expectation(None, kinds="onnx"))
+    compression = draw(st.sampled_from(["none", "f16", "int8"]))
+    n = draw(st.integers(1, 2))
+    buffers = {f"b{i}": weights(seed + i) for i in range(n)}
+    scalars = draw(st.dictionaries(st.text(min_size=1, max_size=8),
+                                   st.integers(-5, 5) | st.floats(allow_nan=False,
+                                                                  allow_infinity=False),
+                                   max_size=3))
+    if kind == "client_model":
+        data = wire.encode(kind, round_, "agg", buffers, scalars, TABLE, compression,
+                           recipient="pi-01")
+        return data, Expectation(TABLE, kinds=kind, topic_recipient="pi-01")
+    sender = "agg" if kind == "model" else draw(st.sampled_from(SENDERS))
+    data = wire.encode(kind, round_, sender, buffers, scalars, TABLE, compression)
+    return data, Expectation(TABLE, kinds=kind,
+                             topic_sender=sender if kind == "update" else None)
+
+
+class Outcomes:
+    """Feeds payloads to a Reassembler, checks the invariants after each, and remembers what
+    was refused (code) and delivered."""
+
+    def __init__(self, reassembler: wire.Reassembler, caplog):
+        self.r = reassembler
+        self.caplog = caplog
+        self.codes: list[str] = []
+        self.delivered: list = []
+
+    def add(self, payload: bytes, expect: Expectation):
+        try:
+            frame = self.r.add(payload, expect)
+        except FrameError as exc:
+            assert exc.code and exc.reason, "a FrameError without code or reason"
+            self.codes.append(exc.code)
+            frame = None
+        # any other exception fails the test right here: that is the property
+        assert self.r.bytes_in_flight <= self.r.max_bytes
+        assert self.r.bytes_buffered <= self.r.bytes_in_flight
+        if frame is not None:
+            self.delivered.append(frame)
+        return frame
+
+    def assert_every_reject_logged(self):
+        logged = [r.getMessage() for r in self.caplog.records
+                  if r.name == "edgefl.transport.wire" and r.getMessage().startswith("rejected")]
+        assert [m.split("]")[0][len("rejected ["):] for m in logged] == self.codes
+        assert sum(self.r.rejected.values()) == len(self.codes)
+
+
+def fresh(caplog, **limits) -> Outcomes:
+    caplog.clear()
+    caplog.set_level(logging.DEBUG, "edgefl.transport.wire")
+    return Outcomes(wire.Reassembler(**limits), caplog)
+
+
+# ---------------------------------------------------------------------------------------
+# whole frames
+# ---------------------------------------------------------------------------------------
+
+@FUZZ
+@given(data=st.binary(max_size=400), expect=st.sampled_from([
+    Expectation(TABLE, kinds="update"), Expectation(None, kinds="onnx")]))
+def test_random_bytes_are_refused_with_a_logged_code(caplog, data, expect):
+    out = fresh(caplog)
+    assert out.add(data, expect) is None
+    assert len(out.codes) == 1
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(data=st.binary(min_size=0, max_size=300))
+def test_random_bytes_behind_a_valid_magic_are_refused(caplog, data):
+    out = fresh(caplog)
+    out.add(wire.MAGIC + bytes([wire.VERSION]) + data, Expectation(TABLE, kinds="update"))
+    out.add(seal_header((wire.MAGIC + bytes([wire.VERSION]) + data).ljust(64, b"\0"))
+            + data, Expectation(TABLE, kinds="update"))
+    assert len(out.codes) == 2
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(frame=frames(), cut=st.floats(0, 1, exclude_max=True))
+def test_truncated_frames_are_refused_as_truncated(caplog, frame, cut):
+    data, expect = frame
+    out = fresh(caplog)
+    out.add(data[:int(len(data) * cut)], expect)
+    assert out.codes == ["truncated"]
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(frame=frames(), flips=st.lists(st.integers(0, 2 ** 31), min_size=1, max_size=4,
+                                      unique=True))
+def test_bit_flips_anywhere_are_always_caught(caplog, frame, flips):
+    data, expect = frame
+    out = fresh(caplog)
+    assert out.add(data, expect) is not None               # the intact frame is accepted
+    b = bytearray(data)
+    for f in flips:
+        bit = f % (8 * len(b))
+        b[bit // 8] ^= 1 << (bit % 8)
+    assert out.add(bytes(b), expect) is None
+    assert len(out.codes) == 1                              # every bit is under a CRC
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(frame=frames(), field=st.sampled_from(["meta_len", "payload_len"]),
+       value=st.integers(0, 2 ** 32 - 1) | st.sampled_from([2 ** 32 - 1, 2 ** 31, 1 << 20]))
+def test_oversized_or_wrong_length_fields_are_refused(caplog, frame, field, value):
+    data, expect = frame
+    at, fmt = FIELDS[field]
+    if value == struct.unpack_from(fmt, data, at)[0]:
+        value += 16
+    out = fresh(caplog)
+    lengths = {"meta_len": wire.read_header(data).meta_len,
+               "payload_len": wire.read_header(data).payload_len, field: value}
+    announced = 64 + wire._align(lengths["meta_len"]) + lengths["payload_len"]
+    out.add(seal_header(set_field(data, field, value)), expect)
+    assert len(out.codes) == 1
+    if announced != len(data):        # else the body no longer parses: metadata, buffer...
+        assert out.codes[0] in ("size", "truncated")
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(frame=frames(), bad_hash=st.integers(1, 2 ** 64 - 1))
+def test_a_wrong_table_hash_is_refused(caplog, frame, bad_hash):
+    data, expect = frame
+    out = fresh(caplog)
+    original = struct.unpack_from("<Q", data, 32)[0]
+    forged = seal_header(set_field(data, "table_hash", bad_hash ^ original))
+    got = out.add(forged, expect)
+    if expect.table is None:          # onnx without a model to check against: not checkable
+        assert got is not None and out.codes == []
+    else:
+        assert out.codes == ["table_hash"]
+        out.add(data, Expectation(OTHER, kinds=expect.kinds))   # the intact frame, wrong model
+        assert out.codes == ["table_hash", "table_hash"]
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(frame=frames(), delta=st.integers(1, 2 ** 32 - 1))
+def test_a_wrong_crc_is_refused(caplog, frame, delta):
+    data, expect = frame
+    crc = struct.unpack_from("<I", data, 48)[0]
+    out = fresh(caplog)
+    out.add(seal_header(set_field(data, "crc", crc ^ delta)), expect)
+    assert out.codes == ["crc"]
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(seed=st.integers(0, 2 ** 16), at=st.integers(0, TABLE.size - 1),
+       bad=st.sampled_from([np.nan, np.inf, -np.inf]), buffer=st.integers(0, 1))
+def test_non_finite_values_are_refused_even_with_valid_crcs(caplog, seed, at, bad, buffer):
+    data = wire.encode("update", 1, "pi-01", {"p": weights(seed), "m": weights(seed + 1)},
+                       None, TABLE)
+    h = wire.read_header(data)
+    start = h.data_offset + buffer * wire._align(4 * TABLE.size) + 4 * at
+    forged = seal(data[:start] + np.float32(bad).tobytes() + data[start + 4:])
+    out = fresh(caplog)
+    out.add(forged, Expectation(TABLE, kinds="update"))
+    assert out.codes == ["non_finite"]
+    out.assert_every_reject_logged()
+
+
+@FUZZ
+@given(frame=frames(), at=st.integers(0, 2 ** 31), value=st.integers(0, 255))
+def test_resealed_garbage_is_refused_or_decodes_to_checked_values(caplog, frame, at, value):
+    """A writer's bug, not noise: a byte changed and both CRCs recomputed. Whatever gets
+    through decodes to finite values of the model's size."""
+    data, expect = frame
+    b = bytearray(data)
+    b[at % len(b)] = value
+    out = fresh(caplog)
+    got = out.add(seal(bytes(b)), expect)
+    if got is not None and expect.table is not None:
+        for arr in got.buffers.values():
+            assert arr.size == TABLE.size and np.isfinite(arr).all()
+    out.assert_every_reject_logged()
+
+
+# ---------------------------------------------------------------------------------------
+# chunk storms
+# ---------------------------------------------------------------------------------------
+
+@st.composite
+def storms(draw):
+    """Payloads of several chunked messages from several senders, with duplicates, gaps
+    (messages that never complete), corrupted and forged chunks, in any order; and what
+    each complete message must decode to."""
+    payloads, originals = [], {}
+    for i in range(draw(st.integers(1, 8))):
+        sender = draw(st.sampled_from(SENDERS))
+        round_ = draw(st.sampled_from([1, 1, 1, 2]))
+        seed = draw(st.integers(0, 2 ** 16))
+        w = weights(seed)
+        frame = wire.encode("update", round_, sender, {"params": w}, None, TABLE)
+        h = wire.read_header(frame)
+        originals[(sender, h.message_id)] = w
+        chunks = wire.split(frame, draw(st.sampled_from([200, 256, 400, 700, 4096])))
+        for j, c in enumerate(chunks):
+            fate = draw(st.sampled_from(["send"] * 6 + ["drop", "twice", "flip", "forge"]))
+            if fate == "drop":
+                continue
+            if fate == "flip":
+                b = bytearray(c)
+                b[draw(st.integers(0, len(b) - 1))] ^= 1 << draw(st.integers(0, 7))
+                payloads.append((sender, bytes(b), False))
+            elif fate == "forge":                # past the CRCs: a buggy sender
+                b = bytearray(c)
+                b[draw(st.integers(0, len(b) - 1))] = draw(st.integers(0, 255))
+                payloads.append((sender, seal(bytes(b)), bytes(b) == c))
+            payloads.append((sender, c, True))
+            if fate == "twice":
+                payloads.append((sender, c, True))
+    order = draw(st.permutations(range(len(payloads))))
+    return [payloads[k] for k in order], originals
+
+
+@FUZZ
+@given(storm=storms(), max_bytes=st.sampled_from([1500, 4000, 1 << 20]),
+       per_sender=st.sampled_from([None, 1200, 3000]), budget=st.sampled_from([None, 6, 40]))
+def test_chunk_storms_stay_within_limits_and_deliver_exactly_what_was_sent(
+        caplog, storm, max_bytes, per_sender, budget):
+    payloads, originals = storm
+    clock = [0.0]
+    out = fresh(caplog, max_bytes=max_bytes, max_bytes_per_sender=per_sender,
+                max_chunks_per_sender=budget, max_pending_per_sender=3, timeout_s=30,
+                clock=lambda: clock[0])
+    for sender, payload, _ in payloads:
+        clock[0] += 0.5
+        out.add(payload, Expectation(TABLE, kinds="update", rounds={1, 2},
+                                     topic_sender=sender))
+    out.assert_every_reject_logged()
+    seen = set()
+    for frame in out.delivered:
+        key = (frame.sender, frame.message_id)
+        assert key not in seen, "a message delivered twice"
+        seen.add(key)
+        # a forged (resealed) payload can be a valid frame of its own, e.g. with another
+        # message id: whatever is delivered is still checked, finite and of the model's size
+        arr = frame.buffers["params"]
+        assert arr.size == TABLE.size and np.isfinite(arr).all()
+    forged = sum(1 for _, _, original in payloads if not original)
+    assert len(seen - set(originals)) <= forged
+    clock[0] += 31
+    out.r.expire()                                         # nothing incomplete lingers
+    assert out.r.pending == 0 and out.r.bytes_in_flight == 0 and out.r.bytes_buffered == 0
+
+
+@FUZZ
+@given(storm=storms())
+def test_clean_storms_deliver_every_complete_message_bit_for_bit(caplog, storm):
+    payloads, originals = storm
+    clean = [(s, p) for s, p, original in payloads if original]
+    out = fresh(caplog, max_pending_per_sender=16)
+    for sender, payload in clean:
+        out.add(payload, Expectation(TABLE, kinds="update", rounds={1, 2},
+                                     topic_sender=sender))
+    out.assert_every_reject_logged()
+    assert out.codes == []
+    for frame in out.delivered:
+        assert np.array_equal(frame.buffers["params"],
+                              originals[(frame.sender, frame.message_id)])
+    complete = {k for k in originals if _all_chunks_present(k, clean)}
+    assert {(f.sender, f.message_id) for f in out.delivered} == complete
+
+
+def _all_chunks_present(key, payloads) -> bool:
+    sender, message_id = key
+    seen, count = set(), None
+    for s, p in payloads:
+        h = wire.read_header(p)
+        if s == sender and h.message_id == message_id:
+            seen.add(h.chunk_index)
+            count = h.chunk_count
+    return count is not None and len(seen) == count
+
+
+@FUZZ
+@given(n=st.integers(50, 400), budget=st.integers(5, 60))
+def test_a_chunk_flood_is_cut_off_once_and_then_ignored(caplog, n, budget):
+    chunk = wire.split(wire.encode("update", 1, "pi-01", {"p": weights(1)}, None, TABLE),
+                       256)[0]
+    out = fresh(caplog, max_chunks_per_sender=budget)
+    expect = Expectation(TABLE, kinds="update", rounds=1, topic_sender="pi-01")
+    for _ in range(n):
+        out.add(chunk, expect)
+    assert out.codes == (["flood"] if n > budget else [])
+    assert out.r.stats["ignored"] == max(0, n - budget - 1)
+    floods = [r for r in caplog.records if "floods round 1" in r.getMessage()]
+    assert len(floods) == (1 if n > budget else 0)
+    out.assert_every_reject_logged()
+
+
+def test_the_ci_profile_runs_hundreds_of_examples():
+    assert FUZZ.max_examples >= 300 and FUZZ.deadline is None
+
+
+if __name__ == "__main__":            # pragma: no cover
+    pytest.main([__file__, "-q"])

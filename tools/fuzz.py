@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""The long fuzz run of edgefl's frame decoder and chunk reassembly (tests/test_fuzz.py is
+the short one, with hypothesis, in CI): prints a Markdown table of what was generated and
+what came of it, or the numbers as JSON (--json).
+
+    python tools/fuzz.py [--frames 100000] [--seed 1] [--json]
+
+Every generated payload goes through one wire.Reassembler with small limits (max_bytes,
+per-sender bytes, a chunk budget per sender and round, an expiry on a simulated clock), as
+the aggregator's update topic would feed it, with the sender taken from the topic:
+
+  random      random bytes (sometimes behind a valid magic and version)
+  truncated   a valid frame cut short
+  bitflip     a valid frame with 1..4 bits flipped anywhere
+  length      meta_len or payload_len rewritten (header CRC recomputed)
+  hash        a wrong layer-table hash (header CRC recomputed)
+  crc         a wrong body CRC (header CRC recomputed)
+  nonfinite   a NaN or +-Inf in the tensor data, both CRCs recomputed
+  resealed    any byte changed and both CRCs recomputed (a buggy writer)
+  valid       a valid whole frame (f32, f16 or int8)
+  storm       the chunks of several messages of several senders, with duplicates, drops
+              (never completes), bit flips and resealed forgeries, shuffled together
+  flood       one sender sending the same chunk 2..8 times its budget
+
+A run fails (exit status 1) if anything but FrameError escapes, if a reject is not logged
+with its code, if the reassembler ever holds more than its limit, if a frame is delivered
+twice, or if a delivered frame holds a value that is not finite or has the wrong size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import struct
+import sys
+import time
+import zlib
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+from _bench import markdown  # noqa: E402
+from edgefl.params import LayerTable  # noqa: E402
+from edgefl.transport import wire  # noqa: E402
+
+TABLE = LayerTable.from_shapes([("w", (16, 8)), ("b", (8,))])
+SENDERS = ("pi-01", "pi-02", "pi-03", "pi-04")
+LIMITS = {"max_bytes": 8 << 10, "max_bytes_per_sender": 3 << 10, "max_chunks_per_sender": 64,
+          "max_pending_per_sender": 3, "timeout_s": 30.0}
+# generator -> weight: a storm yields ~10-60 payloads and a flood 128-512, so they are drawn
+# less often to leave room for the single-frame generators
+KINDS = {"random": 10, "truncated": 10, "bitflip": 10, "length": 10, "hash": 10, "crc": 10,
+         "nonfinite": 10, "resealed": 10, "valid": 10, "storm": 10, "flood": 0.5}
+
+
+def seal_header(data: bytes) -> bytes:
+    return data[:60] + struct.pack("<I", zlib.crc32(data[:60])) + data[64:]
+
+
+def seal(data: bytes) -> bytes:
+    return seal_header(data[:48] + struct.pack("<I", zlib.crc32(data[64:])) + data[52:])
+
+
+class Generator:
+    """Seeded payload generator: each method returns [(sender, payload, round)]."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.np = np.random.default_rng(seed)
+        self.round = 1
+
+    def weights(self) -> np.ndarray:
+        return self.np.standard_normal(TABLE.size).astype(np.float32)
+
+    def frame(self, sender: str) -> bytes:
+        buffers = {f"b{i}": self.weights() for i in range(self.rng.randint(1, 2))}
+        return wire.encode("update", self.round, sender, buffers,
+                           {"num_samples": self.rng.randint(1, 999)}, TABLE,
+                           self.rng.choice(["none", "none", "f16", "int8"]))
+
+    def one(self, kind: str) -> list:
+        r, s = self.rng, self.rng.choice(SENDERS)
+        if kind == "random":
+            body = r.randbytes(r.randint(0, 300))
+            return [(s, (wire.MAGIC + b"\x01" + body) if r.random() < 0.5 else body)]
+        if kind == "storm":
+            return self.storm()
+        if kind == "flood":
+            chunk = wire.split(self.frame(s), 256)[0]
+            return [(s, chunk)] * (LIMITS["max_chunks_per_sender"] * r.randint(2, 8))
+        data = self.frame(s)
+        if kind == "valid":
+            return [(s, data)]
+        if kind == "truncated":
+            return [(s, data[:r.randrange(len(data))])]
+        if kind == "bitflip":
+            b = bytearray(data)
+            for _ in range(r.randint(1, 4)):
+                bit = r.randrange(8 * len(b))
+                b[bit // 8] ^= 1 << (bit % 8)
+            return [(s, bytes(b))]
+        if kind == "length":
+            at, fmt = r.choice([(20, "<I"), (24, "<Q")])
+            value = r.choice([r.getrandbits(32), 2 ** 32 - 1, 1 << 20, r.randint(0, 2000)])
+            return [(s, seal_header(data[:at] + struct.pack(fmt, value)
+                                    + data[at + struct.calcsize(fmt):]))]
+        if kind == "hash":
+            return [(s, seal_header(data[:32] + struct.pack("<Q", r.getrandbits(64) | 1)
+                                    + data[40:]))]
+        if kind == "crc":
+            crc = struct.unpack_from("<I", data, 48)[0] ^ (r.getrandbits(32) | 1)
+            return [(s, seal_header(data[:48] + struct.pack("<I", crc) + data[52:]))]
+        if kind == "nonfinite":
+            h = wire.read_header(data)
+            at = h.data_offset + 4 * r.randrange(TABLE.size) \
+                if h.dtype == "f32" else h.data_offset
+            bad = np.float32(r.choice([np.nan, np.inf, -np.inf])).tobytes()
+            if h.dtype != "f32":            # f16 / int8 have no NaN code to plant: force f32
+                data = wire.encode("update", self.round, s, {"p": self.weights()}, None, TABLE)
+                at = wire.read_header(data).data_offset + 4 * r.randrange(TABLE.size)
+            return [(s, seal(data[:at] + bad + data[at + 4:]))]
+        if kind == "resealed":
+            b = bytearray(data)
+            b[r.randrange(len(b))] = r.randrange(256)
+            return [(s, seal(bytes(b)))]
+        raise ValueError(kind)
+
+    def storm(self) -> list:
+        r, out = self.rng, []
+        for _ in range(r.randint(2, 8)):
+            s = r.choice(SENDERS)
+            for c in wire.split(self.frame(s), r.choice([200, 256, 400, 700, 4096])):
+                fate = r.random()
+                if fate < 0.08:
+                    continue                                  # lost: never completes
+                if fate < 0.14:
+                    b = bytearray(c)
+                    b[r.randrange(len(b))] ^= 1 << r.randrange(8)
+                    out.append((s, bytes(b)))
+                elif fate < 0.18:
+                    b = bytearray(c)
+                    b[r.randrange(len(b))] = r.randrange(256)
+                    out.append((s, seal(bytes(b))))
+                out.append((s, c))
+                if fate > 0.9:
+                    out.append((s, c))                        # QoS 1 repeat
+        r.shuffle(out)
+        return out
+
+
+class _Codes(logging.Handler):
+    """Collects the codes of the reassembler's 'rejected [code] ...' log lines."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.codes: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith("rejected ["):
+            self.codes.append(msg[len("rejected ["):msg.index("]")])
+
+
+def run(frames: int, seed: int) -> dict:
+    log = logging.getLogger("edgefl.transport.wire")
+    handler = _Codes()
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    log.propagate = False                 # the flood warnings would swamp the terminal
+    clock = [0.0]
+    r = wire.Reassembler(clock=lambda: clock[0], **LIMITS)
+    gen = Generator(seed)
+    by_kind: Counter = Counter()
+    codes: Counter = Counter()
+    failures: list[str] = []
+    accepted = ignored = generated = 0
+    delivered: set = set()
+    peak_buffered = 0
+    t0 = time.perf_counter()
+    while generated < frames:
+        kind = gen.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        for sender, payload in gen.one(kind):
+            generated += 1
+            by_kind[kind] += 1
+            clock[0] += 0.01
+            ignored_before = r.stats["ignored"]
+            expect = wire.Expectation(TABLE, kinds="update", rounds=gen.round,
+                                      topic_sender=sender)
+            try:
+                frame = r.add(payload, expect)
+            except wire.FrameError as exc:
+                codes[exc.code] += 1
+                frame = None
+            except Exception as exc:        # noqa: BLE001 -- the finding this tool reports
+                failures.append(f"{kind}: {type(exc).__name__}: {exc}")
+                frame = None
+            ignored += r.stats["ignored"] - ignored_before
+            if r.bytes_in_flight > r.max_bytes or r.bytes_buffered > r.bytes_in_flight:
+                failures.append(f"{kind}: {r.bytes_buffered} bytes buffered, "
+                                f"{r.bytes_in_flight} reserved, limit {r.max_bytes}")
+            peak_buffered = max(peak_buffered, r.bytes_buffered)
+            if frame is not None:
+                accepted += 1
+                key = (frame.sender, frame.message_id)
+                if key in delivered:
+                    failures.append(f"{kind}: message {key} delivered twice")
+                delivered.add(key)
+                for name, arr in frame.buffers.items():
+                    if arr.size != TABLE.size or not np.isfinite(arr).all():
+                        failures.append(f"{kind}: buffer {name} delivered with bad values")
+        if gen.rng.random() < 0.02:
+            gen.round += 1                    # a new round: new budgets
+            clock[0] += LIMITS["timeout_s"]   # and what is incomplete expires
+    seconds = time.perf_counter() - t0
+    log.removeHandler(handler)
+    logged = Counter(handler.codes)
+    if logged != codes:
+        failures.append(f"rejects logged {dict(logged)} differ from rejects raised "
+                        f"{dict(codes)}")
+    return {"seed": seed, "frames": generated, "accepted": accepted,
+            "rejected": sum(codes.values()), "ignored_flood": ignored,
+            "duplicates": r.stats["duplicates"], "expired": r.stats["expired"],
+            "rejected_by_code": dict(sorted(codes.items())),
+            "generated_by_kind": dict(sorted(by_kind.items())),
+            "max_bytes_in_flight": r.peak_bytes, "max_bytes_buffered": peak_buffered,
+            "limit_bytes": r.max_bytes, "limits": LIMITS, "seconds": round(seconds, 2),
+            "failures": failures[:20], "failure_count": len(failures)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frames", type=int, default=100_000,
+                        help="payloads to generate (default 100,000; at least 10,000 for "
+                             "the documented run)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    result = run(args.frames, args.seed)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        summary = {k: result[k] for k in ("frames", "accepted", "rejected", "ignored_flood",
+                                          "duplicates", "expired", "max_bytes_in_flight",
+                                          "max_bytes_buffered", "limit_bytes", "seconds")}
+        print(markdown([summary]))
+        print()
+        print(markdown([{"code": c, "rejected": n}
+                        for c, n in result["rejected_by_code"].items()]))
+        print()
+        print(markdown([{"generator": k, "payloads": n}
+                        for k, n in result["generated_by_kind"].items()]))
+        print()
+        print(f"failures: {result['failure_count']}")
+        for f in result["failures"]:
+            print(f"  {f}")
+    return 1 if result["failure_count"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
