@@ -129,6 +129,19 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=128 * 1024, metavar="BYTES",
                         help="with --transport mqtt: bytes per MQTT message; larger frames "
                              "are chunked (default 131072, AWS IoT's limit)")
+    add_export_arguments(parser)
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a training run exports its model to <out>/model.onnx (edgefl.export.ExportPolicy)."""
+    parser.add_argument("--export-every", type=int, default=0, metavar="N",
+                        help="also export the global model to ONNX after every N-th round "
+                             "(atomic replace of model.onnx; default 0: the final model only)")
+    parser.add_argument("--export-quantize", choices=["none", "int8"], default="none",
+                        help="int8: static quantisation of every export, calibrated on the "
+                             "run's training data (default none)")
+    parser.add_argument("--export-no-softmax", action="store_true",
+                        help="exports without the probabilities output (scores only)")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -146,9 +159,17 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.broker is not None and args.transport != "mqtt":
         raise ValueError("--broker needs --transport mqtt")
     mqtt = {"max_payload": args.chunk_size} if args.transport == "mqtt" else None
+    from .export import ExportPolicy
+
+    if args.export_every < 0:
+        raise ValueError(f"--export-every {args.export_every}: need N >= 0 (0: export the "
+                         f"final model only)")
+    export = ExportPolicy(every=args.export_every, softmax=not args.export_no_softmax,
+                          quantize=args.export_quantize)
     try:
         summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
-                           transport=args.transport, broker=args.broker, mqtt=mqtt)
+                           transport=args.transport, broker=args.broker, mqtt=mqtt,
+                           export=export)
     except NonFiniteError as exc:
         print(f"edgefl simulate: training diverged: {exc}", file=sys.stderr)
         return 1
@@ -491,8 +512,21 @@ def _mqtt_transport(config, client_id: str, **options):
 
     broker = config.section("broker")
     tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
-    return MqttTransport(broker["url"], client_id, username=broker.get("username"),
-                         password_file=broker.get("password_file"), **tls, **options)
+    transport = MqttTransport(broker["url"], client_id, username=broker.get("username"),
+                              password_file=broker.get("password_file"), **tls, **options)
+    transport.set_queue_limits(config["limits.queue_messages"], config["limits.queue_mb"] << 20)
+    return transport
+
+
+def _reassembly_limits(config) -> dict:
+    """The role settings of the service config's limits section (None: the role sizes it)."""
+    mib = {"reassembly_bytes": "limits.reassembly_mb"}
+    if config.role == "aggregator":
+        mib["reassembly_bytes_per_sender"] = "limits.sender_reassembly_mb"
+    limits = {name: None if config[key] is None else config[key] << 20
+              for name, key in mib.items()}
+    limits["chunks_per_sender"] = config["limits.chunks_per_sender"]
+    return limits
 
 
 def _role_start(role: str, args: argparse.Namespace, extra_overrides=()):
@@ -523,21 +557,31 @@ def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the client ids of the federation, in the order of the run "
                              "config's partition (default: client-0 ... client-<N-1>)")
     parser.add_argument("--out", metavar="DIR",
-                        help="where metrics.jsonl, summary.json and model.npz go (default: "
-                             "<state_dir>/run)")
+                        help="where the site file's run writes metrics.jsonl, summary.json "
+                             "and model.npz (default: <state_dir>/run; runs started on the "
+                             "control topic write to <state_dir>/runs/<id>/)")
+    parser.add_argument("--once", action="store_true",
+                        help="exit once no run is active or queued (the site file's run done) "
+                             "instead of waiting for the next run")
+
+
+def _export_policy(config):
+    """The ExportPolicy of the aggregator's export.* settings."""
+    from .export import ExportPolicy
+
+    return ExportPolicy(every=config["export.every"], softmax=config["export.softmax"],
+                        quantize=config["export.quantize"])
 
 
 def _aggregator(args: argparse.Namespace) -> int:
     import os
 
     from .roles import AggregatorSettings
-    from .runconfig import load_run_config
+    from .roles.daemon import Daemon, DaemonSettings
     from .service.notify import Notifier
     from .service.signals import install_stop_handlers
-    from .sim import run_aggregator
 
     config = _role_start("aggregator", args)
-    run_config = load_run_config(config["run"])
     state_dir = config.state_dir
     out = args.out or os.path.join(state_dir, "run")
 
@@ -555,25 +599,45 @@ def _aggregator(args: argparse.Namespace) -> int:
                                   min_updates=setting(args.min_updates, "round.min_updates", 1),
                                   max_payload=config["transport.chunk_size"],
                                   compression=config["transport.compression"],
-                                  profile=config.profile)
-    transport = _mqtt_transport(config, config["node.id"])
+                                  profile=config.profile, **_reassembly_limits(config))
+    daemon_settings = DaemonSettings(settings, client_ids=tuple(clients) if clients else None,
+                                     once=args.once,
+                                     run_options={"export": _export_policy(config),
+                                                  "publish_onnx": config["export.publish"],
+                                                  "onnx_record_dir": state_dir})
+
+    def transport(client_id, **options):
+        return _mqtt_transport(config, client_id, **options)
+
     notifier = Notifier.from_environment()
+    site_run = (config["run"], out) if config["run"] else None
     with install_stop_handlers() as stop, notifier.watchdog_pinger():
-        summary = run_aggregator(run_config, transport, state_dir, settings=settings,
-                                 client_ids=clients, out_dir=out, stop=stop, notifier=notifier)
+        daemon = Daemon(daemon_settings, state_dir, transport, stop=stop, notifier=notifier,
+                        site_run=site_run)
+        daemon.run()
         notifier.stopping()
-    if summary is None:
-        print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'}); the checkpoint "
-              f"in {state_dir} resumes the run", flush=True)
-        return 0
-    print(f"{run_config.strategy}: final accuracy {summary['final_accuracy']:.4f}, "
-          f"{summary['rounds']} rounds, model sha256 {summary['model_sha256']}; outputs in "
-          f"{out}", flush=True)
-    return 0
+    for run_id in daemon.executed:
+        record = daemon.records[run_id]
+        where = record["out_dir"]
+        if record["state"] == "finished":
+            print(f"run {run_id}: finished, final accuracy {record['final_accuracy']:.4f}, "
+                  f"{record['rounds_done']} rounds, model sha256 {record['model_sha256']}; "
+                  f"outputs in {where}", flush=True)
+        elif record["state"] in ("running", "paused"):
+            print(f"run {run_id}: interrupted ({stop.name or 'stop requested'}); the checkpoint "
+                  f"in {record['state_dir']} resumes the run", flush=True)
+        else:
+            detail = record.get("error") or f"outputs in {where}"
+            print(f"run {run_id}: {record['state']}; {detail}", flush=True)
+    if stop.is_set():
+        print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'})", flush=True)
+    return 1 if any(daemon.records[r]["state"] == "failed" for r in daemon.executed) \
+        and args.once else 0
 
 
-register(Command("aggregator", "run the federation's rounds over MQTT (the run config named "
-                               "by the site file's `run`); resumes from its checkpoint",
+register(Command("aggregator", "the aggregator service: runs the federation's rounds over MQTT, "
+                               "one run at a time, started and steered on the control topic "
+                               "(and the site file's `run` first); resumes from its checkpoints",
                  _aggregator_arguments, _aggregator))
 
 
@@ -628,7 +692,11 @@ def _client(args: argparse.Namespace) -> int:
                               max_payload=config["transport.chunk_size"],
                               compression=config["transport.compression"],
                               exit_when_finished=args.exit_when_finished,
-                              profile=config.profile)
+                              profile=config.profile, **_reassembly_limits(config),
+                              # the board's limits: a run asking more is refused
+                              max_params=config["compute.max_params"],
+                              max_batch_size=config["compute.max_batch_size"],
+                              memory_budget_mb=config["compute.memory_budget_mb"])
     transport = _mqtt_transport(config, node)
     notifier = Notifier.from_environment()
     with install_stop_handlers() as stop, notifier.watchdog_pinger():
@@ -644,6 +712,41 @@ def _client(args: argparse.Namespace) -> int:
 register(Command("client", "train on this node's data whenever the aggregator's round tasks "
                            "it (site file: id, data, broker, state directory)",
                  _client_arguments, _client))
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from .service.layered import add_service_config_arguments
+
+    add_service_config_arguments(parser)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import InferenceService, serve, socket_path_for
+    from .service import logs
+    from .service.layered import load_service_config
+    from .service.notify import Notifier
+    from .service.signals import install_stop_handlers
+
+    config = load_service_config("infer", args.site, profile=args.profile,
+                                 overrides=args.overrides)
+    logs.setup_logging(config["log.level"])
+    service = InferenceService(config["infer.model"], threads=config["infer.threads"],
+                               check_interval=config["infer.check_interval"],
+                               max_request_bytes=config["infer.max_request_bytes"])
+    path = socket_path_for(config["infer.socket"], lambda: config.state_dir)
+    notifier = Notifier.from_environment()
+    with install_stop_handlers() as stop:
+        status = serve(service, path, listen=config["infer.listen"], stop=stop,
+                       notifier=notifier)
+    print(f"edgefl serve: stopped ({stop.name or 'stop requested'}) after "
+          f"{service.requests} requests", flush=True)
+    return status
+
+
+register(Command("serve", "serve predictions of the latest ONNX model over HTTP on a Unix "
+                          "socket (and optionally TCP); reloads the model file when the "
+                          "client replaces it",
+                 _serve_arguments, _serve))
 
 
 def _status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -717,6 +820,250 @@ def _status(args: argparse.Namespace) -> int:
 register(Command("status", "print the fleet (node, online, version, profile, last round) "
                            "from the retained status topics",
                  _status_arguments, _status))
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl ctl: a thin client of the control topics (docs/orchestration.md)
+# ---------------------------------------------------------------------------------------
+
+CTL_ACTIONS = ("start", "pause", "resume", "stop", "export", "status", "runs", "watch")
+
+
+def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
+    from .service.layered import add_service_config_arguments
+
+    parser.add_argument("action", choices=CTL_ACTIONS,
+                        help="start CONFIG: queue a run; pause / resume / stop / export: the "
+                             "active run (or --run ID); status; runs; watch: follow the "
+                             "events until the run ends (Ctrl-C to leave)")
+    parser.add_argument("run_config", nargs="?", metavar="CONFIG",
+                        help="with start: the run config (YAML file or built-in name)")
+    add_service_config_arguments(parser)
+    parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
+                        help="whose site file --config is (broker, TLS files, federation; "
+                             "default aggregator)")
+    parser.add_argument("--broker", metavar="URL",
+                        help="mqtt://host[:port] or mqtts://... (default: the site file's, "
+                             "else mqtt://localhost:1883)")
+    parser.add_argument("--username", metavar="USER",
+                        help="MQTT user (default: the site file's; the broker's ACL lets only "
+                             "the operator publish commands)")
+    parser.add_argument("--password-file", metavar="FILE",
+                        help="file whose first line is the MQTT password")
+    parser.add_argument("--ca-file", metavar="FILE", help="CA bundle of the broker (TLS)")
+    parser.add_argument("--federation", metavar="ID",
+                        help="federation id (default: the site file's node.federation, else "
+                             "'default')")
+    parser.add_argument("--mqtt", choices=["5", "3.1.1"], default="5",
+                        help="protocol: 5 (default) sends the reply address as response topic "
+                             "+ correlation data, 3.1.1 in the payload (reply_to, request_id)")
+    parser.add_argument("--run", dest="run_id", metavar="ID",
+                        help="the run a command is for (start: the new run's id)")
+    parser.add_argument("--clients", metavar="ID,ID,...",
+                        help="start: the client ids, in the order of the partition")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="start: round deadline of this run")
+    parser.add_argument("--quorum", type=float, metavar="FRACTION",
+                        help="start: round quorum of this run")
+    parser.add_argument("--min-updates", type=int, metavar="N",
+                        help="start: fewest updates a round of this run is aggregated with")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="how long to wait for a reply (default 10)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the reply (watch: each event) as JSON")
+
+
+def _ctl_connect(args: argparse.Namespace):
+    import os
+
+    from .transport.mqtt import MqttTransport
+    from .transport.topics import Topics
+
+    config = None
+    if args.site is not None or args.overrides or args.profile is not None:
+        from .service.layered import load_service_config
+
+        config = load_service_config(args.role, args.site, profile=args.profile,
+                                     overrides=args.overrides)
+    broker = config.section("broker") if config is not None else {}
+    url = args.broker or broker.get("url") or "mqtt://localhost:1883"
+    options = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
+    if args.ca_file:
+        options["ca_file"] = args.ca_file
+    username = args.username or broker.get("username")
+    password_file = args.password_file or broker.get("password_file")
+    name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
+    transport = MqttTransport(url, f"edgefl-{name}", clean_session=True, protocol=args.mqtt,
+                              username=username, password_file=password_file, **options)
+    federation = args.federation or (config["node.federation"] if config else "default")
+    transport.connect()
+    return transport, Topics(federation), name
+
+
+def _ctl_command(args: argparse.Namespace) -> dict:
+    doc: dict = {"cmd": args.action}
+    if args.action == "start":
+        from .runconfig import load_run_config
+        from .sim import _absolute_paths
+
+        if args.run_config is None:
+            raise ValueError("ctl start: name the run config (a YAML file or built-in name)")
+        config = load_run_config(args.run_config)      # errors name the file and key here
+        body = config.to_dict()
+        body["dataset"] = _absolute_paths(config.dataset, config.path)
+        doc["config"] = body
+        if args.clients:
+            doc["clients"] = [c.strip() for c in args.clients.split(",")]
+        rounds = {k: v for k, v in (("deadline", args.deadline), ("quorum", args.quorum),
+                                    ("min_updates", args.min_updates)) if v is not None}
+        if rounds:
+            doc["round"] = rounds
+    elif args.run_config is not None:
+        raise ValueError(f"ctl {args.action}: takes no CONFIG (got {args.run_config!r})")
+    if args.run_id is not None and args.action not in ("status", "runs", "watch"):
+        doc["run"] = args.run_id
+    return doc
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    import json
+
+    from .roles.control import ControlClient
+
+    doc = _ctl_command(args) if args.action != "watch" else None
+    transport, topics, name = _ctl_connect(args)
+    try:
+        if args.action == "watch":
+            return _ctl_watch(args, transport, topics, name)
+        client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
+        try:
+            reply = client.request(doc, timeout=args.timeout)
+        except TimeoutError as exc:
+            print(f"edgefl ctl: {exc}", file=sys.stderr)
+            return 1
+    finally:
+        transport.close(timeout=2.0, announce_offline=False)
+    if args.json:
+        print(json.dumps(reply, indent=1))
+    elif not reply.get("ok"):
+        print(f"edgefl ctl {args.action}: refused: {reply.get('error')}", file=sys.stderr)
+    else:
+        print(_ctl_text(args.action, reply.get("result") or {}))
+    return 0 if reply.get("ok") else 1
+
+
+def _ctl_text(action: str, result: dict) -> str:
+    """One reply in words (what `edgefl ctl` prints without --json)."""
+    if action == "runs":
+        rows = result.get("runs", [])
+        if not rows:
+            return "no runs"
+        lines = [f"{'run':<24} {'state':<10} {'rounds':>7} {'accuracy':>9}"]
+        for r in rows:
+            acc = r.get("final_accuracy")
+            done = f"{r.get('rounds_done', '-')}/{r.get('rounds') or '?'}"
+            lines.append(f"{r['id']:<24} {r['state']:<10} {done:>7} "
+                         f"{f'{acc:.4f}' if acc is not None else '-':>9}")
+        return "\n".join(lines)
+    if action == "status":
+        active = result.get("active")
+        queue = ", ".join(result.get("queue") or []) or "empty"
+        if not active:
+            return f"{result.get('node')}: no active run; queue: {queue}"
+        acc = active.get("test_accuracy")
+        online = active.get("clients_online") or []
+        round_text = (f"round {active['round']} of {active.get('rounds')} open, "
+                      f"{active.get('updates')}/{active.get('uploaders')} updates"
+                      if active.get("round") else
+                      f"{active.get('rounds_done', 0)} of {active.get('rounds')} rounds done")
+        return (f"run {active['run']}: {active['state']}, {round_text}; test accuracy "
+                f"{f'{acc:.4f}' if acc is not None else '-'}; {len(online)} client(s) online"
+                f"{': ' + ', '.join(online) if online else ''}; queue: {queue}")
+    fields = ", ".join(f"{k} {v}" for k, v in result.items() if k != "run")
+    return f"run {result.get('run')}: {fields}"
+
+
+def _ctl_watch(args, transport, topics, name) -> int:
+    """Follow the events topic: rounds, accuracy, clients online, until the run ends."""
+    import json
+
+    from .roles.control import ControlClient
+    from .transport.base import Message
+
+    transport.subscribe(topics.events(), qos=1)
+    watched = args.run_id
+    try:
+        status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5").request(
+            {"cmd": "status"}, timeout=args.timeout)
+        if status.get("ok"):
+            active = (status.get("result") or {}).get("active")
+            watched = watched or (active or {}).get("run")
+            if not args.json:
+                print(_ctl_text("status", status.get("result") or {}), flush=True)
+    except TimeoutError as exc:
+        print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
+    online: set = set()
+    ends = ("run_finished", "run_stopped", "run_cancelled")
+    try:
+        while True:
+            item = transport.receive(timeout=1.0)
+            if not isinstance(item, Message) or item.topic != topics.events():
+                continue
+            try:
+                event = json.loads(item.payload)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            run = event.get("run")
+            if watched is None and event.get("event") in ("run_started", "run_resumed"):
+                watched = run
+            if watched is not None and run not in (None, watched):
+                continue
+            kind = event.get("event")
+            if kind == "client_joined":
+                online.add(event.get("client"))
+            elif kind == "client_left":
+                online.discard(event.get("client"))
+            if args.json:
+                print(json.dumps(event), flush=True)
+            else:
+                print(_event_text(event, online), flush=True)
+            if kind in ends or (kind == "error" and run == watched and run is not None):
+                return 0 if kind == "run_finished" else 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def _event_text(event: dict, online: set) -> str:
+    import time
+
+    kind, run = event.get("event"), event.get("run")
+    at = time.strftime("%H:%M:%S", time.localtime(event.get("at") or time.time()))
+    if kind == "round_opened":
+        left = (event.get("deadline") or 0) - (event.get("at") or 0)
+        text = (f"round {event.get('round')} opened: {len(event.get('selected') or [])} "
+                f"selected, deadline in {left:.0f} s")
+    elif kind == "round_closed":
+        acc = event.get("test_accuracy")
+        text = (f"round {event.get('round')} closed ({event.get('closed_by')}): "
+                f"{event.get('updates')} update(s), test accuracy "
+                f"{f'{acc:.4f}' if acc is not None else '-'}")
+    elif kind in ("client_joined", "client_left"):
+        text = (f"{event.get('client')} {'online' if kind == 'client_joined' else 'offline'} "
+                f"({len(online)} online)")
+    elif kind == "error":
+        text = f"error: {event.get('error')}"
+    else:
+        extra = ", ".join(f"{k} {v}" for k, v in event.items()
+                          if k not in ("event", "run", "node", "at"))
+        text = kind + (f": {extra}" if extra else "")
+    return f"{at} {run or '-'} {text}"
+
+
+register(Command("ctl", "drive the aggregator service over MQTT: start CONFIG | pause | resume | "
+                        "stop | export | status | runs | watch (the operator's account)",
+                 _ctl_arguments, _ctl))
 
 
 if __name__ == "__main__":

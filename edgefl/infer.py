@@ -104,7 +104,8 @@ def install_model(data: bytes, state_dir, name: str = "model.onnx", *,
     """Install received model bytes as `state_dir/name` (atomic replace) after checking them:
     the sha256 when the sender gave one, and that onnxruntime builds a session from them, so
     a corrupt or truncated payload never replaces a working model. Returns the path.
-    The receiving half of the MQTT hook (edgefl.export.model_payload is the sending half)."""
+    What a client runs on a received model (roles/onnx_channel.py; edgefl.export.model_payload
+    is the sending half)."""
     target = os.path.join(os.fspath(state_dir), name)
     if sha256 is not None:
         got = hashlib.sha256(data).hexdigest()
@@ -288,6 +289,21 @@ class Predictor:
         if m.decision == "none":
             raise ModelFileError(f"{self.path}: a regression model (decision none) has no "
                                  f"classes; use Predictor.scores(x)")
+        return self._classify(x, m)
+
+    def answer(self, x) -> dict:
+        """Everything about one prediction from ONE model, even while a reload swaps in
+        another: {sha256, metadata, class_names} of the model that answered, plus classes
+        and probabilities (classifiers) or values (regression). What a service returns."""
+        m = self._serving()
+        out = {"sha256": m.sha256, "metadata": dict(m.metadata), "class_names": m.class_names}
+        if m.decision == "none":
+            out["values"] = m.session.run([m.scores_name], {m.input_name: self._prepare(x, m)})[0]
+        else:
+            out["classes"], out["probabilities"] = self._classify(x, m)
+        return out
+
+    def _classify(self, x, m: _Loaded) -> tuple[np.ndarray, np.ndarray]:
         names = [m.scores_name] + (["probabilities"] if m.has_probabilities else [])
         out = m.session.run(names, {m.input_name: self._prepare(x, m)})
         scores = out[0]

@@ -276,7 +276,7 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
         "log": {"level": "info"}}))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config", site,
-               "--deadline", "60", "--out", str(out)]
+               "--deadline", "60", "--out", str(out), "--once"]
     procs = []
 
     def spawn(args, log_name):

@@ -488,11 +488,41 @@ def export_checkpoint(source, out, *, quantize: str | None = None, softmax: bool
     Returns {out, model, n_params, round, algorithm, accuracy_fp32, accuracy_int8, ...}."""
     if quantize not in (None, "int8"):
         raise ExportError(f"export: --quantize {quantize!r}; valid: int8")
-    run = load_run(source)
+    return export_run(load_run(source), out, quantize=quantize, softmax=softmax,
+                      evaluate=evaluate, calibration_samples=calibration_samples)
+
+
+def run_from_params(model: Model, params: np.ndarray, *, round: int, algorithm: str,
+                    dataset, dataset_config: dict | None = None,
+                    checkpoint: str = "<in memory>") -> Run:
+    """A Run of live parameters (a round of `edgefl simulate` or `edgefl aggregator`, no
+    model.npz written): the normalisation and class names come from the loaded `dataset`."""
+    return Run(checkpoint=checkpoint, model=model,
+               params=_check_params(model, np.asarray(params)), round=int(round),
+               algorithm=algorithm, norm_mean=np.asarray(dataset.norm_mean, np.float32),
+               norm_std=np.asarray(dataset.norm_std, np.float32),
+               class_names=list(dataset.class_names) or [str(i) for i in
+                                                         range(model.num_classes)],
+               dataset=dict(dataset_config) if dataset_config else None)
+
+
+def export_run(run: Run, out, *, quantize: str | None = None, softmax: bool = True,
+               evaluate: bool = True, calibration_samples: int = CALIBRATION_SAMPLES,
+               dataset=None) -> dict:
+    """Export a Run (load_run, run_from_params) to `out` by one atomic replace; what
+    export_checkpoint does after loading. `dataset`: the run's dataset already loaded (a
+    process that trains has it; the periodic export of a run then reloads nothing); None
+    loads it from the run's dataset section when evaluating or quantising."""
+    if quantize not in (None, "int8"):
+        raise ExportError(f"export: quantize {quantize!r}; valid: int8")
     model = run.model
     classify = model.num_classes >= 2
-    dataset, why_no_data = None, ""
-    if run.dataset and (evaluate or quantize):
+    why_no_data = ""
+    if dataset is not None:
+        if tuple(dataset.input_shape) != tuple(model.input_shape):
+            raise ExportError(f"export: dataset {dataset.name!r} has input shape "
+                              f"{dataset.input_shape}, the model {model.input_shape}")
+    elif run.dataset and (evaluate or quantize):
         from ..data import load_dataset
 
         options = dict(run.dataset)
@@ -506,7 +536,7 @@ def export_checkpoint(source, out, *, quantize: str | None = None, softmax: bool
                 why_no_data = (f"dataset {name!r} has input shape {dataset.input_shape}, the "
                                f"model {model.input_shape}")
                 dataset = None
-    elif not run.dataset:
+    elif not run.dataset and (evaluate or quantize):
         why_no_data = ("the checkpoint does not name its dataset and there is no summary.json "
                        "of the same run next to it")
     if quantize and dataset is None:
@@ -537,7 +567,7 @@ def export_checkpoint(source, out, *, quantize: str | None = None, softmax: bool
     try:
         export_onnx(model, run.params, fp32_path, norm_mean=run.norm_mean,
                     norm_std=run.norm_std, softmax=softmax, metadata=meta)
-        if dataset is not None and classify:
+        if dataset is not None and classify and (evaluate or quantize):
             x_test, y_test = raw_inputs(dataset, dataset.x_test), dataset.y_test
             if model.n_out == 1:   # positive-score models predict "label 1" or not
                 y_test = (y_test == 1).astype(np.int64)
@@ -566,7 +596,7 @@ def export_checkpoint(source, out, *, quantize: str | None = None, softmax: bool
 
 
 # ---------------------------------------------------------------------------------------
-# publishing (the MQTT runtime's hook, issue #5 item 4)
+# publishing (Aggregator.publish_onnx, roles/onnx_channel.py; issue #5 item 4)
 # ---------------------------------------------------------------------------------------
 
 def model_payload(path) -> tuple[bytes, dict]:

@@ -57,8 +57,8 @@ from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from .messages import (MessageError, TopicCache, build_announcement, buffers_sha256,
                        finished_announcement, new_announce_id, parse_status,
                        parse_update_scalars, peek_frame, status_payload)
-from .state import (JOURNAL_FILE, AggregatorCheckpoint, StateError, append_journal, jsonable,
-                    read_journal)
+from .state import (JOURNAL_FILE, AggregatorCheckpoint, StateError, StateWriteError,
+                    append_journal, jsonable, read_journal)
 
 __all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult",
            "run_fingerprint", "default_client_ids"]
@@ -85,6 +85,13 @@ class AggregatorSettings:
     max_payload:     bytes per MQTT message; larger frames are chunked (AWS IoT: 128 KiB).
     compression:     none | f16 | int8, how the models travel down (clients choose theirs).
     resend_interval_s: at most one model re-send per client per interval.
+    offline_grace_s: how long a client must have been offline (its Last Will) before a
+                     round stops waiting for it, and how long after our own reconnect to
+                     the broker no round closes for missing clients being offline: a broker
+                     shutting down publishes every client's will, and the clients need
+                     their reconnect time to say they are back.
+    reassembly_bytes, reassembly_bytes_per_sender, chunks_per_sender: the limits of the
+                     update reassembler (docs/limits.md); None sizes them from the model.
     """
     node_id: str = "aggregator"
     federation: str = "default"
@@ -95,7 +102,11 @@ class AggregatorSettings:
     max_payload: int = 128 * 1024
     compression: str = "none"
     reassembly_timeout_s: float = 60.0
+    reassembly_bytes: int | None = None
+    reassembly_bytes_per_sender: int | None = None
+    chunks_per_sender: int | None = None
     resend_interval_s: float = 1.0
+    offline_grace_s: float = 3.0
     profile: str | None = None
     poll_s: float = 0.25
 
@@ -104,6 +115,8 @@ class AggregatorSettings:
         validate_id(self.federation, "federation id")
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s = {self.round_timeout_s!r}: need > 0 seconds")
+        if not self.offline_grace_s >= 0:
+            raise ValueError(f"offline_grace_s = {self.offline_grace_s!r}: need >= 0 seconds")
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum = {self.quorum!r}: a fraction in (0, 1] of the round's "
                              "uploaders")
@@ -115,6 +128,12 @@ class AggregatorSettings:
                              f"{', '.join(wire.COMPRESSIONS)}")
         if not 1024 <= self.max_payload:
             raise ValueError(f"max_payload = {self.max_payload!r}: need >= 1024 bytes")
+        for name in ("reassembly_bytes", "reassembly_bytes_per_sender", "chunks_per_sender"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} = {value!r}: need an integer >= 1, or None (sized "
+                                 "from the model)")
 
 
 @dataclass(frozen=True)
@@ -203,12 +222,16 @@ class _OpenRound:
 class Aggregator:
     """Runs the rounds of `plan` over `transport` (not yet connected), persisting to
     `state_dir`. on_round(record, history) is called after each round is checkpointed;
-    `stop` (an Event-like object) ends the loop between steps."""
+    `stop` (an Event-like object) ends the loop between steps. `control` (a
+    roles.control.RunControl, from the daemon) names a new run and pauses it: while
+    `control.paused` is set no round closes or opens, the broker is still serviced, and on
+    resume the open round's deadline moves by the paused time and the round is announced
+    again."""
 
     def __init__(self, plan: RunPlan, transport: Transport, state_dir: str | os.PathLike,
                  settings: AggregatorSettings = AggregatorSettings(), *,
                  on_round: Callable[[dict, list], None] | None = None, stop=None,
-                 notifier=None):
+                 notifier=None, control=None):
         self.plan = plan
         self.transport = transport
         self.state_dir = os.fspath(state_dir)
@@ -216,16 +239,26 @@ class Aggregator:
         self.on_round = on_round
         self.stop = stop if stop is not None else threading.Event()
         self.notifier = notifier
+        self.control = control
         self.topics = Topics(settings.federation, settings.prefix)
         self._topic_cache = TopicCache(self.topics)
         self.table = plan.model.table
         self.members = {node: i for i, node in enumerate(plan.client_ids)}
         self.fingerprint = run_fingerprint(plan, settings)
-        # Room for every uploader's chunked update in flight at once (two buffers each, e.g.
-        # MFL's model and momentum, plus headroom), and never less than wire's default.
-        in_flight = plan.clients_per_round * (2 * 4 * plan.model.n_params + (64 << 10)) * 3 // 2
-        self.reassembler = wire.Reassembler(settings.reassembly_timeout_s,
-                                            max_bytes=max(256 << 20, in_flight))
+        # Limits (docs/limits.md). Unless configured: room for every uploader's chunked
+        # update in flight at once (two buffers each, e.g. MFL's model and momentum, plus
+        # headroom), never less than wire's default; per sender, two updates; and a budget
+        # of four updates' worth of chunks per round at the smallest chunk size edgefl
+        # allows (1 KiB), so QoS 1 repeats and re-sends after a re-announcement stay well
+        # inside it while a client flooding its update topic is cut off.
+        update_bytes = 2 * 4 * plan.model.n_params + (64 << 10)
+        in_flight = plan.clients_per_round * update_bytes * 3 // 2
+        self.reassembler = wire.Reassembler(
+            settings.reassembly_timeout_s,
+            max_bytes=settings.reassembly_bytes or max(256 << 20, in_flight),
+            max_bytes_per_sender=settings.reassembly_bytes_per_sender or 2 * update_bytes,
+            max_chunks_per_sender=settings.chunks_per_sender
+            or max(256, 4 * -(-update_bytes // 1024)))
         self.online: dict[str, bool] = {}
         self.open: _OpenRound | None = None
         self.ckpt: AggregatorCheckpoint | None = None
@@ -234,6 +267,9 @@ class Aggregator:
         self._cleared: set = set()           # retained topics cleared this session
         self._retained: set = set()          # model topics we left a retained frame on
         self._connects = 0                   # `connected` events handled
+        self._reconnected_at = -math.inf     # monotonic time of the last reconnect (inf:
+                                             # the connection is lost)
+        self._offline_since: dict[str, float] = {}   # node -> monotonic time it went offline
 
     # ------------------------------------------------------------------ public
     @property
@@ -251,6 +287,8 @@ class Aggregator:
     def run(self) -> AggregatorResult:
         os.makedirs(self.state_dir, exist_ok=True)
         self.ckpt = self._load_or_start()
+        if self.control is not None:
+            self.control.attach(self)
         self._connect()
         if self.notifier is not None:
             self.notifier.ready(f"aggregator: run {self.ckpt.run_id}, {self.ckpt.round} of "
@@ -259,7 +297,7 @@ class Aggregator:
             done = self.ckpt.round
             self._event("run_resumed" if done else "run_started", round=done + 1)
             for r in range(done + 1, self.rounds + 1):
-                if self.stop.is_set():
+                if self.stop.is_set() or not self._hold():
                     break
                 if not self._run_round(r):
                     break
@@ -298,7 +336,8 @@ class Aggregator:
             return ckpt
         state = self.plan.strategy.init(self.plan.init_params, self.plan.setup)
         ckpt = AggregatorCheckpoint(
-            run_id=os.urandom(8).hex(), fingerprint=self.fingerprint, round=0, aggregated=[],
+            run_id=getattr(self.control, "run_id", None) or os.urandom(8).hex(),
+            fingerprint=self.fingerprint, round=0, aggregated=[],
             state=state, strategy=self._strategy_record(),
             rng={"seed": self.plan.setup.seed,
                  "streams": "selection (seed, round); local data order (seed, round, client); "
@@ -330,7 +369,8 @@ class Aggregator:
                               profile=self.settings.profile,
                               last_round=self.ckpt.round if self.ckpt and not will else None,
                               run=self.run_id,
-                              round=self.open.round if self.open and online else None)
+                              round=self.open.round if self.open and online else None,
+                              paused=True if online and self._paused() else None)
 
     def _connect(self) -> None:
         t = self.transport
@@ -383,6 +423,38 @@ class Aggregator:
         log.info("run %s finished: %d rounds, final model sha256 %s", self.ckpt.run_id,
                  self.rounds, sha)
 
+    def publish_onnx(self, path: str | os.PathLike, record_dir: str | None = None) -> dict:
+        """Publish the exported model at `path` (edgefl.export) retained for every client,
+        present and future: each payload of its chunked frame on its own part topic
+        `onnx/<i>`, the parts a longer earlier model left cleared, then the manifest on
+        `onnx` (roles/onnx_channel.py, docs/protocol.md section 5.1). Called after each
+        export (on_round of the rounds an ExportPolicy exports). `record_dir` keeps the
+        part count of the last publication (default the state directory; a service that
+        runs several runs on one federation gives one directory for all). Returns what was
+        sent."""
+        from ..export import model_payload
+        from .onnx_channel import (encode_publication, part_topic, published_parts,
+                                   record_publication)
+
+        data, metadata = model_payload(path)
+        pub = encode_publication(data, metadata, round=self.ckpt.round,
+                                 sender=self.settings.node_id, run=self.ckpt.run_id,
+                                 max_payload=self.settings.max_payload)
+        record_dir = record_dir or self.state_dir
+        before = published_parts(record_dir)
+        for i, payload in enumerate(pub.parts):
+            self.transport.publish(part_topic(self.topics, i), payload, qos=1, retain=True)
+        for i in range(len(pub.parts), before):
+            self.transport.clear_retained(part_topic(self.topics, i))
+        self.transport.publish(self.topics.onnx(), pub.manifest, qos=1, retain=True)
+        record_publication(record_dir, pub, self.ckpt.run_id)
+        self._event("onnx_published", round=pub.round, sha256=pub.sha256, bytes=pub.nbytes,
+                    parts=len(pub.parts))
+        log.info("round %d: ONNX model published (%d bytes in %d retained part(s), sha256 "
+                 "%s)", pub.round, pub.nbytes, len(pub.parts), pub.sha256[:12])
+        return {"round": pub.round, "sha256": pub.sha256, "bytes": pub.nbytes,
+                "parts": len(pub.parts)}
+
     # ------------------------------------------------------------------ one round
     def _run_round(self, r: int) -> bool:
         """Open, collect, aggregate and commit round r; False when stopped first."""
@@ -408,13 +480,14 @@ class Aggregator:
         self._commit(r, state, record)
         return True
 
-    def _announce(self) -> None:
-        """Publish the announcement of the open round (a new id and deadline), then its
-        models. Also used to announce the round again after a deadline without updates."""
+    def _announce(self, deadline: float | None = None) -> None:
+        """Publish the announcement of the open round (a new id and deadline, `deadline` or
+        round_timeout_s from now), then its models. Also used to announce the round again
+        after a deadline without updates, and after a pause."""
         o, s = self.open, self.settings
         o.announce_id = new_announce_id()
         o.opened = time.time()
-        o.deadline = o.opened + s.round_timeout_s
+        o.deadline = deadline if deadline is not None else o.opened + s.round_timeout_s
         o.counts["announcements"] += 1
         if not o.downlinks:
             self._build_downlinks()
@@ -440,7 +513,7 @@ class Aggregator:
                     announcement=o.counts["announcements"])
         log.info("round %d announced (%s): %d tasks, %d uploaders, deadline in %.0f s",
                  o.round, o.announce_id, len(o.node_tasks), len(o.uploaders),
-                 s.round_timeout_s)
+                 o.deadline - o.opened)
 
     def _frame(self, kind: str, buffers, recipient: str | None = None) -> _Downlink:
         o, s = self.open, self.settings
@@ -511,14 +584,64 @@ class Aggregator:
         floor = min(s.min_updates, len(o.uploaders))
         if len(got) >= max(math.ceil(s.quorum * len(o.uploaders) - 1e-9), floor):
             return "quorum"
-        waiting = {n for n in o.uploaders - got - o.refused if self.online.get(n) is not False}
-        if not waiting and len(got) >= floor:
+        # A client counts as gone once it has been offline for offline_grace_s, and not
+        # before offline_grace_s after our own reconnect: a broker shutting down publishes
+        # the wills of all its clients (to us, before it drops our connection too), and
+        # the clients correct them once they are back.
+        now = time.monotonic()
+        waiting = {n for n in o.uploaders - got - o.refused
+                   if self.online.get(n) is not False
+                   or now - self._offline_since.get(n, -math.inf) < s.offline_grace_s}
+        if not waiting and len(got) >= floor and now - self._reconnected_at >= s.offline_grace_s:
             return "offline"
         return None
+
+    # ------------------------------------------------------------------ pause gate
+    def _paused(self) -> bool:
+        return self.control is not None and self.control.paused.is_set()
+
+    def _service(self, timeout: float) -> None:
+        """Handle what arrives for up to `timeout` seconds (statuses, updates, connection
+        events) without closing or opening a round: the broker is serviced while paused."""
+        item = self.transport.receive(timeout=timeout)
+        while item is not None:
+            self._handle(item)
+            item = self.transport.receive(timeout=0)
+
+    def _hold(self) -> bool:
+        """Before opening a round: wait while the run is paused. False when stopped."""
+        if self._paused():
+            log.info("run %s paused before round %d", self.run_id, self.ckpt.round + 1)
+            self._publish_status()
+            while self._paused() and not self.stop.is_set():
+                self._service(self.settings.poll_s)
+            if not self.stop.is_set():
+                log.info("run %s resumed", self.run_id)
+        return not self.stop.is_set()
+
+    def _pause_round(self) -> bool:
+        """Inside a round: hold while paused, then move the deadline by the paused time and
+        announce the round again (clients that already uploaded re-send their stored
+        update, a duplicate here). False when stopped while paused."""
+        o = self.open
+        since = time.time()
+        log.info("round %d paused (%d of %d updates in)", o.round, len(o.received),
+                 len(o.uploaders))
+        self._publish_status()
+        while self._paused() and not self.stop.is_set():
+            self._service(self.settings.poll_s)
+        if self.stop.is_set():
+            return False
+        held = time.time() - since
+        log.info("round %d resumed after %.1f s paused: deadline moved by as much", o.round, held)
+        self._announce(deadline=o.deadline + held)
+        return True
 
     def _collect(self) -> str | None:
         o, s = self.open, self.settings
         while True:
+            if self._paused() and not self._pause_round():
+                return None
             reason = self._close_reason()
             if reason is not None:
                 return reason
@@ -546,6 +669,11 @@ class Aggregator:
             self._connects += item.connected
             if first:
                 return                        # the connect() of _connect, already handled
+            # "offline" closes nothing while we are away and for offline_grace_s after
+            # (_close_reason: the wills of a broker restart)
+            self._reconnected_at = time.monotonic() if item.connected else math.inf
+            if item.connected and item.session_present:
+                self._publish_status()        # our own will, published on shutdown
             if item.connected and not item.session_present:
                 log.warning("broker lost our session (restarted without persistence?): "
                             "publishing status, announcement and models again")
@@ -568,7 +696,8 @@ class Aggregator:
             self._reject(None, f"message on an unexpected topic: {exc}")
             return
         if kind == "update":
-            self._on_update(node, item.payload)
+            if self.open is not None:          # none while paused between rounds: late
+                self._on_update(node, item.payload)
         elif kind == "status":
             self._on_status(node, item.payload)
 
@@ -583,6 +712,19 @@ class Aggregator:
 
     def _on_update(self, node: str, payload: bytes) -> None:
         o = self.open
+        # Every payload on a node's update topic counts against its chunk budget for the
+        # open round, frame or not: a client flooding its topic is rejected once (the
+        # reassembler logs why) and then costs one lookup per payload, with nothing logged
+        # or remembered (docs/limits.md).
+        try:
+            if not self.reassembler.charge(node, o.round):
+                self.stats["flood_ignored"] = self.stats.get("flood_ignored", 0) + 1
+                return
+        except wire.FrameError as exc:
+            self._reject(node, f"[{exc.code}] {exc.reason}")
+            if node in o.uploaders and node not in o.received:
+                o.refused.add(node)               # the round does not wait for it
+            return
         if node not in self.members:
             self._reject(node, f"{node!r} is not a client of this federation "
                                f"({len(self.members)} clients: {', '.join(list(self.members)[:5])}"
@@ -625,7 +767,7 @@ class Aggregator:
             return
         expect = wire.Expectation.for_topic("update", node, self.table, rounds=o.round)
         try:
-            frame = self.reassembler.add(payload, expect)
+            frame = self.reassembler.add(payload, expect, charged=True)
         except wire.FrameError as exc:
             self._reject(node, f"[{exc.code}] {exc.reason}", key)
             return
@@ -670,10 +812,23 @@ class Aggregator:
         before = self.online.get(node)
         now_online = doc["online"]
         self.online[node] = now_online
+        if not now_online and before is not False:
+            self._offline_since[node] = time.monotonic()
         if before is not now_online:
             log.info("client %s is %s", node, "online" if now_online else "offline")
             self._event("client_joined" if now_online else "client_left", client=node)
         o = self.open
+        refusal = doc.get("refused")
+        if isinstance(refusal, dict) and refusal.get("run") == self.run_id:
+            # the board cannot take part in this run (its profile's limits): not waited for
+            if o is not None and node in o.uploaders and node not in o.received \
+                    and node not in o.refused:
+                o.refused.add(node)
+                log.warning("round %d: %s refused the run: %s", o.round, node,
+                            refusal.get("reason"))
+                self._event("client_refused", round=o.round, client=node,
+                            reason=str(refusal.get("reason")))
+            return
         if o is None or node not in o.node_tasks or node in o.received or not now_online:
             return
         if doc.get("need_model") == o.round:
@@ -732,7 +887,15 @@ class Aggregator:
         new = AggregatorCheckpoint(ckpt.run_id, ckpt.fingerprint, r, ckpt.aggregated + [r],
                                    state, ckpt.strategy, ckpt.rng, ckpt.history + [record],
                                    record["elapsed_s"])
-        new.save(self.state_dir)          # the round is aggregated once this rename is done
+        try:
+            new.save(self.state_dir)      # the round is aggregated once this rename is done
+        except StateWriteError as exc:
+            # Stop rather than go on: later rounds would build on a state no restart can
+            # recover, and the journal would list rounds the checkpoint does not hold.
+            log.error("round %d aggregated but not checkpointed, stopping: %s (the checkpoint "
+                      "of round %d is intact; a restart runs round %d again)", r, exc,
+                      ckpt.round, r)
+            raise
         self.ckpt = new
         self.open = None
         sha = hashlib.sha256(np.ascontiguousarray(

@@ -18,6 +18,10 @@ broker are configured on the board. Per announcement:
   persist progress atomically (client strategy state, round, the encoded update), then
   upload the update in chunks of `max_payload` with QoS 1.
 
+The exported ONNX model the aggregator publishes (retained, in parts: roles/onnx_channel.py)
+is reassembled, checked (sha256, onnxruntime loads it) and installed atomically as
+`<state_dir>/model.onnx`, the file `edgefl serve` on the board serves.
+
 A model that does not arrive within `model_wait_s` (joined mid-round, missed a chunk) is
 asked for again by publishing the status with `need_model`. Every frame and announcement is
 checked (topic, sender, round, hash, finite values); a bad one is logged with its reason
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import KernelError, NonFiniteError
+from ..infer import ModelFileError
 from ..models import build_model
 from ..strategies import LocalData, StrategyError, get_strategy
 from ..transport import wire
@@ -42,6 +47,7 @@ from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from .messages import (MessageError, TopicCache, buffers_sha256, parse_announcement,
                        peek_frame, status_payload, task_from_announcement, update_scalars)
+from .onnx_channel import OnnxReceiver, part_index, parts_filter
 from .state import ClientProgress
 
 __all__ = ["ClientSettings", "Client"]
@@ -57,7 +63,10 @@ class ClientSettings:
     (doubling up to 60 s). exit_when_finished: return from run() when the run finishes
     (simulations, tests); a service keeps waiting for the next run. raise_on_error: a local
     round that fails (diverged, bad task) raises out of run() naming the round and client
-    (simulations); otherwise it is logged and the client waits for the next round."""
+    (simulations); otherwise it is logged and the client waits for the next round.
+    max_params / max_batch_size / memory_budget_mb: the board's limits (its profile and site
+    file); a run whose model or minibatch exceeds them is refused with the reason in this
+    client's status (`refused`), and the client trains nothing of that run. None: no limit."""
     node_id: str
     federation: str = "default"
     prefix: str = DEFAULT_PREFIX
@@ -65,11 +74,16 @@ class ClientSettings:
     compression: str = "none"
     model_wait_s: float = 5.0
     reassembly_timeout_s: float = 60.0
+    reassembly_bytes: int | None = None      # model reassembly limits (docs/limits.md);
+    chunks_per_sender: int | None = None     # None: wire's defaults, no chunk budget
     exit_when_finished: bool = False
     profile: str | None = None
     poll_s: float = 0.25
     max_early_bytes: int = 64 << 20
     raise_on_error: bool = False
+    max_params: int | None = None
+    max_batch_size: int | None = None
+    memory_budget_mb: int | None = None
 
     def __post_init__(self):
         validate_id(self.node_id, "client id")
@@ -81,6 +95,12 @@ class ClientSettings:
             raise ValueError(f"model_wait_s = {self.model_wait_s!r}: need > 0 seconds")
         if self.max_payload < 1024:
             raise ValueError(f"max_payload = {self.max_payload!r}: need >= 1024 bytes")
+        for name in ("max_params", "max_batch_size", "memory_budget_mb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} = {value!r}: need an integer >= 1, or None (no "
+                                 f"limit)")
 
 
 _TRAINING_DONE = object()
@@ -142,7 +162,12 @@ class Client:
         self.notifier = notifier
         self.topics = Topics(settings.federation, settings.prefix)
         self._topic_cache = TopicCache(self.topics)
-        self.reassembler = wire.Reassembler(settings.reassembly_timeout_s)
+        # Models come from the aggregator only (the ACL lets no one else publish them), so
+        # the limits guard against a broken aggregator rather than an attacker.
+        self.reassembler = wire.Reassembler(
+            settings.reassembly_timeout_s,
+            max_bytes=settings.reassembly_bytes or wire.Reassembler.DEFAULT_MAX_BYTES,
+            max_chunks_per_sender=settings.chunks_per_sender)
         self.progress = ClientProgress()
         self.ann: dict | None = None            # the announcement acted on
         self.next_ann: dict | None = None       # one that arrived while training
@@ -161,6 +186,7 @@ class Client:
         self._writer: threading.Thread | None = None   # stores the last update frame
         self.ready = threading.Event()          # set once connected and subscribed
         self._connects = 0                      # `connected` events handled
+        self.onnx: OnnxReceiver | None = None   # the exported model (created on first use)
 
     # ------------------------------------------------------------------ public
     @property
@@ -220,6 +246,9 @@ class Client:
         t.subscribe(self.topics.round(), qos=1)
         t.subscribe(self.topics.model(), qos=1)
         t.subscribe(self.topics.client_model(self.node), qos=1)
+        # the latest exported ONNX model, retained: its manifest and its parts
+        t.subscribe(self.topics.onnx(), qos=1)
+        t.subscribe(parts_filter(self.topics), qos=1)
         self._publish_status()
 
     def _close(self) -> None:
@@ -242,18 +271,27 @@ class Client:
             if not item.connected:
                 log.warning("%s: broker connection lost (%s); the transport reconnects",
                             self.node, item.reason)
-            elif self._connects > 0 and not item.session_present:
-                self._publish_status()        # the broker lost our retained status
+            elif self._connects > 0:
+                # Every reconnect, not only when the session was lost: a broker that shut
+                # down published our Last Will (Mosquitto sends the wills of connected
+                # clients on shutdown), so our retained status says offline until we
+                # correct it, and the aggregator would not wait for our updates.
+                self._publish_status()
             self._connects += item.connected
             return
         if not isinstance(item, Message):
+            return
+        if part_index(self.topics, item.topic) is not None:
+            self._on_onnx(item.topic, item.payload, part=True)
             return
         try:
             kind, node = self._topic_cache.parse(item.topic)
         except TopicError as exc:
             self._reject(f"message on an unexpected topic: {exc}")
             return
-        if kind == "round":
+        if kind == "onnx":
+            self._on_onnx(item.topic, item.payload, part=False)
+        elif kind == "round":
             self._on_announcement(item.payload)
         elif kind == "model" or (kind == "client_model" and node == self.node):
             self._on_model(kind, item.payload)
@@ -263,6 +301,26 @@ class Client:
     def _reject(self, reason: str) -> None:
         self.stats["rejected"] += 1
         log.warning("%s: rejected %s", self.node, reason)
+
+    def _on_onnx(self, topic: str, payload: bytes, part: bool) -> None:
+        """The exported model: its manifest (`onnx`) or a part (`onnx/<i>`), installed as
+        <state_dir>/model.onnx once complete and checked (roles/onnx_channel.py), where
+        `edgefl serve` on this board picks it up."""
+        if self.onnx is None:
+            self.onnx = OnnxReceiver(self.state_dir)
+        try:
+            if not part:
+                doc = self.onnx.on_manifest(payload)
+                if doc is not None:
+                    log.info("%s: ONNX model of round %d announced (sha256 %s, %d part(s))%s",
+                             self.node, doc["round"], doc["sha256"][:12], doc["parts"],
+                             "; installed already" if doc["sha256"] == self.onnx.installed_sha
+                             else "")
+                return
+            if self.onnx.on_part(payload) is not None:
+                self.stats["onnx_installed"] = self.onnx.installs
+        except (wire.FrameError, ModelFileError) as exc:
+            self._reject(f"ONNX model on {topic}: {exc}")
 
     def _on_announcement(self, payload: bytes) -> None:
         if not payload:
@@ -309,7 +367,35 @@ class Client:
         except (StrategyError, TypeError) as exc:
             self._unusable = f"strategy of the run: {exc}"
             return
-        self._model, self._strategy = model, strategy
+        self._unusable = self._over_limits(model, doc["train"].get("batch_size"))
+        if self._unusable is None:
+            self._model, self._strategy = model, strategy
+
+    def _over_limits(self, model, batch_size) -> str | None:
+        """Why the run asks more than this board allows (its profile's limits), or None.
+        Memory: resident now plus an estimate of a local round -- four float32 copies of the
+        parameters (model, gradient, update, strategy state) and a minibatch of inputs with
+        room for activations (x4) -- against memory_budget_mb."""
+        s = self.settings
+        if s.max_params is not None and model.n_params > s.max_params:
+            return (f"the run's model has {model.n_params:,} parameters, this board's limit "
+                    f"is compute.max_params = {s.max_params:,}")
+        if isinstance(batch_size, int) and s.max_batch_size is not None \
+                and batch_size > s.max_batch_size:
+            return (f"the run's minibatch is {batch_size}, this board's limit is "
+                    f"compute.max_batch_size = {s.max_batch_size}")
+        if s.memory_budget_mb is not None:
+            from ..service.profiles import resident_mb
+
+            batch = batch_size if isinstance(batch_size, int) and batch_size > 0 \
+                else len(self.x)
+            need = (16 * model.n_params + 16 * batch * model.in_size) / 2 ** 20
+            rss = resident_mb()
+            if rss + need > s.memory_budget_mb:
+                return (f"a local round of the run's model needs about {need:.0f} MiB on top "
+                        f"of {rss:.0f} MiB resident, over compute.memory_budget_mb = "
+                        f"{s.memory_budget_mb}")
+        return None
 
     def _adopt(self, doc: dict) -> None:
         self.ann = doc
@@ -349,6 +435,10 @@ class Client:
             return
         if self._unusable is not None:
             log.error("%s: cannot take part in round %d: %s", self.node, r, self._unusable)
+            # said in the retained status, so the aggregator does not wait for us and the
+            # operator sees why (clients cannot publish events: broker/acl)
+            self._publish_status(refused={"run": doc["run"], "round": r,
+                                          "reason": self._unusable})
             return
         table = self._model.table
         senders = {doc["aggregator"]}

@@ -234,11 +234,31 @@ def site_skeleton(role: str, node_id: str, profile: str) -> str:
         ]
     if role == "aggregator":
         lines += ["run: quickstart                  # the run config: a YAML file in "
-                  "edgefl simulate's format, or a built-in name"]
+                  "edgefl simulate's format, or a built-in name",
+                  "# clients: [pi-01, pi-02, pi-03]   # the client ids in the order of the run's "
+                  "partition",
+                  "#                                  # (default: client-0 ... client-<N-1>)",
+                  "round:",
+                  "  deadline: 300.0                # seconds a round waits for updates",
+                  "  quorum: 1.0                    # close early once this fraction of "
+                  "uploaders sent theirs",
+                  "  min_updates: 1                 # fewer at the deadline: the round is "
+                  "announced again",
+                  "export:                          # the global model to ONNX, published on "
+                  "the onnx topic",
+                  "  every: 0                       # also after every N-th round (0: the "
+                  "final model only)",
+                  "  quantize: none                 # or int8",
+                  "  publish: true                  # for the clients to install (and "
+                  "edgefl serve to serve)"]
     if role == "infer":
         lines += ["infer:",
                   f"  model: {STATE_ROOT}/client-{node_id}/model.onnx   # written by "
-                  f"edgefl-client@{node_id}"]
+                  f"edgefl-client@{node_id}",
+                  "  # socket: null                 # default /run/edgefl-infer/predict.sock "
+                  "($RUNTIME_DIRECTORY)",
+                  "  # listen: 127.0.0.1:8080       # also TCP: remove PrivateNetwork=yes from "
+                  "the unit first"]
     board_lines = []
     for section, values in board.items():
         if section in KEYS:          # a top-level key (suggested_model), not a section

@@ -57,7 +57,8 @@ MAX_ID_BYTES = 64                                  # edgefl.transport.topics.MAX
 class Key:
     """One setting: its dotted name, type and valid values, and the roles that read it."""
     name: str
-    kind: str               # str, id, path, int, number, choice, profile, model, dataset, run
+    kind: str               # str, id, ids, path, int, number, bool, choice, profile, model,
+                            # dataset, run, listen
     help: str
     roles: tuple = ROLES
     choices: tuple = ()
@@ -87,14 +88,53 @@ KEYS = {k.name: k for k in (
         minimum=0, maximum=256),
     Key("compute.memory_budget_mb", "int", "resident memory limit of the client, MiB", _MQTT,
         minimum=16),
+    Key("compute.max_params", "int", "largest model (parameters) the client trains; a run "
+        "asking more is refused (null: no limit but the memory budget)", ("client",),
+        minimum=1, nullable=True),
+    Key("compute.max_batch_size", "int", "largest minibatch the client trains with; a run "
+        "asking more is refused (null: no limit)", ("client",), minimum=1, nullable=True),
     Key("train.batch_size", "int", "local minibatch size when the task sets none", ("client",),
         minimum=1),
     Key("transport.compression", "choice", "how models and updates travel", _MQTT,
         choices=COMPRESSIONS),
     Key("transport.chunk_size", "int", "bytes per MQTT message; larger frames are split",
         _MQTT, minimum=1024, maximum=MQTT_MAX_PAYLOAD),
+    Key("limits.queue_messages", "int", "received messages waiting for the role at most; "
+        "more are dropped and counted (docs/limits.md)", _MQTT, minimum=1),
+    Key("limits.queue_mb", "int", "payload MiB waiting in the receive queue at most", _MQTT,
+        minimum=1),
+    Key("limits.reassembly_mb", "int", "MiB of incomplete chunked messages held at most "
+        "(null: sized from the model)", _MQTT, minimum=1, nullable=True),
+    Key("limits.sender_reassembly_mb", "int", "MiB of one sender's incomplete messages at "
+        "most (null: two updates)", ("aggregator",), minimum=1, nullable=True),
+    Key("limits.chunks_per_sender", "int", "payloads a sender may deliver per round before "
+        "it is dropped for the round as a flooder (null: sized from the model; none on "
+        "clients)", _MQTT, minimum=1, nullable=True),
+    Key("clients", "ids", "the federation's client ids, in the order of the run config's "
+        "partition (null: client-0 ... client-<N-1>)", ("aggregator",), nullable=True),
+    Key("round.deadline", "number", "seconds after its announcement a round closes with the "
+        "updates it has", ("aggregator",), minimum=0.1, maximum=7 * 24 * 3600),
+    Key("round.quorum", "number", "fraction of a round's uploaders whose updates close it "
+        "early (1: all, or the deadline)", ("aggregator",), minimum=0.01, maximum=1),
+    Key("round.min_updates", "int", "fewest updates a round is aggregated with; fewer at the "
+        "deadline announce it again", ("aggregator",), minimum=1),
+    Key("export.every", "int", "also export (and publish) the global model to ONNX after "
+        "every N-th round (0: the final model only)", ("aggregator",), minimum=0),
+    Key("export.softmax", "bool", "exported models have the probabilities output",
+        ("aggregator",)),
+    Key("export.quantize", "choice", "none, or int8: static quantisation calibrated on the "
+        "run's training data", ("aggregator",), choices=("none", "int8")),
+    Key("export.publish", "bool", "publish each exported model, retained, on the onnx topic "
+        "for the clients to install", ("aggregator",)),
     Key("infer.model", "path", "the ONNX model file the inference service serves", ("infer",),
         nullable=True, required=("infer",)),
+    Key("infer.socket", "path", "the Unix socket of the HTTP API (null: "
+        "$RUNTIME_DIRECTORY/predict.sock, else <state_dir>/predict.sock)", ("infer",),
+        nullable=True),
+    Key("infer.listen", "listen", "also serve on TCP HOST:PORT (e.g. 127.0.0.1:8080; null: "
+        "the Unix socket only)", ("infer",), nullable=True),
+    Key("infer.max_request_bytes", "int", "largest request body accepted (bytes)", ("infer",),
+        minimum=1024, maximum=1 << 30),
     Key("infer.threads", "int", "onnxruntime intra-op threads", ("infer",), minimum=1,
         maximum=256),
     Key("infer.check_interval", "number", "seconds between checks for a new model file",
@@ -102,8 +142,9 @@ KEYS = {k.name: k for k in (
     Key("suggested_model", "model", "the model this board trains comfortably (a model spec)"),
     Key("data", "dataset", "the client's training data: a dataset section (docs/data.md)",
         ("client",), nullable=True, required=("client",)),
-    Key("run", "run", "the run config: a YAML file or a built-in name (edgefl/configs)",
-        ("aggregator",), nullable=True, required=("aggregator",)),
+    Key("run", "run", "the run config run first: a YAML file or a built-in name "
+        "(edgefl/configs); null: wait for runs started on the control topic",
+        ("aggregator",), nullable=True),
 )}
 _SECTIONS = sorted({name.rsplit(".", 1)[0] for name in KEYS if "." in name})
 
@@ -232,6 +273,8 @@ class ServiceConfig:
 def _show(value) -> str:
     if value is None:
         return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, (dict, list)):
         return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
     return str(value)
@@ -343,6 +386,14 @@ def _check_value(key: Key, value, where: str, base_dir: str | None, raw: str | N
             return None
         fail(f"must be set ({key.help})")
     kind = key.kind
+    if kind == "bool":
+        if not isinstance(value, bool):
+            fail(f"must be true or false, got {value!r}")
+        return value
+    if kind == "ids":
+        return _check_ids(value, raw, fail)
+    if kind == "listen":
+        return _check_listen(value, fail)
     if kind in ("str", "path", "id", "run"):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and kind == "id":
             text = raw if raw is not None else str(value)
@@ -408,6 +459,32 @@ def _check_id(value: str, fail) -> None:
              f"level: no '/', '+', '#' or control characters")
     if len(value.encode("utf-8")) > MAX_ID_BYTES:
         fail(f"{value!r} is longer than {MAX_ID_BYTES} bytes")
+
+
+def _check_ids(value, raw, fail) -> list:
+    if isinstance(value, str):          # --set clients=a,b,c
+        value = [part.strip() for part in value.split(",")]
+    if not isinstance(value, list) or not value:
+        fail(f"must be a non-empty list of client ids, got {raw if raw is not None else value!r}")
+    seen = set()
+    for i, node in enumerate(value):
+        if not isinstance(node, str) or not node:
+            fail(f"item {i}: {node!r} is not an id (a non-empty string; quote numbers: "
+                 f"'\"{node}\"')")
+        _check_id(node, lambda problem, i=i: fail(f"item {i}: {problem}"))
+        if node in seen:
+            fail(f"item {i}: {node!r} appears twice; client ids are distinct")
+        seen.add(node)
+    return list(value)
+
+
+def _check_listen(value, fail) -> str:
+    text = str(value).strip() if isinstance(value, (str, int)) else None
+    host, sep, port = (text or "").rpartition(":")
+    host = host.strip("[]")
+    if not text or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        fail(f"{value!r}: need HOST:PORT with a port in 1..65535, e.g. 127.0.0.1:8080")
+    return f"{host}:{int(port)}" if ":" not in host else f"[{host}]:{int(port)}"
 
 
 def _check_run(value: str, base_dir: str | None, fail) -> str:

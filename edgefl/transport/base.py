@@ -23,6 +23,7 @@ Implementations: `mqtt.MqttTransport` (paho-mqtt 2, any MQTT 3.1.1/5 broker) and
 from __future__ import annotations
 
 import abc
+import logging
 import queue
 import threading
 import time
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Union
 
 __all__ = ["Message", "ConnectionEvent", "Delivery", "Transport", "TransportError",
+           "ReceiveQueue",
            "PayloadTooLarge", "topic_matches", "check_topic", "check_filter",
            "MQTT_MAX_PAYLOAD", "CONNECTED", "DISCONNECTED"]
 
@@ -55,7 +57,11 @@ class Message:
     """One received publication. `retain` is true for a retained message delivered because we
     subscribed (MQTT clears the flag on live forwarding). `duplicate` is the MQTT DUP flag: a
     redelivery; QoS 1 may repeat a message with or without it, so handlers are idempotent.
-    `received_at` is wall-clock time (time.time()) when the network thread got it."""
+    `received_at` is wall-clock time (time.time()) when the network thread got it.
+
+    `response_topic` and `correlation_data` are MQTT 5's request/response properties (the
+    requester names where the answer goes and a token to echo back; docs/protocol.md
+    "Control"); None over MQTT 3.1.1, which has no properties."""
 
     topic: str
     payload: bytes
@@ -63,6 +69,8 @@ class Message:
     qos: int = 0
     received_at: float = 0.0
     duplicate: bool = False
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,127 @@ def as_bytes(payload) -> bytes:
     return bytes(memoryview(payload).cast("B"))
 
 
+log = logging.getLogger("edgefl.transport")
+
+# Receive queue bounds (service config: limits.queue_messages, limits.queue_mb). A message is
+# at most one chunk (transport.chunk_size, 128 KiB by default), so 256 MiB holds 2,048 full
+# chunks: every update of a 250-client round of a 1 MB model waiting at once.
+DEFAULT_QUEUE_MESSAGES = 10_000
+DEFAULT_QUEUE_BYTES = 256 << 20
+# How long the network thread may wait for room when the queue first fills (see ReceiveQueue)
+QUEUE_FULL_WAIT_S = 0.5
+
+
+class ReceiveQueue(queue.Queue):
+    """The bounded queue between the network thread and the role: at most `max_messages`
+    Messages holding at most `max_bytes` of payload. Anything that is not a Message
+    (ConnectionEvent, a role's own wake-up marker) is always taken: it is state, not load.
+
+    What a full queue does on paho's network thread is a choice between two losses:
+    - blocking until the role makes room stops that thread from reading and writing the
+      socket: no PINGREQ goes out, so after 1.5 x keepalive the broker drops us (and fires
+      our will), and every QoS 1 publish of ours waits for its PUBACK meanwhile;
+    - dropping the message loses it for good, QoS 1 or not: paho acknowledges a QoS 1
+      message as soon as on_message returns, so the broker will not redeliver it.
+    edgefl drops, because its protocol already recovers lost messages: round, model and
+    status topics are retained and re-sent on request (need_model), a client re-sends its
+    stored update when a round is announced again, and a round closes at its deadline with
+    what it has. A stalled connection, instead, loses everything in flight at once.
+    To ride out a short burst the first message that meets a full queue waits up to
+    `full_wait_s` for room (TCP then slows the broker down); while the queue stays full the
+    next ones are dropped at once, so the thread never stalls for long. Drops are counted
+    (`dropped`, `dropped_bytes`) and logged: a warning when the queue fills, one line with
+    the count when it has room again."""
+
+    def __init__(self, max_messages: int = DEFAULT_QUEUE_MESSAGES,
+                 max_bytes: int = DEFAULT_QUEUE_BYTES, full_wait_s: float = QUEUE_FULL_WAIT_S,
+                 name: str = ""):
+        super().__init__()                       # unbounded underneath; put() applies limits
+        self.name = name
+        self.full_wait_s = float(full_wait_s)
+        self.set_limits(max_messages, max_bytes)
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self.peak_messages = 0
+        self.peak_bytes = 0
+        self._messages = 0                       # Messages waiting (other items not counted)
+        self._bytes = 0
+        self._overflow = 0                       # drops since the queue last had room
+
+    def set_limits(self, max_messages: int, max_bytes: int) -> None:
+        for what, value in (("max_messages", max_messages), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"receive queue {what} = {value!r}: need an integer >= 1")
+        with self.mutex:
+            self.max_messages = max_messages
+            self.max_bytes = max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the Messages waiting."""
+        return self._bytes
+
+    def _room_for(self, size: int) -> bool:
+        # an empty queue takes any one message, however large (max_payload bounds it)
+        return not self.queue or (self._messages < self.max_messages
+                                  and self._bytes + size <= self.max_bytes)
+
+    def _put(self, item) -> None:
+        self.queue.append(item)
+        if isinstance(item, Message):
+            self._messages += 1
+            self._bytes += len(item.payload)
+            self.peak_messages = max(self.peak_messages, self._messages)
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+
+    def _get(self):
+        item = self.queue.popleft()
+        if isinstance(item, Message):
+            self._messages -= 1
+            self._bytes -= len(item.payload)
+        return item
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        """Enqueue `item`; a Message that finds the queue full is dropped (class docstring).
+        `block` and `timeout` are accepted for queue.Queue compatibility and ignored."""
+        if not isinstance(item, Message):
+            with self.not_full:
+                self._put(item)
+                self.unfinished_tasks += 1
+                self.not_empty.notify()
+            return
+        size = len(item.payload)
+        with self.not_full:
+            if not self._room_for(size) and self._overflow == 0:
+                deadline = time.monotonic() + self.full_wait_s
+                while not self._room_for(size):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self.not_full.wait(remaining)
+            if not self._room_for(size):
+                self.dropped += 1
+                self.dropped_bytes += size
+                self._overflow += 1
+                if self._overflow == 1:
+                    log.warning("receive queue%s full (%d messages, %d bytes; limits %d "
+                                "messages, %d bytes): dropping message on %s and the next ones "
+                                "until it has room; the consumer is too slow or a sender "
+                                "floods", f" of {self.name!r}" if self.name else "",
+                                self._messages, self._bytes, self.max_messages,
+                                self.max_bytes, item.topic)
+                return
+            if self._overflow:
+                log.warning("receive queue%s has room again: %d message(s) dropped while it "
+                            "was full (%d dropped in all)",
+                            f" of {self.name!r}" if self.name else "", self._overflow,
+                            self.dropped)
+                self._overflow = 0
+            self._put(item)
+            self.unfinished_tasks += 1
+            self.not_empty.notify()
+
+
 class Transport(abc.ABC):
     """What a role sees of the network. Subclasses implement the connection; this class keeps
     the parts every transport shares: the receive queue, the subscription list that is
@@ -169,9 +298,8 @@ class Transport(abc.ABC):
             raise ValueError("a transport needs a non-empty client id, stable per node (the "
                              "broker keeps its session and QoS 1 messages under it)")
         self.client_id = client_id
-        # Unbounded: the network thread must never block on a slow consumer (it would stop
-        # acknowledging and the broker would stall every publisher to us).
-        self.messages: queue.Queue[Received] = queue.Queue()
+        # Bounded (ReceiveQueue explains what a full queue does); set_queue_limits() sizes it.
+        self.messages: ReceiveQueue = ReceiveQueue(name=client_id)
         self._subscriptions: dict[str, int] = {}
         self._will: tuple[str, bytes, int, bool] | None = None
         self._state_lock = threading.RLock()
@@ -207,11 +335,15 @@ class Transport(abc.ABC):
         broker's maximum packet size when the broker announces one (MQTT 5)."""
 
     @abc.abstractmethod
-    def publish(self, topic: str, payload, qos: int = 1, retain: bool = False) -> Delivery:
+    def publish(self, topic: str, payload, qos: int = 1, retain: bool = False, *,
+                response_topic: str | None = None,
+                correlation_data: bytes | None = None) -> Delivery:
         """Send `payload` (bytes-like) on `topic`. QoS 1 is at-least-once: while the
         connection is down, messages wait in a bounded outgoing queue and are sent after
         reconnecting; when that queue is full, publish() blocks (backpressure). Raises
-        PayloadTooLarge above `max_payload`."""
+        PayloadTooLarge above `max_payload`. `response_topic` / `correlation_data`: MQTT 5
+        request/response properties (ValueError on an MQTT 3.1.1 connection, which cannot
+        carry them: put a reply topic and request id in the payload instead)."""
 
     @abc.abstractmethod
     def _subscribe_now(self, topic_filter: str, qos: int, timeout: float | None) -> None:
@@ -265,6 +397,17 @@ class Transport(abc.ABC):
         """Delete the retained message on `topic` (MQTT: an empty retained publish)."""
         return self.publish(topic, b"", qos=1, retain=True)
 
+    def set_queue_limits(self, max_messages: int = DEFAULT_QUEUE_MESSAGES,
+                         max_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
+        """Bound the receive queue (service config limits.queue_messages, limits.queue_mb);
+        a Message arriving while it is full is dropped, counted and logged (ReceiveQueue)."""
+        self.messages.set_limits(max_messages, max_bytes)
+
+    @property
+    def queue_drops(self) -> int:
+        """Messages dropped so far because the receive queue was full."""
+        return self.messages.dropped
+
     def receive(self, timeout: float | None = None) -> Received | None:
         """The next Message or ConnectionEvent, or None after `timeout` seconds."""
         try:
@@ -300,6 +443,16 @@ class Transport(abc.ABC):
     def __repr__(self) -> str:
         state = "connected" if self.connected else "not connected"
         return f"<{type(self).__name__} {self.client_id!r} {state}>"
+
+
+def check_response_properties(response_topic, correlation_data) -> None:
+    """The MQTT 5 request/response properties a publish may carry: a topic name (no
+    wildcards) and bytes."""
+    if response_topic is not None:
+        check_topic(response_topic)
+    if correlation_data is not None and not isinstance(correlation_data, (bytes, bytearray)):
+        raise TypeError(f"correlation_data must be bytes, got "
+                        f"{type(correlation_data).__name__}")
 
 
 def _check_qos(qos: int) -> None:

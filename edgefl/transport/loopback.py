@@ -31,7 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .base import (CONNECTED, DISCONNECTED, DONE, MQTT_MAX_PAYLOAD, Delivery, Message,
-                   Transport, TransportError, check_filter, topic_matches)
+                   Transport, TransportError, check_filter, check_response_properties,
+                   topic_matches)
 
 __all__ = ["LoopbackBroker", "LoopbackTransport"]
 
@@ -159,8 +160,8 @@ class LoopbackBroker:
         for topic_filter, qos in transport.subscriptions.items():
             self._subscribe(session, topic_filter, qos)
         outbox, transport._outbox = transport._outbox, deque()
-        for topic, payload, qos, retain in outbox:
-            self._route(topic, payload, qos, retain)
+        for topic, payload, qos, retain, props in outbox:
+            self._route(topic, payload, qos, retain, **props)
 
     def _detach(self, transport: "LoopbackTransport", will: bool) -> None:
         session = self._sessions.get(transport.client_id)
@@ -183,21 +184,27 @@ class LoopbackBroker:
         for topic, msg in list(self._retained.items()):
             if topic_matches(topic_filter, topic):
                 self._deliver(session.transport,
-                              Message(topic, msg.payload, True, min(qos, msg.qos)),
+                              Message(topic, msg.payload, True, min(qos, msg.qos),
+                                      response_topic=msg.response_topic,
+                                      correlation_data=msg.correlation_data),
                               faults=False)
 
-    def _route(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
+    def _route(self, topic: str, payload: bytes, qos: int, retain: bool, *,
+               response_topic: str | None = None, correlation_data: bytes | None = None) -> None:
+        # MQTT 5 carries a publication's response topic and correlation data to every
+        # subscriber (and keeps them with a retained message), so the loopback does too.
+        props = {"response_topic": response_topic, "correlation_data": correlation_data}
         self.stats["published"] += 1
         if retain:
             if payload:
-                self._retained[topic] = Message(topic, payload, True, qos)
+                self._retained[topic] = Message(topic, payload, True, qos, **props)
             else:
                 self._retained.pop(topic, None)
         for session in self._sessions.values():
             granted = session.granted_qos(topic)
             if granted is None:
                 continue
-            msg = Message(topic, payload, False, min(qos, granted))
+            msg = Message(topic, payload, False, min(qos, granted), **props)
             if session.transport is not None:
                 self._deliver(session.transport, msg, faults=True)
             elif msg.qos >= 1 and not session.clean:
@@ -220,7 +227,8 @@ class LoopbackBroker:
         now = time.time()
         for i in range(copies):
             transport.messages.put(Message(msg.topic, msg.payload, msg.retain, msg.qos, now,
-                                           duplicate=i > 0))
+                                           duplicate=i > 0, response_topic=msg.response_topic,
+                                           correlation_data=msg.correlation_data))
             self.stats["delivered"] += 1
 
 
@@ -281,16 +289,22 @@ class LoopbackTransport(Transport):
             if self in self.broker._wanted:
                 self.broker._wanted.remove(self)
 
-    def publish(self, topic: str, payload, qos: int = 1, retain: bool = False) -> Delivery:
+    def publish(self, topic: str, payload, qos: int = 1, retain: bool = False, *,
+                response_topic: str | None = None,
+                correlation_data: bytes | None = None) -> Delivery:
         data = self._check_publish(topic, payload, qos)
+        check_response_properties(response_topic, correlation_data)
+        props = {"response_topic": response_topic,
+                 "correlation_data": bytes(correlation_data) if correlation_data is not None
+                 else None}
         with self.broker._lock:
             if not self._wanted:
                 raise TransportError(f"publish to {topic!r}: {self!r} is not connected; call "
                                      "connect() first")
             if self._connected:
-                self.broker._route(topic, data, qos, retain)
+                self.broker._route(topic, data, qos, retain, **props)
             elif qos >= 1:
-                self._outbox.append((topic, data, qos, retain))   # sent after reconnecting
+                self._outbox.append((topic, data, qos, retain, props))  # sent after reconnecting
         return DONE
 
     def _subscribe_now(self, topic_filter: str, qos: int, timeout: float | None) -> None:

@@ -56,6 +56,10 @@ TOPIC_TABLE = {spec.kind: spec for spec in (
               "operator commands (start/pause/resume/stop/export/status); operators only"),
     TopicSpec("events", "events", False, 1, "json",
               "run events: run started/finished, round opened/closed, client joined/left"),
+    TopicSpec("reply", "reply/{node}", False, 1, "json",
+              "replies to operator commands (the requester's own reply topic)"),
+    TopicSpec("runs", "runs/{node}", True, 1, "json",
+              "one run's record: state, rounds done, accuracy, outputs ({node}: the run id)"),
 )}
 
 # first level after <prefix>/<fed>/ -> (kind without a node level, kind with one)
@@ -147,6 +151,12 @@ class Topics:
 
     def events(self) -> str:
         return self.topic("events")
+
+    def reply(self, requester: str) -> str:
+        return self.topic("reply", requester)
+
+    def run_record(self, run_id: str) -> str:
+        return self.topic("runs", run_id)
 
     def subscription(self, kind: str) -> str:
         """The subscription filter for every topic of `kind` ('+' for the node level)."""

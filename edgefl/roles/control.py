@@ -1,0 +1,337 @@
+"""Operator commands on the control topic: their schema, their checks, and the replies
+(docs/protocol.md "Control", docs/orchestration.md).
+
+An operator (`edgefl ctl`, `mosquitto_pub`, Node-RED) publishes one JSON object on
+`<prefix>/<fed>/ctl`; only the operator account may (broker/acl). The aggregator daemon
+(roles/daemon.py) answers on the reply address the command carries:
+
+    {"cmd": "pause", "request_id": "7", "reply_to": "edgefl/lab/reply/alice"}
+    -> on edgefl/lab/reply/alice: {"v": 1, "ok": true, "cmd": "pause", "request_id": "7",
+                                   "result": {"run": "...", "state": "paused"}}
+
+MQTT 5 requesters set the PUBLISH properties Response Topic and Correlation Data instead of
+`reply_to` / `request_id`; the reply then goes to the response topic and carries the same
+correlation data (as a property) -- the MQTT 5 request/response pattern. MQTT 3.1.1 has no
+properties, so there the payload carries both (the documented fallback). A command with
+neither gets no reply (its outcome is still on the events topic).
+
+Every reply topic must be one of this federation's `reply/<name>` topics: the broker's ACL
+lets the aggregator publish there and nowhere else an operator could read, so a command
+cannot make the aggregator write to the round or model topics. A command that is not JSON,
+names an unknown command or field, or has a bad value is answered with `ok: false` and an
+`error` naming the problem, and changes nothing.
+
+`RunControl` is the hand-over between the daemon's control thread and the Aggregator of the
+active run: the pause gate the aggregator's collect loop honours, and the stop request.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .. import __version__
+from ..transport.base import Message
+from ..transport.topics import TopicError, Topics, validate_id
+from .messages import MessageError, _loads
+
+__all__ = ["COMMANDS", "CommandError", "Command", "ReplyAddress", "RunControl",
+           "parse_command", "reply_address", "reply_payload", "VERSION"]
+
+VERSION = 1
+MAX_REQUEST_ID = 128          # characters of a payload request id
+
+# command -> its own fields (besides cmd, request_id, reply_to), and what it does
+COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "start": (("config", "run", "clients", "round"),
+              "queue a run: config (a run config as JSON), optional run id, client ids, "
+              "round settings"),
+    "pause": (("run",), "pause the active run: no round closes or opens until resume"),
+    "resume": (("run",), "resume the paused run; the open round's deadline is extended"),
+    "stop": (("run",), "stop the active run (checkpoint + model.onnx kept) or cancel a "
+                       "queued one"),
+    "export": (("run",), "write model.npz and model.onnx of a run's latest checkpoint now"),
+    "status": ((), "the daemon's state: active run, round, clients online, queue"),
+    "runs": ((), "every run the daemon knows, with its state"),
+}
+COMMON_FIELDS = ("cmd", "request_id", "reply_to")
+ROUND_FIELDS = ("deadline", "quorum", "min_updates")
+
+
+class CommandError(ValueError):
+    """A command that cannot be carried out; the message names the field or the state that
+    forbids it. The reply is `ok: false` with this message."""
+
+
+@dataclass(frozen=True)
+class ReplyAddress:
+    """Where the answer to a command goes: `topic` (None: nowhere), and the requester's token
+    to echo: MQTT 5 correlation data (bytes) or the payload's request id."""
+    topic: str | None
+    correlation_data: bytes | None = None
+    request_id: Any = None
+    mqtt5: bool = False            # the address came from MQTT 5 properties
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    reply: ReplyAddress = ReplyAddress(None)
+
+    @property
+    def run(self) -> str | None:
+        return self.fields.get("run")
+
+
+def reply_address(message: Message, doc: Mapping | None, topics: Topics) -> ReplyAddress:
+    """The reply address of a command: MQTT 5 properties first, else the payload's
+    `reply_to` / `request_id`. CommandError when the topic is not one of this federation's
+    reply topics (the caller can only report that on the events topic)."""
+    doc = doc if isinstance(doc, Mapping) else {}
+    request_id = doc.get("request_id")
+    if request_id is not None:
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            request_id = None           # reported by parse_command; not echoed
+        elif isinstance(request_id, str) and len(request_id) > MAX_REQUEST_ID:
+            request_id = request_id[:MAX_REQUEST_ID]
+    if message.response_topic is not None:
+        topic, mqtt5 = message.response_topic, True
+    else:
+        topic, mqtt5 = doc.get("reply_to"), False
+        if topic is not None and not isinstance(topic, str):
+            raise CommandError(f"reply_to must be a topic string, got "
+                               f"{type(topic).__name__} {str(topic)[:40]!r}")
+    address = ReplyAddress(topic, message.correlation_data, request_id, mqtt5)
+    if topic is None:
+        return address
+    try:
+        kind, _ = topics.parse(topic)
+    except TopicError as exc:
+        kind, why = None, str(exc)
+    else:
+        why = f"it is a {kind!r} topic"
+    if kind != "reply":
+        where = "response topic" if mqtt5 else "reply_to"
+        raise CommandError(f"{where} {topic!r}: replies go only to this federation's reply "
+                           f"topics, {topics.reply('<name>')} ({why})")
+    return address
+
+
+def parse_command(message: Message, topics: Topics) -> Command:
+    """The checked command in `message` (a publication on the ctl topic). CommandError naming
+    the problem otherwise; its `reply` attribute holds the reply address when one was
+    readable, so the error can still be answered."""
+    doc = None
+    try:
+        doc = _loads(message.payload, "command")
+    except MessageError as exc:
+        error = CommandError(str(exc))
+        error.reply = _address_or_none(message, None, topics)
+        raise error from None
+    try:
+        reply = reply_address(message, doc, topics)
+    except CommandError as exc:
+        exc.reply = ReplyAddress(None)
+        raise
+    try:
+        return Command(*_check(doc), reply=reply)
+    except CommandError as exc:
+        exc.reply = reply
+        raise
+
+
+def _address_or_none(message: Message, doc, topics: Topics) -> ReplyAddress:
+    try:
+        return reply_address(message, doc, topics)
+    except CommandError:
+        return ReplyAddress(None)
+
+
+def _check(doc: Mapping) -> tuple[str, dict]:
+    name = doc.get("cmd")
+    if name is None:
+        raise CommandError(f"command: missing field 'cmd' (one of {', '.join(COMMANDS)})")
+    if not isinstance(name, str) or name not in COMMANDS:
+        raise CommandError(f"command: unknown cmd {name!r}; valid: {', '.join(COMMANDS)}")
+    own, _ = COMMANDS[name]
+    for key in doc:
+        if key not in own and key not in COMMON_FIELDS:
+            valid = ", ".join(COMMON_FIELDS + own)
+            raise CommandError(f"{name}: unknown field {key!r}; valid: {valid}")
+    request_id = doc.get("request_id")
+    if request_id is not None and (isinstance(request_id, bool)
+                                   or not isinstance(request_id, (str, int))):
+        raise CommandError(f"{name}: request_id must be a string or an integer, got "
+                           f"{type(request_id).__name__}")
+    if isinstance(request_id, str) and len(request_id) > MAX_REQUEST_ID:
+        raise CommandError(f"{name}: request_id is {len(request_id)} characters, the limit is "
+                           f"{MAX_REQUEST_ID}")
+    fields = {k: doc[k] for k in own if k in doc}
+    if "run" in fields and fields["run"] is not None:
+        try:
+            validate_id(fields["run"], f"{name}: run")
+        except TopicError as exc:
+            raise CommandError(str(exc)) from None
+    if name == "start":
+        config = fields.get("config")
+        if not isinstance(config, Mapping):
+            raise CommandError("start: field 'config' must be a run config object (the YAML "
+                               f"of `edgefl simulate` as JSON), got "
+                               f"{type(config).__name__ if config is not None else 'nothing'}")
+        clients = fields.get("clients")
+        if clients is not None:
+            if not isinstance(clients, list) or not clients:
+                raise CommandError("start: clients must be a non-empty list of client ids")
+            for i, node in enumerate(clients):
+                try:
+                    validate_id(node, f"start: clients[{i}]")
+                except TopicError as exc:
+                    raise CommandError(str(exc)) from None
+            if len(set(clients)) != len(clients):
+                raise CommandError("start: clients lists an id twice")
+        fields["round"] = _round_settings(fields.get("round"))
+    return name, fields
+
+
+def _round_settings(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise CommandError(f"start: round must be an object with {', '.join(ROUND_FIELDS)}")
+    out = {}
+    for key, v in value.items():
+        if key not in ROUND_FIELDS:
+            raise CommandError(f"start: round.{key}: unknown; valid: {', '.join(ROUND_FIELDS)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise CommandError(f"start: round.{key} must be a number, got {v!r}")
+        out[key] = v
+    if "deadline" in out and not out["deadline"] > 0:
+        raise CommandError(f"start: round.deadline = {out['deadline']}: need > 0 seconds")
+    if "quorum" in out and not 0 < out["quorum"] <= 1:
+        raise CommandError(f"start: round.quorum = {out['quorum']}: a fraction in (0, 1]")
+    if "min_updates" in out and (not isinstance(out["min_updates"], int)
+                                 or out["min_updates"] < 1):
+        raise CommandError(f"start: round.min_updates = {out['min_updates']}: an integer >= 1")
+    return out
+
+
+def reply_payload(name: str | None, reply: ReplyAddress, *, result=None,
+                  error: str | None = None) -> bytes:
+    """The reply document. The payload echoes `request_id` (the 3.1.1 fallback; harmless
+    over MQTT 5, whose correlation data travels as a property)."""
+    doc = {"v": VERSION, "ok": error is None, "cmd": name, "request_id": reply.request_id,
+           "version": __version__, "at": time.time()}
+    if error is None:
+        doc["result"] = result
+    else:
+        doc["error"] = error
+    return json.dumps(doc, separators=(",", ":"), default=str).encode("utf-8")
+
+
+class RunControl:
+    """The operator's hold on the active run, shared by the daemon's control thread and the
+    Aggregator running it: `paused` (set while paused: the aggregator closes and opens no
+    round), `stop_requested` (the operator's stop, as opposed to a service shutdown, which
+    leaves the run to resume after a restart), and `run_id` (the id a new checkpoint takes,
+    so the announcement names the run the operator started)."""
+
+    def __init__(self, run_id: str, paused: bool = False):
+        self.run_id = run_id
+        self.paused = threading.Event()
+        if paused:
+            self.paused.set()
+        self.stop_requested = threading.Event()
+        self.aggregator = None
+        self.attached = threading.Event()
+
+    def attach(self, aggregator) -> None:
+        """Called by the Aggregator when its run starts: status answers read from it."""
+        self.aggregator = aggregator
+        self.attached.set()
+
+
+class EitherStop:
+    """is_set() of any of several Event-like objects: an aggregator stops for the service's
+    SIGTERM and for the operator's stop alike."""
+
+    def __init__(self, *events):
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+    def set(self) -> None:
+        self.events[-1].set()
+
+    @property
+    def name(self):
+        return next((getattr(e, "name", None) for e in self.events
+                     if e.is_set() and getattr(e, "name", None)), None)
+
+
+class ControlClient:
+    """The requester's side (`edgefl ctl`, tests): publish a command on the ctl topic and wait
+    for its reply on our own reply topic, `<prefix>/<fed>/reply/<name>`. mqtt5: the reply
+    address travels as MQTT 5 properties (response topic, correlation data), else in the
+    payload (`reply_to`, `request_id`: the 3.1.1 fallback). The transport must be connected
+    with the matching protocol."""
+
+    def __init__(self, transport, topics: Topics, name: str, mqtt5: bool = False):
+        self.transport = transport
+        self.topics = topics
+        self.reply_topic = topics.reply(validate_id(name, "reply name"))
+        self.mqtt5 = mqtt5
+        self._subscribed = False
+
+    resend_s = 3.0
+
+    def _send(self, payload: bytes, request_id: str) -> None:
+        if self.mqtt5:
+            self.transport.publish(self.topics.ctl(), payload, qos=1,
+                                   response_topic=self.reply_topic,
+                                   correlation_data=request_id.encode())
+        else:
+            self.transport.publish(self.topics.ctl(), payload, qos=1)
+
+    def request(self, doc: Mapping, timeout: float = 10.0) -> dict:
+        """The reply document to command `doc`; TimeoutError naming the likely causes when
+        none comes within `timeout` seconds."""
+        import os
+
+        if not self._subscribed:
+            self.transport.subscribe(self.reply_topic, qos=1)
+            self._subscribed = True
+        request_id = os.urandom(6).hex()
+        doc = dict(doc)
+        if not self.mqtt5:
+            doc.update(reply_to=self.reply_topic, request_id=request_id)
+        self._send(json.dumps(doc).encode(), request_id)
+        payload = json.dumps(doc).encode()
+        deadline = time.monotonic() + timeout
+        resend_at = time.monotonic() + self.resend_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            if time.monotonic() >= resend_at:
+                # the service may have been starting (its control connection keeps no
+                # session, so a command sent before it subscribed is gone); the same
+                # request id again is answered once (the daemon remembers it)
+                resend_at = time.monotonic() + self.resend_s
+                self._send(payload, request_id)
+            item = self.transport.receive(timeout=max(0.0, min(remaining,
+                                                               resend_at - time.monotonic())))
+            if not isinstance(item, Message) or item.topic != self.reply_topic:
+                continue
+            try:
+                reply = _loads(item.payload, "reply")
+            except MessageError:
+                continue
+            token = item.correlation_data.decode("utf-8", "replace") \
+                if self.mqtt5 and item.correlation_data is not None else reply.get("request_id")
+            if token == request_id:
+                return reply
+        raise TimeoutError(f"{doc.get('cmd')}: no reply on {self.reply_topic} within "
+                           f"{timeout:g} s: is the aggregator service running for federation "
+                           f"{self.topics.federation!r}, and is this account allowed to publish "
+                           f"on {self.topics.ctl()} (broker/acl: the operator)?")

@@ -1,0 +1,697 @@
+"""The aggregator as a long-lived service (`edgefl aggregator`): it waits for runs, runs them
+one at a time, and takes operator commands from the control topic while it does
+(docs/orchestration.md; the commands are roles/control.py).
+
+    daemon = Daemon(DaemonSettings(aggregator=AggregatorSettings(...)), state_dir,
+                    transport_factory)
+    daemon.run()               # until stop is set (or, once=True, until the queue is empty)
+
+Runs. `start` queues a run; each has an id (the operator's, or made here), a record
+`<state_dir>/runs/<id>/run.json` (atomic writes: what was asked, its state, times, result),
+and its own directory `<state_dir>/runs/<id>/`: the aggregator's checkpoint and journal in
+`state/`, and the outputs (metrics.jsonl, summary.json, model.npz, model.onnx) beside it.
+States: queued -> running <-> paused -> finished | stopped (operator) | failed; a queued run
+may be cancelled. The records are the queue: a restarted daemon resumes the run that was
+running (or paused: it stays paused) from its checkpoint, then takes the queued runs in the
+order they were started. A service shutdown (SIGTERM) leaves the active run as it is, to be
+resumed; an operator's `stop` ends it for good and exports its last checkpoint.
+
+Topics. The runs share the federation's round and model topics, one at a time, and the
+announcement names the run (its `run` field is the run id), so boards follow whatever run
+is active with no configuration. Per run there is the retained record on
+`<prefix>/<fed>/runs/<id>` (state, rounds, accuracy, outputs); events on `events` carry the
+run id. The daemon takes commands on its own MQTT connection (client id `<node>-ctl`,
+MQTT 5 when the broker speaks it, so replies can carry correlation data), separate from the
+connection of the run's Aggregator, which is made afresh for each run.
+
+The run named by the site file (`run:`) is the first in the queue, with the layout
+`edgefl aggregator` always had: its checkpoint directly in the state directory and its
+outputs in `--out` (default `<state_dir>/run`); it is queued once (its record remembers it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .. import __version__
+from ..transport.base import ConnectionEvent, Message, TransportError
+from ..transport.topics import Topics
+from .aggregator import AggregatorSettings, default_client_ids
+from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
+from .messages import status_payload
+from .state import AggregatorCheckpoint, atomic_write, jsonable
+
+__all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "export_run_checkpoint"]
+
+log = logging.getLogger("edgefl.roles.daemon")
+
+RUNS_DIR = "runs"
+RECORD_FILE = "run.json"
+ACTIVE_STATES = ("running", "paused")
+DONE_STATES = ("finished", "stopped", "cancelled", "failed")
+RUN_STATES = ("queued",) + ACTIVE_STATES + DONE_STATES
+REMEMBERED_REPLIES = 256
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """aggregator: the settings every run starts from (a `start` command's `round` section
+    overrides deadline, quorum and min_updates). client_ids: the federation's client ids
+    when a `start` names none (None: client-0 ... client-<N-1> for a partition of N).
+    once: return from run() when no run is active or queued (scripts, tests).
+    retry_s: wait before trying a run again whose broker connection failed.
+    run_options: more keyword arguments of sim.run_aggregator for every run (export policy,
+    ONNX publishing)."""
+    aggregator: AggregatorSettings = AggregatorSettings()
+    client_ids: tuple | None = None
+    once: bool = False
+    run_options: dict = field(default_factory=dict)
+    idle_poll_s: float = 0.5
+    retry_s: float = 5.0
+
+    @property
+    def node_id(self) -> str:
+        return self.aggregator.node_id
+
+
+class RunStore:
+    """The run records under `<state_dir>/runs/`: one directory per run, `run.json` in it."""
+
+    def __init__(self, state_dir: str):
+        self.state_dir = os.fspath(state_dir)
+        self.root = os.path.join(self.state_dir, RUNS_DIR)
+
+    def run_dir(self, run_id: str) -> str:
+        return os.path.join(self.root, run_id)
+
+    def load_all(self) -> list[dict]:
+        """Every readable record, in queue order (seq). A record that cannot be read is
+        reported with its file and skipped: one bad file does not stop the service."""
+        records = []
+        if not os.path.isdir(self.root):
+            return records
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name, RECORD_FILE)
+            if not os.path.isfile(path):
+                continue
+            try:
+                with open(path, encoding="utf-8") as f:
+                    record = json.load(f)
+                fields = record if isinstance(record, dict) else {}
+                if fields.get("id") != name or fields.get("state") not in RUN_STATES:
+                    raise ValueError(f"not a run record of run {name!r} (id "
+                                     f"{fields.get('id')!r}, state {fields.get('state')!r})")
+            except (OSError, ValueError) as exc:
+                log.error("run record %s skipped: %s", path, exc)
+                continue
+            records.append(record)
+        return sorted(records, key=lambda r: r.get("seq", 0))
+
+    def save(self, record: dict) -> None:
+        directory = self.run_dir(record["id"])
+        os.makedirs(directory, exist_ok=True)
+        atomic_write(os.path.join(directory, RECORD_FILE),
+                     (json.dumps(jsonable(record), indent=1) + "\n").encode("utf-8"))
+
+    def new_id(self, taken) -> str:
+        while True:
+            run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + os.urandom(2).hex()
+            if run_id not in taken:
+                return run_id
+
+
+def run_config_of(record: dict):
+    """The RunConfig of a record: the site file's run from its file, a started run from the
+    config it was started with (validated again: the record is a file on disk)."""
+    from ..runconfig import load_run_config, run_config_from_mapping
+
+    if record.get("site"):
+        return load_run_config(record["site"])
+    return run_config_from_mapping(record["config"], f"run {record['id']} (run.json)")
+
+
+def export_run_checkpoint(record: dict) -> dict:
+    """model.npz and model.onnx (atomic replace each) of the run's latest checkpoint, in its
+    output directory. Returns {round, model_npz, model_onnx, model_sha256, bytes,
+    test_accuracy}."""
+    from ..config import dataset_from_config
+    from ..export import export_run, run_from_params
+    from ..sim import (RunResult, _absolute_paths, build_run_model, model_sha256,
+                       save_checkpoint)
+    from ..strategies import get_strategy
+
+    ckpt = AggregatorCheckpoint.load(record["state_dir"])
+    if ckpt is None:
+        raise CommandError(f"run {record['id']} has no checkpoint yet (state "
+                           f"{record['state']}): nothing to export")
+    config = run_config_of(record)
+    strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
+    dataset = dataset_from_config(config.as_config())
+    model = build_run_model(config, dataset)
+    params = np.ascontiguousarray(strategy.global_model(ckpt.state), dtype=np.float32)
+    out = record["out_dir"]
+    os.makedirs(out, exist_ok=True)
+    dataset_config = _absolute_paths(config.dataset, config.path)
+    npz = os.path.join(out, "model.npz")
+    save_checkpoint(npz, model, strategy, RunResult(ckpt.state, {}, list(ckpt.history), params),
+                    dataset, dataset_config=dataset_config)
+    onnx_path = os.path.join(out, "model.onnx")
+    live = run_from_params(model, params, round=ckpt.round, algorithm=strategy.name,
+                           dataset=dataset, dataset_config=dataset_config)
+    report = export_run(live, onnx_path, dataset=dataset)
+    # the test accuracy the aggregator measured for that round (None: not evaluated)
+    accuracy = next((h.get("test_accuracy") for h in reversed(ckpt.history)
+                     if h.get("test_accuracy") is not None), None)
+    return {"round": ckpt.round, "model_npz": npz, "model_onnx": onnx_path,
+            "model_sha256": model_sha256(params), "bytes": report["bytes"],
+            "test_accuracy": accuracy}
+
+
+class Daemon:
+    """The long-lived aggregator: a run queue on disk, one run at a time, commands on the
+    control topic. transport_factory(client_id, **options) makes an unconnected Transport
+    (options: clean_session, protocol). site_run: (run config path, output directory) of the
+    site file's run, queued first."""
+
+    def __init__(self, settings: DaemonSettings, state_dir: str,
+                 transport_factory: Callable, *, stop=None, notifier=None,
+                 site_run: tuple | None = None, stream=None):
+        self.settings = settings
+        s = settings.aggregator
+        self.topics = Topics(s.federation, s.prefix)
+        self.store = RunStore(state_dir)
+        self.state_dir = self.store.state_dir
+        self.transport_factory = transport_factory
+        self.stop = stop if stop is not None else threading.Event()
+        self.notifier = notifier
+        self.site_run = site_run
+        self.stream = stream
+        self.records: dict[str, dict] = {}
+        self.active: tuple[dict, RunControl] | None = None
+        self.ready = threading.Event()            # the control connection is up
+        self.executed: list[str] = []             # run ids this process ran (tests)
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._control_stop = threading.Event()
+        self._ctl = None
+        self._ctl_error: BaseException | None = None
+        self._export_lock = threading.Lock()
+        self._answered: dict = {}                 # command -> its reply (repeats)
+        self._answering = None
+        self._own_status = False                  # the idle status is ours to withdraw
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> None:
+        os.makedirs(self.store.root, exist_ok=True)
+        for record in self.store.load_all():
+            self.records[record["id"]] = record
+        if self.site_run is not None:
+            self._queue_site_run(*self.site_run)
+        thread = threading.Thread(target=self._control_loop, name="edgefl-ctl", daemon=True)
+        thread.start()
+        while not self.ready.wait(0.1):
+            if self._ctl_error is not None:
+                raise self._ctl_error
+            if self.stop.is_set():
+                break
+        if self.notifier is not None:
+            self.notifier.ready(f"aggregator: {self._queue_text()}")
+        for record in self._records_in("queued", *ACTIVE_STATES):
+            self._publish_record(record)
+        try:
+            while not self.stop.is_set():
+                if self._ctl_error is not None:
+                    raise self._ctl_error
+                record = self._next()
+                if record is None:
+                    if self.settings.once:
+                        break
+                    if self.notifier is not None:
+                        self.notifier.status("aggregator: waiting for a run")
+                    with self._wake:
+                        self._wake.wait(self.settings.idle_poll_s)
+                    continue
+                self._execute(record)
+        finally:
+            self._control_stop.set()
+            thread.join(timeout=10.0)
+
+    def _records_in(self, *states) -> list[dict]:
+        with self._lock:
+            return sorted((r for r in self.records.values() if r["state"] in states),
+                          key=lambda r: r.get("seq", 0))
+
+    def _next(self) -> dict | None:
+        active = self._records_in(*ACTIVE_STATES)       # interrupted by a restart
+        if active:
+            return active[0]
+        queued = self._records_in("queued")
+        return queued[0] if queued else None
+
+    def _queue_text(self) -> str:
+        queued = self._records_in("queued", *ACTIVE_STATES)
+        return f"{len(queued)} run(s) queued" if queued else "waiting for a run"
+
+    def _next_seq(self, first: bool = False) -> int:
+        seqs = [r.get("seq", 0) for r in self.records.values()]
+        if not seqs:
+            return 1
+        return min(seqs) - 1 if first else max(seqs) + 1
+
+    def _queue_site_run(self, config_path: str, out_dir: str) -> None:
+        """Queue the site file's run first, once: a record remembers it by its file."""
+        from ..runconfig import load_run_config
+
+        config_path = os.path.abspath(config_path)
+        load_run_config(config_path)               # a bad file fails the start, naming it
+        for record in self.records.values():
+            if record.get("site") == config_path and record["state_dir"] == self.state_dir:
+                if record["state"] in DONE_STATES:
+                    log.info("the site file's run %s (%s) is %s; waiting for runs on %s",
+                             record["id"], config_path, record["state"], self.topics.ctl())
+                return
+        ckpt = AggregatorCheckpoint.load(self.state_dir)
+        run_id = ckpt.run_id if ckpt is not None else self.store.new_id(self.records)
+        record = {"id": run_id, "seq": self._next_seq(first=True), "state": "queued",
+                  "site": config_path, "config": None,
+                  "clients": list(self.settings.client_ids) if self.settings.client_ids
+                  else None, "round": {}, "created": time.time(),
+                  "run_dir": self.store.run_dir(run_id), "state_dir": self.state_dir,
+                  "out_dir": os.path.abspath(out_dir)}
+        self._save(record)
+
+    def _save(self, record: dict) -> None:
+        with self._lock:
+            self.records[record["id"]] = record
+            self.store.save(record)
+
+    def _execute(self, record: dict) -> None:
+        from ..sim import run_aggregator
+
+        control = RunControl(record["id"], paused=record["state"] == "paused")
+        self._own_status = False                  # the run's Aggregator publishes it now
+        with self._lock:
+            record["state"] = "paused" if control.paused.is_set() else "running"
+            record.setdefault("started", time.time())
+            self._save(record)
+            self.active = (record, control)
+        self._publish_record(record)
+        summary, error = None, None
+        try:
+            config = run_config_of(record)
+            rounds = record.get("round") or {}
+            settings = dataclasses.replace(
+                self.settings.aggregator,
+                round_timeout_s=rounds.get("deadline", self.settings.aggregator.round_timeout_s),
+                quorum=rounds.get("quorum", self.settings.aggregator.quorum),
+                min_updates=rounds.get("min_updates", self.settings.aggregator.min_updates))
+            transport = self.transport_factory(self.settings.node_id)
+            log.info("run %s: %s, %d rounds, %d clients; state in %s", record["id"],
+                     config.strategy, config.rounds, config.clients, record["state_dir"])
+            summary = run_aggregator(config, transport, record["state_dir"], settings=settings,
+                                     client_ids=record.get("clients"),
+                                     out_dir=record["out_dir"],
+                                     stop=EitherStop(self.stop, control.stop_requested),
+                                     notifier=self.notifier, control=control,
+                                     stream=self.stream, **self.settings.run_options)
+        except TransportError as exc:
+            # the broker is unreachable: not the run's fault; it is tried again
+            log.error("run %s: %s; trying again in %g s", record["id"], exc,
+                      self.settings.retry_s)
+            with self._lock:
+                self.active = None
+            end = time.monotonic() + self.settings.retry_s
+            while not self.stop.is_set() and time.monotonic() < end:
+                time.sleep(0.1)
+            return
+        except Exception as exc:      # noqa: BLE001 -- a failed run must not end the service
+            log.exception("run %s failed", record["id"])
+            error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError)) \
+                else str(exc)
+        with self._lock:
+            self.active = None
+        self.executed.append(record["id"])
+        now = time.time()
+        if error is not None:
+            record.update(state="failed", ended=now, error=error)
+            self._save(record)
+            self._event("error", run=record["id"], error=error)
+        elif summary is not None:
+            record.update(state="finished", ended=now, rounds_done=summary["rounds"],
+                          final_accuracy=summary["final_accuracy"],
+                          model_sha256=summary["model_sha256"],
+                          model_onnx=os.path.join(record["out_dir"], "model.onnx"))
+            self._save(record)
+        elif control.stop_requested.is_set():
+            record.update(state="stopped", ended=now)
+            try:
+                with self._export_lock:
+                    exported = export_run_checkpoint(record)
+                record.update(rounds_done=exported["round"], model_onnx=exported["model_onnx"],
+                              model_sha256=exported["model_sha256"],
+                              final_accuracy=exported["test_accuracy"])
+                self._event("model_exported", run=record["id"], **exported)
+            except Exception as exc:      # noqa: BLE001 -- the checkpoint stands regardless
+                log.exception("run %s: export after stop failed", record["id"])
+                record["export_error"] = str(exc)
+                self._event("error", run=record["id"], error=f"export after stop: {exc}")
+            self._save(record)
+            self._event("run_stopped", run=record["id"], round=record.get("rounds_done"),
+                        model_onnx=record.get("model_onnx"))
+            log.info("run %s stopped by the operator at round %s; checkpoint and model.onnx in "
+                     "%s", record["id"], record.get("rounds_done"), record["run_dir"])
+        else:
+            log.info("run %s interrupted (service stopping); it resumes from its checkpoint "
+                     "after a restart", record["id"])
+        self._publish_record(record)
+        if not self.stop.is_set() and not (self.settings.once and self._next() is None):
+            self._publish_idle_status()
+
+    # ------------------------------------------------------------------ control connection
+    def _control_loop(self) -> None:
+        try:
+            self._ctl = self._connect_control()
+        except BaseException as exc:            # noqa: BLE001 -- re-raised by run()
+            self._ctl_error = exc
+            return
+        with self._lock:
+            if self.active is None:
+                self._publish_idle_status()
+        self.ready.set()
+        ctl = self._ctl
+        try:
+            while not self._control_stop.is_set():
+                item = ctl.receive(timeout=0.2)
+                if isinstance(item, ConnectionEvent):
+                    if item.connected:
+                        self._republish_status()
+                    continue
+                if not isinstance(item, Message) or item.topic != self.topics.ctl():
+                    continue
+                try:
+                    self._on_command(item)
+                except TransportError as exc:
+                    log.warning("reply not sent: %s", exc)
+                except Exception:         # noqa: BLE001 -- the service keeps taking commands
+                    log.exception("command on %s not handled", item.topic)
+        finally:
+            try:
+                if self._own_status:
+                    self._publish(self.topics.status(self.settings.node_id),
+                                  self._status(False), retain=True)
+                ctl.close(timeout=2.0, announce_offline=False)
+            except (TransportError, OSError) as exc:
+                log.warning("closing the control connection: %s", exc)
+
+    # The retained status of the aggregator node: while a run is active, its Aggregator
+    # publishes it (online with the round; offline with the last round when the run ends);
+    # between runs the service says it is online and waiting, so `edgefl status` does not
+    # show a service that waits for runs as offline. The control connection's will covers a
+    # crash while waiting.
+    def _status(self, online: bool, will: bool = False) -> bytes:
+        return status_payload(self.settings.node_id, "aggregator", online,
+                              profile=self.settings.aggregator.profile,
+                              service="waiting" if online else None,
+                              queued=None if will else len(self._records_in("queued")))
+
+    def _publish_idle_status(self) -> None:
+        self._own_status = True
+        self._publish(self.topics.status(self.settings.node_id), self._status(True),
+                      retain=True)
+
+    def _republish_status(self) -> None:
+        """After a reconnect of the control connection (the broker may have published its
+        will): the status again, from whoever owns it now."""
+        with self._lock:
+            active = self.active
+        if active is None:
+            self._publish_idle_status()
+        elif active[1].aggregator is not None:
+            active[1].aggregator._publish_status()
+
+    def _connect_control(self):
+        client_id = f"{self.settings.node_id}-ctl"
+        will = (self.topics.status(self.settings.node_id), self._status(False, will=True))
+        try:
+            ctl = self.transport_factory(client_id, clean_session=True, protocol="5")
+            ctl.set_will(*will)
+            ctl.connect()
+        except TransportError as exc:
+            # a broker without MQTT 5 (NATS, amqtt): commands still work with the payload's
+            # reply_to / request_id (docs/protocol.md "Control")
+            log.warning("control connection over MQTT 5 failed (%s); using MQTT 3.1.1", exc)
+            ctl = self.transport_factory(client_id, clean_session=True, protocol="3.1.1")
+            ctl.set_will(*will)
+            ctl.connect()
+        ctl.subscribe(self.topics.ctl(), qos=1)
+        log.info("taking commands on %s", self.topics.ctl())
+        return ctl
+
+    def _publish(self, topic: str, doc, **options) -> None:
+        ctl = self._ctl
+        if ctl is None:
+            return
+        try:
+            ctl.publish(topic, doc if isinstance(doc, bytes) else
+                        json.dumps(jsonable(doc), separators=(",", ":")).encode(), qos=1,
+                        **options)
+        except TransportError as exc:
+            log.warning("not published on %s: %s", topic, exc)
+
+    def _event(self, event: str, **fields) -> None:
+        self._publish(self.topics.events(), {"event": event, "node": self.settings.node_id,
+                                             "at": time.time(), **fields})
+
+    def _publish_record(self, record: dict) -> None:
+        self._publish(self.topics.run_record(record["id"]), self._public(record), retain=True)
+
+    @staticmethod
+    def _public(record: dict) -> dict:
+        keys = ("id", "state", "created", "started", "ended", "rounds_done", "final_accuracy",
+                "model_sha256", "model_onnx", "run_dir", "error", "export_error", "clients")
+        out = {k: record.get(k) for k in keys if record.get(k) is not None}
+        out["rounds"] = (record.get("config") or {}).get("rounds")
+        return out
+
+    def _reply(self, name, reply, *, result=None, error=None) -> None:
+        if reply is None or reply.topic is None:
+            return
+        options = {}
+        if reply.mqtt5 and reply.correlation_data is not None:
+            options["correlation_data"] = reply.correlation_data
+        payload = reply_payload(name, reply, result=result, error=error)
+        if reply.request_id is not None or reply.correlation_data is not None:
+            # remembered (the last REMEMBERED_REPLIES) so a repeat is answered, not redone
+            self._answered[self._answering] = (reply.topic, payload, options)
+            while len(self._answered) > REMEMBERED_REPLIES:
+                self._answered.pop(next(iter(self._answered)))
+        self._publish(reply.topic, payload, **options)
+
+    def _on_command(self, message: Message) -> None:
+        # QoS 1 may deliver a command twice, and a requester repeats one it got no answer
+        # to: a command with a reply address and a token is carried out once, and a repeat
+        # gets the first reply again
+        key = (message.response_topic, message.correlation_data, message.payload) \
+            if message.correlation_data is not None or message.response_topic is not None \
+            else (None, None, message.payload)
+        if key in self._answered:
+            topic, payload, options = self._answered[key]
+            if topic is not None:
+                self._publish(topic, payload, **options)
+            return
+        self._answering = key
+        try:
+            self._handle_command(message)
+        finally:
+            self._answering = None
+
+    def _handle_command(self, message: Message) -> None:
+        try:
+            command = parse_command(message, self.topics)
+        except CommandError as exc:
+            reply = getattr(exc, "reply", None)
+            log.warning("command refused: %s", exc)
+            if reply is not None and reply.topic is not None:
+                self._reply(None, reply, error=str(exc))
+            else:
+                self._event("error", error=f"command refused: {exc}")
+            return
+        handler = getattr(self, f"_cmd_{command.name}")
+        try:
+            result = handler(command)
+        except CommandError as exc:
+            log.warning("%s refused: %s", command.name, exc)
+            self._reply(command.name, command.reply, error=str(exc))
+            return
+        except Exception as exc:          # noqa: BLE001 -- a reply, not a dead control thread
+            log.exception("%s failed", command.name)
+            self._reply(command.name, command.reply, error=f"{type(exc).__name__}: {exc}")
+            return
+        log.info("%s: done (%s)", command.name, command.reply.request_id)
+        self._reply(command.name, command.reply, result=result)
+
+    # ------------------------------------------------------------------ commands
+    def _cmd_start(self, command) -> dict:
+        from ..config import ConfigError
+        from ..runconfig import run_config_from_mapping
+
+        fields = command.fields
+        try:
+            config = run_config_from_mapping(dict(fields["config"]), "start: config")
+        except ConfigError as exc:
+            raise CommandError(str(exc)) from None
+        clients = fields.get("clients") or (list(self.settings.client_ids)
+                                            if self.settings.client_ids else None)
+        if clients is not None and len(clients) != config.clients:
+            source = "start: clients" if fields.get("clients") else "the site file's clients"
+            raise CommandError(f"{source} lists {len(clients)} client ids, the config's "
+                               f"partition.clients is {config.clients}")
+        ids = clients or list(default_client_ids(config.clients))
+        with self._lock:
+            run_id = fields.get("run")
+            if run_id is not None and run_id in self.records:
+                raise CommandError(f"start: run id {run_id!r} is taken (state "
+                                   f"{self.records[run_id]['state']}); choose another or "
+                                   f"leave it out")
+            if run_id is None:
+                run_id = self.store.new_id(self.records)
+            run_dir = self.store.run_dir(run_id)
+            record = {"id": run_id, "seq": self._next_seq(), "state": "queued", "site": None,
+                      "config": config.to_dict(), "clients": ids,
+                      "round": dict(fields.get("round") or {}), "created": time.time(),
+                      "run_dir": run_dir, "state_dir": os.path.join(run_dir, "state"),
+                      "out_dir": run_dir}
+            self._save(record)
+            ahead = len(self._records_in("queued", *ACTIVE_STATES)) - 1
+            self._wake.notify_all()
+        self._publish_record(record)
+        self._event("run_queued", run=run_id, ahead=ahead, strategy=config.strategy,
+                    rounds=config.rounds, clients=ids)
+        return {"run": run_id, "state": "queued", "ahead": ahead, "run_dir": run_dir}
+
+    def _target_active(self, command) -> tuple[dict, RunControl]:
+        with self._lock:
+            active = self.active
+        wanted = command.run
+        if active is None:
+            if wanted is not None and wanted in self.records:
+                raise CommandError(f"{command.name}: run {wanted} is "
+                                   f"{self.records[wanted]['state']}, not active")
+            raise CommandError(f"{command.name}: no run is active ({self._queue_text()})")
+        record, control = active
+        if wanted is not None and wanted != record["id"]:
+            state = self.records[wanted]["state"] if wanted in self.records else "unknown"
+            raise CommandError(f"{command.name}: run {wanted} is {state}, the active run is "
+                               f"{record['id']}")
+        return record, control
+
+    def _cmd_pause(self, command) -> dict:
+        record, control = self._target_active(command)
+        if control.paused.is_set():
+            raise CommandError(f"pause: run {record['id']} is already paused")
+        control.paused.set()
+        with self._lock:
+            record["state"] = "paused"
+            self._save(record)
+        self._publish_record(record)
+        agg = control.aggregator
+        o = agg.open if agg is not None else None
+        self._event("run_paused", run=record["id"], round=o.round if o else None)
+        return {"run": record["id"], "state": "paused", "round": o.round if o else None}
+
+    def _cmd_resume(self, command) -> dict:
+        record, control = self._target_active(command)
+        if not control.paused.is_set():
+            raise CommandError(f"resume: run {record['id']} is not paused (state "
+                               f"{record['state']})")
+        control.paused.clear()
+        with self._lock:
+            record["state"] = "running"
+            self._save(record)
+        self._publish_record(record)
+        self._event("run_continued", run=record["id"])
+        return {"run": record["id"], "state": "running"}
+
+    def _cmd_stop(self, command) -> dict:
+        wanted = command.run
+        with self._lock:
+            if wanted is not None and wanted in self.records \
+                    and self.records[wanted]["state"] == "queued":
+                record = self.records[wanted]
+                record.update(state="cancelled", ended=time.time())
+                self._save(record)
+                cancelled = True
+            else:
+                cancelled = False
+        if cancelled:
+            self._publish_record(record)
+            self._event("run_cancelled", run=wanted)
+            return {"run": wanted, "state": "cancelled"}
+        if wanted is not None and wanted not in self.records:
+            raise CommandError(f"stop: no run {wanted!r} (runs: "
+                               f"{', '.join(self.records) or 'none'})")
+        record, control = self._target_active(command)
+        control.stop_requested.set()
+        return {"run": record["id"], "state": "stopping",
+                "note": "the checkpoint of the last aggregated round stands; model.onnx is "
+                        "exported from it (event run_stopped)"}
+
+    def _cmd_export(self, command) -> dict:
+        wanted = command.run
+        with self._lock:
+            if wanted is None:
+                if self.active is None:
+                    raise CommandError("export: no run is active; name one with \"run\"")
+                record = self.active[0]
+            elif wanted not in self.records:
+                raise CommandError(f"export: no run {wanted!r}")
+            else:
+                record = self.records[wanted]
+        with self._export_lock:
+            exported = export_run_checkpoint(record)
+        self._event("model_exported", run=record["id"], **exported)
+        return {"run": record["id"], **exported}
+
+    def _cmd_status(self, command) -> dict:
+        with self._lock:
+            active = self.active
+            queue = [r["id"] for r in self._records_in("queued")]
+        out = {"node": self.settings.node_id, "federation": self.topics.federation,
+               "version": __version__, "active": None, "queue": queue}
+        if active is not None:
+            record, control = active
+            out["active"] = self._live(record, control)
+        return out
+
+    @staticmethod
+    def _live(record: dict, control: RunControl) -> dict:
+        doc = {"run": record["id"], "state": record["state"],
+               "rounds": (record.get("config") or {}).get("rounds")}
+        agg = control.aggregator
+        if agg is None:
+            return doc
+        ckpt, o = agg.ckpt, agg.open
+        history = list(ckpt.history) if ckpt is not None else []
+        accuracy = next((h.get("test_accuracy") for h in reversed(history)
+                         if h.get("test_accuracy") is not None), None)
+        doc.update(rounds=agg.rounds, rounds_done=ckpt.round if ckpt else 0,
+                   round=o.round if o is not None else None,
+                   deadline=o.deadline if o is not None else None,
+                   updates=len(o.received) if o is not None else None,
+                   uploaders=len(o.uploaders) if o is not None else None,
+                   clients_online=sorted(n for n, up in dict(agg.online).items() if up),
+                   test_accuracy=accuracy)
+        return doc
+
+    def _cmd_runs(self, command) -> dict:
+        with self._lock:
+            records = sorted(self.records.values(), key=lambda r: r.get("seq", 0))
+            return {"runs": [self._public(r) for r in records]}

@@ -1,0 +1,185 @@
+"""The exported ONNX model over MQTT: how the aggregator publishes it and how a client
+receives and installs it (docs/protocol.md section 5.1; issue #5 item 4).
+
+A retained topic keeps only the last message, and an ONNX file of a CNN is megabytes, so
+it is chunked: the chunk sequence cannot be retained on one topic. Each payload of the
+model's frame is therefore retained on its own part topic, and a small retained manifest
+on the `onnx` topic says which message the parts make up:
+
+    <prefix>/<fed>/onnx/<i>   i = 0 .. n-1: payload i of wire.split(frame, max_payload),
+                              retained, QoS 1 (a frame that fits is its own part 0)
+    <prefix>/<fed>/onnx       the manifest: an `onnx` frame with no buffers whose scalars
+                              name the parts (run, sha256, bytes, parts, message_id,
+                              metadata), retained, published after the parts
+
+The frame is kind `onnx`, dtype bytes, one buffer `model.onnx` (the file's bytes), scalars
+{run, sha256, bytes, metadata}. A client that subscribes at any time, even after the
+aggregator has exited, receives the manifest and every part from the broker's retained
+store, reassembles the frame, checks its sha256 and installs the file atomically
+(edgefl.infer.install_model, which needs onnxruntime only). Parts left over from an
+earlier, longer model are cleared (an empty retained message) by the publisher, which
+remembers the part count of its last publication in its state directory.
+
+The part topics are built here from Topics.onnx(), not in edgefl.transport.topics, because
+TOPIC_TABLE's rows are one kind per frame kind (tests/test_wire.py); moving the row there
+is a one-line change when the table allows sub-levels of `onnx`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from ..infer import ModelFileError, install_model
+from ..transport import wire
+from ..transport.topics import Topics
+from .state import atomic_write
+
+__all__ = ["BUFFER_NAME", "OnnxPublication", "OnnxReceiver", "PUBLISHED_FILE",
+           "encode_publication", "part_index", "part_topic", "parts_filter",
+           "published_parts"]
+
+log = logging.getLogger("edgefl.roles.onnx")
+
+BUFFER_NAME = "model.onnx"
+PUBLISHED_FILE = "onnx-published.json"     # in the aggregator's state directory
+MAX_PARTS = 100_000                        # 12 GiB at 128 KiB: far beyond any edge model
+
+
+def part_topic(topics: Topics, index: int) -> str:
+    """The retained topic of part `index` of the published model: <prefix>/<fed>/onnx/<i>."""
+    return f"{topics.onnx()}/{int(index)}"
+
+
+def parts_filter(topics: Topics) -> str:
+    return f"{topics.onnx()}/+"
+
+
+def part_index(topics: Topics, topic: str) -> int | None:
+    """i for <prefix>/<fed>/onnx/<i> (decimal, no sign or leading zero), None for any other
+    topic."""
+    head = topics.onnx() + "/"
+    if not topic.startswith(head):
+        return None
+    rest = topic[len(head):]
+    if not rest.isdigit() or not rest.isascii() or (len(rest) > 1 and rest[0] == "0"):
+        return None
+    index = int(rest)
+    return index if index < MAX_PARTS else None
+
+
+@dataclass(frozen=True)
+class OnnxPublication:
+    manifest: bytes          # the `onnx` topic's retained payload
+    parts: list              # the payloads of onnx/0 .. onnx/n-1
+    sha256: str
+    nbytes: int
+    round: int
+
+
+def encode_publication(data: bytes, metadata: dict, *, round: int, sender: str, run: str,
+                       max_payload: int) -> OnnxPublication:
+    """The manifest and the part payloads of an exported model's bytes."""
+    sha = hashlib.sha256(data).hexdigest()
+    scalars = {"run": run, "sha256": sha, "bytes": len(data),
+               "metadata": {str(k): str(v) for k, v in metadata.items()}}
+    message_id = wire.new_message_id()
+    frame = wire.encode("onnx", round, sender, {BUFFER_NAME: data}, scalars,
+                        message_id=message_id)
+    parts = wire.split(frame, max_payload)
+    if len(parts) > MAX_PARTS:
+        raise wire.EncodeError(f"onnx: {len(data)} bytes in chunks of {max_payload} make "
+                               f"{len(parts)} parts, more than {MAX_PARTS}")
+    manifest = wire.encode("onnx", round, sender, {},
+                           {**scalars, "parts": len(parts), "message_id": f"{message_id:016x}"})
+    return OnnxPublication(manifest, parts, sha, len(data), round)
+
+
+def published_parts(state_dir: str) -> int:
+    """How many part topics the last publication from this state directory retained (0 when
+    none is recorded, or the record is unreadable: then nothing is cleared)."""
+    try:
+        with open(os.path.join(state_dir, PUBLISHED_FILE), encoding="utf-8") as f:
+            parts = json.load(f).get("parts", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return parts if isinstance(parts, int) and 0 <= parts <= MAX_PARTS else 0
+
+
+def record_publication(state_dir: str, pub: OnnxPublication, run: str) -> None:
+    atomic_write(os.path.join(state_dir, PUBLISHED_FILE),
+                 json.dumps({"run": run, "round": pub.round, "sha256": pub.sha256,
+                             "bytes": pub.nbytes, "parts": len(pub.parts)}).encode())
+
+
+class OnnxReceiver:
+    """A client's side: feed it every payload of the `onnx` topic and its part topics; it
+    installs each new complete model as `state_dir/name` (atomic replace) and returns its
+    path. Bad payloads raise wire.FrameError or ModelFileError naming the cause; the
+    installed model is never touched by one."""
+
+    def __init__(self, state_dir: str, name: str = "model.onnx", *,
+                 timeout_s: float = 120.0, max_bytes: int = 512 << 20):
+        self.state_dir = state_dir
+        self.name = name
+        self.path = os.path.join(state_dir, name)
+        self.reassembler = wire.Reassembler(timeout_s, max_bytes=max_bytes)
+        self.expect = wire.Expectation(None, kinds="onnx")
+        self.installed_sha = _file_sha256(self.path)
+        self.manifest: dict | None = None
+        self.installs = 0
+
+    def on_manifest(self, payload: bytes) -> dict | None:
+        """Record the announced model (None for a cleared manifest)."""
+        if not payload:
+            return None
+        frame = wire.decode(payload, self.expect)
+        scalars = dict(frame.scalars)
+        if frame.buffers or not isinstance(scalars.get("sha256"), str) \
+                or not isinstance(scalars.get("parts"), int):
+            raise wire.FrameError("metadata", f"onnx manifest of round {frame.round} from "
+                                              f"{frame.sender!r}: needs no buffers and scalars "
+                                              f"sha256 and parts, got {sorted(scalars)}")
+        self.manifest = {"round": frame.round, "sender": frame.sender, **scalars}
+        return self.manifest
+
+    def on_part(self, payload: bytes) -> str | None:
+        """Add one part; the installed path when it completed a new model, else None."""
+        if not payload:
+            return None                       # a cleared part topic
+        frame = self.reassembler.add(payload, self.expect)
+        if frame is None:
+            return None
+        where = f"onnx model of round {frame.round} from {frame.sender!r}"
+        blob = frame.buffers.get(BUFFER_NAME)
+        sha = frame.scalars.get("sha256")
+        if blob is None or not isinstance(sha, str):
+            raise wire.FrameError("metadata", f"{where}: needs buffer {BUFFER_NAME!r} and "
+                                              f"scalar sha256, has {sorted(frame.buffers)} and "
+                                              f"{sorted(frame.scalars)}")
+        data = blob.tobytes()
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha:
+            raise ModelFileError(f"{where}: {len(data)} bytes with sha256 {got[:12]}, the "
+                                 f"sender announced {sha[:12]}; not installed")
+        if sha == self.installed_sha:
+            log.debug("%s: sha256 %s is installed already", where, sha[:12])
+            return None
+        try:
+            path = install_model(data, self.state_dir, self.name, sha256=sha)
+        except ModelFileError as exc:
+            raise ModelFileError(f"{where}: {exc}") from None
+        self.installed_sha = sha
+        self.installs += 1
+        log.info("installed %s: %s (%d bytes, sha256 %s)", where, path, len(data), sha[:12])
+        return path
+
+
+def _file_sha256(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None

@@ -1,0 +1,680 @@
+"""Runs driven purely over MQTT (issue #8): the aggregator service (roles/daemon.py) against a
+real Mosquitto with the repo's broker/acl and generated passwords, in-process Client threads
+as the boards (each with its own connection and account), and the operator's commands on
+the control topic (roles/control.py) -- with MQTT 5 correlation data and the 3.1.1
+fallback. Every wait has a generous timeout; nothing asserts on timing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+pytest_plugins = ["brokers"]
+
+from brokers import messages_within  # noqa: E402
+from edgefl.roles import (AggregatorCheckpoint, AggregatorSettings, Client,  # noqa: E402
+                          ClientSettings)
+from edgefl.roles.control import ControlClient  # noqa: E402
+from edgefl.roles.daemon import Daemon, DaemonSettings, RunStore  # noqa: E402
+from edgefl.roles.state import JOURNAL_FILE, read_journal  # noqa: E402
+from edgefl.runconfig import run_config_from_mapping  # noqa: E402
+from edgefl.sim import client_shard  # noqa: E402
+from edgefl.transport.base import Message  # noqa: E402
+from edgefl.transport.mqtt import MqttTransport  # noqa: E402
+from edgefl.transport.topics import Topics  # noqa: E402
+
+CLIENTS = ("client-1", "client-2")          # accounts of the mosquitto_acl_server fixture
+
+
+def run_config(rounds=3, model=None, **extra) -> dict:
+    doc = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
+           "model": model or {"name": "softmax"}, "strategy": {"name": "fedavg"},
+           "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": rounds, "seed": 3}
+    doc.update(extra)
+    return doc
+
+
+def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+
+
+class Events:
+    """The operator's view of the events topic, collected by a thread."""
+
+    def __init__(self, transport, topics: Topics):
+        self.transport, self.items, self.topics = transport, [], topics
+        transport.subscribe(topics.events(), qos=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.is_set():
+            item = self.transport.receive(timeout=0.1)
+            if isinstance(item, Message) and item.topic == self.topics.events():
+                self.items.append(json.loads(item.payload))
+
+    def of(self, kind, **match):
+        return [e for e in list(self.items) if e.get("event") == kind
+                and all(e.get(k) == v for k, v in match.items())]
+
+    def wait(self, kind, timeout=30.0, **match):
+        return wait_for(lambda: self.of(kind, **match), timeout, f"event {kind} {match}")[0]
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+
+
+class Fleet:
+    """The aggregator service, the boards and the operator of one federation on the ACL
+    broker; every node logs in with its own account."""
+
+    def __init__(self, server, tmp_path, *, deadline=60.0, quorum=1.0, client_limits=None):
+        self.server, self.tmp = server, tmp_path
+        self.tag = uuid.uuid4().hex[:8]
+        self.fed = f"orch-{self.tag}"
+        self.topics = Topics(self.fed)
+        self.transports: list = []
+        self.stop = threading.Event()
+        self.client_limits = client_limits or {}
+        settings = DaemonSettings(
+            AggregatorSettings(node_id="aggregator", federation=self.fed,
+                               round_timeout_s=deadline, quorum=quorum, poll_s=0.05),
+            client_ids=CLIENTS, retry_s=0.5)
+        self.state_dir = tmp_path / "aggregator"
+        self.daemon = Daemon(settings, str(self.state_dir), self._aggregator_transport,
+                             stop=self.stop)
+        self.thread = None
+        self.error = None
+        self.clients: dict = {}
+        self.client_threads: dict = {}
+        self.data = {}
+        self.operator = self.transport("operator", protocol="5")
+        self.operator.connect()
+        watcher = self.transport("operator", protocol="5")
+        watcher.connect()
+        self.events = Events(watcher, self.topics)
+
+    def transport(self, user, protocol="3.1.1", client_id=None, **options):
+        t = MqttTransport(self.server.url, client_id or f"{user}-{uuid.uuid4().hex[:6]}",
+                          username=user, password=self.server.users[user], protocol=protocol,
+                          reconnect_min=0.05, reconnect_max=0.5, connect_timeout=5.0,
+                          **options)
+        self.transports.append(t)
+        return t
+
+    def _aggregator_transport(self, client_id, **options):
+        # node id "aggregator" (its topics, the ACL user); the MQTT client id is unique to
+        # this test, so nothing of another test's session is met on the shared broker
+        options.setdefault("clean_session", True)
+        return self.transport("aggregator", client_id=f"{client_id}-{self.tag}", **options)
+
+    def start_daemon(self):
+        def body():
+            try:
+                self.daemon.run()
+            except BaseException as exc:       # noqa: BLE001 -- reported by the test
+                self.error = exc
+
+        self.thread = threading.Thread(target=body, name="daemon", daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.daemon.ready.is_set() or self.error, what="the daemon's control "
+                 "connection")
+        assert self.error is None, self.error
+
+    def start_client(self, node):
+        config = run_config_from_mapping(run_config())
+        x, y = client_shard(config, CLIENTS.index(node))
+        t = self.transport(node)
+        client = Client(ClientSettings(node, self.fed, model_wait_s=2.0,
+                                       **self.client_limits.get(node, {})),
+                        (x, y), t, str(self.tmp / node), stop=threading.Event())
+        thread = threading.Thread(target=client.run, name=node, daemon=True)
+        thread.start()
+        wait_for(client.ready.is_set, what=f"{node} connected")
+        self.clients[node], self.client_threads[node] = client, thread
+        return client
+
+    def control(self, mqtt5=True, name=None):
+        t = self.operator if mqtt5 else self._operator311()
+        return ControlClient(t, self.topics, name or f"op-{uuid.uuid4().hex[:6]}", mqtt5=mqtt5)
+
+    def _operator311(self):
+        t = self.transport("operator")
+        t.connect()
+        return t
+
+    def ok(self, doc, mqtt5=True, timeout=20.0):
+        reply = self.control(mqtt5).request(doc, timeout=timeout)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    def close(self):
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(30)
+        for client in self.clients.values():
+            client.stop.set()
+        for thread in self.client_threads.values():
+            thread.join(10)
+        self.events.close()
+        for t in self.transports:
+            try:
+                t.close(timeout=1.0, announce_offline=False)
+            except Exception:                  # noqa: BLE001 -- teardown
+                t.kill()
+
+
+@pytest.fixture
+def fleet(mosquitto_acl_server, tmp_path):
+    made = []
+
+    def make(**options):
+        f = Fleet(mosquitto_acl_server, tmp_path, **options)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def retained_status(fleet) -> dict | None:
+    """The retained status of the aggregator node, when it says online-and-waiting or
+    offline (None while a run's Aggregator owns it)."""
+    t = fleet.transport("operator")
+    t.connect()
+    try:
+        t.subscribe(fleet.topics.status("aggregator"), qos=1)
+        got = [json.loads(m.payload) for m in messages_within(t, 0.5) if m.payload]
+    finally:
+        t.close(timeout=1.0, announce_offline=False)
+    doc = got[-1] if got else None
+    return doc if doc and ("service" in doc or not doc["online"]) else None
+
+
+def wait_state(fleet, run_id, state, timeout=60.0):
+    """Poll the `runs` command until run_id is in `state` (the record is written after the
+    outputs, after the aggregator's run_finished event)."""
+    def reached():
+        runs = {r["id"]: r for r in fleet.ok({"cmd": "runs"})["runs"]}
+        return runs.get(run_id, {}).get("state") == state and runs[run_id]
+    return wait_for(reached, timeout, f"run {run_id} {state}", poll=0.2)
+
+
+# ---------------------------------------------------------------------------------------
+# a whole run started, paused mid-round, resumed and finished; a second run queued behind
+# ---------------------------------------------------------------------------------------
+
+def test_run_started_paused_mid_round_resumed_finished_and_next_run_queued(fleet):
+    f = fleet()
+    f.start_daemon()
+    assert f.ok({"cmd": "status"}) ["active"] is None
+    f.start_client("client-1")                 # client-2 joins later: round 1 stays open
+
+    started = f.ok({"cmd": "start", "config": run_config(rounds=3), "run": "first"})
+    assert started == {"run": "first", "state": "queued", "ahead": 0,
+                       "run_dir": str(f.state_dir / "runs" / "first")}
+    opened = f.events.wait("round_opened", run="first", round=1)
+    wait_for(lambda: f.clients["client-1"].progress.trained == 1, what="client-1's round 1")
+    wait_for(lambda: f.ok({"cmd": "status"})["active"].get("updates") == 1, poll=0.2,
+             what="client-1's update at the aggregator")
+
+    paused = f.ok({"cmd": "pause"})
+    assert paused == {"run": "first", "state": "paused", "round": 1}
+    f.start_client("client-2")                 # trains and uploads while the run is paused
+    wait_for(lambda: f.clients["client-2"].progress.trained == 1, what="client-2's round 1")
+    wait_for(lambda: f.ok({"cmd": "status"})["active"].get("updates") == 2, poll=0.2,
+             what="client-2's update at the aggregator")
+    # every update is in, yet the paused round neither closes nor does a new one open
+    assert not f.events.of("round_closed", run="first")
+    status = f.ok({"cmd": "status"})["active"]
+    assert status["state"] == "paused" and status["round"] == 1 and status["rounds_done"] == 0
+    assert status["updates"] == 2 and status["clients_online"] == ["client-1", "client-2"]
+    assert f.ok({"cmd": "runs"})["runs"][0]["state"] == "paused"
+    paused_at = time.time()
+    time.sleep(0.5)                            # a pause of some length: the deadline moves
+
+    # a second run, another model, queued behind the active one
+    second = f.ok({"cmd": "start", "run": "second",
+                   "config": run_config(rounds=2, model={"name": "mlp", "hidden": [16]})},
+                  mqtt5=False)
+    assert second["state"] == "queued" and second["ahead"] == 1
+    assert f.ok({"cmd": "status"})["queue"] == ["second"]
+
+    assert f.ok({"cmd": "resume"}) == {"run": "first", "state": "running"}
+    resumed_at = time.time()
+    again = f.events.wait("round_opened", run="first", round=1, announcement=2)
+    # announced again with the deadline moved by (at least) the paused time
+    assert again["deadline"] >= opened["deadline"] + (resumed_at - paused_at) - 1.0
+    assert f.events.wait("round_closed", run="first", round=1)["closed_by"] == "all"
+    f.events.wait("run_finished", run="first")
+    f.events.wait("run_finished", run="second", timeout=60)
+    wait_state(f, "second", "finished")
+    records = {r["id"]: r for r in f.ok({"cmd": "runs"})["runs"]}
+    assert [records[r]["state"] for r in ("first", "second")] == ["finished", "finished"]
+    assert records["first"]["rounds_done"] == 3 and records["first"]["final_accuracy"] > 0.5
+    for run_id, rounds in (("first", 3), ("second", 2)):
+        run_dir = f.state_dir / "runs" / run_id
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["rounds"] == rounds and summary["config"]["rounds"] == rounds
+        assert (run_dir / "model.onnx").stat().st_size > 0
+        ckpt = AggregatorCheckpoint.load(run_dir / "state")
+        assert ckpt.run_id == run_id and ckpt.aggregated == list(range(1, rounds + 1))
+        aggregated = [r["round"] for r in read_journal(run_dir / "state" / JOURNAL_FILE)
+                      if r.get("event") == "aggregated"]
+        assert aggregated == list(range(1, rounds + 1))    # each round exactly once
+    # the boards followed the second run and its model, with no configuration
+    second_summary = json.loads((f.state_dir / "runs" / "second" / "summary.json").read_text())
+    assert second_summary["config"]["model"] == {"name": "mlp", "hidden": [16]}
+    for node in CLIENTS:
+        client = f.clients[node]
+        assert client.progress.run_id == "second" and client.progress.trained == 2
+        assert client._model.n_params == 64 * 16 + 16 + 16 * 10 + 10     # the run's MLP
+    # the queue and records survive on disk, and each run's record is retained on its topic
+    assert [r["id"] for r in RunStore(str(f.state_dir)).load_all()] == ["first", "second"]
+    late = f.transport("operator")
+    late.connect()
+    late.subscribe(f.topics.subscription("runs"), qos=1)
+    retained = {f.topics.parse(m.topic)[1]: json.loads(m.payload)
+                for m in messages_within(late, 1.0) if m.retain}
+    assert {k: (v["state"], v["rounds_done"], v["rounds"]) for k, v in retained.items()} == {
+        "first": ("finished", 3, 3), "second": ("finished", 2, 2)}
+
+
+# ---------------------------------------------------------------------------------------
+# stop: a valid checkpoint and an exported model
+# ---------------------------------------------------------------------------------------
+
+def test_stop_leaves_a_valid_checkpoint_and_an_exported_model(fleet):
+    from edgefl.infer import Predictor
+
+    f = fleet(quorum=0.5)                       # one of the two clients closes a round
+    f.start_daemon()
+    f.start_client("client-1")
+    f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "long"})
+    f.events.wait("round_closed", run="long", round=2)
+
+    exported = f.ok({"cmd": "export"}, mqtt5=False)        # `export` while it runs
+    assert exported["run"] == "long" and exported["round"] >= 2
+    assert os.path.getsize(exported["model_onnx"]) > 0
+
+    assert f.ok({"cmd": "stop"})["state"] == "stopping"
+    stopped = f.events.wait("run_stopped", run="long")
+    run_dir = f.state_dir / "runs" / "long"
+    ckpt = AggregatorCheckpoint.load(run_dir / "state")
+    assert ckpt is not None and ckpt.round == stopped["round"] >= 2
+    assert ckpt.aggregated == list(range(1, ckpt.round + 1))
+    aggregated = [r["round"] for r in read_journal(run_dir / "state" / JOURNAL_FILE)
+                  if r.get("event") == "aggregated"]
+    assert aggregated == ckpt.aggregated
+    exported = f.events.wait("model_exported", run="long", round=ckpt.round)
+    predictor = Predictor(str(run_dir / "model.onnx"), check_interval=None)
+    classes, probs = predictor.predict(np.zeros((3, 64), np.float32))
+    assert classes.shape == (3,) and np.allclose(probs.sum(axis=1), 1.0, atol=1e-5)
+    assert predictor.metadata.get("round") in (str(ckpt.round), ckpt.round)
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["state"] == "stopped" and record["model_onnx"] == str(run_dir / "model.onnx")
+    # stopped means stopped: nothing to resume or pause, and the daemon waits for runs
+    reply = f.control().request({"cmd": "resume"})
+    assert not reply["ok"] and reply["error"] == "resume: no run is active (waiting for a run)"
+    assert f.ok({"cmd": "status"})["active"] is None
+
+
+def test_stop_cancels_a_queued_run_and_a_restart_keeps_the_queue(fleet, tmp_path):
+    f = fleet(quorum=0.5)
+    f.start_daemon()
+    f.start_client("client-1")
+    f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "a"})
+    f.ok({"cmd": "start", "config": run_config(rounds=2), "run": "b"})
+    f.ok({"cmd": "start", "config": run_config(rounds=2), "run": "c"})
+    assert f.ok({"cmd": "stop", "run": "c"}) == {"run": "c", "state": "cancelled"}
+    f.events.wait("round_closed", run="a", round=1)
+    # the service stops (SIGTERM): run a is left to resume, b stays queued
+    f.stop.set()
+    f.thread.join(30)
+    assert not f.thread.is_alive()
+    states = {r["id"]: r["state"] for r in RunStore(str(f.state_dir)).load_all()}
+    assert states == {"a": "running", "b": "queued", "c": "cancelled"}
+    done = AggregatorCheckpoint.load(f.state_dir / "runs" / "a" / "state").round
+    assert done >= 1
+
+    # a new service process on the same state: a resumes from its checkpoint, then b
+    f.stop = threading.Event()
+    f.daemon = Daemon(f.daemon.settings, str(f.state_dir), f._aggregator_transport,
+                      stop=f.stop)
+    f.start_daemon()
+    wait_for(lambda: any(r.get("event") == "resumed" for r in read_journal(
+        f.state_dir / "runs" / "a" / "state" / JOURNAL_FILE)), what="run a resumed")
+    f.ok({"cmd": "stop", "run": "a"})
+    f.events.wait("run_finished", run="b", timeout=60)
+    wait_state(f, "b", "finished")
+    states = {r["id"]: r["state"] for r in f.ok({"cmd": "runs"})["runs"]}
+    assert states == {"a": "stopped", "b": "finished", "c": "cancelled"}
+    assert AggregatorCheckpoint.load(f.state_dir / "runs" / "a" / "state").round >= done
+
+
+# ---------------------------------------------------------------------------------------
+# access: only the operator's commands reach the aggregator
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("protocol", ["3.1.1", "5"])
+def test_a_command_from_a_client_account_is_refused_by_the_broker(fleet, protocol):
+    f = fleet()
+    f.start_daemon()
+    spy = f.transport("operator")              # reads edgefl/#: sees any command delivered
+    spy.connect()
+    spy.subscribe(f.topics.ctl(), qos=1)
+    intruder = f.transport("client-1", protocol=protocol)
+    intruder.connect()
+    forged = {"cmd": "start", "config": run_config(), "run": "forged",
+              "reply_to": f.topics.reply("intruder")}
+    delivery = intruder.publish(f.topics.ctl(), json.dumps(forged).encode(), qos=1)
+    assert delivery.wait(10)            # acknowledged (3.1.1) or refused with 135 (MQTT 5)
+    assert messages_within(spy, 1.0) == []
+    assert f.ok({"cmd": "runs"}) == {"runs": []}
+    assert not (f.state_dir / "runs" / "forged").exists()
+    # the operator's own command on the same topic is delivered and carried out
+    f.ok({"cmd": "start", "config": run_config(), "run": "mine"})
+    assert [json.loads(m.payload)["cmd"] for m in messages_within(spy, 1.0)] == ["runs",
+                                                                                "start"]
+
+
+# ---------------------------------------------------------------------------------------
+# bad commands: error replies naming the problem, nothing changed
+# ---------------------------------------------------------------------------------------
+
+def test_bad_commands_get_error_replies_and_change_nothing(fleet):
+    f = fleet()
+    f.start_daemon()
+    reply_topic = f.topics.reply("bad")
+    raw = f.transport("operator")
+    raw.connect()
+    raw.subscribe(reply_topic, qos=1)
+
+    def send(payload: bytes, expect_reply=True):
+        """The replies to one command: the first within 10 s and any more within 0.3 s
+        after it; none within 1.5 s when no reply is expected."""
+        raw.publish(f.topics.ctl(), payload, qos=1)
+        got = messages_within(raw, 1.5) if not expect_reply else []
+        if expect_reply:
+            end = time.monotonic() + 10
+            while not got and time.monotonic() < end:
+                item = raw.receive(timeout=0.1)
+                if isinstance(item, Message):
+                    got = [item] + messages_within(raw, 0.3)
+        return [json.loads(m.payload) for m in got if m.topic == reply_topic]
+
+    fallback = {"reply_to": reply_topic, "request_id": "r1"}
+    cases = [
+        ({"cmd": "launch", **fallback}, "command: unknown cmd 'launch'; valid: start, pause, "
+                                        "resume, stop, export, status, runs"),
+        ({"cmd": "pause", "force": True, **fallback}, "pause: unknown field 'force'; valid: "
+                                                      "cmd, request_id, reply_to, run"),
+        ({"cmd": "start", **fallback}, "start: field 'config' must be a run config object"),
+        ({"cmd": "start", "config": run_config(train={"lr": -1}), **fallback},
+         "start: config: train.lr: -1.0 must be > 0"),
+        ({"cmd": "start", "config": run_config(strategy={"name": "fedbest"}), **fallback},
+         "start: config: strategy.name: unknown strategy 'fedbest'"),
+        ({"cmd": "start", "config": run_config(), "clients": ["client-1"], **fallback},
+         "start: clients lists 1 client ids, the config's partition.clients is 2"),
+        ({"cmd": "start", "config": run_config(), "run": "a/b", **fallback},
+         "start: run: 'a/b' contains '/'"),
+        ({"cmd": "start", "config": run_config(), "round": {"quorum": 2}, **fallback},
+         "start: round.quorum = 2: a fraction in (0, 1]"),
+        ({"cmd": "pause", **fallback}, "pause: no run is active (waiting for a run)"),
+        ({"cmd": "stop", "run": "ghost", **fallback}, "stop: no run 'ghost' (runs: none)"),
+        ({"cmd": "export", **fallback}, "export: no run is active; name one with \"run\""),
+    ]
+    for doc, error in cases:
+        replies = send(json.dumps(doc).encode())
+        assert len(replies) == 1, (doc, replies)
+        assert replies[0]["ok"] is False and replies[0]["request_id"] == "r1"
+        assert replies[0]["error"].startswith(error), (replies[0]["error"], error)
+    # not JSON, or JSON but not an object: no reply address can be read, an error event
+    for payload, error in [(b"{start", "command: not JSON"),
+                           (b"[1, 2]", "command: a JSON object was expected")]:
+        assert send(payload, expect_reply=False) == []
+        event = f.events.wait("error")
+        assert event["error"].startswith(f"command refused: {error}")
+        f.events.items.clear()
+    # a reply topic outside the federation's reply topics is never written to
+    bad_reply = {"cmd": "status", "reply_to": f.topics.round(), "request_id": "r2"}
+    assert send(json.dumps(bad_reply).encode(), expect_reply=False) == []
+    assert "replies go only to this federation's reply topics" in f.events.wait("error")["error"]
+    # nothing changed
+    assert f.ok({"cmd": "runs"}) == {"runs": []}
+    assert RunStore(str(f.state_dir)).load_all() == []
+    assert f.ok({"cmd": "status"})["active"] is None
+
+
+# ---------------------------------------------------------------------------------------
+# the reply address: MQTT 5 correlation data, and the 3.1.1 fallback
+# ---------------------------------------------------------------------------------------
+
+def test_mqtt5_correlation_data_round_trips_and_the_311_fallback_answers(fleet):
+    f = fleet()
+    f.start_daemon()
+    reply_topic = f.topics.reply("v5")
+    v5 = f.transport("operator", protocol="5")
+    v5.connect()
+    v5.subscribe(reply_topic, qos=1)
+    token = b"\x00\xffopaque-\x01"
+    v5.publish(f.topics.ctl(), b'{"cmd": "status"}', qos=1, response_topic=reply_topic,
+               correlation_data=token)
+    replies = [m for m in messages_within(v5, 2.0) if m.topic == reply_topic]
+    assert len(replies) == 1
+    assert replies[0].correlation_data == token
+    doc = json.loads(replies[0].payload)
+    assert doc["ok"] and doc["cmd"] == "status" and doc["result"]["active"] is None
+
+    # MQTT 3.1.1: no properties; the payload carries reply_to and request_id
+    old = f.transport("operator", protocol="3.1.1")
+    old.connect()
+    old.subscribe(f.topics.reply("old"), qos=1)
+    old.publish(f.topics.ctl(), json.dumps({"cmd": "runs", "reply_to": f.topics.reply("old"),
+                                            "request_id": 42}).encode(), qos=1)
+    replies = [m for m in messages_within(old, 2.0) if m.topic == f.topics.reply("old")]
+    assert len(replies) == 1 and replies[0].correlation_data is None
+    doc = json.loads(replies[0].payload)
+    assert doc == {**doc, "ok": True, "cmd": "runs", "request_id": 42,
+                   "result": {"runs": []}}
+    # a 3.1.1 connection cannot send MQTT 5 properties: a clear error, nothing sent
+    with pytest.raises(ValueError, match="MQTT 5 properties"):
+        old.publish(f.topics.ctl(), b"{}", qos=1, response_topic=reply_topic)
+
+    # a command repeated (QoS 1 redelivery, a requester that got no answer) is carried out
+    # once and answered each time with the same reply
+    start = json.dumps({"cmd": "start", "config": run_config(), "run": "once",
+                        "reply_to": f.topics.reply("old"), "request_id": "dup"}).encode()
+    old.publish(f.topics.ctl(), start, qos=1)
+    old.publish(f.topics.ctl(), start, qos=1)
+    replies = [json.loads(m.payload) for m in messages_within(old, 2.0)
+               if m.topic == f.topics.reply("old")]
+    assert len(replies) == 2 and replies[0] == replies[1] and replies[0]["ok"]
+    assert [r["id"] for r in f.ok({"cmd": "runs"})["runs"]] == ["once"]
+
+
+def test_loopback_carries_the_mqtt5_request_properties():
+    from edgefl.transport.loopback import LoopbackBroker
+
+    broker = LoopbackBroker()
+    a, b = broker.transport("a"), broker.transport("b")
+    a.connect()
+    b.connect()
+    b.subscribe("x/#")
+    a.publish("x/1", b"{}", response_topic="x/reply", correlation_data=b"\x01\x02")
+    a.publish("x/2", b"{}", retain=True, correlation_data=b"r")
+    got = [m for m in messages_within(b, 0.2)]
+    assert [(m.response_topic, m.correlation_data) for m in got] == [("x/reply", b"\x01\x02"),
+                                                                    (None, b"r")]
+    late = broker.transport("late")
+    late.connect()
+    late.subscribe("x/2")
+    assert [m.correlation_data for m in messages_within(late, 0.2)] == [b"r"]   # retained
+    with pytest.raises(ValueError, match="wildcards|not allowed"):
+        a.publish("x/3", b"", response_topic="x/+")
+
+
+# ---------------------------------------------------------------------------------------
+# clients follow the run, within their board's limits
+# ---------------------------------------------------------------------------------------
+
+def test_a_run_beyond_a_boards_limits_is_refused_by_that_board(fleet):
+    # client-2's board trains at most 1,000 parameters: the softmax on digits has 650, the
+    # MLP 64-32-10 has 2,410
+    f = fleet(client_limits={"client-2": {"max_params": 1000}})
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    big = run_config(rounds=2, model={"name": "mlp", "hidden": [32]})
+    f.ok({"cmd": "start", "config": big, "run": "big"})
+    refused = f.events.wait("client_refused", run="big", client="client-2")
+    assert refused["reason"] == ("the run's model has 2,410 parameters, this board's limit is "
+                                 "compute.max_params = 1,000")
+    closed = f.events.wait("round_closed", run="big", round=1)
+    assert closed["updates"] == 1 and closed["closed_by"] == "offline"
+    f.events.wait("run_finished", run="big")
+    wait_state(f, "big", "finished")
+    assert f.clients["client-2"].stats["trained"] == 0
+    assert f.clients["client-1"].progress.trained == 2
+    # a run within the limits: both boards train it
+    f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "small"})
+    assert f.events.wait("round_closed", run="small", round=1)["updates"] == 2
+
+
+# ---------------------------------------------------------------------------------------
+# the commands themselves: `edgefl aggregator` (the service) and `edgefl ctl`, as processes
+# ---------------------------------------------------------------------------------------
+
+def test_edgefl_ctl_drives_the_aggregator_service_process(fleet, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from brokers import REPO
+
+    f = fleet()
+    secrets = {}
+    for user in ("aggregator", "operator"):
+        secrets[user] = tmp_path / f"{user}.password"
+        secrets[user].write_text(f.server.users[user] + "\n")
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": "aggregator", "federation": f.fed},
+        "state_dir": str(f.state_dir), "log": {"level": "info"},
+        "broker": {"url": f.server.url, "username": "aggregator",
+                   "password_file": str(secrets["aggregator"])}}))
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(run_config(rounds=2)))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ctl = [sys.executable, "-m", "edgefl.cli", "ctl", "--broker", f.server.url,
+           "--username", "operator", "--password-file", str(secrets["operator"]),
+           "--federation", f.fed, "--timeout", "30"]
+    log = open(tmp_path / "aggregator.log", "wb")
+    service = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                                str(site)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL)
+    log.close()
+    watch = None
+    try:
+        wait_for(lambda: "taking commands on" in (tmp_path / "aggregator.log").read_text(),
+                 timeout=60, poll=0.1, what="the aggregator service to take commands")
+        status = subprocess.run(ctl + ["status"], env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.strip() == "aggregator: no active run; queue: empty"
+        watch = subprocess.Popen(ctl + ["watch"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        for node in CLIENTS:
+            f.start_client(node)
+        started = subprocess.run(ctl + ["start", str(run_file), "--run", "cli", "--clients",
+                                        "client-1,client-2", "--json"], env=env,
+                                 capture_output=True, text=True, timeout=60)
+        assert started.returncode == 0, started.stderr
+        reply = json.loads(started.stdout)
+        assert reply["ok"] and reply["result"]["run"] == "cli"
+        out, err = watch.communicate(timeout=90)
+        assert watch.returncode == 0, err
+        lines = out.splitlines()
+        assert any("cli round 2 closed (all): 2 update(s), test accuracy 0." in line
+                   for line in lines), out
+        assert any(line.endswith("run_finished") or " run_finished: " in line
+                   for line in lines), out
+        def cli_state():
+            listed = subprocess.run(ctl + ["runs"], env=env, capture_output=True, text=True,
+                                    timeout=60)
+            rows = [line.split() for line in listed.stdout.splitlines()[1:]]
+            return next((row[1] for row in rows if row[0] == "cli"), None) == "finished" \
+                and rows
+
+        rows = wait_for(cli_state, timeout=60, poll=0.5, what="run cli finished in ctl runs")
+        assert rows[0][:3] == ["cli", "finished", "2/2"]
+        refused = subprocess.run(ctl + ["pause"], env=env, capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 1
+        assert refused.stderr.strip() == ("edgefl ctl pause: refused: pause: no run is active "
+                                          "(waiting for a run)")
+        assert (f.state_dir / "runs" / "cli" / "model.onnx").stat().st_size > 0
+        # between runs the service's retained status says it is up and waiting
+        assert wait_for(lambda: retained_status(f), what="the idle status")["service"] == \
+            "waiting"
+        service.send_signal(signal.SIGTERM)
+        assert service.wait(30) == 0, (tmp_path / "aggregator.log").read_text()[-3000:]
+        assert retained_status(f)["online"] is False
+    finally:
+        for proc in (service, watch):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------
+# bad input on the aggregator's side: a run that cannot start, a corrupt record
+# ---------------------------------------------------------------------------------------
+
+def test_a_run_that_cannot_start_fails_with_its_reason_and_the_queue_goes_on(fleet):
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    missing = run_config(dataset={"name": "npz", "path": "/nonexistent/edgefl/data.npz"})
+    f.ok({"cmd": "start", "config": missing, "run": "nodata"})
+    f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "next"})
+    error = f.events.wait("error", run="nodata")
+    assert "npz: file /nonexistent/edgefl/data.npz does not exist" in error["error"]
+    record = wait_state(f, "nodata", "failed")
+    assert "/nonexistent/edgefl/data.npz does not exist" in record["error"]
+    wait_state(f, "next", "finished")
+
+
+def test_a_corrupt_run_record_is_reported_and_skipped(tmp_path, caplog):
+    store = RunStore(str(tmp_path))
+    store.save({"id": "good", "seq": 2, "state": "queued"})
+    store.save({"id": "older", "seq": 1, "state": "finished"})
+    bad = tmp_path / "runs" / "torn" / "run.json"
+    bad.parent.mkdir()
+    bad.write_text('{"id": "torn", "state": ')
+    other = tmp_path / "runs" / "alien" / "run.json"
+    other.parent.mkdir()
+    other.write_text('{"id": "someone-else", "state": "queued"}')
+    with caplog.at_level("ERROR", logger="edgefl.roles.daemon"):
+        assert [r["id"] for r in store.load_all()] == ["older", "good"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(str(bad) in m and "skipped" in m for m in messages), messages
+    assert any(str(other) in m and "not a run record of run 'alien'" in m for m in messages)

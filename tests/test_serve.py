@@ -1,0 +1,277 @@
+"""`edgefl serve`, the board's inference service (issue #6), as a real process: HTTP on its
+Unix socket and on TCP, READY while it waits for the first model and STATUS once it serves
+it, atomic model swaps while requests run (no request fails, every answer comes from one
+whole model), bad requests answered with the cause, SIGTERM -> STOPPING and exit 0.
+"""
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from edgefl.cli import main
+from edgefl.data import load_dataset
+from edgefl.export import export_onnx
+from edgefl.export.onnx import raw_inputs
+from edgefl.infer import Predictor, write_atomic
+from edgefl.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 10.0):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def request(conn, method, path, body=None, content_type="application/json"):
+    headers = {"Content-Type": content_type} if body is not None else {}
+    conn.request(method, path, body=body, headers=headers)
+    response = conn.getresponse()
+    return response.status, json.loads(response.read()), response
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def export(path, digits, seed: int):
+    model = build_model({"name": "mlp", "hidden": [16]}, digits.input_shape, 10)
+    tmp = Path(str(path) + f".{seed}.src")
+    export_onnx(model, model.init(seed), tmp, norm_mean=digits.norm_mean,
+                norm_std=digits.norm_std)
+    data = tmp.read_bytes()
+    tmp.unlink()
+    return data
+
+
+class Notifications:
+    """A real NOTIFY_SOCKET: the datagrams the service sends, read as they come (as systemd
+    does; a full datagram queue would block the sender)."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.1)
+        self.path = path
+        self.messages: list[dict] = []
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while not self.closed.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                return
+            self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
+
+    def poll(self) -> list[dict]:
+        return list(self.messages)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join(2)
+        self.sock.close()
+
+    def find(self, key, value=None):
+        return next((m for m in self.poll() if key in m and (value is None or
+                                                                value in m[key])), None)
+
+
+def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits):
+    short = Path(tempfile.mkdtemp(prefix="efs-", dir="/tmp"))   # Unix socket paths are short
+    model = tmp_path / "state" / "model.onnx"
+    model.parent.mkdir()
+    port = free_port()
+    site = tmp_path / "infer.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "state_dir": str(tmp_path / "infer-state"),
+        "log": {"level": "info"},
+        "infer": {"model": str(model), "socket": str(short / "predict.sock"),
+                  "listen": f"127.0.0.1:{port}", "check_interval": 0.1,
+                  "max_request_bytes": 200_000}}))
+    notify = Notifications(str(short / "notify"))
+    env = dict(os.environ, NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="2000000",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("WATCHDOG_PID", None)
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "serve", "--config", str(site)],
+                            env=env, stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT)
+    log.close()
+
+    def logged():
+        return (tmp_path / "serve.log").read_text()
+
+    sock = str(short / "predict.sock")
+    try:
+        ready = wait_for(lambda: notify.find("READY", "1"), what="READY=1")
+        assert ready["STATUS"].startswith(f"waiting for {model}"), ready
+        conn = UnixHTTPConnection(sock)
+        status, doc, _ = request(conn, "GET", "/health")
+        assert (status, doc["status"]) == (503, "waiting")
+        x = raw_inputs(digits, digits.x_test[:5])
+        body = json.dumps({"inputs": x.tolist()})
+        status, doc, _ = request(conn, "POST", "/predict", body)
+        assert status == 503 and "waiting for" in doc["error"]
+
+        # the first model appears (atomically, as the client installs it)
+        model_a, model_b = export(tmp_path / "a", digits, 0), export(tmp_path / "b", digits, 1)
+        write_atomic(model, model_a)
+        wait_for(lambda: request(conn, "GET", "/health")[0] == 200, what="the first model")
+        sha_a = Predictor(model).sha256
+        health = request(conn, "GET", "/health")[1]["model"]
+        assert health["threads"] == 2             # infer.threads of the generic-x86 profile
+        assert health["sha256"] == sha_a and health["input_shape"] == [1, 8, 8]
+        assert wait_for(lambda: notify.find("STATUS", "serving"), what="STATUS serving")
+        status, doc, response = request(conn, "POST", "/predict", body)
+        assert status == 200 and doc["model"]["sha256"] == sha_a
+        assert response.getheader("X-Model-Sha256") == sha_a
+        want_classes, want_probs = Predictor(model).predict(x)
+        assert doc["classes"] == want_classes.tolist()
+        np.testing.assert_allclose(doc["probabilities"], want_probs, atol=1e-6)
+        assert doc["names"] == [str(c) for c in want_classes]
+
+        # the same over TCP, and a .npy body
+        tcp = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        buf = io.BytesIO()
+        np.save(buf, x[:2].reshape(2, -1))                       # flattened samples
+        status, doc, _ = request(tcp, "POST", "/predict", buf.getvalue(), "application/x-npy")
+        assert status == 200 and doc["classes"] == want_classes[:2].tolist()
+
+        # bad requests: the answer names the cause; the service keeps serving
+        status, doc, _ = request(conn, "POST", "/predict", json.dumps({"inputs": [[1, 2, 3]]}))
+        assert status == 400 and "shape (1, 3) does not fit model input (1, 8, 8)" in doc["error"]
+        assert doc["expected_shape"] == ["n", 1, 8, 8]
+        status, doc, _ = request(conn, "POST", "/predict", "{not json")
+        assert status == 400 and "not JSON" in doc["error"]
+        status, doc, _ = request(conn, "POST", "/predict",
+                                 json.dumps({"inputs": [[float("nan")] * 64]}))   # NaN literal
+        assert status == 400 and "non-finite" in doc["error"]
+        big = UnixHTTPConnection(sock)
+        status, doc, _ = request(big, "POST", "/predict", b"[" + b"0," * 150_000 + b"0]")
+        assert status == 413 and "exceeds the limit of 200000" in doc["error"]
+        status, doc, _ = request(conn, "GET", "/nothing")
+        assert status == 404
+
+        # swap models atomically while four threads keep asking: no request fails, and each
+        # answer is exactly the answer of the model it names
+        expected = {sha_a: want_classes.tolist()}
+        errors, seen = [], set()
+        stop = threading.Event()
+
+        def hammer():
+            c = UnixHTTPConnection(sock)
+            while not stop.is_set():
+                try:
+                    status, doc, _ = request(c, "POST", "/predict", body)
+                except Exception as exc:   # noqa: BLE001 -- recorded, asserted below
+                    errors.append(repr(exc))
+                    return
+                if status != 200:
+                    errors.append((status, doc))
+                    return
+                seen.add(doc["model"]["sha256"])
+                if doc["classes"] != expected.get(doc["model"]["sha256"], doc["classes"]):
+                    errors.append(("mixed answer", doc))
+
+        threads = [threading.Thread(target=hammer) for _ in range(4)]
+        for t in threads:
+            t.start()
+        tmp_b = tmp_path / "b.onnx"
+        write_atomic(tmp_b, model_b)
+        sha_b = Predictor(tmp_b).sha256
+        expected[sha_b] = Predictor(tmp_b).predict(x)[0].tolist()
+        for i in range(6):
+            write_atomic(model, model_b if i % 2 == 0 else model_a)
+            time.sleep(0.3)
+        write_atomic(model, model_b)
+        wait_for(lambda: request(conn, "GET", "/health")[1]["model"]["sha256"] == sha_b,
+                 what="model B to be served")
+        # a corrupt replacement is never served
+        write_atomic(model, b"\x08\x07 not a model")
+        wait_for(lambda: request(conn, "GET", "/health")[1]["model"]["last_error"],
+                 what="the corrupt file to be noticed")
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not errors, errors[:3]
+        assert seen == {sha_a, sha_b}
+        status, doc, _ = request(conn, "GET", "/health")
+        assert doc["model"]["sha256"] == sha_b and "not a loadable ONNX model" in \
+            doc["model"]["last_error"]
+        assert doc["model"]["reloads"] >= 7 and doc["failures"] >= 5   # the bad requests
+        conn.close()
+        tcp.close()
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, logged()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        notify.close()
+    assert notify.find("STOPPING", "1"), notify.poll()
+    assert notify.find("WATCHDOG", "1"), "no watchdog ping in the whole run"
+    assert not os.path.exists(sock), "the socket file was left behind"
+    assert "stopped (SIGTERM)" in logged()
+
+
+def test_serve_refuses_what_it_cannot_serve_and_names_it(tmp_path, capsys):
+    plain = tmp_path / "not-a-socket"
+    plain.write_text("keep me")
+    base = ["serve", "--profile", "generic-x86", "--set", f"state_dir={tmp_path}"]
+    assert main(base + ["--set", f"infer.model={tmp_path / 'm.onnx'}",
+                        "--set", f"infer.socket={plain}"]) == 1
+    assert f"infer.socket {plain}: exists and is not a socket" in capsys.readouterr().err
+    assert plain.read_text() == "keep me"
+    assert main(base + ["--set", f"infer.model={tmp_path / 'm.onnx'}",
+                        "--set", f"infer.socket={tmp_path / 'no' / 'dir.sock'}"]) == 1
+    assert "directory" in capsys.readouterr().err
+    assert main(base + ["--set", f"infer.model={tmp_path / 'm.onnx'}",
+                        "--set", "infer.listen=127.0.0.1:99999"]) == 1
+    assert "infer.listen: '127.0.0.1:99999': need HOST:PORT" in capsys.readouterr().err
+    assert main(["serve", "--profile", "generic-x86"]) == 1
+    assert "infer.model: not set, and the inference service needs it" in \
+        capsys.readouterr().err

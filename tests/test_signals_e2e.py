@@ -1,0 +1,262 @@
+"""SIGTERM end to end (issue #6 item 3; DESIGN.md "Reliability rules"): real `edgefl
+aggregator` and `edgefl client` processes against a real Mosquitto, signalled mid-round
+(a client while its local round trains, the aggregator while the round waits for that
+client, the other clients while they wait), each stops within seconds with exit 0 and its
+state persisted, and restarted they finish the run: each round aggregated exactly once,
+every round aggregated with all three updates (the round the client abandoned trained once
+after the restart, the others' stored updates re-sent rather than retrained).
+
+The aggregator's site file sets the round and export settings the layered config declares
+for it (round.deadline, export.every), and every board ends with the final ONNX model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgefl.roles import AggregatorCheckpoint, ClientProgress
+from edgefl.roles.state import JOURNAL_FILE, read_journal
+
+pytest_plugins = ["brokers"]
+
+REPO = Path(__file__).resolve().parents[1]
+STOP_WITHIN_S = 10.0        # "within a few seconds", with room for a loaded machine
+RUN = {
+    "dataset": {"name": "digits", "limit_train": 600},
+    "partition": {"name": "iid", "clients": 3},
+    "model": {"name": "mlp", "hidden": [64]},
+    "strategy": {"name": "fedavg"},
+    # a local round long enough (1-3 s here) to be signalled while it trains, even when a
+    # loaded machine is slow to deliver the signal and wake the client's loop
+    "train": {"lr": 0.01, "batch_size": 32, "epochs": 5000},
+    "rounds": 3,
+    "clients_per_round": 3,
+    "seed": 0,
+}
+
+
+class StatusSocket:
+    """A real NOTIFY_SOCKET for one process; keeps the STATUS lines it sends."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.1)
+        self.path = path
+        self.lines: list[str] = []
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        while not self.closed.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                return
+            self.lines += data.decode().splitlines()
+
+    def close(self):
+        self.closed.set()
+        self.thread.join(2)
+        self.sock.close()
+
+
+def wait_for(predicate, timeout=60.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquitto_server):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(RUN))
+    fed = f"sig-{os.urandom(4).hex()}"
+    agg_state = tmp_path / "agg-state"
+    sockets_dir = Path(tempfile.mkdtemp(prefix="efsig-", dir="/tmp"))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        env.pop(key, None)
+
+    def site(name, doc):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
+                                        "broker": {"url": mosquitto_server.url}, **doc}))
+        return str(path)
+
+    agg_site = site("aggregator", {"node": {"id": "aggregator", "federation": fed},
+                                   "state_dir": str(agg_state), "run": str(run_file),
+                                   "round": {"deadline": 120.0}, "export": {"every": 2}})
+    client_sites = {c: site(f"client-{c}", {"node": {"id": f"client-{c}", "federation": fed},
+                                            "state_dir": str(tmp_path / f"client-{c}")})
+                    for c in range(3)}
+    procs, sockets = [], []
+
+    def spawn(args, name, status: StatusSocket | None = None):
+        log = open(tmp_path / f"{name}.log", "ab")
+        proc_env = dict(env, NOTIFY_SOCKET=status.path) if status else env
+        proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=tmp_path,
+                                env=proc_env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+        log.close()
+        procs.append(proc)
+        return proc
+
+    def aggregator():
+        return spawn(["aggregator", "--config", agg_site, "--out", str(tmp_path / "out")],
+                     "aggregator")
+
+    def client(c, status=None):
+        return spawn(["client", "--config", client_sites[c], "--partition", str(run_file),
+                      "--shard", str(c), "--exit-when-finished"], f"client-{c}", status)
+
+    def log_of(name):
+        return (tmp_path / f"{name}.log").read_text(errors="replace")
+
+    def stop(proc, name, signalled=False):
+        if not signalled:           # one SIGTERM: a second one means "die now" (signals.py)
+            proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            code = proc.wait(STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not stop within {STOP_WITHIN_S:g} s of SIGTERM:\n"
+                        f"{log_of(name)[-2000:]}")
+        assert code == 0, f"{name} exited {code}:\n{log_of(name)[-2000:]}"
+        return time.monotonic() - t0
+
+    journal = agg_state / JOURNAL_FILE
+
+    def aggregated():
+        return [r["round"] for r in read_journal(journal) if r.get("event") == "aggregated"]
+
+    try:
+        status0 = StatusSocket(str(sockets_dir / "client-0"))
+        sockets.append(status0)
+        agg = aggregator()
+        clients = {0: client(0, status0), 1: client(1), 2: client(2)}
+        wait_for(lambda: aggregated() == [1], what="round 1 aggregated")
+        # mid-round 2: client-0 while it trains (systemd's STATUS line says so), and the
+        # aggregator while it collects the round's updates
+        wait_for(lambda: "STATUS=round 2: training" in status0.lines,
+                 what="client-0 training round 2")
+        clients[0].send_signal(signal.SIGTERM)
+        stop(agg, "aggregator")
+        stop(clients[0], "client-0", signalled=True)
+        assert "round 2's training is abandoned" in log_of("client-0")
+        assert "STOPPING=1" in status0.lines
+        progress = ClientProgress.load(tmp_path / "client-0")
+        assert progress.trained == 1 and progress.upload is not None   # round 1's, kept
+        assert "stopped (SIGTERM)" in log_of("aggregator")
+        assert "round 2 abandoned: stop requested" in log_of("aggregator")
+        ckpt = AggregatorCheckpoint.load(agg_state)
+        assert ckpt.round == 1 and ckpt.aggregated == [1] and len(ckpt.history) == 1
+        assert aggregated() == [1]
+        # the others finish round 2's training, store their update, and wait
+        wait_for(lambda: all(ClientProgress.load(tmp_path / f"client-{c}").trained == 2
+                             for c in (1, 2)), what="clients 1 and 2 to train round 2")
+        for c in (1, 2):
+            stop(clients[c], f"client-{c}")
+            progress = ClientProgress.load(tmp_path / f"client-{c}")
+            assert progress.trained == 2 and progress.upload is not None
+            assert progress.run_id == ckpt.run_id
+
+        # restarted (clients first, so the aggregator finds them online), they finish
+        status0.lines.clear()
+        clients = {c: client(c, status0 if c == 0 else None) for c in range(3)}
+        wait_for(lambda: "STATUS=round 2: training" in status0.lines,
+                 what="client-0 to train round 2 again")
+        agg = aggregator()
+        for c, proc in clients.items():
+            assert proc.wait(120) == 0, log_of(f"client-{c}")[-3000:]
+        wait_for(lambda: (tmp_path / "out" / "summary.json").exists() or agg.poll() is not None,
+                 what="the aggregator's outputs")
+        if agg.poll() is None:      # a service that stays up for the next run: stop it too
+            stop(agg, "aggregator")
+        assert agg.wait(STOP_WITHIN_S) == 0, log_of("aggregator")[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for s in sockets:
+            s.close()
+
+    assert aggregated() == [1, 2, 3]                      # each round exactly once
+    assert any(r.get("event") == "resumed" for r in read_journal(journal))
+    for c in (1, 2):
+        assert "stored update re-sent (not trained twice)" in log_of(f"client-{c}")
+    final = AggregatorCheckpoint.load(agg_state)
+    assert final.round == 3 and final.aggregated == [1, 2, 3]
+    # every round with all three updates: round 2 waited for the client it had lost
+    closed = [(r["round"], r["updates"], r["closed_by"]) for r in read_journal(journal)
+              if r.get("event") == "aggregated"]
+    assert closed == [(1, 3, "all"), (2, 3, "all"), (3, 3, "all")]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    last = [r for r in read_journal(journal) if r.get("event") == "aggregated"][-1]
+    assert summary["model_sha256"] == last["model_sha256"]
+    # export.every from the site file: rounds 2 and 3 exported; each board installed the last
+    assert [e["round"] for e in summary["onnx_exports"]] == [2, 3]
+    final_onnx = (tmp_path / "out" / "model.onnx").read_bytes()
+    for c in range(3):
+        assert (tmp_path / f"client-{c}" / "model.onnx").read_bytes() == final_onnx, c
+
+
+def test_aggregator_site_file_round_client_and_export_settings(tmp_path, capsys):
+    """The settings the aggregator reads from its site file (clients, round.*, export.*):
+    `edgefl config show` prints them with their file and line; bad values name the file,
+    line, key and rule."""
+    from edgefl.cli import main
+    from edgefl.service.layered import ConfigError, load_service_config
+
+    def site(text):
+        path = tmp_path / "aggregator.yaml"
+        path.write_text("profile: generic-x86\nnode: {id: agg}\nrun: quickstart\n" + text)
+        return str(path)
+
+    path = site('clients: [pi-01, "07", pi-03]\nround:\n  deadline: 45\n  quorum: 0.5\n'
+                "export:\n  every: 5\n  quantize: int8\n")
+    assert main(["config", "show", "--role", "aggregator", "--site", path, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["values"]["clients"] == ["pi-01", "07", "pi-03"]
+    assert doc["values"]["round"] == {"deadline": 45.0, "quorum": 0.5, "min_updates": 1}
+    assert doc["values"]["export"] == {"every": 5, "softmax": True, "quantize": "int8",
+                                       "publish": True}
+    assert (doc["sources"]["round.quorum"]["file"], doc["sources"]["round.quorum"]["line"]) \
+        == (path, 7)
+    for text, message in [
+            ("clients: [a, b, a]\n", r":4: clients: item 2: 'a' appears twice"),
+            ("clients: [pi-01, 7]\n", r":4: clients: item 1: 7 is not an id .*quote numbers"),
+            ("clients: [pi/01]\n", r":4: clients: item 0: 'pi/01' contains '/'"),
+            ("round: {quorum: 1.5}\n", r":4: round.quorum: 1.5 is above the maximum 1$"),
+            ("round: {deadline: 0}\n", r":4: round.deadline: 0 is below the minimum 0.1$"),
+            ("round: {min_updates: 0}\n", r":4: round.min_updates: 0 is below the minimum 1$"),
+            ("export: {every: -2}\n", r":4: export.every: -2 is below the minimum 0$"),
+            ("export: {quantize: int4}\n", r"export.quantize: 'int4' is not valid; valid: "
+                                           r"none, int8$"),
+            ("export: {publish: sometimes}\n", r"export.publish: must be true or false"),
+            ("round: {quorom: 0.5}\n", r"round.quorom: unknown key \(did you mean "
+                                       r"round.quorum\?\)")]:
+        with pytest.raises(ConfigError, match=message) as exc:
+            load_service_config("aggregator", site(text))
+        assert str(exc.value).startswith(str(tmp_path / "aggregator.yaml")), str(exc.value)
+    # a client may not set them
+    with pytest.raises(ConfigError, match=r"round.deadline is not a setting of the client"):
+        load_service_config("client", None, profile="rpi4",
+                            overrides=["node.id=a", "data.name=digits", "round.deadline=5"])
