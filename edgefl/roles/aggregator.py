@@ -908,6 +908,11 @@ class Aggregator:
         log.info("round %d aggregated: %d update(s), closed by %s%s, %.3f s", r,
                  record["updates"], record["closed_by"],
                  f", test accuracy {acc:.4f}" if acc is not None else "", record["wall_s"])
+        refused = record.get("robust_reasons") or {}
+        for c, why in sorted(refused.items(), key=lambda item: int(item[0])):
+            # strategy.robust refused this update (non-finite, or too long next to the others)
+            log.warning("round %d: robust aggregation rejected the update of %s: %s", r,
+                        self.plan.client_ids[int(c)], why)
         try:
             self.transport.publish(self.topics.metrics(self.settings.node_id),
                                    json.dumps(jsonable(record)).encode(), qos=0)

@@ -95,7 +95,9 @@ class Notifier:
                 if self._sock is None:
                     self._sock = socket.socket(socket.AF_UNIX,
                                                socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-                self._sock.sendto(payload, self._socket_address)
+                # non-blocking, as libsystemd's sd_notify: a reader that stopped reading must
+                # not stall the service (the notification is dropped, logged once)
+                self._sock.sendto(payload, socket.MSG_DONTWAIT, self._socket_address)
             except OSError as exc:
                 if not self._warned:
                     log.warning("sd_notify to %s failed: %s", self.address, exc)
