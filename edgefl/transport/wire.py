@@ -1137,7 +1137,11 @@ class Reassembler:
                 (h.message_id, h.kind, h.round):
             raise FrameError("chunk", f"{part.describe(sender)}: the reassembled frame is "
                                       f"{inner.describe()}, not the message its chunks announced")
-        frame = decode(whole, expect)
+        # Every byte of `whole` arrived in a chunk whose CRC was checked above and the chunks
+        # tile it exactly, so its own body CRC is not computed a second time (one CRC pass
+        # per byte received, not two).
+        _check_header_expectation(inner, expect)
+        frame = _decode_body(whole, _as_view(whole), inner, expect)
         if frame.sender != sender:
             raise FrameError("sender", f"{part.describe(sender)}: the reassembled frame names "
                                        f"sender {frame.sender!r}")
