@@ -1,0 +1,281 @@
+"""The chaos soak in short (tools/chaos.py) and the fault-injecting MQTT proxy it runs
+(tools/mqtt_proxy.py), against a real Mosquitto.
+
+- the proxy: a duplicated QoS 1 PUBLISH reaches the subscriber twice (the second with the
+  DUP flag) and the sender sees exactly one PUBACK, so later publishes reusing the packet id
+  are not acknowledged by a stray one; delays hold the stream without reordering it; a
+  severed connection fires the node's Last Will; an "acked and dropped" message is the
+  broker losing a message it acknowledged;
+- the soak: an `edgefl aggregator` and 4 `edgefl client` processes for 8 rounds while
+  clients and the aggregator are killed with SIGKILL and restarted, the broker restarted,
+  and PUBLISHes delayed and duplicated: every round aggregated exactly once, no update the
+  broker acknowledged lost, every client finishes;
+- the soak's own check: with a proxy that acknowledges some updates and drops them, the
+  report counts them as lost and the run fails (so "0 lost" above means something);
+- what the soak found: Mosquitto publishes the Last Will of every connected client when it
+  shuts down, so after a broker restart (sessions kept) each client's retained status said
+  "offline" while it was back, and the aggregator closed open rounds without the updates
+  that were on their way. Clients now republish their status on every reconnect, and the
+  aggregator does not close a round for missing clients being offline until
+  `offline_grace_s` after its own reconnect.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+pytest.register_assert_rewrite("brokers")
+from brokers import (REPO, MosquittoProcess, messages_within, next_message,  # noqa: E402
+                     wait_event)
+from edgefl.runconfig import load_run_config  # noqa: E402
+from edgefl.transport.base import DISCONNECTED  # noqa: E402
+from edgefl.transport.broker import find_mosquitto  # noqa: E402
+from edgefl.transport.mqtt import MqttTransport  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tools"))
+import chaos  # noqa: E402
+from mqtt_proxy import MqttFaultProxy, split_packets, FramingError  # noqa: E402
+
+pytest_plugins = ["brokers"]
+
+
+@pytest.fixture
+def proxied(mosquitto_server):
+    """A factory of proxies in front of the module's Mosquitto, and of transports through
+    them; everything closed afterwards."""
+    made = []
+
+    def proxy(**faults):
+        p = MqttFaultProxy(("127.0.0.1", mosquitto_server.port), seed=7, **faults).start()
+        made.append(p)
+        return p
+
+    def transport(url, role, **options):
+        t = MqttTransport(url, f"{role}-{uuid.uuid4().hex[:6]}", clean_session=True,
+                          connect_timeout=10, reconnect_min=0.05, reconnect_max=0.5,
+                          **options)
+        made.append(t)
+        return t
+
+    yield proxy, transport
+    for thing in reversed(made):
+        if isinstance(thing, MqttFaultProxy):
+            thing.stop()
+        else:
+            try:
+                thing.close(timeout=1, announce_offline=False)
+            except Exception:      # noqa: BLE001 -- a transport the proxy already cut
+                thing.kill()
+
+
+def test_split_packets_keeps_incomplete_tails_and_refuses_non_mqtt():
+    publish = bytes([0x32, 7, 0, 3]) + b"a/b" + bytes([0, 5])
+    puback = bytes([0x40, 2, 0, 5])
+    stream = bytearray(publish + puback + bytes([0x30, 0x80]))       # varint unfinished
+    assert split_packets(stream) == [publish, puback] and stream == bytes([0x30, 0x80])
+    stream += bytes([1]) + bytes([0, 1]) + b"t" + b"x" * 125          # 128-byte body
+    assert [len(p) for p in split_packets(stream)] == [131] and stream == b""
+    with pytest.raises(FramingError, match="more than 4 bytes"):
+        split_packets(bytearray([0x30, 0xFF, 0xFF, 0xFF, 0xFF, 1]))
+
+
+def test_duplicated_publish_is_delivered_twice_and_acknowledged_once(proxied,
+                                                                     mosquitto_server):
+    make_proxy, transport = proxied
+    topic = f"edgefl-test/dup{uuid.uuid4().hex[:6]}/update/c1"
+    # up: the publisher's PUBLISH duplicated on its way to the broker, which forwards both
+    up = make_proxy(duplicate_rate=1.0)
+    sub = transport(mosquitto_server.url, "sub")
+    sub.connect()
+    sub.subscribe(topic)
+    pub = transport(up.url, "pub")
+    pub.connect()
+    for i in range(20):          # more than paho's packet ids in flight: ids get reused
+        assert pub.publish(topic, b"m%d" % i).wait(10)
+    got = [next_message(sub, 10) for _ in range(40)]
+    assert [m.payload for m in got] == [b"m%d" % (i // 2) for i in range(40)]
+    assert messages_within(sub, 0.3) == []
+    assert up.stats["duplicated"] == 20 and up.stats["absorbed_puback"] == 20
+    assert pub.flush(5)          # no publish left waiting for a PUBACK that was swallowed
+    # down: the broker's PUBLISH duplicated on its way to a subscriber: a redelivery
+    down = make_proxy(duplicate_rate=1.0)
+    sub2 = transport(down.url, "sub2")
+    sub2.connect()
+    sub2.subscribe(topic)
+    direct = transport(mosquitto_server.url, "direct")
+    direct.connect()
+    direct.publish(topic, b"once").wait(10)
+    got = [next_message(sub2, 10), next_message(sub2, 10)]
+    assert [(m.payload, m.duplicate) for m in got] == [(b"once", False), (b"once", True)]
+    deadline = time.monotonic() + 10        # the subscriber acknowledges both copies
+    while down.stats.get("absorbed_puback", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert down.stats.get("absorbed_puback") == 1
+    assert messages_within(sub2, 0.3) == []
+
+
+def test_delays_hold_the_stream_in_order(proxied, mosquitto_server):
+    make_proxy, transport = proxied
+    proxy = make_proxy(delay_rate=1.0, delay_s=(0.02, 0.05))
+    topic = f"edgefl-test/delay{uuid.uuid4().hex[:6]}/round"
+    sub = transport(proxy.url, "sub")                  # delayed on the way down
+    sub.connect()
+    sub.subscribe(topic)
+    pub = transport(proxy.url, "pub")                  # and on the way up
+    pub.connect()
+    for i in range(10):
+        pub.publish(topic, b"%d" % i)
+    assert [next_message(sub, 10).payload for _ in range(10)] == [b"%d" % i
+                                                                   for i in range(10)]
+    assert proxy.stats["delayed"] >= 20
+
+
+def test_severed_connection_fires_the_will_and_the_node_reconnects(proxied, mosquitto_server):
+    make_proxy, transport = proxied
+    proxy = make_proxy()
+    status = f"edgefl-test/sever{uuid.uuid4().hex[:6]}/status/board-1"
+    observer = transport(mosquitto_server.url, "observer")
+    observer.connect()
+    observer.subscribe(status)
+    board = transport(proxy.url, "board")
+    board.set_will(status, b"offline")
+    board.connect()
+    assert proxy.sever() == 1
+    assert next_message(observer, 10).payload == b"offline"
+    wait_event(board, DISCONNECTED, 10)
+    deadline = time.monotonic() + 10
+    while not board.connected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert board.connected, "the board did not reconnect through the proxy"
+
+
+def test_acked_and_dropped_publish_never_arrives(proxied, mosquitto_server):
+    make_proxy, transport = proxied
+    seen = []
+    proxy = make_proxy(drop_acked_rate=1.0)
+    proxy.on_acked = lambda direction, topic, payload, at: seen.append((direction, payload))
+    topic = f"edgefl-test/drop{uuid.uuid4().hex[:6]}/update/c1"
+    sub = transport(mosquitto_server.url, "sub")
+    sub.connect()
+    sub.subscribe(topic)
+    pub = transport(proxy.url, "pub")
+    pub.connect()
+    assert pub.publish(topic, b"gone").wait(10)        # acknowledged ...
+    assert messages_within(sub, 0.5) == []             # ... and never delivered
+    assert ("up", b"gone") in seen and proxy.stats["dropped_acked"] == 1
+
+
+# ---------------------------------------------------------------------------------------
+# the soak, short
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--delay-rate", "1.5"], "delay_rate = 1.5: a probability in [0, 1]"),
+    (["--clients", "1"], "clients = 1: the soak needs at least 2"),
+    (["--client-kills", "-1"], "client_kills = -1: need >= 0"),
+    (["--deadline", "0"], "deadline_s = 0.0: need > 0 seconds"),
+])
+def test_soak_options_are_checked_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        chaos.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _need_mosquitto():
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+
+
+def test_short_chaos_soak_loses_no_update_and_aggregates_each_round_once(tmp_path):
+    _need_mosquitto()
+    cfg = chaos.SoakConfig(clients=4, rounds=8, seed=3, client_kills=3, aggregator_kills=1,
+                           broker_restarts=1, delay_rate=0.05, duplicate_rate=0.1,
+                           timeout_s=240)
+    kinds = {f.kind for f in chaos.fault_schedule(cfg)}
+    assert kinds == {"client_kill", "aggregator_kill", "broker_restart"}
+    report = chaos.run_soak(cfg, tmp_path / "soak", say=lambda text: None)
+    logs = tmp_path / "soak" / "logs"
+    assert chaos.verdict(report) == [], f"{report}\nlogs in {logs}"
+    assert report["rounds_completed"] == 8 and report["aggregated_twice"] == []
+    assert report["updates_lost"] == []
+    faults = report["faults_injected"]
+    assert faults["client_kill"] >= 2 and faults["aggregator_kill"] == 1
+    assert faults["broker_restart"] == 1
+    assert faults["delayed"] > 0 and faults["duplicated"] > 0
+    # the run still learned: the clients' updates went in, the model is a real one
+    assert report["updates_accepted"] >= 8 * 4 // 2
+    assert report["final_accuracy"] > 0.8
+
+
+def test_the_soak_reports_updates_the_broker_acknowledged_and_lost(tmp_path):
+    """The soak's check, checked: a proxy that acknowledges and drops every third update
+    message (a broker losing what it acknowledged) makes lost updates, the report lists
+    them, and the run fails."""
+    _need_mosquitto()
+    cfg = chaos.SoakConfig(clients=2, rounds=3, seed=1, client_kills=0, aggregator_kills=0,
+                           broker_restarts=0, delay_rate=0.0, duplicate_rate=0.0,
+                           drop_acked_rate=0.34, deadline_s=1.5, timeout_s=120)
+    report = chaos.run_soak(cfg, tmp_path / "lossy", say=lambda text: None)
+    assert report["faults_injected"]["dropped_acked"] > 0
+    assert report["updates_lost"], report
+    assert any(p.startswith("updates lost") for p in chaos.verdict(report))
+
+
+# ---------------------------------------------------------------------------------------
+# what the soak found: the wills of a broker restart
+# ---------------------------------------------------------------------------------------
+
+def test_broker_restart_wills_neither_hide_clients_nor_close_the_round(tmp_path):
+    """Round 1 is open with client-0's and client-1's updates in, client-2 still training
+    (held by its training slot), when Mosquitto restarts (SIGTERM: it saves its sessions
+    and publishes every connected client's will). Afterwards client-0's retained status is
+    online again, and round 1 closes with all three updates once client-2 is done."""
+    _need_mosquitto()
+    from test_roles_e2e import Fleet, write_config
+
+    (tmp_path / "broker").mkdir()
+    server = MosquittoProcess(tmp_path / "broker")
+    server.start()
+    config = load_run_config(write_config(tmp_path, rounds=2, clients_per_round=3,
+                                          partition={"name": "iid", "clients": 3}))
+    fleet = Fleet(tmp_path, config, server.url, settings={"round_timeout_s": 60})
+    watcher = None
+    try:
+        gate = threading.Semaphore(0)
+        fleet.start_client("client-0")
+        fleet.start_client("client-1")
+        fleet.start_client("client-2", train_slots=gate)
+        fleet.start_aggregator()
+        deadline = time.monotonic() + 30
+        while set(fleet.aggregator.open.received) != {"client-0", "client-1"}:
+            assert time.monotonic() < deadline, "round 1 updates of client-0/1 not received"
+            time.sleep(0.02)
+        server.stop()
+        server.start()
+        watcher = fleet.transport("watcher", clean_session=True)
+        watcher.connect()
+        watcher.subscribe(f"edgefl/{fleet.federation}/status/client-0")
+        statuses = []
+        deadline = time.monotonic() + 15
+        while not (statuses and statuses[-1]["online"]):
+            assert time.monotonic() < deadline, \
+                f"client-0's status stayed {statuses} after the broker restart"
+            item = watcher.receive(0.2)
+            if item is not None and getattr(item, "payload", None):
+                statuses.append(json.loads(item.payload))
+        gate.release(10)
+        result = fleet.finish(timeout=60)
+    finally:
+        if watcher is not None:
+            watcher.close(timeout=1, announce_offline=False)
+        fleet.close()
+        server.stop()
+    first = result.history[0]
+    assert (first["closed_by"], first["updates"]) == ("all", 3), first
+    assert [h["updates"] for h in result.history] == [3, 3]
