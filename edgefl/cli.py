@@ -597,6 +597,7 @@ def _aggregator(args: argparse.Namespace) -> int:
                                   round_timeout_s=setting(args.deadline, "round.deadline", 300.0),
                                   quorum=setting(args.quorum, "round.quorum", 1.0),
                                   min_updates=setting(args.min_updates, "round.min_updates", 1),
+                                  offline_grace_s=config.get("round.offline_grace", 3.0),
                                   max_payload=config["transport.chunk_size"],
                                   compression=config["transport.compression"],
                                   profile=config.profile, **_reassembly_limits(config))

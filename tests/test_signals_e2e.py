@@ -231,11 +231,12 @@ def test_aggregator_site_file_round_client_and_export_settings(tmp_path, capsys)
         return str(path)
 
     path = site('clients: [pi-01, "07", pi-03]\nround:\n  deadline: 45\n  quorum: 0.5\n'
-                "export:\n  every: 5\n  quantize: int8\n")
+                "  offline_grace: 10\nexport:\n  every: 5\n  quantize: int8\n")
     assert main(["config", "show", "--role", "aggregator", "--site", path, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["values"]["clients"] == ["pi-01", "07", "pi-03"]
-    assert doc["values"]["round"] == {"deadline": 45.0, "quorum": 0.5, "min_updates": 1}
+    assert doc["values"]["round"] == {"deadline": 45.0, "quorum": 0.5, "min_updates": 1,
+                                      "offline_grace": 10.0}
     assert doc["values"]["export"] == {"every": 5, "softmax": True, "quantize": "int8",
                                        "publish": True}
     assert (doc["sources"]["round.quorum"]["file"], doc["sources"]["round.quorum"]["line"]) \
@@ -245,6 +246,7 @@ def test_aggregator_site_file_round_client_and_export_settings(tmp_path, capsys)
             ("clients: [pi-01, 7]\n", r":4: clients: item 1: 7 is not an id .*quote numbers"),
             ("clients: [pi/01]\n", r":4: clients: item 0: 'pi/01' contains '/'"),
             ("round: {quorum: 1.5}\n", r":4: round.quorum: 1.5 is above the maximum 1$"),
+            ("round: {offline_grace: -1}\n", r":4: round.offline_grace: -1.*minimum 0"),
             ("round: {deadline: 0}\n", r":4: round.deadline: 0 is below the minimum 0.1$"),
             ("round: {min_updates: 0}\n", r":4: round.min_updates: 0 is below the minimum 1$"),
             ("export: {every: -2}\n", r":4: export.every: -2 is below the minimum 0$"),

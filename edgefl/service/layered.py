@@ -118,6 +118,10 @@ KEYS = {k.name: k for k in (
         "early (1: all, or the deadline)", ("aggregator",), minimum=0.01, maximum=1),
     Key("round.min_updates", "int", "fewest updates a round is aggregated with; fewer at the "
         "deadline announce it again", ("aggregator",), minimum=1),
+    Key("round.offline_grace", "number", "seconds a client must have been offline (its Last "
+        "Will) before a round stops waiting for it; also after the aggregator reconnects, as "
+        "a restarted broker delivers the wills it published on shutdown", ("aggregator",),
+        minimum=0, maximum=3600),
     Key("export.every", "int", "also export (and publish) the global model to ONNX after "
         "every N-th round (0: the final model only)", ("aggregator",), minimum=0),
     Key("export.softmax", "bool", "exported models have the probabilities output",
