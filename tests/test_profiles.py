@@ -38,6 +38,18 @@ def test_the_six_boards_are_shipped():
     assert profiles.profile_names() == BOARDS
 
 
+def test_devices_profiles_are_copies_of_the_packaged_ones():
+    """devices/profiles/ is where a board owner looks; edgefl/profiles/ is what the installed
+    package reads (package data). Like the units, the two must not drift."""
+    devices = os.path.join(os.path.dirname(__file__), "..", "devices", "profiles")
+    assert sorted(f[:-5] for f in os.listdir(devices) if f.endswith(".yaml")) == BOARDS
+    for name in BOARDS:
+        with open(os.path.join(devices, f"{name}.yaml"), "rb") as copy, \
+                open(profiles.profile_path(name), "rb") as packaged:
+            assert copy.read() == packaged.read(), \
+                f"devices/profiles/{name}.yaml differs from edgefl/profiles/{name}.yaml: copy it"
+
+
 @pytest.mark.parametrize("name", BOARDS)
 def test_profile_opens_with_its_board_and_sets_every_board_key(name):
     path = profiles.profile_path(name)
