@@ -23,8 +23,15 @@ The final announcement of a run is {"v": 1, "run": ..., "aggregator": ..., "roun
 "rounds": T, "finished": true, "model_sha256": ...}.
 
 Status (retained, `status/<node>`; the Last Will carries the same object with online
-false): {"node", "role", "online", "version", "profile", "last_round", "run", and from a
-client waiting for a model it cannot get, "need_model": round}.
+false and no last round): {"node", "role", "online", "version", "profile", "last_round",
+"run", "at"}, plus, only when they apply (status_payload leaves out None):
+  from a client:      "need_model": round (waiting for a model it cannot get; parse_status
+                      checks it is a round number), "refused": {"run", "round", "reason"}
+                      (the run exceeds the board's limits: the aggregator stops waiting)
+  from the aggregator during a run: "round" (the open round), "paused": true
+  from the aggregator service between runs (roles/daemon.py): "service": "waiting",
+                      "queued": runs waiting (left out of its will)
+parse_status checks the node and "online" and passes the other fields through.
 """
 from __future__ import annotations
 

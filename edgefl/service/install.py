@@ -233,8 +233,12 @@ def site_skeleton(role: str, node_id: str, profile: str) -> str:
             "  limit_train: 6000              # replace with the board's own npz or csv",
         ]
     if role == "aggregator":
-        lines += ["run: quickstart                  # the run config: a YAML file in "
-                  "edgefl simulate's format, or a built-in name",
+        lines += ["run: quickstart                  # optional: a run config queued first, once "
+                  "(a YAML file in",
+                  "#                                  # edgefl simulate's format, or a built-in "
+                  "name). Without it the",
+                  "#                                  # service waits for runs started with "
+                  "`edgefl ctl start CONFIG`",
                   "# clients: [pi-01, pi-02, pi-03]   # the client ids in the order of the run's "
                   "partition",
                   "#                                  # (default: client-0 ... client-<N-1>)",
