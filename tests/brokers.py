@@ -6,6 +6,7 @@ test runs against each:
     mosquitto           `mosquitto -c` with the repo's broker/mosquitto.conf, adapted for a
                         test (one plain listener on a free port, persistence in a temp dir,
                         anonymous -- or the repo's ACL with generated passwords)
+                        by edgefl.transport.broker.adapt_mosquitto_conf
     embedded-mosquitto  EmbeddedBroker(kind="mosquitto")
     embedded-python     EmbeddedBroker(kind="python") (amqtt; skipped if not installed)
     nats                our own `nats-server` with JetStream and an MQTT listener (a
@@ -31,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from edgefl.transport.base import ConnectionEvent, Message, Transport
-from edgefl.transport.broker import (EmbeddedBroker, find_mosquitto, free_port,
-                                     have_python_broker, probe)
+from edgefl.transport.broker import (EmbeddedBroker, adapt_mosquitto_conf, find_mosquitto,
+                                     free_port, have_python_broker, probe)
 from edgefl.transport.loopback import LoopbackBroker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,16 +42,6 @@ MOSQUITTO_ACL = REPO / "broker" / "acl"
 
 BACKENDS = ["loopback", "mosquitto", "embedded-mosquitto", "embedded-python", "nats",
             "rabbitmq"]
-
-# Options that belong to a listener in broker/mosquitto.conf; the test config replaces
-# the listeners (TLS certificates and system paths do not exist here).
-_LISTENER_OPTIONS = {
-    "listener", "protocol", "cafile", "capath", "certfile", "keyfile", "tls_version",
-    "require_certificate", "use_identity_as_username", "use_subject_as_username",
-    "allow_anonymous", "password_file", "acl_file", "ciphers", "psk_hint", "mount_point",
-    "socket_domain", "bind_interface", "http_dir", "max_connections",
-}
-
 
 START_TIMEOUT = 10.0
 
@@ -151,39 +142,6 @@ class ServerProcess:
     @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
-
-
-def adapt_mosquitto_conf(text: str, port: int, workdir: Path, password_file: Path | None = None,
-                         acl_file: Path | None = None) -> str:
-    """broker/mosquitto.conf for a test: its global options unchanged (TCP_NODELAY, packet
-    size, queues, persistence), its listeners replaced by one plain listener on
-    127.0.0.1:port, persistence into `workdir`, log to stderr, and either anonymous access or
-    the given password and ACL files."""
-    kept = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        option = line.split()[0]
-        if option in _LISTENER_OPTIONS:
-            continue
-        if option == "persistence_location":
-            line = f"persistence_location {workdir}/"
-        elif option == "log_dest":
-            line = "log_dest stderr"
-        kept.append(line)
-    kept.append(f"listener {port} 127.0.0.1")
-    if password_file is None:
-        kept.append("allow_anonymous true")
-    else:
-        kept += ["allow_anonymous false", f"password_file {password_file}"]
-        if acl_file is not None:
-            kept.append(f"acl_file {acl_file}")
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        # Mosquitto started as root drops to user "mosquitto", which cannot read pytest's
-        # private temp directory; a test broker has nothing to protect.
-        kept.append("user root")
-    return "\n".join(kept) + "\n"
 
 
 class MosquittoProcess(ServerProcess):

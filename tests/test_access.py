@@ -391,21 +391,28 @@ def _local(server, user):
                          connect_timeout=10)
 
 
+def assert_only_its_own_update_arrives(aggregator, board, federation, how: str):
+    """The ACL whatever the login: `board`, logged in as client-1 (`how`: "over TLS", "by
+    certificate"), publishes an update as client-2, then its own; the connected `aggregator`
+    receives only the latter. Closes both transports."""
+    forged, own = f"forged {how}".encode(), f"update {how}".encode()
+    try:
+        aggregator.subscribe(federation.subscription("update"))
+        board.publish(federation.update("client-2"), forged).wait(10)
+        board.publish(federation.update("client-1"), own).wait(10)
+        got = received_until(aggregator, own)
+        assert [(m.topic, m.payload) for m in got] == [(federation.update("client-1"), own)]
+    finally:
+        board.close(timeout=1, announce_offline=False)
+        aggregator.close(timeout=1, announce_offline=False)
+
+
 def test_tls_with_the_test_ca_works_and_the_acl_still_applies(tls_broker, federation):
     aggregator = _local(tls_broker, "aggregator")        # listener 2, on the gateway
     aggregator.connect()
     board = _tls(tls_broker, "client-1")                 # listener 1, over the network
     board.connect()
-    try:
-        aggregator.subscribe(federation.subscription("update"))
-        board.publish(federation.update("client-2"), b"forged over TLS").wait(10)
-        board.publish(federation.update("client-1"), b"update over TLS").wait(10)
-        got = received_until(aggregator, b"update over TLS")
-        assert [(m.topic, m.payload) for m in got] == [(federation.update("client-1"),
-                                                        b"update over TLS")]
-    finally:
-        board.close(timeout=1, announce_offline=False)
-        aggregator.close(timeout=1, announce_offline=False)
+    assert_only_its_own_update_arrives(aggregator, board, federation, "over TLS")
 
 
 def test_tls_with_another_ca_is_refused(tls_broker):
@@ -447,16 +454,7 @@ def test_mutual_tls_logs_in_by_certificate_and_the_acl_applies_to_its_cn(mutual_
     board = _tls(mutual_tls_broker, "client-1", cert_file=str(d / "client-1.crt"),
                  key_file=str(d / "client-1.key"))
     board.connect()                                      # no username, no password
-    try:
-        aggregator.subscribe(federation.subscription("update"))
-        board.publish(federation.update("client-2"), b"forged by certificate").wait(10)
-        board.publish(federation.update("client-1"), b"update by certificate").wait(10)
-        got = received_until(aggregator, b"update by certificate")
-        assert [(m.topic, m.payload) for m in got] == [(federation.update("client-1"),
-                                                        b"update by certificate")]
-    finally:
-        board.close(timeout=1, announce_offline=False)
-        aggregator.close(timeout=1, announce_offline=False)
+    assert_only_its_own_update_arrives(aggregator, board, federation, "by certificate")
 
 
 @pytest.mark.parametrize("case", ["no-certificate", "certificate-of-another-ca"])

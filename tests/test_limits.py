@@ -12,18 +12,15 @@ import logging
 import os
 import subprocess
 import threading
-import time
 
 import numpy as np
 import pytest
-import yaml
 
 from edgefl.params import LayerTable
 from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings, Client,
                           ClientSettings, RunPlan, default_client_ids)
 from edgefl.roles import state as state_module
 from edgefl.roles.state import (StateWriteError, append_journal, atomic_write, read_journal)
-from edgefl.runconfig import load_run_config
 from edgefl.sim import model_sha256, prepare_run, simulate
 from edgefl.strategies import State
 from edgefl.transport import wire
@@ -34,36 +31,10 @@ from edgefl.transport.topics import Topics
 
 pytest.register_assert_rewrite("brokers")
 from brokers import messages_within, next_message  # noqa: E402
+from helpers import load_small_run, wait_for  # noqa: E402
 
 # tests/ on sys.path, so tests/brokers.py loads as the plugin "brokers".
 pytest_plugins = ["brokers"]
-
-SMALL = {
-    "dataset": {"name": "digits", "limit_train": 300},
-    "partition": {"name": "iid", "clients": 3},
-    "model": {"name": "softmax"},
-    "strategy": {"name": "fedavg"},
-    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
-    "rounds": 2,
-    "seed": 0,
-}
-
-
-def write_config(tmp_path, **changes):
-    data = json.loads(json.dumps(SMALL))
-    data.update(changes)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_run_config(str(path))
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.01)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def fleet(tmp_path, config, broker, settings):
@@ -147,7 +118,8 @@ def test_mqtt_flood_fills_the_bounded_queue_without_stalling_the_connection(mosq
         for i in range(60):
             sender.publish(f"limits/{uid}/m", str(i).encode(), qos=1)
         assert sender.flush(20.0), "the broker stopped acknowledging the flood"
-        wait_for(lambda: slow.queue_drops + slow.messages.qsize() >= 61, what="flood arrival")
+        wait_for(lambda: slow.queue_drops + slow.messages.qsize() >= 61, what="flood arrival",
+                 timeout=20.0, poll=0.01)
         assert slow.messages.qsize() == 6 and slow.queue_drops == 55   # 5 + `connected`
         assert slow.connected
         assert sum("full" in r.getMessage() for r in caplog.records) == 1
@@ -261,12 +233,12 @@ def test_per_sender_byte_limit_leaves_room_for_the_others():
 
 def test_aggregator_drops_a_flooding_client_for_the_round_and_goes_on(tmp_path, caplog):
     caplog.set_level(logging.INFO)
-    config = write_config(tmp_path, rounds=2)
+    config = load_small_run(tmp_path, rounds=2)
     broker = LoopbackBroker()
     settings = AggregatorSettings(federation="fed", round_timeout_s=30, chunks_per_sender=20)
     run, aggregator, threads = fleet(tmp_path, config, broker, settings)
     thread, out = run_in_thread(aggregator)
-    wait_for(lambda: aggregator.open is not None, what="round 1 to open")
+    wait_for(lambda: aggregator.open is not None, what="round 1 to open", timeout=20.0, poll=0.01)
     rogue = broker.transport("rogue")
     rogue.connect()
     topic = Topics("fed").update("client-0")
@@ -275,11 +247,12 @@ def test_aggregator_drops_a_flooding_client_for_the_round_and_goes_on(tmp_path, 
                                     run.model.table), 1024)
     for c in forged[:2]:                            # a message that never completes
         rogue.publish(topic, c)
-    wait_for(lambda: aggregator.reassembler.bytes_in_flight > 0, what="the partial message")
+    wait_for(lambda: aggregator.reassembler.bytes_in_flight > 0, what="the partial message",
+             timeout=20.0, poll=0.01)
     for _ in range(200):
         rogue.publish(topic, b"garbage " * 20)
     wait_for(lambda: aggregator.stats.get("flood_ignored", 0) == 200 - 18 - 1,
-             what="the flood to be ignored")
+             what="the flood to be ignored", timeout=20.0, poll=0.01)
     assert aggregator.reassembler.bytes_in_flight == 0
     assert sum("floods round 1" in r.getMessage() for r in caplog.records) == 1
     # 18 garbage payloads rejected (one line each), the 19th over budget, then silence
@@ -418,7 +391,7 @@ def test_aggregator_stops_cleanly_on_enospc_and_a_restart_resumes(tmp_path, monk
     of round 2 is intact; restarted, it runs round 3 again and finishes with the model of
     an uninterrupted run, each round in the journal once."""
     caplog.set_level(logging.ERROR, "edgefl.roles.aggregator")
-    config = write_config(tmp_path, rounds=3)
+    config = load_small_run(tmp_path, rounds=3)
     reference = simulate(config, None, progress=False)
     broker = LoopbackBroker()
     settings = AggregatorSettings(federation="fed", round_timeout_s=30)
@@ -475,12 +448,12 @@ def test_limits_keys_reach_the_transport_and_the_reassemblers(tmp_path):
     transport = _mqtt_transport(config, "agg")
     assert (transport.messages.max_messages, transport.messages.max_bytes) == (50, 8 << 20)
     settings = AggregatorSettings(federation="fed", **_reassembly_limits(config))
-    _, aggregator, _ = fleet(tmp_path, write_config(tmp_path), LoopbackBroker(), settings)
+    _, aggregator, _ = fleet(tmp_path, load_small_run(tmp_path), LoopbackBroker(), settings)
     r = aggregator.reassembler
     assert (r.max_bytes, r.max_bytes_per_sender, r.max_chunks_per_sender) == \
         (64 << 20, 2 << 20, 300)
     # null: sized from the model (softmax on digits: 650 parameters)
-    _, auto, _ = fleet(tmp_path, write_config(tmp_path), LoopbackBroker(),
+    _, auto, _ = fleet(tmp_path, load_small_run(tmp_path), LoopbackBroker(),
                        AggregatorSettings(federation="fed"))
     update = 8 * 650 + (64 << 10)
     assert (auto.reassembler.max_bytes, auto.reassembler.max_bytes_per_sender,

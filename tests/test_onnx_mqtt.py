@@ -32,6 +32,7 @@ from edgefl.transport import wire  # noqa: E402
 from edgefl.transport.base import Message  # noqa: E402
 from edgefl.transport.mqtt import MqttTransport  # noqa: E402
 from edgefl.transport.topics import Topics  # noqa: E402
+from helpers import wait_for  # noqa: E402
 
 pytest_plugins = ["brokers"]
 
@@ -51,15 +52,6 @@ CONFIG = {
 def sha_of(path) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
-
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def transport(url, name):
@@ -157,7 +149,7 @@ def test_aggregator_exports_every_n_rounds_and_clients_install_it(tmp_path, mosq
         for node in ids:
             wait_for(lambda node=node: (tmp_path / node / "model.onnx").exists()
                      and sha_of(tmp_path / node / "model.onnx") == final_sha,
-                     what=f"{node} to install the final model")
+                     what=f"{node} to install the final model", poll=0.05)
             assert clients[node].onnx.installs == 2
             assert clients[node].stats["rejected"] == 0
 
@@ -175,7 +167,8 @@ def test_aggregator_exports_every_n_rounds_and_clients_install_it(tmp_path, mosq
         late_dir = tmp_path / "late"
         late, late_thread = start_client(url, federation, "late-board",
                                          (run.clients[0].x, run.clients[0].y), late_dir)
-        wait_for(lambda: (late_dir / "model.onnx").exists(), what="the late client's model")
+        wait_for(lambda: (late_dir / "model.onnx").exists(), what="the late client's model",
+                 poll=0.05)
         assert sha_of(late_dir / "model.onnx") == final_sha
         classes, _ = Predictor(late_dir / "model.onnx").predict(run.dataset.x_test[:4] * 0)
         assert classes.shape == (4,)
@@ -199,7 +192,7 @@ def test_aggregator_exports_every_n_rounds_and_clients_install_it(tmp_path, mosq
         parts = retained(url, parts_filter(topics))
         assert sorted(part_index(topics, t) for t in parts) == list(range(sent["parts"]))
         wait_for(lambda: sha_of(late_dir / "model.onnx") == sha_of(small),
-                 what="the running late client to install the new model")
+                 what="the running late client to install the new model", poll=0.05)
         late.stop.set()
         late_thread.join(10)
     finally:
@@ -297,7 +290,7 @@ def test_acl_lets_clients_read_the_parts_and_only_the_aggregator_write_them(
     thread.start()
     try:
         wait_for(lambda: (tmp_path / "client-1" / "model.onnx").exists(),
-                 what="client-1 to install the model through the ACL")
+                 what="client-1 to install the model through the ACL", poll=0.05)
         assert sha_of(tmp_path / "client-1" / "model.onnx") == sha_of(model_file)
         assert client.stats["rejected"] == 0
     finally:

@@ -28,6 +28,7 @@ from edgefl.sim import client_shard  # noqa: E402
 from edgefl.transport.base import Message  # noqa: E402
 from edgefl.transport.mqtt import MqttTransport  # noqa: E402
 from edgefl.transport.topics import Topics  # noqa: E402
+from helpers import wait_for  # noqa: E402
 
 CLIENTS = ("client-1", "client-2")          # accounts of the mosquitto_acl_server fixture
 
@@ -38,16 +39,6 @@ def run_config(rounds=3, model=None, **extra) -> dict:
            "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": rounds, "seed": 3}
     doc.update(extra)
     return doc
-
-
-def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 class Events:

@@ -16,7 +16,6 @@ import zlib
 
 import numpy as np
 import pytest
-import yaml
 
 from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings, Client,
                           ClientProgress, ClientSettings, RunPlan, StateError,
@@ -25,40 +24,13 @@ from edgefl.roles import messages as msg
 from edgefl.params import LayerTable
 from edgefl.roles.state import (append_journal, atomic_write, load_arrays, read_journal,
                                 save_arrays, tag_floats, untag_floats)
-from edgefl.runconfig import load_run_config
 from edgefl.sim import model_sha256, prepare_run, simulate
 from edgefl.strategies import State, Update, select_clients
 from edgefl.transport import wire
 from edgefl.transport.base import Message
 from edgefl.transport.loopback import LoopbackBroker
 from edgefl.transport.topics import Topics
-
-SMALL = {
-    "dataset": {"name": "digits", "limit_train": 300},
-    "partition": {"name": "iid", "clients": 3},
-    "model": {"name": "softmax"},
-    "strategy": {"name": "fedavg"},
-    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
-    "rounds": 2,
-    "seed": 0,
-}
-
-
-def write_config(tmp_path, name="run.yaml", **changes):
-    data = json.loads(json.dumps(SMALL))
-    data.update(changes)
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return load_run_config(str(path))
-
-
-def wait_for(predicate, timeout=10.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.01)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+from helpers import load_small_run, wait_for
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,8 +127,8 @@ def test_journal_skips_a_torn_last_line(tmp_path):
 # ---------------------------------------------------------------------------------------
 
 def announcement_for(tmp_path, strategy="fedveca", **changes):
-    config = write_config(tmp_path, strategy={"name": strategy}, train={"lr": 0.05},
-                          **changes)
+    config = load_small_run(tmp_path, strategy={"name": strategy}, train={"lr": 0.05},
+                            **changes)
     run = prepare_run(config, progress=False)
     state = run.strategy.init(run.init_params, run.setup)
     tasks = run.strategy.configure(1, [0, 1, 2], state)
@@ -359,7 +331,8 @@ def test_client_refuses_a_run_whose_model_does_not_fit_its_data(tmp_path, caplog
     harness = ClientHarness(tmp_path, broker, run)
     try:
         agg.publish(Topics("fed").round(), json.dumps(doc).encode(), retain=True)
-        wait_for(lambda: "cannot take part in round 1" in caplog.text, what="refusal")
+        wait_for(lambda: "cannot take part in round 1" in caplog.text, what="refusal",
+                 timeout=10.0, poll=0.01)
         assert "builds here with layer table" in caplog.text or "samples of shape" in caplog.text
         assert harness.thread.is_alive()
     finally:
@@ -394,8 +367,8 @@ def fleet(tmp_path, config, broker, settings=None, client_settings=None, start_c
 @pytest.mark.parametrize("strategy", ["fedumf", "mfl"])
 def test_duplicated_deliveries_change_nothing(tmp_path, strategy):
     """QoS 1 repeats: the broker delivers half of all messages twice."""
-    config = write_config(tmp_path, strategy={"name": strategy}, rounds=3,
-                          clients_per_round=2)
+    config = load_small_run(tmp_path, strategy={"name": strategy}, rounds=3,
+                            clients_per_round=2)
     reference = simulate(config, None, progress=False)
     broker = LoopbackBroker(duplicate_rate=0.5, seed=1)
     _, aggregator, clients, threads = fleet(tmp_path, config, broker)
@@ -409,8 +382,8 @@ def test_duplicated_deliveries_change_nothing(tmp_path, strategy):
 
 def test_aggregator_refuses_foreign_late_and_unauthorised_updates(tmp_path, caplog):
     caplog.set_level(logging.INFO, "edgefl.roles.aggregator")
-    config = write_config(tmp_path, strategy={"name": "fedumf"}, rounds=2,
-                          clients_per_round=1)
+    config = load_small_run(tmp_path, strategy={"name": "fedumf"}, rounds=2,
+                            clients_per_round=1)
     broker = LoopbackBroker()
     run, aggregator, clients, threads = fleet(tmp_path, config, broker, start_clients=False)
     chosen = select_clients(config.seed, 1, range(3), 1)[0]
@@ -433,14 +406,15 @@ def test_aggregator_refuses_foreign_late_and_unauthorised_updates(tmp_path, capl
 
     agg_thread = threading.Thread(target=body, daemon=True)
     agg_thread.start()
-    wait_for(lambda: aggregator.open is not None, what="round 1 to open")
+    wait_for(lambda: aggregator.open is not None, what="round 1 to open", timeout=10.0, poll=0.01)
     run_id = aggregator.run_id
     topics = Topics("fed")
     rogue.publish(topics.update(f"client-{other}"), forge(f"client-{other}", 1, run_id))
     rogue.publish(topics.update("stranger"), forge("stranger", 1, run_id))
     rogue.publish(topics.update(f"client-{chosen}"), forge(f"client-{chosen}", 1, "old-run"))
     rogue.publish(topics.update(f"client-{chosen}"), forge(f"client-{other}", 1, run_id))
-    wait_for(lambda: aggregator.stats["rejected"] >= 4, what="four rejections")
+    wait_for(lambda: aggregator.stats["rejected"] >= 4, what="four rejections",
+             timeout=10.0, poll=0.01)
     assert "was not selected to upload this round (FedUmf" in caplog.text
     assert "'stranger' is not a client of this federation" in caplog.text
     assert "belongs to run old-run" in caplog.text
@@ -457,13 +431,13 @@ def test_aggregator_refuses_foreign_late_and_unauthorised_updates(tmp_path, capl
 
 
 def test_a_checkpoint_of_another_run_is_refused(tmp_path):
-    config = write_config(tmp_path, rounds=1)
+    config = load_small_run(tmp_path, rounds=1)
     broker = LoopbackBroker()
     _, aggregator, clients, threads = fleet(tmp_path, config, broker)
     assert aggregator.run().finished
     for t in threads:
         t.join(5)
-    other = write_config(tmp_path, "other.yaml", rounds=1, seed=1)
+    other = load_small_run(tmp_path, "other.yaml", rounds=1, seed=1)
     _, second, _, _ = fleet(tmp_path, other, broker, start_clients=False)
     with pytest.raises(StateError, match="holds the checkpoint of run .* made with another "
                                          "configuration"):

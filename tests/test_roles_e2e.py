@@ -43,6 +43,7 @@ from edgefl.transport.base import Message  # noqa: E402
 from edgefl.transport.broker import have_python_broker  # noqa: E402
 from edgefl.transport.mqtt import MqttTransport  # noqa: E402
 from edgefl.transport.topics import Topics  # noqa: E402
+from helpers import wait_for, write_run_yaml  # noqa: E402
 
 pytest_plugins = ["brokers"]
 
@@ -74,24 +75,11 @@ STRATEGIES = {
 
 
 def write_config(tmp_path, name="run.yaml", **changes) -> str:
-    data = json.loads(json.dumps(BASE))
-    data.update(json.loads(json.dumps(changes)))
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    return write_run_yaml(tmp_path, BASE, name, **changes)
 
 
 def uid() -> str:
     return uuid.uuid4().hex[:8]
-
-
-def wait_for(predicate, timeout=20.0, what="condition", poll=0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(poll)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def reference_sha(config) -> str:
@@ -160,7 +148,7 @@ class Fleet:
         self._agg_thread = threading.Thread(target=body, name="aggregator", daemon=True)
         self._agg_thread.start()
         wait_for(lambda: self.aggregator.open is not None or self.error is not None,
-                 what="round 1 to open")
+                 what="round 1 to open", timeout=20.0)
 
     def finish(self, timeout=30.0):
         self._agg_thread.join(timeout)
@@ -309,7 +297,7 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
         wait_for(lambda: aggregated() == [1, 2], timeout=30, what="rounds 1-2 aggregated")
         in_round3 = [c for c in selected[2] if c != late]
         wait_for(lambda: all(clients[c].progress.trained == 3 for c in in_round3),
-                 what="round 3 updates from the running clients")
+                 what="round 3 updates from the running clients", timeout=20.0)
         time.sleep(0.3)
         assert first.poll() is None, "the aggregator exited before it was killed"
         first.send_signal(signal.SIGKILL)                 # mid-round 3: updates in memory
@@ -318,7 +306,7 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
 
         second = spawn(command, "aggregator-2.log")
         wait_for(lambda: any(r.get("event") == "resumed" for r in read_journal(journal)),
-                 what="the restarted aggregator to resume")
+                 what="the restarted aggregator to resume", timeout=20.0)
         client_site = _site(tmp_path / f"client-{late}.yaml", yaml.safe_dump({
             "profile": "generic-x86", "node": {"id": f"client-{late}", "federation": fed},
             "state_dir": str(tmp_path / f"client-{late}"),
@@ -390,7 +378,8 @@ def test_hung_client_deadline_late_update_dropped_duplicate_ignored(tmp_path, fl
     fleet.start_client("client-2", train_slots=gate)
     started = time.monotonic()
     fleet.start_aggregator()
-    wait_for(lambda: "client-0" in fleet.aggregator.open.received, what="client-0's update")
+    wait_for(lambda: "client-0" in fleet.aggregator.open.received, what="client-0's update",
+             timeout=20.0)
     # a second, different update "from client-0" for the open round: ignored
     table = fleet.run.model.table
     poison = {"params": np.full(table.size, 100.0, dtype=np.float32)}
@@ -399,7 +388,8 @@ def test_hung_client_deadline_late_update_dropped_duplicate_ignored(tmp_path, fl
     scalars = msg.update_scalars(Update(poison, 10, 0.0, 1), fleet.aggregator.run_id, 0.0)
     rogue.publish(Topics(fleet.federation).update("client-0"),
                   wire.encode("update", 1, "client-0", poison, scalars, table)).wait(5)
-    wait_for(lambda: fleet.journal() and fleet.aggregated() == [1], what="round 1 to close")
+    wait_for(lambda: fleet.journal() and fleet.aggregated() == [1], what="round 1 to close",
+             timeout=20.0)
     assert time.monotonic() - started >= 1.5
     gate.release(10)                     # client-2 trains round 1 now: too late
     result = fleet.finish()
@@ -432,7 +422,7 @@ def test_killed_client_is_not_waited_for(tmp_path, fleets, mosquitto_server):
     doomed = fleet.start_client("client-2", train_slots=gate)
     started = time.monotonic()
     fleet.start_aggregator()
-    wait_for(lambda: doomed.job is not None, what="client-2 to receive its task")
+    wait_for(lambda: doomed.job is not None, what="client-2 to receive its task", timeout=20.0)
     doomed.transport.kill()                 # a crash: no DISCONNECT, the will fires
     doomed.stop.set()
     result = fleet.finish()
@@ -499,7 +489,8 @@ def test_128k_chunks_end_to_end_with_a_client_joining_mid_round(tmp_path, fleets
     fleet.start_client("client-0")
     fleet.start_client("client-1")
     fleet.start_aggregator()
-    wait_for(lambda: fleet.clients["client-1"].progress.trained == 1, what="round 1 uploads")
+    wait_for(lambda: fleet.clients["client-1"].progress.trained == 1, what="round 1 uploads",
+             timeout=20.0)
     joiner = fleet.start_client("client-2")       # the chunked model went out before it came
     result = fleet.finish()
     sizes = {}

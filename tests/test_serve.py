@@ -28,6 +28,7 @@ from edgefl.export import export_onnx
 from edgefl.export.onnx import raw_inputs
 from edgefl.infer import Predictor, write_atomic
 from edgefl.models import build_model
+from helpers import NotifySocket, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,16 +57,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate, timeout=30.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def digits():
     return load_dataset("digits")
@@ -81,43 +72,6 @@ def export(path, digits, seed: int):
     return data
 
 
-class Notifications:
-    """A real NOTIFY_SOCKET: the datagrams the service sends, read as they come (as systemd
-    does; a full datagram queue would block the sender)."""
-
-    def __init__(self, path: str):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(path)
-        self.sock.settimeout(0.1)
-        self.path = path
-        self.messages: list[dict] = []
-        self.closed = threading.Event()
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        while not self.closed.is_set():
-            try:
-                data = self.sock.recv(4096)
-            except (socket.timeout, BlockingIOError):
-                continue
-            except OSError:
-                return
-            self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
-
-    def poll(self) -> list[dict]:
-        return list(self.messages)
-
-    def close(self) -> None:
-        self.closed.set()
-        self.thread.join(2)
-        self.sock.close()
-
-    def find(self, key, value=None):
-        return next((m for m in self.poll() if key in m and (value is None or
-                                                                value in m[key])), None)
-
-
 def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits):
     short = Path(tempfile.mkdtemp(prefix="efs-", dir="/tmp"))   # Unix socket paths are short
     model = tmp_path / "state" / "model.onnx"
@@ -130,7 +84,7 @@ def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits)
         "infer": {"model": str(model), "socket": str(short / "predict.sock"),
                   "listen": f"127.0.0.1:{port}", "check_interval": 0.1,
                   "max_request_bytes": 200_000}}))
-    notify = Notifications(str(short / "notify"))
+    notify = NotifySocket(str(short / "notify"))
     env = dict(os.environ, NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="2000000",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WATCHDOG_PID", None)
@@ -145,7 +99,7 @@ def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits)
 
     sock = str(short / "predict.sock")
     try:
-        ready = wait_for(lambda: notify.find("READY", "1"), what="READY=1")
+        ready = wait_for(lambda: notify.find("READY", "1"), what="READY=1", poll=0.05)
         assert ready["STATUS"].startswith(f"waiting for {model}"), ready
         conn = UnixHTTPConnection(sock)
         status, doc, _ = request(conn, "GET", "/health")
@@ -158,12 +112,14 @@ def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits)
         # the first model appears (atomically, as the client installs it)
         model_a, model_b = export(tmp_path / "a", digits, 0), export(tmp_path / "b", digits, 1)
         write_atomic(model, model_a)
-        wait_for(lambda: request(conn, "GET", "/health")[0] == 200, what="the first model")
+        wait_for(lambda: request(conn, "GET", "/health")[0] == 200, what="the first model",
+                 poll=0.05)
         sha_a = Predictor(model).sha256
         health = request(conn, "GET", "/health")[1]["model"]
         assert health["threads"] == 2             # infer.threads of the generic-x86 profile
         assert health["sha256"] == sha_a and health["input_shape"] == [1, 8, 8]
-        assert wait_for(lambda: notify.find("STATUS", "serving"), what="STATUS serving")
+        assert wait_for(lambda: notify.find("STATUS", "serving"), what="STATUS serving",
+                        poll=0.05)
         status, doc, response = request(conn, "POST", "/predict", body)
         assert status == 200 and doc["model"]["sha256"] == sha_a
         assert response.getheader("X-Model-Sha256") == sha_a
@@ -227,11 +183,11 @@ def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits)
             time.sleep(0.3)
         write_atomic(model, model_b)
         wait_for(lambda: request(conn, "GET", "/health")[1]["model"]["sha256"] == sha_b,
-                 what="model B to be served")
+                 what="model B to be served", poll=0.05)
         # a corrupt replacement is never served
         write_atomic(model, b"\x08\x07 not a model")
         wait_for(lambda: request(conn, "GET", "/health")[1]["model"]["last_error"],
-                 what="the corrupt file to be noticed")
+                 what="the corrupt file to be noticed", poll=0.05)
         time.sleep(0.3)
         stop.set()
         for t in threads:

@@ -14,11 +14,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import yaml
 
 from edgefl.roles import AggregatorCheckpoint, ClientProgress
 from edgefl.roles.state import JOURNAL_FILE, read_journal
+from helpers import NotifySocket, wait_for
 
 pytest_plugins = ["brokers"]
 
@@ -44,44 +43,6 @@ RUN = {
     "clients_per_round": 3,
     "seed": 0,
 }
-
-
-class StatusSocket:
-    """A real NOTIFY_SOCKET for one process; keeps the STATUS lines it sends."""
-
-    def __init__(self, path: str):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(path)
-        self.sock.settimeout(0.1)
-        self.path = path
-        self.lines: list[str] = []
-        self.closed = threading.Event()
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self):
-        while not self.closed.is_set():
-            try:
-                data = self.sock.recv(4096)
-            except (socket.timeout, BlockingIOError):
-                continue
-            except OSError:
-                return
-            self.lines += data.decode().splitlines()
-
-    def close(self):
-        self.closed.set()
-        self.thread.join(2)
-        self.sock.close()
-
-
-def wait_for(predicate, timeout=60.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquitto_server):
@@ -108,7 +69,7 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
                     for c in range(3)}
     procs, sockets = [], []
 
-    def spawn(args, name, status: StatusSocket | None = None):
+    def spawn(args, name, status: NotifySocket | None = None):
         log = open(tmp_path / f"{name}.log", "ab")
         proc_env = dict(env, NOTIFY_SOCKET=status.path) if status else env
         proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=tmp_path,
@@ -147,15 +108,15 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
         return [r["round"] for r in read_journal(journal) if r.get("event") == "aggregated"]
 
     try:
-        status0 = StatusSocket(str(sockets_dir / "client-0"))
+        status0 = NotifySocket(str(sockets_dir / "client-0"))
         sockets.append(status0)
         agg = aggregator()
         clients = {0: client(0, status0), 1: client(1), 2: client(2)}
-        wait_for(lambda: aggregated() == [1], what="round 1 aggregated")
+        wait_for(lambda: aggregated() == [1], what="round 1 aggregated", timeout=60.0)
         # mid-round 2: client-0 while it trains (systemd's STATUS line says so), and the
         # aggregator while it collects the round's updates
         wait_for(lambda: "STATUS=round 2: training" in status0.lines,
-                 what="client-0 training round 2")
+                 what="client-0 training round 2", timeout=60.0)
         clients[0].send_signal(signal.SIGTERM)
         stop(agg, "aggregator")
         stop(clients[0], "client-0", signalled=True)
@@ -170,7 +131,8 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
         assert aggregated() == [1]
         # the others finish round 2's training, store their update, and wait
         wait_for(lambda: all(ClientProgress.load(tmp_path / f"client-{c}").trained == 2
-                             for c in (1, 2)), what="clients 1 and 2 to train round 2")
+                             for c in (1, 2)), what="clients 1 and 2 to train round 2",
+                 timeout=60.0)
         for c in (1, 2):
             stop(clients[c], f"client-{c}")
             progress = ClientProgress.load(tmp_path / f"client-{c}")
@@ -181,12 +143,12 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
         status0.lines.clear()
         clients = {c: client(c, status0 if c == 0 else None) for c in range(3)}
         wait_for(lambda: "STATUS=round 2: training" in status0.lines,
-                 what="client-0 to train round 2 again")
+                 what="client-0 to train round 2 again", timeout=60.0)
         agg = aggregator()
         for c, proc in clients.items():
             assert proc.wait(120) == 0, log_of(f"client-{c}")[-3000:]
         wait_for(lambda: (tmp_path / "out" / "summary.json").exists() or agg.poll() is not None,
-                 what="the aggregator's outputs")
+                 what="the aggregator's outputs", timeout=60.0)
         if agg.poll() is None:      # a service that stays up for the next run: stop it too
             stop(agg, "aggregator")
         assert agg.wait(STOP_WITHIN_S) == 0, log_of("aggregator")[-3000:]

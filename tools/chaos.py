@@ -91,7 +91,8 @@ import yaml  # noqa: E402
 
 from edgefl.roles.state import JOURNAL_FILE, AggregatorCheckpoint, read_journal  # noqa: E402
 from edgefl.transport import wire  # noqa: E402
-from edgefl.transport.broker import find_mosquitto, free_port, probe  # noqa: E402
+from edgefl.transport.broker import (adapt_mosquitto_conf, find_mosquitto,  # noqa: E402
+                                     free_port, probe)
 from mqtt_proxy import MqttFaultProxy  # noqa: E402
 
 MOSQUITTO_CONF = REPO / "broker" / "mosquitto.conf"
@@ -104,15 +105,6 @@ MAX_SUPERVISOR_RESTARTS = 20          # per process: beyond, the soak fails nami
 CLIENT_BOOT = ("import logging, sys; "
                "logging.getLogger('edgefl.transport.paho').setLevel(logging.INFO); "
                "from edgefl.cli import main; sys.exit(main(sys.argv[1:]))")
-
-# Broker options that belong to a listener; the soak has one listener of its own.
-_LISTENER_OPTIONS = {
-    "listener", "protocol", "cafile", "capath", "certfile", "keyfile", "tls_version",
-    "require_certificate", "use_identity_as_username", "use_subject_as_username",
-    "allow_anonymous", "password_file", "acl_file", "ciphers", "psk_hint", "mount_point",
-    "socket_domain", "bind_interface", "http_dir", "max_connections",
-}
-
 
 @dataclass
 class SoakConfig:
@@ -182,28 +174,6 @@ def fault_schedule(cfg: SoakConfig) -> list[Fault]:
 # the parts: broker, processes, acknowledged updates
 # ---------------------------------------------------------------------------------------
 
-def broker_conf(port: int, workdir: Path, password_file: Path, acl_file: Path) -> str:
-    """broker/mosquitto.conf with its global options (queues, packet size, persistence)
-    kept, persistence into `workdir`, and one listener on 127.0.0.1:port with the given
-    password file and ACL."""
-    kept = []
-    for raw in MOSQUITTO_CONF.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#") or line.split()[0] in _LISTENER_OPTIONS:
-            continue
-        option = line.split()[0]
-        if option == "persistence_location":
-            line = f"persistence_location {workdir}/"
-        elif option == "log_dest":
-            line = "log_dest stderr"
-        kept.append(line)
-    kept += [f"listener {port} 127.0.0.1", "allow_anonymous false",
-             f"password_file {password_file}", f"acl_file {acl_file}"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        kept.append("user root")       # the temp directory is root's; nothing to protect
-    return "\n".join(kept) + "\n"
-
-
 class Broker:
     """Mosquitto on a fixed port, stoppable and restartable with the same state."""
 
@@ -217,7 +187,8 @@ class Broker:
         passwords.write_text("".join(f"{u}:{p}\n" for u, p in users.items()))
         subprocess.run([passwd, "-U", str(passwords)], check=True, timeout=30)
         self.conf = workdir / "mosquitto.conf"
-        self.conf.write_text(broker_conf(self.port, workdir, passwords, MOSQUITTO_ACL))
+        self.conf.write_text(adapt_mosquitto_conf(MOSQUITTO_CONF.read_text(), self.port,
+                                                  workdir, passwords, MOSQUITTO_ACL))
         self.log = workdir / "mosquitto.log"
         self.proc = None
 

@@ -18,6 +18,10 @@ time (docs/brokers.md has the measurements and the reasoning).
         transport = MqttTransport(broker.url, "aggregator")
 
 The broker is ready when `start()` returns: an MQTT CONNECT to it has been accepted.
+
+`adapt_mosquitto_conf` is the other way to run a local Mosquitto: the production config
+(broker/mosquitto.conf) with only its listeners and paths replaced, for the tests and the
+chaos soak (tools/chaos.py), which must run against the options production runs with.
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ import threading
 import time
 
 __all__ = ["EmbeddedBroker", "BrokerError", "find_mosquitto", "have_python_broker",
-           "free_port", "probe", "mosquitto_config", "packet_bytes_for", "KINDS",
-           "DEFAULT_MAX_PACKET_BYTES"]
+           "free_port", "probe", "mosquitto_config", "adapt_mosquitto_conf", "packet_bytes_for",
+           "KINDS", "DEFAULT_MAX_PACKET_BYTES"]
 
 KINDS = ("auto", "mosquitto", "python")
 
@@ -146,6 +150,62 @@ def mosquitto_config(port: int, host: str = "127.0.0.1",
         "connection_messages false",
         "",
     ])
+
+
+# Options of broker/mosquitto.conf that belong to a listener (or to its access control):
+# `adapt_mosquitto_conf` drops them, since TLS certificates and system paths do not exist
+# where a local copy runs, and puts one listener of its own in their place.
+_LISTENER_OPTIONS = {
+    "listener", "protocol", "cafile", "capath", "certfile", "keyfile", "tls_version",
+    "require_certificate", "use_identity_as_username", "use_subject_as_username",
+    "allow_anonymous", "password_file", "acl_file", "ciphers", "psk_hint", "mount_point",
+    "socket_domain", "bind_interface", "http_dir", "max_connections",
+}
+
+
+def adapt_mosquitto_conf(text: str, port: int, workdir: str | os.PathLike,
+                         password_file: str | os.PathLike | None = None,
+                         acl_file: str | os.PathLike | None = None) -> str:
+    """The production Mosquitto config `text` (broker/mosquitto.conf) adapted to run as a
+    local, throw-away copy -- for the tests and the chaos soak, so that they exercise the
+    global options production runs with (TCP_NODELAY, packet size, queues, persistence):
+
+    - those global options are kept as they are; comments and blank lines are dropped;
+    - every listener and its options (TLS files, access control: `_LISTENER_OPTIONS`) is
+      replaced by one plain listener on 127.0.0.1:`port`, since the certificates and
+      system paths the production listeners name do not exist here;
+    - `persistence_location` moves into `workdir` (restarts keep the state there, and the
+      system's /var/lib/mosquitto is not touched); `log_dest` becomes stderr, which the
+      caller captures into its own log file;
+    - access is anonymous without `password_file`; with it, only its users, restricted by
+      `acl_file` when one is given;
+    - started as root (a container), Mosquitto drops to user "mosquitto", which cannot
+      read a private temp `workdir`: `user root` keeps it root (a local copy has nothing to
+      protect).
+    """
+    kept = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        option = line.split()[0]
+        if option in _LISTENER_OPTIONS:
+            continue
+        if option == "persistence_location":
+            line = f"persistence_location {workdir}/"
+        elif option == "log_dest":
+            line = "log_dest stderr"
+        kept.append(line)
+    kept.append(f"listener {port} 127.0.0.1")
+    if password_file is None:
+        kept.append("allow_anonymous true")
+    else:
+        kept += ["allow_anonymous false", f"password_file {password_file}"]
+        if acl_file is not None:
+            kept.append(f"acl_file {acl_file}")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        kept.append("user root")
+    return "\n".join(kept) + "\n"
 
 
 class EmbeddedBroker:
