@@ -8,13 +8,15 @@
 /* Samples per forward/backward pass. A minibatch larger than this (full-batch GD) is
  * processed in chunks whose gradients add up, so the workspace stays bounded. */
 #define EF_MAX_CHUNK 128
-/* A convolution lowers a group of samples into one GEMM (N = group * out_h * out_w). The
- * group's columns plus its output block are capped at this many floats (1 MB), about one L2:
- * measured on cnn-mnist here, 16 MB groups were 35% slower than per-sample GEMMs because the
- * columns no longer stay in cache, while L2-sized groups tie with them. The cap also bounds
- * the workspace on small boards. */
+/* A convolution can lower a group of samples into one GEMM (N = group * out_h * out_w), with
+ * the group's columns plus its output block capped at this many floats. Per-sample GEMMs
+ * (budget 0, the default) need no copies: a sample's GEMM output [out_c, ohw] is its NCHW
+ * activation and its dout is the GEMM operand as it stands. Measured on cnn-mnist at batch 32
+ * (x86-64, OpenBLAS, one thread) they beat 1 MB groups by 2-5% once im2col stopped calling
+ * memcpy; 16 MB groups were 35% slower (columns out of cache). Kept as a build switch for
+ * boards whose GEMM prefers wider N. */
 #ifndef EF_CONV_COL_BUDGET
-#define EF_CONV_COL_BUDGET (256 * 1024)
+#define EF_CONV_COL_BUDGET 0
 #endif
 
 /* ---------------------------------------------------------------- shapes and workspace */
@@ -25,13 +27,23 @@ static int64_t out_size(const ef_layer *l) { return (int64_t)l->out_c * l->out_h
 /* Where each piece of the float workspace starts, for a given chunk size. */
 typedef struct {
     float *x;           /* gathered input chunk  [chunk * in_size(layer 0)] */
-    float *act[64];     /* output of each layer  [chunk * out_size(l)] (flatten aliases its input) */
+    float *act[64];     /* output of each layer  [chunk * out_size(l)] (flatten aliases its input;
+                           a ReLU fused into the pool after it, see relu_then_pool, stays unwritten) */
     float *delta_a;     /* backward ping-pong    [chunk * max act size] */
     float *delta_b;
-    float *col;         /* a conv group's columns and output block, see conv_group() */
+    float *col;         /* a conv group's columns and output block (conv_group()), then
+                           one sample's zero-bordered input (padded_size()) */
     float *grad;        /* per-step gradient     [n_params] */
+    int32_t *arg[64];   /* max-pool layers: where each output's maximum sits in the chunk's
+                           input [chunk * out_size(l)], so backward scatters without searching */
     int64_t total;
 } layout;
+
+/* One sample's input with its zero border, which im2col copies rows from (floats). */
+static int64_t padded_size(const ef_layer *l)
+{
+    return (int64_t)l->in_c * (l->in_h + 2 * l->pad) * (l->in_w + 2 * l->pad);
+}
 
 /* Samples lowered together by a conv layer, and the floats that takes. */
 static int64_t conv_group(const ef_layer *l, int64_t chunk)
@@ -65,6 +77,7 @@ static int check_net(const ef_net *net)
             if (l->k <= 0 || l->stride <= 0 || l->pad != 0 || l->in_c != l->out_c) return EF_ERR_ARGS;
             if (l->out_h != (l->in_h - l->k) / l->stride + 1) return EF_ERR_ARGS;
             if (l->out_w != (l->in_w - l->k) / l->stride + 1) return EF_ERR_ARGS;
+            if (EF_MAX_CHUNK * in_size(l) > INT32_MAX) return EF_ERR_ARGS; /* int32 argmax */
             break;
         case EF_RELU:
         case EF_FLATTEN:
@@ -94,7 +107,7 @@ static int64_t make_layout(layout *lay, float *base, const ef_net *net, int64_t 
         if (out_size(l) > max_act) max_act = out_size(l);
         if (l->op == EF_CONV2D) {
             int64_t c = conv_group(l, chunk) * ((int64_t)l->in_c * l->k * l->k + l->out_c) *
-                        l->out_h * l->out_w;
+                            l->out_h * l->out_w + padded_size(l);
             if (c > max_col) max_col = c;
         }
     }
@@ -106,6 +119,14 @@ static int64_t make_layout(layout *lay, float *base, const ef_net *net, int64_t 
     off += max_col;
     lay->grad = base ? base + off : NULL;
     off += net->n_params;
+    /* int32 indices stored in float-sized slots of the same (allocated, untyped) buffer */
+    for (int32_t i = 0; i < net->n_layers; i++) {
+        const ef_layer *l = &net->layers[i];
+        lay->arg[i] = NULL;
+        if (l->op != EF_MAXPOOL2D) continue;
+        lay->arg[i] = base ? (int32_t *)(void *)(base + off) : NULL;
+        off += chunk * out_size(l);
+    }
     lay->total = off;
     return off;
 }
@@ -139,10 +160,59 @@ static void valid_cols(int32_t *lo, int32_t *hi, const ef_layer *l, int32_t kx)
     *hi = b;
 }
 
-/* One sample's image -> columns (rows ordered c, ky, kx; row stride ld, so a group of samples
- * sits side by side), bounds hoisted out of the inner loop so the copy is contiguous. */
-static void im2col(float *restrict col, const float *restrict img, const ef_layer *l, int64_t ld)
+/* dst[0..n) = src[0..n) for 8 <= n, as fixed 8-float blocks (the last one overlapping) that
+ * compile to a vector move each: rows of 14 or 28 floats made memcpy calls a tenth of the
+ * training time. */
+static inline void copy_row8(float *restrict dst, const float *restrict src, int64_t n)
 {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int t = 0; t < 8; t++) dst[j + t] = src[j + t];
+    if (j < n)
+        for (int t = 0; t < 8; t++) dst[n - 8 + t] = src[n - 8 + t];
+}
+
+/* Stride 1 with rows of at least 8: copy the image into a zero-bordered buffer once, then
+ * every column row is out_h plain copies with no bounds checks. */
+static void im2col_padded(float *restrict col, const float *restrict img, float *restrict padded,
+                          const ef_layer *l, int64_t ld)
+{
+    const int64_t ph = l->in_h + 2 * l->pad, pw = l->in_w + 2 * l->pad;
+    for (int32_t c = 0; c < l->in_c; c++) {
+        float *pc = padded + (int64_t)c * ph * pw;
+        const float *ic = img + (int64_t)c * l->in_h * l->in_w;
+        for (int64_t y = 0; y < ph; y++) {
+            float *prow = pc + y * pw;
+            const int64_t iy = y - l->pad;
+            if (iy < 0 || iy >= l->in_h) {
+                for (int64_t x = 0; x < pw; x++) prow[x] = 0.0f;
+                continue;
+            }
+            for (int64_t x = 0; x < l->pad; x++) prow[x] = prow[pw - 1 - x] = 0.0f;
+            if (l->in_w >= 8) copy_row8(prow + l->pad, ic + iy * l->in_w, l->in_w);
+            else for (int64_t x = 0; x < l->in_w; x++) prow[l->pad + x] = ic[iy * l->in_w + x];
+        }
+    }
+    for (int32_t c = 0; c < l->in_c; c++)
+        for (int32_t ky = 0; ky < l->k; ky++)
+            for (int32_t kx = 0; kx < l->k; kx++) {
+                float *row = col + (((int64_t)c * l->k + ky) * l->k + kx) * ld;
+                const float *src = padded + ((int64_t)c * ph + ky) * pw + kx;
+                for (int32_t oy = 0; oy < l->out_h; oy++)
+                    copy_row8(row + (int64_t)oy * l->out_w, src + (int64_t)oy * pw, l->out_w);
+            }
+}
+
+/* One sample's image -> columns (rows ordered c, ky, kx; row stride ld, so a group of samples
+ * sits side by side), bounds hoisted out of the inner loop so the copy is contiguous.
+ * padded: padded_size(l) floats of scratch. */
+static void im2col(float *restrict col, const float *restrict img, float *restrict padded,
+                   const ef_layer *l, int64_t ld)
+{
+    if (l->stride == 1 && l->out_w >= 8) {
+        im2col_padded(col, img, padded, l, ld);
+        return;
+    }
     const int64_t ohw = ld;
     for (int32_t c = 0; c < l->in_c; c++)
         for (int32_t ky = 0; ky < l->k; ky++)
@@ -170,8 +240,41 @@ static void im2col(float *restrict col, const float *restrict img, const ef_laye
             }
 }
 
-static void col2im(float *restrict img, const float *restrict col, const ef_layer *l, int64_t ld)
+/* Stride 1: accumulate into the zero-bordered buffer with no bounds checks, then copy its
+ * interior out (the mirror of im2col_padded). */
+static void col2im_padded(float *restrict img, const float *restrict col, float *restrict padded,
+                          const ef_layer *l, int64_t ld)
 {
+    const int64_t ph = l->in_h + 2 * l->pad, pw = l->in_w + 2 * l->pad;
+    memset(padded, 0, sizeof(float) * (size_t)padded_size(l));
+    for (int32_t c = 0; c < l->in_c; c++)
+        for (int32_t ky = 0; ky < l->k; ky++)
+            for (int32_t kx = 0; kx < l->k; kx++) {
+                const float *row = col + (((int64_t)c * l->k + ky) * l->k + kx) * ld;
+                float *dst = padded + ((int64_t)c * ph + ky) * pw + kx;
+                for (int32_t oy = 0; oy < l->out_h; oy++) {
+                    const float *restrict src = row + (int64_t)oy * l->out_w;
+                    float *restrict d = dst + (int64_t)oy * pw;
+                    for (int32_t ox = 0; ox < l->out_w; ox++) d[ox] += src[ox];
+                }
+            }
+    for (int32_t c = 0; c < l->in_c; c++)
+        for (int32_t iy = 0; iy < l->in_h; iy++) {
+            float *restrict d = img + ((int64_t)c * l->in_h + iy) * l->in_w;
+            const float *restrict src = padded + ((int64_t)c * ph + iy + l->pad) * pw + l->pad;
+            if (l->in_w >= 8) copy_row8(d, src, l->in_w);
+            else for (int32_t x = 0; x < l->in_w; x++) d[x] = src[x];
+        }
+}
+
+/* padded: padded_size(l) floats of scratch (used for stride 1). */
+static void col2im(float *restrict img, const float *restrict col, float *restrict padded,
+                   const ef_layer *l, int64_t ld)
+{
+    if (l->stride == 1) {
+        col2im_padded(img, col, padded, l, ld);
+        return;
+    }
     const int64_t ohw = ld;
     memset(img, 0, sizeof(float) * (size_t)in_size(l));
     for (int32_t c = 0; c < l->in_c; c++)
@@ -225,21 +328,76 @@ static float sum8(const float *x, int64_t n)
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + t;
 }
 
-/* Index (within the plane) of the first maximum of a pooling window, as forward chose it. */
-static int64_t window_argmax(const float *plane, const ef_layer *l, int32_t oy, int32_t ox)
+/* Max pooling, recording where each output's maximum sits in the chunk's input (the first
+ * maximum of the window, as the NumPy reference picks), so backward scatters without
+ * searching again. 2x2 windows with stride 2 (every pool of cnn-mnist) take a branch-free
+ * loop the compiler vectorises: random activations made the generic loop's compares
+ * mispredict. The pair-wise tree keeps first-maximum order: ties go to the earlier element.
+ * relu: apply a ReLU to the maxima (see relu_then_pool) and record -1 where the maximum is
+ * <= 0, since the ReLU passes no gradient there. */
+static void maxpool_forward(float *restrict out, int32_t *restrict arg, const float *restrict in,
+                            const ef_layer *l, int64_t b, int relu)
 {
-    int64_t base = (int64_t)oy * l->stride * l->in_w + (int64_t)ox * l->stride, at = base;
-    float m = plane[base];
-    for (int32_t ky = 0; ky < l->k; ky++)
-        for (int32_t kx = 0; kx < l->k; kx++) {
-            int64_t p = base + (int64_t)ky * l->in_w + kx;
-            if (plane[p] > m) { m = plane[p]; at = p; }
+    const int64_t isz = in_size(l), osz = out_size(l), iw = l->in_w;
+    for (int64_t s = 0; s < b; s++)
+        for (int32_t c = 0; c < l->in_c; c++) {
+            const int64_t poff = s * isz + (int64_t)c * l->in_h * l->in_w;
+            const float *plane = in + poff;
+            for (int32_t oy = 0; oy < l->out_h; oy++) {
+                float *restrict o = out + s * osz + ((int64_t)c * l->out_h + oy) * l->out_w;
+                int32_t *restrict a = arg + s * osz + ((int64_t)c * l->out_h + oy) * l->out_w;
+                const int64_t row = (int64_t)oy * l->stride * iw;
+                if (l->k == 2 && l->stride == 2) {
+                    const float *restrict r0 = plane + row, *restrict r1 = r0 + iw;
+                    const int32_t at0 = (int32_t)(poff + row);
+                    for (int32_t ox = 0; ox < l->out_w; ox++) {
+                        const float v0 = r0[2 * ox], v1 = r0[2 * ox + 1];
+                        const float v2 = r1[2 * ox], v3 = r1[2 * ox + 1];
+                        const int32_t i0 = at0 + 2 * ox, i2 = i0 + (int32_t)iw;
+                        const float m01 = v1 > v0 ? v1 : v0, m23 = v3 > v2 ? v3 : v2;
+                        const int32_t a01 = v1 > v0 ? i0 + 1 : i0, a23 = v3 > v2 ? i2 + 1 : i2;
+                        const float m = m23 > m01 ? m23 : m01;
+                        const int32_t at = m23 > m01 ? a23 : a01;
+                        o[ox] = relu ? (m > 0.0f ? m : 0.0f) : m;
+                        a[ox] = relu ? (m > 0.0f ? at : -1) : at;
+                    }
+                    continue;
+                }
+                for (int32_t ox = 0; ox < l->out_w; ox++) {
+                    const int64_t q = row + (int64_t)ox * l->stride;
+                    int64_t at = q;
+                    float m = plane[q];
+                    for (int32_t ky = 0; ky < l->k; ky++)
+                        for (int32_t kx = 0; kx < l->k; kx++) {
+                            const int64_t p = q + (int64_t)ky * iw + kx;
+                            if (plane[p] > m) { m = plane[p]; at = p; }
+                        }
+                    o[ox] = relu ? (m > 0.0f ? m : 0.0f) : m;
+                    a[ox] = relu && !(m > 0.0f) ? -1 : (int32_t)(poff + at);
+                }
+            }
         }
-    return at;
 }
 
-static void layer_forward(float *out, const float *in, float *col, const ef_layer *l,
-                          const float *params, int64_t b)
+/* din = dout routed to each window's recorded maximum (none for arg -1), zero elsewhere: one
+ * memset, then one scatter. The scatter is branch-free (a masked output adds 0 to din[0]):
+ * after a fused ReLU about half the outputs are masked at random, and a branch on it, like
+ * the compare-per-input loop it replaced, mispredicted its way to 6% of a cnn-mnist step.
+ * += keeps overlapping windows (stride < k) right. */
+static void maxpool_backward(float *restrict din, const float *restrict dout,
+                             const int32_t *restrict arg, const ef_layer *l, int64_t b)
+{
+    const int64_t n = b * out_size(l);
+    memset(din, 0, sizeof(float) * (size_t)(b * in_size(l)));
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t a = arg[j];
+        const float g = a >= 0 ? dout[j] : 0.0f;
+        din[a >= 0 ? a : 0] += g;
+    }
+}
+
+static void layer_forward(float *out, int32_t *arg, const float *in, float *col,
+                          const ef_layer *l, const float *params, int64_t b)
 {
     const int64_t isz = in_size(l), osz = out_size(l);
     switch (l->op) {
@@ -259,8 +417,21 @@ static void layer_forward(float *out, const float *in, float *col, const ef_laye
         const int64_t g = conv_group(l, b);
         for (int64_t s0 = 0; s0 < b; s0 += g) {
             const int64_t nb = b - s0 < g ? b - s0 : g, ld = nb * ohw;
+            if (nb == 1) { /* one sample: its GEMM output [out_c, ohw] is already NCHW */
+                float *o = out + s0 * osz;
+                im2col(col, in + s0 * isz, col + ckk * ohw, l, ohw);
+                ef_sgemm(0, 0, l->out_c, ohw, ckk, 1.0f, w, ckk, col, ohw, 0.0f, o, ohw);
+                if (l->b_off >= 0)
+                    for (int32_t c = 0; c < l->out_c; c++) {
+                        const float bc = params[l->b_off + c];
+                        for (int64_t p = 0; p < ohw; p++) o[c * ohw + p] += bc;
+                    }
+                continue;
+            }
             float *res = col + ckk * ld; /* [out_c, nb * ohw] */
-            for (int64_t s = 0; s < nb; s++) im2col(col + s * ohw, in + (s0 + s) * isz, l, ld);
+            float *padded = col + (ckk + l->out_c) * g * ohw;
+            for (int64_t s = 0; s < nb; s++)
+                im2col(col + s * ohw, in + (s0 + s) * isz, padded, l, ld);
             ef_sgemm(0, 0, l->out_c, ld, ckk, 1.0f, w, ckk, col, ld, 0.0f, res, ld);
             for (int64_t s = 0; s < nb; s++)
                 for (int32_t c = 0; c < l->out_c; c++) {
@@ -273,22 +444,7 @@ static void layer_forward(float *out, const float *in, float *col, const ef_laye
         break;
     }
     case EF_MAXPOOL2D:
-        for (int64_t s = 0; s < b; s++)
-            for (int32_t c = 0; c < l->in_c; c++) {
-                const float *plane = in + s * isz + (int64_t)c * l->in_h * l->in_w;
-                float *o = out + s * osz + (int64_t)c * l->out_h * l->out_w;
-                for (int32_t oy = 0; oy < l->out_h; oy++)
-                    for (int32_t ox = 0; ox < l->out_w; ox++) {
-                        const float *win = plane + (int64_t)oy * l->stride * l->in_w + ox * l->stride;
-                        float m = win[0];
-                        for (int32_t ky = 0; ky < l->k; ky++)
-                            for (int32_t kx = 0; kx < l->k; kx++) {
-                                float v = win[(int64_t)ky * l->in_w + kx];
-                                if (v > m) m = v;
-                            }
-                        o[oy * l->out_w + ox] = m;
-                    }
-            }
+        maxpool_forward(out, arg, in, l, b, 0);
         break;
     case EF_RELU:
         relu_forward(out, in, b * osz);
@@ -300,7 +456,7 @@ static void layer_forward(float *out, const float *in, float *col, const ef_laye
 
 /* dout -> parameter gradients (accumulated into grad) and, if din, the input gradient. */
 static void layer_backward(float *din, float *grad, float *col, const float *dout,
-                           const float *in, const float *out, const ef_layer *l,
+                           const float *in, const float *out, const int32_t *arg, const ef_layer *l,
                            const float *params, int64_t b)
 {
     const int64_t isz = in_size(l), osz = out_size(l);
@@ -322,35 +478,31 @@ static void layer_backward(float *din, float *grad, float *col, const float *dou
         const int64_t g = conv_group(l, b);
         for (int64_t s0 = 0; s0 < b; s0 += g) {
             const int64_t nb = b - s0 < g ? b - s0 : g, ld = nb * ohw;
-            float *dres = col + ckk * ld; /* dout regrouped as [out_c, nb * ohw] */
-            for (int64_t s = 0; s < nb; s++) {
-                im2col(col + s * ohw, in + (s0 + s) * isz, l, ld);
-                for (int32_t c = 0; c < l->out_c; c++)
-                    memcpy(dres + c * ld + s * ohw, dout + (s0 + s) * osz + c * ohw,
-                           sizeof(float) * (size_t)ohw);
+            const float *dres = dout + s0 * osz; /* one sample: dout is [out_c, ohw] already */
+            if (nb > 1) { /* regroup dout as [out_c, nb * ohw] next to the columns */
+                float *reg = col + ckk * ld;
+                for (int64_t s = 0; s < nb; s++)
+                    for (int32_t c = 0; c < l->out_c; c++)
+                        memcpy(reg + c * ld + s * ohw, dout + (s0 + s) * osz + c * ohw,
+                               sizeof(float) * (size_t)ohw);
+                dres = reg;
             }
+            float *padded = col + (ckk + l->out_c) * g * ohw;
+            for (int64_t s = 0; s < nb; s++)
+                im2col(col + s * ohw, in + (s0 + s) * isz, padded, l, ld);
             ef_sgemm(0, 1, l->out_c, ckk, ld, 1.0f, dres, ld, col, ld, 1.0f, grad + l->w_off, ckk);
             if (l->b_off >= 0)
                 for (int32_t c = 0; c < l->out_c; c++) grad[l->b_off + c] += sum8(dres + c * ld, ld);
             if (din) {
                 ef_sgemm(1, 0, ckk, ld, l->out_c, 1.0f, w, ckk, dres, ld, 0.0f, col, ld);
-                for (int64_t s = 0; s < nb; s++) col2im(din + (s0 + s) * isz, col + s * ohw, l, ld);
+                for (int64_t s = 0; s < nb; s++)
+                    col2im(din + (s0 + s) * isz, col + s * ohw, padded, l, ld);
             }
         }
         break;
     }
     case EF_MAXPOOL2D:
-        if (!din) break;
-        memset(din, 0, sizeof(float) * (size_t)(b * isz));
-        for (int64_t s = 0; s < b; s++)
-            for (int32_t c = 0; c < l->in_c; c++) {
-                const int64_t poff = s * isz + (int64_t)c * l->in_h * l->in_w;
-                const float *plane = in + poff;
-                const float *d = dout + s * osz + (int64_t)c * l->out_h * l->out_w;
-                for (int32_t oy = 0; oy < l->out_h; oy++)
-                    for (int32_t ox = 0; ox < l->out_w; ox++)
-                        din[poff + window_argmax(plane, l, oy, ox)] += d[oy * l->out_w + ox];
-            }
+        if (din) maxpool_backward(din, dout, arg, l, b);
         break;
     case EF_RELU:
         if (din) relu_backward(din, out, dout, b * osz);
@@ -472,12 +624,28 @@ static void gather(float *dst, const float *x, const int64_t *idx, int64_t base,
         memcpy(dst + s * isz, x + idx[s] * isz, sizeof(float) * (size_t)isz);
 }
 
+/* A ReLU at i feeding a max pool: max(relu(x)) = relu(max(x)), so the pair runs as one pool
+ * over the ReLU's input (its output is never written) and one scatter backward, which
+ * saves two passes over the largest activations of a conv net. The ReLU's gradient is zero
+ * exactly where the pooled maximum is <= 0, which forward records as argmax -1, so the pool's
+ * scatter is then the exact backward of the pair. */
+static int relu_then_pool(const ef_net *net, int32_t i)
+{
+    return i + 1 < net->n_layers && net->layers[i].op == EF_RELU &&
+           net->layers[i + 1].op == EF_MAXPOOL2D;
+}
+
 static const float *forward_chunk(const layout *lay, const ef_net *net, const float *params,
                                   int64_t b)
 {
     const float *in = lay->x;
     for (int32_t i = 0; i < net->n_layers; i++) {
-        layer_forward(lay->act[i], in, lay->col, &net->layers[i], params, b);
+        if (relu_then_pool(net, i)) {
+            maxpool_forward(lay->act[i + 1], lay->arg[i + 1], in, &net->layers[i + 1], b, 1);
+            in = lay->act[++i];
+            continue;
+        }
+        layer_forward(lay->act[i], lay->arg[i], in, lay->col, &net->layers[i], params, b);
         in = lay->act[i];
     }
     return in;
@@ -494,11 +662,21 @@ static void backward_chunk(const layout *lay, float *grad, const ef_net *net,
         if (l->op == EF_FLATTEN) { /* same memory layout: pass the gradient through */
             continue;
         }
+        const int fused = i > 0 && relu_then_pool(net, i - 1);
         /* skip the input gradient below the first layer with parameters */
         int need_din = 0;
-        for (int32_t j = 0; j < i; j++)
+        for (int32_t j = 0; j < i - fused; j++)
             if (net->layers[j].op == EF_DENSE || net->layers[j].op == EF_CONV2D) need_din = 1;
-        layer_backward(need_din ? din : NULL, grad, lay->col, d, in, lay->act[i], l, params, b);
+        if (fused) { /* the pool's scatter is the ReLU's input gradient too */
+            if (!need_din) break;
+            maxpool_backward(din, d, lay->arg[i], l, b);
+            other = d;
+            d = din;
+            i--;
+            continue;
+        }
+        layer_backward(need_din ? din : NULL, grad, lay->col, d, in, lay->act[i], lay->arg[i], l,
+                       params, b);
         if (!need_din) break;
         other = d;
         d = din;

@@ -3,6 +3,8 @@
 edgefl.kernels; every kernel runs with the GIL released."""
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint64_t
 from libc.stdlib cimport malloc, free
+import threading
+
 import numpy as np
 cimport numpy as cnp
 
@@ -291,11 +293,27 @@ cdef int fill_net(NetBox *box, object net) except -1:
     return 0
 
 
+# Workspaces up to this many floats are kept per thread and reused by the next call: a fresh
+# multi-MB buffer costs a page fault per 4 KB touched, measured at ~3% of a cnn-mnist epoch.
+# Bigger ones (full-batch rounds on large sets) are allocated per call so they do not pin RAM.
+# Safe because no C kernel reads workspace it has not written in the same call.
+WORKSPACE_CACHE_FLOATS = 16 * 1024 * 1024
+_cache = threading.local()
+
+
 cdef object workspace(NetBox *box, int64_t chunk, int64_t n):
     cdef int64_t nf = 0, ni = 0
     if ef_workspace_size(&nf, &ni, &box.net, chunk, n) != EF_OK:
         raise KernelError("net: inconsistent layer table (shapes, offsets or parameter count)")
-    return np.empty(max(nf, 1), dtype=np.float32), np.empty(max(ni, 1), dtype=np.int64)
+    nf = max(nf, 1)
+    iwork = np.empty(max(ni, 1), dtype=np.int64)
+    if nf > WORKSPACE_CACHE_FLOATS:
+        return np.empty(nf, dtype=np.float32), iwork
+    work = getattr(_cache, "work", None)
+    if work is None or work.shape[0] < nf:
+        work = np.empty(nf, dtype=np.float32)
+        _cache.work = work
+    return work[:nf], iwork
 
 
 cdef const int32_t *label_ptr(object labels) except? NULL:

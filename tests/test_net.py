@@ -178,6 +178,34 @@ def test_local_train_parity_with_every_mutated_argument(case, mode):
 
 
 @needs_core
+def test_pooling_ties_and_fused_relu_match_the_reference():
+    """Integer images and integer conv weights make pooling windows of exact ties between
+    different input patches (so which maximum gets the gradient changes the weight gradient),
+    and windows whose maximum is 0 or negative. The C core runs ReLU+pool as one pool that
+    records where each maximum sits; its gradient must go to the same (first) maximum as the
+    reference's and pass nothing where the ReLU blocks."""
+    model = build_model(dict(name="cnn", conv=[dict(out=4, k=3, pad=1, pool=2),
+                                              dict(out=3, k=3, pad=1, pool=2)], fc=[5]),
+                        (1, 12, 12), 3)
+    rng = np.random.default_rng(4)
+    x = np.zeros((40, 1, 12, 12), np.float32)
+    x[:, :, 3:9, 3:9] = rng.integers(0, 3, (40, 1, 6, 6))
+    y = rng.integers(0, 3, 40).astype(np.int32)
+    p = model.init(2)
+    for e in model.table.entries:
+        if e.name.startswith("conv") and e.name.endswith("weight"):
+            p[e.offset:e.offset + e.size] = rng.integers(-1, 2, e.size)
+        if e.name.startswith("conv") and e.name.endswith("bias"):  # maxima of both signs
+            p[e.offset:e.offset + e.size] = np.linspace(-1.5, 1.5, e.size)
+    grads = [np.full(model.n_params, np.nan, np.float32) for _ in range(2)]
+    l_c = _core.loss_grad(grads[0], model, p, x, y, None)
+    l_r = reference.loss_grad(grads[1], model, p, x, y, None)
+    np.testing.assert_allclose(l_c, l_r, **TOL["loss"])
+    assert close_rel(grads[0], grads[1], TOL["grad_rel"])
+    np.testing.assert_array_equal(grads[0] == 0, grads[1] == 0)
+
+
+@needs_core
 def test_shuffle_is_the_same_permutation_in_both_backends():
     for seed, epoch, n in [(0, 0, 1), (1, 0, 10), (2**63 + 5, 7, 1000), (42, 3, 60000)]:
         perm = _core.shuffle(seed, epoch, n)
