@@ -109,8 +109,8 @@ def _local(data: LocalData, params: np.ndarray, cfg: dict, grad_sum: np.ndarray)
     """One local round in place on params (float32: the kernels; float64: the reference)."""
     if params.dtype == np.float32:
         momentum = np.zeros_like(params) if cfg["momentum"] > 0 else None
-        return kernels.local_train(data.model, params, data.x, data.y, cfg, momentum=momentum,
-                                   grad_sum=grad_sum)
+        return kernels.train_samples(data.samples, params, cfg, momentum=momentum,
+                                     grad_sum=grad_sum)
     labels, targets = kernels.labels_and_targets(data.model, data.y, data.x.shape[0])
     momentum = np.zeros_like(params) if cfg["momentum"] > 0 else None
     return reference.local_train(params, momentum, data.model, data.x, labels, targets, cfg,

@@ -266,12 +266,45 @@ def loss_grad(model, params, x, y):
     return loss, grad
 
 
+class Samples:
+    """A data set checked once against a model, as the kernels take it: x (float32,
+    C-contiguous, the model's input size per sample) and int32 labels or float32 targets,
+    both private read-only copies of what the caller passed as y, so the check cannot go
+    stale. A client trains on the same shard every round and the aggregator evaluates on
+    the same test set: `train_samples` and `evaluate_samples` skip the per-call checks and
+    conversions that `local_train` and `evaluate` repeat (issue #3's overhead target)."""
+    __slots__ = ("model", "x", "labels", "targets")
+
+    def __init__(self, model, x, y):
+        check_inputs(model, x)
+        labels, targets = labels_and_targets(model, y, x.shape[0])
+        self.model, self.x = model, x
+        self.labels = None if labels is None else _read_only(labels, y)
+        self.targets = None if targets is None else _read_only(targets, y)
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+
+def _read_only(a: np.ndarray, source) -> np.ndarray:
+    """`a`, or a copy of it when it shares memory with the caller's `source`, made read-only."""
+    if isinstance(source, np.ndarray) and np.shares_memory(a, source):
+        a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
 def evaluate(model, params, x, y) -> dict:
     """Mean loss (with the L2 term) and accuracy on a data set, computed by the kernels."""
+    return evaluate_samples(Samples(model, x, y), params)
+
+
+def evaluate_samples(data: Samples, params) -> dict:
+    """`evaluate` on a data set checked once (`Samples`)."""
+    model = data.model
     _check_params(model, params)
-    check_inputs(model, x)
-    labels, targets = labels_and_targets(model, y, x.shape[0])
-    loss_sum, correct = impl.evaluate(model, params, x, labels, targets)
+    loss_sum, correct = impl.evaluate(model, params, data.x, data.labels, data.targets)
     l2 = 0.0
     if model.l2:
         for row in model.layers:
@@ -280,7 +313,7 @@ def evaluate(model, params, x, y) -> dict:
                     int(row[4] * row[1] * row[7] * row[7])
                 w = params[int(row[10]):int(row[10]) + n_w]
                 l2 += 0.5 * model.l2 * float(np.dot(w.astype(np.float64), w))
-    n = x.shape[0]
+    n = data.n
     return {"loss": loss_sum / n + l2, "accuracy": correct / n, "correct": int(correct), "n": n}
 
 
@@ -326,9 +359,15 @@ def local_train(model, params, x, y, cfg: dict, momentum=None, grad0=None, grad_
                 step_stats=None) -> dict:
     """One local round in one kernel call; params (and momentum, grad0, grad_sum, step_stats)
     are updated in place. cfg comes from train_config(). Raises NonFiniteError naming the step."""
+    return train_samples(Samples(model, x, y), params, cfg, momentum=momentum, grad0=grad0,
+                         grad_sum=grad_sum, step_stats=step_stats)
+
+
+def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, grad_sum=None,
+                  step_stats=None) -> dict:
+    """`local_train` on a data set checked once (`Samples`)."""
+    model = data.model
     _check_params(model, params, writable=True)
-    check_inputs(model, x)
-    labels, targets = labels_and_targets(model, y, x.shape[0])
     if cfg.get("momentum", 0.0) and momentum is None:
         raise KernelError("momentum: a momentum buffer is required when momentum > 0")
     if momentum is not None:
@@ -343,8 +382,8 @@ def local_train(model, params, x, y, cfg: dict, momentum=None, grad0=None, grad_
             raise KernelError(f"step_stats: shape {step_stats.shape}, need (steps, 3)")
         if grad0 is None:
             raise KernelError("step_stats: needs grad0 (the start-point gradient)")
-    return impl.local_train(params, momentum, model, x, labels, targets, cfg, grad0=grad0,
-                            grad_sum=grad_sum, step_stats=step_stats)
+    return impl.local_train(params, momentum, model, data.x, data.labels, data.targets, cfg,
+                            grad0=grad0, grad_sum=grad_sum, step_stats=step_stats)
 
 
 def shuffle(seed: int, epoch: int, n: int) -> np.ndarray:

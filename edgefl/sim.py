@@ -110,6 +110,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers = {workers}: need at least 1 thread")
+    test_set = None if test is None else kernels.Samples(model, *test)   # checked once
     state = strategy.init(init_params, setup)
     client_states: dict = {c: None for c in setup.clients}
     history = []
@@ -149,7 +150,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                       "downlink_bytes": sum(t.nbytes for t in tasks.values()),
                       "selected": list(selected), "trained": len(tasks)}
             if test is not None and (r % eval_every == 0 or r == rounds):
-                result = kernels.evaluate(model, strategy.global_model(state), *test)
+                result = kernels.evaluate_samples(test_set, strategy.global_model(state))
                 record["test_accuracy"], record["test_loss"] = result["accuracy"], result["loss"]
             now = time.perf_counter()
             record.update({"wall_s": now - t0, "train_wall_s": train_wall,

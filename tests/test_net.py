@@ -362,6 +362,33 @@ def test_bad_inputs_name_the_cause():
         other.table.require_same(model.table, "checkpoint")
 
 
+@pytest.mark.parametrize("case", ["cnn", "linear-multi", "logreg"])
+def test_samples_are_checked_once_and_cannot_go_stale(case):
+    """kernels.Samples checks x and y once for every round on the same data; it keeps its
+    own read-only labels/targets, so mutating the caller's y afterwards cannot put an
+    out-of-range label in front of the C core, and training on it is bit-identical to
+    local_train on the arrays."""
+    model, x, y = make_data(case, n=20)
+    data = kernels.Samples(model, x, y)
+    kept = (data.labels if data.labels is not None else data.targets).copy()
+    for a in (data.labels, data.targets):
+        if a is not None:
+            assert not a.flags.writeable and not np.shares_memory(a, y)
+    y_before = y.copy()
+    y[:] = 10 ** 6 if y.dtype.kind == "i" else np.nan
+    np.testing.assert_array_equal(data.labels if data.labels is not None else data.targets, kept)
+    cfg = kernels.train_config(lr=0.05, batch_size=6, epochs=2, seed=3)
+    a, b = model.init(1), model.init(1)
+    r1 = kernels.train_samples(data, a, cfg)
+    r2 = kernels.local_train(model, b, x, y_before, cfg)
+    assert a.tobytes() == b.tobytes() and r1 == r2
+    assert kernels.evaluate_samples(data, a) == kernels.evaluate(model, a, x, y_before)
+    with pytest.raises(KernelError, match="labels span|targets are not all finite"):
+        kernels.Samples(model, x, y)
+    with pytest.raises(KernelError, match="parameters"):
+        kernels.train_samples(data, np.zeros(a.size + 1, np.float32), cfg)
+
+
 def test_non_finite_loss_stops_and_names_the_step():
     model, x, y = make_data("mlp", n=16)
     x = x.copy()

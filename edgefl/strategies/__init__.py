@@ -236,6 +236,11 @@ class LocalData:
     def num_samples(self) -> int:
         return int(self.x.shape[0])
 
+    @functools.cached_property
+    def samples(self) -> kernels.Samples:
+        """x and y checked against the model once, for every local round on this data."""
+        return kernels.Samples(self.model, self.x, self.y)
+
 
 # ---------------------------------------------------------------------------------------
 # the interface
@@ -283,7 +288,7 @@ class Strategy:
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def setup(state: State) -> Setup:
-        return Setup.from_json(state.meta["setup"])
+        return _setup_of(state.meta["setup"])
 
     @staticmethod
     def local_config(setup: Setup, round: int, client: int, **overrides) -> dict:
@@ -305,6 +310,26 @@ class Strategy:
         set: `extension_field`)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if not (f.metadata.get("extension") and getattr(self, f.name) == f.default)}
+
+
+_SETUP_CACHE: dict = {}     # id(setup JSON) -> (that JSON, its Setup)
+_SETUP_CACHE_SIZE = 16
+
+
+def _setup_of(data: Mapping) -> Setup:
+    """Setup.from_json(data), parsed once per JSON object: `State.replace` hands the same
+    "setup" object from round to round, and re-validating it in every configure and
+    aggregate was a tenth of a digits round's overhead. The cache holds the JSON object
+    itself, so an id is never reused while its entry lives; the JSON is read-only by the
+    State convention (a checkpoint stores it as is)."""
+    hit = _SETUP_CACHE.get(id(data))
+    if hit is not None and hit[0] is data:
+        return hit[1]
+    setup = Setup.from_json(data)
+    if len(_SETUP_CACHE) >= _SETUP_CACHE_SIZE:
+        _SETUP_CACHE.clear()         # atomic, unlike evicting one entry while threads insert
+    _SETUP_CACHE[id(data)] = (data, setup)
+    return setup
 
 
 def extension_field(default=None):
@@ -473,32 +498,40 @@ def select_clients(seed: int, round: int, clients: Sequence[int], m: int) -> lis
 # aggregation math (free functions over flat buffers)
 # ---------------------------------------------------------------------------------------
 
-def exact_weights(updates: Mapping[int, Update], weighting: str = "samples"):
-    """(sorted client ids, exact rational weights summing to exactly 1).
-
-    samples: p_i = |D_i| / sum_j |D_j| (FedAvg, McMahan et al. 2017; MFL (8)-(9)).
-    uniform: p_i = 1 / K (FedUmf step 8, specs/fedumf.md §2.3).
-    """
+def _weight_parts(updates: Mapping[int, Update], weighting: str):
+    """(sorted client ids, numerators, denominator) of the aggregation weights."""
     clients = sorted(updates)
     if not clients:
         raise StrategyError("aggregate: no updates to aggregate")
     if weighting == "uniform":
-        return clients, [Fraction(1, len(clients))] * len(clients)
+        return clients, [1] * len(clients), len(clients)
     if weighting != "samples":
         raise StrategyError(f"weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
     counts = [updates[c].num_samples for c in clients]
     total = sum(counts)
     if total <= 0 or min(counts) < 0:
         raise StrategyError(f"aggregate: sample counts {counts} cannot weight an average")
-    return clients, [Fraction(n, total) for n in counts]
+    return clients, counts, total
+
+
+def exact_weights(updates: Mapping[int, Update], weighting: str = "samples"):
+    """(sorted client ids, exact rational weights summing to exactly 1).
+
+    samples: p_i = |D_i| / sum_j |D_j| (FedAvg, McMahan et al. 2017; MFL (8)-(9)).
+    uniform: p_i = 1 / K (FedUmf step 8, specs/fedumf.md §2.3).
+    """
+    clients, nums, den = _weight_parts(updates, weighting)
+    return clients, [Fraction(n, den) for n in nums]
 
 
 def aggregation_weights(updates: Mapping[int, Update], weighting: str = "samples"):
     """(sorted client ids, float64 weights) of `exact_weights`. Each weight is the correctly
     rounded value of the exact ratio, so strategies that agree mathematically on the weights
-    (FedNova with equal tau, MFL with gamma = 0, FedUmf with alpha = 0) agree bit for bit."""
-    clients, exact = exact_weights(updates, weighting)
-    return clients, np.array([float(p) for p in exact])
+    (FedNova with equal tau, MFL with gamma = 0, FedUmf with alpha = 0) agree bit for bit.
+    (CPython's int / int is correctly rounded: the same float as float(Fraction(n, d)),
+    without building the Fraction.)"""
+    clients, nums, den = _weight_parts(updates, weighting)
+    return clients, np.array([n / den for n in nums])
 
 
 def weighted_average(buffers: Sequence[np.ndarray], weights) -> np.ndarray:
@@ -547,7 +580,7 @@ def local_round(data: LocalData, start: np.ndarray, cfg: Mapping,
         mom = _copy(momentum, "task momentum")
     elif cfg["momentum"] > 0:
         mom = np.zeros_like(params)
-    result = kernels.local_train(data.model, params, data.x, data.y, dict(cfg), momentum=mom)
+    result = kernels.train_samples(data.samples, params, cfg, momentum=mom)
     return params, mom, result
 
 
