@@ -612,7 +612,9 @@ def _aggregator(args: argparse.Namespace) -> int:
 
     notifier = Notifier.from_environment()
     site_run = (config["run"], out) if config["run"] else None
-    with install_stop_handlers() as stop, notifier.watchdog_pinger():
+    # the pings stop when the main loop (the daemon's, or its run's) stops beating
+    with install_stop_handlers() as stop, \
+            notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
         daemon = Daemon(daemon_settings, state_dir, transport, stop=stop, notifier=notifier,
                         site_run=site_run)
         daemon.run()
@@ -700,7 +702,9 @@ def _client(args: argparse.Namespace) -> int:
                               memory_budget_mb=config["compute.memory_budget_mb"])
     transport = _mqtt_transport(config, node)
     notifier = Notifier.from_environment()
-    with install_stop_handlers() as stop, notifier.watchdog_pinger():
+    # the pings stop when the client's main loop stops beating
+    with install_stop_handlers() as stop, \
+            notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
         client = Client(settings, (x, y), transport, config.state_dir, stop=stop,
                         notifier=notifier)
         client.run()

@@ -1,6 +1,7 @@
 """Helpers several test modules share: polling for a condition with a timeout that names
 what was awaited, a real NOTIFY_SOCKET read in the background (what systemd sees of a
-service), and run configs written to real YAML files.
+service), a child's stderr pipe the test can jam (a stalled journald), and run configs
+written to real YAML files.
 
 Import them as `from helpers import wait_for, NotifySocket` (pytest puts tests/ on sys.path,
 as `pytest_plugins = ["brokers"]` relies on). Broker fixtures and message waits stay in
@@ -9,6 +10,8 @@ tests/brokers.py.
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
 import threading
 import time
@@ -18,7 +21,8 @@ import yaml
 
 from edgefl.runconfig import load_run_config
 
-__all__ = ["wait_for", "NotifySocket", "SMALL_RUN", "write_run_yaml", "load_small_run"]
+__all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
+           "load_small_run"]
 
 
 def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):
@@ -40,7 +44,8 @@ class NotifySocket:
     block the sender).
 
     `lines` keeps every line sent ("STATUS=round 2: training"), `messages` every datagram as
-    a {field: value} dict; `find` looks a field up in the latter."""
+    a {field: value} dict; `find` looks a field up in the latter, `times` says when datagrams
+    with a field arrived."""
 
     def __init__(self, path: str):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -49,6 +54,7 @@ class NotifySocket:
         self.path = path
         self.lines: list[str] = []
         self.messages: list[dict] = []
+        self.timed: list[tuple[float, dict]] = []     # (time.monotonic() at arrival, message)
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
@@ -64,7 +70,9 @@ class NotifySocket:
             lines = data.decode().splitlines()
             self.lines += lines
             # sd_notify fields are KEY=VALUE; a line without "=" is no field (kept in lines)
-            self.messages.append(dict(line.split("=", 1) for line in lines if "=" in line))
+            message = dict(line.split("=", 1) for line in lines if "=" in line)
+            self.messages.append(message)
+            self.timed.append((time.monotonic(), message))
 
     def poll(self) -> list[dict]:
         """The datagrams received so far, as {field: value} dicts."""
@@ -75,10 +83,83 @@ class NotifySocket:
         return next((m for m in self.poll() if key in m and (value is None or
                                                                 value in m[key])), None)
 
+    def times(self, key, value=None) -> list[float]:
+        """When (time.monotonic()) the datagrams with field `key` (equal to `value`, if
+        given) arrived, oldest first."""
+        return [t for t, m in list(self.timed)
+                if key in m and (value is None or m[key] == value)]
+
     def close(self) -> None:
         self.closed.set()
         self.thread.join(2)
         self.sock.close()
+
+
+class StderrGate:
+    """A pipe to pass as a child process's stderr (`stderr=gate.write_fd`), drained by a
+    thread into `data`, which the test can jam like a stalled journald: jam() stops draining
+    and fills the pipe, so the child's next write to stderr (a log line) blocks in the kernel
+    until release(). Only the thread that writes blocks: the child's other threads run on.
+
+    The pipe is filled through a second open file description of it (/proc/self/fd, Linux),
+    non-blocking there only: the child's descriptor stays blocking."""
+
+    def __init__(self):
+        self.read_fd, self.write_fd = os.pipe()
+        self._filler = os.open(f"/proc/self/fd/{self.write_fd}", os.O_WRONLY | os.O_NONBLOCK)
+        self.data = bytearray()
+        self._draining = threading.Event()
+        self._draining.set()
+        self._lock = threading.Lock()          # held by the drain thread while it reads
+        self._closed = threading.Event()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while not self._closed.is_set():
+            if not self._draining.wait(0.1):
+                continue
+            with self._lock:
+                if not self._draining.is_set():
+                    continue
+                ready, _, _ = select.select([self.read_fd], [], [], 0.1)
+                if ready:
+                    chunk = os.read(self.read_fd, 65536)
+                    if not chunk:
+                        return
+                    self.data += chunk
+
+    def text(self) -> str:
+        """What the child wrote (without jam()'s filler bytes)."""
+        return self.data.replace(b"\0", b"").decode(errors="replace")
+
+    def jam(self) -> int:
+        """Stop draining and fill the pipe to the last byte; returns the bytes written."""
+        with self._lock:
+            self._draining.clear()
+        filled = 0
+        for size in (65536, 4096, 256, 16, 1):     # a write that does not fit fails whole
+            while True:                             # (<= PIPE_BUF) or in part: fill down to 1
+                try:
+                    filled += os.write(self._filler, b"\0" * size)
+                except BlockingIOError:
+                    break
+        return filled
+
+    def release(self) -> None:
+        """Drain again: the child's blocked write completes."""
+        with self._lock:
+            self._draining.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._draining.set()
+        self.thread.join(2)
+        for fd in (self._filler, self.write_fd, self.read_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 # A run small enough for the roles' tests on a loopback broker: seconds per run.

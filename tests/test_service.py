@@ -134,6 +134,51 @@ def test_watchdog_skips_pings_while_unhealthy(notify_socket):
     assert pinger.pings >= 1
 
 
+def test_ready_is_sent_once_then_only_the_status(notify_socket):
+    # the aggregator daemon is ready, then each run it starts reports its start: one READY=1
+    path, recv = notify_socket
+    notifier = Notifier(path)
+    assert notifier.ready("aggregator: waiting for a run")
+    assert recv() == "READY=1\nSTATUS=aggregator: waiting for a run"
+    assert notifier.ready("aggregator: run r1, 0 of 3 rounds done")
+    assert recv() == "STATUS=aggregator: run r1, 0 of 3 rounds done"
+    assert notifier.ready() is False
+    assert recv(0.3) is None
+
+
+def test_heartbeat_check_follows_the_main_loop_beats(notify_socket):
+    path, recv = notify_socket
+    notifier = Notifier(path)
+    environ = {"WATCHDOG_USEC": "400000"}
+    healthy = notifier.heartbeat_check(environ=environ)     # max_age: half of 0.4 s
+    assert healthy()                     # start-up, before READY=1: TimeoutStartSec's business
+    notifier.ready()                     # READY=1 is the first beat
+    assert healthy()
+    time.sleep(0.25)
+    assert not healthy()                 # no beat for more than half the watchdog timeout
+    notifier.beat()
+    assert healthy()
+    assert notifier.heartbeat_check(environ={})()           # no watchdog: nothing to check
+    with pytest.raises(ValueError, match="max_age 0"):
+        notifier.heartbeat_check(max_age=0)
+    # the pinger with it: pings while the loop beats, silence once it stops
+    pinger = notifier.watchdog_pinger(healthy=notifier.heartbeat_check(max_age=0.3),
+                                      interval=0.05)
+    recv(0.1)
+    with pinger:
+        end = time.monotonic() + 0.4
+        while time.monotonic() < end:
+            notifier.beat()
+            time.sleep(0.02)
+        assert pinger.pings >= 3
+        time.sleep(0.4)                  # the loop is stuck: the pings stop
+        while recv(0.05) is not None:
+            pass
+        assert recv(0.3) is None
+        notifier.beat()
+        assert recv(1.0) == "WATCHDOG=1"
+
+
 # ---------------------------------------------------------------------------------------
 # signals: a real process, signalled mid-work
 # ---------------------------------------------------------------------------------------

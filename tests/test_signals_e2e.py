@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import yaml
 
 from edgefl.roles import AggregatorCheckpoint, ClientProgress
 from edgefl.roles.state import JOURNAL_FILE, read_journal
-from helpers import NotifySocket, wait_for
+from helpers import NotifySocket, StderrGate, wait_for
 
 pytest_plugins = ["brokers"]
 
@@ -224,3 +225,175 @@ def test_aggregator_site_file_round_client_and_export_settings(tmp_path, capsys)
     with pytest.raises(ConfigError, match=r"round.deadline is not a setting of the client"):
         load_service_config("client", None, profile="rpi4",
                             overrides=["node.id=a", "data.name=digits", "round.deadline=5"])
+
+
+# ---------------------------------------------------------------------------------------
+# the systemd watchdog follows the main loop (sd_notify over a real NOTIFY_SOCKET)
+# ---------------------------------------------------------------------------------------
+
+WATCHDOG_S = 4.0    # the WATCHDOG_USEC given: a ping every 2 s while the loop last beat < 2 s ago
+PING_S = WATCHDOG_S / 2
+
+
+def _service_env(notify: NotifySocket) -> dict:
+    """The environment systemd gives a Type=notify unit with WatchdogSec= (no WATCHDOG_PID:
+    the child's pid is not known before it starts, and an unset one is accepted)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               NOTIFY_SOCKET=notify.path, WATCHDOG_USEC=str(int(WATCHDOG_S * 1e6)))
+    for key in ("WATCHDOG_PID", "JOURNAL_STREAM"):
+        env.pop(key, None)
+    return env
+
+
+def _pings_after(notify: NotifySocket, t: float) -> int:
+    return sum(1 for when in notify.times("WATCHDOG", "1") if when > t)
+
+
+def _check_watchdog_follows_the_main_loop(proc, notify: NotifySocket, gate: StderrGate,
+                                          block, name: str) -> None:
+    """Pings while the main loop turns; none once `block()` got the main loop stuck writing a
+    log line to its jammed stderr (a stalled journald), while the process and its pinger
+    thread live on; pings again once stderr drains."""
+    def log():
+        return gate.text()[-3000:]
+
+    gate.jam()
+    block()
+    wait_for(lambda: time.monotonic() - max(notify.times("WATCHDOG", "1")) > 2.5 * PING_S
+             or proc.poll() is not None, timeout=60.0, poll=0.1,
+             what=f"{name}'s watchdog pings to stop while its main loop is blocked")
+    assert proc.poll() is None, f"{name} exited {proc.returncode} instead:\n{log()}"
+    silent = len(notify.times("WATCHDOG", "1"))
+    time.sleep(PING_S)
+    assert len(notify.times("WATCHDOG", "1")) == silent, "a ping while the loop was blocked"
+    released = time.monotonic()
+    gate.release()
+    wait_for(lambda: _pings_after(notify, released) >= 2, timeout=30.0, poll=0.1,
+             what=f"{name}'s watchdog pings to resume once its main loop runs again")
+    text = gate.text()
+    assert "main loop has not run for" in text and "watchdog pings withheld" in text, log()
+    assert "main loop running again; watchdog pings resumed" in text, log()
+
+
+def _stop_and_check(proc, notify: NotifySocket, gate: StderrGate, name: str) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(STOP_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} did not stop within {STOP_WITHIN_S:g} s of SIGTERM:\n"
+                    f"{gate.text()[-2000:]}")
+    assert code == 0, f"{name} exited {code}:\n{gate.text()[-2000:]}"
+    assert notify.find("STOPPING", "1"), notify.lines
+    # one READY=1 per process: the aggregator daemon's; its run reports its start in STATUS
+    assert len(notify.times("READY", "1")) == 1, notify.lines
+
+
+def test_aggregator_notifies_systemd_and_its_watchdog_follows_its_main_loop(
+        tmp_path, mosquitto_server):
+    """The real `edgefl aggregator` under a real NOTIFY_SOCKET with WATCHDOG_USEC: READY=1
+    once, STATUS lines (waiting, then the run's rounds), WATCHDOG=1 pings while it waits for
+    runs (the idle loop beats) and while a run collects updates, none while its main loop is
+    blocked, pings again after, STOPPING=1 and exit 0 on SIGTERM."""
+    fed = f"wd-{os.urandom(4).hex()}"
+    sockets_dir = Path(tempfile.mkdtemp(prefix="efwd-", dir="/tmp"))
+    notify = NotifySocket(str(sockets_dir / "agg"))
+    gate = StderrGate()
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump({**RUN, "rounds": 2, "train": {**RUN["train"],
+                                                                      "epochs": 1}}))
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "log": {"level": "info"},
+        "broker": {"url": mosquitto_server.url},
+        "node": {"id": "aggregator", "federation": fed}, "state_dir": str(tmp_path / "agg")}))
+    env = _service_env(notify)
+    out = open(tmp_path / "aggregator.out", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                             str(site)], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                            stdout=out, stderr=gate.write_fd)
+    out.close()
+    try:
+        ready = wait_for(lambda: notify.find("READY", "1") or proc.poll() is not None,
+                         timeout=60.0, what="READY=1 from the aggregator")
+        assert proc.poll() is None, gate.text()[-3000:]
+        assert ready["STATUS"] == "aggregator: waiting for a run"
+        ready_at = notify.times("READY", "1")[0]
+        # idle, waiting for runs: its loop beats, so the pings go on long past the 2 s after
+        # READY that a loop without beats would get
+        wait_for(lambda: _pings_after(notify, ready_at) >= 3, timeout=30.0, poll=0.1,
+                 what="watchdog pings while the aggregator waits for runs")
+        assert notify.find("STATUS", "aggregator: waiting for a run")
+
+        # a run with no clients: round 1 waits, announced again every second (logging it)
+        started = subprocess.run(
+            [sys.executable, "-m", "edgefl.cli", "ctl", "--broker", mosquitto_server.url,
+             "--federation", fed, "--timeout", "60", "start", str(run_file), "--deadline",
+             "1"], env=env, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr
+        collecting = wait_for(lambda: notify.times("STATUS", "round 1/2: collecting updates"),
+                              timeout=60.0, what="STATUS of round 1")[0]
+        assert notify.find("STATUS", "aggregator: run ")       # the run's start, no READY
+        wait_for(lambda: _pings_after(notify, collecting) >= 2, timeout=30.0, poll=0.1,
+                 what="watchdog pings while the run collects updates")
+        _check_watchdog_follows_the_main_loop(proc, notify, gate, lambda: None, "aggregator")
+        _stop_and_check(proc, notify, gate, "aggregator")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        notify.close()
+        gate.close()
+        shutil.rmtree(sockets_dir, ignore_errors=True)
+
+
+def test_client_watchdog_follows_its_main_loop(tmp_path, mosquitto_server):
+    """The real `edgefl client` under a real NOTIFY_SOCKET with WATCHDOG_USEC: READY=1 once
+    connected, pings while it waits for a round, none while its main loop is blocked (writing
+    the warning about a bad announcement the test publishes to a jammed stderr), pings
+    again once stderr drains; STOPPING=1 and exit 0 on SIGTERM."""
+    from edgefl.transport.mqtt import MqttTransport
+    from edgefl.transport.topics import Topics
+
+    fed = f"wd-{os.urandom(4).hex()}"
+    sockets_dir = Path(tempfile.mkdtemp(prefix="efwd-", dir="/tmp"))
+    notify = NotifySocket(str(sockets_dir / "client"))
+    gate = StderrGate()
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(RUN))
+    site = tmp_path / "client-0.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "log": {"level": "info"},
+        "broker": {"url": mosquitto_server.url},
+        "node": {"id": "client-0", "federation": fed}, "state_dir": str(tmp_path / "c0")}))
+    out = open(tmp_path / "client.out", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "client", "--config",
+                             str(site), "--partition", str(run_file), "--shard", "0"],
+                            cwd=tmp_path, env=_service_env(notify), stdin=subprocess.DEVNULL,
+                            stdout=out, stderr=gate.write_fd)
+    out.close()
+    publisher = MqttTransport(mosquitto_server.url, f"wd-test-{os.urandom(3).hex()}")
+    try:
+        ready = wait_for(lambda: notify.find("READY", "1") or proc.poll() is not None,
+                         timeout=60.0, what="READY=1 from the client")
+        assert proc.poll() is None, gate.text()[-3000:]
+        assert ready["STATUS"] == "client client-0: waiting for a round"
+        ready_at = notify.times("READY", "1")[0]
+        wait_for(lambda: _pings_after(notify, ready_at) >= 3, timeout=30.0, poll=0.1,
+                 what="watchdog pings while the client waits for a round")
+        publisher.connect()
+
+        def bad_announcement():
+            # not retained: the client's main loop logs "rejected announcement: ..."
+            publisher.publish(Topics(fed).round(), b"not an announcement", qos=1)
+
+        _check_watchdog_follows_the_main_loop(proc, notify, gate, bad_announcement, "client")
+        assert "client-0: rejected announcement" in gate.text(), gate.text()[-3000:]
+        _stop_and_check(proc, notify, gate, "client")
+    finally:
+        publisher.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        notify.close()
+        gate.close()
+        shutil.rmtree(sockets_dir, ignore_errors=True)

@@ -603,6 +603,8 @@ class Aggregator:
     def _service(self, timeout: float) -> None:
         """Handle what arrives for up to `timeout` seconds (statuses, updates, connection
         events) without closing or opening a round: the broker is serviced while paused."""
+        if self.notifier is not None:
+            self.notifier.beat()                # the systemd watchdog's proof of life
         item = self.transport.receive(timeout=timeout)
         while item is not None:
             self._handle(item)
@@ -640,6 +642,8 @@ class Aggregator:
     def _collect(self) -> str | None:
         o, s = self.open, self.settings
         while True:
+            if self.notifier is not None:
+                self.notifier.beat()            # the systemd watchdog's proof of life
             if self._paused() and not self._pause_round():
                 return None
             reason = self._close_reason()

@@ -206,6 +206,8 @@ class Client:
             self.notifier.ready(f"client {self.node}: waiting for a round")
         try:
             while not self.stop.is_set():
+                if self.notifier is not None:
+                    self.notifier.beat()            # the systemd watchdog's proof of life
                 if self.finished and self.job is None and self.settings.exit_when_finished:
                     break
                 item = self.transport.receive(timeout=self.settings.poll_s)

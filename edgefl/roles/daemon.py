@@ -228,6 +228,8 @@ class Daemon:
             self._publish_record(record)
         try:
             while not self.stop.is_set():
+                if self.notifier is not None:
+                    self.notifier.beat()            # the systemd watchdog's proof of life
                 if self._ctl_error is not None:
                     raise self._ctl_error
                 record = self._next()

@@ -23,8 +23,9 @@ A role's start-up and main loop, in this order:
                                                           "after loading data")
     ... connect to config["broker.url"]
     notifier.ready(f"client {config['node.id']}: waiting for a round")
-    with notifier.watchdog_pinger(healthy=main_loop_is_alive):
+    with notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
         while not stop.is_set():
+            notifier.beat()             # no beat for half of WatchdogSec=: no pings
             ...one step (long C calls in a worker thread)...
             notifier.status(f"round {r}: training")
             stop.wait(poll_seconds)

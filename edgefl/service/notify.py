@@ -9,10 +9,21 @@ returns False, so the roles call it unconditionally.
 
     notifier = Notifier.from_environment()
     notifier.ready("client pi-07: waiting for round 1")
-    with notifier.watchdog_pinger(healthy=lambda: loop_heartbeat_age() < 60):
-        ...
-        notifier.status("round 3: training")
+    with notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
+        while not stop.is_set():
+            notifier.beat()                  # once per pass of the main loop
+            ...
+            notifier.status("round 3: training")
     notifier.stopping()
+
+The watchdog pings come from a thread, so by themselves they only prove the interpreter is
+alive. The main loop's heartbeat makes them mean more: the loop calls beat() on every pass
+(waiting on its queue with a timeout, so it also beats while idle), and the pinger's
+heartbeat_check() skips the pings once the last beat is older than half the watchdog timeout;
+systemd then restarts a service whose main loop is stuck (WatchdogSec= to 1.5 x WatchdogSec=
+after the last beat). So one step that keeps the loop from beating for more than half of
+WatchdogSec= (a very slow evaluation, say) may get the service restarted: such a service
+needs a larger WatchdogSec=.
 """
 from __future__ import annotations
 
@@ -20,6 +31,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
 __all__ = ["Notifier", "WatchdogPinger", "watchdog_interval"]
@@ -55,6 +67,9 @@ class Notifier:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._warned = False
+        self._ready_sent = False
+        # monotonic time of the main loop's last beat(); None: start-up (before READY=1)
+        self.last_beat: float | None = None
         if self.address is None:
             return
         if self.address.startswith("@"):
@@ -106,8 +121,15 @@ class Notifier:
         return True
 
     def ready(self, status: str | None = None) -> bool:
-        """READY=1: start-up is done (config read, state loaded, broker connected)."""
-        return self.send(READY=1, **({"STATUS": status} if status is not None else {}))
+        """READY=1: start-up is done (config read, state loaded, broker connected). Sent once
+        per process: a later call (the aggregator daemon's READY, then each of its runs
+        starting) sends only its STATUS. Counts as the main loop's first beat()."""
+        self.beat()
+        if self._ready_sent:
+            return self.status(status) if status is not None else False
+        sent = self.send(READY=1, **({"STATUS": status} if status is not None else {}))
+        self._ready_sent = sent
+        return sent
 
     def status(self, text: str) -> bool:
         """STATUS=text: one line shown by `systemctl status`, e.g. "round 12: training"."""
@@ -116,6 +138,46 @@ class Notifier:
     def stopping(self, status: str | None = None) -> bool:
         """STOPPING=1: shutdown has begun (a stop signal arrived)."""
         return self.send(STOPPING=1, **({"STATUS": status} if status is not None else {}))
+
+    def beat(self) -> None:
+        """The main loop is alive: record the time (monotonic). A role calls it on every pass
+        of its main loop; heartbeat_check() turns the beats into the watchdog's health check.
+        Cheap (no system call, no lock: one float assignment), and a no-op in effect outside
+        systemd."""
+        self.last_beat = time.monotonic()
+
+    def heartbeat_check(self, max_age: float | None = None,
+                        environ=None) -> Callable[[], bool]:
+        """A `healthy` check for watchdog_pinger: True during start-up (before READY=1, which
+        systemd's watchdog waits for; TimeoutStartSec= covers start-up), then while the main
+        loop's last beat() is less than `max_age` seconds old. max_age defaults to half the
+        watchdog timeout (WATCHDOG_USEC), the ping interval; with no watchdog the check
+        always passes (no pings are sent anyway)."""
+        if max_age is None:
+            timeout = watchdog_interval(environ)
+            max_age = timeout / 2 if timeout else None
+        if max_age is not None and not max_age > 0:
+            raise ValueError(f"heartbeat max_age {max_age!r}: must be > 0 seconds")
+
+        stuck = [False]             # warned about this stall already
+
+        def healthy() -> bool:
+            last = self.last_beat
+            if last is None or max_age is None:
+                return True
+            age = time.monotonic() - last
+            if age < max_age:
+                if stuck[0]:
+                    log.warning("main loop running again; watchdog pings resumed")
+                    stuck[0] = False
+                return True
+            if not stuck[0]:
+                log.warning("main loop has not run for %.1f s (limit %.1f s): watchdog pings "
+                            "withheld, systemd restarts the service unless it recovers", age,
+                            max_age)
+                stuck[0] = True
+            return False
+        return healthy
 
     def watchdog(self) -> bool:
         """WATCHDOG=1: one keep-alive ping."""
@@ -148,7 +210,8 @@ class WatchdogPinger:
 
     healthy: called before each ping; a False return (or an exception, logged) skips the ping,
     so systemd restarts a process whose main loop is stuck even though this thread still
-    runs. Without it the pings only prove the interpreter is alive. A pinger with no interval
+    runs. Without it the pings only prove the interpreter is alive; the roles pass
+    Notifier.heartbeat_check() (their main loops call Notifier.beat()). A pinger with no interval
     (no watchdog configured) or a disabled notifier starts no thread.
     """
 
