@@ -73,7 +73,8 @@ class Fleet:
     """The aggregator service, the boards and the operator of one federation on the ACL
     broker; every node logs in with its own account."""
 
-    def __init__(self, server, tmp_path, *, deadline=60.0, quorum=1.0, client_limits=None):
+    def __init__(self, server, tmp_path, *, deadline=60.0, quorum=1.0, client_limits=None,
+                 run_options=None):
         self.server, self.tmp = server, tmp_path
         self.tag = uuid.uuid4().hex[:8]
         self.fed = f"orch-{self.tag}"
@@ -84,7 +85,7 @@ class Fleet:
         settings = DaemonSettings(
             AggregatorSettings(node_id="aggregator", federation=self.fed,
                                round_timeout_s=deadline, quorum=quorum, poll_s=0.05),
-            client_ids=CLIENTS, retry_s=0.5)
+            client_ids=CLIENTS, retry_s=0.5, run_options=dict(run_options or {}))
         self.state_dir = tmp_path / "aggregator"
         self.daemon = Daemon(settings, str(self.state_dir), self._aggregator_transport,
                              stop=self.stop)
@@ -138,6 +139,12 @@ class Fleet:
         wait_for(client.ready.is_set, what=f"{node} connected")
         self.clients[node], self.client_threads[node] = client, thread
         return client
+
+    def stop_client(self, node):
+        """The board goes away: its client stops (offline status, as a service stop)."""
+        self.clients[node].stop.set()
+        self.client_threads[node].join(30)
+        assert not self.client_threads[node].is_alive()
 
     def control(self, mqtt5=True, name=None):
         t = self.operator if mqtt5 else self._operator311()
@@ -669,3 +676,118 @@ def test_a_corrupt_run_record_is_reported_and_skipped(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any(str(bad) in m and "skipped" in m for m in messages), messages
     assert any(str(other) in m and "not a run record of run 'alien'" in m for m in messages)
+
+
+# ---------------------------------------------------------------------------------------
+# every export: model_exported, and on the onnx topics when publishing is on
+# ---------------------------------------------------------------------------------------
+
+def test_every_export_of_a_run_is_announced_and_published(fleet):
+    import hashlib
+
+    from edgefl.export import ExportPolicy
+
+    f = fleet(run_options={"export": ExportPolicy(every=2)})
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    f.ok({"cmd": "start", "config": run_config(rounds=3), "run": "short"})
+    f.events.wait("run_finished", run="short")
+    exports = f.events.of("model_exported", run="short")
+    assert [(e["round"], e["trigger"]) for e in exports] == [(2, "periodic"), (3, "final")]
+    published = f.events.of("onnx_published", run="short")
+    assert [e["round"] for e in published] == [2, 3]
+    final = f.state_dir / "runs" / "short" / "model.onnx"
+    assert exports[-1]["model_onnx"] == str(final)
+    sha = hashlib.sha256(final.read_bytes()).hexdigest()
+    assert published[-1]["sha256"] == sha
+    for node in CLIENTS:
+        path = f.tmp / node / "model.onnx"
+        wait_for(lambda path=path: path.exists() and
+                 hashlib.sha256(path.read_bytes()).hexdigest() == sha,
+                 what=f"{node} to install the final model")
+
+
+def test_with_publishing_off_exports_are_announced_but_not_published(fleet):
+    f = fleet(run_options={"publish_onnx": False})
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "quiet"})
+    f.events.wait("run_finished", run="quiet")
+    assert f.events.wait("model_exported", run="quiet")["trigger"] == "final"
+    wait_state(f, "quiet", "finished")
+    result = f.ok({"cmd": "export", "run": "quiet"})
+    assert result["published"] is False
+    assert f.events.wait("model_exported", run="quiet", trigger="export")["round"] == 1
+    assert f.events.of("onnx_published") == []
+    probe = f.transport("operator")
+    probe.connect()
+    probe.subscribe(f.topics.onnx(), qos=1)
+    assert [m for m in messages_within(probe, 0.5) if m.payload] == []
+
+
+# ---------------------------------------------------------------------------------------
+# runs on shared topics: a stopped run leaves nothing to train, its updates reach no run
+# ---------------------------------------------------------------------------------------
+
+def test_a_stopped_run_leaves_no_round_and_its_late_update_is_refused_by_the_next(
+        fleet, caplog):
+    import logging
+
+    from edgefl.roles import messages as msg
+    from edgefl.sim import prepare_run, simulate
+    from edgefl.strategies import Update
+    from edgefl.transport import wire
+
+    caplog.set_level(logging.INFO, "edgefl.roles.aggregator")
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "old"})
+    f.events.wait("round_closed", run="old", round=1)
+    f.ok({"cmd": "stop"})
+    f.events.wait("run_stopped", run="old")
+    # the round topic says run old is over, and no model of its abandoned round is retained:
+    # a board that connects before the next run trains nothing
+    probe = f.transport("operator")
+    probe.connect()
+    for topic_filter in (f.topics.round(), f.topics.model(), f.topics.subscription("model")):
+        probe.subscribe(topic_filter, qos=1)
+    retained = {m.topic: m.payload for m in messages_within(probe, 1.0)
+                if m.retain and m.payload}
+    assert sorted(retained) == [f.topics.round()]
+    end = json.loads(retained[f.topics.round()])
+    assert (end["run"], end["finished"], end["stopped"]) == ("old", True, True)
+    wait_for(lambda: all(c.finished for c in f.clients.values()),
+             what="the boards to see the end of run old")
+
+    f.stop_client("client-1")
+    # run new waits for both updates of every round (min_updates 2); client-1 is away
+    f.ok({"cmd": "start", "config": run_config(rounds=2), "run": "new",
+          "round": {"min_updates": 2}})
+    f.events.wait("round_opened", run="new", round=1)
+    # what client-1 would upload for run old if it were still at it: round 1, the same
+    # model, its own account -- the aggregator of run new refuses it, naming both runs
+    config = run_config_from_mapping(run_config(rounds=2))
+    prepared = prepare_run(config, progress=False)
+    params = {"params": prepared.init_params}
+    stale = wire.encode("update", 1, "client-1", params,
+                        msg.update_scalars(Update(params, 10, 0.5, 1), "old", 0.0),
+                        prepared.model.table)
+    board = f.transport("client-1")
+    board.connect()
+    assert board.publish(f.topics.update("client-1"), stale, qos=1).wait(10)
+    wait_for(lambda: "update of client-1 for round 1 belongs to run old, this is run new"
+             in caplog.text, what="the stale update refused")
+    f.start_client("client-1")                  # back: it follows run new from its round 1
+    f.events.wait("client_joined", run="new", client="client-1")
+    finished = f.events.wait("run_finished", run="new")
+    closed = f.events.of("round_closed", run="new")
+    assert [(e["round"], e["updates"], e["closed_by"]) for e in closed] == [(1, 2, "all"),
+                                                                           (2, 2, "all")]
+    journal = read_journal(f.state_dir / "runs" / "new" / "state" / JOURNAL_FILE)
+    assert [r["round"] for r in journal if r.get("event") == "aggregated"] == [1, 2]
+    # the model is exactly the one of run new without the stale update
+    assert finished["model_sha256"] == simulate(config, None, progress=False)["model_sha256"]

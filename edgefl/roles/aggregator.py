@@ -423,31 +423,35 @@ class Aggregator:
         log.info("run %s finished: %d rounds, final model sha256 %s", self.ckpt.run_id,
                  self.rounds, sha)
 
-    def publish_onnx(self, path: str | os.PathLike, record_dir: str | None = None) -> dict:
-        """Publish the exported model at `path` (edgefl.export) retained for every client,
-        present and future: each payload of its chunked frame on its own part topic
-        `onnx/<i>`, the parts a longer earlier model left cleared, then the manifest on
-        `onnx` (roles/onnx_channel.py, docs/protocol.md section 5.1). Called after each
-        export (on_round of the rounds an ExportPolicy exports). `record_dir` keeps the
-        part count of the last publication (default the state directory; a service that
-        runs several runs on one federation gives one directory for all). Returns what was
-        sent."""
-        from ..export import model_payload
-        from .onnx_channel import (encode_publication, part_topic, published_parts,
-                                   record_publication)
+    def publish_onnx(self, path: str | os.PathLike, record_dir: str | None = None) -> dict | None:
+        """An export of the run's model at `path` (edgefl.export): run_aggregator calls this
+        after each one (the rounds an ExportPolicy exports, the final round included).
+        Announces it, event `model_exported` (round, model_onnx, bytes, model_sha256,
+        test_accuracy, trigger `periodic` or `final`), then publishes the file retained
+        for every client, present and future (onnx_channel.publish_model: its parts on
+        `onnx/<i>`, then the manifest on `onnx`; docs/protocol.md section 5.1) and says so,
+        event `onnx_published` -- unless the run's control says this service does not
+        publish (RunControl.publish_onnx, the service's `export.publish`: false); then
+        None. `record_dir` keeps the part count of the last publication (default the state
+        directory; a service that runs several runs on one federation gives one directory
+        for all). Returns what was sent."""
+        from .onnx_channel import publish_model
 
-        data, metadata = model_payload(path)
-        pub = encode_publication(data, metadata, round=self.ckpt.round,
-                                 sender=self.settings.node_id, run=self.ckpt.run_id,
-                                 max_payload=self.settings.max_payload)
-        record_dir = record_dir or self.state_dir
-        before = published_parts(record_dir)
-        for i, payload in enumerate(pub.parts):
-            self.transport.publish(part_topic(self.topics, i), payload, qos=1, retain=True)
-        for i in range(len(pub.parts), before):
-            self.transport.clear_retained(part_topic(self.topics, i))
-        self.transport.publish(self.topics.onnx(), pub.manifest, qos=1, retain=True)
-        record_publication(record_dir, pub, self.ckpt.run_id)
+        path = os.fspath(path)
+        r = self.ckpt.round
+        params = np.ascontiguousarray(self.plan.strategy.global_model(self.ckpt.state),
+                                      dtype=np.float32)
+        accuracy = next((h.get("test_accuracy") for h in reversed(self.ckpt.history)
+                         if h.get("test_accuracy") is not None), None)
+        self._event("model_exported", round=r, model_onnx=path, bytes=os.path.getsize(path),
+                    model_sha256=hashlib.sha256(params).hexdigest(), test_accuracy=accuracy,
+                    trigger="final" if r >= self.rounds else "periodic")
+        if self.control is not None and not getattr(self.control, "publish_onnx", True):
+            return None
+        pub = publish_model(self.transport, self.topics, path, round=r,
+                            sender=self.settings.node_id, run=self.ckpt.run_id,
+                            max_payload=self.settings.max_payload,
+                            record_dir=record_dir or self.state_dir)
         self._event("onnx_published", round=pub.round, sha256=pub.sha256, bytes=pub.nbytes,
                     parts=len(pub.parts))
         log.info("round %d: ONNX model published (%d bytes in %d retained part(s), sha256 "

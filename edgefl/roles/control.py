@@ -22,7 +22,8 @@ names an unknown command or field, or has a bad value is answered with `ok: fals
 `error` naming the problem, and changes nothing.
 
 `RunControl` is the hand-over between the daemon's control thread and the Aggregator of the
-active run: the pause gate the aggregator's collect loop honours, and the stop request.
+active run: the pause gate the aggregator's collect loop honours, the stop request, and
+whether the run's exports are published on the onnx topics.
 """
 from __future__ import annotations
 
@@ -236,10 +237,13 @@ class RunControl:
     Aggregator running it: `paused` (set while paused: the aggregator closes and opens no
     round), `stop_requested` (the operator's stop, as opposed to a service shutdown, which
     leaves the run to resume after a restart), and `run_id` (the id a new checkpoint takes,
-    so the announcement names the run the operator started)."""
+    so the announcement names the run the operator started). `publish_onnx`: whether each
+    export of the run's model is also published on the onnx topics (the service's
+    `export.publish`); the Aggregator reads it in publish_onnx."""
 
-    def __init__(self, run_id: str, paused: bool = False):
+    def __init__(self, run_id: str, paused: bool = False, publish_onnx: bool = True):
         self.run_id = run_id
+        self.publish_onnx = publish_onnx
         self.paused = threading.Event()
         if paused:
             self.paused.set()

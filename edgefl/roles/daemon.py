@@ -16,11 +16,19 @@ running (or paused: it stays paused) from its checkpoint, then takes the queued 
 order they were started. A service shutdown (SIGTERM) leaves the active run as it is, to be
 resumed; an operator's `stop` ends it for good and exports its last checkpoint.
 
-Topics. The runs share the federation's round and model topics, one at a time, and the
-announcement names the run (its `run` field is the run id), so boards follow whatever run
-is active with no configuration. Per run there is the retained record on
-`<prefix>/<fed>/runs/<id>` (state, rounds, accuracy, outputs); events on `events` carry the
-run id. The daemon takes commands on its own MQTT connection (client id `<node>-ctl`,
+Topics. The runs share the federation's round, model, update and onnx topics, one at a
+time, and the announcement names the run (its `run` field is the run id), so boards follow
+whatever run is active with no configuration; every frame names its run too, and the
+Aggregator takes only updates of its own run (docs/orchestration.md "How runs are kept
+apart"). A run the operator stops leaves an end-of-run announcement on the round topic
+(and no retained model), as a finished run does, so no board trains for it afterwards. Per
+run there is the retained record on `<prefix>/<fed>/runs/<id>` (state, rounds, accuracy,
+outputs); events on `events` carry the run id.
+
+Exports. Every export of a run's model -- each one the export policy makes during the run
+(the Aggregator's), the stopped run's, an `export` command's -- is announced with event
+`model_exported` and, unless `export.publish` is false (run_options `publish_onnx`),
+published retained on the onnx topics (event `onnx_published`), so the boards install it. The daemon takes commands on its own MQTT connection (client id `<node>-ctl`,
 MQTT 5 when the broker speaks it, so replies can carry correlation data), separate from the
 connection of the run's Aggregator, which is made afresh for each run.
 
@@ -46,7 +54,7 @@ from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
 from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
-from .messages import status_payload
+from .messages import finished_announcement, status_payload
 from .state import AggregatorCheckpoint, atomic_write, jsonable
 
 __all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "export_run_checkpoint"]
@@ -69,7 +77,8 @@ class DaemonSettings:
     once: return from run() when no run is active or queued (scripts, tests).
     retry_s: wait before trying a run again whose broker connection failed.
     run_options: more keyword arguments of sim.run_aggregator for every run (export policy,
-    ONNX publishing)."""
+    `publish_onnx`: whether exports are published on the onnx topics, default true;
+    `onnx_record_dir`)."""
     aggregator: AggregatorSettings = AggregatorSettings()
     client_ids: tuple | None = None
     once: bool = False
@@ -298,7 +307,8 @@ class Daemon:
     def _execute(self, record: dict) -> None:
         from ..sim import run_aggregator
 
-        control = RunControl(record["id"], paused=record["state"] == "paused")
+        control = RunControl(record["id"], paused=record["state"] == "paused",
+                             publish_onnx=self._publishes_onnx)
         self._own_status = False                  # the run's Aggregator publishes it now
         with self._lock:
             record["state"] = "paused" if control.paused.is_set() else "running"
@@ -318,12 +328,16 @@ class Daemon:
             transport = self.transport_factory(self.settings.node_id)
             log.info("run %s: %s, %d rounds, %d clients; state in %s", record["id"],
                      config.strategy, config.rounds, config.clients, record["state_dir"])
+            # publish_onnx=True: run_aggregator then hands every export to the Aggregator
+            # (publish_onnx), which announces it (model_exported) and publishes it only
+            # when control.publish_onnx says so
+            options = {**self.settings.run_options, "publish_onnx": True}
             summary = run_aggregator(config, transport, record["state_dir"], settings=settings,
                                      client_ids=record.get("clients"),
                                      out_dir=record["out_dir"],
                                      stop=EitherStop(self.stop, control.stop_requested),
                                      notifier=self.notifier, control=control,
-                                     stream=self.stream, **self.settings.run_options)
+                                     stream=self.stream, **options)
         except TransportError as exc:
             # the broker is unreachable: not the run's fault; it is tried again
             log.error("run %s: %s; trying again in %g s", record["id"], exc,
@@ -354,17 +368,20 @@ class Daemon:
             self._save(record)
         elif control.stop_requested.is_set():
             record.update(state="stopped", ended=now)
+            exported = None
             try:
                 with self._export_lock:
                     exported = export_run_checkpoint(record)
                 record.update(rounds_done=exported["round"], model_onnx=exported["model_onnx"],
                               model_sha256=exported["model_sha256"],
                               final_accuracy=exported["test_accuracy"])
-                self._event("model_exported", run=record["id"], **exported)
             except Exception as exc:      # noqa: BLE001 -- the checkpoint stands regardless
                 log.exception("run %s: export after stop failed", record["id"])
                 record["export_error"] = str(exc)
                 self._event("error", run=record["id"], error=f"export after stop: {exc}")
+            self._end_of_run(record, exported)
+            if exported is not None:
+                self._exported(record, exported, "stop")
             self._save(record)
             self._event("run_stopped", run=record["id"], round=record.get("rounds_done"),
                         model_onnx=record.get("model_onnx"))
@@ -376,6 +393,70 @@ class Daemon:
         self._publish_record(record)
         if not self.stop.is_set() and not (self.settings.once and self._next() is None):
             self._publish_idle_status()
+
+    # ------------------------------------------------------------------ exports
+    @property
+    def _publishes_onnx(self) -> bool:
+        return bool(self.settings.run_options.get("publish_onnx", True))
+
+    def _exported(self, record: dict, exported: dict, trigger: str) -> dict | None:
+        """Announce an export the service made (`stop`, `export`): event model_exported,
+        then, unless export.publish is false, the file published retained on the onnx
+        topics over the control connection (the aggregator's account may write them) and
+        event onnx_published. Returns what was published, or None."""
+        from ..export import ExportError
+        from .onnx_channel import publish_model
+
+        self._event("model_exported", run=record["id"], trigger=trigger, **exported)
+        if not self._publishes_onnx or self._ctl is None:
+            return None
+        record_dir = self.settings.run_options.get("onnx_record_dir") or record["state_dir"]
+        try:
+            pub = publish_model(self._ctl, self.topics, exported["model_onnx"],
+                                round=exported["round"], sender=self.settings.node_id,
+                                run=record["id"], max_payload=self.settings.aggregator.max_payload,
+                                record_dir=record_dir)
+        except (TransportError, ExportError, OSError, ValueError) as exc:
+            log.error("run %s: model.onnx of round %s exported but not published: %s",
+                      record["id"], exported["round"], exc)
+            self._event("error", run=record["id"], error=f"{trigger}: model.onnx exported but "
+                                                         f"not published: {exc}")
+            return None
+        self._event("onnx_published", run=record["id"], round=pub.round, sha256=pub.sha256,
+                    bytes=pub.nbytes, parts=len(pub.parts))
+        log.info("run %s: model.onnx of round %d published (%d bytes in %d retained part(s))",
+                 record["id"], pub.round, pub.nbytes, len(pub.parts))
+        return {"sha256": pub.sha256, "parts": len(pub.parts)}
+
+    def _end_of_run(self, record: dict, exported: dict | None) -> None:
+        """After an operator's stop: the round topic says the run is over (the end-of-run
+        announcement a finished run leaves, with `stopped: true`) and the retained models
+        of its abandoned round are cleared, so a board that (re)connects before the next run
+        trains nothing for it. (A service shutdown leaves both: the run resumes.)"""
+        if self._ctl is None:
+            return
+        try:
+            if exported is not None:
+                rounds, sha = exported["round"], exported["model_sha256"]
+            else:
+                ckpt = AggregatorCheckpoint.load(record["state_dir"])
+                if ckpt is None:
+                    return                       # never started: it announced nothing
+                from ..sim import model_sha256
+                from ..strategies import get_strategy
+
+                strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
+                rounds, sha = ckpt.round, model_sha256(strategy.global_model(ckpt.state))
+        except Exception as exc:          # noqa: BLE001 -- then the next run's announcement
+            log.warning("run %s: no end-of-run announcement: %s", record["id"], exc)
+            return
+        doc = finished_announcement(run_id=record["id"], aggregator=self.settings.node_id,
+                                    rounds=rounds, model_sha256=sha)
+        doc["stopped"] = True
+        self._publish(self.topics.round(), doc, retain=True)
+        for topic in [self.topics.model()] + [self.topics.client_model(c)
+                                              for c in record.get("clients") or []]:
+            self._publish(topic, b"", retain=True)
 
     # ------------------------------------------------------------------ control connection
     def _control_loop(self) -> None:
@@ -659,8 +740,8 @@ class Daemon:
                 record = self.records[wanted]
         with self._export_lock:
             exported = export_run_checkpoint(record)
-        self._event("model_exported", run=record["id"], **exported)
-        return {"run": record["id"], **exported}
+        published = self._exported(record, exported, "export")
+        return {"run": record["id"], **exported, "published": published is not None}
 
     def _cmd_status(self, command) -> dict:
         with self._lock:

@@ -20,6 +20,11 @@ store, reassembles the frame, checks its sha256 and installs the file atomically
 earlier, longer model are cleared (an empty retained message) by the publisher, which
 remembers the part count of its last publication in its state directory.
 
+`publish_model` is the publisher's side, shared by the Aggregator (each export during a run)
+and the aggregator service (the model of a `stop` or an `export` command, published on its
+control connection); one lock in this process keeps two publications from interleaving
+their parts.
+
 The part topics are built here from Topics.onnx(), not in edgefl.transport.topics, because
 TOPIC_TABLE's rows are one kind per frame kind (tests/test_wire.py); moving the row there
 is a one-line change when the table allows sub-levels of `onnx`.
@@ -30,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 from ..infer import ModelFileError, install_model
@@ -39,7 +45,7 @@ from .state import atomic_write
 
 __all__ = ["BUFFER_NAME", "OnnxPublication", "OnnxReceiver", "PUBLISHED_FILE",
            "encode_publication", "part_index", "part_topic", "parts_filter",
-           "published_parts"]
+           "publish_model", "published_parts"]
 
 log = logging.getLogger("edgefl.roles.onnx")
 
@@ -112,6 +118,32 @@ def record_publication(state_dir: str, pub: OnnxPublication, run: str) -> None:
     atomic_write(os.path.join(state_dir, PUBLISHED_FILE),
                  json.dumps({"run": run, "round": pub.round, "sha256": pub.sha256,
                              "bytes": pub.nbytes, "parts": len(pub.parts)}).encode())
+
+
+_PUBLISHING = threading.Lock()     # one publication at a time: parts never interleave
+
+
+def publish_model(transport, topics: Topics, path, *, round: int, sender: str, run: str,
+                  max_payload: int, record_dir: str) -> OnnxPublication:
+    """Publish the exported model at `path` retained for every client, present and future:
+    each payload of its chunked frame on its own part topic `onnx/<i>`, the parts a longer
+    earlier model left cleared (the part count of the last publication is kept in
+    `record_dir`), then the manifest on `onnx` (docs/protocol.md section 5.1). The transport
+    is connected and may write the onnx topics (broker/acl: the aggregator account)."""
+    from ..export import model_payload
+
+    data, metadata = model_payload(path)
+    pub = encode_publication(data, metadata, round=round, sender=sender, run=run,
+                             max_payload=max_payload)
+    with _PUBLISHING:
+        before = published_parts(record_dir)
+        for i, payload in enumerate(pub.parts):
+            transport.publish(part_topic(topics, i), payload, qos=1, retain=True)
+        for i in range(len(pub.parts), before):
+            transport.clear_retained(part_topic(topics, i))
+        transport.publish(topics.onnx(), pub.manifest, qos=1, retain=True)
+        record_publication(record_dir, pub, run)
+    return pub
 
 
 class OnnxReceiver:
