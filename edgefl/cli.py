@@ -845,16 +845,21 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with start: the run config (YAML file or built-in name)")
     add_service_config_arguments(parser)
     parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
-                        help="whose site file --config is (broker, TLS files, federation; "
-                             "default aggregator)")
+                        help="whose site file --config is (its broker URL, CA file and "
+                             "federation are used, never its account; default aggregator)")
     parser.add_argument("--broker", metavar="URL",
                         help="mqtt://host[:port] or mqtts://... (default: the site file's, "
                              "else mqtt://localhost:1883)")
     parser.add_argument("--username", metavar="USER",
-                        help="MQTT user (default: the site file's; the broker's ACL lets only "
-                             "the operator publish commands)")
+                        help="MQTT user: the operator's account (the broker's ACL lets only "
+                             "the operator publish commands); never taken from --config, "
+                             "whose account is the node's own")
     parser.add_argument("--password-file", metavar="FILE",
-                        help="file whose first line is the MQTT password")
+                        help="file whose first line is the MQTT password of --username")
+    parser.add_argument("--cert-file", metavar="FILE",
+                        help="TLS client certificate of the operator (brokers that take the "
+                             "certificate's CN as the username), with --key-file")
+    parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
     parser.add_argument("--ca-file", metavar="FILE", help="CA bundle of the broker (TLS)")
     parser.add_argument("--federation", metavar="ID",
                         help="federation id (default: the site file's node.federation, else "
@@ -879,9 +884,15 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _ctl_connect(args: argparse.Namespace):
+    """The connection of `edgefl ctl`. A site file (--config) gives the broker URL, its CA
+    file and the federation, never its account: that is the node's own login (the
+    aggregator's, a board's), which the broker's ACL does not let publish commands. The
+    account is the command line's (--username / --password-file, or --cert-file /
+    --key-file); with a site file that names an account and none given, ctl refuses
+    before connecting rather than have the broker drop every command."""
     import os
 
-    from .transport.mqtt import MqttTransport
+    from .roles.control import RequesterTransport
     from .transport.topics import Topics
 
     config = None
@@ -891,15 +902,22 @@ def _ctl_connect(args: argparse.Namespace):
         config = load_service_config(args.role, args.site, profile=args.profile,
                                      overrides=args.overrides)
     broker = config.section("broker") if config is not None else {}
+    own = [f"{k} {broker[k]}" for k in ("username", "cert_file") if broker.get(k)]
+    if own and not (args.username or args.cert_file):
+        raise ValueError(
+            f"the {args.role}'s site file {args.site or '(default)'} logs in as its own "
+            f"account ({', '.join(own)}), and the broker's ACL lets only the operator account "
+            f"publish commands (broker/acl), so ctl does not use it: give the operator's "
+            f"credentials with --username operator --password-file FILE (or --cert-file / "
+            f"--key-file); the site file still gives the broker URL, CA file and federation")
     url = args.broker or broker.get("url") or "mqtt://localhost:1883"
-    options = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
-    if args.ca_file:
-        options["ca_file"] = args.ca_file
-    username = args.username or broker.get("username")
-    password_file = args.password_file or broker.get("password_file")
+    options = {"ca_file": args.ca_file or broker.get("ca_file"), "cert_file": args.cert_file,
+               "key_file": args.key_file}
     name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
-    transport = MqttTransport(url, f"edgefl-{name}", clean_session=True, protocol=args.mqtt,
-                              username=username, password_file=password_file, **options)
+    transport = RequesterTransport(url, f"edgefl-{name}", clean_session=True,
+                                   protocol=args.mqtt, username=args.username,
+                                   password_file=args.password_file,
+                                   **{k: v for k, v in options.items() if v})
     federation = args.federation or (config["node.federation"] if config else "default")
     transport.connect()
     return transport, Topics(federation), name
@@ -933,7 +951,7 @@ def _ctl_command(args: argparse.Namespace) -> dict:
 def _ctl(args: argparse.Namespace) -> int:
     import json
 
-    from .roles.control import ControlClient
+    from .roles.control import CommandRefused, ControlClient
 
     doc = _ctl_command(args) if args.action != "watch" else None
     transport, topics, name = _ctl_connect(args)
@@ -943,6 +961,10 @@ def _ctl(args: argparse.Namespace) -> int:
         client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
         try:
             reply = client.request(doc, timeout=args.timeout)
+        except CommandRefused as exc:
+            print(f"edgefl ctl: {exc}; log in as the operator (--username, --password-file)",
+                  file=sys.stderr)
+            return 1
         except TimeoutError as exc:
             print(f"edgefl ctl: {exc}", file=sys.stderr)
             return 1
@@ -984,30 +1006,47 @@ def _ctl_text(action: str, result: dict) -> str:
         return (f"run {active['run']}: {active['state']}, {round_text}; test accuracy "
                 f"{f'{acc:.4f}' if acc is not None else '-'}; {len(online)} client(s) online"
                 f"{': ' + ', '.join(online) if online else ''}; queue: {queue}")
+    if action == "pause":
+        return f"run {result.get('run')}: state {result.get('state')}, {_paused_where(result)}"
     fields = ", ".join(f"{k} {v}" for k, v in result.items() if k != "run")
     return f"run {result.get('run')}: {fields}"
+
+
+def _paused_where(doc: dict) -> str:
+    """Where a pause holds a run (a pause reply or a run_paused event): in its open round,
+    or between rounds."""
+    if doc.get("round") is not None:
+        return f"round {doc['round']} open (it closes after resume)"
+    done = doc.get("rounds_done")
+    if not done:
+        return "before its first round opens"
+    return f"between rounds: {done} round(s) done, the next opens after resume"
 
 
 def _ctl_watch(args, transport, topics, name) -> int:
     """Follow the events topic: rounds, accuracy, clients online, until the run ends."""
     import json
 
-    from .roles.control import ControlClient
+    from .roles.control import CommandRefused, ControlClient
     from .transport.base import Message
 
     transport.subscribe(topics.events(), qos=1)
     watched = args.run_id
+    # the clients online: from the status reply (the active run's aggregator knows them),
+    # then kept up to date by client_joined / client_left
+    online: set = set()
     try:
         status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5").request(
             {"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):
             active = (status.get("result") or {}).get("active")
             watched = watched or (active or {}).get("run")
+            if active and active.get("run") == watched:
+                online.update(active.get("clients_online") or [])
             if not args.json:
                 print(_ctl_text("status", status.get("result") or {}), flush=True)
-    except TimeoutError as exc:
+    except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
-    online: set = set()
     ends = ("run_finished", "run_stopped", "run_cancelled")
     try:
         while True:
@@ -1057,6 +1096,8 @@ def _event_text(event: dict, online: set) -> str:
     elif kind in ("client_joined", "client_left"):
         text = (f"{event.get('client')} {'online' if kind == 'client_joined' else 'offline'} "
                 f"({len(online)} online)")
+    elif kind == "run_paused":
+        text = f"run_paused: {_paused_where(event)}"
     elif kind == "error":
         text = f"error: {event.get('error')}"
     else:

@@ -232,7 +232,7 @@ def test_run_started_paused_mid_round_resumed_finished_and_next_run_queued(fleet
              what="client-1's update at the aggregator")
 
     paused = f.ok({"cmd": "pause"})
-    assert paused == {"run": "first", "state": "paused", "round": 1}
+    assert paused == {"run": "first", "state": "paused", "round": 1, "rounds_done": 0}
     f.start_client("client-2")                 # trains and uploads while the run is paused
     wait_for(lambda: f.clients["client-2"].progress.trained == 1, what="client-2's round 1")
     wait_for(lambda: f.ok({"cmd": "status"})["active"].get("updates") == 2, poll=0.2,
@@ -260,6 +260,10 @@ def test_run_started_paused_mid_round_resumed_finished_and_next_run_queued(fleet
     assert again["deadline"] >= opened["deadline"] + (resumed_at - paused_at) - 1.0
     assert f.events.wait("round_closed", run="first", round=1)["closed_by"] == "all"
     f.events.wait("run_finished", run="first")
+    # client-1 was online when the run started, client-2 joined during round 1: one
+    # client_joined each, and nobody left
+    assert [e["client"] for e in f.events.of("client_joined", run="first")] == list(CLIENTS)
+    assert f.events.of("client_left", run="first") == []
     f.events.wait("run_finished", run="second", timeout=60)
     wait_state(f, "second", "finished")
     records = {r["id"]: r for r in f.ok({"cmd": "runs"})["runs"]}
@@ -676,6 +680,202 @@ def test_a_corrupt_run_record_is_reported_and_skipped(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any(str(bad) in m and "skipped" in m for m in messages), messages
     assert any(str(other) in m and "not a run record of run 'alien'" in m for m in messages)
+
+
+# ---------------------------------------------------------------------------------------
+# `edgefl ctl` as a process: every command, watch's count of clients online, the account
+# ---------------------------------------------------------------------------------------
+
+def _ctl_env() -> dict:
+    from brokers import REPO
+
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH",
+                                                                                ""))
+
+
+def ctl_argv(f, tmp_path, user="operator", mqtt="5") -> list:
+    """`edgefl ctl` logged in as `user` (its password in a file, as an operator keeps it)."""
+    import sys
+
+    secret = tmp_path / f"{user}.password"
+    secret.write_text(f.server.users[user] + "\n")
+    return [sys.executable, "-m", "edgefl.cli", "ctl", "--broker", f.server.url,
+            "--username", user, "--password-file", str(secret), "--federation", f.fed,
+            "--mqtt", mqtt]
+
+
+def run_ctl(argv, *args, timeout=120):
+    import subprocess
+
+    return subprocess.run(list(argv) + list(args), env=_ctl_env(), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+class Lines:
+    """A process's stdout, read line by line by a thread."""
+
+    def __init__(self, proc):
+        self.proc, self.lines = proc, []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait(self, predicate, what, timeout=60.0):
+        return wait_for(lambda: next((x for x in list(self.lines) if predicate(x)), None),
+                        timeout, what, poll=0.05)
+
+
+def test_edgefl_ctl_processes_pause_resume_export_stop_and_watch_counts_clients(fleet,
+                                                                                 tmp_path):
+    import re
+    import subprocess
+
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "long"})
+    f.events.wait("round_closed", run="long", round=1)
+    ctl = ctl_argv(f, tmp_path)
+
+    # watch starts while both clients are online: it counts them from the status reply
+    watch = subprocess.Popen(ctl + ["watch"], env=_ctl_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    out = Lines(watch)
+    try:
+        first = out.wait(lambda x: x.startswith("run long: "), "watch's status line")
+        assert "2 client(s) online: client-1, client-2" in first, first
+
+        paused = run_ctl(ctl, "pause")
+        assert paused.returncode == 0, paused.stderr
+        assert re.fullmatch(r"run long: state paused, round \d+ open \(it closes after "
+                            r"resume\)", paused.stdout.strip()), paused.stdout
+        out.wait(lambda x: " long run_paused: round " in x, "watch's run_paused line")
+        resumed = run_ctl(ctl, "resume")
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.strip() == "run long: state running"
+        f.events.wait("run_continued", run="long")
+
+        exported = run_ctl(ctl, "export", "--json")
+        assert exported.returncode == 0, exported.stderr
+        result = json.loads(exported.stdout)["result"]
+        assert result["run"] == "long" and result["published"] is True
+        event = f.events.wait("model_exported", run="long", trigger="export")
+        assert event["round"] == result["round"] and event["model_onnx"] == result["model_onnx"]
+        f.events.wait("onnx_published", run="long", round=result["round"])
+
+        # a board goes away: client_left, and watch counts one client online, not -1 or 0
+        f.stop_client("client-1")
+        f.events.wait("client_left", run="long", client="client-1")
+        out.wait(lambda x: x.endswith(" long client-1 offline (1 online)"),
+                 "watch's client-1 offline line")
+
+        stopped = run_ctl(ctl, "stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout.startswith("run long: state stopping"), stopped.stdout
+        assert watch.wait(60) == 1                # the watched run ended, not finished
+        out.thread.join(5)
+        assert any(" long run_stopped: " in x for x in out.lines), out.lines
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+    stop_export = f.events.wait("model_exported", run="long", trigger="stop")
+    run_dir = f.state_dir / "runs" / "long"
+    assert stop_export["model_onnx"] == str(run_dir / "model.onnx")
+    published = f.events.wait("onnx_published", run="long", round=stop_export["round"])
+    # the board still online installs the stopped run's model from the onnx topics
+    import hashlib
+
+    def installed():
+        path = f.tmp / "client-2" / "model.onnx"
+        return path.exists() and hashlib.sha256(path.read_bytes()).hexdigest()
+
+    wait_for(lambda: installed() == published["sha256"], what="client-2 to install the "
+             "stopped run's model")
+    assert hashlib.sha256((run_dir / "model.onnx").read_bytes()).hexdigest() == \
+        published["sha256"]
+
+
+def test_edgefl_ctl_fails_at_once_when_the_broker_refuses_and_never_uses_a_site_account(
+        fleet, tmp_path):
+    import time as clock
+
+    import yaml
+
+    f = fleet()
+    f.start_daemon()
+    # MQTT 5: the broker's PUBACK says 135 Not authorized; ctl says so without waiting out
+    # its timeout (run() would raise TimeoutExpired if it waited the 600 s)
+    begun = clock.monotonic()
+    refused = run_ctl(ctl_argv(f, tmp_path, "client-1"), "status", "--timeout", "600",
+                      timeout=300)
+    assert refused.returncode == 1
+    assert clock.monotonic() - begun < 300
+    assert refused.stderr.splitlines()[-1].startswith(      # (after the transport's log)
+        f"edgefl ctl: status: the broker refused the command on {f.topics.ctl()} (MQTT 5 "
+        f"reason code 135, Not authorized) from account 'client-1': the broker's ACL lets "
+        f"only the operator account publish commands (broker/acl)"), refused.stderr
+    # MQTT 3.1.1 cannot say it: the timeout is the only signal, and it names the ACL
+    silent = run_ctl(ctl_argv(f, tmp_path, "client-1", mqtt="3.1.1"), "status", "--timeout",
+                     "2")
+    assert silent.returncode == 1
+    assert "a likely cause is the broker's ACL refusing account 'client-1' the command " \
+           f"topic {f.topics.ctl()}" in silent.stderr, silent.stderr
+    assert "under MQTT 3.1.1 a broker drops a refused command silently" in silent.stderr
+
+    # the aggregator's site file: its account is the aggregator's own, never used by ctl
+    secret = tmp_path / "aggregator.password"
+    secret.write_text(f.server.users["aggregator"] + "\n")
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({
+        "node": {"id": "aggregator", "federation": f.fed},
+        "broker": {"url": f.server.url, "username": "aggregator",
+                   "password_file": str(secret)}}))
+    base = ctl_argv(f, tmp_path)[:4]             # python -m edgefl.cli ctl
+    early = run_ctl(base, "status", "--config", str(site))
+    assert early.returncode == 1
+    assert early.stderr.startswith(
+        f"edgefl ctl: error: the aggregator's site file {site} logs in as its own account "
+        f"(username aggregator), and the broker's ACL lets only the operator account publish "
+        f"commands (broker/acl), so ctl does not use it: give the operator's credentials "
+        f"with --username operator --password-file FILE"), early.stderr
+    # with the operator's credentials the site file gives the broker and the federation
+    operator = tmp_path / "operator.password"
+    operator.write_text(f.server.users["operator"] + "\n")
+    status = run_ctl(base, "status", "--config", str(site), "--username", "operator",
+                     "--password-file", str(operator))
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.strip() == "aggregator: no active run; queue: empty"
+
+
+def test_pause_between_rounds_says_where_the_run_is_held(tmp_path):
+    from types import SimpleNamespace
+
+    from edgefl.cli import _ctl_text, _event_text
+    from edgefl.roles.control import Command, RunControl
+
+    daemon = Daemon(DaemonSettings(), str(tmp_path), transport_factory=None)
+    record = {"id": "r", "state": "running", "config": {"rounds": 5}}
+    control = RunControl("r")
+    daemon.records["r"] = record
+    daemon.active = (record, control)
+    # the run's aggregator between rounds 3 and 4: no open round
+    control.attach(SimpleNamespace(open=None, ckpt=SimpleNamespace(round=3)))
+    result = daemon._cmd_pause(Command("pause"))
+    assert result == {"run": "r", "state": "paused", "round": None, "rounds_done": 3}
+    assert _ctl_text("pause", result) == ("run r: state paused, between rounds: 3 round(s) "
+                                          "done, the next opens after resume")
+    event = {"event": "run_paused", "run": "r", "at": 0.0, **result}
+    assert _event_text(event, set()).endswith(" r run_paused: between rounds: 3 round(s) "
+                                              "done, the next opens after resume")
+    # before the aggregator has started the run: nothing done yet
+    assert _ctl_text("pause", {"run": "r", "state": "paused", "round": None,
+                               "rounds_done": None}) == ("run r: state paused, before its "
+                                                         "first round opens")
 
 
 # ---------------------------------------------------------------------------------------

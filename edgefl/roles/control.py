@@ -24,6 +24,13 @@ names an unknown command or field, or has a bad value is answered with `ok: fals
 `RunControl` is the hand-over between the daemon's control thread and the Aggregator of the
 active run: the pause gate the aggregator's collect loop honours, the stop request, and
 whether the run's exports are published on the onnx topics.
+
+`ControlClient` is the requester's side. A command the broker refuses (the ACL: only the
+operator account may publish on the ctl topic) never reaches the aggregator, so no reply
+comes. Over MQTT 5 the broker says so in its PUBACK (reason code 135, Not authorized):
+with a `RequesterTransport` the request fails at once with `CommandRefused`, naming the
+code and the account. MQTT 3.1.1 has no way to say it; there the timeout is the only
+signal, and its message names the ACL as a likely cause.
 """
 from __future__ import annotations
 
@@ -35,11 +42,13 @@ from typing import Any, Mapping
 
 from .. import __version__
 from ..transport.base import Message
+from ..transport.mqtt import MqttTransport
 from ..transport.topics import TopicError, Topics, validate_id
 from .messages import MessageError, _loads
 
-__all__ = ["COMMANDS", "CommandError", "Command", "ReplyAddress", "RunControl",
-           "parse_command", "reply_address", "reply_payload", "VERSION"]
+__all__ = ["COMMANDS", "CommandError", "Command", "CommandRefused", "ControlClient",
+           "ReplyAddress", "RequesterTransport", "RunControl", "parse_command",
+           "reply_address", "reply_payload", "VERSION"]
 
 VERSION = 1
 MAX_REQUEST_ID = 128          # characters of a payload request id
@@ -276,33 +285,77 @@ class EitherStop:
                      if e.is_set() and getattr(e, "name", None)), None)
 
 
+class CommandRefused(RuntimeError):
+    """The broker refused to take a command (MQTT 5 PUBACK with a failure reason code,
+    e.g. 135 Not authorized: the account may not publish on the ctl topic)."""
+
+    def __init__(self, message: str, reason_code: int, account: str | None):
+        super().__init__(message)
+        self.reason_code = reason_code
+        self.account = account
+
+
+class RequesterTransport(MqttTransport):
+    """An MqttTransport that also keeps the reason codes of the publishes the broker refused
+    (MQTT 5 PUBACK >= 0x80), which MqttTransport only logs: `refused` lists
+    (reason code, its name) in arrival order. A requester publishes nothing but its
+    commands, so a refusal after a command is that command's. The code is recorded before
+    the delivery completes, so after `Delivery.wait()` returns it is there."""
+
+    def __init__(self, *args, **options):
+        super().__init__(*args, **options)
+        self.refused: list[tuple[int, str]] = []
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self.refused.append((reason_code.value, str(reason_code)))
+        super()._on_publish(client, userdata, mid, reason_code, properties)
+
+
 class ControlClient:
     """The requester's side (`edgefl ctl`, tests): publish a command on the ctl topic and wait
     for its reply on our own reply topic, `<prefix>/<fed>/reply/<name>`. mqtt5: the reply
     address travels as MQTT 5 properties (response topic, correlation data), else in the
     payload (`reply_to`, `request_id`: the 3.1.1 fallback). The transport must be connected
-    with the matching protocol."""
+    with the matching protocol. `account`: the MQTT username the transport logged in with,
+    for the messages (default: read from an MqttTransport's settings)."""
 
-    def __init__(self, transport, topics: Topics, name: str, mqtt5: bool = False):
+    def __init__(self, transport, topics: Topics, name: str, mqtt5: bool = False,
+                 account: str | None = None):
         self.transport = transport
         self.topics = topics
         self.reply_topic = topics.reply(validate_id(name, "reply name"))
         self.mqtt5 = mqtt5
+        self.account = account if account is not None else _account_of(transport)
         self._subscribed = False
 
     resend_s = 3.0
 
-    def _send(self, payload: bytes, request_id: str) -> None:
+    def _send(self, payload: bytes, request_id: str):
         if self.mqtt5:
-            self.transport.publish(self.topics.ctl(), payload, qos=1,
-                                   response_topic=self.reply_topic,
-                                   correlation_data=request_id.encode())
-        else:
-            self.transport.publish(self.topics.ctl(), payload, qos=1)
+            return self.transport.publish(self.topics.ctl(), payload, qos=1,
+                                          response_topic=self.reply_topic,
+                                          correlation_data=request_id.encode())
+        return self.transport.publish(self.topics.ctl(), payload, qos=1)
+
+    def _check_refused(self, cmd, seen: int) -> None:
+        refused = getattr(self.transport, "refused", None)
+        if refused is None or len(refused) <= seen:
+            return
+        code, name = refused[-1]
+        raise CommandRefused(
+            f"{cmd}: the broker refused the command on {self.topics.ctl()} (MQTT 5 reason "
+            f"code {code}, {name}) from account {self._account_text()}: the broker's ACL "
+            f"lets only the operator account publish commands (broker/acl)", code,
+            self.account)
+
+    def _account_text(self) -> str:
+        return repr(self.account) if self.account else "(anonymous)"
 
     def request(self, doc: Mapping, timeout: float = 10.0) -> dict:
-        """The reply document to command `doc`; TimeoutError naming the likely causes when
-        none comes within `timeout` seconds."""
+        """The reply document to command `doc`. CommandRefused as soon as the broker says it
+        refused the command (MQTT 5 with a RequesterTransport); TimeoutError naming the
+        likely causes when no reply comes within `timeout` seconds."""
         import os
 
         if not self._subscribed:
@@ -312,30 +365,62 @@ class ControlClient:
         doc = dict(doc)
         if not self.mqtt5:
             doc.update(reply_to=self.reply_topic, request_id=request_id)
-        self._send(json.dumps(doc).encode(), request_id)
         payload = json.dumps(doc).encode()
+        seen = len(getattr(self.transport, "refused", ()))
         deadline = time.monotonic() + timeout
-        resend_at = time.monotonic() + self.resend_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            if time.monotonic() >= resend_at:
-                # the service may have been starting (its control connection keeps no
-                # session, so a command sent before it subscribed is gone); the same
-                # request id again is answered once (the daemon remembers it)
-                resend_at = time.monotonic() + self.resend_s
-                self._send(payload, request_id)
-            item = self.transport.receive(timeout=max(0.0, min(remaining,
-                                                               resend_at - time.monotonic())))
-            if not isinstance(item, Message) or item.topic != self.reply_topic:
-                continue
-            try:
-                reply = _loads(item.payload, "reply")
-            except MessageError:
-                continue
-            token = item.correlation_data.decode("utf-8", "replace") \
-                if self.mqtt5 and item.correlation_data is not None else reply.get("request_id")
-            if token == request_id:
-                return reply
-        raise TimeoutError(f"{doc.get('cmd')}: no reply on {self.reply_topic} within "
-                           f"{timeout:g} s: is the aggregator service running for federation "
-                           f"{self.topics.federation!r}, and is this account allowed to publish "
-                           f"on {self.topics.ctl()} (broker/acl: the operator)?")
+        acknowledged = False
+        while True:
+            # (re)send, then wait for the broker's acknowledgement: over MQTT 5 it says at
+            # once whether the command was refused. Re-sent every resend_s while no reply
+            # comes: the service may have been starting (its control connection keeps no
+            # session, so a command sent before it subscribed is gone); the same request
+            # id again is answered once (the daemon remembers it).
+            delivery = self._send(payload, request_id)
+            resend_at = time.monotonic() + self.resend_s
+            if delivery is not None and delivery.wait(max(0.0, min(deadline, resend_at)
+                                                          - time.monotonic())):
+                acknowledged = True
+            self._check_refused(doc.get("cmd"), seen)
+            while (remaining := min(deadline, resend_at) - time.monotonic()) > 0:
+                item = self.transport.receive(timeout=remaining)
+                if not isinstance(item, Message) or item.topic != self.reply_topic:
+                    continue
+                try:
+                    reply = _loads(item.payload, "reply")
+                except MessageError:
+                    continue
+                token = item.correlation_data.decode("utf-8", "replace") \
+                    if self.mqtt5 and item.correlation_data is not None \
+                    else reply.get("request_id")
+                if token == request_id:
+                    return reply
+            if time.monotonic() >= deadline:
+                break
+        raise TimeoutError(self._timeout_text(doc.get("cmd"), timeout, acknowledged))
+
+    def _timeout_text(self, cmd, timeout: float, acknowledged: bool) -> str:
+        head = f"{cmd}: no reply on {self.reply_topic} within {timeout:g} s"
+        service = (f"is the aggregator service running for federation "
+                   f"{self.topics.federation!r}?")
+        if not acknowledged:
+            return (f"{head}: the broker did not even acknowledge the command (connection "
+                    f"lost?); {service}")
+        if self.mqtt5 and hasattr(self.transport, "refused"):
+            # MQTT 5 reports a refused publish: this one was accepted
+            return (f"{head}: the broker accepted the command from account "
+                    f"{self._account_text()}; {service}")
+        acl = (f"the broker's ACL refusing account {self._account_text()} the command topic "
+               f"{self.topics.ctl()} (only the operator may publish there: broker/acl)")
+        if not self.mqtt5:
+            return (f"{head}: a likely cause is {acl}: under MQTT 3.1.1 a broker drops a "
+                    f"refused command silently and cannot say so (MQTT 5 can); else, "
+                    f"{service}")
+        return f"{head}: {service} Or is it {acl}?"
+
+
+def _account_of(transport) -> str | None:
+    settings = getattr(transport, "settings", None)
+    user = getattr(settings, "username", None)
+    if user is None:
+        user = getattr(getattr(transport, "address", None), "username", None)
+    return user

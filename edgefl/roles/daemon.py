@@ -687,8 +687,13 @@ class Daemon:
         self._publish_record(record)
         agg = control.aggregator
         o = agg.open if agg is not None else None
-        self._event("run_paused", run=record["id"], round=o.round if o else None)
-        return {"run": record["id"], "state": "paused", "round": o.round if o else None}
+        ckpt = agg.ckpt if agg is not None else None
+        # round: the open round the pause holds, None between rounds (or before the run's
+        # first: rounds_done None while its aggregator is still starting)
+        where = {"round": o.round if o else None,
+                 "rounds_done": ckpt.round if ckpt is not None else None}
+        self._event("run_paused", run=record["id"], **where)
+        return {"run": record["id"], "state": "paused", **where}
 
     def _cmd_resume(self, command) -> dict:
         record, control = self._target_active(command)
