@@ -637,13 +637,29 @@ class RoundExporter:
 
 
 def _export_onnx(out_dir: str, stream) -> None:
-    """model.onnx next to model.npz (atomic replace), when the optional onnx extra is present."""
+    """model.onnx next to model.npz (atomic replace), when the optional onnx extra is present.
+
+    Called by write_outputs after summary.json and model.npz are written, when no
+    RoundExporter exported the final round (it failed, or the run had none). Like a
+    RoundExporter's, a failed export is logged with its cause and the run goes on: the
+    trained model is safe in model.npz, the rest of the outputs (curves.png) still get
+    written, and `edgefl export <out_dir>` can retry. A model.onnx already there (an earlier
+    round's export) is left as it was, and the message says so."""
+    path = os.path.join(out_dir, "model.onnx")
     try:
         from .export import export_checkpoint
-        export_checkpoint(out_dir, os.path.join(out_dir, "model.onnx"))
+        export_checkpoint(out_dir, path)
     except ImportError as exc:
-        print(f"edgefl simulate: model.onnx skipped ({exc}; pip install 'edgefl[export]')",
-              file=stream)
+        print(f"{path} skipped ({exc}; pip install 'edgefl[export]')", file=stream)
+    except (ValueError, OSError) as exc:
+        # ValueError: export.ExportError, and infer's ModelFileError/InputError while the
+        # export's accuracy is measured; OSError: the file system (a directory in the way,
+        # a full disk, no write permission)
+        left = ("; the model.onnx there, from an earlier export, is left as it was"
+                if os.path.isfile(path) else "")
+        log.error("final ONNX export to %s failed (%s: %s); summary.json and model.npz are "
+                  "written, retry with `edgefl export %s`%s", path, type(exc).__name__, exc,
+                  out_dir, left)
 
 
 def save_checkpoint(path: str, model: Model, strategy: Strategy, result: RunResult, dataset=None,

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -15,7 +16,7 @@ import pytest
 from edgefl import kernels
 from edgefl.cli import main
 from edgefl.data import load_dataset
-from edgefl.data.datasets import FASHION_MNIST_DIR
+from edgefl.data.datasets import FASHION_MNIST_DIR, standardisation
 from edgefl.export import (
     IR_VERSION,
     OPSET,
@@ -72,9 +73,12 @@ def normalise(raw, mean, std):
     return x
 
 
-def reference(model, params, x_norm):
-    """(probabilities, classes) from the C forward pass (kernels.forward), in float64."""
-    s = kernels.forward(model, params, np.ascontiguousarray(x_norm)).astype(np.float64)
+def reference(model, params, x_norm, scores=None):
+    """(probabilities, classes) from the C forward pass (kernels.forward, or its `scores`
+    already computed), in float64."""
+    if scores is None:
+        scores = kernels.forward(model, params, np.ascontiguousarray(x_norm))
+    s = scores.astype(np.float64)
     if model.n_out == 1:
         p1 = 1.0 / (1.0 + np.exp(-s[:, 0]))
         return np.stack([1.0 - p1, p1], axis=1), (s[:, 0] > 0).astype(np.int64)
@@ -116,24 +120,30 @@ def random_case(kind, n=12, seed=0):
 
 
 def check_parity(model, params, path, raw, x_norm):
+    """onnxruntime on `raw` against the C forward pass on `x_norm`: the scores within 1e-5
+    (relative and absolute) for every model, and for classifiers the probabilities within
+    PROB_ATOL absolute and the same classes. The scores are compared for classifiers too,
+    because saturated probabilities hide a wrong logit (a changed weight of a trained model
+    can move a logit by several 1e-3 and its probabilities by less than 1e-5)."""
     predictor = Predictor(path, check_interval=None)
+    got = predictor.scores(raw)
+    want = kernels.forward(model, params, np.ascontiguousarray(x_norm))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     if model.num_classes == 0:
-        got = predictor.scores(raw)
-        want = kernels.forward(model, params, np.ascontiguousarray(x_norm))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         return
     classes, probs = predictor.predict(raw)
-    want_p, want_c = reference(model, params, x_norm)
+    want_p, want_c = reference(model, params, x_norm, scores=want)
     assert probs.shape == want_p.shape
     assert np.abs(probs - want_p).max() <= PROB_ATOL
     np.testing.assert_array_equal(classes, want_c)
     np.testing.assert_array_equal(np.argmax(probs, axis=1), np.argmax(want_p, axis=1))
 
 
-def train(model, ds, epochs=2, seed=0, momentum=0.0, steps=0):
+def train(model, ds, epochs=2, seed=0, momentum=0.0, steps=0, lr=0.05):
+    """A fresh init trained on ds.x_train, ds.y_train (labels, or float regression targets)."""
     params = model.init(seed)
     kernels.local_train(model, params, ds.x_train, ds.y_train,
-                        kernels.train_config(lr=0.05, momentum=momentum, epochs=epochs,
+                        kernels.train_config(lr=lr, momentum=momentum, epochs=epochs,
                                              steps=steps, batch_size=32, seed=seed),
                         momentum=np.zeros_like(params))
     return params
@@ -206,6 +216,21 @@ def digits_even_odd():
     return load_dataset("digits", binary="even-odd")
 
 
+def check_real_test_set(model, params, ds, raw, path):
+    """Export `model` trained on `ds`, check onnxruntime against the C forward pass on the
+    whole test set given as `raw` inputs (parity of probabilities and classes, and the
+    accuracy through onnxruntime equal to kernels.evaluate's); returns that accuracy."""
+    # the graph's Sub/Div reproduces the loader's normalisation bit for bit
+    np.testing.assert_array_equal(normalise(raw, ds.norm_mean, ds.norm_std), ds.x_test)
+    export_onnx(model, params, path, norm_mean=ds.norm_mean, norm_std=ds.norm_std,
+                metadata={"class_names": list(ds.class_names)})
+    check_parity(model, params, str(path), raw, ds.x_test)
+    accuracy = kernels.evaluate(model, params, ds.x_test, ds.y_test)["accuracy"]
+    classes, _ = Predictor(path).predict(raw)
+    assert np.mean(classes == ds.y_test) == pytest.approx(accuracy, abs=1e-12)
+    return accuracy
+
+
 @pytest.mark.parametrize("kind", sorted(DIGITS_KINDS))
 def test_real_digits_test_set_matches_the_c_forward_pass(kind, digits, digits_even_odd, tmp_path):
     spec = DIGITS_KINDS[kind]
@@ -214,17 +239,90 @@ def test_real_digits_test_set_matches_the_c_forward_pass(kind, digits, digits_ev
     # cnn-mnist: a few steps are enough (and keep the NumPy-backend run short)
     params = train(model, ds, epochs=3, steps=40 if kind == "cnn-mnist" else 0,
                    momentum=0.9 if kind.startswith("cnn") else 0.0)
-    raw = raw_inputs(ds, ds.x_test)
-    # the graph's Sub/Div reproduces the loader's normalisation bit for bit
-    np.testing.assert_array_equal(normalise(raw, ds.norm_mean, ds.norm_std), ds.x_test)
-    path = tmp_path / "m.onnx"
-    export_onnx(model, params, path, norm_mean=ds.norm_mean, norm_std=ds.norm_std,
-                metadata={"class_names": list(ds.class_names)})
-    check_parity(model, params, str(path), raw, ds.x_test)
-    accuracy = kernels.evaluate(model, params, ds.x_test, ds.y_test)["accuracy"]
-    classes, _ = Predictor(path).predict(raw)
-    assert np.mean(classes == ds.y_test) == pytest.approx(accuracy, abs=1e-12)
+    accuracy = check_real_test_set(model, params, ds, raw_inputs(ds, ds.x_test),
+                                   tmp_path / "m.onnx")
     assert accuracy > 0.6   # trained, so the probabilities are far from uniform
+
+
+def digits_as_cifar(raw):
+    """Raw digits (n, 1, 8, 8), values 0..16, as raw CIFAR-shaped images (n, 3, 32, 32) of
+    whole pixel values 0..255: every digit pixel becomes a 4x4 block, and the three channels
+    have statistics of their own (the digit; its half-contrast negative; a dimmer transpose),
+    so the graph's per-channel normalisation matters."""
+    p = np.rint(np.kron(raw[:, 0], np.ones((4, 4), np.float32)) * np.float32(255 / 16))
+    channels = [p, 255 - np.rint(p / 2), np.rint(0.75 * p.transpose(0, 2, 1))]
+    return np.ascontiguousarray(np.stack(channels, axis=1), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def digits_cifar(digits):
+    """The digits split as 3x32x32 pixel images, normalised per channel with the training
+    set's statistics as an image loader does (data.datasets.standardisation, _normalise)."""
+    raw_train = digits_as_cifar(raw_inputs(digits, digits.x_train))
+    raw_test = digits_as_cifar(raw_inputs(digits, digits.x_test))
+    mean, std = standardisation(raw_train)
+    assert np.ptp(mean) > 100 and np.ptp(std) > 40     # really per-channel statistics
+    return SimpleNamespace(name="digits-as-cifar", input_shape=(3, 32, 32), num_classes=10,
+                           class_names=digits.class_names, norm_mean=mean, norm_std=std,
+                           x_train=normalise(raw_train, mean, std), y_train=digits.y_train,
+                           x_test=normalise(raw_test, mean, std), y_test=digits.y_test,
+                           raw_test=raw_test)
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cnn-cifar", marks=pytest.mark.slow),
+                                  "lenet-cifar"])
+def test_real_digits_as_cifar_images_match_the_c_forward_pass(kind, digits_cifar, tmp_path):
+    """The CIFAR presets on real images: the 359 digits test images as 3x32x32 pixels."""
+    ds = digits_cifar
+    model = build_model(kind, ds.input_shape, ds.num_classes)
+    # cnn-cifar (798k parameters): 40 steps, as for cnn-mnist; lenet-cifar: 3 epochs
+    params = train(model, ds, epochs=3, steps=40 if kind == "cnn-cifar" else 0,
+                   momentum=0.9, lr=0.02)
+    path = tmp_path / "m.onnx"
+    accuracy = check_real_test_set(model, params, ds, ds.raw_test, path)
+    assert accuracy > 0.6
+    _, probs = Predictor(path).predict(ds.raw_test)   # equal to the C core's, checked above
+    assert probs.max(axis=1).mean() > 0.5   # trained: far from a fresh init's uniform 0.1
+
+
+def regression_targets(ds, outputs):
+    """Float targets from digits: the digit's value, then the mean of its normalised pixels
+    and of its top two rows (so a 3-output linear model regresses three different things)."""
+    def targets(x, y):
+        n = len(x)
+        columns = [y.astype(np.float32), x.reshape(n, -1).mean(axis=1),
+                   x[:, 0, :2].reshape(n, -1).mean(axis=1)]
+        t = np.stack(columns[:outputs], axis=1).astype(np.float32)
+        return t[:, 0].copy() if outputs == 1 else t
+    return targets(ds.x_train, ds.y_train), targets(ds.x_test, ds.y_test)
+
+
+@pytest.mark.parametrize("outputs", [1, 3])
+def test_real_digits_regression_outputs_match_the_c_forward_pass(outputs, digits, tmp_path):
+    """linear with num_classes=0 (regression) on the real digits test set: the graph's
+    `scores` equal the C forward pass within the parity bound, absolute."""
+    y_train, y_test = regression_targets(digits, outputs)
+    ds = SimpleNamespace(x_train=digits.x_train, y_train=y_train)
+    model = build_model(dict(name="linear", outputs=outputs), digits.input_shape, 0)
+    fresh = kernels.evaluate(model, model.init(0), digits.x_test, y_test)["loss"]
+    params = train(model, ds, epochs=3, lr=0.01)
+    trained = kernels.evaluate(model, params, digits.x_test, y_test)["loss"]
+    assert trained < 0.25 * fresh                       # trained, not a fresh init
+    raw = raw_inputs(digits, digits.x_test)
+    np.testing.assert_array_equal(normalise(raw, digits.norm_mean, digits.norm_std),
+                                  digits.x_test)
+    path = tmp_path / "reg.onnx"
+    export_onnx(model, params, path, norm_mean=digits.norm_mean, norm_std=digits.norm_std)
+    proto = onnx.load(path)
+    assert [o.name for o in proto.graph.output] == ["scores"]
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["task"] == "regression" and meta["decision"] == "none"
+    check_parity(model, params, str(path), raw, digits.x_test)
+    got = Predictor(path, check_interval=None).scores(raw)
+    want = kernels.forward(model, params, digits.x_test)
+    assert got.shape == want.shape == (len(raw), outputs)
+    assert np.abs(got - want).max() <= PROB_ATOL
+    assert np.ptp(want[:, 0]) > 5     # the predictions spread over the digits' 0..9
 
 
 @pytest.mark.fashion_mnist
@@ -312,6 +410,8 @@ def run_dir(tmp_path_factory):
 def test_export_of_a_run_records_the_run_and_matches_its_accuracy(run_dir, tmp_path):
     out, summary = run_dir
     report = export_checkpoint(out, tmp_path / "m.onnx")
+    for key in ("quantization", "quantization_mode", "quantization_method"):
+        assert report[key] == Predictor(tmp_path / "m.onnx").metadata[key] == "none"
     assert report["accuracy_fp32"] == pytest.approx(summary["final_accuracy"], abs=1e-12)
     assert report["test_samples"] == 359 and report["round"] == 4
     meta = Predictor(tmp_path / "m.onnx").metadata
@@ -340,11 +440,17 @@ def test_int8_export_reports_the_accuracy_change(run_dir, tmp_path, monkeypatch)
     assert fp32 > 0.8 and abs(int8 - fp32) < 0.03
     assert report["bytes"] < report["bytes_fp32"]
     proto = onnx.load(tmp_path / "q.onnx")
-    onnx.checker.check_model(proto)
+    onnx.checker.check_model(proto, full_check=True)
     ops = {n.op_type for n in proto.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear", "Gemm", "Softmax"} <= ops
     meta = {p.key: p.value for p in proto.metadata_props}
     assert meta["quantization"] == "int8-static-qdq" and float(meta["accuracy"]) == int8
+    # the report names the quantisation with the file's own keys and values
+    keys = ("quantization", "quantization_mode", "quantization_method")
+    assert {k: report[k] for k in keys} == {k: meta[k] for k in keys} == {
+        "quantization": "int8-static-qdq", "quantization_mode": "int8",
+        "quantization_method": "static-qdq"}
+    assert meta["calibration_samples"] == "512"
     assert not [f for f in os.listdir(tmp_path) if f != "q.onnx"]   # no temporaries left
 
 
@@ -408,6 +514,43 @@ def test_cli_export_quantize_prints_both_accuracies(run_dir, tmp_path, capsys):
                  "--quantize", "int8"]) == 0
     printed = capsys.readouterr().out
     assert "int8" in printed and "change" in printed and "fp32" in printed
+
+
+def test_cli_export_json_reports_the_quantization_keys_of_the_file(run_dir, tmp_path, capsys):
+    out, _ = run_dir
+    target = tmp_path / "q.onnx"
+    assert main(["export", str(out), "--out", str(target), "--quantize", "int8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    meta = Predictor(target).metadata
+    for key in ("quantization", "quantization_mode", "quantization_method"):
+        assert report[key] == meta[key]
+    assert report["quantization_mode"] == "int8"
+
+
+def test_a_failed_final_export_leaves_the_other_outputs_and_names_the_cause(tmp_path, capsys,
+                                                                              caplog):
+    """A directory where model.onnx goes (a real failure of the atomic replace): `edgefl
+    simulate` still writes summary.json, model.npz, metrics.jsonl and curves.png, exits 0,
+    and logs an error naming the file and the cause."""
+    out = tmp_path / "run"
+    (out / "model.onnx").mkdir(parents=True)
+    with caplog.at_level(logging.ERROR, logger="edgefl.sim"):
+        assert main(["simulate", "quickstart", "--out", str(out), "--quiet",
+                     "--set", "rounds=2", "--set", "partition.clients=4",
+                     "--set", "clients_per_round=4"]) == 0
+    printed = capsys.readouterr()
+    assert "final accuracy" in printed.out and "edgefl simulate: error" not in printed.err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 2 and "onnx_exports" not in summary
+    assert load_run(out).round == 2                                  # model.npz
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "model.onnx").is_dir()                             # left alone
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]    # no temporaries left
+    final = [r.getMessage() for r in caplog.records if "final ONNX export" in r.getMessage()]
+    assert len(final) == 1, caplog.text
+    assert f"{out / 'model.onnx'} failed (IsADirectoryError" in final[0]
+    assert f"retry with `edgefl export {out}`" in final[0]
 
 
 def tamper_checkpoint(src, dst, **changes):

@@ -75,11 +75,24 @@ METADATA_KEYS = {
     "accuracy_source": "onnxruntime:<n> test samples | run-summary | ''",
     "table_digest": "sha256 of the layer table (params.LayerTable.digest)",
     "params_sha256": "sha256 of the float32 parameter buffer",
-    "quantization": "none | int8-static-qdq (weights int8 per channel, activations uint8)",
+    "quantization": "none | int8-static-qdq: <quantization_mode>-<quantization_method>, the "
+                    "value `edgefl export --json` reports under the same key",
+    "quantization_mode": "none | int8: what --quantize (export.quantize) was given",
+    "quantization_method": "none | static-qdq: onnxruntime static quantisation, QDQ format, "
+                           "weights int8 symmetric per output channel, activations uint8 "
+                           "with MinMax ranges from calibration_samples training samples",
 }
 MIN_OPSET = 13
 QUANTIZATION_NONE = "none"
 QUANTIZATION_INT8 = "int8-static-qdq"
+# mode (--quantize) -> the quantization / quantization_mode / quantization_method keys, the
+# same in an exported file's metadata and in export_run's report
+QUANTIZATION_KEYS = {
+    None: {"quantization": QUANTIZATION_NONE, "quantization_mode": "none",
+           "quantization_method": "none"},
+    "int8": {"quantization": QUANTIZATION_INT8, "quantization_mode": "int8",
+             "quantization_method": "static-qdq"},
+}
 CALIBRATION_SAMPLES = 512
 
 
@@ -269,7 +282,7 @@ def graph_metadata(model: Model, params: np.ndarray, *, norm_mean, norm_std, out
         "accuracy_source": "",
         "table_digest": model.table.digest,
         "params_sha256": hashlib.sha256(params.tobytes()).hexdigest(),
-        "quantization": QUANTIZATION_NONE,
+        **QUANTIZATION_KEYS[None],
     }
     for key, value in extra.items():
         if value is None:
@@ -310,11 +323,15 @@ def quantize_int8(src, dst, calibration: np.ndarray, *, batch: int = 64) -> None
     activations uint8 with MinMax ranges from `calibration` (raw inputs, a few hundred
     training samples). Sub/Div (normalisation), Softmax and Sigmoid stay float32.
 
-    Static rather than dynamic, by measurement (docs/onnx.md): dynamic quantisation turns
-    Conv into ConvInteger and re-quantises activations on every call, which made cnn-mnist 6x
-    slower than fp32 in onnxruntime, while QDQ Conv/Gemm pairs fuse into QLinearConv/QGemm
-    (2.4x faster than fp32), the fast path on Arm boards too. The price is calibration data
-    at export time, which the aggregator has.
+    Static rather than dynamic, by measurement (`python tools/bench_onnx.py`, the
+    onnxruntime-int8-dynamic rows; docs/onnx.md): dynamic quantisation turns Conv into
+    ConvInteger and re-quantises activations on every call, which makes cnn-mnist several
+    times slower than fp32 in onnxruntime, while QDQ Conv/Gemm pairs fuse into
+    QLinearConv/QGemm, faster than fp32 and the fast path on Arm boards too. The price is
+    calibration data at export time, which the aggregator has.
+
+    The result carries the metadata QUANTIZATION_KEYS["int8"] and calibration_samples, and
+    passes onnx.checker.check_model(full_check=True) like the fp32 export.
     """
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -357,10 +374,14 @@ def quantize_int8(src, dst, calibration: np.ndarray, *, batch: int = 64) -> None
             if os.path.exists(leftover):
                 os.unlink(leftover)
     meta = {p.key: p.value for p in proto.metadata_props}
-    meta.update(quantization=QUANTIZATION_INT8, calibration_samples=str(len(calibration)))
+    meta.update(QUANTIZATION_KEYS["int8"], calibration_samples=str(len(calibration)))
     del proto.metadata_props[:]
     helper.set_model_props(proto, meta)
-    onnx.checker.check_model(proto)
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ExportError(f"quantize int8: the quantised graph of {src} fails onnx.checker: "
+                          f"{exc}") from exc
     write_atomic(dst, proto.SerializeToString())
 
 
@@ -485,7 +506,9 @@ def export_checkpoint(source, out, *, quantize: str | None = None, softmax: bool
     The test set of the run's dataset (when it loads) gives the fp32 graph's accuracy via
     onnxruntime, recorded in the metadata; with quantize="int8" the calibration data are the
     first `calibration_samples` training samples, and the report holds both accuracies.
-    Returns {out, model, n_params, round, algorithm, accuracy_fp32, accuracy_int8, ...}."""
+    Returns {out, model, n_params, round, algorithm, quantization, quantization_mode,
+    quantization_method (the values the file's metadata holds under the same keys),
+    accuracy_fp32, accuracy_int8, ...}."""
     if quantize not in (None, "int8"):
         raise ExportError(f"export: --quantize {quantize!r}; valid: int8")
     return export_run(load_run(source), out, quantize=quantize, softmax=softmax,
@@ -544,7 +567,7 @@ def export_run(run: Run, out, *, quantize: str | None = None, softmax: bool = Tr
                           f"{why_no_data}")
     report = {"out": os.fspath(out), "checkpoint": run.checkpoint, "model": model.kind,
               "n_params": model.n_params, "round": run.round, "algorithm": run.algorithm,
-              "table_digest": model.table.digest, "quantization": quantize or QUANTIZATION_NONE,
+              "table_digest": model.table.digest, **QUANTIZATION_KEYS[quantize],
               "accuracy_fp32": None, "accuracy_int8": None, "test_samples": 0,
               "bytes_fp32": None,
               "note": why_no_data if dataset is None else ""}
