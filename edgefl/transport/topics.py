@@ -53,9 +53,12 @@ TOPIC_TABLE = {spec.kind: spec for spec in (
     TopicSpec("metrics", "metrics/{node}", False, 0, "json", "metrics"),
     TopicSpec("onnx", "onnx", True, 1, "frame", "the latest exported ONNX model"),
     TopicSpec("ctl", "ctl", False, 1, "json",
-              "operator commands (start/pause/resume/stop/export/status); operators only"),
+              "operator commands (start/pause/resume/stop/export/status/runs); operators "
+              "only"),
     TopicSpec("events", "events", False, 1, "json",
-              "run events: run started/finished, round opened/closed, client joined/left"),
+              "run events: queued/started/resumed/paused/continued/stopped/cancelled/"
+              "finished, round opened/closed, client joined/left/refused, model exported, "
+              "ONNX published, errors (docs/protocol.md section 9)"),
     TopicSpec("reply", "reply/{node}", False, 1, "json",
               "replies to operator commands (the requester's own reply topic)"),
     TopicSpec("runs", "runs/{node}", True, 1, "json",
