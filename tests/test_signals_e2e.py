@@ -4,7 +4,8 @@ aggregator` and `edgefl client` processes against a real Mosquitto, signalled mi
 client, the other clients while they wait), each stops within seconds with exit 0 and its
 state persisted, and restarted they finish the run: each round aggregated exactly once,
 every round aggregated with all three updates (the round the client abandoned trained once
-after the restart, the others' stored updates re-sent rather than retrained).
+after the restart, the others' stored updates re-sent rather than retrained), and the final
+model is the one the in-process simulation of the same config and seed gives.
 
 The aggregator's site file sets the round and export settings the layered config declares
 for it (round.deadline, export.every), and every board ends with the final ONNX model.
@@ -26,6 +27,8 @@ import yaml
 
 from edgefl.roles import AggregatorCheckpoint, ClientProgress
 from edgefl.roles.state import JOURNAL_FILE, read_journal
+from edgefl.runconfig import load_run_config
+from edgefl.sim import simulate
 from helpers import NotifySocket, StderrGate, wait_for
 
 pytest_plugins = ["brokers"]
@@ -174,6 +177,11 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     last = [r for r in read_journal(journal) if r.get("event") == "aggregated"][-1]
     assert summary["model_sha256"] == last["model_sha256"]
+    # the same final model as `edgefl simulate` in process for the same config and seed
+    # (docs/roles.md "Determinism"; the generic-x86 profile sends float32: compression none),
+    # signals, abandoned rounds and restarts notwithstanding
+    reference = simulate(load_run_config(str(run_file)), None, workers=3, progress=False)
+    assert summary["model_sha256"] == reference["model_sha256"]
     # export.every from the site file: rounds 2 and 3 exported; each board installed the last
     assert [e["round"] for e in summary["onnx_exports"]] == [2, 3]
     final_onnx = (tmp_path / "out" / "model.onnx").read_bytes()
