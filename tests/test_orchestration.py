@@ -751,9 +751,12 @@ def test_edgefl_ctl_processes_pause_resume_export_stop_and_watch_counts_clients(
 
         paused = run_ctl(ctl, "pause")
         assert paused.returncode == 0, paused.stderr
-        assert re.fullmatch(r"run long: state paused, round \d+ open \(it closes after "
-                            r"resume\)", paused.stdout.strip()), paused.stdout
-        out.wait(lambda x: " long run_paused: round " in x, "watch's run_paused line")
+        # mid-round or, as rounds follow each other quickly, between two rounds
+        assert re.fullmatch(r"run long: state paused, (round \d+ open \(it closes after "
+                            r"resume\)|between rounds: \d+ round\(s\) done, the next opens "
+                            r"after resume)", paused.stdout.strip()), paused.stdout
+        where = paused.stdout.strip().split("state paused, ", 1)[1]
+        out.wait(lambda x: x.endswith(f" long run_paused: {where}"), "watch's run_paused line")
         resumed = run_ctl(ctl, "resume")
         assert resumed.returncode == 0, resumed.stderr
         assert resumed.stdout.strip() == "run long: state running"
@@ -991,3 +994,29 @@ def test_a_stopped_run_leaves_no_round_and_its_late_update_is_refused_by_the_nex
     assert [r["round"] for r in journal if r.get("event") == "aggregated"] == [1, 2]
     # the model is exactly the one of run new without the stale update
     assert finished["model_sha256"] == simulate(config, None, progress=False)["model_sha256"]
+
+
+def test_a_final_model_exported_after_the_run_is_still_announced_and_published(fleet,
+                                                                                monkeypatch):
+    import hashlib
+
+    import edgefl.sim as sim
+
+    real = sim.RoundExporter.__call__
+
+    def final_fails(self, round, params):     # the run's own final export fails (logged)
+        return None if round == self.run.config.rounds else real(self, round, params)
+
+    monkeypatch.setattr(sim.RoundExporter, "__call__", final_fails)
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    f.ok({"cmd": "start", "config": run_config(rounds=2), "run": "late"})
+    # write_outputs made model.onnx again from model.npz, after the run's aggregator closed:
+    # the service announces and publishes it
+    exported = f.events.wait("model_exported", run="late")
+    assert (exported["round"], exported["trigger"]) == (2, "final")
+    published = f.events.wait("onnx_published", run="late", round=2)
+    path = f.state_dir / "runs" / "late" / "model.onnx"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == published["sha256"]

@@ -28,9 +28,11 @@ outputs); events on `events` carry the run id.
 Exports. Every export of a run's model -- each one the export policy makes during the run
 (the Aggregator's), the stopped run's, an `export` command's -- is announced with event
 `model_exported` and, unless `export.publish` is false (run_options `publish_onnx`),
-published retained on the onnx topics (event `onnx_published`), so the boards install it. The daemon takes commands on its own MQTT connection (client id `<node>-ctl`,
-MQTT 5 when the broker speaks it, so replies can carry correlation data), separate from the
-connection of the run's Aggregator, which is made afresh for each run.
+published retained on the onnx topics (event `onnx_published`), so the boards install it.
+
+The daemon takes commands on its own MQTT connection (client id `<node>-ctl`, MQTT 5 when
+the broker speaks it, so replies can carry correlation data), separate from the connection
+of the run's Aggregator, which is made afresh for each run.
 
 The run named by the site file (`run:`) is the first in the queue, with the layout
 `edgefl aggregator` always had: its checkpoint directly in the state directory and its
@@ -366,6 +368,8 @@ class Daemon:
                           model_sha256=summary["model_sha256"],
                           model_onnx=os.path.join(record["out_dir"], "model.onnx"))
             self._save(record)
+            if summary["rounds"] not in [e["round"] for e in summary.get("onnx_exports", [])]:
+                self._final_export_after_run(record, summary)
         elif control.stop_requested.is_set():
             record.update(state="stopped", ended=now)
             exported = None
@@ -427,6 +431,25 @@ class Daemon:
         log.info("run %s: model.onnx of round %d published (%d bytes in %d retained part(s))",
                  record["id"], pub.round, pub.nbytes, len(pub.parts))
         return {"sha256": pub.sha256, "parts": len(pub.parts)}
+
+    def _final_export_after_run(self, record: dict, summary: dict) -> None:
+        """The run's own export of its final round failed (logged), and run_aggregator made
+        model.onnx again from model.npz after the run's aggregator had closed: announced
+        and published here, so the boards still get the final model. Nothing when that
+        failed too (model.onnx then holds an earlier round's export, or nothing)."""
+        path = os.path.join(record["out_dir"], "model.onnx")
+        try:
+            from ..export import model_payload
+
+            _, metadata = model_payload(path)
+        except (ImportError, OSError, ValueError):
+            return
+        if metadata.get("round") != str(summary["rounds"]):
+            return
+        self._exported(record, {"round": summary["rounds"], "model_onnx": path,
+                                "model_sha256": summary["model_sha256"],
+                                "bytes": os.path.getsize(path),
+                                "test_accuracy": summary.get("final_accuracy")}, "final")
 
     def _end_of_run(self, record: dict, exported: dict | None) -> None:
         """After an operator's stop: the round topic says the run is over (the end-of-run
