@@ -442,7 +442,12 @@ def _install_service_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix", default="/", metavar="DIR",
                         help="stage the files under DIR instead of / (default: /)")
     parser.add_argument("--python", metavar="PATH",
-                        help="interpreter the unit runs (default: this one, sys.executable)")
+                        help="interpreter the unit runs (default: this one, sys.executable); "
+                             "it must import edgefl (checked by running PATH -c 'import "
+                             "edgefl')")
+    parser.add_argument("--no-python-check", dest="check_python", action="store_false",
+                        help="with --prefix, staging for another machine: check only the "
+                             "interpreter's path, not that it exists here and imports edgefl")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the files and commands, write nothing")
 
@@ -451,14 +456,14 @@ def _install_service(args: argparse.Namespace) -> int:
     from .service.install import format_report, install, plan_install
 
     plan = plan_install(args.role, args.node_id, profile=args.profile, prefix=args.prefix,
-                        python=args.python)
+                        python=args.python, check_python=args.check_python)
     done = install(plan, dry_run=args.dry_run)
     print(format_report(plan, done, args.dry_run))
     return 0
 
 
 register(Command("install-service", "write a systemd unit and site-file skeleton for a role and "
-                                    "print the systemctl commands (nothing is run)",
+                                    "print the systemctl commands (it runs none of them)",
                  _install_service_arguments, _install_service))
 
 

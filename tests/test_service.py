@@ -458,10 +458,14 @@ def test_installer_site_file_is_what_the_unit_reads():
 
 
 def _usable_python():
-    """An interpreter outside the directories the sandbox hides (for the installer)."""
+    """An interpreter on this machine at a path the units' sandbox does not hide, for files
+    staged under a prefix with the interpreter check off (check_python=False,
+    --no-python-check): here sys.executable is under /root, and /usr/bin/python3 cannot
+    import edgefl (the check's own tests are below)."""
     for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         try:
-            return inst.check_interpreter(candidate)
+            if os.path.isfile(candidate):
+                return inst.check_interpreter(candidate, here=False)
         except inst.InstallError:
             continue
     pytest.skip("no interpreter outside /home, /root and /tmp on this machine")
@@ -523,7 +527,8 @@ def test_sandbox_exposure_is_low(tmp_path):
 
 def test_install_client_writes_unit_site_file_and_sysusers(tmp_path):
     python = _usable_python()
-    plan = inst.plan_install("client", "07", profile="rpi4", prefix=str(tmp_path), python=python)
+    plan = inst.plan_install("client", "07", profile="rpi4", prefix=str(tmp_path), python=python,
+                             check_python=False)
     done = inst.install(plan)
     unit = tmp_path / "etc/systemd/system/edgefl-client@.service"
     site = tmp_path / "etc/edgefl/client-07.yaml"
@@ -562,7 +567,7 @@ def test_install_client_writes_unit_site_file_and_sysusers(tmp_path):
 ])
 def test_install_other_roles(tmp_path, role, node_id, unit):
     plan = inst.plan_install(role, node_id, profile="generic-x86", prefix=str(tmp_path),
-                             python=_usable_python())
+                             python=_usable_python(), check_python=False)
     inst.install(plan)
     assert plan.unit == unit
     site = tmp_path / "etc/edgefl" / f"{role}.yaml"
@@ -577,7 +582,8 @@ def test_install_other_roles(tmp_path, role, node_id, unit):
 
 def test_reinstall_keeps_the_edited_site_file(tmp_path):
     python = _usable_python()
-    plan = inst.plan_install("client", "a1", profile="rpi3", prefix=str(tmp_path), python=python)
+    plan = inst.plan_install("client", "a1", profile="rpi3", prefix=str(tmp_path), python=python,
+                             check_python=False)
     inst.install(plan)
     site = tmp_path / "etc/edgefl/client-a1.yaml"
     site.write_text(site.read_text().replace("mqtt://localhost:1883", "mqtt://gw.lan:1883"))
@@ -590,7 +596,8 @@ def test_reinstall_keeps_the_edited_site_file(tmp_path):
 def test_dry_run_writes_nothing(tmp_path, capsys):
     python = _usable_python()
     code = main(["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",
-                 "--prefix", str(tmp_path), "--python", python, "--dry-run"])
+                 "--prefix", str(tmp_path), "--python", python, "--no-python-check",
+                 "--dry-run"])
     assert code == 0
     assert not any(tmp_path.iterdir())
     out = capsys.readouterr().out
@@ -601,7 +608,8 @@ def test_dry_run_writes_nothing(tmp_path, capsys):
 def test_cli_install_service_prints_the_systemctl_commands(tmp_path, capsys):
     python = _usable_python()
     code = main(["install-service", "--role", "client", "--id", "pi-07", "--profile",
-                 "rpi-zero2w", "--prefix", str(tmp_path), "--python", python])
+                 "rpi-zero2w", "--prefix", str(tmp_path), "--python", python,
+                 "--no-python-check"])
     assert code == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -631,7 +639,7 @@ def test_cli_install_service_prints_the_systemctl_commands(tmp_path, capsys):
 ])
 def test_install_errors_name_the_cause(tmp_path, capsys, args, message):
     if "--python" not in args:
-        args = args + ["--python", _usable_python()]
+        args = args + ["--python", _usable_python(), "--no-python-check"]
     code = main(["install-service", *args, "--prefix", str(tmp_path)])
     assert code == 1
     err = capsys.readouterr().err
@@ -650,11 +658,78 @@ def test_interpreter_hidden_by_the_sandbox_is_refused(tmp_path):
         inst.check_interpreter("/opt/my venv/bin/python")
 
 
+def _python_without_edgefl():
+    """A real interpreter that cannot import edgefl (the system's python3 here), or skip."""
+    python = "/usr/bin/python3"
+    if not os.path.isfile(python) or subprocess.run(
+            [python, "-c", "import edgefl"], cwd="/", capture_output=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
+            timeout=120).returncode == 0:
+        pytest.skip(f"{python} is missing or imports edgefl")
+    return python
+
+
+def test_interpreter_that_cannot_import_edgefl_is_refused(tmp_path, capsys, monkeypatch):
+    python = _python_without_edgefl()
+    # run from a checkout with PYTHONPATH pointing at it, the installer's own shell could
+    # import edgefl with that python; the unit, from its state directory, could not
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    args = ["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",
+            "--python", python, "--prefix", str(tmp_path)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert (f"edgefl install-service: error: interpreter {python} cannot import edgefl "
+            f"(ModuleNotFoundError: No module named 'edgefl'), so the unit would fail on every "
+            f"start: install edgefl into that interpreter's environment") in err, err
+    assert "--no-python-check skips this check" in err
+    assert not any(tmp_path.iterdir())
+    # staging for another machine: the check is skipped on request, and the report says so
+    assert main(args + ["--no-python-check"]) == 0
+    out = capsys.readouterr().out
+    assert (f"warning: interpreter {python} not checked (--no-python-check): on the machine "
+            f"the files are for, it must exist and `{python} -c 'import edgefl'` must succeed"
+            in out), out
+    assert f"ExecStart={python} -m edgefl.cli client" in \
+        (tmp_path / "etc/systemd/system/edgefl-client@.service").read_text()
+    # ... and only when staging: a unit for this machine runs this machine's interpreter
+    with pytest.raises(inst.InstallError, match=r"--no-python-check is for staging files with "
+                                                r"--prefix for another machine"):
+        inst.plan_install("client", "07", profile="rpi4", python=python, check_python=False)
+
+
+def test_import_check_runs_the_interpreter_as_the_unit_would():
+    # this interpreter imports edgefl (installed in its environment): accepted
+    inst.check_imports_edgefl(sys.executable)
+    with pytest.raises(inst.InstallError, match=r"interpreter /nonexistent/python: cannot run "
+                                                r"it \(No such file or directory\)"):
+        inst.check_imports_edgefl("/nonexistent/python")
+
+
+def test_interpreter_linked_into_a_hidden_directory_is_refused():
+    # a venv's python is a symlink to the Python it was made with: one under /root or /home
+    # is hidden from the service just the same
+    real = os.path.realpath(sys.executable)
+    if not any(real.startswith(h + "/") for h in inst.HIDDEN_FROM_SERVICE) \
+            or not os.path.isdir("/dev/shm"):
+        pytest.skip("this interpreter is not under a hidden directory (or no /dev/shm)")
+    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="edgefl-venv-")
+    try:
+        link = os.path.join(directory, "python")
+        os.symlink(sys.executable, link)
+        with pytest.raises(inst.InstallError, match=rf"interpreter {re.escape(link)} \(a link "
+                                                    rf"to {re.escape(real)}\) is under /"):
+            inst.check_interpreter(link)
+        assert inst.check_interpreter(link, here=False) == link   # staging: the path only
+    finally:
+        shutil.rmtree(directory)
+
+
 @needs_systemd_analyze
 def test_installed_unit_passes_verify(tmp_path):
     python = _usable_python()
     inst.install(inst.plan_install("client", "07", profile="rpi4", prefix=str(tmp_path),
-                                   python=python))
+                                   python=python, check_python=False))
     unit = (tmp_path / "etc/systemd/system/edgefl-client@.service").read_text()
     instance = tmp_path / "edgefl-client@07.service"
     instance.write_text(unit)

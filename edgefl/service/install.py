@@ -1,6 +1,8 @@
 """`edgefl install-service`: write a role's systemd unit (with this interpreter's path), a
 site-file skeleton and the sysusers entry for the `edgefl` user, then print the systemctl
-commands. Nothing is downloaded and nothing is run: the operator runs the printed commands.
+commands. Nothing is downloaded, and the operator runs the printed commands; the one program
+the installer runs is the unit's interpreter, `PYTHON -c "import edgefl"` (an argument list,
+no shell), to refuse an interpreter the unit could not start edgefl with.
 
     plan = plan_install("client", "07", profile="rpi4")          # validates everything
     for path, action in install(plan): print(action, path)
@@ -9,13 +11,16 @@ commands. Nothing is downloaded and nothing is run: the operator runs the printe
 The units are package data (edgefl/service/units/, mirrored in devices/systemd/ for review).
 Their ExecStart names PYTHON_PLACEHOLDER, the venv path docs/deployment.md uses; the
 installer puts the real interpreter there. `prefix` stages the files under another root
-(tests, image builds); the paths inside the files stay the final ones.
+(tests, image builds); the paths inside the files stay the final ones. Staged for another
+machine, whose interpreter is not on this one, `check_python=False` (--no-python-check)
+checks only the interpreter's path.
 """
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -27,8 +32,8 @@ from . import profiles
 from .layered import ETC_DIR, KEYS, ROLES
 
 __all__ = ["PYTHON_PLACEHOLDER", "InstallError", "InstallPlan", "PlannedFile", "ROLE_UNITS",
-           "check_interpreter", "check_node_id", "format_commands", "install", "plan_install",
-           "render_unit", "unit_template"]
+           "check_imports_edgefl", "check_interpreter", "check_node_id", "format_commands",
+           "install", "plan_install", "render_unit", "unit_template"]
 
 PYTHON_PLACEHOLDER = "/opt/edgefl/venv/bin/python"
 UNIT_DIR = "/etc/systemd/system"
@@ -37,6 +42,8 @@ STATE_ROOT = "/var/lib/edgefl"
 # ProtectHome=yes and PrivateTmp=yes hide these from the service: an interpreter there
 # cannot start (status=203/EXEC)
 HIDDEN_FROM_SERVICE = ("/home", "/root", "/run/user", "/tmp", "/var/tmp")
+# `import edgefl` loads NumPy and the C core: seconds on a Pi Zero 2 W reading a cold SD card
+IMPORT_CHECK_TIMEOUT_S = 120.0
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9/._+-]+$")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -82,27 +89,70 @@ def _role(role: str) -> RoleUnit:
     return ROLE_UNITS[role]
 
 
-def check_interpreter(python: str) -> str:
-    """`python` if a systemd service can execute it: an absolute path without characters
-    that systemd's ExecStart would interpret, executable, and outside the directories the
-    units' sandbox hides."""
+def check_interpreter(python: str, *, here: bool = True) -> str:
+    """`python` if a systemd service can execute it and start edgefl with it: an absolute
+    path without characters that systemd's ExecStart would interpret, outside the directories
+    the units' sandbox hides; and with `here` (the default: the unit is for this machine) an
+    executable file, whose real path (a venv's python is a symlink) is outside them too, and
+    which imports edgefl (check_imports_edgefl). here=False, for files staged for another
+    machine (--prefix with --no-python-check), checks only the path."""
     if not os.path.isabs(python):
         raise InstallError(f"interpreter {python!r}: need an absolute path")
     if not _SAFE_PATH.match(python):
         raise InstallError(f"interpreter {python!r}: the path has characters systemd's ExecStart "
                            f"would interpret (spaces, quotes, %, $); use a venv at a plain path "
                            f"such as {os.path.dirname(os.path.dirname(PYTHON_PLACEHOLDER))}")
+    _check_not_hidden(python, python)
+    if not here:
+        return python
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
         raise InstallError(f"interpreter {python}: no such executable file")
-    for hidden in HIDDEN_FROM_SERVICE:
-        if python == hidden or python.startswith(hidden + "/"):
-            raise InstallError(
-                f"interpreter {python} is under {hidden}, which the units' sandbox hides "
-                f"(ProtectHome=yes, PrivateTmp=yes), so the service could not start: install "
-                f"edgefl in a venv outside {', '.join(HIDDEN_FROM_SERVICE)} (docs/deployment.md "
-                f"uses {os.path.dirname(os.path.dirname(PYTHON_PLACEHOLDER))}) and run that "
-                f"venv's edgefl, or pass --python")
+    real = os.path.realpath(python)
+    if real != python:
+        _check_not_hidden(python, real)
+    check_imports_edgefl(python)
     return python
+
+
+def _check_not_hidden(python: str, path: str) -> None:
+    for hidden in HIDDEN_FROM_SERVICE:
+        if path == hidden or path.startswith(hidden + "/"):
+            what = python if path == python else f"{python} (a link to {path})"
+            raise InstallError(
+                f"interpreter {what} is under {hidden}, which the units' sandbox hides "
+                f"(ProtectHome=yes, PrivateTmp=yes), so the service could not start: install "
+                f"edgefl in a venv outside {', '.join(HIDDEN_FROM_SERVICE)} made with a Python "
+                f"that is outside them too (docs/deployment.md uses "
+                f"{os.path.dirname(os.path.dirname(PYTHON_PLACEHOLDER))} and the system's "
+                f"python3) and run that venv's edgefl, or pass --python")
+
+
+def check_imports_edgefl(python: str, timeout: float = IMPORT_CHECK_TIMEOUT_S) -> None:
+    """Raise InstallError unless `python -c "import edgefl"` succeeds, run as the unit runs
+    it: an argument list (no shell), from / (not the installer's working directory, which
+    may be a checkout of edgefl), without the installer's PYTHON* variables (PYTHONPATH) and
+    user site-packages. The error names the interpreter and the import error. The check runs
+    outside the sandbox: it cannot see what the sandbox would hide from the interpreter."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1")
+    try:
+        result = subprocess.run([python, "-c", "import edgefl"], cwd="/", env=env,
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"interpreter {python}: `import edgefl` did not finish within "
+                           f"{timeout:g} s, so the unit could not start either") from None
+    except OSError as exc:
+        raise InstallError(f"interpreter {python}: cannot run it ({exc.strerror})") from None
+    if result.returncode != 0:
+        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        why = lines[-1] if lines else f"exit status {result.returncode}, no message"
+        raise InstallError(
+            f"interpreter {python} cannot import edgefl ({why}), so the unit would fail on "
+            f"every start: install edgefl into that interpreter's environment ({python} -m "
+            f"pip install ./edgefl, a checkout or a wheel) or pass the python of the venv "
+            f"edgefl is installed in; staging with --prefix for another machine, "
+            f"--no-python-check skips this check")
 
 
 def check_node_id(role: str, node_id: str | None) -> str:
@@ -156,12 +206,19 @@ class InstallPlan:
 
 
 def plan_install(role: str, node_id: str | None = None, *, profile: str | None = None,
-                 prefix: str = "/", python: str | None = None,
+                 prefix: str = "/", python: str | None = None, check_python: bool = True,
                  device_tree_model: str = profiles.DEVICE_TREE_MODEL) -> InstallPlan:
-    """Validate the request and build the files and commands of an installation."""
+    """Validate the request and build the files and commands of an installation.
+    check_python=False (--no-python-check) is for files staged under a `prefix` for another
+    machine: the interpreter's path is checked, not whether it exists here and imports
+    edgefl (the plan warns)."""
     spec = _role(role)
     node_id = check_node_id(role, node_id)
-    python = check_interpreter(python or sys.executable)
+    if not check_python and os.path.abspath(prefix) == "/":
+        raise InstallError("--no-python-check is for staging files with --prefix for another "
+                           "machine; a unit installed here runs this machine's interpreter, "
+                           "which must import edgefl")
+    python = check_interpreter(python or sys.executable, here=check_python)
     if profile is None:
         profile, how = profiles.detect_profile(device_tree_model)
         if profile is None:
@@ -192,6 +249,10 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
     commands = (("systemd-sysusers", SYSUSERS_FILE), ("systemctl", "daemon-reload"),
                 ("systemctl", "enable", "--now", unit))
     warnings = []
+    if not check_python:
+        warnings.append(f"interpreter {python} not checked (--no-python-check): on the "
+                        f"machine the files are for, it must exist and `{python} -c "
+                        f"'import edgefl'` must succeed, or {unit} fails on every start")
     from ..cli import COMMANDS
     if spec.command not in COMMANDS:
         warnings.append(f"this edgefl has no `edgefl {spec.command}` command yet, so {unit} "
