@@ -383,7 +383,8 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     if out_dir is not None:
         write_outputs(out_dir, config, run.model, run.strategy, run_result, run.dataset,
                       summary, stream, "edgefl aggregator",
-                      onnx_exported=exporter.last_round == config.rounds)
+                      onnx_exported=exporter.last_round == config.rounds,
+                      export=exporter.policy)
     return summary
 
 
@@ -526,20 +527,22 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     if out_dir is not None:
         write_outputs(out_dir, config, model, strategy, result, dataset, summary,
                       stream or sys.stderr, "edgefl simulate",
-                      onnx_exported=exporter.last_round == config.rounds)
+                      onnx_exported=exporter.last_round == config.rounds,
+                      export=exporter.policy)
     return summary
 
 
 def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strategy,
                   result: RunResult, dataset, summary: dict, stream, who: str, *,
-                  onnx_exported: bool = False) -> None:
+                  onnx_exported: bool = False, export=None) -> None:
     """summary.json, model.npz, model.onnx (with the export extra; unless a RoundExporter
-    exported the final round already) and curves.png."""
+    exported the final round already; `export`, the run's ExportPolicy, says how) and
+    curves.png."""
     _write_json(os.path.join(out_dir, "summary.json"), summary)
     save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset,
                     dataset_config=_absolute_paths(config.dataset, config.path))
     if not onnx_exported:
-        _export_onnx(out_dir, stream)
+        _export_onnx(out_dir, stream, export)
     try:
         plot_curves(result.history, os.path.join(out_dir, "curves.png"),
                     f"{config.strategy} on {dataset.name}, {config.clients} clients")
@@ -636,7 +639,7 @@ class RoundExporter:
         return self.path
 
 
-def _export_onnx(out_dir: str, stream) -> None:
+def _export_onnx(out_dir: str, stream, policy=None) -> None:
     """model.onnx next to model.npz (atomic replace), when the optional onnx extra is present.
 
     Called by write_outputs after summary.json and model.npz are written, when no
@@ -644,11 +647,16 @@ def _export_onnx(out_dir: str, stream) -> None:
     RoundExporter's, a failed export is logged with its cause and the run goes on: the
     trained model is safe in model.npz, the rest of the outputs (curves.png) still get
     written, and `edgefl export <out_dir>` can retry. A model.onnx already there (an earlier
-    round's export) is left as it was, and the message says so."""
+    round's export) is left as it was, and the message says so. `policy` (the run's
+    ExportPolicy) gives the softmax output and quantisation, as the RoundExporter's would."""
     path = os.path.join(out_dir, "model.onnx")
     try:
         from .export import export_checkpoint
-        export_checkpoint(out_dir, path)
+        if policy is None:
+            export_checkpoint(out_dir, path)
+        else:
+            export_checkpoint(out_dir, path, softmax=policy.softmax,
+                              quantize=None if policy.quantize == "none" else "int8")
     except ImportError as exc:
         print(f"{path} skipped ({exc}; pip install 'edgefl[export]')", file=stream)
     except (ValueError, OSError) as exc:

@@ -553,6 +553,23 @@ def test_a_failed_final_export_leaves_the_other_outputs_and_names_the_cause(tmp_
     assert f"retry with `edgefl export {out}`" in final[0]
 
 
+def test_the_end_of_run_export_keeps_the_runs_export_settings(tmp_path, capsys):
+    """When the final round's export did not happen, write_outputs exports model.onnx from
+    model.npz: with the run's export policy (no softmax output, int8), not the defaults."""
+    from edgefl.export import ExportPolicy
+    from edgefl.sim import _export_onnx
+    out = tmp_path / "run"
+    assert main(["simulate", "quickstart", "--out", str(out), "--quiet",
+                 "--set", "rounds=2", "--set", "partition.clients=4",
+                 "--set", "clients_per_round=4"]) == 0
+    (out / "model.onnx").unlink()
+    _export_onnx(str(out), None, ExportPolicy(softmax=False, quantize="int8"))
+    proto = onnx.load(str(out / "model.onnx"))
+    assert [o.name for o in proto.graph.output] == ["scores"]
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["quantization_mode"] == "int8"
+
+
 def tamper_checkpoint(src, dst, **changes):
     with np.load(src, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
