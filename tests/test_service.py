@@ -22,7 +22,7 @@ import yaml
 
 from edgefl.cli import COMMANDS, main
 from edgefl.service import install as inst
-from edgefl.service.layered import load_service_config
+from edgefl.service.layered import ConfigError, load_service_config
 from edgefl.service.logs import setup_logging, stream_is_journal
 from edgefl.service.notify import Notifier, watchdog_interval
 from edgefl.service.signals import install_stop_handlers
@@ -656,6 +656,47 @@ def test_interpreter_hidden_by_the_sandbox_is_refused(tmp_path):
         inst.check_interpreter(str(fake))
     with pytest.raises(inst.InstallError, match=r"characters systemd's ExecStart would interpret"):
         inst.check_interpreter("/opt/my venv/bin/python")
+
+
+def test_config_show_finds_the_client_site_file_install_service_wrote(tmp_path, capsys):
+    # install-service writes /etc/edgefl/client-<id>.yaml; /etc/edgefl/client.yaml, the
+    # default site file, is not what an installed client reads
+    inst.install(inst.plan_install("client", "07", profile="rpi4", prefix=str(tmp_path),
+                                   python=_usable_python(), check_python=False))
+    etc = str(tmp_path / "etc" / "edgefl")
+    installed = f"{etc}/client-07.yaml"
+    config = load_service_config("client", node_id="07", etc_dir=etc)
+    assert config["node.id"] == "07" and config.source("node.id").file == installed
+    # without it: the error and the layer note say which file to name, and how
+    hint = (f"an installed client's site file is {etc}/client-<id>.yaml, which `edgefl "
+            f"install-service --role client --id ID` writes: name it with --config FILE "
+            f"(edgefl config show: --id ID or --site FILE); there are {installed}")
+    with pytest.raises(ConfigError) as exc:
+        load_service_config("client", None, etc_dir=etc)
+    assert str(exc.value) == (f"node.id: not set, and the client needs it (this node's id "
+                              f"(one MQTT topic level)); no site file was read ({etc}/"
+                              f"client.yaml does not exist); {hint}, or set node.id with "
+                              f"--set node.id=...")
+    config = load_service_config("client", None, etc_dir=etc,
+                                 overrides=["node.id=a", "data.name=digits"])
+    site_layer = [layer for layer in config.layers if layer.kind == "site file"][0]
+    assert site_layer.file is None
+    assert site_layer.note == f"none: {etc}/client.yaml does not exist; {hint}"
+    # --id is a client's, instead of the site file, and names a file that must exist
+    with pytest.raises(ConfigError, match=r"^--id 07 and the site file /x.yaml both name"):
+        load_service_config("client", "/x.yaml", node_id="07", etc_dir=etc)
+    with pytest.raises(ConfigError, match=rf"^--id 07: only a client's site file is per id "
+                                          rf"\({etc}/client-07.yaml\); the aggregator's is "
+                                          rf"{etc}/aggregator.yaml$"):
+        load_service_config("aggregator", node_id="07", etc_dir=etc)
+    with pytest.raises(ConfigError, match=rf"^{etc}/client-08.yaml: config file does not exist"):
+        load_service_config("client", node_id="08", etc_dir=etc)
+    # the command line: --id selects /etc/edgefl/client-ID.yaml
+    assert main(["config", "show", "--id", "no-such-client-x9"]) == 1
+    assert ("edgefl config: error: /etc/edgefl/client-no-such-client-x9.yaml: config file does "
+            "not exist") in capsys.readouterr().err
+    assert main(["config", "show", "--id", "07", "--site", installed]) == 1
+    assert "--id 07 and the site file" in capsys.readouterr().err
 
 
 def _python_without_edgefl():

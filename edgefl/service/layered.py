@@ -13,8 +13,9 @@ Layers, later ones win:
 1. package defaults: edgefl/service/defaults.yaml (every key has a default there);
 2. the device profile named by `profile` (edgefl/profiles/<name>.yaml; `auto` detects the
    board), which may set only the board-dependent keys (profiles.PROFILE_KEYS);
-3. the site file: /etc/edgefl/<role>.yaml, or the file given explicitly (the units pass
-   /etc/edgefl/client-<id>.yaml); skipped when the default file does not exist;
+3. the site file: the file given explicitly (the units pass /etc/edgefl/client-<id>.yaml,
+   the file `edgefl install-service` writes for a client; `node_id` selects it), else
+   /etc/edgefl/<role>.yaml, skipped when it does not exist;
 4. the command line: `--profile NAME` and `--set dotted.key=value` (value parsed as YAML).
 
 Every key is declared in KEYS with its type, the roles that read it and its valid values. An
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import glob
 import json
 import math
 import os
@@ -297,6 +299,17 @@ def default_site_path(role: str, node_id: str | None = None, etc_dir: str = ETC_
     client@ template (what `edgefl install-service` writes)."""
     _check_role(role)
     return os.path.join(etc_dir, f"{role}-{node_id}.yaml" if node_id else f"{role}.yaml")
+
+
+def _installed_client_hint(etc_dir: str) -> str:
+    """Where an installed client's site file is, for messages about /etc/edgefl/client.yaml,
+    which `edgefl install-service` never writes (its files are per client id)."""
+    hint = (f"an installed client's site file is "
+            f"{default_site_path('client', '<id>', etc_dir)}, which `edgefl install-service "
+            f"--role client --id ID` writes: name it with --config FILE (edgefl config show: "
+            f"--id ID or --site FILE)")
+    found = sorted(glob.glob(os.path.join(glob.escape(etc_dir), "client-*.yaml")))
+    return hint + (f"; there are {', '.join(found)}" if found else "")
 
 
 def _check_role(role: str) -> None:
@@ -651,15 +664,26 @@ def _role_keys(role: str) -> list:
 
 
 def load_service_config(role: str, site: str | os.PathLike | None = None, *,
-                        profile: str | None = None, overrides=(),
+                        profile: str | None = None, overrides=(), node_id: str | None = None,
                         etc_dir: str = ETC_DIR,
                         device_tree_model: str = profiles.DEVICE_TREE_MODEL) -> ServiceConfig:
     """Resolve the four layers for `role` (client, aggregator or infer).
 
-    site: the site file; None uses /etc/edgefl/<role>.yaml when it exists. profile: the
-    command line's --profile (wins over the site file's `profile:`). overrides: the
-    "dotted.key=value" strings of --set. Raises ConfigError naming the file, line and key."""
+    site: the site file; None uses /etc/edgefl/<role>.yaml when it exists. node_id (a
+    client's, instead of site): the file `edgefl install-service` wrote for that client,
+    /etc/edgefl/client-<id>.yaml, which must exist. profile: the command line's --profile
+    (wins over the site file's `profile:`). overrides: the "dotted.key=value" strings of
+    --set. Raises ConfigError naming the file, line and key."""
     _check_role(role)
+    if node_id is not None:
+        if site is not None:
+            raise ConfigError(f"--id {node_id} and the site file {os.fspath(site)} both name "
+                              f"the site file: give one")
+        if role != "client":
+            raise ConfigError(f"--id {node_id}: only a client's site file is per id "
+                              f"({default_site_path('client', node_id, etc_dir)}); the "
+                              f"{ROLE_NAMES[role]}'s is {default_site_path(role, etc_dir=etc_dir)}")
+        site = default_site_path(role, node_id, etc_dir)
     layers = []
     entries: dict[str, _Entry] = {}
     defaults = defaults_path()
@@ -673,7 +697,11 @@ def load_service_config(role: str, site: str | os.PathLike | None = None, *,
             site_entries = _file_layer("site file", site_file, role, strict=True)
             layers.append(Layer("site file", site_file))
         else:
-            layers.append(Layer("site file", None, f"none: {site_file} does not exist"))
+            note = f"none: {site_file} does not exist"
+            if role == "client":
+                note += f"; {_installed_client_hint(etc_dir)}"
+            layers.append(Layer("site file", None, note))
+            site_file = None
     else:
         site_file = os.fspath(site)
         site_entries = _file_layer("site file", site_file, role, strict=True)
@@ -715,7 +743,12 @@ def load_service_config(role: str, site: str | os.PathLike | None = None, *,
             entry.source = Source(entry.source.layer, entry.source.file, entry.source.key,
                                   entry.source.line, note)
         if value is None and role in KEYS[key].required:
-            where = site_file if site_file else default_site_path(role, etc_dir=etc_dir)
+            where = site_file or default_site_path(role, etc_dir=etc_dir)
+            if site_file is None and role == "client":
+                raise ConfigError(f"{key}: not set, and the client needs it ({KEYS[key].help}); "
+                                  f"no site file was read ({where} does not exist); "
+                                  f"{_installed_client_hint(etc_dir)}, or set {key} with "
+                                  f"--set {key}=...")
             raise ConfigError(f"{key}: not set, and the {ROLE_NAMES[role]} needs it "
                               f"({KEYS[key].help}); set it in the site file {where} or with "
                               f"--set {key}=...")
@@ -741,8 +774,10 @@ def add_service_config_arguments(parser, site_option: str = "--config") -> None:
 
 
 def service_config_from_args(role: str, args) -> ServiceConfig:
-    """load_service_config from the arguments add_service_config_arguments declared."""
-    return load_service_config(role, args.site, profile=args.profile, overrides=args.overrides)
+    """load_service_config from the arguments add_service_config_arguments declared (and
+    `--id`, dest node_id, where the command has it: edgefl config show)."""
+    return load_service_config(role, args.site, profile=args.profile, overrides=args.overrides,
+                               node_id=getattr(args, "node_id", None))
 
 
 def to_json_text(config: ServiceConfig) -> str:
