@@ -552,6 +552,13 @@ def test_install_client_writes_unit_site_file_and_sysusers(tmp_path):
     assert config.source("compute.threads").layer == "device profile"
     # the profile's values are listed commented out; uncommented they are the same values
     text = site.read_text()
+    # the profile named by name and its place in the package, not by this machine's path
+    # (the files may be staged for another machine)
+    assert "# The profile's settings (rpi4, edgefl/profiles/rpi4.yaml in the package); " \
+        "uncomment to override:" in text
+    assert (REPO / "edgefl" / "profiles" / "rpi4.yaml").is_file()
+    import edgefl
+    assert os.path.dirname(os.path.dirname(os.path.abspath(edgefl.__file__))) not in text
     listed = text[text.index("# The profile's settings"):].splitlines()[1:]
     site.write_text(text + "\n".join(line[2:] for line in listed) + "\n")
     edited = load_service_config("client", str(site))

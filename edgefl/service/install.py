@@ -335,10 +335,21 @@ def site_skeleton(role: str, node_id: str, profile: str) -> str:
             board_lines.append(f"# {section}:")
             board_lines += [f"#   {k}: {_flow(v)}" for k, v in keys]
     if board_lines:
-        lines += ["", f"# The profile's settings ({profiles.profile_path(profile)}); "
+        # named by the package-relative path, not this machine's: files staged with --prefix
+        # go to a board whose edgefl is installed elsewhere
+        where = _in_package(profiles.profile_path(profile))
+        lines += ["", f"# The profile's settings ({profile}, {where} in the package); "
                       "uncomment to override:"] + board_lines
     lines += ["# log:", "#   level: info"]
     return "\n".join(lines) + "\n"
+
+
+def _in_package(path: str) -> str:
+    """`path` relative to the directory the edgefl package is in: edgefl/profiles/rpi4.yaml."""
+    import edgefl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(edgefl.__file__)))
+    return os.path.relpath(path, root)
 
 
 def _yaml_scalar(value: str) -> str:
