@@ -313,7 +313,35 @@ cdef object workspace(NetBox *box, int64_t chunk, int64_t n):
     if work is None or work.shape[0] < nf:
         work = np.empty(nf, dtype=np.float32)
         _cache.work = work
-    return work[:nf], iwork
+    return work, iwork    # at least nf floats
+
+
+cdef void *array_data(object a, int typenum, bint writable, int64_t min_size,
+                      str what) except? NULL:
+    """The data pointer of a C-contiguous NumPy array of `typenum` holding at least
+    `min_size` elements, checked with the NumPy C API's macros: local_train runs once per
+    client per round, and a typed memoryview per argument cost microseconds of buffer
+    protocol each (issue #3's overhead target)."""
+    cdef cnp.ndarray arr
+    if not cnp.PyArray_Check(a):
+        raise KernelError(f"{what}: expected a numpy array, got {type(a).__name__}")
+    arr = <cnp.ndarray>a
+    if cnp.PyArray_TYPE(arr) != typenum or not cnp.PyArray_IS_C_CONTIGUOUS(arr):
+        want = {cnp.NPY_FLOAT32: "float32", cnp.NPY_INT32: "int32",
+                cnp.NPY_INT64: "int64"}.get(typenum, str(typenum))
+        raise KernelError(f"{what}: need a C-contiguous {want} array, got {arr.dtype} "
+                          f"(C-contiguous: {bool(cnp.PyArray_IS_C_CONTIGUOUS(arr))})")
+    if writable and not cnp.PyArray_ISWRITEABLE(arr):
+        raise KernelError(f"{what}: array is read-only but the kernel writes into it")
+    if cnp.PyArray_SIZE(arr) < min_size:
+        raise KernelError(f"{what}: {cnp.PyArray_SIZE(arr)} elements, need {min_size}")
+    return cnp.PyArray_DATA(arr)
+
+
+cdef inline float *opt_data_f32(object a, int64_t n, str what) except? NULL:
+    if a is None:
+        return NULL
+    return <float *>array_data(a, cnp.NPY_FLOAT32, True, n, what)
 
 
 cdef const int32_t *label_ptr(object labels) except? NULL:
@@ -436,22 +464,28 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
     c.steps = cfg["steps"]
     c.grad0_mode = cfg["grad0_mode"]
     c.seed = <uint64_t>cfg["seed"]
-    cdef int64_t n = x.shape[0]
+    cdef int64_t n = x.shape[0], np_ = box.net.n_params
     cdef int64_t bs = n if (c.batch_size <= 0 or c.batch_size >= n) else c.batch_size
+    cdef const ef_layer *first = &box.layers[0]
     work, iwork = workspace(&box, ef_chunk_for_batch(bs, n), n)
-    cdef float[::1] w = work
-    cdef int64_t[::1] iw = iwork
-    cdef float[::1] p = params.reshape(-1)
-    cdef const float[::1] xv = x.reshape(-1)
-    cdef const int32_t *lab = label_ptr(labels)
-    cdef const float *tgt = target_ptr(targets)
-    cdef float *mom = opt_f32(momentum)
+    cdef float *w = <float *>array_data(work, cnp.NPY_FLOAT32, True, 1, "workspace")
+    cdef int64_t *iw = <int64_t *>array_data(iwork, cnp.NPY_INT64, True, 1, "workspace")
+    cdef float *p = <float *>array_data(params, cnp.NPY_FLOAT32, True, np_, "params")
+    cdef const float *xv = <const float *>array_data(
+        x, cnp.NPY_FLOAT32, False, n * first.in_c * first.in_h * first.in_w, "x")
+    cdef const int32_t *lab = NULL
+    cdef const float *tgt = NULL
+    if labels is not None:
+        lab = <const int32_t *>array_data(labels, cnp.NPY_INT32, False, n, "labels")
+    if targets is not None:
+        tgt = <const float *>array_data(targets, cnp.NPY_FLOAT32, False, n, "targets")
+    cdef float *mom = opt_data_f32(momentum, np_, "momentum")
     cdef ef_train_stats st
     cdef ef_train_stats *stp = NULL
     cdef double[:, ::1] ss
     w_start = run_sum = None
-    st.grad0 = opt_f32(grad0)
-    st.grad_sum = opt_f32(grad_sum)
+    st.grad0 = opt_data_f32(grad0, np_, "grad0")
+    st.grad_sum = opt_data_f32(grad_sum, np_, "grad_sum")
     st.step_stats = NULL
     st.max_steps = 0
     st.w_start = NULL
@@ -469,7 +503,7 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
     cdef ef_train_result res
     cdef int rc
     with nogil:
-        rc = ef_local_train(&p[0], mom, stp, &res, &w[0], &iw[0], &box.net, &xv[0], lab, tgt, n, &c)
+        rc = ef_local_train(p, mom, stp, &res, w, iw, &box.net, xv, lab, tgt, n, &c)
     if rc == EF_ERR_NONFINITE:
         raise NonFiniteError(res.bad_step, f"local_train: non-finite loss or gradient at step "
                              f"{res.bad_step} (loss {res.mean_loss}); lower the learning rate")

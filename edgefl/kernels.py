@@ -49,18 +49,26 @@ backend = "numpy" if impl is reference else "c"
 # argument checks
 # ---------------------------------------------------------------------------------------
 
+_DTYPES = {t: np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.uint16,
+                                     np.int8)}
+
+
 def check_array(name: str, a, dtype, *, size: int | None = None, ndim: int | None = None,
                 shape: tuple | None = None, writable: bool = False) -> np.ndarray:
     """Return `a` if it is a C-contiguous ndarray of `dtype` (and the given size/shape)."""
+    # on every kernel call: dtype objects are looked up, not built, and the flags object is
+    # made once (each `a.flags` makes a new one)
+    want = _DTYPES.get(dtype) or np.dtype(dtype)
     if not isinstance(a, np.ndarray):
-        raise KernelError(f"{name}: expected a numpy array of {np.dtype(dtype).name}, "
+        raise KernelError(f"{name}: expected a numpy array of {want.name}, "
                           f"got {type(a).__name__}")
-    if a.dtype != np.dtype(dtype):
-        raise KernelError(f"{name}: dtype {a.dtype} where {np.dtype(dtype).name} is required")
-    if not a.flags.c_contiguous:
+    if a.dtype is not want and a.dtype != want:
+        raise KernelError(f"{name}: dtype {a.dtype} where {want.name} is required")
+    flags = a.flags
+    if not flags.c_contiguous:
         raise KernelError(f"{name}: array is not C-contiguous (strides {a.strides}); "
                           f"pass np.ascontiguousarray({name})")
-    if writable and not a.flags.writeable:
+    if writable and not flags.writeable:
         raise KernelError(f"{name}: array is read-only but the kernel writes into it")
     if ndim is not None and a.ndim != ndim:
         raise KernelError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")

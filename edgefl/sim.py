@@ -13,11 +13,12 @@ dataset, partitions it, builds the model, and writes to an output directory
                    rounds not evaluated), train_loss (mean over the uploaders' local steps),
                    uplink_bytes, downlink_bytes (float32 bytes of the buffers actually sent,
                    summed over recipients), wall_s (this round), train_wall_s (the parallel
-                   training phase), elapsed_s, selected (sorted ids), trained (clients that
+                   phase: the clients' training and, with more than one thread, the previous
+                   round's evaluation), elapsed_s, selected (sorted ids), trained (clients that
                    trained; FedUmf trains unselected ones too), plus the strategy's metrics
     summary.json   final/best accuracy, rounds, the resolved config, model_sha256 (of the
                    final global float32 buffer), bytes moved, timings (overhead_fraction =
-                   share of wall time outside the training phase)
+                   share of wall time outside the parallel phase)
     model.npz      the final global buffer, layer table (JSON), model spec, round, the
                    strategy's state buffers and meta, the input normalisation
     curves.png     test accuracy and loss by round
@@ -97,8 +98,10 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     strategy tasks (FedUmf tasks unselected clients too), passes the uploads of tasks with
     upload=True to `aggregate` in sorted client order, and evaluates the global model on
     `test` = (x, y) every `eval_every` rounds and after the last. `on_round(record)` sees
-    each round's metrics as soon as it is done, `on_model(round, global model)` its model
-    (the periodic ONNX export).
+    each round's metrics once it is done and evaluated (with several threads a round's
+    evaluation overlaps the next round's training, so its record comes then; records still
+    come in round order), `on_model(round, global model)` its model as soon as it is
+    aggregated (the periodic ONNX export).
     """
     rounds = setup.rounds if rounds is None else rounds
     missing = sorted(set(setup.clients) - set(clients))
@@ -118,22 +121,45 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     # workers - 1 pool threads: the calling thread trains clients too
     pool = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="edgefl-client") \
         if workers > 1 else None
+    # With more than one thread, the evaluation of round r's model runs as one more work item
+    # of round r+1's training phase instead of between the rounds, where it kept all but one
+    # core idle (issue #3's overhead target); its record reaches on_round when that phase
+    # ends. The last round is evaluated at once. The model is the read-only State buffer of
+    # round r, so the result is the same either way.
+    pending = None                  # (record, model) of a round whose evaluation is deferred
+
+    def finish(record, evaluation) -> None:
+        if evaluation is not None:
+            record["test_accuracy"], record["test_loss"] = \
+                evaluation["accuracy"], evaluation["loss"]
+        history.append(record)
+        if on_round is not None:
+            on_round(record)
+
     try:
         for r in range(1, rounds + 1):
             t0 = time.perf_counter()
             selected = select_clients(setup.seed, r, setup.clients, clients_per_round)
             tasks = strategy.configure(r, selected, state)
             order = sorted(tasks)
+            evaluating = pending
 
-            def train_one(c, r=r, tasks=tasks):
+            def work_item(c, r=r, tasks=tasks, evaluating=evaluating):
+                if c is _EVALUATE:
+                    return kernels.evaluate_samples(test_set, evaluating[1])
                 try:
                     return strategy.train(tasks[c], clients[c], client_states[c])
                 except NonFiniteError as exc:
                     raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc
 
             t1 = time.perf_counter()
-            results = _map_clients(pool, workers, train_one, order)
+            results = _map_clients(pool, workers, work_item,
+                                   order if evaluating is None else [_EVALUATE] + order)
             train_wall = time.perf_counter() - t1
+            if evaluating is not None:
+                pending = None
+                finish(evaluating[0], results[0])
+                results = results[1:]
             updates = {}
             for c, (update, new_state) in zip(order, results):
                 client_states[c] = new_state
@@ -144,27 +170,35 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                                        f"round {r} but its update carries buffers "
                                        f"{sorted(update.buffers)}")
             state, metrics = strategy.aggregate(r, updates, state)
+            train_loss = metrics.pop("train_loss") if "train_loss" in metrics \
+                else mean_train_loss(updates)
             record = {"round": r, "test_accuracy": None, "test_loss": None,
-                      "train_loss": metrics.pop("train_loss", mean_train_loss(updates)),
+                      "train_loss": train_loss,
                       "uplink_bytes": sum(u.nbytes for u in updates.values()),
                       "downlink_bytes": sum(t.nbytes for t in tasks.values()),
                       "selected": list(selected), "trained": len(tasks)}
-            if test is not None and (r % eval_every == 0 or r == rounds):
-                result = kernels.evaluate_samples(test_set, strategy.global_model(state))
-                record["test_accuracy"], record["test_loss"] = result["accuracy"], result["loss"]
+            model_r = strategy.global_model(state)
+            evaluate = test is not None and (r % eval_every == 0 or r == rounds)
+            evaluation = None
+            if evaluate and (pool is None or r == rounds):
+                evaluation = kernels.evaluate_samples(test_set, model_r)
             now = time.perf_counter()
             record.update({"wall_s": now - t0, "train_wall_s": train_wall,
                            "elapsed_s": now - started})
             record.update(metrics)
-            history.append(record)
-            if on_round is not None:
-                on_round(record)
+            if evaluate and evaluation is None:
+                pending = (record, model_r)
+            else:
+                finish(record, evaluation)
             if on_model is not None:
-                on_model(r, strategy.global_model(state))
+                on_model(r, model_r)
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
     return RunResult(state, client_states, history, strategy.global_model(state))
+
+
+_EVALUATE = object()      # the work item of run_federation's deferred evaluation
 
 
 def _map_clients(pool: ThreadPoolExecutor | None, workers: int, fn: Callable, items: list) -> list:

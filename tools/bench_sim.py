@@ -12,10 +12,12 @@ every round, as `edgefl simulate quickstart --set clients_per_round=10` runs it.
 Two measures, each the median over the repeats of whole 20-round runs:
     threads=2 (simulate's default here: one client thread per core)
         round_ms      median wall time of a round
-        outside_frac  1 - (time the round spends in its parallel training phase) / round:
-                      selection, configure (per-client train configs and seeds), aggregation,
-                      evaluation, bookkeeping on the aggregator's thread -- simulate's
-                      `summary.json` "overhead_fraction"
+        outside_frac  1 - (time the round spends in its parallel phase) / round: the serial
+                      part, when at most one core works: selection, configure (per-client
+                      train configs and seeds), aggregation, bookkeeping on the aggregator's
+                      thread -- simulate's `summary.json` "overhead_fraction". The parallel
+                      phase trains the clients and, as one more work item, evaluates the
+                      previous round's model (run_federation defers it there)
     threads=1 (strict: everything on one thread)
         outside_frac  1 - (time inside the backend's local_train calls) / round: also counts
                       each client's Python around its kernel call (task, argument checks,
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
             fracs.append(1.0 - used / wall)
             rounds_ms.append(wall / n * 1e3)
         rows.append({"threads": workers,
-                     "measure": "outside the training phase" if workers > 1
+                     "measure": "outside the parallel phase" if workers > 1
                      else "outside local_train calls",
                      "round_ms": round(statistics.median(rounds_ms), 3),
                      "outside_frac": round(statistics.median(fracs), 4),

@@ -56,15 +56,23 @@ class StrategyError(ValueError):
 # read-only containers
 # ---------------------------------------------------------------------------------------
 
+_F32 = np.dtype(np.float32)
+
+
 def _frozen_buffers(buffers: Mapping[str, np.ndarray], what: str) -> Mapping[str, np.ndarray]:
+    # every Task, Update and State goes through here: a few us each add up in a round of
+    # many clients (issue #3's overhead target), hence one flags object per buffer and the
+    # identity test on the dtype before the (slower) equality
     out = {}
-    for name, buf in dict(buffers).items():
-        if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
-                or not buf.flags.c_contiguous:
+    items = buffers.items() if isinstance(buffers, Mapping) else dict(buffers).items()
+    for name, buf in items:
+        if not isinstance(buf, np.ndarray) or (buf.dtype is not _F32 and buf.dtype != _F32) \
+                or buf.ndim != 1 or not (flags := buf.flags).c_contiguous:
             got = f"{buf.dtype} {buf.shape}" if isinstance(buf, np.ndarray) else type(buf).__name__
             raise StrategyError(f"{what} buffer {name!r}: need a flat contiguous float32 array, "
                                 f"got {got}")
-        buf.flags.writeable = False
+        if flags.writeable:
+            flags.writeable = False
         out[str(name)] = buf
     return types.MappingProxyType(out)
 
@@ -295,14 +303,12 @@ class Strategy:
         """The `kernels.train_config` of `client`'s local round `round`: the setup's train
         section, the round's lr (eta_t = lr * lr_decay**(t-1)), the data-order seed from
         (seed, round, client), then per-client `overrides` (e.g. steps)."""
-        cfg = dict(_validated_train(setup.train))
-        cfg["lr"] = setup.lr(round)
-        cfg["seed"] = client_seed(setup.seed, round, client)
+        base, prefix = _round_base(setup, round)
+        cfg = dict(base)
+        cfg["seed"] = _seed_of(prefix, client)
         if overrides:
             cfg.update(overrides)
             return kernels.train_config(**cfg)
-        if not math.isfinite(cfg["lr"]) or cfg["lr"] < 0:     # lr_decay ** t overflowed
-            return kernels.train_config(**cfg)                  # (raises, naming lr)
         return cfg
 
     def hyperparameters(self) -> dict:
@@ -458,11 +464,41 @@ def client_seed(seed: int, round: int, client: int) -> int:
     A chain of splitmix64 finalisers over the words (seed, stream, round, client), in plain
     integer arithmetic: ~2 us where numpy's SeedSequence took ~14 us, and the aggregator
     derives one per selected client per round on its critical path (issue #3's simulation
-    overhead target)."""
+    overhead target); `local_config` hashes (seed, stream, round) once per round."""
+    return _seed_of(_seed_prefix(seed, round), client)
+
+
+def _seed_prefix(seed: int, round: int) -> int:
+    """client_seed's chain over (seed, stream, round): the same for a round's clients."""
     h = _mix64((int(seed) + _GOLDEN64) & _MASK64)
-    for word in (_TRAIN_STREAM, int(round), int(client)):
+    for word in (_TRAIN_STREAM, int(round)):
         h = _mix64(((h ^ (word & _MASK64)) + _GOLDEN64) & _MASK64)
     return h
+
+
+def _seed_of(prefix: int, client: int) -> int:
+    return _mix64(((prefix ^ (int(client) & _MASK64)) + _GOLDEN64) & _MASK64)
+
+
+class _RoundBase:
+    """The last (setup, round) `local_config` was asked for, and what every client of that
+    round shares: the validated train section with the round's lr, and the seed prefix.
+    configure() asks for a round's clients one after another, so one entry serves all but
+    the first; the entry is replaced as one tuple, which is safe across threads."""
+    entry: tuple = (None, None, None)
+
+
+def _round_base(setup: Setup, round: int) -> tuple:
+    s, r, value = _RoundBase.entry
+    if s is setup and r == round:
+        return value
+    cfg = dict(_validated_train(setup.train))
+    cfg["lr"] = setup.lr(round)
+    if not math.isfinite(cfg["lr"]) or cfg["lr"] < 0:        # lr_decay ** t overflowed
+        kernels.train_config(**cfg)                            # (raises, naming lr)
+    value = (types.MappingProxyType(cfg), _seed_prefix(setup.seed, round))
+    _RoundBase.entry = (setup, round, value)
+    return value
 
 
 @functools.lru_cache(maxsize=64)
