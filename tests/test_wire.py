@@ -520,6 +520,21 @@ def test_protocol_doc_example_is_what_the_encoder_writes():
     assert zlib.crc32(b"123456789") == 0xCBF43926
 
 
+def test_the_frame_crc_is_zlibs_crc32_whatever_computes_it():
+    """wire computes CRC-32 with zlib-ng where it is installed; it must be the standard
+    library's checksum bit for bit (docs/protocol.md), for every length and running value,
+    so frames stay readable by any implementation."""
+    rng = np.random.default_rng(7)
+    assert wire._crc32(b"123456789") == 0xCBF43926
+    for n in [0, 1, 15, 16, 17, 63, 64, 65, 255, 4096, 131_072 + 3, 4_000_192]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        start = int(rng.integers(0, 2 ** 32))
+        assert wire._crc32(data) == zlib.crc32(data), n
+        assert wire._crc32(data, start) == zlib.crc32(data, start), n
+        assert wire._crc32(memoryview(data)[n // 3:]) == zlib.crc32(data[n // 3:]), n
+    assert wire.CRC32_IMPL in ("zlib-ng", "zlib")
+
+
 # --------------------------------------------------------------- chunking and reassembly
 
 BIG = LayerTable.from_shapes([("fc1.weight", (1500, 1000)), ("fc1.bias", (1000,)),
