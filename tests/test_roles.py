@@ -170,6 +170,8 @@ def test_announcement_round_trips_every_task(tmp_path):
     (lambda d: d["tasks"]["client-0"].update(source="peer"), "source 'peer'; valid"),
     (lambda d: d.update(model_sha256=None), "source global but the announcement has no "
                                             "model_sha256"),
+    (lambda d: d.update(model_frame="12345"), "model_frame '12345' must be a message id"),
+    (lambda d: d.update(model_frame="ABCDEF0123456789"), "16 lowercase hex digits"),
 ])
 def test_bad_announcements_name_the_field(tmp_path, edit, message):
     _, _, doc = announcement_for(tmp_path)
@@ -310,6 +312,49 @@ def test_client_checks_every_frame_and_trains_each_round_once(tmp_path, caplog):
         assert again.client.stats["trained"] == 0 and again.client.progress.trained == 1
     finally:
         again.stop()
+
+
+@pytest.mark.parametrize("case", ["announced id, hash not consulted", "other id, same content",
+                                  "other id, other content"])
+def test_the_announced_model_frame_is_taken_by_id_any_other_by_content(tmp_path, caplog, case):
+    """An announcement names the message id of its model frame ("model_frame"): that frame
+    is the model without a sha256 over it (shown with a deliberately wrong hash in the
+    announcement); another frame of the round (re-encoded, stale, foreign) is checked by
+    content as before."""
+    caplog.set_level(logging.INFO, "edgefl.roles.client")
+    broker = LoopbackBroker()
+    run, tasks, doc = announcement_for(tmp_path, strategy="fedavg")
+    table = run.model.table
+    agg = broker.transport("agg")
+    agg.connect()
+    agg.subscribe("edgefl/fed/update/+")
+    topics = Topics("fed")
+    buffers = tasks[0].buffers
+    announced = wire.encode("model", 1, "agg", buffers, {"run": "run1"}, table)
+    doc["model_frame"] = f"{wire.read_header(announced).message_id:016x}"
+    doc["model_sha256"] = msg.buffers_sha256(buffers)
+    if case == "announced id, hash not consulted":
+        doc["model_sha256"] = "00" * 32
+        sent = announced
+    elif case == "other id, same content":
+        sent = wire.encode("model", 1, "agg", buffers, {"run": "run1"}, table)
+    else:
+        sent = wire.encode("model", 1, "agg", {"params": np.zeros(table.size, np.float32)},
+                           {"run": "run1"}, table)
+    assert msg.parse_announcement(json.dumps(doc).encode())["model_frame"] == doc["model_frame"]
+    harness = ClientHarness(tmp_path, broker, run)
+    try:
+        agg.publish(topics.round(), json.dumps(doc).encode(), retain=True)
+        agg.publish(topics.model(), sent)
+        if case == "other id, other content":
+            time.sleep(0.3)
+            assert harness.client.stats["trained"] == 0
+            assert "is not the announced" in caplog.text
+        else:
+            next_update(agg)
+            assert harness.client.stats["trained"] == 1
+    finally:
+        harness.stop()
 
 
 def next_update(transport, timeout=5.0) -> bytes:

@@ -48,6 +48,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from .. import kernels
+from .._malloc import keep_frames_in_heap
 from ..models import Model
 from ..strategies import (Setup, State, Strategy, StrategyError, Update, mean_train_loss,
                           select_clients)
@@ -194,6 +195,7 @@ class _Downlink:
     payloads: list
     retained: bool
     sha: str
+    message_id: int         # of the frame the payloads carry (the announcement names it)
 
 
 @dataclass
@@ -232,6 +234,7 @@ class Aggregator:
                  settings: AggregatorSettings = AggregatorSettings(), *,
                  on_round: Callable[[dict, list], None] | None = None, stop=None,
                  notifier=None, control=None):
+        keep_frames_in_heap()          # every round: one update frame per client, a model out
         self.plan = plan
         self.transport = transport
         self.state_dir = os.fspath(state_dir)
@@ -497,6 +500,7 @@ class Aggregator:
             self._build_downlinks()
         glob = o.downlinks.get("global")
         client_sha = {n: d.sha for n, d in o.downlinks.items() if n != "global"}
+        frame_ids = {n: d.message_id for n, d in o.downlinks.items()}
         model = {"spec": json.loads(self.plan.model.spec),
                  "input_shape": list(self.plan.model.input_shape),
                  "num_classes": int(self.plan.model.num_classes),
@@ -506,7 +510,7 @@ class Aggregator:
             announce_id=o.announce_id, opened=o.opened, deadline=o.deadline,
             strategy=self._strategy_record(), model=model, compression=s.compression,
             global_sha=glob.sha if glob else None, tasks=o.node_tasks,
-            client_index=self.members, client_sha=client_sha)
+            client_index=self.members, client_sha=client_sha, frame_ids=frame_ids)
         o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         for downlink in o.downlinks.values():
@@ -527,7 +531,8 @@ class Aggregator:
             buffers = wire.decode(data, wire.Expectation(self.table, kinds=kind)).buffers
         payloads = wire.split(data, s.max_payload)
         topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
-        return _Downlink(topic, payloads, len(payloads) == 1, buffers_sha256(buffers))
+        return _Downlink(topic, payloads, len(payloads) == 1, buffers_sha256(buffers),
+                         wire.read_header(data).message_id)
 
     def _build_downlinks(self) -> None:
         o = self.open

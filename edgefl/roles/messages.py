@@ -13,11 +13,16 @@ Round announcement (retained, `<prefix>/<fed>/round`):
                "table": "<layer table sha256>"},
      "compression": "none",
      "model_sha256": "<sha256 of the global model's buffers>",  # null: no global model
+     "model_frame": "<message id of the frame that carries it, 16 hex digits>",
      "train": {...}, "scalars": {...},      # the values every task shares
      "tasks": {"client-2": {"client": 2, "upload": true, "source": "global",
                             "train": {"seed": "1234..."}, "scalars": {}}}}
 
-A per-client task (source "client", FedMR) also carries its own "model_sha256". Train
+A per-client task (source "client", FedMR) also carries its own "model_sha256" and
+"model_frame". A client takes a model frame whose message id is the announced
+"model_frame" as the announced model (only the aggregator may publish model frames, and it
+draws a new random id for each one it encodes); any other frame of the round it checks by
+content hash, so a receiver may ignore "model_frame" (it is optional). Train
 seeds travel as decimal strings (they are 64-bit; JSON numbers are exact only to 2^53).
 The final announcement of a run is {"v": 1, "run": ..., "aggregator": ..., "round": T,
 "rounds": T, "finished": true, "model_sha256": ...}.
@@ -137,9 +142,12 @@ def build_announcement(*, run_id: str, aggregator: str, round: int, rounds: int,
                        announce_id: str, opened: float, deadline: float, strategy: dict,
                        model: dict, compression: str, global_sha: str | None,
                        tasks: Mapping[str, Task], client_index: Mapping[str, int],
-                       client_sha: Mapping[str, str]) -> dict:
+                       client_sha: Mapping[str, str],
+                       frame_ids: Mapping[str, int] | None = None) -> dict:
     """The announcement of `round`. tasks: {node id: Task}; client_index: {node id: the
-    strategy's client id}; client_sha: {node id: sha of its per-client model}."""
+    strategy's client id}; client_sha: {node id: sha of its per-client model}; frame_ids:
+    {"global" or node id: message id of the frame carrying that model}."""
+    frame_ids = frame_ids or {}
     nodes = sorted(tasks)
     trains = [_wire_train(tasks[n].train) for n in nodes]
     scalars = [tag_floats(dict(tasks[n].scalars)) for n in nodes]
@@ -153,12 +161,17 @@ def build_announcement(*, run_id: str, aggregator: str, round: int, rounds: int,
                  "scalars": {k: v for k, v in sc.items() if k not in common_scalars}}
         if task.source == "client":
             entry["model_sha256"] = client_sha[n]
+            if n in frame_ids:
+                entry["model_frame"] = f"{frame_ids[n]:016x}"
         entries[n] = entry
-    return {"v": VERSION, "run": run_id, "aggregator": aggregator, "round": int(round),
-            "rounds": int(rounds), "announce": announce_id, "opened": float(opened),
-            "deadline": float(deadline), "strategy": tag_floats(strategy), "model": model,
-            "compression": compression, "model_sha256": global_sha,
-            "train": common_train, "scalars": common_scalars, "tasks": entries}
+    doc = {"v": VERSION, "run": run_id, "aggregator": aggregator, "round": int(round),
+           "rounds": int(rounds), "announce": announce_id, "opened": float(opened),
+           "deadline": float(deadline), "strategy": tag_floats(strategy), "model": model,
+           "compression": compression, "model_sha256": global_sha,
+           "train": common_train, "scalars": common_scalars, "tasks": entries}
+    if global_sha is not None and "global" in frame_ids:
+        doc["model_frame"] = f"{frame_ids['global']:016x}"
+    return doc
 
 
 def finished_announcement(*, run_id: str, aggregator: str, rounds: int,
@@ -237,6 +250,7 @@ def parse_announcement(payload: bytes) -> dict:
     _need(doc, "compression", str)
     if doc.get("model_sha256") is not None:
         _need(doc, "model_sha256", str)
+    _check_frame_id(doc, "announcement")
     _need(doc, "train", dict)
     _need(doc, "scalars", dict)
     tasks = _need(doc, "tasks", dict)
@@ -258,10 +272,30 @@ def parse_announcement(payload: bytes) -> dict:
         _need(entry, "scalars", dict, where)
         if entry["source"] == "client":
             _need(entry, "model_sha256", str, where)
+            _check_frame_id(entry, where)
         elif doc.get("model_sha256") is None:
             raise MessageError(f"{where}: source global but the announcement has no "
                                "model_sha256")
     return doc
+
+
+def _check_frame_id(doc: Mapping, where: str) -> None:
+    """An optional "model_frame": a 64-bit message id as 16 lowercase hex digits."""
+    value = doc.get("model_frame")
+    if value is None:
+        return
+    if not (isinstance(value, str) and len(value) == 16
+            and all(c in "0123456789abcdef" for c in value)):
+        raise MessageError(f"{where}: model_frame {str(value)[:40]!r} must be a message id of "
+                           "16 lowercase hex digits")
+
+
+def announced_frame_id(doc: Mapping, node: str) -> int | None:
+    """The message id of the frame carrying `node`'s model in announcement `doc` (its
+    per-client model's, or the global model's), or None when the announcement gives none."""
+    entry = doc["tasks"][node]
+    value = entry.get("model_frame") if entry["source"] == "client" else doc.get("model_frame")
+    return None if value is None else int(value, 16)
 
 
 def task_from_announcement(doc: Mapping, node: str, buffers: Mapping[str, np.ndarray]) -> Task:
