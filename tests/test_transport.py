@@ -296,6 +296,70 @@ def test_non_mqtt_listener_times_out_clearly():
             transport.connect(timeout=0.5)
 
 
+def test_a_connection_lost_before_the_suback_does_not_fail_the_subscription():
+    """A broker that drops the connection while a SUBSCRIBE is unanswered (seen with the
+    pure-Python broker under a burst of ten connecting clients): subscribe() returns, and
+    the filter is subscribed again on the next connection, instead of the node giving up
+    at start-up with "no SUBACK". The broker here is a few lines of MQTT 3.1.1 on a socket:
+    the first connection is cut at its SUBSCRIBE, the second one is answered."""
+    import socket
+    import threading
+    subscribed = threading.Event()
+
+    def read_packet(conn):
+        first = conn.recv(1)
+        if not first:
+            return None, b""
+        length, shift = 0, 0
+        while True:
+            byte = conn.recv(1)[0]
+            length |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+        body = b""
+        while len(body) < length:
+            body += conn.recv(length - len(body))
+        return first[0] >> 4, body
+
+    def broker(server):
+        for attempt in range(2):
+            conn, _ = server.accept()
+            with conn:
+                while True:
+                    kind, body = read_packet(conn)
+                    if kind is None:
+                        break
+                    if kind == 1:                                   # CONNECT
+                        conn.sendall(b"\x20\x02\x00\x00")
+                    elif kind == 8 and attempt == 0:                # SUBSCRIBE: cut
+                        conn.shutdown(socket.SHUT_RDWR)
+                        break
+                    elif kind == 8:                                 # SUBACK, granted QoS 1
+                        conn.sendall(b"\x90\x03" + body[:2] + b"\x01")
+                        subscribed.set()
+                    elif kind == 12:                                # PINGREQ
+                        conn.sendall(b"\xd0\x00")
+                    elif kind == 14:                                # DISCONNECT
+                        break
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        thread = threading.Thread(target=broker, args=(server,), daemon=True)
+        thread.start()
+        transport = MqttTransport(f"mqtt://127.0.0.1:{port}", "board-1", reconnect_min=0.05,
+                                  reconnect_max=0.2)
+        transport.connect(timeout=5)
+        try:
+            transport.subscribe("edgefl/fed/round", qos=1, timeout=5)
+            assert transport.subscriptions == {"edgefl/fed/round": 1}
+            assert subscribed.wait(5), "not subscribed again after the reconnect"
+        finally:
+            transport.close()
+
+
 @pytest.mark.parametrize("protocol", ["3.1.1", "5"])
 def test_bad_credentials_give_the_reason_code(mosquitto_acl_server, protocol):
     url = mosquitto_acl_server.url

@@ -205,6 +205,7 @@ class MqttTransport(Transport):
         self._deliveries: dict[int, _PahoDelivery] = {}
         self._early_acks: set[int] = set()
         self._subacks: dict[int, list] = {}
+        self._losses = 0                     # connections lost so far (_subscribe_now)
         self._resubscribing: dict[int, bool] = {}     # SUBACK mid -> session_present
         # paho's own log, under edgefl.transport.paho, muted while we tear the connection
         # down on purpose (paho 2.2 then logs socket errors and "Client is not connected").
@@ -466,6 +467,9 @@ class MqttTransport(Transport):
     def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         was_connected = self._connected
         self._connected = False
+        with self._flow:
+            self._losses += 1           # a SUBACK awaited on the lost connection never comes
+            self._flow.notify_all()
         if not self._first_connack.is_set() and not self._closing:
             # Closed before accepting us: a TLS listener that wants a client certificate,
             # a connection limit, a protocol the broker does not speak.
@@ -592,14 +596,22 @@ class MqttTransport(Transport):
         if client is None:
             return
         timeout = self.settings.connect_timeout if timeout is None else timeout
+        with self._flow:
+            losses = self._losses
         result, mid = client.subscribe(topic_filter, qos)
         if result != MQTTErrorCode.MQTT_ERR_SUCCESS:
             return   # not connected after all: on_connect subscribes on the next connection
         with self._flow:
-            if not self._flow.wait_for(lambda: mid in self._subacks or self._client is None,
-                                       timeout):
+            if not self._flow.wait_for(lambda: mid in self._subacks or self._client is None
+                                       or self._losses != losses, timeout):
                 raise TransportError(f"subscribe to {topic_filter!r}: no SUBACK from "
                                      f"{self.address} within {timeout:g} s")
+            if mid not in self._subacks:
+                # The connection was lost before the broker answered: the filter is
+                # registered, and on_connect subscribes to it again on the new connection
+                # (a broker dropping connections under a burst of clients must not make a
+                # client give up at start-up).
+                return
             codes = self._subacks.pop(mid, [])
         refused = [rc for rc in codes if rc.is_failure]
         if refused:
