@@ -15,7 +15,6 @@ scalars, JSON for structure), so `np.load(path, allow_pickle=False)` reads them.
 from __future__ import annotations
 
 import errno
-import io
 import json
 import math
 import os
@@ -85,11 +84,13 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write(path: str | os.PathLike, data) -> None:
     """Replace `path` with `data`: temporary file in the same directory, fsync, rename,
     fsync of the directory. The old file stays intact if anything fails on the way, and the
     temporary file is removed; a write that fails (a full disk: ENOSPC, at write, flush or
-    fsync) raises StateWriteError naming the file and the cause."""
+    fsync) raises StateWriteError naming the file and the cause. `data` is bytes, or a
+    callable that writes the content to the (binary) file object it is given, so a large
+    file need not be built in memory first."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     try:
@@ -100,7 +101,10 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
         raise _write_failed(path, exc, "a new version; the old one is intact") from exc
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -110,8 +114,9 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
         except OSError:
             pass
         if isinstance(exc, OSError):
-            raise _write_failed(path, exc, f"its new version ({len(data)} bytes); the old "
-                                           "one is intact") from exc
+            what = "its new version" if callable(data) else \
+                f"its new version ({len(data)} bytes)"
+            raise _write_failed(path, exc, f"{what}; the old one is intact") from exc
         raise
     _fsync_dir(directory)
 
@@ -180,10 +185,12 @@ def save_arrays(path, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any])
     """An .npz of `arrays` plus `meta` as JSON, written atomically."""
     if _META_KEY in arrays:
         raise ValueError(f"save_arrays: {_META_KEY!r} is reserved for the metadata")
-    buf = io.BytesIO()
-    np.savez(buf, **{_META_KEY: np.array(json.dumps(jsonable(meta)))},
-             **{k: np.asarray(v) for k, v in arrays.items()})
-    atomic_write(path, buf.getvalue())
+    entries = {_META_KEY: np.array(json.dumps(jsonable(meta))),
+               **{k: np.asarray(v) for k, v in arrays.items()}}
+    # straight into the temporary file: an aggregator checkpoint holds the model (4 bytes a
+    # parameter), and building it in a BytesIO first cost two more copies of it on the path
+    # from a round's last update to the next announcement
+    atomic_write(path, lambda f: np.savez(f, **entries))
 
 
 def load_arrays(path) -> tuple[dict, dict]:
