@@ -25,25 +25,35 @@ frame: edgefl.transport.wire on a model of P float32 parameters in four layers, 
   vs_memcpy = gb_per_s / memcpy's gb_per_s at the same P. Targets (issue 4): f32 encode and
   decode >= 1 GB/s.
 
-round: the aggregator and 10 clients (edgefl.roles, each with its own MQTT connection, as
-  `edgefl simulate --transport mqtt` runs them, all in this one process) training a
-  1M-parameter MLP (digits, 64-13333-10, one local step) through a broker, compression none,
-  with frames chunked to 128 KiB (AWS IoT's limit) and unchunked (one message per frame),
-  for each embedded broker: mosquitto (the production broker) and amqtt (the pure-Python
-  fallback). Per round:
+round: the aggregator and 10 clients (edgefl.roles, each with its own MQTT connection)
+  training a 1M-parameter MLP (digits, 64-13333-10, one local step) through a broker,
+  compression none, with frames chunked to 128 KiB (AWS IoT's limit) and unchunked (one
+  message per frame), for each embedded broker: mosquitto (the production broker) and amqtt
+  (the pure-Python fallback), and in two layouts (--topology):
+    processes   as a fleet runs: every client a real `edgefl client` process (its shard
+                from the run config's partition), the aggregator role in this process
+    threads     as `edgefl simulate --transport mqtt` runs them: every role a thread of
+                this one process, all under one interpreter lock
+  Per round:
     round_s     wall time from the previous round's checkpoint to this round's (median over
-                rounds 2..R-1: round 1 warms up, the last one also evaluates on the test set)
+                rounds 2..R-1: round 1 warms up -- and starts the client processes --, the
+                last one also evaluates on the test set)
     train_s     the slowest client's local training that round (reported by the clients)
     overhead_s  round_s - train_s: selection, encoding, the broker, decoding, reassembly,
                 aggregation and the fsync'ed checkpoint
-    raw_s       raw paho-mqtt moving the same bytes through the same broker in the same run:
-                one publisher sends the model's chunks (QoS 1) to 10 subscribers, then 10
-                publishers send theirs to one subscriber; median of `repeats` rounds
+    raw_s       raw paho-mqtt moving the same messages through the same broker in the same
+                run, median of `repeats` rounds, in the same layout:
+                  processes: 10 raw client processes (tools/_raw_paho_client.py); this
+                  process publishes the model's messages (QoS 1), each client publishes
+                  its own as soon as it has them all, the round ends when the last has
+                  arrived here -- a round's bytes in a round's pattern, nothing done to them
+                  threads: one publisher sends the model's messages to 10 subscribers, then
+                  10 publishers send theirs to one subscriber, all threads of this process
     vs_raw      overhead_s / raw_s (issue 4 target: <= 2 through Mosquitto)
     agg_cpu_s   CPU seconds of the aggregator's own thread per round (decoding, checking and
                 aggregating the updates, the checkpoint): what bounds how many clients one
                 aggregator serves per round (docs/scaling.md)
-  All roles share this machine's cores and one Python process here; on a fleet every client
+  Either way all processes share this machine's two cores; on a fleet every client
   decodes, trains and encodes on its own board.
 fleet: a small model (softmax, 650 parameters) and 100 clients (50 with --quick), all
   selected every round, through Mosquitto: round time, overhead and the aggregator's CPU per
@@ -172,13 +182,16 @@ ROUND_CLIENTS = 10
 ROUND_HIDDEN = 13333          # 64*13333 + 13333 + 13333*10 + 10 = 999,985 parameters
 
 
+def _run_mapping(clients: int, rounds: int, model: dict, train: dict) -> dict:
+    return {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": clients},
+            "model": model, "strategy": {"name": "fedavg"}, "train": train, "rounds": rounds,
+            "clients_per_round": clients, "seed": 0, "eval_every": rounds}
+
+
 def _run_config(clients: int, rounds: int, model: dict, train: dict):
     from edgefl.runconfig import run_config_from_mapping
 
-    return run_config_from_mapping({
-        "dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": clients},
-        "model": model, "strategy": {"name": "fedavg"}, "train": train, "rounds": rounds,
-        "clients_per_round": clients, "seed": 0, "eval_every": rounds})
+    return run_config_from_mapping(_run_mapping(clients, rounds, model, train))
 
 
 def _roles_rounds(config, url: str, max_payload: int) -> list[dict]:
@@ -270,6 +283,151 @@ def _raw_paho_round(url: str, clients: int, payloads: list[bytes], timeout: floa
             client.loop_stop()
 
 
+def _raw_paho_processes(url: str, clients: int, payloads: list[bytes], repeats: int,
+                        timeout: float = 120.0) -> list[float]:
+    """Seconds per round for raw paho-mqtt with every client its own process
+    (tools/_raw_paho_client.py): this process publishes the model's messages (QoS 1), each
+    client publishes its own once it has them all, and the round ends when the last update
+    message has arrived here: the bytes a fleet's round moves, in the same pattern, with
+    nothing done to them. One value per repeat, in one set of connected processes."""
+    import socket
+    import subprocess
+    import tempfile
+    import threading
+
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from edgefl.transport.mqtt import parse_broker_url
+
+    address = parse_broker_url(url)
+    tag = os.urandom(4).hex()
+    n = len(payloads)
+    lock, got, done = threading.Lock(), [0], threading.Event()
+    agg = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{tag}-agg", clean_session=True)
+    agg.max_inflight_messages_set(16)
+    agg.on_socket_open = lambda c, u, sock: sock.setsockopt(socket.IPPROTO_TCP,
+                                                            socket.TCP_NODELAY, 1)
+
+    def on_message(c, u, msg):
+        with lock:
+            got[0] += 1
+            if got[0] == n * clients:
+                done.set()
+
+    subscribed = threading.Event()
+    agg.on_message = on_message
+    agg.on_subscribe = lambda *a: subscribed.set()
+    procs = []
+    with tempfile.NamedTemporaryFile(prefix="edgefl-raw-", suffix=".bin") as blob:
+        blob.write(json.dumps([len(p) for p in payloads]).encode() + b"\n" + b"".join(payloads))
+        blob.flush()
+        try:
+            agg.connect(address.host, address.port, keepalive=60)
+            agg.loop_start()
+            agg.subscribe(f"raw/{tag}/update/+", qos=1)
+            if not subscribed.wait(10):
+                raise RuntimeError(f"raw paho: no SUBACK from {address}")
+            script = str(Path(__file__).resolve().parent / "_raw_paho_client.py")
+            for i in range(clients):
+                procs.append(subprocess.Popen(
+                    [sys.executable, script, address.host, str(address.port), tag, str(i),
+                     blob.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            for proc in procs:
+                if proc.stdout.readline().strip() != b"ready":
+                    raise RuntimeError("raw paho: a client process did not get ready")
+            times = []
+            for _ in range(repeats):
+                got[0] = 0
+                done.clear()
+                t0 = time.perf_counter()
+                for p in payloads:
+                    agg.publish(f"raw/{tag}/model", p, qos=1)
+                if not done.wait(timeout):
+                    raise RuntimeError("raw paho: not every update reached the aggregator")
+                times.append(time.perf_counter() - t0)
+            return times
+        finally:
+            for proc in procs:
+                try:
+                    proc.stdin.close()
+                    proc.wait(10)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
+            agg.disconnect()
+            agg.loop_stop()
+
+
+def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> list[dict]:
+    """_roles_rounds with a fleet's process layout: every client a real `edgefl client`
+    process (its shard from the run config's partition, --partition/--shard), the
+    aggregator role in this process. Round 1 includes the clients' start-up."""
+    import subprocess
+    import tempfile
+    import threading
+
+    import yaml
+
+    from edgefl.roles import Aggregator, AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.runconfig import run_config_from_mapping
+    from edgefl.sim import prepare_run
+    from edgefl.transport.mqtt import MqttTransport
+
+    config = run_config_from_mapping(config_map)
+    run = prepare_run(config, progress=False)
+    ids = default_client_ids(len(run.setup.clients))
+    federation = f"bench{os.urandom(3).hex()}"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)
+               + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    commits = []
+    with tempfile.TemporaryDirectory(prefix="edgefl-fleet-") as tmp:
+        run_file = os.path.join(tmp, "run.yaml")
+        with open(run_file, "w") as f:
+            yaml.safe_dump(config_map, f)
+        procs = []
+        try:
+            for i, node in enumerate(ids):
+                site = os.path.join(tmp, f"{node}.yaml")
+                with open(site, "w") as f:
+                    yaml.safe_dump({"node": {"id": node, "federation": federation},
+                                    "broker": {"url": url}, "state_dir": os.path.join(tmp, node),
+                                    "log": {"level": "warning"}, "profile": "generic-x86",
+                                    "transport": {"chunk_size": max_payload,
+                                                  "compression": "none"}}, f)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "edgefl.cli", "client", "--config", site,
+                     "--partition", run_file, "--shard", str(i), "--exit-when-finished"],
+                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                           config.clients_per_round, ids,
+                           test=(run.dataset.x_test, run.dataset.y_test),
+                           eval_every=config.eval_every, description=config.to_dict())
+            settings = AggregatorSettings(federation=federation, round_timeout_s=600,
+                                          max_payload=max_payload, compression="none")
+            aggregator = Aggregator(
+                plan, MqttTransport(url, f"edgefl-{federation}-aggregator", clean_session=True),
+                os.path.join(tmp, "aggregator"), settings,
+                on_round=lambda record, history: commits.append(
+                    (time.perf_counter(), time.thread_time())))
+            result = aggregator.run()
+            for proc in procs:
+                if proc.wait(60) != 0:
+                    raise RuntimeError(f"an edgefl client exited {proc.returncode}: "
+                                       f"{proc.stderr.read().decode()[-500:]}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    history = [dict(h) for h in result.history]
+    for i in range(1, len(history)):
+        history[i]["cycle_s"] = commits[i][0] - commits[i - 1][0]
+        history[i]["agg_cpu_s"] = commits[i][1] - commits[i - 1][1]
+    history[0]["cycle_s"] = history[0]["wall_s"]
+    history[0]["agg_cpu_s"] = float("nan")
+    return history
+
+
 def bench_round(args) -> Iterator[dict]:
     from edgefl.sim import prepare_run
     from edgefl.transport.broker import (EmbeddedBroker, find_mosquitto, have_python_broker,
@@ -277,8 +435,11 @@ def bench_round(args) -> Iterator[dict]:
 
     rounds = 4 if args.quick else 7
     repeats = 3 if args.quick else 5
-    config = _run_config(ROUND_CLIENTS, rounds, {"name": "mlp", "hidden": [ROUND_HIDDEN]},
-                         {"lr": 0.01, "batch_size": 8, "steps": 1})
+    model, train = {"name": "mlp", "hidden": [ROUND_HIDDEN]}, {"lr": 0.01, "batch_size": 8,
+                                                                "steps": 1}
+    config = _run_config(ROUND_CLIENTS, rounds, model, train)
+    # the process fleet: round 1 includes ten interpreters starting, so two more rounds
+    fleet_map = _run_mapping(ROUND_CLIENTS, rounds + 2, model, train)
     table = prepare_run(config, progress=False).model.table
     x = np.random.default_rng(0).standard_normal(table.size).astype(np.float32)
     frame = wire.encode("update", 1, "client-0", {"params": x},
@@ -287,33 +448,41 @@ def bench_round(args) -> Iterator[dict]:
     whole = 1 << (len(frame) - 1).bit_length()          # one message per frame
     chunks = [AWS_IOT_MAX_PAYLOAD, whole]
     brokers = [("mosquitto", find_mosquitto() is not None), ("amqtt", have_python_broker())]
+    topologies = args.topology or ["processes", "threads"]
     for name, available in brokers:
         for chunk in chunks:
-            payloads = wire.split(frame, chunk)
-            row = {"bench": "round", "impl": f"roles/{name}", "clients": ROUND_CLIENTS,
-                   "P": table.size, "chunk": chunk if chunk < whole else "whole frame",
-                   "messages": len(payloads) * (1 + ROUND_CLIENTS)}
-            if not available:
-                row["note"] = f"{name} not installed: skipped"
+            for topology in topologies:
+                payloads = wire.split(frame, chunk)
+                row = {"bench": "round", "impl": f"roles/{name}", "topology": topology,
+                       "clients": ROUND_CLIENTS, "P": table.size,
+                       "chunk": chunk if chunk < whole else "whole frame",
+                       "messages": len(payloads) * (1 + ROUND_CLIENTS)}
+                if not available:
+                    row["note"] = f"{name} not installed: skipped"
+                    yield row
+                    continue
+                kind = "mosquitto" if name == "mosquitto" else "python"
+                with EmbeddedBroker(kind=kind,
+                                    max_packet_bytes=packet_bytes_for(chunk)) as broker:
+                    if topology == "processes":
+                        raw = _raw_paho_processes(broker.url, ROUND_CLIENTS, payloads, repeats)
+                        history = _roles_rounds_processes(fleet_map, broker.url, chunk)
+                    else:
+                        raw = [_raw_paho_round(broker.url, ROUND_CLIENTS, payloads)
+                               for _ in range(repeats)]
+                        history = _roles_rounds(config, broker.url, chunk)
+                middle = history[1:-1] or history
+                round_s = statistics.median(h["cycle_s"] for h in middle)
+                train_s = statistics.median(h["train_wall_s"] for h in middle)
+                overhead = statistics.median(h["cycle_s"] - h["train_wall_s"] for h in middle)
+                raw_s = statistics.median(raw)
+                row.update({"round_s": round(round_s, 4), "train_s": round(train_s, 4),
+                            "overhead_s": round(overhead, 4), "raw_s": round(raw_s, 4),
+                            "vs_raw": round(overhead / raw_s, 2),
+                            "agg_cpu_s": round(statistics.median(h["agg_cpu_s"]
+                                                                 for h in middle), 4),
+                            "rounds": len(middle), "repeats": repeats})
                 yield row
-                continue
-            kind = "mosquitto" if name == "mosquitto" else "python"
-            with EmbeddedBroker(kind=kind, max_packet_bytes=packet_bytes_for(chunk)) as broker:
-                raw = [_raw_paho_round(broker.url, ROUND_CLIENTS, payloads)
-                       for _ in range(repeats)]
-                history = _roles_rounds(config, broker.url, chunk)
-            middle = history[1:-1] or history
-            round_s = statistics.median(h["cycle_s"] for h in middle)
-            train_s = statistics.median(h["train_wall_s"] for h in middle)
-            overhead = statistics.median(h["cycle_s"] - h["train_wall_s"] for h in middle)
-            raw_s = statistics.median(raw)
-            row.update({"round_s": round(round_s, 4), "train_s": round(train_s, 4),
-                        "overhead_s": round(overhead, 4), "raw_s": round(raw_s, 4),
-                        "vs_raw": round(overhead / raw_s, 2),
-                        "agg_cpu_s": round(statistics.median(h["agg_cpu_s"] for h in middle),
-                                           4),
-                        "rounds": len(middle), "repeats": repeats})
-            yield row
 
 
 def bench_fleet(args) -> Iterator[dict]:
@@ -463,6 +632,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", action="append", metavar="NAME",
                     help="run only this benchmark (repeatable): "
                          + ", ".join(b.__name__.removeprefix("bench_") for b in BENCHMARKS))
+    ap.add_argument("--topology", action="append", choices=["processes", "threads"],
+                    help="round: only this layout of the roles (repeatable; default both)")
     ap.add_argument("--keep-openblas-env", action="store_true",
                     help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (read before NumPy loads)")
     args = ap.parse_args(argv)
