@@ -146,6 +146,23 @@ def test_ready_is_sent_once_then_only_the_status(notify_socket):
     assert recv(0.3) is None
 
 
+def test_an_unchanged_status_is_not_sent_again(notify_socket):
+    # the idle aggregator service reports "waiting for a run" on every pass of its loop
+    path, recv = notify_socket
+    notifier = Notifier(path)
+    assert notifier.ready("aggregator: waiting for a run")
+    assert recv() == "READY=1\nSTATUS=aggregator: waiting for a run"
+    for _ in range(5):
+        assert notifier.status("aggregator: waiting for a run")
+    assert recv(0.3) is None
+    assert notifier.status("aggregator: run r1, 0 of 3 rounds done")
+    assert recv() == "STATUS=aggregator: run r1, 0 of 3 rounds done"
+    assert notifier.stopping("stopping")          # STATUS sent with another field counts
+    assert recv() == "STOPPING=1\nSTATUS=stopping"
+    assert notifier.status("aggregator: waiting for a run")
+    assert recv() == "STATUS=aggregator: waiting for a run"
+
+
 def test_heartbeat_check_follows_the_main_loop_beats(notify_socket):
     path, recv = notify_socket
     notifier = Notifier(path)

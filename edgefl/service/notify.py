@@ -68,6 +68,7 @@ class Notifier:
         self._lock = threading.Lock()
         self._warned = False
         self._ready_sent = False
+        self._status: str | None = None    # the last STATUS sent
         # monotonic time of the main loop's last beat(); None: start-up (before READY=1)
         self.last_beat: float | None = None
         if self.address is None:
@@ -105,6 +106,8 @@ class Notifier:
             text = str(value).replace("\n", " ")
             lines.append(f"{key}={text}")
         payload = "\n".join(lines).encode("utf-8")
+        if "STATUS" in fields:
+            self._status = str(fields["STATUS"]).replace("\n", " ")
         with self._lock:
             try:
                 if self._sock is None:
@@ -132,7 +135,12 @@ class Notifier:
         return sent
 
     def status(self, text: str) -> bool:
-        """STATUS=text: one line shown by `systemctl status`, e.g. "round 12: training"."""
+        """STATUS=text: one line shown by `systemctl status`, e.g. "round 12: training".
+        The same text as the last STATUS is not sent again: a loop that reports its state on
+        every pass (the idle aggregator service, twice a second) would flood the manager
+        with datagrams that change nothing."""
+        if self.enabled and text.replace("\n", " ") == self._status:
+            return True
         return self.send(STATUS=text)
 
     def stopping(self, status: str | None = None) -> bool:
