@@ -229,6 +229,15 @@ def with_nan(frame: bytes) -> bytes:
     return reseal(bytes(data))
 
 
+def loopback_aggregator():
+    """(broker, the test's aggregator transport on it, subscribed to the updates, topics)."""
+    broker = LoopbackBroker()
+    agg = broker.transport("agg")
+    agg.connect()
+    agg.subscribe("edgefl/fed/update/+")
+    return broker, agg, Topics("fed")
+
+
 class ClientHarness:
     """One Client role in a thread; the test publishes what the aggregator would."""
 
@@ -251,13 +260,9 @@ class ClientHarness:
 
 def test_client_checks_every_frame_and_trains_each_round_once(tmp_path, caplog):
     caplog.set_level(logging.INFO, "edgefl.roles.client")
-    broker = LoopbackBroker()
+    broker, agg, topics = loopback_aggregator()
     run, tasks, doc = announcement_for(tmp_path, strategy="fedavg")
     table = run.model.table
-    agg = broker.transport("agg")
-    agg.connect()
-    agg.subscribe("edgefl/fed/update/+")
-    topics = Topics("fed")
     global_buffers = tasks[0].buffers
     good = wire.encode("model", 1, "agg", global_buffers, {"run": "run1"}, table)
     doc["model_sha256"] = msg.buffers_sha256(global_buffers)
@@ -322,13 +327,9 @@ def test_the_announced_model_frame_is_taken_by_id_any_other_by_content(tmp_path,
     announcement); another frame of the round (re-encoded, stale, foreign) is checked by
     content as before."""
     caplog.set_level(logging.INFO, "edgefl.roles.client")
-    broker = LoopbackBroker()
+    broker, agg, topics = loopback_aggregator()
     run, tasks, doc = announcement_for(tmp_path, strategy="fedavg")
     table = run.model.table
-    agg = broker.transport("agg")
-    agg.connect()
-    agg.subscribe("edgefl/fed/update/+")
-    topics = Topics("fed")
     buffers = tasks[0].buffers
     announced = wire.encode("model", 1, "agg", buffers, {"run": "run1"}, table)
     doc["model_frame"] = f"{wire.read_header(announced).message_id:016x}"

@@ -194,6 +194,19 @@ def _run_config(clients: int, rounds: int, model: dict, train: dict):
     return run_config_from_mapping(_run_mapping(clients, rounds, model, train))
 
 
+def _with_cycles(history: list, commits: list) -> list[dict]:
+    """The round records with `cycle_s` (wall time from the previous round's commit to this
+    one's) and `agg_cpu_s` (the aggregator thread's CPU in between), from `commits`, the
+    (perf_counter, thread_time) pairs taken at each commit."""
+    history = [dict(h) for h in history]
+    for i in range(1, len(history)):
+        history[i]["cycle_s"] = commits[i][0] - commits[i - 1][0]
+        history[i]["agg_cpu_s"] = commits[i][1] - commits[i - 1][1]
+    history[0]["cycle_s"] = history[0]["wall_s"]
+    history[0]["agg_cpu_s"] = float("nan")
+    return history
+
+
 def _roles_rounds(config, url: str, max_payload: int) -> list[dict]:
     """The per-round records of a run of the roles through the broker at `url`, each with
     `cycle_s`: the time from the previous round's commit (checkpoint written) to this one's,
@@ -205,13 +218,7 @@ def _roles_rounds(config, url: str, max_payload: int) -> list[dict]:
     result, _ = run_over_broker(
         run, url, max_payload=max_payload, round_timeout_s=600, workers=os.cpu_count() or 1,
         on_round=lambda record: commits.append((time.perf_counter(), time.thread_time())))
-    history = [dict(h) for h in result.history]
-    for i in range(1, len(history)):
-        history[i]["cycle_s"] = commits[i][0] - commits[i - 1][0]
-        history[i]["agg_cpu_s"] = commits[i][1] - commits[i - 1][1]
-    history[0]["cycle_s"] = history[0]["wall_s"]
-    history[0]["agg_cpu_s"] = float("nan")
-    return history
+    return _with_cycles(result.history, commits)
 
 
 def _raw_paho_round(url: str, clients: int, payloads: list[bytes], timeout: float = 120.0):
@@ -419,13 +426,7 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> lis
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-    history = [dict(h) for h in result.history]
-    for i in range(1, len(history)):
-        history[i]["cycle_s"] = commits[i][0] - commits[i - 1][0]
-        history[i]["agg_cpu_s"] = commits[i][1] - commits[i - 1][1]
-    history[0]["cycle_s"] = history[0]["wall_s"]
-    history[0]["agg_cpu_s"] = float("nan")
-    return history
+    return _with_cycles(result.history, commits)
 
 
 def bench_round(args) -> Iterator[dict]:
