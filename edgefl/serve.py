@@ -34,6 +34,7 @@ main loop runs; STOPPING=1 and exit 0 on SIGTERM, the socket file removed.
 from __future__ import annotations
 
 import errno
+import http.client
 import io
 import json
 import logging
@@ -58,6 +59,21 @@ SOCKET_NAME = "predict.sock"
 MAX_UNIX_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 DRAIN_BYTES = 64 << 20      # an oversized body up to this is read (and dropped) before the 413
 NPY_TYPES = ("application/x-npy", "application/octet-stream")
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """An http.client connection to the service's Unix socket, for scripts on the board
+    (and the tests and tools/bench_onnx.py): `UnixHTTPConnection(path)`, then the usual
+    request()/getresponse()."""
+
+    def __init__(self, path: str, timeout: float = 10.0):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
 
 
 class ServeError(ValueError):

@@ -28,20 +28,10 @@ from edgefl.export import export_onnx
 from edgefl.export.onnx import raw_inputs
 from edgefl.infer import Predictor, write_atomic
 from edgefl.models import build_model
+from edgefl.serve import UnixHTTPConnection
 from helpers import NotifySocket, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 10.0):
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socket_path)
 
 
 def request(conn, method, path, body=None, content_type="application/json"):

@@ -55,11 +55,9 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse
 import datetime
-import http.client
 import json
 import logging
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -76,6 +74,7 @@ sys.path.insert(0, str(REPO))  # a source checkout
 from _bench import markdown, time_medians  # noqa: E402  (tools/ is the script directory)
 
 from edgefl import __version__, kernels
+from edgefl.serve import UnixHTTPConnection  # noqa: E402
 from edgefl.export import export_checkpoint, export_onnx, quantize_int8
 from edgefl.infer import Predictor
 from edgefl.models import build_model
@@ -194,17 +193,6 @@ def bench_accuracy(args) -> Iterator[dict]:
 # edgefl serve
 # ---------------------------------------------------------------------------------------
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 30.0):
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = path
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.socket_path)
-
-
 def _post(conn, body: bytes) -> dict:
     conn.request("POST", "/predict", body=body, headers={"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -243,7 +231,7 @@ def bench_serve(args) -> Iterator[dict]:
                                      "--config", site], env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT)
         try:
-            conn = UnixHTTPConnection(sock)
+            conn = UnixHTTPConnection(sock, timeout=30.0)
             deadline = time.monotonic() + 60
             while True:
                 if proc.poll() is not None:

@@ -371,7 +371,6 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> lis
     aggregator role in this process. Round 1 includes the clients' start-up."""
     import subprocess
     import tempfile
-    import threading
 
     import yaml
 
