@@ -246,6 +246,8 @@ class Aggregator:
         self.topics = Topics(settings.federation, settings.prefix)
         self._topic_cache = TopicCache(self.topics)
         self.table = plan.model.table
+        # the test set, checked once for every evaluation of the run (kernels.Samples)
+        self._test_set = None if plan.test is None else kernels.Samples(plan.model, *plan.test)
         self.members = {node: i for i, node in enumerate(plan.client_ids)}
         self.fingerprint = run_fingerprint(plan, settings)
         # Limits (docs/limits.md). Unless configured: room for every uploader's chunked
@@ -882,8 +884,9 @@ class Aggregator:
                   "uplink_bytes": sum(u.nbytes for u in updates.values()),
                   "downlink_bytes": sum(t.nbytes for t in o.tasks.values()),
                   "selected": list(o.selected), "trained": len(o.tasks)}
-        if plan.test is not None and (o.round % plan.eval_every == 0 or o.round == self.rounds):
-            result = kernels.evaluate(plan.model, plan.strategy.global_model(state), *plan.test)
+        if self._test_set is not None and (o.round % plan.eval_every == 0
+                                           or o.round == self.rounds):
+            result = kernels.evaluate_samples(self._test_set, plan.strategy.global_model(state))
             record["test_accuracy"], record["test_loss"] = result["accuracy"], result["loss"]
         now = time.perf_counter()
         record.update({"wall_s": now - o.started,
