@@ -42,7 +42,8 @@ round: the aggregator and 10 clients (edgefl.roles, each with its own MQTT conne
     overhead_s  round_s - train_s: selection, encoding, the broker, decoding, reassembly,
                 aggregation and the fsync'ed checkpoint
     raw_s       raw paho-mqtt moving the same messages through the same broker in the same
-                run, median of `repeats` rounds, in the same layout:
+                run, median of `repeats` rounds (half before the roles' run, half after),
+                in the same layout:
                   processes: 10 raw client processes (tools/_raw_paho_client.py); this
                   process publishes the model's messages (QoS 1), each client publishes
                   its own as soon as it has them all, the round ends when the last has
@@ -464,13 +465,25 @@ def bench_round(args) -> Iterator[dict]:
                 kind = "mosquitto" if name == "mosquitto" else "python"
                 with EmbeddedBroker(kind=kind,
                                     max_packet_bytes=packet_bytes_for(chunk)) as broker:
+                    # raw rounds before and after the roles' run, so that a machine
+                    # whose speed drifts during the row biases neither side of vs_raw
+                    before = (repeats + 1) // 2
                     if topology == "processes":
-                        raw = _raw_paho_processes(broker.url, ROUND_CLIENTS, payloads, repeats)
-                        history = _roles_rounds_processes(fleet_map, broker.url, chunk)
+                        def raw_rounds(n):
+                            return _raw_paho_processes(broker.url, ROUND_CLIENTS, payloads, n)
+
+                        def roles_rounds():
+                            return _roles_rounds_processes(fleet_map, broker.url, chunk)
                     else:
-                        raw = [_raw_paho_round(broker.url, ROUND_CLIENTS, payloads)
-                               for _ in range(repeats)]
-                        history = _roles_rounds(config, broker.url, chunk)
+                        def raw_rounds(n):
+                            return [_raw_paho_round(broker.url, ROUND_CLIENTS, payloads)
+                                    for _ in range(n)]
+
+                        def roles_rounds():
+                            return _roles_rounds(config, broker.url, chunk)
+                    raw = raw_rounds(before)
+                    history = roles_rounds()
+                    raw += raw_rounds(repeats - before)
                 middle = history[1:-1] or history
                 round_s = statistics.median(h["cycle_s"] for h in middle)
                 train_s = statistics.median(h["train_wall_s"] for h in middle)
