@@ -11,6 +11,8 @@ To add a subcommand:
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -62,6 +64,24 @@ def main(argv=None) -> int:
         # Bad input (config, data, files): one line naming the cause, no traceback.
         print(f"edgefl {command.name}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def console_main(argv=None) -> int:
+    """The `edgefl` console script and `python -m edgefl.cli`: main(), and then, if a client
+    stopped mid-round left its local round running in a worker thread, an immediate exit
+    (os._exit) with main's status once logs and output are flushed. The thread is inside the
+    C core; a normal exit would run the C libraries' destructors under it and end the
+    process with SIGSEGV (edgefl.roles.client.training_in_progress). Everything the client
+    keeps is on disk and its connection is closed by then; only the abandoned round, which
+    is trained again after a restart, is cut short."""
+    code = main(argv)
+    client = sys.modules.get("edgefl.roles.client")
+    if client is not None and client.training_in_progress():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -667,7 +687,6 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _client(args: argparse.Namespace) -> int:
     import json
-    import logging
 
     from .roles import Client, ClientSettings
     from .service import profiles
@@ -1121,4 +1140,4 @@ register(Command("ctl", "drive the aggregator service over MQTT: start CONFIG | 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -107,6 +108,19 @@ class ClientSettings:
 
 _TRAINING_DONE = object()
 
+# Every _Job whose thread may still run: a thread keeps its job alive until it returns.
+_JOBS: "weakref.WeakSet[_Job]" = weakref.WeakSet()
+
+
+def training_in_progress() -> bool:
+    """Whether a local round still runs in a worker thread of this process. A client stopped
+    mid-round abandons its job (the round is trained again after a restart) and its thread
+    runs on inside the C core, with the interpreter lock released, until the round ends.
+    Such a process must end with os._exit (edgefl.cli.console_main does): a normal exit
+    runs the C libraries' destructors under the running thread -- OpenBLAS frees the
+    buffers its GEMM is using -- and the process dies of SIGSEGV instead of exiting 0."""
+    return any(job.thread.is_alive() for job in list(_JOBS))
+
 
 class _Job:
     """One local round running in a worker thread."""
@@ -123,6 +137,7 @@ class _Job:
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"edgefl-train-{local.client}",
                                        args=(local, strategy, client_state, slots), daemon=True)
+        _JOBS.add(self)
 
     def _run(self, local, strategy, client_state, slots) -> None:
         try:
