@@ -52,21 +52,34 @@ RUN = {
 }
 
 
+def _role_env() -> dict:
+    """The environment of the role processes: this checkout first on the path, and none of
+    systemd's variables from whatever runs the tests (a test that wants them sets its own)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        env.pop(key, None)
+    return env
+
+
+def _site_writer(tmp_path: Path, broker_url: str):
+    """site(name, doc): writes tmp_path/<name>.yaml, a generic-x86 site file on the test's
+    broker with `doc`'s keys added, and returns its path."""
+    def site(name: str, doc: dict) -> str:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
+                                        "broker": {"url": broker_url}, **doc}))
+        return str(path)
+    return site
+
+
 def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquitto_server):
     run_file = tmp_path / "run.yaml"
     run_file.write_text(yaml.safe_dump(RUN))
     fed = f"sig-{os.urandom(4).hex()}"
     agg_state = tmp_path / "agg-state"
     sockets_dir = Path(tempfile.mkdtemp(prefix="efsig-", dir="/tmp"))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-        env.pop(key, None)
-
-    def site(name, doc):
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
-                                        "broker": {"url": mosquitto_server.url}, **doc}))
-        return str(path)
+    env = _role_env()
+    site = _site_writer(tmp_path, mosquitto_server.url)
 
     agg_site = site("aggregator", {"node": {"id": "aggregator", "federation": fed},
                                    "state_dir": str(agg_state), "run": str(run_file),
@@ -166,6 +179,7 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
                 proc.wait(10)
         for s in sockets:
             s.close()
+        shutil.rmtree(sockets_dir, ignore_errors=True)
 
     assert aggregated() == [1, 2, 3]                      # each round exactly once
     assert any(r.get("event") == "resumed" for r in read_journal(journal))
@@ -209,15 +223,8 @@ def test_sigterm_while_the_c_core_trains_exits_0_every_time(tmp_path, mosquitto_
     run_file.write_text(yaml.safe_dump(run))
     fed = f"sigc-{os.urandom(4).hex()}"
     sockets_dir = Path(tempfile.mkdtemp(prefix="efsig-", dir="/tmp"))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-        env.pop(key, None)
-
-    def site(name, doc):
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
-                                        "broker": {"url": mosquitto_server.url}, **doc}))
-        return str(path)
+    env = _role_env()
+    site = _site_writer(tmp_path, mosquitto_server.url)
 
     agg_site = site("aggregator", {"node": {"id": "aggregator", "federation": fed},
                                    "state_dir": str(tmp_path / "agg-state"),
@@ -262,6 +269,7 @@ def test_sigterm_while_the_c_core_trains_exits_0_every_time(tmp_path, mosquitto_
                 proc.kill()
                 proc.wait(10)
         status.close()
+        shutil.rmtree(sockets_dir, ignore_errors=True)
 
 
 def test_aggregator_site_file_round_client_and_export_settings(tmp_path, capsys):
