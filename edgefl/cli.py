@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,14 +75,24 @@ def console_main(argv=None) -> int:
     process with SIGSEGV (edgefl.roles.client.training_in_progress). Everything the client
     keeps is on disk and its connection is closed by then; only the abandoned round, which
     is trained again after a restart, is cut short."""
-    code = main(argv)
-    client = sys.modules.get("edgefl.roles.client")
-    if client is not None and client.training_in_progress():
+    try:
+        code = main(argv)
+    except BaseException as exc:            # Ctrl-C in a simulation over MQTT, a bug
+        if not _training_left_running():
+            raise
+        traceback.print_exc()
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    if _training_left_running():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _training_left_running() -> bool:
+    client = sys.modules.get("edgefl.roles.client")
+    return client is not None and client.training_in_progress()
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
