@@ -94,22 +94,55 @@ def test_checkpoint_and_progress_round_trip(tmp_path):
     assert back.history == [{"round": 1}] and back.elapsed_s == 2.5
     assert AggregatorCheckpoint.load(tmp_path / "nowhere") is None
 
-    progress = ClientProgress("r1", 3, b"frame bytes", State({"g": np.zeros(7, np.float32)},
-                                                            {"round": 3, "lr": 0.1}))
+    table = LayerTable.from_shapes([("w", (7,))])
+
+    def update_frame(r, value=0.5):
+        return wire.encode("update", r, "client-0", {"params": np.full(7, value, np.float32)},
+                           {"run": "r1"}, table)
+
+    frame3 = update_frame(3)
+    progress = ClientProgress("r1", 3, frame3, State({"g": np.zeros(7, np.float32)},
+                                                     {"round": 3, "lr": 0.1}))
     progress.save(tmp_path)
     progress.save_upload(tmp_path)
     again = ClientProgress.load(tmp_path)
-    assert (again.run_id, again.trained, again.upload) == ("r1", 3, b"frame bytes")
+    assert (again.run_id, again.trained, again.upload) == ("r1", 3, frame3)
     assert again.client_state.meta == {"round": 3, "lr": 0.1} and not again.upload_missing
     assert ClientProgress.load(tmp_path / "fresh").trained == 0
-    # the next round's progress is written, the process dies before its update file is:
-    # the round counts as trained (never again), its update is known to be missing
-    ClientProgress("r1", 4, b"next frame", None).save(tmp_path)
+    # the next round's progress is written, the process dies before its update file is
+    # rewritten: the round counts as trained (never again), its update is known to be
+    # missing -- the file still holds round 3's frame, which must not pass for round 4's
+    frame4 = update_frame(4, 0.25)
+    ClientProgress("r1", 4, frame4, None).save(tmp_path)
     crashed = ClientProgress.load(tmp_path)
     assert crashed.trained == 4 and crashed.upload is None
-    assert crashed.upload_missing.endswith("update-4.frame")
-    ClientProgress("r1", 4, b"next frame", None).save_upload(tmp_path)
-    assert sorted(p.name for p in tmp_path.glob("update-*")) == ["update-4.frame"]
+    assert "update.frame" in crashed.upload_missing and "not the update of round 4" in \
+        crashed.upload_missing
+    # ... or dies while rewriting it: a torn frame is refused the same way
+    with open(tmp_path / "update.frame", "r+b") as f:
+        f.write(frame4[:len(frame4) // 2])
+    torn = ClientProgress.load(tmp_path)
+    assert torn.trained == 4 and torn.upload is None and "torn" in torn.upload_missing
+    ClientProgress("r1", 4, frame4, None).save_upload(tmp_path)
+    assert ClientProgress.load(tmp_path).upload == frame4
+    # a shorter frame cuts the file to its length
+    short = wire.encode("update", 5, "client-0", {"params": np.ones(3, np.float32)}, None,
+                        LayerTable.from_shapes([("w", (3,))]))
+    assert len(short) < len(frame4)
+    ClientProgress("r1", 5, short, None).save(tmp_path)
+    ClientProgress("r1", 5, short, None).save_upload(tmp_path)
+    assert ClientProgress.load(tmp_path).upload == short
+    assert (tmp_path / "update.frame").stat().st_size == len(short)
+    # a state directory of an earlier version: its update-<round>.frame is read, then the
+    # next save_upload replaces it with update.frame
+    os.replace(tmp_path / "update.frame", tmp_path / "update-5.frame")
+    meta_path = tmp_path / "client.npz"
+    arrays, meta = load_arrays(meta_path)
+    meta["upload_file"] = "update-5.frame"
+    save_arrays(meta_path, arrays, meta)
+    assert ClientProgress.load(tmp_path).upload == short
+    ClientProgress("r1", 5, short, None).save_upload(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("update*")) == ["update.frame"]
 
 
 def test_journal_skips_a_torn_last_line(tmp_path):

@@ -625,6 +625,48 @@ def test_split_refuses_tiny_limits_and_chunks():
         wire.split(data[:-3], KB128)
 
 
+@pytest.mark.parametrize("sender,recipient", [("agg", None), ("agg", "pi-07"),
+                                              ("pi-ü\"x", None), ("b\\oard é", "klient-ß")])
+def test_chunk_metadata_is_the_json_of_its_fields(sender, recipient):
+    # split() writes chunk metadata from a per-frame template: it must stay byte for byte what
+    # the JSON encoder writes for the same fields (non-ASCII and escaped characters included)
+    meta = {"sender": sender, **({"recipient": recipient} if recipient else {}),
+            "offset": 131008, "total": 4000180}
+    assert wire._chunk_meta(sender, recipient, 131008, 4000180) == \
+        json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    kind = "client_model" if recipient else "model"
+    data = wire.encode(kind, 2, sender, {"params": params(BIG)}, None, BIG, recipient=recipient)
+    for chunk in wire.split(data, KB128):
+        h = wire.read_header(chunk)
+        assert json.loads(bytes(chunk[64:64 + h.meta_len]))["sender"] == sender
+
+
+def test_metadata_with_a_byte_order_mark_is_refused_as_json_loads_refuses_it():
+    data = bytearray(wire.encode("update", 1, "pi-07", {"params": params(BIG)}, None, BIG))
+    h = wire.read_header(bytes(data))
+    meta = bytes(data[64:64 + h.meta_len])
+    forged = wire._assemble("update", "f32", 0, 1, 0, 1, BIG.hash64, h.message_id,
+                            "\ufeff".encode() + meta, [bytes(data[h.data_offset:])])
+    with pytest.raises(FrameError, match="BOM") as err:
+        wire.decode(forged, Expectation(BIG, kinds="update"))
+    assert err.value.code == "metadata"
+
+
+def test_validated_ids_are_remembered_but_bad_ones_never_pass():
+    for _ in range(3):
+        assert validate_id("pi-07") == "pi-07"
+        with pytest.raises(TopicError, match="topic separator"):
+            validate_id("pi/07")
+
+    class Sly(str):
+        pass
+
+    tp._VALID_IDS.clear()
+    assert validate_id(Sly("pi-sly")) == "pi-sly"
+    assert "pi-sly" not in tp._VALID_IDS           # a str subclass is checked, not cached
+    assert "pi-07" not in tp._VALID_IDS and validate_id("pi-07") and "pi-07" in tp._VALID_IDS
+
+
 def test_interleaved_messages_from_two_senders():
     ex = Expectation(BIG, kinds="update", rounds=1)
     a = wire.split(wire.encode("update", 1, "pi-01", {"params": params(BIG, 1)}, None, BIG),

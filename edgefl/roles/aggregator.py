@@ -216,6 +216,7 @@ class _OpenRound:
     train_s: dict = field(default_factory=dict)       # node -> seconds
     refused: set = field(default_factory=set)         # nodes whose update aggregate refused
     last_resend: dict = field(default_factory=dict)
+    expects: dict = field(default_factory=dict)       # node -> wire.Expectation of its update
     counts: dict = field(default_factory=lambda: {"late": 0, "duplicates": 0, "rejected": 0,
                                                   "resends": 0, "announcements": 0,
                                                   "wire_up_bytes": 0, "wire_down_bytes": 0})
@@ -780,7 +781,10 @@ class Aggregator:
                 log.info("duplicate update from %s for round %d ignored (message %016x)",
                          node, o.round, message_id)
             return
-        expect = wire.Expectation.for_topic("update", node, self.table, rounds=o.round)
+        expect = o.expects.get(node)
+        if expect is None:                     # one per uploader and round, not per chunk
+            expect = o.expects[node] = wire.Expectation.for_topic("update", node, self.table,
+                                                                  rounds=o.round)
         try:
             frame = self.reassembler.add(payload, expect, charged=True)
         except wire.FrameError as exc:

@@ -180,6 +180,7 @@ class Client:
         self.notifier = notifier
         self.topics = Topics(settings.federation, settings.prefix)
         self._topic_cache = TopicCache(self.topics)
+        self._onnx_parts = self.topics.onnx() + "/"     # the ONNX part topics' prefix
         # Models come from the aggregator only (the ACL lets no one else publish them), so
         # the limits guard against a broken aggregator rather than an attacker.
         self.reassembler = wire.Reassembler(
@@ -301,7 +302,8 @@ class Client:
             return
         if not isinstance(item, Message):
             return
-        if part_index(self.topics, item.topic) is not None:
+        if item.topic.startswith(self._onnx_parts) \
+                and part_index(self.topics, item.topic) is not None:
             self._on_onnx(item.topic, item.payload, part=True)
             return
         try:

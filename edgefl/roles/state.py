@@ -3,7 +3,9 @@ file or the new one, never a torn one (DESIGN.md "Reliability rules").
 
 Every write goes to a temporary file in the same directory, is flushed and fsync'ed, renamed
 over the target (atomic on POSIX), and then the directory itself is fsync'ed so the rename
-survives a power cut. Arrays are stored as .npz with no pickles (strings as NumPy unicode
+survives a power cut. One file is the exception: a client's stored update frame, whose old
+content is obsolete before the new is written, is overwritten in place (`overwrite_in_place`)
+and checked by its own CRCs when read back. Arrays are stored as .npz with no pickles (strings as NumPy unicode
 scalars, JSON for structure), so `np.load(path, allow_pickle=False)` reads them.
 
     save_arrays(path, {"state.params": w}, {"round": 3})    # atomic npz: arrays + JSON meta
@@ -27,14 +29,16 @@ import numpy as np
 
 from ..strategies import State
 
-__all__ = ["StateError", "StateWriteError", "atomic_write", "save_arrays", "load_arrays",
+__all__ = ["StateError", "StateWriteError", "atomic_write", "overwrite_in_place",
+           "save_arrays", "load_arrays",
            "write_json", "read_json", "append_journal", "read_journal", "jsonable", "tag_floats",
            "untag_floats", "AggregatorCheckpoint",
-           "ClientProgress", "CHECKPOINT_FILE", "JOURNAL_FILE", "PROGRESS_FILE"]
+           "ClientProgress", "CHECKPOINT_FILE", "JOURNAL_FILE", "PROGRESS_FILE", "UPLOAD_FILE"]
 
 CHECKPOINT_FILE = "aggregator.npz"
 JOURNAL_FILE = "rounds.jsonl"
 PROGRESS_FILE = "client.npz"
+UPLOAD_FILE = "update.frame"
 _META_KEY = "__meta__"
 
 
@@ -119,6 +123,46 @@ def atomic_write(path: str | os.PathLike, data) -> None:
             raise _write_failed(path, exc, f"{what}; the old one is intact") from exc
         raise
     _fsync_dir(directory)
+
+
+def overwrite_in_place(path: str | os.PathLike, data, what: str = "its new content", *,
+                       sync: bool = True) -> None:
+    """Write `data` over the file at `path` where it stands (created if absent) and cut it
+    to len(data): for a file whose old content is obsolete before this is called, so that a
+    crash halfway, which leaves a torn file, loses nothing its reader could use. The reader
+    must be able to tell a torn file (a frame's CRCs do). sync: flush it with fdatasync
+    before returning; without, the kernel writes it back within its dirty-page interval
+    (~30 s on Linux): the content survives the process's death at once and a power cut
+    after that.
+
+    Why not atomic_write: a new file every time costs a fresh allocation of its pages and
+    disk blocks, their release on unlink, and two journal commits (the file's and the
+    directory's fsync). Rewriting the same file keeps its pages and blocks. For a client's
+    4 MB update frame this measured 0.25 ms of CPU and 1 ms of wall time (fdatasync
+    included) against 1.1-1.4 ms and 3.5-4 ms. The directory is fsync'ed only when the
+    file is new."""
+    path = os.fspath(path)
+    view = memoryview(data).cast("B")
+    try:
+        created = not os.path.exists(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise _write_failed(path, exc, what) from exc
+    try:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], done)
+        if os.fstat(fd).st_size != len(view):
+            os.ftruncate(fd, len(view))
+        if sync:
+            getattr(os, "fdatasync", os.fsync)(fd)
+    except OSError as exc:
+        raise _write_failed(path, exc, f"{what} ({len(view)} bytes); the file may be torn, "
+                                       "and its reader will say so") from exc
+    finally:
+        os.close(fd)
+    if created:
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def jsonable(x):
@@ -347,6 +391,22 @@ class AggregatorCheckpoint:
                 from None
 
 
+def _stored_frame_problem(data: bytes, round_: int, size) -> str | None:
+    """None when `data` is the whole, intact update frame of round `round_` (`size` bytes),
+    else what is wrong with it."""
+    from ..transport import wire
+
+    if len(data) != size:
+        return f"{len(data)} bytes, the progress file says {size}: torn"
+    try:
+        h = wire.verify(data)
+    except wire.FrameError as exc:
+        return f"torn: {exc.reason}"
+    if h.is_chunk or h.kind != "update" or h.round != round_:
+        return f"holds {h.describe()}, not the update of round {round_}"
+    return None
+
+
 # ---------------------------------------------------------------------------------------
 # a client's progress
 # ---------------------------------------------------------------------------------------
@@ -364,16 +424,22 @@ class ClientProgress:
                    announced again (the aggregator restarted and lost what it had received)
                    or this client restarted (its last publish may not have reached the
                    broker); the aggregator ignores a copy it already has. Stored in a file
-                   of its own (`save_upload`); if the process ended before that file was
-                   written, load() says so in `upload_missing` and the round cannot be
-                   re-sent (it is still not trained again).
+                   of its own, UPLOAD_FILE, rewritten in place every round (`save_upload`):
+                   once save() has recorded round `trained`, the previous round's frame is
+                   of no use. It is left to the kernel to write back (not fsync'ed): it
+                   survives the process's death at once, a power cut within ~30 s. If the
+                   process ended before that file was written, or while it was, or the
+                   power went before it reached the disk (a torn or older frame: load()
+                   checks the frame's CRCs, round and size), load() says so in
+                   `upload_missing` and the round cannot be re-sent (it is still not trained
+                   again).
     client_state:  the strategy's client State (MFL none, FedUmf's stored update g, ...).
     """
     run_id: str | None = None
     trained: int = 0
     upload: bytes | None = None
     client_state: State | None = None
-    upload_missing: str | None = None     # load(): the update file that was never written
+    upload_missing: str | None = None     # load(): the update file not written, and why
 
     def save(self, directory) -> str:
         """Write the progress file: round, client state, and the name of the update file,
@@ -393,16 +459,22 @@ class ClientProgress:
 
     @property
     def upload_file(self) -> str | None:
-        return None if self.upload is None else f"update-{self.trained}.frame"
+        return None if self.upload is None else UPLOAD_FILE
 
     def save_upload(self, directory) -> None:
-        """Write the update frame file (atomically), then delete older ones."""
+        """Write the update frame over UPLOAD_FILE, in place (overwrite_in_place: call it
+        after save(), which makes the old frame obsolete), then delete the update-<round>.frame
+        files that earlier versions wrote, one per round."""
         directory = os.fspath(directory)
         if self.upload is not None:
-            atomic_write(os.path.join(directory, self.upload_file), self.upload)
+            # Not fdatasync'ed: a lost copy costs one re-send, never a second training (save()
+            # is durable), and load() tells a torn or stale one. Forcing 4 bytes per parameter
+            # to flash every round would cost a board's SD card that much wear and the round
+            # a synchronous flush; ten clients on one disk measured 5 ms more per round.
+            overwrite_in_place(os.path.join(directory, UPLOAD_FILE), self.upload,
+                               f"the update frame of round {self.trained}", sync=False)
         for name in os.listdir(directory):
-            if name.startswith("update-") and name.endswith(".frame") \
-                    and name != self.upload_file:
+            if name.startswith("update-") and name.endswith(".frame"):
                 try:
                     os.unlink(os.path.join(directory, name))
                 except OSError:
@@ -431,9 +503,13 @@ class ClientProgress:
                 except OSError as exc:
                     raise StateError(f"{path}: its stored update {upload_path} is unreadable "
                                      f"({exc.strerror or exc})") from None
-                if upload is not None and len(upload) != meta["upload_bytes"]:
-                    raise StateError(f"{upload_path}: {len(upload)} bytes, the progress file "
-                                     f"says {meta['upload_bytes']}")
+                if upload is not None:
+                    # rewritten in place: a crash while it was written leaves it torn, or
+                    # still holding an older round's frame
+                    torn = _stored_frame_problem(upload, int(meta["trained"]),
+                                                 meta["upload_bytes"])
+                    if torn is not None:
+                        upload, missing = None, f"{upload_path} ({torn})"
             state = _state_from(arrays, untag_floats(meta["client_state_meta"]),
                                 "client_state.") \
                 if meta["has_client_state"] else None

@@ -74,8 +74,16 @@ for _spec in TOPIC_TABLE.values():
 del _spec, _first, _slot
 
 
+# Ids that passed validate_id: a role checks the same few ids (its peers', in every chunk's
+# metadata) over and over, and the check walks every character. Bounded: cleared when full.
+_VALID_IDS: set = set()
+_VALID_IDS_MAX = 4096
+
+
 def validate_id(value, what: str = "id") -> str:
     """Return value if it can be one topic level (a federation, client or node id)."""
+    if type(value) is str and value in _VALID_IDS:
+        return value
     if not isinstance(value, str):
         raise TopicError(f"{what}: must be a string, got {type(value).__name__} {value!r}")
     if not value:
@@ -93,6 +101,10 @@ def validate_id(value, what: str = "id") -> str:
         if 0xD800 <= ord(ch) <= 0xDFFF:
             raise TopicError(f"{what}: {value!r} contains a lone surrogate U+{ord(ch):04X} "
                              "(not UTF-8)")
+    if type(value) is str:           # not a str subclass, whose hash or equality may differ
+        if len(_VALID_IDS) >= _VALID_IDS_MAX:
+            _VALID_IDS.clear()
+        _VALID_IDS.add(value)
     return value
 
 
