@@ -907,6 +907,15 @@ class Aggregator:
         new = AggregatorCheckpoint(ckpt.run_id, ckpt.fingerprint, r, ckpt.aggregated + [r],
                                    state, ckpt.strategy, ckpt.rng, ckpt.history + [record],
                                    record["elapsed_s"])
+        # The journal's model hash is computed while the checkpoint is written: sha256 of a
+        # 1M-parameter model is 2 ms here, hashlib releases the GIL, and the checkpoint's
+        # fsync waits on the disk: both sit between a round's last update and the next
+        # announcement, when every client is idle.
+        params = np.ascontiguousarray(self.plan.strategy.global_model(state), dtype=np.float32)
+        digest: list = []
+        hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(params)),
+                                  name="edgefl-journal-hash", daemon=True)
+        hasher.start()
         try:
             new.save(self.state_dir)      # the round is aggregated once this rename is done
         except StateWriteError as exc:
@@ -916,10 +925,11 @@ class Aggregator:
                       "of round %d is intact; a restart runs round %d again)", r, exc,
                       ckpt.round, r)
             raise
+        finally:
+            hasher.join()
         self.ckpt = new
         self.open = None
-        sha = hashlib.sha256(np.ascontiguousarray(
-            self.plan.strategy.global_model(state), dtype=np.float32)).hexdigest()
+        sha = digest[0].hexdigest()
         append_journal(self.journal_path, {"event": "aggregated", "run": new.run_id, "round": r,
                                            "updates": record["updates"],
                                            "closed_by": record["closed_by"],
