@@ -50,9 +50,12 @@ def main() -> int:
 
     client.on_message = on_message
     client.on_subscribe = lambda *a: subscribed.set()
+    # subscribed on every connect, as edgefl's transport does: amqtt can drop a connection
+    # while many clients subscribe at once (its subscription table changes under iteration)
+    client.on_connect = lambda c, u, flags, rc, props: c.subscribe(f"raw/{tag}/model", qos=1)
+    client.reconnect_delay_set(0.1, 1.0)
     client.connect(host, int(port), keepalive=60)
     client.loop_start()
-    client.subscribe(f"raw/{tag}/model", qos=1)
     if not subscribed.wait(30):
         print("no SUBACK", flush=True)
         return 1

@@ -257,12 +257,13 @@ def _raw_paho_round(url: str, clients: int, payloads: list[bytes], timeout: floa
 
         client.on_message = on_message
         client.on_subscribe = lambda *a: subscribed.set()
+        if topic is not None:   # on every connect: amqtt may drop one under a burst
+            client.on_connect = lambda c, u, flags, rc, props: c.subscribe(topic, qos=1)
+        client.reconnect_delay_set(0.1, 1.0)
         client.connect(address.host, address.port, keepalive=60)
         client.loop_start()
-        if topic is not None:
-            client.subscribe(topic, qos=1)
-            if not subscribed.wait(10):
-                raise RuntimeError(f"raw paho: no SUBACK from {address}")
+        if topic is not None and not subscribed.wait(30):
+            raise RuntimeError(f"raw paho: no SUBACK from {address}")
         made.append(client)
         return client, done, state
 
@@ -326,6 +327,8 @@ def _raw_paho_processes(url: str, clients: int, payloads: list[bytes], repeats: 
     subscribed = threading.Event()
     agg.on_message = on_message
     agg.on_subscribe = lambda *a: subscribed.set()
+    agg.on_connect = lambda c, u, flags, rc, props: c.subscribe(f"raw/{tag}/update/+", qos=1)
+    agg.reconnect_delay_set(0.1, 1.0)
     procs = []
     with tempfile.NamedTemporaryFile(prefix="edgefl-raw-", suffix=".bin") as blob:
         blob.write(json.dumps([len(p) for p in payloads]).encode() + b"\n" + b"".join(payloads))
@@ -333,8 +336,7 @@ def _raw_paho_processes(url: str, clients: int, payloads: list[bytes], repeats: 
         try:
             agg.connect(address.host, address.port, keepalive=60)
             agg.loop_start()
-            agg.subscribe(f"raw/{tag}/update/+", qos=1)
-            if not subscribed.wait(10):
+            if not subscribed.wait(30):
                 raise RuntimeError(f"raw paho: no SUBACK from {address}")
             script = str(Path(__file__).resolve().parent / "_raw_paho_client.py")
             for i in range(clients):
