@@ -37,6 +37,8 @@ void ef_scale(float *x, int64_t n, float a);
 /* sum x*y and sum x*x, accumulated in float64 */
 double ef_dot(const float *x, const float *y, int64_t n);
 double ef_sqnorm(const float *x, int64_t n);
+/* Index of the first NaN or infinity in x[0..n), or -1 when every value is finite. */
+int64_t ef_first_nonfinite(const float *x, int64_t n);
 /* Coordinate-wise median of k buffers (mean of the two middle values for even k).
  * scratch: k floats. */
 void ef_median(float *out, float *scratch, const float *const *xs, int64_t k, int64_t n);

@@ -1,5 +1,6 @@
 /* vec.c - streaming vector kernels over flat float32 buffers: aggregation, axpy, norms, robust means. */
 #include <math.h>
+#include <string.h>
 
 #include "edgefl.h"
 
@@ -205,6 +206,43 @@ double ef_sqnorm(const float *x, int64_t n)
     for (int l = 0; j < n; j++, l++)
         s[l] += (double)x[j] * (double)x[j];
     return lanes_total(s);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The first NaN or infinity: every frame received and every update encoded is checked for
+ * one (transport/wire.py). An all-ones exponent field is inf or nan; blocks are ORed
+ * branch-free (integer ops vectorise, AVX2 clone where the CPU has it), and only a block that
+ * holds one is scanned again for its index.
+ * ---------------------------------------------------------------------------------------- */
+
+#define EF_FINITE_BLOCK 4096
+
+EF_MULTIVERSION
+static int block_has_nonfinite(const float *x, int64_t n)
+{
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, x + i, sizeof u);
+        bad |= (u & 0x7f800000u) == 0x7f800000u;
+    }
+    return bad != 0;
+}
+
+int64_t ef_first_nonfinite(const float *x, int64_t n)
+{
+    for (int64_t start = 0; start < n; start += EF_FINITE_BLOCK) {
+        const int64_t m = n - start < EF_FINITE_BLOCK ? n - start : EF_FINITE_BLOCK;
+        if (!block_has_nonfinite(x + start, m))
+            continue;
+        for (int64_t i = start; i < start + m; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, sizeof u);
+            if ((u & 0x7f800000u) == 0x7f800000u)
+                return i;
+        }
+    }
+    return -1;
 }
 
 /* ------------------------------------------------------------------------------------------

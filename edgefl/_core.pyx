@@ -16,6 +16,7 @@ cdef extern from "edgefl.h" nogil:
     void ef_scale(float *x, int64_t n, float a)
     double ef_dot(const float *x, const float *y, int64_t n)
     double ef_sqnorm(const float *x, int64_t n)
+    int64_t ef_first_nonfinite(const float *x, int64_t n)
     void ef_median(float *out, float *scratch, const float *const *xs, int64_t k, int64_t n)
     void ef_trimmed_mean(float *out, float *scratch, const float *const *xs, int64_t k, int64_t n, int64_t trim)
     void ef_f32_to_f16(uint16_t *out, const float *inp, int64_t n)
@@ -118,6 +119,20 @@ def sqnorm(x):
     cdef double r
     with nogil:
         r = ef_sqnorm(px, vx.shape[0])
+    return r
+
+
+def first_nonfinite(x):
+    """Index of the first NaN/inf, or -1 (ef_first_nonfinite). The GIL is released only for
+    large buffers: in a process whose threads contend for it, giving it up costs a wait to
+    get it back, far more than scanning a few thousand floats."""
+    cdef const float[::1] vx = x.reshape(-1)
+    cdef const float *px = _cf32(vx)
+    cdef int64_t n = vx.shape[0], r
+    if n < 262144:
+        return ef_first_nonfinite(px, n)
+    with nogil:
+        r = ef_first_nonfinite(px, n)
     return r
 
 

@@ -131,6 +131,13 @@ def sqnorm(x: np.ndarray) -> float:
     return impl.sqnorm(x)
 
 
+def first_nonfinite(x: np.ndarray) -> int | None:
+    """Index of the first NaN or infinity in a float32 buffer (flat order), None if none."""
+    check_array("x", x, np.float32)
+    i = impl.first_nonfinite(x)
+    return None if i < 0 else int(i)
+
+
 def median(out: np.ndarray, xs) -> np.ndarray:
     """Coordinate-wise median of K buffers."""
     check_array("out", out, np.float32, writable=True)

@@ -70,6 +70,22 @@ def sqnorm(x):
     return _lane_total(xd * xd)
 
 
+_FINITE_BLOCK = 1 << 16      # elements per isfinite() block: stays in L2, no big temporary
+
+
+def first_nonfinite(x):
+    """Index of the first NaN/inf in x, or -1; blockwise, no big temporary."""
+    x = _flat(x)
+    mask = np.empty(min(_FINITE_BLOCK, x.size), dtype=bool)
+    for start in range(0, x.size, _FINITE_BLOCK):
+        block = x[start:start + _FINITE_BLOCK]
+        m = mask[:block.size]
+        np.isfinite(block, out=m)
+        if not m.all():
+            return start + int(np.argmin(m))
+    return -1
+
+
 def _sorted_columns(xs):
     """(K, n) stack sorted along K, and the mask of coordinates that hold a NaN."""
     stack = np.stack([_flat(x) for x in xs])

@@ -205,6 +205,36 @@ def test_dot_sqnorm_parity(n):
     assert math.isclose(d_c, exact, rel_tol=1e-9, abs_tol=1e-9 * s_c)
 
 
+@needs_core
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 300_001])   # 4096-float blocks; the
+def test_first_nonfinite_parity(n):                              # GIL released >= 262144
+    rng = np.random.default_rng([RNG_SEED, n, 7])
+    x = _values(rng, n)
+    x[rng.random(n) < 0.01] = 0.0                        # zeros, denormals, huge: all finite
+    if n:
+        x[rng.integers(n)] = np.float32(1e-42)
+        x[rng.integers(n)] = np.finfo(np.float32).max
+    c, _, r, _ = run_both("first_nonfinite", [x], outputs=())
+    assert c is None and r is None
+    specials = [np.nan, np.inf, -np.inf, np.frombuffer(b"\x01\x00\xc0\xff", np.float32)[0]]
+    for at in sorted({0, n // 2, n - 1, 4095, 4096} & set(range(n))):
+        for bad in specials:
+            y = x.copy()
+            y[at] = bad
+            if at + 7 < n:
+                y[at + 7] = np.nan                      # a later one never wins
+            c, _, r, _ = run_both("first_nonfinite", [y], outputs=())
+            assert c == r == at, (at, bad, c, r)
+
+
+def test_first_nonfinite_checks_its_argument():
+    with pytest.raises(KernelError, match="dtype float64"):
+        kernels.first_nonfinite(np.zeros(3))
+    with pytest.raises(KernelError, match="C-contiguous"):
+        kernels.first_nonfinite(np.zeros((4, 4), np.float32)[:, 1])
+    assert kernels.first_nonfinite(np.array([[1, 2], [3, np.inf]], np.float32)) == 3
+
+
 def _robust_inputs(rng, k, n, ties):
     if ties:  # many equal values per coordinate
         return [rng.integers(-3, 4, n).astype(np.float32) for _ in range(k)]

@@ -79,7 +79,6 @@ _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _F16_OVERFLOW = 65520.0      # float32 values at or beyond this round to float16 infinity
 _F32_MAX = float(np.finfo(np.float32).max)
-_FINITE_BLOCK = 1 << 16      # elements per isfinite() block: stays in L2, no big temporary
 
 
 class FrameError(ValueError):
@@ -541,15 +540,9 @@ def _check_scales(raw, name: str, h: Header, table: LayerTable) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 
 def _first_nonfinite(x: np.ndarray) -> int | None:
-    """Index of the first NaN/Inf in a flat float32 array, or None; blockwise, no big temporary."""
-    mask = np.empty(min(_FINITE_BLOCK, x.size), dtype=bool)
-    for start in range(0, x.size, _FINITE_BLOCK):
-        block = x[start:start + _FINITE_BLOCK]
-        m = mask[:block.size]
-        np.isfinite(block, out=m)
-        if not m.all():
-            return start + int(np.argmin(m))
-    return None
+    """Index of the first NaN/Inf in a flat float32 array, or None (one kernel call: the C
+    core scans at memory speed, and gives up the GIL once, not once per numpy block)."""
+    return kernels.first_nonfinite(x)
 
 
 def _layer_at(table: LayerTable | None, index: int) -> str:

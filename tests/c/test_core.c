@@ -34,6 +34,32 @@ static double urand(void) /* xorshift64*, uniform in [0, 1) */
 
 static float nrand(void) { return (float)(2.0 * urand() - 1.0); }
 
+/* ------------------------------------------------------------------ first_nonfinite */
+
+static void test_first_nonfinite(void)
+{
+    enum { N = 10000 };
+    static float x[N];
+    for (int i = 0; i < N; i++) x[i] = nrand() * 1e30f;
+    x[17] = 1e-42f; /* a denormal: finite */
+    CHECK(ef_first_nonfinite(x, N) == -1, "all finite: got %lld",
+          (long long)ef_first_nonfinite(x, N));
+    CHECK(ef_first_nonfinite(x, 0) == -1, "empty: got %lld", (long long)ef_first_nonfinite(x, 0));
+    const int at[] = {0, 4095, 4096, 9999};
+    const float bad[] = {NAN, INFINITY, -INFINITY};
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 3; b++) {
+            float keep = x[at[a]];
+            x[at[a]] = bad[b];
+            if (at[a] + 3 < N) x[at[a] + 3] = NAN;
+            int64_t got = ef_first_nonfinite(x, N);
+            CHECK(got == at[a], "first non-finite at %d (kind %d): got %lld", at[a], b,
+                  (long long)got);
+            x[at[a]] = keep;
+            if (at[a] + 3 < N) x[at[a] + 3] = 0.5f;
+        }
+}
+
 /* ------------------------------------------------------------------ gemm */
 
 static void test_gemm(void)
@@ -254,6 +280,7 @@ int main(void)
 {
     test_gemm();
     test_vec();
+    test_first_nonfinite();
     test_gradient_and_training();
     test_shuffle();
     printf("%d passed, %d failed\n", passed, failed);
