@@ -5,8 +5,9 @@ Every write goes to a temporary file in the same directory, is flushed and fsync
 over the target (atomic on POSIX), and then the directory itself is fsync'ed so the rename
 survives a power cut. One file is the exception: a client's stored update frame, whose old
 content is obsolete before the new is written, is overwritten in place (`overwrite_in_place`)
-and checked by its own CRCs when read back. Arrays are stored as .npz with no pickles (strings as NumPy unicode
-scalars, JSON for structure), so `np.load(path, allow_pickle=False)` reads them.
+and checked by its own CRCs when read back. Arrays are stored as .npz with no pickles
+(strings as NumPy unicode scalars, JSON for structure), so `np.load(path, allow_pickle=False)`
+reads them.
 
     save_arrays(path, {"state.params": w}, {"round": 3})    # atomic npz: arrays + JSON meta
     arrays, meta = load_arrays(path)                       # StateError names file and cause
