@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..strategies import State
+from ..transport import wire
 
 __all__ = ["StateError", "StateWriteError", "atomic_write", "overwrite_in_place",
            "save_arrays", "load_arrays",
@@ -395,8 +396,6 @@ class AggregatorCheckpoint:
 def _stored_frame_problem(data: bytes, round_: int, size) -> str | None:
     """None when `data` is the whole, intact update frame of round `round_` (`size` bytes),
     else what is wrong with it."""
-    from ..transport import wire
-
     if len(data) != size:
         return f"{len(data)} bytes, the progress file says {size}: torn"
     try:
