@@ -255,6 +255,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                         default_client_ids)
     from .transport.broker import EmbeddedBroker, packet_bytes_for
     from .transport.mqtt import MqttTransport, parse_broker_url
+    from .transport.netloop import NetworkLoop
 
     config = run.config
     federation = federation or f"sim-{os.urandom(4).hex()}"   # fresh topics: no leftovers
@@ -266,6 +267,9 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     slots = threading.Semaphore(max(1, workers))
     errors: list = []
     broker, scratch, roles, threads = None, None, [], []
+    # One network thread for every role's connection instead of one each: eleven roles of
+    # one process otherwise wake two threads per message (docs/scaling.md).
+    network = NetworkLoop(name=f"edgefl-{federation}-net")
     try:
         if url is None:
             broker = EmbeddedBroker(kind=broker_kind,
@@ -279,7 +283,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         def transport(node):
             return MqttTransport(url, f"edgefl-{federation}-{node}", clean_session=True,
                                  connect_timeout=connect_timeout, reconnect_min=0.1,
-                                 reconnect_max=2.0)
+                                 reconnect_max=2.0, network_loop=network)
 
         for c, node in enumerate(ids):
             data = run.clients[c]
@@ -336,6 +340,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         stop.set()
         for thread in threads:
             thread.join(timeout=10.0)
+        network.close()
         if broker is not None:
             broker.stop()
         if scratch is not None:

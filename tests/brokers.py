@@ -40,8 +40,10 @@ REPO = Path(__file__).resolve().parents[1]
 MOSQUITTO_CONF = REPO / "broker" / "mosquitto.conf"
 MOSQUITTO_ACL = REPO / "broker" / "acl"
 
-BACKENDS = ["loopback", "mosquitto", "embedded-mosquitto", "embedded-python", "nats",
-            "rabbitmq"]
+# "mosquitto-netloop": the same Mosquitto, every transport served by one shared NetworkLoop
+# (as `edgefl simulate --transport mqtt` runs them) instead of a network thread each
+BACKENDS = ["loopback", "mosquitto", "mosquitto-netloop", "embedded-mosquitto",
+            "embedded-python", "nats", "rabbitmq"]
 
 START_TIMEOUT = 10.0
 
@@ -225,8 +227,10 @@ class Backend:
     it. Topics and client ids are unique per test, so tests sharing a broker never meet."""
 
     def __init__(self, name: str, url: str | None = None, loopback: LoopbackBroker | None = None,
-                 server=None, mqtt5: bool = False, packet_limit: int | None = None):
+                 server=None, mqtt5: bool = False, packet_limit: int | None = None,
+                 network_loop=None):
         self.name = name
+        self.network_loop = network_loop   # a NetworkLoop every MQTT transport shares, or None
         self.url = url
         self.loopback = loopback
         self.server = server               # has stop()/start(), or None (not ours)
@@ -253,7 +257,7 @@ class Backend:
             settings = dict(reconnect_min=0.05, reconnect_max=0.5, connect_timeout=5.0,
                             publish_timeout=10.0)
             settings.update(options)
-            transport = MqttTransport(self.url, cid, **settings)
+            transport = MqttTransport(self.url, cid, network_loop=self.network_loop, **settings)
         self._made.append(transport)
         return transport
 
@@ -285,6 +289,9 @@ class Backend:
             except Exception:            # noqa: BLE001 -- teardown of a failed test
                 transport.kill()
         self._made.clear()
+        if self.network_loop is not None:
+            assert self.network_loop.clients == 0, "a transport left on the network loop"
+            self.network_loop.close()
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,6 +366,11 @@ def any_broker(request):
         server = request.getfixturevalue("mosquitto_server")
         b = Backend(name, url=server.url, server=server, mqtt5=True,
                     packet_limit=_conf_packet_limit())
+    elif name == "mosquitto-netloop":
+        from edgefl.transport.netloop import NetworkLoop
+        server = request.getfixturevalue("mosquitto_server")
+        b = Backend(name, url=server.url, server=server, mqtt5=True,
+                    packet_limit=_conf_packet_limit(), network_loop=NetworkLoop())
     elif name == "embedded-mosquitto":
         broker = request.getfixturevalue("embedded_mosquitto")
         b = Backend(name, url=broker.url, server=broker, mqtt5=True,

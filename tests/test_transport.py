@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -250,6 +251,35 @@ def test_persistent_session_keeps_qos1_messages_while_away(any_broker: Backend):
     second.close(announce_offline=False)
     # leave nothing behind on a shared broker: a clean session discards the stored one
     any_broker.connected("aggregator", clean_session=True)
+
+
+def test_a_network_loop_serves_many_transports_from_one_thread(mosquitto_server):
+    from edgefl.transport.netloop import NetworkLoop
+
+    loop = NetworkLoop(name="test-netloop")
+    uid = os.urandom(4).hex()
+    before = threading.active_count()
+    nodes = [MqttTransport(mosquitto_server.url, f"netloop-{i}-{uid}", clean_session=True,
+                           network_loop=loop) for i in range(6)]
+    try:
+        for i, t in enumerate(nodes):
+            t.connect()
+            t.subscribe(f"edgefl-test/{uid}/to/{i}")
+        assert threading.active_count() == before        # no network thread of their own
+        # each node sends 40 messages of 64 KiB to the next, all at once: the loop reads and
+        # writes six connections both ways, QoS 1 with paho's in-flight window
+        payloads = [bytes([k]) * (64 << 10) for k in range(40)]
+        deliveries = [d for i, t in enumerate(nodes) for d in
+                      (t.publish(f"edgefl-test/{uid}/to/{(i + 1) % 6}", p) for p in payloads)]
+        assert all(d.wait(10) for d in deliveries)
+        for t in nodes:
+            got = [next_message(t).payload for _ in payloads]
+            assert got == payloads                         # all of them, in order
+    finally:
+        for t in nodes:
+            t.close(timeout=2.0, announce_offline=False)
+    assert loop.clients == 0
+    loop.close()
 
 
 def test_publish_needs_connect(any_broker: Backend):

@@ -13,8 +13,10 @@ Decisions (docs/brokers.md has the reasoning):
   a restarted aggregator receives the updates clients sent while it was down. Two processes
   must never share a client id: the broker would throw each out in turn.
 - paho runs its network loop in its own thread (`loop_start`) and reconnects by itself with
-  exponential backoff (`reconnect_min` doubling up to `reconnect_max`). Subscriptions are
-  (re)made in on_connect, so a reconnect to a broker that lost our session re-subscribes.
+  exponential backoff (`reconnect_min` doubling up to `reconnect_max`); or, with
+  `network_loop=`, a NetworkLoop shared by the process's transports does both (netloop.py:
+  for a process that plays a whole federation). Subscriptions are (re)made in on_connect,
+  so a reconnect to a broker that lost our session re-subscribes.
 - Callbacks only enqueue onto `messages`; publishes are bounded: at most `max_inflight`
   unacknowledged QoS 1 messages on the wire and `max_queued` waiting, beyond which publish()
   blocks for up to `publish_timeout` seconds, then raises TransportError.
@@ -40,6 +42,7 @@ from paho.mqtt.properties import Properties
 
 from .base import (CONNECTED, DISCONNECTED, MQTT_MAX_PAYLOAD, Delivery, Message, Transport,
                    TransportError, check_response_properties)
+from .netloop import NetworkLoop
 
 __all__ = ["BrokerAddress", "MqttSettings", "MqttTransport", "parse_broker_url"]
 
@@ -185,9 +188,13 @@ class _PahoDelivery(Delivery):
 class MqttTransport(Transport):
     """A Transport over paho-mqtt 2. `MqttTransport(url, client_id, **MqttSettings fields)`."""
 
-    def __init__(self, url: str = "mqtt://127.0.0.1:1883", client_id: str = "", **options):
+    def __init__(self, url: str = "mqtt://127.0.0.1:1883", client_id: str = "", *,
+                 network_loop: NetworkLoop | None = None, **options):
         super().__init__(client_id)
         self.settings = MqttSettings(url=url, client_id=client_id, **options)
+        # None: paho's own network thread (loop_start), as a board runs. A NetworkLoop:
+        # one thread shared with the process's other transports (netloop.py).
+        self._network_loop = network_loop
         self.address = parse_broker_url(url)
         if self.settings.ca_file or self.settings.cert_file:
             if not self.address.tls:
@@ -269,6 +276,8 @@ class MqttTransport(Transport):
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
         client.on_socket_open = _no_delay
+        if self._network_loop is not None:
+            self._network_loop.prepare(client)
 
         connect_kwargs = {}
         if v5:
@@ -300,7 +309,11 @@ class MqttTransport(Transport):
             raise TransportError(f"cannot reach MQTT broker {self.address}: "
                                  f"{exc.strerror or exc}{hint}") from None
         self._client = client
-        client.loop_start()
+        if self._network_loop is not None:
+            self._network_loop.add(client, self.client_id, lambda: not self._closing,
+                                   s.reconnect_min, s.reconnect_max)
+        else:
+            client.loop_start()
         if not self._first_connack.wait(timeout):
             self._teardown()
             hint = "is it an MQTT listener? TLS expected?"
@@ -384,7 +397,10 @@ class MqttTransport(Transport):
             client.disconnect()
         except Exception:       # noqa: BLE001 -- already torn down on paho's side
             pass
-        client.loop_stop()
+        if self._network_loop is not None:
+            self._network_loop.remove(client)
+        else:
+            client.loop_stop()
         with self._flow:
             self._outstanding = 0
             self._deliveries.clear()
