@@ -20,7 +20,8 @@ The loop drives paho through its external-loop API: select() over every register
 client's socket, then `loop_read` / `loop_write` for the ready ones and `loop_misc`
 (keepalive) twice a second. Publishes from other threads are queued by paho, which tells
 the loop through `on_socket_register_write` (one wake-up per burst, not per message).
-Callbacks still run on a network thread and still only enqueue (MqttTransport's). What
+Callbacks still run on a network thread and still only enqueue (MqttTransport's; a full
+receive queue's short wait for room then holds up every client of the loop). What
 paho's own thread did besides, the loop does too: when a connection is lost and its
 transport wants it back, it reconnects with exponential backoff -- in a short-lived helper
 thread, so that a broker slow to answer one client's TCP connect does not stall the others.
@@ -55,6 +56,7 @@ class _Entry:
     delay: float | None = None            # the backoff's current delay, None when connected
     retry_at: float = 0.0                 # time.monotonic() of the next reconnect attempt
     reconnecting: bool = False            # a helper thread is in client.reconnect()
+    removed: bool = False                 # remove() was called: never connect it again
 
 
 class NetworkLoop:
@@ -96,7 +98,9 @@ class NetworkLoop:
     def remove(self, client: paho.Client) -> None:
         """Stop serving `client`; once this returns the loop no longer calls into it."""
         with self._lock:
-            self._entries.pop(id(client), None)
+            entry = self._entries.pop(id(client), None)
+        if entry is not None:
+            entry.removed = True
         self.wake()
         if threading.current_thread() is not self._thread:
             with self._busy:                  # let a pass already inside it finish
@@ -204,8 +208,14 @@ class NetworkLoop:
 
     def _reconnect(self, e: _Entry) -> None:
         try:
-            if e.wants_reconnect():
+            if e.wants_reconnect() and not e.removed:
                 e.client.reconnect()
+                if e.removed:
+                    # its transport closed while this connect was under way: nothing will
+                    # serve the new connection, so drop it (the broker sees it go)
+                    sock = e.client.socket()
+                    if sock is not None:
+                        sock.close()
         except OSError as exc:
             log.debug("network loop: reconnect of %r failed: %s", e.name, exc)
         except Exception:     # noqa: BLE001 -- logged; retried like a refused connect
