@@ -95,8 +95,16 @@ class NetworkLoop:
         client.on_socket_register_write = self._on_register_write
         client.on_socket_unregister_write = _ignore
 
-    def remove(self, client: paho.Client) -> None:
-        """Stop serving `client`; once this returns the loop no longer calls into it."""
+    def remove(self, client: paho.Client, flush_timeout: float = 1.0) -> None:
+        """Stop serving `client`; once this returns the loop no longer calls into it. What
+        paho still has to write (the DISCONNECT of a clean close) is written first, for up
+        to `flush_timeout` seconds, as paho's own thread does before it stops."""
+        if threading.current_thread() is not self._thread and not self._closed:
+            deadline = time.monotonic() + flush_timeout
+            while client.socket() is not None and client.want_write() \
+                    and time.monotonic() < deadline:
+                self.wake()
+                time.sleep(0.005)
         with self._lock:
             entry = self._entries.pop(id(client), None)
         if entry is not None:
