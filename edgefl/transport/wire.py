@@ -806,16 +806,21 @@ def _encode_tensor(x: np.ndarray, name: str, dtype: str, table: LayerTable, row:
 # ---------------------------------------------------------------------------------------
 
 def _chunk_meta(sender: str, recipient: str | None, offset: int, total: int) -> bytes:
-    return _chunk_meta_prefix(sender, recipient) + b'"offset":%d,"total":%d}' % (offset, total)
+    """A chunk's metadata: _dumps({sender, [recipient,] offset, total}), byte for byte."""
+    return _chunk_meta_at(_chunk_meta_prefix(sender, recipient), offset, total)
 
 
 def _chunk_meta_prefix(sender: str, recipient: str | None) -> bytes:
-    """The bytes of a chunk's metadata before "offset": what _dumps({sender, [recipient,]
-    offset, total}) writes, the same for every chunk of a frame."""
+    """The bytes of a chunk's metadata before "offset", the same for every chunk of a frame
+    (split() encodes them once)."""
     meta = {"sender": sender}
     if recipient is not None:
         meta["recipient"] = recipient
     return _dumps(meta)[:-1] + b","
+
+
+def _chunk_meta_at(prefix: bytes, offset: int, total: int) -> bytes:
+    return prefix + b'"offset":%d,"total":%d}' % (offset, total)
 
 
 def split(frame, max_payload: int) -> list[bytes]:
@@ -841,16 +846,16 @@ def split(frame, max_payload: int) -> list[bytes]:
     except (FrameError, KeyError) as exc:
         raise EncodeError(f"split: frame metadata unusable ({exc})") from None
     total = len(mv)
-    room = max_payload - HEADER_SIZE - _align(len(_chunk_meta(sender, recipient, total, total)))
+    prefix = _chunk_meta_prefix(sender, recipient)
+    room = max_payload - HEADER_SIZE - _align(len(_chunk_meta_at(prefix, total, total)))
     if room < ALIGN:
         raise EncodeError(f"split: max_payload {max_payload} leaves no room for data after a "
                           f"chunk's {max_payload - room} bytes of header and metadata")
     count = -(-total // room)
     if count >= 2 ** 32:
         raise EncodeError(f"split: {count} chunks exceed the 32-bit chunk count")
-    prefix = _chunk_meta_prefix(sender, recipient)
     return [_assemble(h.kind, "bytes", FLAG_CHUNK, h.round, i, count, h.table_hash,
-                      h.message_id, prefix + b'"offset":%d,"total":%d}' % (i * room, total),
+                      h.message_id, _chunk_meta_at(prefix, i * room, total),
                       [mv[i * room:(i + 1) * room]])
             for i in range(count)]
 
