@@ -162,9 +162,7 @@ class NetworkLoop:
                 readers[sock] = e
                 if e.client.want_write():
                     writers[sock] = e
-                has_pending = getattr(sock, "pending", None)     # TLS: decrypted, unread
-                if has_pending is not None and has_pending() > 0:
-                    pending = True
+                pending = pending or _pending(sock)
             try:
                 ready_r, ready_w, _ = select.select([self._wake_r, *readers], list(writers),
                                                     [], 0.0 if pending else wait)
@@ -236,6 +234,7 @@ class NetworkLoop:
 
 
 def _pending(sock) -> bool:
+    """TLS: bytes already decrypted and not yet read, which select() does not see."""
     has_pending = getattr(sock, "pending", None)
     return has_pending is not None and has_pending() > 0
 
