@@ -437,7 +437,7 @@ def test_aggregator_stops_cleanly_on_enospc_and_a_restart_resumes(tmp_path, monk
 # ---------------------------------------------------------------------------------------
 
 def test_limits_keys_reach_the_transport_and_the_reassemblers(tmp_path):
-    from edgefl.cli import _mqtt_transport, _reassembly_limits
+    from edgefl.cli.service import _mqtt_transport, _reassembly_limits
     from edgefl.service.layered import ConfigError, load_service_config
 
     site = tmp_path / "aggregator.yaml"
