@@ -74,12 +74,11 @@ def _ctl_connect(args: argparse.Namespace):
     import os
 
     from ..roles.control import RequesterTransport
+    from ..service.layered import default, load_service_config
     from ..transport.topics import Topics
 
     config = None
     if args.site is not None or args.overrides or args.profile is not None:
-        from ..service.layered import load_service_config
-
         config = load_service_config(args.role, args.site, profile=args.profile,
                                      overrides=args.overrides)
     broker = config.section("broker") if config is not None else {}
@@ -91,7 +90,7 @@ def _ctl_connect(args: argparse.Namespace):
             f"publish commands (broker/acl), so ctl does not use it: give the operator's "
             f"credentials with --username operator --password-file FILE (or --cert-file / "
             f"--key-file); the site file still gives the broker URL, CA file and federation")
-    url = args.broker or broker.get("url") or "mqtt://localhost:1883"
+    url = args.broker or broker.get("url") or default("broker.url")
     options = {"ca_file": args.ca_file or broker.get("ca_file"), "cert_file": args.cert_file,
                "key_file": args.key_file}
     name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
@@ -99,7 +98,8 @@ def _ctl_connect(args: argparse.Namespace):
                                    protocol=args.mqtt, username=args.username,
                                    password_file=args.password_file,
                                    **{k: v for k, v in options.items() if v})
-    federation = args.federation or (config["node.federation"] if config else "default")
+    federation = args.federation or (config["node.federation"] if config
+                                     else default("node.federation"))
     transport.connect()
     return transport, Topics(federation), name
 

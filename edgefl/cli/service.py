@@ -146,45 +146,39 @@ def _mqtt_transport(config, client_id: str, **options):
     tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
     transport = MqttTransport(broker["url"], client_id, username=broker.get("username"),
                               password_file=broker.get("password_file"), **tls, **options)
-    transport.set_queue_limits(config["limits.queue_messages"], config["limits.queue_mb"] << 20)
+    transport.set_queue_limits(config["limits.queue_messages"], config.mib("limits.queue_mb"))
     return transport
 
 
-def _reassembly_limits(config) -> dict:
-    """The role settings of the service config's limits section (None: the role sizes it)."""
-    mib = {"reassembly_bytes": "limits.reassembly_mb"}
-    if config.role == "aggregator":
-        mib["reassembly_bytes_per_sender"] = "limits.sender_reassembly_mb"
-    limits = {name: None if config[key] is None else config[key] << 20
-              for name, key in mib.items()}
-    limits["chunks_per_sender"] = config["limits.chunks_per_sender"]
-    return limits
-
-
-def _role_start(role: str, args: argparse.Namespace, extra_overrides=()):
+def _role_start(role: str, args: argparse.Namespace, flags=None):
+    """The role's resolved settings (flags: its own options for settings, see
+    load_service_config), with logging and the C core's threads set up from them."""
     from ..service import logs, profiles
     from ..service.layered import load_service_config
 
     config = load_service_config(role, args.site, profile=args.profile,
-                                 overrides=list(args.overrides) + list(extra_overrides))
+                                 overrides=args.overrides, flags=flags)
     logs.setup_logging(config["log.level"])
     profiles.apply_threads(config["compute.threads"])
     return config
 
 
 def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..service.layered import add_service_config_arguments
+    from ..service.layered import add_service_config_arguments, default
 
     add_service_config_arguments(parser)
+    # each is a setting of the layered table (round.*, clients), which the site file and
+    # --set can give too; the defaults shown are the package's
     parser.add_argument("--deadline", type=float, metavar="SECONDS",
                         help="a round closes this long after it is announced, with the "
-                             "updates it has (default 300)")
+                             f"updates it has (default {default('round.deadline'):g})")
     parser.add_argument("--quorum", type=float, metavar="FRACTION",
                         help="close a round early once this fraction of its uploaders sent "
-                             "their update (default 1.0: all of them, or the deadline)")
+                             f"their update (default {default('round.quorum')}: all of them, "
+                             "or the deadline)")
     parser.add_argument("--min-updates", type=int, metavar="N",
                         help="fewest updates a round is aggregated with; fewer at the deadline "
-                             "announce the round again (default 1)")
+                             f"announce the round again (default {default('round.min_updates')})")
     parser.add_argument("--clients", metavar="ID,ID,...",
                         help="the client ids of the federation, in the order of the run "
                              "config's partition (default: client-0 ... client-<N-1>)")
@@ -213,26 +207,16 @@ def _aggregator(args: argparse.Namespace) -> int:
     from ..service.notify import Notifier
     from ..service.signals import install_stop_handlers
 
-    config = _role_start("aggregator", args)
+    # the command line's round settings and clients: the top layer of the service's settings
+    flags = {key: (f"{option} {value}", value) for key, option, value in (
+        ("round.deadline", "--deadline", args.deadline), ("round.quorum", "--quorum", args.quorum),
+        ("round.min_updates", "--min-updates", args.min_updates),
+        ("clients", "--clients", args.clients)) if value is not None}
+    config = _role_start("aggregator", args, flags=flags)
     state_dir = config.state_dir
     out = args.out or os.path.join(state_dir, "run")
-
-    def setting(flag, key, default):
-        # the command line, else the site file when the layered schema declares the key
-        # (`clients`, `round.deadline`, `round.quorum`, `round.min_updates`), else default
-        return flag if flag is not None else config.get(key, default)
-
-    clients = setting([c.strip() for c in args.clients.split(",")] if args.clients else None,
-                      "clients", None)
-    settings = AggregatorSettings(node_id=config["node.id"],
-                                  federation=config["node.federation"],
-                                  round_timeout_s=setting(args.deadline, "round.deadline", 300.0),
-                                  quorum=setting(args.quorum, "round.quorum", 1.0),
-                                  min_updates=setting(args.min_updates, "round.min_updates", 1),
-                                  offline_grace_s=config.get("round.offline_grace", 3.0),
-                                  max_payload=config["transport.chunk_size"],
-                                  compression=config["transport.compression"],
-                                  profile=config.profile, **_reassembly_limits(config))
+    clients = config["clients"]
+    settings = AggregatorSettings.from_service_config(config)
     daemon_settings = DaemonSettings(settings, client_ids=tuple(clients) if clients else None,
                                      once=args.once,
                                      run_options={"export": _export_policy(config),
@@ -292,8 +276,6 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> int:
-    import json
-
     from ..roles import Client, ClientSettings
     from ..service import profiles
     from ..service.notify import Notifier
@@ -301,15 +283,16 @@ def _client(args: argparse.Namespace) -> int:
 
     if (args.partition is None) != (args.shard is None):
         raise ValueError("--partition and --shard go together")
-    run_config, extra = None, []
+    run_config, flags = None, {}
     if args.partition is not None:
         from ..runconfig import load_run_config
         from ..sim import _absolute_paths
 
         run_config = load_run_config(args.partition)
-        # the site file's data is the run's dataset (shown by `edgefl config show`)
-        extra = [f"data={json.dumps(_absolute_paths(run_config.dataset, run_config.path))}"]
-    config = _role_start("client", args, extra)
+        # the client's data is the run's dataset, a command-line setting
+        flags["data"] = (f"--partition {args.partition}",
+                         _absolute_paths(run_config.dataset, run_config.path))
+    config = _role_start("client", args, flags=flags)
     if run_config is not None:
         from ..sim import client_shard
 
@@ -324,15 +307,10 @@ def _client(args: argparse.Namespace) -> int:
     node = config["node.id"]
     logging.getLogger("edgefl.roles.client").info(
         "%s: %d samples of shape %s loaded (%.0f MiB resident)", node, len(x), x.shape[1:], rss)
-    settings = ClientSettings(node, config["node.federation"],
-                              max_payload=config["transport.chunk_size"],
-                              compression=config["transport.compression"],
-                              exit_when_finished=args.exit_when_finished,
-                              profile=config.profile, **_reassembly_limits(config),
-                              # the board's limits: a run asking more is refused
-                              max_params=config["compute.max_params"],
-                              max_batch_size=config["compute.max_batch_size"],
-                              memory_budget_mb=config["compute.memory_budget_mb"])
+    # the board's limits (compute.max_params, ...) are in the settings: a run asking more is
+    # refused
+    settings = ClientSettings.from_service_config(config,
+                                                  exit_when_finished=args.exit_when_finished)
     transport = _mqtt_transport(config, node)
     notifier = Notifier.from_environment()
     # the pings stop when the client's main loop stops beating
@@ -412,6 +390,7 @@ def _status(args: argparse.Namespace) -> int:
     import time
 
     from ..roles.messages import MessageError, parse_status
+    from ..service.layered import default, load_service_config
     from ..service.status import format_fleet
     from ..transport.base import Message
     from ..transport.mqtt import MqttTransport
@@ -420,8 +399,6 @@ def _status(args: argparse.Namespace) -> int:
     client_id = f"edgefl-status-{os.getpid()}-{os.urandom(3).hex()}"
     config = None
     if args.site is not None or args.overrides or args.profile is not None:
-        from ..service.layered import load_service_config
-
         config = load_service_config(args.role, args.site, profile=args.profile,
                                      overrides=args.overrides)
     if args.broker is not None:
@@ -429,8 +406,9 @@ def _status(args: argparse.Namespace) -> int:
     elif config is not None:
         transport = _mqtt_transport(config, client_id, clean_session=True)
     else:
-        transport = MqttTransport("mqtt://localhost:1883", client_id, clean_session=True)
-    federation = args.federation or (config["node.federation"] if config else "default")
+        transport = MqttTransport(default("broker.url"), client_id, clean_session=True)
+    federation = args.federation or (config["node.federation"] if config
+                                     else default("node.federation"))
     topics = Topics(federation)
     transport.connect()
     statuses = {}
