@@ -224,7 +224,11 @@ def test_unknown_profile_lists_the_valid_ones(tmp_path):
     ("transport: 3\n", r":1: transport: transport is a section \(keys: compression, chunk_size\)"),
     ("node:\n  id: 07\n", r":2: node.id: must be a string, but YAML reads 07 as the number 7; "
                           r"quote it: '07' -> '\"07\"'$"),
-    ("node:\n  id: a/b\n", r":2: node.id: 'a/b' contains '/'; an id is one MQTT topic level"),
+    ("node:\n  id: a/b\n", r":2: node.id: 'a/b' contains '/' \(a topic separator or "
+                          r"wildcard\); an id is one MQTT topic level$"),
+    # the transport's rule: a C1 control character is refused here, not first by the role
+    ('node:\n  id: "a\\x85b"\n', r":2: node.id: 'a\\x85b' contains control character "
+                                r"U\+0085; an id is one MQTT topic level$"),
     ("run: quickstart\n", r":1: run: not a setting of the client \(read by the aggregator\); "
                           r"valid keys for the client: profile, "),
     ("data: {name: imagenet}\n", r":1: data: unknown dataset 'imagenet'; valid: digits, mnist"),

@@ -45,6 +45,7 @@ import yaml
 
 from ..config import Config, ConfigError, apply_override, check_number
 from ..transport import wire
+from ..transport.topics import TopicError, validate_id
 from . import profiles
 
 __all__ = ["ROLES", "KEYS", "ETC_DIR", "Key", "Source", "ServiceConfig", "ConfigError",
@@ -58,7 +59,6 @@ _MQTT = ("client", "aggregator")
 COMPRESSIONS = tuple(wire.COMPRESSIONS)            # how frames may travel
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MQTT_MAX_PAYLOAD = 268_435_455                     # the MQTT packet size limit
-MAX_ID_BYTES = 64                                  # edgefl.transport.topics.MAX_ID_BYTES
 
 
 @dataclass(frozen=True)
@@ -493,13 +493,12 @@ def _check_value(key: Key, value, where: str, base_dir: str | None, raw: str | N
 
 
 def _check_id(value: str, fail) -> None:
-    # the rule of edgefl.transport.topics.validate_id: one MQTT topic level
-    bad = sorted({c for c in value if c in "/+#" or ord(c) < 32 or ord(c) == 127})
-    if bad:
-        fail(f"{value!r} contains {', '.join(repr(c) for c in bad)}; an id is one MQTT topic "
-             f"level: no '/', '+', '#' or control characters")
-    if len(value.encode("utf-8")) > MAX_ID_BYTES:
-        fail(f"{value!r} is longer than {MAX_ID_BYTES} bytes")
+    """The transport's rule for ids (edgefl.transport.topics.validate_id), reported with the
+    file and key."""
+    try:
+        validate_id(value, "id")
+    except TopicError as exc:
+        fail(f"{str(exc).removeprefix('id: ')}; an id is one MQTT topic level")
 
 
 def _check_ids(value, raw, fail) -> list:
