@@ -7,6 +7,7 @@ partition it describes. Errors name the file and the key (and the YAML line when
 """
 from __future__ import annotations
 
+import math
 import os
 
 import yaml
@@ -90,10 +91,40 @@ def section(config: Config, name: str, required: bool = True) -> dict:
 
 
 def seed_of(config: Config) -> int:
-    seed = config.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"{_where(config)}: seed must be an integer, got {seed!r}")
-    return seed
+    def fail(problem):
+        raise ConfigError(f"{_where(config)}: seed {problem}")
+
+    return check_number(config.get("seed", 0), fail, integer=True)
+
+
+def check_number(value, where, *, integer: bool = False, minimum=None, maximum=None):
+    """`value` as an int (integer=True) or a finite float, within [minimum, maximum]; else
+    ConfigError "<where>: <problem>" (where: the file and key), or where(problem) when it is
+    a function that raises. The one check of numbers in run configs (edgefl.runconfig), site
+    files and --set (edgefl.service.layered) and the role settings classes, which take
+    their checks from the layered key table."""
+    def fail(problem):
+        if callable(where):
+            where(problem)
+        raise ConfigError(f"{where}: {problem}")
+
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(f"must be an integer, got {value!r}")
+    else:
+        if isinstance(value, str):      # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                fail(f"must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            fail(f"must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        fail(f"{value} is below the minimum {minimum:g}")
+    if maximum is not None and value > maximum:
+        fail(f"{value} is above the maximum {maximum:g}")
+    return int(value) if integer else float(value)
 
 
 def dataset_from_config(config: Config) -> Dataset:

@@ -19,7 +19,6 @@ choices. A config may also be named by the stem of a file shipped in edgefl/conf
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import types
@@ -29,7 +28,7 @@ from typing import Any, Mapping
 
 from . import kernels
 from .attacks import AttackError, attack_section
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_number, load_config
 from .data import dataset_options, partition_options
 from .models import model_names
 from .strategies import StrategyError, get_strategy, strategy_names, strategy_params
@@ -300,20 +299,8 @@ class _Validator:
                                            f"valid: {choices}")
 
     def integer(self, key: str, value, lo: int | None = None) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(key, f"must be an integer, got {value!r}")
-        if lo is not None and value < lo:
-            self.fail(key, f"{value} must be >= {lo}")
-        return int(value)
+        return check_number(value, lambda problem: self.fail(key, problem), integer=True,
+                            minimum=lo)
 
     def number(self, key: str, value) -> float:
-        if isinstance(value, str):     # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                self.fail(key, f"must be a number, got {value!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.fail(key, f"must be a number, got {value!r}")
-        if not math.isfinite(value):
-            self.fail(key, f"must be finite, got {value!r}")
-        return float(value)
+        return check_number(value, lambda problem: self.fail(key, problem))

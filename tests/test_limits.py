@@ -437,7 +437,7 @@ def test_aggregator_stops_cleanly_on_enospc_and_a_restart_resumes(tmp_path, monk
 # ---------------------------------------------------------------------------------------
 
 def test_limits_keys_reach_the_transport_and_the_reassemblers(tmp_path):
-    from edgefl.cli import _mqtt_transport, _reassembly_limits
+    from edgefl.cli.service import _mqtt_transport
     from edgefl.service.layered import ConfigError, load_service_config
 
     site = tmp_path / "aggregator.yaml"
@@ -447,7 +447,8 @@ def test_limits_keys_reach_the_transport_and_the_reassemblers(tmp_path):
     config = load_service_config("aggregator", str(site))
     transport = _mqtt_transport(config, "agg")
     assert (transport.messages.max_messages, transport.messages.max_bytes) == (50, 8 << 20)
-    settings = AggregatorSettings(federation="fed", **_reassembly_limits(config))
+    settings = AggregatorSettings.from_service_config(config, federation="fed")
+    assert (settings.node_id, settings.chunks_per_sender) == ("agg", 300)
     _, aggregator, _ = fleet(tmp_path, load_small_run(tmp_path), LoopbackBroker(), settings)
     r = aggregator.reassembler
     assert (r.max_bytes, r.max_bytes_per_sender, r.max_chunks_per_sender) == \
@@ -467,5 +468,11 @@ def test_limits_keys_reach_the_transport_and_the_reassemblers(tmp_path):
         (16 << 20, 99)
     with pytest.raises(ConfigError, match=r"limits.queue_mb: 0 is below the minimum 1"):
         load_service_config("aggregator", str(site), overrides=["limits.queue_mb=0"])
-    with pytest.raises(ValueError, match="chunks_per_sender = 0: need an integer >= 1"):
+    # the settings classes check their fields as the site file's keys are checked
+    with pytest.raises(ConfigError, match=r"^AggregatorSettings.chunks_per_sender "
+                                          r"\(limits.chunks_per_sender\): 0 is below the "
+                                          r"minimum 1$"):
         AggregatorSettings(chunks_per_sender=0)
+    with pytest.raises(ConfigError, match=r"^AggregatorSettings.reassembly_bytes: 0 is below "
+                                          r"the minimum 1$"):
+        AggregatorSettings(reassembly_bytes=0)

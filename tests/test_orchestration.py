@@ -858,7 +858,7 @@ def test_edgefl_ctl_fails_at_once_when_the_broker_refuses_and_never_uses_a_site_
 def test_pause_between_rounds_says_where_the_run_is_held(tmp_path):
     from types import SimpleNamespace
 
-    from edgefl.cli import _ctl_text, _event_text
+    from edgefl.cli.ctl import _ctl_text, _event_text
     from edgefl.roles.control import Command, RunControl
 
     daemon = Daemon(DaemonSettings(), str(tmp_path), transport_factory=None)

@@ -224,7 +224,11 @@ def test_unknown_profile_lists_the_valid_ones(tmp_path):
     ("transport: 3\n", r":1: transport: transport is a section \(keys: compression, chunk_size\)"),
     ("node:\n  id: 07\n", r":2: node.id: must be a string, but YAML reads 07 as the number 7; "
                           r"quote it: '07' -> '\"07\"'$"),
-    ("node:\n  id: a/b\n", r":2: node.id: 'a/b' contains '/'; an id is one MQTT topic level"),
+    ("node:\n  id: a/b\n", r":2: node.id: 'a/b' contains '/' \(a topic separator or "
+                          r"wildcard\); an id is one MQTT topic level$"),
+    # the transport's rule: a C1 control character is refused here, not first by the role
+    ('node:\n  id: "a\\x85b"\n', r":2: node.id: 'a\\x85b' contains control character "
+                                r"U\+0085; an id is one MQTT topic level$"),
     ("run: quickstart\n", r":1: run: not a setting of the client \(read by the aggregator\); "
                           r"valid keys for the client: profile, "),
     ("data: {name: imagenet}\n", r":1: data: unknown dataset 'imagenet'; valid: digits, mnist"),
@@ -388,3 +392,87 @@ def test_config_show_error_is_one_line_naming_the_cause(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == (f"edgefl config: error: {site}:3: train.batch_size: 0 is below the "
                    f"minimum 1\n")
+
+
+# ---------------------------------------------------------------------------------------
+# the role settings classes: one source of defaults and checks with the site files
+# ---------------------------------------------------------------------------------------
+
+def test_role_settings_take_the_services_defaults_and_keys():
+    from edgefl.roles.aggregator import AGGREGATOR_KEYS, AggregatorSettings
+    from edgefl.roles.client import CLIENT_KEYS, ClientSettings
+    from edgefl.service.layered import default
+
+    with open(defaults_path()) as f:
+        shipped = yaml.safe_load(f)
+
+    def written(key):             # the value as defaults.yaml writes it
+        node = shipped
+        for part in key.split("."):
+            node = node[part]
+        return node
+
+    for cls, keys, role in ((AggregatorSettings, AGGREGATOR_KEYS, "aggregator"),
+                            (ClientSettings, CLIENT_KEYS, "client")):
+        settings = cls() if cls is AggregatorSettings else cls("c-1")
+        for name, key in keys.items():
+            assert role in KEYS[key].roles, f"{cls.__name__}.{name}: {key} is not read by {role}"
+            if name in ("max_params", "max_batch_size", "memory_budget_mb"):
+                assert getattr(settings, name) is None        # a simulation's: no limit
+                continue
+            assert getattr(settings, name) == default(key) == written(key), \
+                f"{cls.__name__}.{name} vs {key}"
+
+
+def test_role_settings_from_a_site_file_and_their_checks(tmp_path):
+    from edgefl.roles import AggregatorSettings, ClientSettings
+
+    site = write(tmp_path / "client.yaml",
+                 "profile: rpi4\nnode: {id: pi-07, federation: lab}\ndata: {name: digits}\n"
+                 "transport: {compression: f16, chunk_size: 4096}\n"
+                 "limits: {reassembly_mb: 3, chunks_per_sender: 40}\n"
+                 "compute: {max_params: 5000}\n")
+    settings = ClientSettings.from_service_config(client(site), exit_when_finished=True)
+    assert (settings.node_id, settings.federation, settings.compression, settings.max_payload,
+            settings.reassembly_bytes, settings.chunks_per_sender, settings.max_params,
+            settings.memory_budget_mb, settings.profile, settings.exit_when_finished) == \
+        ("pi-07", "lab", "f16", 4096, 3 << 20, 40, 5000,
+         client(site)["compute.memory_budget_mb"], "rpi4", True)
+    # a field is checked by its key's rule, and the error names both
+    for make, message in [
+            (lambda: AggregatorSettings(round_timeout_s=0.05),
+             r"^AggregatorSettings.round_timeout_s \(round.deadline\): 0.05 is below the "
+             r"minimum 0.1$"),
+            (lambda: AggregatorSettings(quorum=1.5),
+             r"^AggregatorSettings.quorum \(round.quorum\): 1.5 is above the maximum 1$"),
+            (lambda: AggregatorSettings(min_updates=True),
+             r"^AggregatorSettings.min_updates \(round.min_updates\): must be an integer"),
+            (lambda: AggregatorSettings(compression="zstd"),
+             r"^AggregatorSettings.compression \(transport.compression\): 'zstd' is not "
+             r"valid; valid: none, f16, int8$"),
+            (lambda: ClientSettings("c", memory_budget_mb=8),
+             r"^ClientSettings.memory_budget_mb \(compute.memory_budget_mb\): 8 is below the "
+             r"minimum 16$"),
+            (lambda: ClientSettings("c", max_payload=512),
+             r"^ClientSettings.max_payload \(transport.chunk_size\): 512 is below the "
+             r"minimum 1024$")]:
+        with pytest.raises(ConfigError, match=message):
+            make()
+
+
+def test_aggregator_options_are_command_line_settings(tmp_path, capsys):
+    """--deadline / --quorum / --min-updates / --clients of `edgefl aggregator` are the top
+    layer of round.* and clients: shown as their source, checked as the keys are."""
+    site = write(tmp_path / "aggregator.yaml",
+                 "profile: generic-x86\nnode: {id: agg}\nround: {deadline: 45}\n")
+    config = load_service_config("aggregator", site, flags={
+        "round.deadline": ("--deadline 60.0", 60.0), "clients": ("--clients a,b", "a,b")})
+    assert (config["round.deadline"], config["clients"]) == (60.0, ["a", "b"])
+    assert str(config.source("round.deadline")) == "--deadline 60.0"
+    assert config["round.quorum"] == 1.0 and config.source("round.quorum").layer == \
+        "package defaults"
+    code = main(["aggregator", "--config", site, "--deadline", "0", "--set",
+                 f"state_dir={tmp_path}"])
+    assert code == 1
+    assert capsys.readouterr().err.strip() == \
+        "edgefl aggregator: error: --deadline 0.0: round.deadline: 0.0 is below the minimum 0.1"

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from edgefl.cli import COMMANDS, main
+from edgefl.cli import COMMANDS, build_parser, main
 from edgefl.service import install as inst
 from edgefl.service.layered import ConfigError, load_service_config
 from edgefl.service.logs import setup_logging, stream_is_journal
@@ -464,6 +464,18 @@ def test_unit_directives(role):
         assert _get(text, "PrivateNetwork") == ["yes"]
 
 
+def test_every_unit_runs_a_command_of_this_edgefl():
+    # the installer names the subcommand each unit's ExecStart runs (test_unit_directives
+    # checks the unit files say the same); an edgefl without it would write units that
+    # fail on every start
+    for role, spec in inst.ROLE_UNITS.items():
+        assert spec.command in COMMANDS, f"{role}: no `edgefl {spec.command}` command"
+        # and the CLI takes the arguments ExecStart gives it
+        argv = _get(inst.unit_template(role), "ExecStart")[0].split()[3:]
+        args = build_parser().parse_args(argv)
+        assert args._command is COMMANDS[spec.command] and args.site == spec.site_path("%i")
+
+
 def test_installer_site_file_is_what_the_unit_reads():
     for role, spec in inst.ROLE_UNITS.items():
         text = inst.render_unit(role, "/usr/bin/python3")
@@ -644,9 +656,6 @@ def test_cli_install_service_prints_the_systemctl_commands(tmp_path, capsys):
     assert lines[i + 1:i + 4] == ["  systemd-sysusers /etc/sysusers.d/edgefl.conf",
                                   "  systemctl daemon-reload",
                                   "  systemctl enable --now edgefl-client@pi-07.service"]
-    # until the MQTT roles exist the installer says the unit cannot start yet
-    assert ("warning: this edgefl has no `edgefl client` command yet" in out) == \
-        ("client" not in COMMANDS)
     assert (tmp_path / "etc/edgefl/client-pi-07.yaml").exists()
 
 

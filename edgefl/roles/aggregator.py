@@ -49,7 +49,9 @@ import numpy as np
 
 from .. import kernels
 from .._malloc import keep_frames_in_heap
+from ..config import check_number
 from ..models import Model
+from ..service.layered import check_setting, default
 from ..strategies import (Setup, State, Strategy, StrategyError, Update, mean_train_loss,
                           select_clients)
 from ..transport import wire
@@ -74,11 +76,27 @@ def default_client_ids(n: int) -> tuple:
     return tuple(f"client-{i}" for i in range(int(n)))
 
 
+# The AggregatorSettings fields that are settings of the `edgefl aggregator` service: each
+# takes its default and its check from that key of the layered table (edgefl.service.layered,
+# edgefl/service/defaults.yaml), so a library caller, a simulation and the service agree.
+AGGREGATOR_KEYS = {
+    "federation": "node.federation",
+    "round_timeout_s": "round.deadline",
+    "quorum": "round.quorum",
+    "min_updates": "round.min_updates",
+    "offline_grace_s": "round.offline_grace",
+    "max_payload": "transport.chunk_size",
+    "compression": "transport.compression",
+    "chunks_per_sender": "limits.chunks_per_sender",
+}
+
+
 @dataclass(frozen=True)
 class AggregatorSettings:
-    """How the aggregator runs rounds over the broker.
+    """How the aggregator runs rounds over the broker. The fields of AGGREGATOR_KEYS have
+    the service's defaults and checks (`edgefl config show --role aggregator` lists them).
 
-    round_timeout_s: the deadline, seconds after a round is announced.
+    round_timeout_s: the deadline, seconds after a round is announced (round.deadline).
     quorum:          fraction of a round's uploaders whose updates close it early
                      (1.0: wait for all of them, or for the deadline).
     min_updates:     fewest updates a round is aggregated with; a round that has fewer at
@@ -95,46 +113,42 @@ class AggregatorSettings:
                      update reassembler (docs/limits.md); None sizes them from the model.
     """
     node_id: str = "aggregator"
-    federation: str = "default"
+    federation: str = default("node.federation")
     prefix: str = DEFAULT_PREFIX
-    round_timeout_s: float = 300.0
-    quorum: float = 1.0
-    min_updates: int = 1
-    max_payload: int = 128 * 1024
-    compression: str = "none"
+    round_timeout_s: float = default("round.deadline")
+    quorum: float = default("round.quorum")
+    min_updates: int = default("round.min_updates")
+    max_payload: int = default("transport.chunk_size")
+    compression: str = default("transport.compression")
     reassembly_timeout_s: float = 60.0
     reassembly_bytes: int | None = None
     reassembly_bytes_per_sender: int | None = None
-    chunks_per_sender: int | None = None
+    chunks_per_sender: int | None = default("limits.chunks_per_sender")
     resend_interval_s: float = 1.0
-    offline_grace_s: float = 3.0
+    offline_grace_s: float = default("round.offline_grace")
     profile: str | None = None
     poll_s: float = 0.25
 
     def __post_init__(self):
         validate_id(self.node_id, "aggregator node id")
         validate_id(self.federation, "federation id")
-        if not self.round_timeout_s > 0:
-            raise ValueError(f"round_timeout_s = {self.round_timeout_s!r}: need > 0 seconds")
-        if not self.offline_grace_s >= 0:
-            raise ValueError(f"offline_grace_s = {self.offline_grace_s!r}: need >= 0 seconds")
-        if not 0 < self.quorum <= 1:
-            raise ValueError(f"quorum = {self.quorum!r}: a fraction in (0, 1] of the round's "
-                             "uploaders")
-        if isinstance(self.min_updates, bool) or not isinstance(self.min_updates, int) \
-                or self.min_updates < 1:
-            raise ValueError(f"min_updates = {self.min_updates!r}: need an integer >= 1")
-        if self.compression not in wire.COMPRESSIONS:
-            raise ValueError(f"compression {self.compression!r}; valid: "
-                             f"{', '.join(wire.COMPRESSIONS)}")
-        if not 1024 <= self.max_payload:
-            raise ValueError(f"max_payload = {self.max_payload!r}: need >= 1024 bytes")
-        for name in ("reassembly_bytes", "reassembly_bytes_per_sender", "chunks_per_sender"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} = {value!r}: need an integer >= 1, or None (sized "
-                                 "from the model)")
+        for name, key in AGGREGATOR_KEYS.items():
+            object.__setattr__(self, name, check_setting(key, getattr(self, name),
+                                                         f"AggregatorSettings.{name}"))
+        for name in ("reassembly_bytes", "reassembly_bytes_per_sender"):
+            if getattr(self, name) is not None:       # None: sized from the model
+                check_number(getattr(self, name), f"AggregatorSettings.{name}",
+                             integer=True, minimum=1)
+
+    @classmethod
+    def from_service_config(cls, config, **fields) -> "AggregatorSettings":
+        """The settings of the `edgefl aggregator` service from its resolved configuration
+        (a ServiceConfig of the aggregator); `fields` sets the others, or replaces some."""
+        values = {name: config[key] for name, key in AGGREGATOR_KEYS.items()}
+        values.update(node_id=config["node.id"], profile=config.profile,
+                      reassembly_bytes=config.mib("limits.reassembly_mb"),
+                      reassembly_bytes_per_sender=config.mib("limits.sender_reassembly_mb"))
+        return cls(**{**values, **fields})
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._malloc import keep_frames_in_heap
+from ..config import check_number
 from ..errors import KernelError, NonFiniteError
 from ..infer import ModelFileError
 from ..models import build_model
+from ..service.layered import check_setting, default
 from ..strategies import LocalData, StrategyError, get_strategy
 from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
@@ -58,6 +60,23 @@ __all__ = ["ClientSettings", "Client"]
 log = logging.getLogger("edgefl.roles.client")
 
 
+# The ClientSettings fields that are settings of the `edgefl client` service: each takes its
+# default and its check from that key of the layered table (edgefl.service.layered,
+# edgefl/service/defaults.yaml). The board's limits (max_params, max_batch_size,
+# memory_budget_mb) are None by default, no limit: a simulation's clients have none, a
+# service's come from its profile and site file.
+CLIENT_KEYS = {
+    "federation": "node.federation",
+    "max_payload": "transport.chunk_size",
+    "compression": "transport.compression",
+    "chunks_per_sender": "limits.chunks_per_sender",
+    "max_params": "compute.max_params",
+    "max_batch_size": "compute.max_batch_size",
+    "memory_budget_mb": "compute.memory_budget_mb",
+}
+_NO_LIMIT_BY_DEFAULT = ("max_params", "max_batch_size", "memory_budget_mb")
+
+
 @dataclass(frozen=True)
 class ClientSettings:
     """node_id: this client's id (its topics, its MQTT client id, the ACL user).
@@ -69,16 +88,19 @@ class ClientSettings:
     (simulations); otherwise it is logged and the client waits for the next round.
     max_params / max_batch_size / memory_budget_mb: the board's limits (its profile and site
     file); a run whose model or minibatch exceeds them is refused with the reason in this
-    client's status (`refused`), and the client trains nothing of that run. None: no limit."""
+    client's status (`refused`), and the client trains nothing of that run. None: no limit.
+    The fields of CLIENT_KEYS have the service's checks (and, but for the limits, its
+    defaults)."""
     node_id: str
-    federation: str = "default"
+    federation: str = default("node.federation")
     prefix: str = DEFAULT_PREFIX
-    max_payload: int = 128 * 1024
-    compression: str = "none"
+    max_payload: int = default("transport.chunk_size")
+    compression: str = default("transport.compression")
     model_wait_s: float = 5.0
     reassembly_timeout_s: float = 60.0
-    reassembly_bytes: int | None = None      # model reassembly limits (docs/limits.md);
-    chunks_per_sender: int | None = None     # None: wire's defaults, no chunk budget
+    # model reassembly limits (docs/limits.md); None: wire's defaults, no chunk budget
+    reassembly_bytes: int | None = None
+    chunks_per_sender: int | None = default("limits.chunks_per_sender")
     exit_when_finished: bool = False
     profile: str | None = None
     poll_s: float = 0.25
@@ -91,19 +113,24 @@ class ClientSettings:
     def __post_init__(self):
         validate_id(self.node_id, "client id")
         validate_id(self.federation, "federation id")
-        if self.compression not in wire.COMPRESSIONS:
-            raise ValueError(f"compression {self.compression!r}; valid: "
-                             f"{', '.join(wire.COMPRESSIONS)}")
+        for name, key in CLIENT_KEYS.items():
+            object.__setattr__(self, name, check_setting(
+                key, getattr(self, name), f"ClientSettings.{name}",
+                unset_ok=name in _NO_LIMIT_BY_DEFAULT))
         if not self.model_wait_s > 0:
             raise ValueError(f"model_wait_s = {self.model_wait_s!r}: need > 0 seconds")
-        if self.max_payload < 1024:
-            raise ValueError(f"max_payload = {self.max_payload!r}: need >= 1024 bytes")
-        for name in ("max_params", "max_batch_size", "memory_budget_mb"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name} = {value!r}: need an integer >= 1, or None (no "
-                                 f"limit)")
+        if self.reassembly_bytes is not None:
+            check_number(self.reassembly_bytes, "ClientSettings.reassembly_bytes", integer=True,
+                         minimum=1)
+
+    @classmethod
+    def from_service_config(cls, config, **fields) -> "ClientSettings":
+        """The settings of the `edgefl client` service from its resolved configuration (a
+        ServiceConfig of the client); `fields` sets the others, or replaces some."""
+        values = {name: config[key] for name, key in CLIENT_KEYS.items()}
+        values.update(node_id=config["node.id"], profile=config.profile,
+                      reassembly_bytes=config.mib("limits.reassembly_mb"))
+        return cls(**{**values, **fields})
 
 
 _TRAINING_DONE = object()

@@ -56,7 +56,8 @@ class InstallError(ValueError):
 class RoleUnit:
     role: str
     template: str            # file name in edgefl/service/units/ and devices/systemd/
-    command: str             # the edgefl subcommand ExecStart runs
+    command: str             # the edgefl subcommand ExecStart runs (a command of the CLI:
+                             # tests/test_service.py checks every one)
     instance: bool           # a template unit: one instance per id
 
     def unit_name(self, node_id: str) -> str:
@@ -253,10 +254,6 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
         warnings.append(f"interpreter {python} not checked (--no-python-check): on the "
                         f"machine the files are for, it must exist and `{python} -c "
                         f"'import edgefl'` must succeed, or {unit} fails on every start")
-    from ..cli import COMMANDS
-    if spec.command not in COMMANDS:
-        warnings.append(f"this edgefl has no `edgefl {spec.command}` command yet, so {unit} "
-                        f"will fail to start until an edgefl that has it is installed")
     return InstallPlan(role, node_id, profile, note, unit, python, prefix, files, commands,
                        tuple(warnings))
 

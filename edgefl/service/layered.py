@@ -22,14 +22,19 @@ Every key is declared in KEYS with its type, the roles that read it and its vali
 unknown key, a key of another role in a site file or on the command line, or a bad value is
 a ConfigError naming the file, the line, the key and the valid values. Keys of other roles
 in the defaults and profiles are simply not used.
+
+The table is also the one source of the roles' settings classes (edgefl.roles
+AggregatorSettings, ClientSettings): their fields take their defaults from `default(key)`
+and their checks from `check_setting(key, ...)`, and `from_service_config` builds them from
+a resolved ServiceConfig, so a simulation, a test and the service agree on both.
 """
 from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import glob
 import json
-import math
 import os
 import types
 from dataclasses import dataclass
@@ -38,21 +43,22 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..config import Config, ConfigError, apply_override
+from ..config import Config, ConfigError, apply_override, check_number
+from ..transport import wire
+from ..transport.topics import TopicError, validate_id
 from . import profiles
 
 __all__ = ["ROLES", "KEYS", "ETC_DIR", "Key", "Source", "ServiceConfig", "ConfigError",
-           "add_service_config_arguments", "default_site_path", "load_service_config",
-           "service_config_from_args"]
+           "add_service_config_arguments", "check_setting", "default", "default_site_path",
+           "load_service_config", "service_config_from_args"]
 
 ROLES = ("client", "aggregator", "infer")
 ROLE_NAMES = {"client": "client", "aggregator": "aggregator", "infer": "inference service"}
 ETC_DIR = "/etc/edgefl"
 _MQTT = ("client", "aggregator")
-COMPRESSIONS = ("none", "f16", "int8")            # edgefl.transport.wire.COMPRESSIONS
+COMPRESSIONS = tuple(wire.COMPRESSIONS)            # how frames may travel
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MQTT_MAX_PAYLOAD = 268_435_455                     # the MQTT packet size limit
-MAX_ID_BYTES = 64                                  # edgefl.transport.topics.MAX_ID_BYTES
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,11 @@ class ServiceConfig:
         if not out:
             raise KeyError(f"{name!r} is not a section of the {self.role}'s settings")
         return out
+
+    def mib(self, key: str) -> int | None:
+        """A MiB setting (limits.queue_mb, ...) in bytes; None stays None (sized later)."""
+        value = self[key]
+        return None if value is None else value << 20
 
     @property
     def profile(self) -> str:
@@ -389,6 +400,39 @@ def _suggest(dotted: str, prefix: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# the table as the settings classes use it
+# ---------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _package_defaults() -> tuple:
+    """({key: value}, {key: line}, {key: text}) of defaults.yaml, read once."""
+    path = defaults_path()
+    data, lines, raws = _read_yaml(path)
+    return _flatten(data, lambda key: f"{path}: {key}"), lines, raws
+
+
+def default(key: str):
+    """The package default of a setting (edgefl/service/defaults.yaml), checked: the default
+    of the settings classes of the roles (AggregatorSettings, ClientSettings), which are the
+    services' settings."""
+    if key not in KEYS:
+        raise KeyError(f"{key!r} is not a setting; valid: {', '.join(KEYS)}")
+    values, lines, raws = _package_defaults()
+    path = defaults_path()
+    return copy.deepcopy(_check_value(KEYS[key], values[key], f"{path}:{lines[key]}: {key}",
+                                      os.path.dirname(path), raws.get(key)))
+
+
+def check_setting(key: str, value, where: str, *, unset_ok: bool = False):
+    """`value` checked as a site file's `key` is (its type, range, choices), for a settings
+    class's field: the validated value, or ConfigError "<where> (<key>): <problem>".
+    unset_ok: None passes (a field whose None means "no limit")."""
+    if value is None and unset_ok:
+        return None
+    return _check_value(KEYS[key], value, f"{where} ({key})", None)
+
+
+# ---------------------------------------------------------------------------------------
 # values
 # ---------------------------------------------------------------------------------------
 
@@ -427,22 +471,9 @@ def _check_value(key: Key, value, where: str, base_dir: str | None, raw: str | N
         if kind == "run":
             value = _check_run(value, base_dir, fail)
         return value
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            fail(f"must be an integer, got {value!r}")
-        _check_range(key, value, fail)
-        return int(value)
-    if kind == "number":
-        if isinstance(value, str):      # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                fail(f"must be a number, got {value!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value):
-            fail(f"must be a finite number, got {value!r}")
-        _check_range(key, value, fail)
-        return float(value)
+    if kind in ("int", "number"):
+        return check_number(value, fail, integer=kind == "int", minimum=key.minimum,
+                            maximum=key.maximum)
     if kind == "choice":
         if isinstance(value, str):
             value = value.strip().lower() if key.name == "log.level" else value
@@ -461,21 +492,13 @@ def _check_value(key: Key, value, where: str, base_dir: str | None, raw: str | N
     raise AssertionError(f"KEYS[{key.name!r}]: unknown kind {kind!r}")
 
 
-def _check_range(key: Key, value, fail) -> None:
-    if key.minimum is not None and value < key.minimum:
-        fail(f"{value} is below the minimum {key.minimum:g}")
-    if key.maximum is not None and value > key.maximum:
-        fail(f"{value} is above the maximum {key.maximum:g}")
-
-
 def _check_id(value: str, fail) -> None:
-    # the rule of edgefl.transport.topics.validate_id: one MQTT topic level
-    bad = sorted({c for c in value if c in "/+#" or ord(c) < 32 or ord(c) == 127})
-    if bad:
-        fail(f"{value!r} contains {', '.join(repr(c) for c in bad)}; an id is one MQTT topic "
-             f"level: no '/', '+', '#' or control characters")
-    if len(value.encode("utf-8")) > MAX_ID_BYTES:
-        fail(f"{value!r} is longer than {MAX_ID_BYTES} bytes")
+    """The transport's rule for ids (edgefl.transport.topics.validate_id), reported with the
+    file and key."""
+    try:
+        validate_id(value, "id")
+    except TopicError as exc:
+        fail(f"{str(exc).removeprefix('id: ')}; an id is one MQTT topic level")
 
 
 def _check_ids(value, raw, fail) -> list:
@@ -625,6 +648,17 @@ def _set_layer(overrides, role: str) -> dict:
     return out
 
 
+def _flag_layer(flags: Mapping, role: str) -> dict:
+    out = {}
+    for key, (option, value) in flags.items():
+        if role not in KEYS[key].roles:
+            raise ConfigError(f"{option}: {key} is not a setting of the {ROLE_NAMES[role]}")
+        where = f"{option}: {key}"
+        out[key] = _Entry(_layer_value(key, value, where, os.getcwd(), None),
+                          Source("command line", option, key), os.getcwd(), where)
+    return out
+
+
 def _merge(entries: dict, layer: dict) -> None:
     """Put `layer` over `entries`. A mapping-valued key (data, suggested_model) given without
     a name updates the mapping below it, so `--set data.limit_train=500` keeps the site
@@ -664,8 +698,8 @@ def _role_keys(role: str) -> list:
 
 
 def load_service_config(role: str, site: str | os.PathLike | None = None, *,
-                        profile: str | None = None, overrides=(), node_id: str | None = None,
-                        etc_dir: str = ETC_DIR,
+                        profile: str | None = None, overrides=(), flags=None,
+                        node_id: str | None = None, etc_dir: str = ETC_DIR,
                         device_tree_model: str = profiles.DEVICE_TREE_MODEL) -> ServiceConfig:
     """Resolve the four layers for `role` (client, aggregator or infer).
 
@@ -673,7 +707,10 @@ def load_service_config(role: str, site: str | os.PathLike | None = None, *,
     client's, instead of site): the file `edgefl install-service` wrote for that client,
     /etc/edgefl/client-<id>.yaml, which must exist. profile: the command line's --profile
     (wins over the site file's `profile:`). overrides: the "dotted.key=value" strings of
-    --set. Raises ConfigError naming the file, line and key."""
+    --set. flags: {key: (option as typed, value)} of a command's own options for settings
+    (`edgefl aggregator --deadline 60`: {"round.deadline": ("--deadline 60", 60.0)}),
+    command-line values like --set, named by their option. Raises ConfigError naming the
+    file, line and key."""
     _check_role(role)
     if node_id is not None:
         if site is not None:
@@ -707,6 +744,7 @@ def load_service_config(role: str, site: str | os.PathLike | None = None, *,
         site_entries = _file_layer("site file", site_file, role, strict=True)
         layers.append(Layer("site file", site_file))
     command_line = _set_layer(overrides, role)
+    command_line.update(_flag_layer(flags or {}, role))
     if profile is not None:
         command_line["profile"] = _Entry(profile, Source("command line", f"--profile {profile}",
                                                          "profile"), None, f"--profile {profile}")
@@ -729,7 +767,8 @@ def load_service_config(role: str, site: str | os.PathLike | None = None, *,
     _merge(entries, command_line)
     if command_line:
         given = ([f"--profile {profile}"] if profile is not None else []) + \
-            [f"--set {item}" for item in overrides]
+            [f"--set {item}" for item in overrides] + [option for option, _ in
+                                                       (flags or {}).values()]
         layers.append(Layer("command line", " ".join(given)))
     else:
         layers.append(Layer("command line", None, "no --profile or --set"))

@@ -1,0 +1,107 @@
+"""The `edgefl` command. Each subcommand is one `Command` (its arguments and the function that
+runs it), defined in the module of its family:
+
+    runs.py      partition, simulate, duw-train, info, export, predict, compare: run configs
+                 and their outputs, in this process
+    service.py   broker, config, install-service, aggregator, client, serve, status: a node's
+                 services and their setup
+    ctl.py       ctl: the operator's commands to the aggregator service, and watch
+
+`main` builds the parser from COMMANDS. To add a subcommand, define it in its family's module
+
+    def _simulate_arguments(parser): parser.add_argument("config")
+    def _simulate(args) -> int: ...
+    SIMULATE = Command("simulate", "run N clients and the aggregator in one process",
+                       _simulate_arguments, _simulate)
+
+and list it below, where `edgefl --help` is to show it. Nothing imports the CLI: it is the top
+layer.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+
+from .. import __version__
+from . import ctl, runs, service
+from .command import Command
+
+__all__ = ["COMMANDS", "Command", "build_parser", "console_main", "main"]
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> Command:
+    if command.name in COMMANDS:
+        raise ValueError(f"edgefl: subcommand {command.name!r} is registered twice")
+    COMMANDS[command.name] = command
+    return command
+
+
+# in the order `edgefl --help` lists them
+for _command in (runs.PARTITION, runs.SIMULATE, runs.DUW_TRAIN, runs.INFO, runs.EXPORT,
+                 runs.PREDICT, service.BROKER, service.CONFIG, service.INSTALL_SERVICE,
+                 runs.COMPARE, service.AGGREGATOR, service.CLIENT, service.SERVE,
+                 service.STATUS, ctl.CTL):
+    register(_command)
+del _command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgefl",
+                                     description="Federated learning for edge boards.")
+    parser.add_argument("--version", action="version", version=f"edgefl {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS.values():
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(_command=command)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the `edgefl` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = getattr(args, "_command", None)
+    if command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return command.run(args)
+    except (ValueError, OSError, ImportError) as exc:
+        # Bad input (config, data, files): one line naming the cause, no traceback.
+        print(f"edgefl {command.name}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def console_main(argv=None) -> int:
+    """The `edgefl` console script and `python -m edgefl.cli`: main(), and then, if a client
+    stopped mid-round left its local round running in a worker thread, an immediate exit
+    (os._exit) with main's status once logs and output are flushed. The thread is inside the
+    C core; a normal exit would run the C libraries' destructors under it and end the
+    process with SIGSEGV (edgefl.roles.client.training_in_progress). Everything the client
+    keeps is on disk and its connection is closed by then; only the abandoned round, which
+    is trained again after a restart, is cut short."""
+    try:
+        code = main(argv)
+    except BaseException as exc:            # Ctrl-C in a simulation over MQTT, a bug
+        if not _training_left_running():
+            raise
+        traceback.print_exc()
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    if _training_left_running():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _training_left_running() -> bool:
+    client = sys.modules.get("edgefl.roles.client")
+    return client is not None and client.training_in_progress()
+

@@ -1,0 +1,295 @@
+"""`edgefl ctl`: the operator's client of the aggregator's control topic: one command and its
+reply, or `watch`, which follows the events topic until the run ends."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .command import Command
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl ctl: a thin client of the control topics (docs/orchestration.md)
+# ---------------------------------------------------------------------------------------
+
+CTL_ACTIONS = ("start", "pause", "resume", "stop", "export", "status", "runs", "watch")
+
+
+def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..service.layered import add_service_config_arguments
+
+    parser.add_argument("action", choices=CTL_ACTIONS,
+                        help="start CONFIG: queue a run; pause / resume / stop / export: the "
+                             "active run (or --run ID); status; runs; watch: follow the "
+                             "events until the run ends (Ctrl-C to leave)")
+    parser.add_argument("run_config", nargs="?", metavar="CONFIG",
+                        help="with start: the run config (YAML file or built-in name)")
+    add_service_config_arguments(parser)
+    parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
+                        help="whose site file --config is (its broker URL, CA file and "
+                             "federation are used, never its account; default aggregator)")
+    parser.add_argument("--broker", metavar="URL",
+                        help="mqtt://host[:port] or mqtts://... (default: the site file's, "
+                             "else mqtt://localhost:1883)")
+    parser.add_argument("--username", metavar="USER",
+                        help="MQTT user: the operator's account (the broker's ACL lets only "
+                             "the operator publish commands); never taken from --config, "
+                             "whose account is the node's own")
+    parser.add_argument("--password-file", metavar="FILE",
+                        help="file whose first line is the MQTT password of --username")
+    parser.add_argument("--cert-file", metavar="FILE",
+                        help="TLS client certificate of the operator (brokers that take the "
+                             "certificate's CN as the username), with --key-file")
+    parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
+    parser.add_argument("--ca-file", metavar="FILE", help="CA bundle of the broker (TLS)")
+    parser.add_argument("--federation", metavar="ID",
+                        help="federation id (default: the site file's node.federation, else "
+                             "'default')")
+    parser.add_argument("--mqtt", choices=["5", "3.1.1"], default="5",
+                        help="protocol: 5 (default) sends the reply address as response topic "
+                             "+ correlation data, 3.1.1 in the payload (reply_to, request_id)")
+    parser.add_argument("--run", dest="run_id", metavar="ID",
+                        help="the run a command is for (start: the new run's id)")
+    parser.add_argument("--clients", metavar="ID,ID,...",
+                        help="start: the client ids, in the order of the partition")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="start: round deadline of this run")
+    parser.add_argument("--quorum", type=float, metavar="FRACTION",
+                        help="start: round quorum of this run")
+    parser.add_argument("--min-updates", type=int, metavar="N",
+                        help="start: fewest updates a round of this run is aggregated with")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="how long to wait for a reply (default 10)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the reply (watch: each event) as JSON")
+
+
+def _ctl_connect(args: argparse.Namespace):
+    """The connection of `edgefl ctl`. A site file (--config) gives the broker URL, its CA
+    file and the federation, never its account: that is the node's own login (the
+    aggregator's, a board's), which the broker's ACL does not let publish commands. The
+    account is the command line's (--username / --password-file, or --cert-file /
+    --key-file); with a site file that names an account and none given, ctl refuses
+    before connecting rather than have the broker drop every command."""
+    import os
+
+    from ..roles.control import RequesterTransport
+    from ..service.layered import default, load_service_config
+    from ..transport.topics import Topics
+
+    config = None
+    if args.site is not None or args.overrides or args.profile is not None:
+        config = load_service_config(args.role, args.site, profile=args.profile,
+                                     overrides=args.overrides)
+    broker = config.section("broker") if config is not None else {}
+    own = [f"{k} {broker[k]}" for k in ("username", "cert_file") if broker.get(k)]
+    if own and not (args.username or args.cert_file):
+        raise ValueError(
+            f"the {args.role}'s site file {args.site or '(default)'} logs in as its own "
+            f"account ({', '.join(own)}), and the broker's ACL lets only the operator account "
+            f"publish commands (broker/acl), so ctl does not use it: give the operator's "
+            f"credentials with --username operator --password-file FILE (or --cert-file / "
+            f"--key-file); the site file still gives the broker URL, CA file and federation")
+    url = args.broker or broker.get("url") or default("broker.url")
+    options = {"ca_file": args.ca_file or broker.get("ca_file"), "cert_file": args.cert_file,
+               "key_file": args.key_file}
+    name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
+    transport = RequesterTransport(url, f"edgefl-{name}", clean_session=True,
+                                   protocol=args.mqtt, username=args.username,
+                                   password_file=args.password_file,
+                                   **{k: v for k, v in options.items() if v})
+    federation = args.federation or (config["node.federation"] if config
+                                     else default("node.federation"))
+    transport.connect()
+    return transport, Topics(federation), name
+
+
+def _ctl_command(args: argparse.Namespace) -> dict:
+    doc: dict = {"cmd": args.action}
+    if args.action == "start":
+        from ..runconfig import load_run_config
+        from ..sim import _absolute_paths
+
+        if args.run_config is None:
+            raise ValueError("ctl start: name the run config (a YAML file or built-in name)")
+        config = load_run_config(args.run_config)      # errors name the file and key here
+        body = config.to_dict()
+        body["dataset"] = _absolute_paths(config.dataset, config.path)
+        doc["config"] = body
+        if args.clients:
+            doc["clients"] = [c.strip() for c in args.clients.split(",")]
+        rounds = {k: v for k, v in (("deadline", args.deadline), ("quorum", args.quorum),
+                                    ("min_updates", args.min_updates)) if v is not None}
+        if rounds:
+            doc["round"] = rounds
+    elif args.run_config is not None:
+        raise ValueError(f"ctl {args.action}: takes no CONFIG (got {args.run_config!r})")
+    if args.run_id is not None and args.action not in ("status", "runs", "watch"):
+        doc["run"] = args.run_id
+    return doc
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    import json
+
+    from ..roles.control import CommandRefused, ControlClient
+
+    doc = _ctl_command(args) if args.action != "watch" else None
+    transport, topics, name = _ctl_connect(args)
+    try:
+        if args.action == "watch":
+            return _ctl_watch(args, transport, topics, name)
+        client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
+        try:
+            reply = client.request(doc, timeout=args.timeout)
+        except CommandRefused as exc:
+            print(f"edgefl ctl: {exc}; log in as the operator (--username, --password-file)",
+                  file=sys.stderr)
+            return 1
+        except TimeoutError as exc:
+            print(f"edgefl ctl: {exc}", file=sys.stderr)
+            return 1
+    finally:
+        transport.close(timeout=2.0, announce_offline=False)
+    if args.json:
+        print(json.dumps(reply, indent=1))
+    elif not reply.get("ok"):
+        print(f"edgefl ctl {args.action}: refused: {reply.get('error')}", file=sys.stderr)
+    else:
+        print(_ctl_text(args.action, reply.get("result") or {}))
+    return 0 if reply.get("ok") else 1
+
+
+def _ctl_text(action: str, result: dict) -> str:
+    """One reply in words (what `edgefl ctl` prints without --json)."""
+    if action == "runs":
+        rows = result.get("runs", [])
+        if not rows:
+            return "no runs"
+        lines = [f"{'run':<24} {'state':<10} {'rounds':>7} {'accuracy':>9}"]
+        for r in rows:
+            acc = r.get("final_accuracy")
+            done = f"{r.get('rounds_done', '-')}/{r.get('rounds') or '?'}"
+            lines.append(f"{r['id']:<24} {r['state']:<10} {done:>7} "
+                         f"{f'{acc:.4f}' if acc is not None else '-':>9}")
+        return "\n".join(lines)
+    if action == "status":
+        active = result.get("active")
+        queue = ", ".join(result.get("queue") or []) or "empty"
+        if not active:
+            return f"{result.get('node')}: no active run; queue: {queue}"
+        acc = active.get("test_accuracy")
+        online = active.get("clients_online") or []
+        round_text = (f"round {active['round']} of {active.get('rounds')} open, "
+                      f"{active.get('updates')}/{active.get('uploaders')} updates"
+                      if active.get("round") else
+                      f"{active.get('rounds_done', 0)} of {active.get('rounds')} rounds done")
+        return (f"run {active['run']}: {active['state']}, {round_text}; test accuracy "
+                f"{f'{acc:.4f}' if acc is not None else '-'}; {len(online)} client(s) online"
+                f"{': ' + ', '.join(online) if online else ''}; queue: {queue}")
+    if action == "pause":
+        return f"run {result.get('run')}: state {result.get('state')}, {_paused_where(result)}"
+    fields = ", ".join(f"{k} {v}" for k, v in result.items() if k != "run")
+    return f"run {result.get('run')}: {fields}"
+
+
+def _paused_where(doc: dict) -> str:
+    """Where a pause holds a run (a pause reply or a run_paused event): in its open round,
+    or between rounds."""
+    if doc.get("round") is not None:
+        return f"round {doc['round']} open (it closes after resume)"
+    done = doc.get("rounds_done")
+    if not done:
+        return "before its first round opens"
+    return f"between rounds: {done} round(s) done, the next opens after resume"
+
+
+def _ctl_watch(args, transport, topics, name) -> int:
+    """Follow the events topic: rounds, accuracy, clients online, until the run ends."""
+    import json
+
+    from ..roles.control import CommandRefused, ControlClient
+    from ..transport.base import Message
+
+    transport.subscribe(topics.events(), qos=1)
+    watched = args.run_id
+    # the clients online: from the status reply (the active run's aggregator knows them),
+    # then kept up to date by client_joined / client_left
+    online: set = set()
+    try:
+        status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5").request(
+            {"cmd": "status"}, timeout=args.timeout)
+        if status.get("ok"):
+            active = (status.get("result") or {}).get("active")
+            watched = watched or (active or {}).get("run")
+            if active and active.get("run") == watched:
+                online.update(active.get("clients_online") or [])
+            if not args.json:
+                print(_ctl_text("status", status.get("result") or {}), flush=True)
+    except (TimeoutError, CommandRefused) as exc:
+        print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
+    ends = ("run_finished", "run_stopped", "run_cancelled")
+    try:
+        while True:
+            item = transport.receive(timeout=1.0)
+            if not isinstance(item, Message) or item.topic != topics.events():
+                continue
+            try:
+                event = json.loads(item.payload)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            run = event.get("run")
+            if watched is None and event.get("event") in ("run_started", "run_resumed"):
+                watched = run
+            if watched is not None and run not in (None, watched):
+                continue
+            kind = event.get("event")
+            if kind == "client_joined":
+                online.add(event.get("client"))
+            elif kind == "client_left":
+                online.discard(event.get("client"))
+            if args.json:
+                print(json.dumps(event), flush=True)
+            else:
+                print(_event_text(event, online), flush=True)
+            if kind in ends or (kind == "error" and run == watched and run is not None):
+                return 0 if kind == "run_finished" else 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def _event_text(event: dict, online: set) -> str:
+    import time
+
+    kind, run = event.get("event"), event.get("run")
+    at = time.strftime("%H:%M:%S", time.localtime(event.get("at") or time.time()))
+    if kind == "round_opened":
+        left = (event.get("deadline") or 0) - (event.get("at") or 0)
+        text = (f"round {event.get('round')} opened: {len(event.get('selected') or [])} "
+                f"selected, deadline in {left:.0f} s")
+    elif kind == "round_closed":
+        acc = event.get("test_accuracy")
+        text = (f"round {event.get('round')} closed ({event.get('closed_by')}): "
+                f"{event.get('updates')} update(s), test accuracy "
+                f"{f'{acc:.4f}' if acc is not None else '-'}")
+    elif kind in ("client_joined", "client_left"):
+        text = (f"{event.get('client')} {'online' if kind == 'client_joined' else 'offline'} "
+                f"({len(online)} online)")
+    elif kind == "run_paused":
+        text = f"run_paused: {_paused_where(event)}"
+    elif kind == "error":
+        text = f"error: {event.get('error')}"
+    else:
+        extra = ", ".join(f"{k} {v}" for k, v in event.items()
+                          if k not in ("event", "run", "node", "at"))
+        text = kind + (f": {extra}" if extra else "")
+    return f"{at} {run or '-'} {text}"
+
+
+CTL = Command(
+    "ctl",
+    "drive the aggregator service over MQTT: start CONFIG | pause | resume | stop | export | "
+    "status | runs | watch (the operator's account)",
+    _ctl_arguments, _ctl)

@@ -1,0 +1,347 @@
+"""The commands that work on run configs and their outputs, on this machine and without a
+broker: partition, simulate, duw-train, info, export, predict, compare."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from .command import Command
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """CONFIG plus repeatable --set overrides, shared by every subcommand that reads a config."""
+    parser.add_argument("config", metavar="CONFIG", help="YAML run configuration")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="override a config value, e.g. partition.clients=20")
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl partition
+# ---------------------------------------------------------------------------------------
+
+def _partition_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--out", default="partition.png", metavar="PNG",
+                        help="heatmap file to write (default: partition.png in the current "
+                             "directory)")
+    parser.add_argument("--no-plot", action="store_true", help="print the table only")
+
+
+def _partition(args: argparse.Namespace) -> int:
+    from ..config import dataset_from_config, load_config, partition_from_config, section, seed_of
+    from ..data.report import format_table, label_counts, save_heatmap
+
+    config = load_config(args.config, args.overrides)
+    dataset = dataset_from_config(config)
+    split = partition_from_config(config, dataset)
+    counts = label_counts(dataset, split)
+    spec = section(config, "partition")
+    options = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name", "clients"))
+    title = (f"{dataset.name}: {spec['name']}({options}) over {len(split.indices)} clients, "
+             f"seed {seed_of(config)}")
+    print(title)
+    print(format_table(counts, split.sizes, dataset.class_names))
+    if not args.no_plot:
+        save_heatmap(counts, split.sizes, args.out, title)
+        print(f"heatmap: {args.out}")
+    return 0
+
+
+PARTITION = Command(
+    "partition",
+    "print a per-client label-count table and write a heatmap PNG",
+    _partition_arguments, _partition)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl simulate
+# ---------------------------------------------------------------------------------------
+
+def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--out", metavar="DIR",
+                        help="output directory (default: runs/<config name>)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="client training threads (default: the number of CPUs)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    parser.add_argument("--transport", choices=["inproc", "mqtt"], default="inproc",
+                        help="inproc (default): clients as function calls; mqtt: the "
+                             "aggregator and every client as roles with their own MQTT "
+                             "connection, through --broker or an embedded broker")
+    parser.add_argument("--broker", metavar="URL",
+                        help="with --transport mqtt: mqtt://[user:pass@]host[:port] of a "
+                             "running broker (default: start an embedded one for the run)")
+    parser.add_argument("--chunk-size", type=int, default=128 * 1024, metavar="BYTES",
+                        help="with --transport mqtt: bytes per MQTT message; larger frames "
+                             "are chunked (default 131072, AWS IoT's limit)")
+    add_export_arguments(parser)
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a training run exports its model to <out>/model.onnx (edgefl.export.ExportPolicy)."""
+    parser.add_argument("--export-every", type=int, default=0, metavar="N",
+                        help="also export the global model to ONNX after every N-th round "
+                             "(atomic replace of model.onnx; default 0: the final model only)")
+    parser.add_argument("--export-quantize", choices=["none", "int8"], default="none",
+                        help="int8: static quantisation of every export, calibrated on the "
+                             "run's training data (default none)")
+    parser.add_argument("--export-no-softmax", action="store_true",
+                        help="exports without the probabilities output (scores only)")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import os
+
+    from ..errors import NonFiniteError
+    from ..runconfig import load_run_config
+    from ..sim import simulate
+
+    config = load_run_config(args.config, args.overrides)
+    stem = os.path.splitext(os.path.basename(config.path or "run"))[0]
+    out = args.out or os.path.join("runs", stem)
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: need at least 1 thread")
+    if args.broker is not None and args.transport != "mqtt":
+        raise ValueError("--broker needs --transport mqtt")
+    mqtt = {"max_payload": args.chunk_size} if args.transport == "mqtt" else None
+    from ..export import ExportPolicy
+
+    if args.export_every < 0:
+        raise ValueError(f"--export-every {args.export_every}: need N >= 0 (0: export the "
+                         f"final model only)")
+    export = ExportPolicy(every=args.export_every, softmax=not args.export_no_softmax,
+                          quantize=args.export_quantize)
+    try:
+        summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
+                           transport=args.transport, broker=args.broker, mqtt=mqtt,
+                           export=export)
+    except NonFiniteError as exc:
+        print(f"edgefl simulate: training diverged: {exc}", file=sys.stderr)
+        return 1
+    print(f"{config.strategy}: final accuracy {summary['final_accuracy']:.4f} "
+          f"(best {summary['best_accuracy']:.4f} at round {summary['best_round']}), "
+          f"{summary['rounds']} rounds in {summary['wall_s']:.2f} s; outputs in {out}")
+    return 0
+
+
+SIMULATE = Command(
+    "simulate",
+    "run the aggregator and N clients in one process (CONFIG: a YAML file or a built-in "
+    "config name such as quickstart)",
+    _simulate_arguments, _simulate)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl duw-train
+# ---------------------------------------------------------------------------------------
+
+def _duw_train_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="JSON",
+                        help="weight file to write (use it with strategy.weights=JSON)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="client simulation threads (default: the number of CPUs)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+
+
+def _duw_train(args: argparse.Namespace) -> int:
+    from ..duw_train import train_from_config
+    from ..runconfig import load_run_config
+
+    config = load_run_config(args.config, args.overrides)
+    doc = train_from_config(config, args.out, workers=args.workers,
+                            stream=None if args.quiet else sys.stderr)
+    curve = doc["meta_loss"]
+    change = f"meta-loss {curve[0]:.4f} -> {curve[-1]:.4f}" if curve else "no meta-iterations"
+    print(f"duw: {doc['rounds']} x {len(doc['clients'])} weight table ({doc['base']}), "
+          f"{len(curve)} meta-iterations, {change}, {doc['wall_s']:.2f} s; written to {args.out}")
+    return 0
+
+
+DUW_TRAIN = Command(
+    "duw-train",
+    "learn DUW's rounds x clients aggregation-weight table offline by unrolled simulation "
+    "(specs/duw.md §2.4-2.7) and write it as JSON",
+    _duw_train_arguments, _duw_train)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl info
+# ---------------------------------------------------------------------------------------
+
+def _info(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .. import backend, kernels
+    from ..data import dataset_status
+
+    have_blas = getattr(kernels.impl, "have_blas", None)
+    blas = ("yes" if have_blas() else "no") if have_blas else "n/a (no BLAS in this backend)"
+    print(f"edgefl   {__version__}")
+    print(f"backend  {backend}")
+    print(f"blas     {blas}")
+    print(f"numpy    {np.__version__}")
+    print(f"python   {sys.version.split()[0]}")
+    print("datasets")
+    for name, status in dataset_status().items():
+        print(f"  {name:<14} {status}")
+    return 0
+
+
+INFO = Command(
+    "info",
+    "print version, kernel backend, BLAS and the datasets available here",
+    lambda parser: None, _info)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl export
+# ---------------------------------------------------------------------------------------
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a run directory from `edgefl simulate` or its model.npz")
+    parser.add_argument("--out", metavar="ONNX",
+                        help="file to write (default: model.onnx, or model.int8.onnx with "
+                             "--quantize, next to the checkpoint)")
+    parser.add_argument("--quantize", choices=["int8"],
+                        help="static int8 quantisation (onnxruntime), calibrated on training "
+                             "samples; reports the test accuracy change")
+    parser.add_argument("--no-softmax", action="store_true",
+                        help="leave out the probabilities output (scores only)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from ..export import export_checkpoint
+
+    out = args.out
+    if out is None:
+        directory = args.source if os.path.isdir(args.source) else \
+            os.path.dirname(os.path.abspath(args.source))
+        out = os.path.join(directory, "model.int8.onnx" if args.quantize else "model.onnx")
+    report = export_checkpoint(args.source, out, quantize=args.quantize,
+                               softmax=not args.no_softmax)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"exported {report['model']} ({report['n_params']:,} parameters, "
+          f"{report['algorithm'] or 'unknown algorithm'} round {report['round']}, layer table "
+          f"{report['table_digest'][:12]}) to {report['out']} ({report['bytes']:,} bytes)")
+    fp32, int8 = report["accuracy_fp32"], report["accuracy_int8"]
+    if report["test_samples"]:
+        print(f"test accuracy (onnxruntime, {report['test_samples']} samples): fp32 {fp32:.4f}"
+              + (f", int8 {int8:.4f} (change {int8 - fp32:+.4f}; fp32 file "
+                 f"{report['bytes_fp32']:,} bytes)" if int8 is not None else ""))
+    elif fp32 is not None:
+        print(f"test accuracy {fp32:.4f} (the run's summary; not re-measured: {report['note']})")
+    elif report["note"]:
+        print(f"test accuracy not measured: {report['note']}")
+    return 0
+
+
+EXPORT = Command(
+    "export",
+    "export a trained model (run directory or model.npz) to ONNX",
+    _export_arguments, _export)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl predict
+# ---------------------------------------------------------------------------------------
+
+def _predict_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL_ONNX", help="a model from `edgefl export`")
+    parser.add_argument("--input", required=True, metavar="FILE",
+                        help=".npy or .csv of raw samples, or an image file for image models")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="onnxruntime threads (default 1)")
+    parser.add_argument("--top", type=int, default=3, metavar="K",
+                        help="classes listed per sample (default 3)")
+    parser.add_argument("--json", action="store_true",
+                        help="print classes and all probabilities as JSON")
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import json
+
+    from ..infer import Predictor, read_inputs
+
+    predictor = Predictor(args.model, threads=args.threads, check_interval=None)
+    meta = predictor.metadata
+    input_range = json.loads(meta["input_range"]) if meta.get("input_range") else None
+    x = read_inputs(args.input, predictor.input_shape, input_range)
+    if meta.get("decision") == "none":
+        values = predictor.scores(x)
+        if args.json:
+            print(json.dumps({"model": args.model, "input": args.input,
+                              "values": values.tolist()}))
+        else:
+            for i, row in enumerate(values):
+                print(f"{i}: " + " ".join(f"{v:.6g}" for v in row))
+        return 0
+    classes, probs = predictor.predict(x)
+    names = predictor.class_names
+    if args.json:
+        print(json.dumps({"model": args.model, "input": args.input, "class_names": list(names),
+                          "classes": classes.tolist(),
+                          "names": [names[c] for c in classes],
+                          "probabilities": probs.tolist()}))
+        return 0
+    top = max(1, min(args.top, probs.shape[1]))
+    for i, (c, p) in enumerate(zip(classes, probs)):
+        best = sorted(range(len(p)), key=lambda k: -p[k])[:top]
+        listed = ", ".join(f"{names[k]} {p[k]:.4f}" for k in best)
+        print(f"{i}: {names[c]} (class {c}, p={p[c]:.4f})  top {top}: {listed}")
+    return 0
+
+
+PREDICT = Command(
+    "predict",
+    "classify samples (npy, csv or an image) with an exported ONNX model",
+    _predict_arguments, _predict)
+
+
+# edgefl compare
+# ---------------------------------------------------------------------------------------
+
+def _compare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="run directories of "
+                        "`edgefl simulate` (each holding summary.json and metrics.jsonl)")
+    parser.add_argument("--target", type=float, metavar="ACC",
+                        help="add a rounds-to-target column: the first round whose test "
+                             "accuracy is >= ACC (a fraction, e.g. 0.9); * = not reached")
+    parser.add_argument("--out", default="compare.png", metavar="PNG",
+                        help="overlay plot of accuracy and loss by round (default: compare.png "
+                             "in the current directory)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the rows as JSON instead of a Markdown table")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from ..compare import check_target, comparison_rows, load_runs, markdown_table, plot_overlay
+
+    target = None if args.target is None else check_target(args.target)
+    runs = load_runs(args.dirs)
+    rows = comparison_rows(runs, target)
+    plot_overlay(runs, args.out, target)
+    if args.json:
+        print(json.dumps({"target": target, "plot": args.out, "runs": rows}, indent=1))
+    else:
+        print(markdown_table(rows, target))
+        print(f"\noverlay plot: {args.out}")
+    return 0
+
+
+COMPARE = Command(
+    "compare",
+    "compare finished runs: a Markdown table (final/best accuracy, rounds to a target, bytes "
+    "moved, wall time) and an overlay plot",
+    _compare_arguments, _compare)

@@ -1,0 +1,443 @@
+"""The commands of a node's services and their setup: broker, config show, install-service,
+and the services the systemd units run (aggregator, client, serve), plus the fleet's status."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .command import Command
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl broker
+# ---------------------------------------------------------------------------------------
+
+def _broker_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..transport.broker import DEFAULT_MAX_PACKET_BYTES, KINDS
+
+    parser.add_argument("--port", type=int, default=1883, metavar="N",
+                        help="TCP port (default 1883; 0 picks a free one)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; the embedded broker "
+                             "is anonymous: use broker/mosquitto.conf for a network)")
+    parser.add_argument("--kind", choices=KINDS, default="auto",
+                        help="mosquitto (found on PATH), python (amqtt, pip install "
+                             "'edgefl[broker]'), or auto: mosquitto when installed")
+    parser.add_argument("--max-packet-bytes", type=int, default=DEFAULT_MAX_PACKET_BYTES,
+                        metavar="N", help="largest MQTT packet accepted (default "
+                                          f"{DEFAULT_MAX_PACKET_BYTES})")
+
+
+def _broker(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from ..transport.broker import EmbeddedBroker
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with EmbeddedBroker(port=args.port, kind=args.kind, host=args.host,
+                        max_packet_bytes=args.max_packet_bytes) as broker:
+        print(f"edgefl broker: {broker.kind} listening on {broker.url} (max packet "
+              f"{broker.max_packet_bytes} bytes); Ctrl-C or SIGTERM stops it", flush=True)
+        while not stop.wait(1.0):
+            if not broker.running:
+                print(f"edgefl broker: the {broker.kind} broker exited: "
+                      f"{broker.log_tail() or 'no output'}", file=sys.stderr)
+                return 1
+    print("edgefl broker: stopped", flush=True)
+    return 0
+
+
+BROKER = Command(
+    "broker",
+    "run the embedded MQTT broker (Mosquitto or amqtt) on this machine until SIGINT/SIGTERM",
+    _broker_arguments, _broker)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl config show
+# ---------------------------------------------------------------------------------------
+
+def _config_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..service.layered import ROLES, add_service_config_arguments
+
+    actions = parser.add_subparsers(dest="config_action", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="print a service's resolved settings and where each "
+                                           "came from (defaults, profile, site file, --set)")
+    show.add_argument("--role", choices=ROLES, default="client",
+                      help="the service whose settings to resolve (default: client)")
+    add_service_config_arguments(show, site_option="--site")
+    show.add_argument("--id", dest="node_id", metavar="ID",
+                      help="with --role client: the site file `edgefl install-service` wrote "
+                           "for client ID, /etc/edgefl/client-ID.yaml (instead of --site)")
+    show.add_argument("--json", action="store_true", help="values and sources as JSON")
+
+
+def _config(args: argparse.Namespace) -> int:
+    from ..service.layered import service_config_from_args, to_json_text
+
+    config = service_config_from_args(args.role, args)
+    print(to_json_text(config) if args.json else config.describe())
+    return 0
+
+
+CONFIG = Command(
+    "config",
+    "inspect the layered service configuration (config show)",
+    _config_arguments, _config)
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl install-service
+# ---------------------------------------------------------------------------------------
+
+def _install_service_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..service.install import ROLE_UNITS
+
+    parser.add_argument("--role", required=True, choices=list(ROLE_UNITS),
+                        help="the service to install")
+    parser.add_argument("--id", dest="node_id", metavar="ID",
+                        help="client id (client), the client whose model to serve (infer), "
+                             "node id (aggregator; default: aggregator)")
+    parser.add_argument("--profile", metavar="NAME",
+                        help="device profile (default: detected from the board)")
+    parser.add_argument("--prefix", default="/", metavar="DIR",
+                        help="stage the files under DIR instead of / (default: /)")
+    parser.add_argument("--python", metavar="PATH",
+                        help="interpreter the unit runs (default: this one, sys.executable); "
+                             "it must import edgefl (checked by running PATH -c 'import "
+                             "edgefl')")
+    parser.add_argument("--no-python-check", dest="check_python", action="store_false",
+                        help="with --prefix, staging for another machine: check only the "
+                             "interpreter's path, not that it exists here and imports edgefl")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the files and commands, write nothing")
+
+
+def _install_service(args: argparse.Namespace) -> int:
+    from ..service.install import format_report, install, plan_install
+
+    plan = plan_install(args.role, args.node_id, profile=args.profile, prefix=args.prefix,
+                        python=args.python, check_python=args.check_python)
+    done = install(plan, dry_run=args.dry_run)
+    print(format_report(plan, done, args.dry_run))
+    return 0
+
+
+INSTALL_SERVICE = Command(
+    "install-service",
+    "write a systemd unit and site-file skeleton for a role and print the systemctl "
+    "commands (it runs none of them)",
+    _install_service_arguments, _install_service)
+
+
+# edgefl aggregator / edgefl client / edgefl status: the roles over MQTT
+# ---------------------------------------------------------------------------------------
+
+def _mqtt_transport(config, client_id: str, **options):
+    """An MqttTransport from a service config's broker section (url, user, password file,
+    TLS files)."""
+    from ..transport.mqtt import MqttTransport
+
+    broker = config.section("broker")
+    tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
+    transport = MqttTransport(broker["url"], client_id, username=broker.get("username"),
+                              password_file=broker.get("password_file"), **tls, **options)
+    transport.set_queue_limits(config["limits.queue_messages"], config.mib("limits.queue_mb"))
+    return transport
+
+
+def _role_start(role: str, args: argparse.Namespace, flags=None):
+    """The role's resolved settings (flags: its own options for settings, see
+    load_service_config), with logging and the C core's threads set up from them."""
+    from ..service import logs, profiles
+    from ..service.layered import load_service_config
+
+    config = load_service_config(role, args.site, profile=args.profile,
+                                 overrides=args.overrides, flags=flags)
+    logs.setup_logging(config["log.level"])
+    profiles.apply_threads(config["compute.threads"])
+    return config
+
+
+def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..service.layered import add_service_config_arguments, default
+
+    add_service_config_arguments(parser)
+    # each is a setting of the layered table (round.*, clients), which the site file and
+    # --set can give too; the defaults shown are the package's
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="a round closes this long after it is announced, with the "
+                             f"updates it has (default {default('round.deadline'):g})")
+    parser.add_argument("--quorum", type=float, metavar="FRACTION",
+                        help="close a round early once this fraction of its uploaders sent "
+                             f"their update (default {default('round.quorum')}: all of them, "
+                             "or the deadline)")
+    parser.add_argument("--min-updates", type=int, metavar="N",
+                        help="fewest updates a round is aggregated with; fewer at the deadline "
+                             f"announce the round again (default {default('round.min_updates')})")
+    parser.add_argument("--clients", metavar="ID,ID,...",
+                        help="the client ids of the federation, in the order of the run "
+                             "config's partition (default: client-0 ... client-<N-1>)")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where the site file's run writes metrics.jsonl, summary.json "
+                             "and model.npz (default: <state_dir>/run; runs started on the "
+                             "control topic write to <state_dir>/runs/<id>/)")
+    parser.add_argument("--once", action="store_true",
+                        help="exit once no run is active or queued (the site file's run done) "
+                             "instead of waiting for the next run")
+
+
+def _export_policy(config):
+    """The ExportPolicy of the aggregator's export.* settings."""
+    from ..export import ExportPolicy
+
+    return ExportPolicy(every=config["export.every"], softmax=config["export.softmax"],
+                        quantize=config["export.quantize"])
+
+
+def _aggregator(args: argparse.Namespace) -> int:
+    import os
+
+    from ..roles import AggregatorSettings
+    from ..roles.daemon import Daemon, DaemonSettings
+    from ..service.notify import Notifier
+    from ..service.signals import install_stop_handlers
+
+    # the command line's round settings and clients: the top layer of the service's settings
+    flags = {key: (f"{option} {value}", value) for key, option, value in (
+        ("round.deadline", "--deadline", args.deadline), ("round.quorum", "--quorum", args.quorum),
+        ("round.min_updates", "--min-updates", args.min_updates),
+        ("clients", "--clients", args.clients)) if value is not None}
+    config = _role_start("aggregator", args, flags=flags)
+    state_dir = config.state_dir
+    out = args.out or os.path.join(state_dir, "run")
+    clients = config["clients"]
+    settings = AggregatorSettings.from_service_config(config)
+    daemon_settings = DaemonSettings(settings, client_ids=tuple(clients) if clients else None,
+                                     once=args.once,
+                                     run_options={"export": _export_policy(config),
+                                                  "publish_onnx": config["export.publish"],
+                                                  "onnx_record_dir": state_dir})
+
+    def transport(client_id, **options):
+        return _mqtt_transport(config, client_id, **options)
+
+    notifier = Notifier.from_environment()
+    site_run = (config["run"], out) if config["run"] else None
+    # the pings stop when the main loop (the daemon's, or its run's) stops beating
+    with install_stop_handlers() as stop, \
+            notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
+        daemon = Daemon(daemon_settings, state_dir, transport, stop=stop, notifier=notifier,
+                        site_run=site_run)
+        daemon.run()
+        notifier.stopping()
+    for run_id in daemon.executed:
+        record = daemon.records[run_id]
+        where = record["out_dir"]
+        if record["state"] == "finished":
+            print(f"run {run_id}: finished, final accuracy {record['final_accuracy']:.4f}, "
+                  f"{record['rounds_done']} rounds, model sha256 {record['model_sha256']}; "
+                  f"outputs in {where}", flush=True)
+        elif record["state"] in ("running", "paused"):
+            print(f"run {run_id}: interrupted ({stop.name or 'stop requested'}); the checkpoint "
+                  f"in {record['state_dir']} resumes the run", flush=True)
+        else:
+            detail = record.get("error") or f"outputs in {where}"
+            print(f"run {run_id}: {record['state']}; {detail}", flush=True)
+    if stop.is_set():
+        print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'})", flush=True)
+    return 1 if any(daemon.records[r]["state"] == "failed" for r in daemon.executed) \
+        and args.once else 0
+
+
+AGGREGATOR = Command(
+    "aggregator",
+    "the aggregator service: runs the federation's rounds over MQTT, one run at a time, "
+    "started and steered on the control topic (and the site file's `run` first); resumes "
+    "from its checkpoints",
+    _aggregator_arguments, _aggregator)
+
+
+def _client_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..service.layered import add_service_config_arguments
+
+    add_service_config_arguments(parser)
+    parser.add_argument("--partition", metavar="RUN_CONFIG",
+                        help="train on a shard of this run config's dataset and partition "
+                             "(a simulated or test fleet) instead of the site file's data")
+    parser.add_argument("--shard", type=int, metavar="INDEX",
+                        help="with --partition: which client's shard (0-based)")
+    parser.add_argument("--exit-when-finished", action="store_true",
+                        help="exit once the run is finished instead of waiting for the next")
+
+
+def _client(args: argparse.Namespace) -> int:
+    from ..roles import Client, ClientSettings
+    from ..service import profiles
+    from ..service.notify import Notifier
+    from ..service.signals import install_stop_handlers
+
+    if (args.partition is None) != (args.shard is None):
+        raise ValueError("--partition and --shard go together")
+    run_config, flags = None, {}
+    if args.partition is not None:
+        from ..runconfig import load_run_config
+        from ..sim import _absolute_paths
+
+        run_config = load_run_config(args.partition)
+        # the client's data is the run's dataset, a command-line setting
+        flags["data"] = (f"--partition {args.partition}",
+                         _absolute_paths(run_config.dataset, run_config.path))
+    config = _role_start("client", args, flags=flags)
+    if run_config is not None:
+        from ..sim import client_shard
+
+        x, y = client_shard(run_config, args.shard)
+    else:
+        from ..data import load_dataset
+
+        data = dict(config["data"])
+        dataset = load_dataset(data.pop("name"), **data)
+        x, y = dataset.x_train, dataset.y_train
+    rss = profiles.check_memory_budget(config["compute.memory_budget_mb"], "after loading data")
+    node = config["node.id"]
+    logging.getLogger("edgefl.roles.client").info(
+        "%s: %d samples of shape %s loaded (%.0f MiB resident)", node, len(x), x.shape[1:], rss)
+    # the board's limits (compute.max_params, ...) are in the settings: a run asking more is
+    # refused
+    settings = ClientSettings.from_service_config(config,
+                                                  exit_when_finished=args.exit_when_finished)
+    transport = _mqtt_transport(config, node)
+    notifier = Notifier.from_environment()
+    # the pings stop when the client's main loop stops beating
+    with install_stop_handlers() as stop, \
+            notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
+        client = Client(settings, (x, y), transport, config.state_dir, stop=stop,
+                        notifier=notifier)
+        client.run()
+        notifier.stopping()
+    print(f"edgefl client {node}: {'run finished' if client.finished else 'stopped'}; last "
+          f"round trained {client.progress.trained}", flush=True)
+    return 0
+
+
+CLIENT = Command(
+    "client",
+    "train on this node's data whenever the aggregator's round tasks it (site file: id, "
+    "data, broker, state directory)",
+    _client_arguments, _client)
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..service.layered import add_service_config_arguments
+
+    add_service_config_arguments(parser)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ..serve import InferenceService, serve, socket_path_for
+    from ..service import logs
+    from ..service.layered import load_service_config
+    from ..service.notify import Notifier
+    from ..service.signals import install_stop_handlers
+
+    config = load_service_config("infer", args.site, profile=args.profile,
+                                 overrides=args.overrides)
+    logs.setup_logging(config["log.level"])
+    service = InferenceService(config["infer.model"], threads=config["infer.threads"],
+                               check_interval=config["infer.check_interval"],
+                               max_request_bytes=config["infer.max_request_bytes"])
+    path = socket_path_for(config["infer.socket"], lambda: config.state_dir)
+    notifier = Notifier.from_environment()
+    with install_stop_handlers() as stop:
+        status = serve(service, path, listen=config["infer.listen"], stop=stop,
+                       notifier=notifier)
+    print(f"edgefl serve: stopped ({stop.name or 'stop requested'}) after "
+          f"{service.requests} requests", flush=True)
+    return status
+
+
+SERVE = Command(
+    "serve",
+    "serve predictions of the latest ONNX model over HTTP on a Unix socket (and optionally "
+    "TCP); reloads the model file when the client replaces it",
+    _serve_arguments, _serve)
+
+
+def _status_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..service.layered import add_service_config_arguments
+
+    add_service_config_arguments(parser)
+    parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
+                        help="whose site file --config is (default aggregator)")
+    parser.add_argument("--broker", metavar="URL",
+                        help="broker to ask, without a site file (default "
+                             "mqtt://localhost:1883)")
+    parser.add_argument("--federation", metavar="ID", help="federation id (default: the site "
+                        "file's node.federation, else 'default')")
+    parser.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
+                        help="longest wait for the retained statuses (default 2)")
+    parser.add_argument("--json", action="store_true", help="print the statuses as JSON")
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+    import os
+    import time
+
+    from ..roles.messages import MessageError, parse_status
+    from ..service.layered import default, load_service_config
+    from ..service.status import format_fleet
+    from ..transport.base import Message
+    from ..transport.mqtt import MqttTransport
+    from ..transport.topics import Topics
+
+    client_id = f"edgefl-status-{os.getpid()}-{os.urandom(3).hex()}"
+    config = None
+    if args.site is not None or args.overrides or args.profile is not None:
+        config = load_service_config(args.role, args.site, profile=args.profile,
+                                     overrides=args.overrides)
+    if args.broker is not None:
+        transport = MqttTransport(args.broker, client_id, clean_session=True)
+    elif config is not None:
+        transport = _mqtt_transport(config, client_id, clean_session=True)
+    else:
+        transport = MqttTransport(default("broker.url"), client_id, clean_session=True)
+    federation = args.federation or (config["node.federation"] if config
+                                     else default("node.federation"))
+    topics = Topics(federation)
+    transport.connect()
+    statuses = {}
+    try:
+        transport.subscribe(topics.subscription("status"), qos=1)
+        end = time.monotonic() + max(0.0, args.wait)
+        quiet_until = time.monotonic() + min(0.5, args.wait)
+        while time.monotonic() < min(end, quiet_until):
+            item = transport.receive(timeout=max(0.0, min(end, quiet_until) - time.monotonic()))
+            if not isinstance(item, Message) or not item.payload:
+                continue
+            quiet_until = time.monotonic() + 0.3      # retained ones come in a burst
+            try:
+                _, node = topics.parse(item.topic)
+                statuses[node] = parse_status(item.payload, node)
+            except (MessageError, ValueError) as exc:
+                print(f"edgefl status: ignored {item.topic}: {exc}", file=sys.stderr)
+    finally:
+        transport.close(timeout=1.0, announce_offline=False)
+    rows = [statuses[n] for n in sorted(statuses)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_fleet(rows))
+    return 0
+
+
+STATUS = Command(
+    "status",
+    "print the fleet (node, online, version, profile, last round) from the retained status "
+    "topics",
+    _status_arguments, _status)
