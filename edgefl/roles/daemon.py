@@ -52,12 +52,13 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
+from ..io import jsonable
 from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
 from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
 from .messages import finished_announcement, status_payload
-from .state import AggregatorCheckpoint, atomic_write, jsonable
+from .state import AggregatorCheckpoint, write_json
 
 __all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "export_run_checkpoint"]
 
@@ -129,8 +130,7 @@ class RunStore:
     def save(self, record: dict) -> None:
         directory = self.run_dir(record["id"])
         os.makedirs(directory, exist_ok=True)
-        atomic_write(os.path.join(directory, RECORD_FILE),
-                     (json.dumps(jsonable(record), indent=1) + "\n").encode("utf-8"))
+        write_json(os.path.join(directory, RECORD_FILE), record)
 
     def new_id(self, taken) -> str:
         while True:
