@@ -534,7 +534,7 @@ def test_a_failed_final_export_leaves_the_other_outputs_and_names_the_cause(tmp_
     and logs an error naming the file and the cause."""
     out = tmp_path / "run"
     (out / "model.onnx").mkdir(parents=True)
-    with caplog.at_level(logging.ERROR, logger="edgefl.sim"):
+    with caplog.at_level(logging.ERROR, logger="edgefl.roles.outputs"):
         assert main(["simulate", "quickstart", "--out", str(out), "--quiet",
                      "--set", "rounds=2", "--set", "partition.clients=4",
                      "--set", "clients_per_round=4"]) == 0

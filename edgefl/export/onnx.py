@@ -38,6 +38,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import __version__
+from ..checkpoint import load_checkpoint, model_sha256
+from ..errors import ExportError
 from ..infer import Predictor
 from ..io import atomic_write, replace_atomic
 from ..models import (
@@ -50,7 +52,9 @@ from ..models import (
     Model,
     build_model,
 )
-from . import OPSET, ExportError
+
+OPSET = 17        # pinned: onnxruntime >= 1.13 runs it (pyproject asks for >= 1.16)
+IR_VERSION = 8    # the IR that goes with opset 17; newer IRs do not load in older runtimes
 
 FORMAT = "edgefl-onnx/1"
 # key -> meaning; every exported file carries all of them ("" when unknown).
@@ -412,8 +416,6 @@ def load_run(source) -> Run:
     table (or buffer size) does not match what that spec builds. summary.json next to the
     checkpoint is used (final accuracy, the dataset section) only if its model_sha256 is the
     checkpoint's buffer's."""
-    from ..sim import load_checkpoint, model_sha256
-
     source = os.fspath(source)
     path = os.path.join(source, "model.npz") if os.path.isdir(source) else source
     if not os.path.exists(path):
