@@ -52,6 +52,9 @@ def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strat
 
 
 def run_summary(config: RunConfig, model: Model, result, workers: int) -> dict:
+    """summary.json's content: accuracy (final and best), the model's hash and size, bytes
+    moved, timings (overhead_fraction: the share of wall time outside the parallel phase),
+    the backend, the version and the resolved config."""
     evaluated = [h for h in result.history if h["test_accuracy"] is not None]
     best = max(evaluated, key=lambda h: h["test_accuracy"])
     last = result.history[-1]
@@ -91,10 +94,11 @@ def absolute_dataset_paths(dataset_section, config_path) -> dict:
 class RoundExporter:
     """Exports the global model of the rounds an ExportPolicy names (every N-th and the last)
     to out_dir/model.onnx by atomic replace, from the live parameters and the run's loaded
-    dataset (normalisation, class names; the test set gives the accuracy in the metadata).
-    Called as on_model(round, params); returns the path when it exported. Without the
-    `onnx` package (the export extra) it says so once and exports nothing; an export that
-    fails is reported and the run goes on (its state is not at stake)."""
+    dataset (normalisation, class names; the test set gives the accuracy in the metadata) of
+    `run`, the PreparedRun (roles.runner) being run. Called as on_model(round, params);
+    returns the path when it exported. Without the `onnx` package (the export extra) it says
+    so once and exports nothing; an export that fails is reported and the run goes on (its
+    state is not at stake)."""
 
     def __init__(self, run, out_dir: str, policy, stream, who: str):
         from ..export import ExportPolicy

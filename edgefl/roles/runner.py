@@ -37,6 +37,7 @@ __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local
 
 @dataclass
 class RunResult:
+    """How a run ended, in process or over a broker."""
     state: State                      # the server state after the last round
     client_states: dict               # {client: State | None}
     history: list = field(default_factory=list)   # one metrics dict per round
