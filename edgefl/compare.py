@@ -23,6 +23,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .io import atomic_write
+
 __all__ = [
     "Run",
     "RunDirError",
@@ -364,11 +366,9 @@ def overlay_figure(runs: Sequence[Run], target: float | None = None, title: str 
 
 def plot_overlay(runs: Sequence[Run], path: str | os.PathLike, target: float | None = None,
                  title: str = "") -> None:
-    """Write `overlay_figure` to a PNG (temporary file, then rename)."""
+    """Write `overlay_figure` to a PNG, atomically (edgefl.io.atomic_write)."""
     path = os.fspath(path)
     fig = overlay_figure(runs, target, title)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))

@@ -1,4 +1,6 @@
-"""Exceptions shared by both kernel backends and the layers above them."""
+"""Exceptions raised in one layer and caught in others: by both kernel backends and the
+layers above them, by configuration readers and every command, by the ONNX export and the
+runs that export."""
 
 
 class KernelError(ValueError):
@@ -13,3 +15,11 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, step: int, message: str):
         super().__init__(message)
         self.step = step
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot use; the message names the file and the key."""
+
+
+class ExportError(ValueError):
+    """An export that cannot be done; the message names the file, layer or key at fault."""

@@ -9,8 +9,9 @@ already running finish on the session they started with. A file that does not lo
 written by a non-atomic writer, corrupt, a different input shape) is never served: the old
 session stays and the reason is logged once per file version.
 
-Needs onnxruntime only (not the `onnx` package). `write_atomic` and `install_model` are the
-writing side: how an exporter or an MQTT client puts a model where a Predictor watches.
+Needs onnxruntime only (not the `onnx` package). `install_model` is the writing side: how an
+MQTT client puts a received model where a Predictor watches (exporters write with
+edgefl.io.atomic_write, the same atomic replace).
 """
 from __future__ import annotations
 
@@ -19,24 +20,22 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from .io import atomic_write
+
 __all__ = [
     "IMAGE_SUFFIXES",
     "InputError",
     "ModelFileError",
     "Predictor",
-    "fsync_directory",
     "install_model",
     "probabilities_from_scores",
     "read_inputs",
-    "replace_atomic",
-    "write_atomic",
 ]
 
 log = logging.getLogger("edgefl.infer")
@@ -57,48 +56,6 @@ class InputError(ValueError):
 # writing
 # ---------------------------------------------------------------------------------------
 
-def write_atomic(path, data: bytes, mode: int = 0o644) -> None:
-    """Write `data` to `path` so readers see the old file or the new one, never a part: a
-    temporary file in the same directory, fsync, os.replace, then fsync of the directory so
-    the rename survives a power cut (boards lose power)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_directory(directory)
-
-
-def replace_atomic(src, dst) -> None:
-    """os.replace(src, dst) of a file already written and fsynced in dst's directory, then
-    fsync of that directory."""
-    os.replace(os.fspath(src), os.fspath(dst))
-    fsync_directory(os.path.dirname(os.path.abspath(os.fspath(dst))))
-
-
-def fsync_directory(directory) -> None:
-    """Make a rename in `directory` durable (best effort: not every filesystem can)."""
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-
-
 def install_model(data: bytes, state_dir, name: str = "model.onnx", *,
                   sha256: str | None = None) -> str:
     """Install received model bytes as `state_dir/name` (atomic replace) after checking them:
@@ -114,7 +71,7 @@ def install_model(data: bytes, state_dir, name: str = "model.onnx", *,
                                  f"the sender announced {sha256[:12]}; not installed")
     _session_from_bytes(data, f"{target} (received)", threads=1)
     os.makedirs(os.fspath(state_dir), exist_ok=True)
-    write_atomic(target, data)
+    atomic_write(target, data)
     return target
 
 

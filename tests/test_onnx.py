@@ -32,8 +32,8 @@ from edgefl.infer import (
     Predictor,
     install_model,
     read_inputs,
-    write_atomic,
 )
+from edgefl.io import atomic_write
 from edgefl.models import OP_DENSE, build_model
 from edgefl.runconfig import run_config_from_mapping
 from edgefl.sim import simulate
@@ -534,7 +534,7 @@ def test_a_failed_final_export_leaves_the_other_outputs_and_names_the_cause(tmp_
     and logs an error naming the file and the cause."""
     out = tmp_path / "run"
     (out / "model.onnx").mkdir(parents=True)
-    with caplog.at_level(logging.ERROR, logger="edgefl.sim"):
+    with caplog.at_level(logging.ERROR, logger="edgefl.roles.outputs"):
         assert main(["simulate", "quickstart", "--out", str(out), "--quiet",
                      "--set", "rounds=2", "--set", "partition.clients=4",
                      "--set", "clients_per_round=4"]) == 0
@@ -644,7 +644,7 @@ def two_models(tmp_path, digits):
 
 def test_wrong_input_shapes_and_values_are_named(two_models, tmp_path):
     blobs, raw, _ = two_models
-    write_atomic(tmp_path / "m.onnx", blobs[0])
+    atomic_write(tmp_path / "m.onnx", blobs[0])
     p = Predictor(tmp_path / "m.onnx")
     assert p.predict(raw[0])[0].shape == (1,)                 # one sample
     assert p.predict(raw.reshape(8, 64))[0].shape == (8,)     # flattened
@@ -680,7 +680,7 @@ def test_corrupt_model_files_are_refused_naming_the_file(damage, two_models, tmp
 def test_a_half_written_or_incompatible_file_is_never_served(two_models, tmp_path, caplog):
     blobs, raw, (p1, p2) = two_models
     path = tmp_path / "m.onnx"
-    write_atomic(path, blobs[0])
+    atomic_write(path, blobs[0])
     pred = Predictor(path, check_interval=0)
     with open(path, "wb") as f:        # a non-atomic writer, caught half way
         f.write(blobs[1][:len(blobs[1]) // 2])
@@ -694,13 +694,13 @@ def test_a_half_written_or_incompatible_file_is_never_served(two_models, tmp_pat
         for _ in range(5):             # the same broken version is logged once, not per call
             pred.predict(raw)
     assert caplog.text.count("not a loadable") == 0
-    write_atomic(path, blobs[1])       # the writer finishes properly
+    atomic_write(path, blobs[1])       # the writer finishes properly
     assert pred.reload() is True
     np.testing.assert_allclose(pred.predict(raw)[1], p2, atol=1e-7)
 
     other = build_model("softmax", (64,), 10)   # a different input shape
     export_onnx(other, other.init(0), tmp_path / "o.onnx", norm_mean=[0], norm_std=[1])
-    write_atomic(path, (tmp_path / "o.onnx").read_bytes())
+    atomic_write(path, (tmp_path / "o.onnx").read_bytes())
     assert pred.reload() is False and "takes input (64,), the served one (1, 8, 8)" in \
         pred.last_error
     np.testing.assert_allclose(pred.predict(raw)[1], p2, atol=1e-7)
@@ -717,7 +717,7 @@ def test_a_change_hidden_from_stat_is_caught_while_the_file_is_young(two_models,
     notice, by content, while the file is younger than the racy window."""
     blobs, raw, (p1, _) = two_models
     path = tmp_path / "m.onnx"
-    write_atomic(path, blobs[0])
+    atomic_write(path, blobs[0])
     pred = Predictor(path, check_interval=0)
     model = build_model("softmax", digits.input_shape, 10)
     params = sharpen(model, model.init(3), digits.x_test[:8], 4.0)
@@ -741,7 +741,7 @@ def test_a_change_hidden_from_stat_is_caught_while_the_file_is_young(two_models,
 def test_hot_swap_under_load_never_fails_a_prediction(two_models, tmp_path):
     blobs, raw, expected = two_models
     path = tmp_path / "m.onnx"
-    write_atomic(path, blobs[0])
+    atomic_write(path, blobs[0])
     pred = Predictor(path, threads=1, check_interval=0)
     stop = threading.Event()
     errors, seen = [], [[] for _ in range(4)]
@@ -765,7 +765,7 @@ def test_hot_swap_under_load_never_fails_a_prediction(two_models, tmp_path):
     try:
         for i in range(1, 10):           # B, A, B, ... ending on B
             time.sleep(0.04)
-            write_atomic(path, blobs[i % 2])
+            atomic_write(path, blobs[i % 2])
         time.sleep(0.1)
     finally:
         stop.set()
@@ -786,7 +786,7 @@ def test_hot_swap_under_load_never_fails_a_prediction(two_models, tmp_path):
 
 def test_payload_round_trip_and_install_refuses_damaged_bytes(two_models, tmp_path):
     blobs, raw, (p1, p2) = two_models
-    write_atomic(tmp_path / "export.onnx", blobs[1])
+    atomic_write(tmp_path / "export.onnx", blobs[1])
     data, meta = model_payload(tmp_path / "export.onnx")
     assert data == blobs[1] and meta["sha256"] == hashlib.sha256(data).hexdigest()
     assert meta["round"] == "2" and int(meta["bytes"]) == len(data)

@@ -26,7 +26,8 @@ from edgefl.cli import main
 from edgefl.data import load_dataset
 from edgefl.export import export_onnx
 from edgefl.export.onnx import raw_inputs
-from edgefl.infer import Predictor, write_atomic
+from edgefl.infer import Predictor
+from edgefl.io import atomic_write
 from edgefl.models import build_model
 from edgefl.serve import UnixHTTPConnection
 from helpers import NotifySocket, wait_for
@@ -101,7 +102,7 @@ def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits)
 
         # the first model appears (atomically, as the client installs it)
         model_a, model_b = export(tmp_path / "a", digits, 0), export(tmp_path / "b", digits, 1)
-        write_atomic(model, model_a)
+        atomic_write(model, model_a)
         wait_for(lambda: request(conn, "GET", "/health")[0] == 200, what="the first model",
                  poll=0.05)
         sha_a = Predictor(model).sha256
@@ -165,17 +166,17 @@ def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits)
         for t in threads:
             t.start()
         tmp_b = tmp_path / "b.onnx"
-        write_atomic(tmp_b, model_b)
+        atomic_write(tmp_b, model_b)
         sha_b = Predictor(tmp_b).sha256
         expected[sha_b] = Predictor(tmp_b).predict(x)[0].tolist()
         for i in range(6):
-            write_atomic(model, model_b if i % 2 == 0 else model_a)
+            atomic_write(model, model_b if i % 2 == 0 else model_a)
             time.sleep(0.3)
-        write_atomic(model, model_b)
+        atomic_write(model, model_b)
         wait_for(lambda: request(conn, "GET", "/health")[1]["model"]["sha256"] == sha_b,
                  what="model B to be served", poll=0.05)
         # a corrupt replacement is never served
-        write_atomic(model, b"\x08\x07 not a model")
+        atomic_write(model, b"\x08\x07 not a model")
         wait_for(lambda: request(conn, "GET", "/health")[1]["model"]["last_error"],
                  what="the corrupt file to be noticed", poll=0.05)
         time.sleep(0.3)

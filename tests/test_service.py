@@ -207,7 +207,7 @@ WORKER = r"""
 import json, sys
 import numpy as np
 from edgefl import kernels
-from edgefl.infer import write_atomic
+from edgefl.io import atomic_write
 from edgefl.models import build_model
 from edgefl.service.signals import install_stop_handlers
 
@@ -224,7 +224,7 @@ print("working", flush=True)
 while mode == "ignore" or not stop.is_set():
     kernels.local_train(model, params, x, y, cfg)
     epochs += 1
-write_atomic(state_path, json.dumps({"epochs": epochs, "signal": stop.name,
+atomic_write(state_path, json.dumps({"epochs": epochs, "signal": stop.name,
                                      "params": params.tolist()}).encode())
 sys.exit(0)
 """

@@ -1,8 +1,9 @@
 """Model export: a LayerTable and its flat buffer to an ONNX graph (DESIGN.md "ONNX").
 
 Building graphs needs the `onnx` package (the `export` extra), which a board does not: it
-only runs the exported file with onnxruntime (`edgefl.infer`). So the names below come from
-`edgefl.export.onnx`, imported on first use.
+only runs the exported file with onnxruntime (`edgefl.infer`). So the names below (and the
+pinned OPSET and IR_VERSION) come from `edgefl.export.onnx`, imported on first use;
+ExportError lives in edgefl.errors, so catching it needs no onnx.
 
     export_onnx(model, params, path, norm_mean=..., norm_std=..., metadata={...})
     quantize_int8(src, dst, calibration)         static int8 (QDQ) via onnxruntime.quantization
@@ -15,13 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPSET = 17        # pinned: onnxruntime >= 1.13 runs it (pyproject asks for >= 1.16)
-IR_VERSION = 8    # the IR that goes with opset 17; newer IRs do not load in older runtimes
-
-
-class ExportError(ValueError):
-    """An export that cannot be done; the message names the file, layer or key at fault."""
-
+from ..errors import ExportError
 
 QUANTIZE_CHOICES = ("none", "int8")
 
@@ -52,9 +47,9 @@ class ExportPolicy:
         return round == rounds or (self.every > 0 and round % self.every == 0)
 
 
-_FROM_ONNX_MODULE = ("export_onnx", "build_graph", "quantize_int8", "export_checkpoint",
-                     "export_run", "run_from_params", "load_run", "model_payload",
-                     "graph_metadata", "Run")
+_FROM_ONNX_MODULE = ("OPSET", "IR_VERSION", "export_onnx", "build_graph", "quantize_int8",
+                     "export_checkpoint", "export_run", "run_from_params", "load_run",
+                     "model_payload", "graph_metadata", "Run")
 __all__ = ["IR_VERSION", "OPSET", "ExportError", "ExportPolicy", "Run", "build_graph",
            "export_checkpoint", "export_onnx", "export_run", "graph_metadata", "load_run",
            "model_payload", "quantize_int8", "run_from_params"]

@@ -38,7 +38,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import __version__
-from ..infer import Predictor, replace_atomic, write_atomic
+from ..checkpoint import load_checkpoint, model_sha256
+from ..errors import ExportError
+from ..infer import Predictor
+from ..io import atomic_write, replace_atomic
 from ..models import (
     LOSS_NAMES,
     OP_CONV2D,
@@ -49,7 +52,9 @@ from ..models import (
     Model,
     build_model,
 )
-from . import OPSET, ExportError
+
+OPSET = 17        # pinned: onnxruntime >= 1.13 runs it (pyproject asks for >= 1.16)
+IR_VERSION = 8    # the IR that goes with opset 17; newer IRs do not load in older runtimes
 
 FORMAT = "edgefl-onnx/1"
 # key -> meaning; every exported file carries all of them ("" when unknown).
@@ -294,12 +299,12 @@ def graph_metadata(model: Model, params: np.ndarray, *, norm_mean, norm_std, out
 def export_onnx(model: Model, params: np.ndarray, path, *, norm_mean, norm_std,
                 softmax: bool = True, metadata: dict | None = None,
                 opset: int = OPSET) -> onnx.ModelProto:
-    """Build the graph (build_graph) and write it to `path` atomically: a temporary file in
-    the same directory, fsync, os.replace, so a reader (a Predictor watching the path) sees
-    the old file or the new one, never a part."""
+    """Build the graph (build_graph) and write it to `path` atomically (edgefl.io.atomic_write),
+    so a reader (a Predictor watching the path) sees the old file or the new one, never a
+    part."""
     proto = build_graph(model, params, norm_mean=norm_mean, norm_std=norm_std, softmax=softmax,
                         metadata=metadata, opset=opset)
-    write_atomic(path, proto.SerializeToString())
+    atomic_write(path, proto.SerializeToString())
     return proto
 
 
@@ -310,7 +315,7 @@ def set_metadata(path, updates: dict) -> None:
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in updates.items()})
     del proto.metadata_props[:]
     helper.set_model_props(proto, meta)
-    write_atomic(path, proto.SerializeToString())
+    atomic_write(path, proto.SerializeToString())
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,7 +387,7 @@ def quantize_int8(src, dst, calibration: np.ndarray, *, batch: int = 64) -> None
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ExportError(f"quantize int8: the quantised graph of {src} fails onnx.checker: "
                           f"{exc}") from exc
-    write_atomic(dst, proto.SerializeToString())
+    atomic_write(dst, proto.SerializeToString())
 
 
 # ---------------------------------------------------------------------------------------
@@ -411,8 +416,6 @@ def load_run(source) -> Run:
     table (or buffer size) does not match what that spec builds. summary.json next to the
     checkpoint is used (final accuracy, the dataset section) only if its model_sha256 is the
     checkpoint's buffer's."""
-    from ..sim import load_checkpoint, model_sha256
-
     source = os.fspath(source)
     path = os.path.join(source, "model.npz") if os.path.isdir(source) else source
     if not os.path.exists(path):

@@ -28,9 +28,9 @@ whether the run's exports are published on the onnx topics.
 `ControlClient` is the requester's side. A command the broker refuses (the ACL: only the
 operator account may publish on the ctl topic) never reaches the aggregator, so no reply
 comes. Over MQTT 5 the broker says so in its PUBACK (reason code 135, Not authorized):
-with a `RequesterTransport` the request fails at once with `CommandRefused`, naming the
-code and the account. MQTT 3.1.1 has no way to say it; there the timeout is the only
-signal, and its message names the ACL as a likely cause.
+with a `RequesterTransport` (edgefl.transport.requester) the request fails at once with
+`CommandRefused`, naming the code and the account. MQTT 3.1.1 has no way to say it; there
+the timeout is the only signal, and its message names the ACL as a likely cause.
 """
 from __future__ import annotations
 
@@ -42,13 +42,12 @@ from typing import Any, Mapping
 
 from .. import __version__
 from ..transport.base import Message
-from ..transport.mqtt import MqttTransport
 from ..transport.topics import TopicError, Topics, validate_id
 from .messages import MessageError, _loads
 
 __all__ = ["COMMANDS", "CommandError", "Command", "CommandRefused", "ControlClient",
-           "ReplyAddress", "RequesterTransport", "RunControl", "parse_command",
-           "reply_address", "reply_payload", "VERSION"]
+           "ReplyAddress", "RunControl", "parse_command", "reply_address", "reply_payload",
+           "VERSION"]
 
 VERSION = 1
 MAX_REQUEST_ID = 128          # characters of a payload request id
@@ -295,23 +294,6 @@ class CommandRefused(RuntimeError):
         self.account = account
 
 
-class RequesterTransport(MqttTransport):
-    """An MqttTransport that also keeps the reason codes of the publishes the broker refused
-    (MQTT 5 PUBACK >= 0x80), which MqttTransport only logs: `refused` lists
-    (reason code, its name) in arrival order. A requester publishes nothing but its
-    commands, so a refusal after a command is that command's. The code is recorded before
-    the delivery completes, so after `Delivery.wait()` returns it is there."""
-
-    def __init__(self, *args, **options):
-        super().__init__(*args, **options)
-        self.refused: list[tuple[int, str]] = []
-
-    def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
-        if reason_code.is_failure:
-            self.refused.append((reason_code.value, str(reason_code)))
-        super()._on_publish(client, userdata, mid, reason_code, properties)
-
-
 class ControlClient:
     """The requester's side (`edgefl ctl`, tests): publish a command on the ctl topic and wait
     for its reply on our own reply topic, `<prefix>/<fed>/reply/<name>`. mqtt5: the reply
@@ -424,3 +406,13 @@ def _account_of(transport) -> str | None:
     if user is None:
         user = getattr(getattr(transport, "address", None), "username", None)
     return user
+
+
+def __getattr__(name):
+    # `edgefl ctl` imported RequesterTransport from here when it lived here; a role module
+    # does not import paho, so it is looked up in the transport layer only when asked for.
+    # Goes when the CLI imports it from edgefl.transport.requester.
+    if name == "RequesterTransport":
+        from ..transport.requester import RequesterTransport
+        return RequesterTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,12 +52,13 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
+from ..io import jsonable
 from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
 from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
 from .messages import finished_announcement, status_payload
-from .state import AggregatorCheckpoint, atomic_write, jsonable
+from .state import AggregatorCheckpoint, write_json
 
 __all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "export_run_checkpoint"]
 
@@ -78,8 +79,8 @@ class DaemonSettings:
     when a `start` names none (None: client-0 ... client-<N-1> for a partition of N).
     once: return from run() when no run is active or queued (scripts, tests).
     retry_s: wait before trying a run again whose broker connection failed.
-    run_options: more keyword arguments of sim.run_aggregator for every run (export policy,
-    `publish_onnx`: whether exports are published on the onnx topics, default true;
+    run_options: more keyword arguments of roles.runner.run_aggregator for every run (export
+    policy, `publish_onnx`: whether exports are published on the onnx topics, default true;
     `onnx_record_dir`)."""
     aggregator: AggregatorSettings = AggregatorSettings()
     client_ids: tuple | None = None
@@ -129,8 +130,7 @@ class RunStore:
     def save(self, record: dict) -> None:
         directory = self.run_dir(record["id"])
         os.makedirs(directory, exist_ok=True)
-        atomic_write(os.path.join(directory, RECORD_FILE),
-                     (json.dumps(jsonable(record), indent=1) + "\n").encode("utf-8"))
+        write_json(os.path.join(directory, RECORD_FILE), record)
 
     def new_id(self, taken) -> str:
         while True:
@@ -153,11 +153,12 @@ def export_run_checkpoint(record: dict) -> dict:
     """model.npz and model.onnx (atomic replace each) of the run's latest checkpoint, in its
     output directory. Returns {round, model_npz, model_onnx, model_sha256, bytes,
     test_accuracy}."""
+    from ..checkpoint import model_sha256, save_checkpoint
     from ..config import dataset_from_config
     from ..export import export_run, run_from_params
-    from ..sim import (RunResult, _absolute_paths, build_run_model, model_sha256,
-                       save_checkpoint)
     from ..strategies import get_strategy
+    from .outputs import absolute_dataset_paths
+    from .runner import RunResult, build_run_model
 
     ckpt = AggregatorCheckpoint.load(record["state_dir"])
     if ckpt is None:
@@ -170,7 +171,7 @@ def export_run_checkpoint(record: dict) -> dict:
     params = np.ascontiguousarray(strategy.global_model(ckpt.state), dtype=np.float32)
     out = record["out_dir"]
     os.makedirs(out, exist_ok=True)
-    dataset_config = _absolute_paths(config.dataset, config.path)
+    dataset_config = absolute_dataset_paths(config.dataset, config.path)
     npz = os.path.join(out, "model.npz")
     save_checkpoint(npz, model, strategy, RunResult(ckpt.state, {}, list(ckpt.history), params),
                     dataset, dataset_config=dataset_config)
@@ -307,7 +308,7 @@ class Daemon:
             self.store.save(record)
 
     def _execute(self, record: dict) -> None:
-        from ..sim import run_aggregator
+        from .runner import run_aggregator
 
         control = RunControl(record["id"], paused=record["state"] == "paused",
                              publish_onnx=self._publishes_onnx)
@@ -465,7 +466,7 @@ class Daemon:
                 ckpt = AggregatorCheckpoint.load(record["state_dir"])
                 if ckpt is None:
                     return                       # never started: it announced nothing
-                from ..sim import model_sha256
+                from ..checkpoint import model_sha256
                 from ..strategies import get_strategy
 
                 strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])

@@ -70,8 +70,8 @@ class MessageError(ValueError):
 
 def buffers_sha256(buffers: Mapping[str, np.ndarray]) -> str:
     """sha256 over the buffers in name order: each name (UTF-8), a NUL, the float32 bytes.
-    With one buffer "params" this differs from sim.model_sha256 (the bytes alone) by the
-    name prefix; it identifies a frame's content, not a model file."""
+    With one buffer "params" this differs from checkpoint.model_sha256 (the bytes alone) by
+    the name prefix; it identifies a frame's content, not a model file."""
     h = hashlib.sha256()
     for name in sorted(buffers):
         h.update(name.encode("utf-8") + b"\0")

@@ -21,13 +21,14 @@ import errno
 import json
 import math
 import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
+from .. import io
+from ..io import jsonable
 from ..strategies import State
 from ..transport import wire
 
@@ -77,54 +78,19 @@ def _write_failed(path: str, exc: OSError, what: str) -> StateWriteError:
 # atomic files
 # ---------------------------------------------------------------------------------------
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return                     # a platform without directory fds: the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write(path: str | os.PathLike, data) -> None:
-    """Replace `path` with `data`: temporary file in the same directory, fsync, rename,
-    fsync of the directory. The old file stays intact if anything fails on the way, and the
-    temporary file is removed; a write that fails (a full disk: ENOSPC, at write, flush or
-    fsync) raises StateWriteError naming the file and the cause. `data` is bytes, or a
-    callable that writes the content to the (binary) file object it is given, so a large
-    file need not be built in memory first."""
+    """edgefl.io.atomic_write into a directory made if missing, for the roles' state: the
+    file is private to the service's account (0600), and a write that fails (a full disk:
+    ENOSPC, at write, flush or fsync) raises StateWriteError naming the file and the cause;
+    the old file is intact and no temporary file is left. `data` is bytes, or a callable
+    that writes the content to the (binary) file object it is given."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                   dir=directory)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        io.atomic_write(path, data, mode=0o600)
     except OSError as exc:
-        raise _write_failed(path, exc, "a new version; the old one is intact") from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            what = "its new version" if callable(data) else \
-                f"its new version ({len(data)} bytes)"
-            raise _write_failed(path, exc, f"{what}; the old one is intact") from exc
-        raise
-    _fsync_dir(directory)
+        what = "its new version" if callable(data) else f"its new version ({len(data)} bytes)"
+        raise _write_failed(path, exc, f"{what}; the old one is intact") from exc
 
 
 def overwrite_in_place(path: str | os.PathLike, data, what: str = "its new content") -> None:
@@ -160,22 +126,7 @@ def overwrite_in_place(path: str | os.PathLike, data, what: str = "its new conte
     finally:
         os.close(fd)
     if created:
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def jsonable(x):
-    """Plain JSON types; NaN/inf become null (JSON has no NaN); tuples become lists."""
-    if isinstance(x, Mapping):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
+        io.fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 _NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -210,6 +161,7 @@ def untag_floats(x):
 
 
 def write_json(path, data) -> None:
+    """A JSON state file (indented, a final newline), written by atomic_write."""
     atomic_write(path, (json.dumps(jsonable(data), indent=1) + "\n").encode("utf-8"))
 
 

@@ -22,12 +22,12 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from importlib import resources
 
 import yaml
 
+from ..io import atomic_write
 from . import profiles
 from .layered import ETC_DIR, KEYS, ROLES
 
@@ -393,21 +393,10 @@ def _write(path: str, content: str, mode: int) -> None:
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+        atomic_write(path, content, mode=mode)
     except PermissionError as exc:
         raise InstallError(f"{directory}: permission denied ({exc.strerror}); run as root or "
                            f"stage the files with --prefix DIR") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            os.fchmod(out.fileno(), mode)
-            out.write(content)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def format_commands(plan: InstallPlan) -> str:

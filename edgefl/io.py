@@ -1,0 +1,106 @@
+"""Files that a crash or a power cut leaves whole, and JSON that any reader can parse.
+
+`atomic_write` is the one way edgefl replaces a file (state, checkpoints, models, outputs,
+installed units): a temporary file in the target's directory, written, flushed and fsync'ed,
+renamed over the target (atomic on POSIX), then the directory fsync'ed so the rename itself
+survives a power cut (boards lose power). A reader sees the old file or the new one, never a
+part; a write that fails leaves the old file as it was and no temporary file behind.
+
+`jsonable` is the one conversion to plain JSON types: NumPy scalars and arrays become
+Python numbers and lists, tuples lists, mapping keys strings, and NaN/inf null (JSON has no
+NaN). `write_json` is the two together.
+
+    atomic_write(path, b"...")                     # bytes; str is written as UTF-8
+    atomic_write(path, lambda f: np.savez(f, **arrays))   # or streamed to the temporary file
+    write_json(path, {"accuracy": np.float32(0.9), "loss": float("nan")})  # loss: null
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from typing import Callable, Mapping, Union
+
+import numpy as np
+
+__all__ = ["atomic_write", "fsync_directory", "jsonable", "replace_atomic", "write_json"]
+
+Content = Union[bytes, bytearray, memoryview, str, Callable]
+
+
+def atomic_write(path: str | os.PathLike, data: Content, *, mode: int = 0o644) -> None:
+    """Replace `path` with `data`: bytes, str (written as UTF-8), or a callable that writes
+    the content to the binary file object it is given (a large file need not be built in
+    memory first). `mode`: the new file's permission bits, whatever the umask. The parent
+    directory must exist. An OSError on the way (a full disk at write, flush or fsync; no
+    permission) propagates with the old file intact and the temporary file removed."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, mode)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_directory(directory)
+
+
+def replace_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename `src`, a file already written and fsync'ed in dst's directory, over `dst`, then
+    fsync the directory: the last step of atomic_write, for a file built in place under a
+    temporary name (an ONNX export measured before it replaces the served model)."""
+    dst = os.fspath(dst)
+    os.replace(os.fspath(src), dst)
+    fsync_directory(os.path.dirname(os.path.abspath(dst)))
+
+
+def fsync_directory(directory: str | os.PathLike) -> None:
+    """Make a rename or a new file in `directory` durable. Best effort: a platform or file
+    system without directory fds or their fsync still renamed atomically."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def jsonable(x):
+    """`x` in plain JSON types: mappings with string keys, lists (from tuples and arrays),
+    Python scalars (from NumPy's), and None for NaN and infinities."""
+    if isinstance(x, Mapping):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def write_json(path: str | os.PathLike, data, *, indent: int | None = 1,
+               mode: int = 0o644) -> None:
+    """`jsonable(data)` as a JSON document with a final newline, written by atomic_write."""
+    atomic_write(path, json.dumps(jsonable(data), indent=indent) + "\n", mode=mode)

@@ -1,0 +1,206 @@
+"""What a finished run leaves in its output directory, for `edgefl simulate` and
+`edgefl aggregator` alike:
+
+    summary.json   final/best accuracy, rounds, the resolved config, model_sha256, bytes
+                   moved, timings (run_summary)
+    model.npz      the final model (edgefl.checkpoint.save_checkpoint)
+    model.onnx     the same model for onnxruntime, with the export extra (export_final_onnx,
+                   or a RoundExporter that exported the final round already)
+    curves.png     test accuracy and loss by round, with matplotlib (plot_curves)
+
+A `RoundExporter` exports the rounds an ExportPolicy names while the run goes on. A `result`
+here is a run's end: `params` (the global model), `history` (one record per round) and
+`state` (the server State), as roles.runner.RunResult has them. Every file is replaced
+atomically (edgefl.io).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from .. import __version__, kernels
+from ..checkpoint import model_sha256, save_checkpoint
+from ..io import atomic_write, write_json
+from ..models import Model
+from ..runconfig import RunConfig
+from ..strategies import Strategy
+
+log = logging.getLogger("edgefl.roles.outputs")
+
+__all__ = ["RoundExporter", "absolute_dataset_paths", "export_final_onnx", "plot_curves",
+           "run_summary", "write_outputs"]
+
+
+def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strategy,
+                  result, dataset, summary: dict, stream, who: str, *,
+                  onnx_exported: bool = False, export=None) -> None:
+    """summary.json, model.npz, model.onnx (with the export extra; unless a RoundExporter
+    exported the final round already; `export`, the run's ExportPolicy, says how) and
+    curves.png."""
+    write_json(os.path.join(out_dir, "summary.json"), summary, indent=2)
+    save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset,
+                    dataset_config=absolute_dataset_paths(config.dataset, config.path))
+    if not onnx_exported:
+        export_final_onnx(out_dir, stream, export)
+    try:
+        plot_curves(result.history, os.path.join(out_dir, "curves.png"),
+                    f"{config.strategy} on {dataset.name}, {config.clients} clients")
+    except ImportError as exc:   # matplotlib is an optional extra
+        print(f"{who}: curves.png skipped: {exc}", file=stream)
+
+
+def run_summary(config: RunConfig, model: Model, result, workers: int) -> dict:
+    """summary.json's content: accuracy (final and best), the model's hash and size, bytes
+    moved, timings (overhead_fraction: the share of wall time outside the parallel phase),
+    the backend, the version and the resolved config."""
+    evaluated = [h for h in result.history if h["test_accuracy"] is not None]
+    best = max(evaluated, key=lambda h: h["test_accuracy"])
+    last = result.history[-1]
+    wall = last["elapsed_s"]
+    train = sum(h["train_wall_s"] for h in result.history)
+    return {
+        "final_accuracy": last["test_accuracy"],
+        "final_loss": last["test_loss"],
+        "best_accuracy": best["test_accuracy"],
+        "best_round": best["round"],
+        "rounds": len(result.history),
+        "model_sha256": model_sha256(result.params),
+        "n_params": model.n_params,
+        "uplink_bytes": sum(h["uplink_bytes"] for h in result.history),
+        "downlink_bytes": sum(h["downlink_bytes"] for h in result.history),
+        "wall_s": wall,
+        "train_wall_s": train,
+        "overhead_fraction": (wall - train) / wall if wall > 0 else 0.0,
+        "workers": workers,
+        "backend": kernels.backend,
+        "edgefl_version": __version__,
+        "config": config.to_dict(),
+    }
+
+
+def absolute_dataset_paths(dataset_section, config_path) -> dict:
+    """The dataset section with relative path/test_path resolved against the config file, so a
+    checkpoint names data that `edgefl export` can find from any directory."""
+    section = dict(dataset_section)
+    base = os.path.dirname(os.path.abspath(config_path)) if config_path else os.getcwd()
+    for key in ("path", "test_path"):
+        if isinstance(section.get(key), str) and not os.path.isabs(section[key]):
+            section[key] = os.path.normpath(os.path.join(base, section[key]))
+    return section
+
+
+class RoundExporter:
+    """Exports the global model of the rounds an ExportPolicy names (every N-th and the last)
+    to out_dir/model.onnx by atomic replace, from the live parameters and the run's loaded
+    dataset (normalisation, class names; the test set gives the accuracy in the metadata) of
+    `run`, the PreparedRun (roles.runner) being run. Called as on_model(round, params);
+    returns the path when it exported. Without the `onnx` package (the export extra) it says
+    so once and exports nothing; an export that fails is reported and the run goes on (its
+    state is not at stake)."""
+
+    def __init__(self, run, out_dir: str, policy, stream, who: str):
+        from ..export import ExportPolicy
+
+        self.run = run
+        self.path = os.path.join(os.fspath(out_dir), "model.onnx")
+        self.policy = policy if policy is not None else ExportPolicy()
+        self.stream = stream
+        self.who = who
+        self.exported: list = []             # [{round, bytes, accuracy}] of this process
+        self.last_round: int | None = None
+        self._unavailable = False
+
+    def __call__(self, round: int, params) -> str | None:
+        if self._unavailable or not self.policy.due(round, self.run.config.rounds):
+            return None
+        try:
+            from ..export import ExportError, export_run, run_from_params
+        except ImportError as exc:     # pragma: no cover - the export extra is missing
+            self._unavailable = True
+            print(f"{self.who}: model.onnx skipped ({exc}; pip install 'edgefl[export]')",
+                  file=self.stream)
+            return None
+        config = self.run.config
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            live = run_from_params(self.run.model, np.ascontiguousarray(params, np.float32),
+                                   round=round, algorithm=self.run.strategy.name,
+                                   dataset=self.run.dataset,
+                                   dataset_config=absolute_dataset_paths(config.dataset,
+                                                                         config.path))
+            report = export_run(live, self.path, dataset=self.run.dataset,
+                                softmax=self.policy.softmax,
+                                quantize=None if self.policy.quantize == "none" else "int8")
+        except (ExportError, ValueError, OSError) as exc:
+            log.error("round %d: ONNX export to %s failed: %s", round, self.path, exc)
+            return None
+        accuracy = report["accuracy_int8"] if report["accuracy_int8"] is not None \
+            else report["accuracy_fp32"]
+        self.exported.append({"round": round, "bytes": report["bytes"], "accuracy": accuracy})
+        self.last_round = round
+        log.info("round %d: exported to %s (%d bytes%s)", round, self.path, report["bytes"],
+                 f", test accuracy {accuracy:.4f}" if accuracy is not None else "")
+        return self.path
+
+
+def export_final_onnx(out_dir: str, stream, policy=None) -> None:
+    """model.onnx next to model.npz (atomic replace), when the optional onnx extra is present.
+
+    Called by write_outputs after summary.json and model.npz are written, when no
+    RoundExporter exported the final round (it failed, or the run had none). Like a
+    RoundExporter's, a failed export is logged with its cause and the run goes on: the
+    trained model is safe in model.npz, the rest of the outputs (curves.png) still get
+    written, and `edgefl export <out_dir>` can retry. A model.onnx already there (an earlier
+    round's export) is left as it was, and the message says so. `policy` (the run's
+    ExportPolicy) gives the softmax output and quantisation, as the RoundExporter's would."""
+    path = os.path.join(out_dir, "model.onnx")
+    try:
+        from ..export import export_checkpoint
+        if policy is None:
+            export_checkpoint(out_dir, path)
+        else:
+            export_checkpoint(out_dir, path, softmax=policy.softmax,
+                              quantize=None if policy.quantize == "none" else "int8")
+    except ImportError as exc:
+        print(f"{path} skipped ({exc}; pip install 'edgefl[export]')", file=stream)
+    except (ValueError, OSError) as exc:
+        # ValueError: export.ExportError, and infer's ModelFileError/InputError while the
+        # export's accuracy is measured; OSError: the file system (a directory in the way,
+        # a full disk, no write permission)
+        left = ("; the model.onnx there, from an earlier export, is left as it was"
+                if os.path.isfile(path) else "")
+        log.error("final ONNX export to %s failed (%s: %s); summary.json and model.npz are "
+                  "written, retry with `edgefl export %s`%s", path, type(exc).__name__, exc,
+                  out_dir, left)
+
+
+def plot_curves(history: list, path: str, title: str = "") -> None:
+    """curves.png: test accuracy (left) and test/train loss (right) by round; matplotlib's
+    Agg canvas directly, no pyplot state."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("curves.png needs matplotlib (pip install 'edgefl[plot]')") from exc
+    evaluated = [h for h in history if h["test_accuracy"] is not None]
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    acc, loss = fig.subplots(1, 2)
+    acc.plot([h["round"] for h in evaluated], [h["test_accuracy"] for h in evaluated], marker=".")
+    acc.set_xlabel("round")
+    acc.set_ylabel("test accuracy")
+    acc.grid(True, alpha=0.3)
+    loss.plot([h["round"] for h in evaluated], [h["test_loss"] for h in evaluated], marker=".",
+              label="test loss")
+    loss.plot([h["round"] for h in history], [h["train_loss"] for h in history], marker=".",
+              label="train loss (local steps)")
+    loss.set_xlabel("round")
+    loss.set_ylabel("loss")
+    loss.grid(True, alpha=0.3)
+    loss.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))

@@ -1,0 +1,137 @@
+"""edgefl.io: the one atomic write (the file and then its directory fsync'ed, the old file
+intact and no temporary left when a write fails, the permission bits asked for) and the one
+JSON sanitiser."""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from edgefl import io
+
+
+@pytest.fixture
+def fsynced(monkeypatch):
+    """The paths os.fsync was called on, in order (the fd's target, read from /proc)."""
+    paths = []
+    real = os.fsync
+
+    def record(fd):
+        paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    return paths
+
+
+def test_atomic_write_fsyncs_the_file_then_its_directory(tmp_path, fsynced):
+    path = tmp_path / "model.onnx"
+    io.atomic_write(path, b"new bytes")
+    assert path.read_bytes() == b"new bytes"
+    assert len(fsynced) == 2
+    temporary, directory = fsynced
+    assert os.path.dirname(temporary) == str(tmp_path)          # written beside the target
+    assert os.path.basename(temporary).startswith(".model.onnx.")
+    assert temporary.endswith(".tmp") and directory == str(tmp_path)
+    assert os.listdir(tmp_path) == ["model.onnx"]
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"bytes", b"bytes"),
+    ("text: \u00e9\n", "text: \u00e9\n".encode("utf-8")),           # str is written as UTF-8
+    (lambda f: f.write(b"streamed"), b"streamed"),
+    (memoryview(b"a view"), b"a view"),
+])
+def test_atomic_write_takes_bytes_text_or_a_writer(tmp_path, data, expected):
+    path = tmp_path / "f"
+    path.write_bytes(b"old")
+    io.atomic_write(path, data)
+    assert path.read_bytes() == expected
+
+
+def test_atomic_write_sets_the_mode_asked_for(tmp_path):
+    old = os.umask(0o077)           # the mode is the one asked for, whatever the umask
+    try:
+        io.atomic_write(tmp_path / "unit", "x", mode=0o644)
+        io.atomic_write(tmp_path / "secret", "x", mode=0o600)
+        io.atomic_write(tmp_path / "default", "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "unit").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(tmp_path / "secret").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "default").st_mode) == 0o644
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "replace"])
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch, where):
+    path = tmp_path / "state.json"
+    path.write_text("old")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "write":
+        data = lambda f: (f.write(b"half"), full())             # noqa: E731
+    else:
+        data = b"new"
+        monkeypatch.setattr(os, where, full)
+    with pytest.raises(OSError) as info:
+        io.atomic_write(path, data)
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["state.json"]
+
+
+def test_a_write_interrupted_by_any_exception_leaves_no_temporary(tmp_path):
+    def interrupted(f):
+        f.write(b"part")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        io.atomic_write(tmp_path / "f", interrupted)
+    assert os.listdir(tmp_path) == []
+
+
+def test_atomic_write_into_a_missing_directory_fails_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        io.atomic_write(tmp_path / "absent" / "f", b"x")
+    assert str(tmp_path / "absent") in str(info.value)
+
+
+def test_replace_atomic_renames_then_fsyncs_the_directory(tmp_path, fsynced):
+    src, dst = tmp_path / ".dst.tmp", tmp_path / "dst"
+    src.write_bytes(b"finished")
+    dst.write_bytes(b"old")
+    io.replace_atomic(src, dst)
+    assert dst.read_bytes() == b"finished" and not src.exists()
+    assert fsynced == [str(tmp_path)]
+
+
+def test_jsonable_converts_to_plain_json_types():
+    data = {
+        1: np.float32(0.5),
+        "ints": (np.int64(3), np.int32(-1)),
+        "array": np.arange(4, dtype=np.float32).reshape(2, 2),
+        "nonfinite": [float("nan"), math.inf, -math.inf, np.float64("nan"), np.float32("inf")],
+        "nested": {"flag": np.bool_(True), "none": None, "text": "t"},
+    }
+    out = io.jsonable(data)
+    assert out == {"1": 0.5, "ints": [3, -1], "array": [[0.0, 1.0], [2.0, 3.0]],
+                   "nonfinite": [None] * 5,
+                   "nested": {"flag": True, "none": None, "text": "t"}}
+    assert type(out["ints"][0]) is int and type(out["1"]) is float
+    assert type(out["nested"]["flag"]) is bool
+    assert json.loads(json.dumps(out, allow_nan=False)) == out       # strict JSON
+
+
+def test_write_json_writes_sanitised_json_with_a_final_newline(tmp_path, fsynced):
+    path = tmp_path / "summary.json"
+    io.write_json(path, {"accuracy": np.float32(0.25), "loss": float("nan")}, indent=2)
+    text = path.read_text()
+    assert text == '{\n  "accuracy": 0.25,\n  "loss": null\n}\n'
+    assert fsynced[-1] == str(tmp_path)
