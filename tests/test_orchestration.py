@@ -436,7 +436,7 @@ def test_bad_commands_get_error_replies_and_change_nothing(fleet):
         ({"cmd": "start", "config": run_config(), "run": "a/b", **fallback},
          "start: run: 'a/b' contains '/'"),
         ({"cmd": "start", "config": run_config(), "round": {"quorum": 2}, **fallback},
-         "start: round.quorum = 2: a fraction in (0, 1]"),
+         "start (round.quorum): 2 is above the maximum 1"),
         ({"cmd": "pause", **fallback}, "pause: no run is active (waiting for a run)"),
         ({"cmd": "stop", "run": "ghost", **fallback}, "stop: no run 'ghost' (runs: none)"),
         ({"cmd": "export", **fallback}, "export: no run is active; name one with \"run\""),

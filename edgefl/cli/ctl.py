@@ -73,7 +73,7 @@ def _ctl_connect(args: argparse.Namespace):
     before connecting rather than have the broker drop every command."""
     import os
 
-    from ..roles.control import RequesterTransport
+    from ..transport.requester import RequesterTransport
     from ..service.layered import default, load_service_config
     from ..transport.topics import Topics
 
@@ -108,7 +108,7 @@ def _ctl_command(args: argparse.Namespace) -> dict:
     doc: dict = {"cmd": args.action}
     if args.action == "start":
         from ..runconfig import load_run_config
-        from ..sim import _absolute_paths
+        from ..roles.outputs import absolute_dataset_paths as _absolute_paths
 
         if args.run_config is None:
             raise ValueError("ctl start: name the run config (a YAML file or built-in name)")

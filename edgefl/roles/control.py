@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .. import __version__
+from ..errors import ConfigError
+from ..service.layered import check_setting
 from ..transport.base import Message
 from ..transport.topics import TopicError, Topics, validate_id
 from .messages import MessageError, _loads
@@ -214,16 +216,11 @@ def _round_settings(value) -> dict:
     for key, v in value.items():
         if key not in ROUND_FIELDS:
             raise CommandError(f"start: round.{key}: unknown; valid: {', '.join(ROUND_FIELDS)}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise CommandError(f"start: round.{key} must be a number, got {v!r}")
-        out[key] = v
-    if "deadline" in out and not out["deadline"] > 0:
-        raise CommandError(f"start: round.deadline = {out['deadline']}: need > 0 seconds")
-    if "quorum" in out and not 0 < out["quorum"] <= 1:
-        raise CommandError(f"start: round.quorum = {out['quorum']}: a fraction in (0, 1]")
-    if "min_updates" in out and (not isinstance(out["min_updates"], int)
-                                 or out["min_updates"] < 1):
-        raise CommandError(f"start: round.min_updates = {out['min_updates']}: an integer >= 1")
+        # the same rule as the aggregator's site file and --deadline/--quorum/--min-updates
+        try:
+            out[key] = check_setting(f"round.{key}", v, "start")
+        except ConfigError as exc:
+            raise CommandError(str(exc)) from None
     return out
 
 
@@ -406,13 +403,3 @@ def _account_of(transport) -> str | None:
     if user is None:
         user = getattr(getattr(transport, "address", None), "username", None)
     return user
-
-
-def __getattr__(name):
-    # `edgefl ctl` imported RequesterTransport from here when it lived here; a role module
-    # does not import paho, so it is looked up in the transport layer only when asked for.
-    # Goes when the CLI imports it from edgefl.transport.requester.
-    if name == "RequesterTransport":
-        from ..transport.requester import RequesterTransport
-        return RequesterTransport
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
