@@ -247,7 +247,7 @@ def load_fashion_mnist(*, path: str = FASHION_MNIST_DIR) -> Raw:
 
 def load_mnist(*, path: str = MNIST_DIR) -> Raw:
     """MNIST from IDX files in `path`; mean 0.1307, std 0.3081 (x255), the usual MNIST
-    normalisation (the FedUmf paper, §5.1, only says the data are "standardized")."""
+    normalisation (the FedUmf paper, §1, only says "standardized preprocessing")."""
     return _load_idx_dataset("mnist", path, DIGIT_NAMES, 0.1307, 0.3081,
                              "copy the four MNIST IDX files there")
 
@@ -297,7 +297,7 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 def load_cifar10(*, path: str | None = None) -> Raw:
     """CIFAR-10 binary batches (`data_batch_1..5.bin`, `test_batch.bin`) from `path` or its
     `cifar-10-batches-bin` subdirectory, as (n, 3, 32, 32); the usual per-channel mean/std of
-    CIFAR-10 (the FedUmf paper, §5.1, only says the data are "standardized").
+    CIFAR-10 (the FedUmf paper, §1, only says "standardized preprocessing").
     """
     if path is None:
         raise ValueError("cifar10: set the dataset option path to the directory holding the "
