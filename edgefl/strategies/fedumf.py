@@ -10,7 +10,7 @@ Algorithm 1; the numbers below are the step numbers the code comments use):
  4. fusion, only if i in S_t and i not in S_{t-1} (authorised now, unauthorised last round):
         theta_{t,0}^i <- theta_{t,0}^i + alpha (eta_t / eta_{t-1}) g_{t-1}^i          (F)
  5. K local SGD steps from theta_{t,0}^i (fresh momentum buffer, see below)
- 6. store g_t^i <- theta_{t+1}^i - theta_{t,0}^i, measured from the fused start (Algorithm 1)
+ 6. store g_t^i <- theta_{t+1}^i - theta_{t,0}^i, measured from the fused start (§3.2)
  7. upload theta_{t+1}^i only if i in S_t (it includes the fused term); others send nothing
  8. theta_{t+1} <- (1/M) sum_{i in S_t} theta_{t+1}^i
 
