@@ -4,10 +4,11 @@ A `Model` is what the kernels run: an int64 layer program (one row per layer, th
 `ef_layer`), a loss, an optional L2 term, and the LayerTable naming the parameter slices. It
 holds no parameters; a parameter vector is a flat float32 buffer of `model.n_params`.
 
-Kinds: linear (regression), logreg (binary), softmax, svm (squared hinge + L2, specs/mfl.md
-section 3), mlp (hidden sizes), cnn (a conv stack from config) and the presets cnn-mnist
-(FedAvg paper), cnn-cifar (FedUmf appendix, specs/fedumf.md section 5) and lenet-cifar
-(FedMR's CNNCifar, specs/fedmr.md section 6).
+Kinds: linear (regression), logreg (binary), softmax, svm (squared hinge + L2: the MFL
+paper's Table 2 SVM with the hinge squared, so that it is smooth), mlp (hidden sizes), cnn
+(a conv stack from config) and the presets cnn-mnist (FedAvg paper), cnn-cifar (the CIFAR CNN
+of the FedUmf paper's Appendix A) and lenet-cifar (the CNN of FedMR's §5.1 as its authors'
+code defines it, `CNNCifar`).
 """
 from __future__ import annotations
 
@@ -214,9 +215,11 @@ PRESETS = {
     # McMahan et al. (FedAvg) MNIST CNN: 1,663,370 parameters at 28x28x1, 10 classes.
     "cnn-mnist": dict(conv=[dict(out=32, k=5, pad=2, pool=2), dict(out=64, k=5, pad=2, pool=2)],
                       fc=[512]),
-    # FedUmf appendix CIFAR CNN (specs/fedumf.md section 5): 797,962 parameters at 32x32x3.
+    # FedUmf paper, Appendix A: two 5x5 conv layers, then FC 384 and 192; 797,962 parameters
+    # at 32x32x3.
     "cnn-cifar": dict(conv=[dict(out=64, k=5, pool=2), dict(out=64, k=5, pool=2)], fc=[384, 192]),
-    # FedMR's CNNCifar (specs/fedmr.md section 6): 62,006 parameters at 32x32x3.
+    # FedMR's CNN as its authors' code (`CNNCifar`) defines it: 2 conv + 3 FC, although the
+    # paper's §5.1 says two FC layers; 62,006 parameters at 32x32x3.
     "lenet-cifar": dict(conv=[dict(out=6, k=5, pool=2), dict(out=16, k=5, pool=2)], fc=[120, 84]),
 }
 

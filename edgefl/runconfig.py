@@ -38,8 +38,9 @@ __all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mappi
 
 TOP_KEYS = ("dataset", "partition", "model", "strategy", "train", "rounds", "clients_per_round",
             "fraction", "seed", "eval_every", "attack")
-# model.init: "uniform" is Model.init's seeded default; "zeros" is specs/mfl.md §9 item 11's
-# w(0) = 0 for the convex models. The other model keys are the model's options.
+# model.init: "uniform" is Model.init's seeded default; "zeros" is w(0) = 0 for the convex
+# models (what the MFL reproduction uses; the paper only asks for equal initial values).
+# The other model keys are the model's options.
 MODEL_INITS = ("uniform", "zeros")
 DEFAULTS = {
     "dataset": {"name": "digits"},
@@ -255,7 +256,7 @@ def _clients_per_round(v: "_Validator", data: Mapping, clients: int) -> int:
     fraction = v.number("fraction", data.get("fraction", 1.0))
     if not 0 < fraction <= 1:
         v.fail("fraction", f"{fraction} must be in (0, 1]")
-    # M = round(C * N), at least 1 (specs/fedumf.md §8.11)
+    # M = round(C * N), at least 1: our reading of a client fraction C (FedUmf's C, §5.1.2)
     return max(1, min(clients, int(round(fraction * clients))))
 
 

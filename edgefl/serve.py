@@ -1,6 +1,7 @@
 """`edgefl serve`: a board's inference service. It answers prediction requests with the
 latest global model, and follows the model file as the client replaces it after each
-exported round (DESIGN.md "Who uses it" 2; issue #6).
+exported round, so a board keeps predicting while the next model trains (docs/onnx.md,
+"`edgefl serve`: the inference service"; issue #6).
 
 The API is small HTTP/1.1 with JSON, stdlib only (http.server), on a Unix socket:
 `$RUNTIME_DIRECTORY/predict.sock` under systemd (the unit has no network at all), and

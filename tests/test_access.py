@@ -2,7 +2,8 @@
 generated password file (tests/brokers.py `mosquitto_acl_server`), and broker/mosquitto.conf
 itself with test certificates for its TLS listener.
 
-What a client's credentials must not let it do (DESIGN.md "Wire protocol", broker/acl):
+What a client's credentials must not let it do (docs/brokers.md "Credentials and the ACL",
+docs/reliability.md "Access control", broker/acl):
 publish into another client's update or status topic, publish the round announcement or
 the global model, read other clients' updates, send operator commands, or log in without a
 password. Mosquitto does not tell an MQTT 3.1.1 client that a publish was denied (it sends

@@ -31,7 +31,7 @@ BASE = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two finished runs: FedAvg and MFL (which moves twice FedAvg's bytes, specs/mfl.md §4)."""
+    """Two finished runs: FedAvg and MFL (twice FedAvg's bytes: MFL paper §7.2.5)."""
     root = tmp_path_factory.mktemp("runs")
     dirs = {}
     for name, strategy in [("fedavg", {"name": "fedavg"}), ("mfl", {"name": "mfl", "gamma": 0.5})]:

@@ -1,7 +1,8 @@
-"""FedMR (specs/fedmr.md): the testable properties of §9 on real data (scikit-learn's
-digits) through the real kernels, plus the strategy's contracts.
+"""FedMR (Hu et al., arXiv; KDD 2024; docs/algorithms.md#fedmr): the properties a correct
+implementation must have, on real data (scikit-learn's digits) through the real kernels,
+plus the strategy's contracts. Section, algorithm and lemma numbers are the arXiv paper's.
 
-Items of §9 and where they are checked:
+The properties, numbered as the tests below cite them, and where they are checked:
   1 per-unit permutation ...... test_recombination_is_a_per_unit_permutation_of_the_uploads
   2 no intra-unit mixing ...... (same test: every unit slice is one source's slice, in place)
   3 sum / distance invariance . test_sum_and_distance_invariance
@@ -19,7 +20,8 @@ Items of §9 and where they are checked:
  15 determinism, replay ....... test_same_seed_same_run_and_logged_permutations_replay
  16 secure recombination ...... not implemented (needs client-to-client channels and
                                 encryption; see the module docstring), so not tested
- 17 cost ...................... a benchmark, not a timed test (STYLE.md "Habits"):
+ 17 cost ...................... a benchmark, not a timed test (timings flake on a loaded
+                                machine):
                                 recombination is K x n_units slice copies, O(K P)
  18 smoke reproduction ........ ResNet-20 / CIFAR-10 / 500 rounds is an experiment for
                                 tools/ and docs/results.md (issue #3 item 6), not a unit test
@@ -88,7 +90,7 @@ def unit_bytes(buf, unit):
 # parameters and units
 # ---------------------------------------------------------------------------------------
 
-def test_registered_with_the_spec_defaults():
+def test_registered_with_the_documented_defaults():
     assert "fedmr" in strategy_names()
     assert strategy_params("fedmr") == {"stage1_rounds": 0, "granularity": "tensor",
                                         "seg_x": 0.0, "weighting": "uniform"}
@@ -107,7 +109,7 @@ def test_bad_parameters_name_the_key_and_the_valid_values(params, message):
 
 
 def test_units_by_granularity_and_layout_checks(mlp):
-    """§3 / §8.1: tensor = every table entry on its own (the authors' code), layer = weight
+    """Units: tensor = every table entry on its own (the authors' code), layer = weight
     and bias together (the paper's wording); units must tile the buffer."""
     units = Setup.units_of(mlp)
     tensor = recombination_units(units, "tensor", mlp.n_params)
@@ -123,12 +125,12 @@ def test_units_by_granularity_and_layout_checks(mlp):
 
 
 # ---------------------------------------------------------------------------------------
-# ModelRecombine (§9 items 1-6, 8, 12)
+# ModelRecombine (properties 1-6, 8, 12)
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("granularity", ["tensor", "layer"])
 def test_recombination_is_a_per_unit_permutation_of_the_uploads(clients, mlp, granularity):
-    """§9 items 1-2 on a real stage-2 round: for every unit, the K new slices are bitwise
+    """Properties 1-2 on a real stage-2 round: for every unit, the K new slices are bitwise
     the K uploaded slices (a bijection, nothing reused, nothing mixed), each taken from the
     same position; and the logged permutation says which."""
     log = drive(FedMR(granularity=granularity), clients, mlp, mlp.init(0), 2, m=5)
@@ -154,7 +156,7 @@ def test_recombination_is_a_per_unit_permutation_of_the_uploads(clients, mlp, gr
 
 
 def test_sum_and_distance_invariance(clients, mlp):
-    """§9 item 3 (Lemma 4.4): column sums in sorted order are equal exactly, in slot order
+    """Property 3 (Lemma 4.4): column sums in sorted order are equal exactly, in slot order
     within 1e-6; sum_k ||new_k - x||^2 == sum_k ||old_k - x||^2 within 1e-6."""
     _, _, updates, after, _ = drive(FedMR(), clients, mlp, mlp.init(1), 1, m=6)[0]
     old = np.stack([updates[c].buffers["params"] for c in sorted(updates)]).astype(np.float64)
@@ -167,7 +169,7 @@ def test_sum_and_distance_invariance(clients, mlp):
 
 
 def test_global_model_is_the_mean_of_the_uploads_whatever_the_seed(clients, mlp):
-    """§9 item 4 and §2.2 step 5: w_glb = (1/K) sum of the uploads (uniform, float64
+    """Property 4 and Algorithm 1 line 11: w_glb = (1/K) sum of the uploads (uniform, float64
     accumulation, one rounding) equals the mean of the recombined list to rounding, and
     does not depend on the recombination seed."""
     before, _, updates, after, _ = drive(FedMR(), clients, mlp, mlp.init(2), 1, m=5)[0]
@@ -185,7 +187,7 @@ def test_global_model_is_the_mean_of_the_uploads_whatever_the_seed(clients, mlp)
 
 
 def test_permutations_are_uniform():
-    """§9 item 5: K = 3, 60k draws; each of the 6 permutations at 1/6 +- 0.01, and the
+    """Property 5: K = 3, 60k draws; each of the 6 permutations at 1/6 +- 0.01, and the
     chi-square statistic (5 dof) below its 0.1% critical value 20.5."""
     perms = draw_permutations(7, 1, 60000, 3)
     counts = Counter(map(tuple, perms.tolist()))
@@ -196,7 +198,7 @@ def test_permutations_are_uniform():
 
 
 def test_units_are_permuted_independently():
-    """§9 item 6: K = 10, P(pi_u(k) = pi_v(k)) for neighbouring units is about 1/K, not 1;
+    """Property 6: K = 10, P(pi_u(k) = pi_v(k)) for neighbouring units is about 1/K, not 1;
     with seg_x = 1 (one segment) it is exactly 1."""
     perms = draw_permutations(3, 5, 4001, 10)
     same = np.mean(perms[1:] == perms[:-1])
@@ -206,7 +208,7 @@ def test_units_are_permuted_independently():
 
 
 def test_identical_models_are_a_fixed_point(mlp):
-    """§9 item 8."""
+    """Property 8: identical models are a fixed point of the recombination."""
     w = mlp.init(4)
     units = recombination_units(Setup.units_of(mlp), "tensor", mlp.n_params)
     out = recombine([w] * 4, units, draw_permutations(0, 1, len(units), 4))
@@ -214,9 +216,9 @@ def test_identical_models_are_a_fixed_point(mlp):
 
 
 def test_segments_follow_ceil_s_n_x():
-    """§9 item 12 / §8.12: segment s starts at unit ceil(s n x) in exact arithmetic; the
-    number of distinct permutations per round is the number of segments, ceil(1/x) when
-    n x >= 1."""
+    """Property 12 (FedMR-p x of §5.4): segment s starts at unit ceil(s n x) in exact
+    arithmetic; the number of distinct permutations per round is the number of segments,
+    ceil(1/x) when n x >= 1."""
     assert segment_ids(10, 0.3) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert segment_ids(10, 0.1) == list(range(10))
     assert segment_ids(6, 0.5) == [0, 0, 0, 1, 1, 1]
@@ -225,7 +227,7 @@ def test_segments_follow_ceil_s_n_x():
     assert segment_ids(7, 0.2) == [0, 0, 1, 2, 2, 3, 4]          # starts 0, 2, 3, 5, 6
     # ceil(1/x) segments, except that the last one can be empty: n = 30, x = 0.07 has
     # starts 0, 3, 5, ..., 21, 24, 26, 28 and ceil(14 * 2.1) = 30 = n, so 14, not 15
-    # (in float64, 30 * 0.07 * 10 > 21 would also move the start 21 to 22: §8.12)
+    # (in float64, 30 * 0.07 * 10 > 21 would also move the start 21 to 22)
     for n, x, count in ((10, 0.3, 4), (20, 0.25, 4), (12, 0.4, 3), (30, 0.07, 14)):
         ids = segment_ids(n, x)
         perms = draw_permutations(1, 2, n, 10, seg_x=x)
@@ -239,7 +241,7 @@ def test_segments_follow_ceil_s_n_x():
 
 
 def test_seg_x_one_is_indep(clients, mlp):
-    """§9 item 12: with seg_x = 1 every recombined model is one whole uploaded model."""
+    """Property 12: with seg_x = 1 every recombined model is one whole uploaded model."""
     _, _, updates, after, _ = drive(FedMR(seg_x=1.0), clients, mlp, mlp.init(0), 1, m=5)[0]
     uploads = [updates[c].buffers["params"].tobytes() for c in sorted(updates)]
     assert Counter(row.tobytes() for row in FedMR.models(after)) == Counter(uploads)
@@ -253,12 +255,12 @@ def test_recombine_rejects_non_permutations(mlp):
 
 
 # ---------------------------------------------------------------------------------------
-# the two stages and the runs (§9 items 7, 9, 10, 11, 13, 14, 15)
+# the two stages and the runs (properties 7, 9, 10, 11, 13, 14, 15)
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
 def test_stage_one_is_uniform_fedavg_bit_for_bit(digits, clients, mlp, weighting):
-    """§9 item 9: for rounds r <= stage1_rounds FedMR is FedAvg with uniform weights, round
+    """Property 9: for rounds r <= stage1_rounds FedMR is FedAvg with uniform weights, round
     by round (same selection, same data order); and, as an option, with |D_i| weights."""
     test = (digits.x_test, digits.y_test)
     mr = run(FedMR(stage1_rounds=5, weighting=weighting), clients, mlp.init(0), rounds=5, m=4,
@@ -275,7 +277,7 @@ def test_stage_one_is_uniform_fedavg_bit_for_bit(digits, clients, mlp, weighting
 
 
 def test_switch_timing(clients, mlp):
-    """§9 item 10 / §2.4: with R1 = 3, rounds 1-4 (the spec's 0-3) dispatch one model to
+    """Property 10 (the two-stage scheme, §4.3): with R1 = 3, rounds 1-4 dispatch one model to
     all and round 5 dispatches K distinct models, each to one client."""
     log = drive(FedMR(stage1_rounds=3), clients, mlp, mlp.init(0), 6, m=4)
     for t, (_, tasks, _, _, metrics) in enumerate(log, start=1):
@@ -290,7 +292,7 @@ def test_switch_timing(clients, mlp):
 
 
 def test_per_client_downlinks_start_each_client_from_its_model(clients, mlp):
-    """§2.2 steps 2-3: slot i goes to the i-th selected client, which trains from it."""
+    """Algorithm 1 line 5: slot i goes to the i-th selected client, which trains from it."""
     log = drive(FedMR(), clients, mlp, mlp.init(0), 3, m=4)
     before, tasks, updates, _, _ = log[2]
     models = FedMR.models(before)
@@ -301,7 +303,7 @@ def test_per_client_downlinks_start_each_client_from_its_model(clients, mlp):
 
 
 def test_one_model_is_sequential_training(clients, mlp):
-    """§9 item 7: K = 1 makes recombination the identity: FedMR is FedAvg with one client
+    """Property 7: K = 1 makes recombination the identity: FedMR is FedAvg with one client
     per round (one model trained by one random client after another), with or without
     stage 1, and the global model is that model."""
     a = run(FedMR(), clients, mlp.init(0), rounds=6, m=1)
@@ -313,7 +315,7 @@ def test_one_model_is_sequential_training(clients, mlp):
 
 
 def test_zero_learning_rate_keeps_every_unit_multiset(clients, mlp):
-    """§9 item 11: K = 4 distinct initial models and lr = 0: after any number of rounds the
+    """Property 11: K = 4 distinct initial models and lr = 0: after any number of rounds the
     per-unit multisets of L_m are the initial ones and the global mean is unchanged."""
     models = np.stack([mlp.init(10 + i) for i in range(4)])
     setup = Setup(clients=sorted(clients), train=dict(TRAIN, lr=0.0), units=Setup.units_of(mlp))
@@ -332,7 +334,7 @@ def test_zero_learning_rate_keeps_every_unit_multiset(clients, mlp):
 
 
 def test_bytes_equal_fedavg_and_downlinks_are_per_client(clients, mlp):
-    """§9 item 13: K model messages of P floats down and K up per round, no other payload;
+    """Property 13: K model messages of P floats down and K up per round, no other payload;
     byte counts equal FedAvg's (unicast)."""
     d = mlp.n_params
     mr = run(FedMR(stage1_rounds=2), clients, mlp.init(0), rounds=5, m=4)
@@ -346,9 +348,9 @@ def test_bytes_equal_fedavg_and_downlinks_are_per_client(clients, mlp):
 
 
 def test_momentum_is_fresh_every_round_and_never_uploaded(clients, mlp):
-    """§9 item 14 / §8.6: with local momentum 0.9 each local round starts from a zero
-    momentum buffer (the result equals training with an explicit zero buffer, whatever the
-    client trained before) and only the model is uploaded."""
+    """Property 14: with local momentum 0.9 (the paper's §5.1) each local round starts from a
+    zero momentum buffer (the result equals training with an explicit zero buffer, whatever
+    the client trained before) and only the model is uploaded."""
     train = dict(TRAIN, momentum=0.9)
     log = drive(FedMR(), clients, mlp, mlp.init(0), 3, m=4, train=train)
     _, tasks, updates, _, _ = log[2]
@@ -361,7 +363,7 @@ def test_momentum_is_fresh_every_round_and_never_uploaded(clients, mlp):
 
 
 def test_same_seed_same_run_and_logged_permutations_replay(clients, mlp):
-    """§9 item 15: the same seed gives the same clients, permutations and final bytes; a
+    """Property 15: the same seed gives the same clients, permutations and final bytes; a
     different seed does not; recombining a round's uploads with its logged permutations
     reproduces the model list exactly."""
     a = run(FedMR(stage1_rounds=1), clients, mlp.init(0), rounds=4, m=4)
@@ -378,8 +380,8 @@ def test_same_seed_same_run_and_logged_permutations_replay(clients, mlp):
 
 
 def test_fewer_uploads_recombine_what_arrived(clients, mlp):
-    """§8.14 (an extension): a dropped client's slot is refilled with a received model;
-    only the K' received models are recombined."""
+    """An extension (the paper assumes all K uploads arrive): a dropped client's slot is
+    refilled with a received model; only the K' received models are recombined."""
     log = drive(FedMR(), clients, mlp, mlp.init(0), 1, m=4)
     before, tasks, updates, _, _ = log[0]
     kept = dict(list(sorted(updates.items()))[:3])

@@ -1,11 +1,13 @@
-"""FedVeca (specs/fedveca.md): the testable properties of §9, on real data (scikit-learn's
-digits) and, where §9 asks for a quadratic, a least-squares model whose loss is exactly
-(h/2)||w - c_i||^2, all through the real kernels.
+"""FedVeca (Luo et al., 2021/22; docs/algorithms.md#fedveca): the properties a correct
+implementation must have, on real data (scikit-learn's digits) and, where a property needs
+a quadratic, a least-squares model whose loss is exactly (h/2)||w - c_i||^2, all through the
+real kernels. Section, equation, figure and algorithm numbers are the paper's.
 
-Items of §9 and where they are checked:
+The properties, numbered as the tests below cite them, and where they are checked:
   1 FedAvg equivalence ........ test_equal_tau_without_adaptation_is_fedavg_bit_for_bit,
                                 test_rounds_one_and_two_are_fedavg_even_when_adaptive
-                                (tau = 1 is impossible here: FedVeca needs tau >= 2, §8.1)
+                                (tau = 1 is impossible here: FedVeca needs tau >= 2 for
+                                its estimators' ranges to be non-empty)
   2 FedNova equivalence ....... test_fixed_unequal_steps_are_fednova_bit_for_bit_and_not_fedavg
   3 G identity ................ test_normalised_gradient_identity
   4 weights / global gradient . test_global_gradient_is_the_weighted_client_gradients,
@@ -25,7 +27,7 @@ Items of §9 and where they are checked:
  14 streaming = batch ......... test_estimators_match_a_direct_computation
  15 protocol equivalence ...... test_single_exchange_equals_the_two_exchange_protocol
  16 bytes ..................... test_bytes_per_round
- 17 baseline tau .............. test_baseline_steps_worked_example (the rest of item 17,
+ 17 baseline tau .............. test_baseline_steps_worked_example (the rest of property 17,
                                 "centralised SGD runs exactly tau_all steps", is a property
                                 of kernels.local_train's `steps`, not of this strategy)
  18 partitions ................ test_case_one_and_case_two_partitions (Case 3's mixed
@@ -63,7 +65,7 @@ def softmax(digits):
 
 @pytest.fixture(scope="module")
 def non_iid(digits, softmax):
-    """Case 2 of §5 on digits: client j holds digits {j, j+5}."""
+    """Case 2 of the paper's §IV-A3 on digits: client j holds digits {j, j+5}."""
     return local_datasets(digits, partition(digits, "mod", 5, 0), softmax)
 
 
@@ -87,7 +89,7 @@ def drive(strategy, clients, w0, rounds, train=TRAIN, seed=0):
 
 
 def replay(data, start, cfg):
-    """The reference that stores everything (§9 item 14): every model w^s (s = 0..tau) the
+    """The reference that stores everything (property 14): every model w^s (s = 0..tau) the
     kernel visits and every minibatch gradient g^s (s = 0..tau-1) at it, recomputed from
     the kernel's own batch order (kernels.shuffle) with kernels.loss_grad."""
     cfg = dict(cfg)
@@ -113,7 +115,7 @@ def replay(data, start, cfg):
 
 
 def direct_estimates(ws, gs, g0, gn2, lr, variant):
-    """beta and delta of §2.2 from stored models and gradients, in float64."""
+    """beta and delta of Alg. 2 l.15-18 from stored models and gradients, in float64."""
     w0 = ws[0].astype(np.float64)
     g0 = g0.astype(np.float64)
     beta, delta, total = 0.0, 0.0, np.zeros_like(w0)
@@ -134,7 +136,7 @@ def direct_estimates(ws, gs, g0, gn2, lr, variant):
 # parameters
 # ---------------------------------------------------------------------------------------
 
-def test_registered_with_the_spec_defaults():
+def test_registered_with_the_documented_defaults():
     assert "fedveca" in strategy_names()
     assert strategy_params("fedveca") == {
         "alpha": 0.95, "tau_init": 10, "tau_min": 2, "tau_max": 50, "tau_floor_tol": 1e-9,
@@ -172,11 +174,11 @@ def test_train_settings_that_conflict_with_fedveca_are_rejected(softmax):
 
 
 # ---------------------------------------------------------------------------------------
-# reductions: FedAvg and FedNova (§9 items 1-2)
+# reductions: FedAvg and FedNova (properties 1-2)
 # ---------------------------------------------------------------------------------------
 
 def test_equal_tau_without_adaptation_is_fedavg_bit_for_bit(digits, softmax, non_iid):
-    """§9 item 1: tau_(k,i) = 5 for all i (adapt off) gives FedAvg's models exactly, with
+    """Property 1: tau_(k,i) = 5 for all i (adapt off) gives FedAvg's models exactly, with
     |D_i| weights renormalised over 3 of 5 clients per round."""
     test = (digits.x_test, digits.y_test)
     veca = run(FedVeca(adapt=False, tau_init=5), non_iid, softmax.init(0), rounds=6, m=3, test=test)
@@ -189,7 +191,7 @@ def test_equal_tau_without_adaptation_is_fedavg_bit_for_bit(digits, softmax, non
 
 
 def test_rounds_one_and_two_are_fedavg_even_when_adaptive(softmax, non_iid):
-    """§2.3 step 7: rounds 1 and 2 run tau_init everywhere, so they are FedAvg's; round 3
+    """Alg. 1 l.24-26: rounds 1 and 2 run tau_init everywhere, so they are FedAvg's; round 3
     adapts and departs from it."""
     for rounds, same in ((2, True), (3, False)):
         veca = run(FedVeca(tau_init=6), non_iid, softmax.init(0), rounds=rounds)
@@ -199,7 +201,7 @@ def test_rounds_one_and_two_are_fedavg_even_when_adaptive(softmax, non_iid):
 
 
 def test_fixed_unequal_steps_are_fednova_bit_for_bit_and_not_fedavg(digits, softmax):
-    """§9 item 2 with Fig. 2's tau = (5, 2) on two clients: FedVeca's update (5) is
+    """Property 2 with Fig. 2's tau = (5, 2) on two clients: FedVeca's update (5) is
     FedNova's bit for bit, training is undisturbed by the statistics it records, and the
     result differs from FedAvg's average."""
     clients = local_datasets(digits, partition(digits, "mod", 2, 0), softmax)
@@ -233,14 +235,14 @@ def test_fixed_unequal_steps_are_fednova_bit_for_bit_and_not_fedavg(digits, soft
 
 
 # ---------------------------------------------------------------------------------------
-# the client's quantities (§9 items 3, 4, 12, 14)
+# the client's quantities (properties 3, 4, 12, 14)
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("grad_at_global", ["batch", "full"])
 @pytest.mark.parametrize("variant", ["alg2", "theory"])
 def test_estimators_match_a_direct_computation(softmax, non_iid, grad_at_global, variant):
-    """§9 item 14: beta and delta from the kernel's streamed step statistics equal a float64
-    computation over every stored model and gradient; item 12: delta is at least its
+    """Property 14: beta and delta from the kernel's streamed step statistics equal a float64
+    computation over every stored model and gradient; property 12: delta is at least its
     lambda = tau-1 term tau ||G||^2 / ||grad F(w_{k-1})||^2 and beta at least every
     beta^lambda; the uploaded gradient is g^0 (batch) or the full local gradient (full)."""
     strategy = FedVeca(tau_init=7, grad_at_global=grad_at_global, delta_variant=variant)
@@ -269,7 +271,7 @@ def test_estimators_match_a_direct_computation(softmax, non_iid, grad_at_global,
 
 
 def test_normalised_gradient_identity(softmax, non_iid):
-    """§9 item 3: G = (w_k - w^tau) / (eta tau) is the mean of the tau minibatch gradients."""
+    """Property 3: G = (w_k - w^tau) / (eta tau) is the mean of the tau minibatch gradients."""
     strategy = FedVeca(tau_init=9)
     _, tasks, updates, _, _ = drive(strategy, non_iid, softmax.init(3), 1)[0]
     for c, task in tasks.items():
@@ -281,7 +283,7 @@ def test_normalised_gradient_identity(softmax, non_iid):
 
 
 def test_global_gradient_is_the_weighted_client_gradients(softmax, non_iid):
-    """§9 item 4: p_i sum to exactly 1 and grad F(w_k) = sum_i p_i grad F_i(w_k) (eq. (8)),
+    """Property 4: p_i sum to exactly 1 and grad F(w_k) = sum_i p_i grad F_i(w_k) (eq. (8)),
     whose squared norm is the scalar sent with the next round's tasks."""
     log = drive(FedVeca(), non_iid, softmax.init(0), 2)
     _, _, updates, after, _ = log[0]
@@ -296,7 +298,7 @@ def test_global_gradient_is_the_weighted_client_gradients(softmax, non_iid):
 
 
 def test_identical_full_batch_clients_share_the_global_gradient(digits, softmax):
-    """§9 item 4: with identical client data and full-batch gradients, grad F(w_k) equals
+    """Property 4: with identical client data and full-batch gradients, grad F(w_k) equals
     every client's gradient, which is the kernels' gradient of the local loss."""
     data = {c: LocalData(c, softmax, digits.x_train[:300], digits.y_train[:300]) for c in range(3)}
     w0 = softmax.init(4)
@@ -310,7 +312,7 @@ def test_identical_full_batch_clients_share_the_global_gradient(digits, softmax)
 
 def _quadratic_clients(h, centers):
     """Least squares with X = s I (d samples): F_i(w) = (1/d) sum_j (s w_j - s c_ij)^2 / 2
-    = (h/2) ||w - c_i||^2 with h = s^2 / d, exactly the quadratic of §9 item 11."""
+    = (h/2) ||w - c_i||^2 with h = s^2 / d, exactly the quadratic of property 11."""
     d = centers.shape[1]
     s = math.sqrt(h * d)
     model = build_model({"name": "linear", "bias": False}, (d,), 0)
@@ -320,7 +322,7 @@ def _quadratic_clients(h, centers):
 
 
 def test_estimators_on_a_quadratic():
-    """§9 item 11: full-batch gradients of F_i = (h/2)||w - c_i||^2: every beta^lambda = h,
+    """Property 11: full-batch gradients of F_i = (h/2)||w - c_i||^2: every beta^lambda = h,
     so beta = h; the per-round global smoothness L_k = h from L_1 on; delta equals the
     closed form max_lambda ||sum_{s<=lambda} h (w^s - c_i)||^2 / ((lambda+1) ||grad F(w_{k-1})||^2)
     over float64 gradient-descent iterates."""
@@ -358,7 +360,7 @@ def test_estimators_on_a_quadratic():
     (np.array([[0, 0, 1], [1, 2, 4], [3, 2, 9]], float), 2.0, 1.5, 1.5),
 ])
 def test_estimators_on_degenerate_statistics(stats, gn2, beta, delta):
-    """§9 item 13 (zero gradient) and §2.2's ranges: s = 0 never counts; delta is None
+    """Property 13 (zero gradient) and the estimators' ranges: s = 0 never counts; delta is None
     without a global gradient and 0 when it is zero."""
     assert estimate_beta_delta(stats, gn2, 0.1) == (beta, delta)
     nan = estimate_beta_delta(np.array([[0, 0, 1], [np.nan, 1, 1]]), 1.0, 0.1)
@@ -367,20 +369,20 @@ def test_estimators_on_degenerate_statistics(stats, gn2, beta, delta):
 
 
 # ---------------------------------------------------------------------------------------
-# the step-size rule (§9 items 5-9, 13)
+# the step-size rule (properties 5-9, 13)
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("r, tau", [
     (1.0, 20), (1.002, 19), (1.05, 10), (1.1, 7), (1.18, 5), (1.26, 4), (1.42, 3), (1.8, 2),
     (1.9, 2), (2.5, 2), (1e6, 2)])
 def test_rule_reproduces_the_threshold_table(r, tau):
-    """§2.3's table at interior points (and §9 item 8's examples), alpha = 0.95."""
+    """Rule (15)'s thresholds at interior points (property 8's examples), alpha = 0.95."""
     out = next_steps({0: 0.3, 1: 0.3 * r}, 0.95)
     assert out == {0: 20, 1: tau}
 
 
 def test_argmin_client_gets_floor_of_one_over_one_minus_alpha():
-    """§9 item 6 with §8.11: 20 at alpha = 0.95 (19 without the floor tolerance), 2 at 0.5,
+    """Property 6 with the floor tolerance: 20 at alpha = 0.95 (19 without it), 2 at 0.5,
     the cap 50 at 0.995."""
     A = {0: 0.7, 1: 3.0}
     assert next_steps(A, 0.95)[0] == 20
@@ -391,7 +393,7 @@ def test_argmin_client_gets_floor_of_one_over_one_minus_alpha():
 
 
 def test_rule_is_invariant_to_scale_of_A_and_to_eta():
-    """§9 item 7: tau is unchanged when all A are multiplied by c > 0 and when eta changes
+    """Property 7: tau is unchanged when all A are multiplied by c > 0 and when eta changes
     (A = eta beta^2 delta is proportional to eta)."""
     rng = np.random.default_rng(0)
     beta, delta = rng.uniform(1, 5, 8), rng.uniform(0.5, 3, 8)
@@ -407,7 +409,7 @@ def test_rule_is_invariant_to_scale_of_A_and_to_eta():
 
 
 def test_rule_is_monotone_and_in_range():
-    """§9 items 5 and 8: A_i <= A_j implies tau_i >= tau_j; every tau an integer in
+    """Properties 5 and 8: A_i <= A_j implies tau_i >= tau_j; every tau an integer in
     [2, tau_max] and at most floor(1/(1-alpha))."""
     rng = np.random.default_rng(1)
     for alpha in (0.5, 0.9, 0.95, 0.99):
@@ -421,8 +423,9 @@ def test_rule_is_monotone_and_in_range():
 
 
 def test_degenerate_A_values_give_valid_steps():
-    """§9 item 13 / §8.12: min A = 0 gives the zero-A clients floor(1/(1-alpha)) and the
-    rest tau_min; NaN and inf give tau_min; all inf gives tau_min everywhere."""
+    """Property 13, our handling of degenerate A: min A = 0 gives the zero-A clients
+    floor(1/(1-alpha)) and the rest tau_min; NaN and inf give tau_min; all inf gives tau_min
+    everywhere."""
     assert next_steps({0: 0.0, 1: 0.0, 2: 1.0, 3: float("nan"), 4: float("inf")}, 0.95) == \
         {0: 20, 1: 20, 2: 2, 3: 2, 4: 2}
     assert next_steps({0: float("inf"), 1: float("nan")}, 0.95) == {0: 2, 1: 2}
@@ -433,7 +436,7 @@ def test_degenerate_A_values_give_valid_steps():
 
 
 def test_adaptive_run_keeps_tau_integer_in_range(softmax, non_iid):
-    """§9 item 5 over a run, and §8.19's expected behaviour: tau varies across rounds."""
+    """Property 5 over a run, and the paper's Fig. 6 behaviour: tau varies across rounds."""
     result = run(FedVeca(), non_iid, softmax.init(0), rounds=8)
     taus = [t for h in result.history for t in h["tau"].values()]
     assert all(isinstance(t, int) and 2 <= t <= 20 for t in taus)
@@ -443,13 +446,13 @@ def test_adaptive_run_keeps_tau_integer_in_range(softmax, non_iid):
 
 
 def test_alpha_one_half_gives_two_steps_from_round_three(softmax, non_iid):
-    """§9 item 9: alpha = 0.5 makes every tau 2 from the first adaptive round on."""
+    """Property 9: alpha = 0.5 makes every tau 2 from the first adaptive round on."""
     result = run(FedVeca(alpha=0.5), non_iid, softmax.init(0), rounds=5)
     assert [set(h["tau"].values()) for h in result.history] == [{10}, {10}, {2}, {2}, {2}]
 
 
 def test_tau_does_not_depend_on_L(softmax, non_iid):
-    """§9 item 7: L is a diagnostic; the same round with a very different running L gives
+    """Property 7: L is a diagnostic; the same round with a very different running L gives
     the same tau (alpha_clamp off, the paper's default)."""
     log = drive(FedVeca(), non_iid, softmax.init(0), 2)
     before, _, updates, after, _ = log[1]
@@ -462,11 +465,11 @@ def test_tau_does_not_depend_on_L(softmax, non_iid):
 
 
 # ---------------------------------------------------------------------------------------
-# schedule, protocol, guards, bytes (§9 items 10, 13, 15, 16)
+# schedule, protocol, guards, bytes (properties 10, 13, 15, 16)
 # ---------------------------------------------------------------------------------------
 
 def test_schedule_of_estimates_L_and_first_adaptive_tau(softmax, non_iid):
-    """§9 item 10: rounds 1 and 2 (k = 0, 1) run tau_init; round 1 sends and uses no beta
+    """Property 10: rounds 1 and 2 (k = 0, 1) run tau_init; round 1 sends and uses no beta
     or delta; the first L estimate is logged in round 2; round 3 runs the tau that round 2's
     rule chose."""
     log = drive(FedVeca(tau_init=4), non_iid, softmax.init(0), 3)
@@ -483,7 +486,7 @@ def test_schedule_of_estimates_L_and_first_adaptive_tau(softmax, non_iid):
 
 
 def test_single_exchange_equals_the_two_exchange_protocol(softmax, non_iid):
-    """§9 item 15: the paper's order (the client trains and uploads w^tau and grad F_i(w_k);
+    """Property 15: the paper's order (the client trains and uploads w^tau and grad F_i(w_k);
     the server then sends the vector grad F(w_{k-1}), and the client computes beta and delta
     from the statistics it kept) gives the same beta, delta, tau and models as shipping
     ||grad F(w_{k-1})||^2 with w_k."""
@@ -519,7 +522,7 @@ def test_single_exchange_equals_the_two_exchange_protocol(softmax, non_iid):
 
 
 def test_zero_initial_model_skips_L0_and_stays_finite(digits):
-    """§9 item 13 / §8.7: a zero-initialised SVM (||w_0|| = 0) skips L_0 instead of making
+    """Property 13: a zero-initialised SVM (||w_0|| = 0) skips L_0 instead of making
     L infinite; no exception, no NaN, tau in range."""
     evenodd = load_dataset("digits", binary="even-odd")
     svm = build_model({"name": "svm", "l2": 0.1}, evenodd.input_shape, evenodd.num_classes)
@@ -534,7 +537,7 @@ def test_zero_initial_model_skips_L0_and_stays_finite(digits):
 
 
 def test_bytes_per_round(softmax, non_iid):
-    """§9 item 16: uplink 2 d floats (w^tau and grad F_i(w_k)) and downlink d floats per
+    """Property 16: uplink 2 d floats (w^tau and grad F_i(w_k)) and downlink d floats per
     client and round; the O(1) scalars are not buffers."""
     d = softmax.n_params
     result = run(FedVeca(), non_iid, softmax.init(0), rounds=3, m=4)
@@ -544,7 +547,8 @@ def test_bytes_per_round(softmax, non_iid):
 
 
 def test_baseline_steps_worked_example():
-    """§9 item 17 / §5: Case 3 MNIST sizes with tau_all / K = 40 give [6, 6, 6, 7, 11]."""
+    """Property 17 (the baselines' tau of §IV-A1): Case 3 MNIST sizes with tau_all / K = 40
+    give [6, 6, 6, 7, 11]."""
     sizes = [10200, 10200, 10200, 11769, 17635]
     assert baseline_steps(40 * 100, 100, sizes) == [6, 6, 6, 7, 11]
     assert baseline_steps(7, 1, [1, 1]) == [3, 3]
@@ -553,7 +557,7 @@ def test_baseline_steps_worked_example():
 
 
 def test_case_one_and_case_two_partitions(digits):
-    """§9 item 18 on digits: Case 1 (iid) sizes differ by at most 1; Case 2 with N = 5
+    """Property 18 on digits: Case 1 (iid) sizes differ by at most 1; Case 2 with N = 5
     gives client j the digits {j, j+5}."""
     sizes = partition(digits, "iid", 5, 0).sizes
     assert sizes.max() - sizes.min() <= 1 and sizes.sum() == len(digits.y_train)

@@ -105,8 +105,8 @@ def test_preset_gradients_match_finite_differences(preset, shape):
 
 def test_preset_parameter_counts_match_the_papers():
     assert build_model("cnn-mnist", (1, 28, 28), 10).n_params == 1_663_370   # FedAvg paper
-    assert build_model("cnn-cifar", (3, 32, 32), 10).n_params == 797_962     # specs/fedumf.md 5
-    assert build_model("lenet-cifar", (3, 32, 32), 10).n_params == 62_006    # specs/fedmr.md 6
+    assert build_model("cnn-cifar", (3, 32, 32), 10).n_params == 797_962     # FedUmf, App. A
+    assert build_model("lenet-cifar", (3, 32, 32), 10).n_params == 62_006    # FedMR's CNNCifar
     assert build_model({"name": "mlp", "hidden": [200, 200]}, (784,), 10).n_params == 199_210
 
 
@@ -230,7 +230,7 @@ def test_same_seed_same_bytes_different_seed_different_bytes():
 
 
 def test_momentum_follows_pytorch_convention_by_hand():
-    """d = gamma d + g; w -= eta d (specs/mfl.md 2.2). Model: w*x with x=1, y=0, loss w^2/2,
+    """d = gamma d + g; w -= eta d (the MFL paper's (6)-(7)). Model: w*x with x=1, y=0, loss w^2/2,
     so g = w. eta=0.1, gamma=0.9, w0=1: w = 0.9, 0.72, 0.486 and d = 1, 1.8, 2.34; the
     `v = gamma v + eta g` convention would leave v = 0.234 in the buffer."""
     model = build_model(dict(name="linear", bias=False), (1,), 0)

@@ -1,4 +1,4 @@
-"""SIGTERM end to end (issue #6 item 3; DESIGN.md "Reliability rules"): real `edgefl
+"""SIGTERM end to end (issue #6 item 3; docs/deployment.md "Stopping and restarting"): real `edgefl
 aggregator` and `edgefl client` processes against a real Mosquitto, signalled mid-round
 (a client while its local round trains, the aggregator while the round waits for that
 client, the other clients while they wait), each stops within seconds with exit 0 and its

@@ -1,5 +1,5 @@
 """Dataset loaders. Each reads one source into stored units (`Raw`); `finish` turns that into
-the normalised float32 `Dataset` every other layer uses (DESIGN.md "Data").
+the normalised float32 `Dataset` every other layer uses (docs/data.md).
 
 Nothing here downloads: bundled data (scikit-learn's digits), files in a directory (IDX,
 CIFAR-10 binary batches, npz, csv) or generated data (synthetic) only.
@@ -25,7 +25,7 @@ FASHION_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                  "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
                  "dog", "frog", "horse", "ship", "truck")
-EVEN_ODD_NAMES = ("odd", "even")   # label 1 = even digit, as MFL's even/odd task (specs/mfl.md §6)
+EVEN_ODD_NAMES = ("odd", "even")   # label 1 = even digit, as the MFL paper's even/odd SVM task
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ class Dataset:
     or float32 regression targets of shape (n,) or (n, k) (num_classes == 0).
     `client_ids` is each training sample's natural owner (synthetic data) or None.
     `y_train_original` keeps the class labels from before a relabelling (`binary="even-odd"`),
-    so label-skew partitioners can split by the original digit as MFL §6 Case 2 does; else None.
+    so label-skew partitioners can split by the original digit as the MFL paper's Case 2
+    (§7.2.2) does; else None.
     """
     name: str
     x_train: np.ndarray
@@ -85,7 +86,8 @@ def finish(raw: Raw, limit_train: int | None = None, limit_test: int | None = No
 
     limit_train / limit_test keep the first N samples (all of them if fewer exist); the slice
     is taken before conversion so a small limit never materialises the whole set in float32.
-    binary="even-odd" relabels classes to 1 (even) / 0 (odd), MFL's convex task (mfl.md §6).
+    binary="even-odd" relabels classes to 1 (even) / 0 (odd), the MFL paper's convex task
+    (§7.1: SVM, linear and logistic regression classify even against odd digits).
     """
     n_train = _limit("limit_train", limit_train, len(raw.y_train))
     n_test = _limit("limit_test", limit_test, len(raw.y_test))
@@ -244,7 +246,8 @@ def load_fashion_mnist(*, path: str = FASHION_MNIST_DIR) -> Raw:
 
 
 def load_mnist(*, path: str = MNIST_DIR) -> Raw:
-    """MNIST from IDX files in `path`; mean 0.1307, std 0.3081 (x255), as fedumf.md §5 proposes."""
+    """MNIST from IDX files in `path`; mean 0.1307, std 0.3081 (x255), the usual MNIST
+    normalisation (the FedUmf paper, §1, only says "standardized preprocessing")."""
     return _load_idx_dataset("mnist", path, DIGIT_NAMES, 0.1307, 0.3081,
                              "copy the four MNIST IDX files there")
 
@@ -293,7 +296,8 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 def load_cifar10(*, path: str | None = None) -> Raw:
     """CIFAR-10 binary batches (`data_batch_1..5.bin`, `test_batch.bin`) from `path` or its
-    `cifar-10-batches-bin` subdirectory, as (n, 3, 32, 32); per-channel mean/std as fedumf.md §5.
+    `cifar-10-batches-bin` subdirectory, as (n, 3, 32, 32); the usual per-channel mean/std of
+    CIFAR-10 (the FedUmf paper, §1, only says "standardized preprocessing").
     """
     if path is None:
         raise ValueError("cifar10: set the dataset option path to the directory holding the "
@@ -549,8 +553,8 @@ def load_synthetic(*, alpha: float = 0.0, beta: float = 0.0, dim: int = 30, clas
                    clients: int = 20, samples_per_client: int = 200, size_sigma: float = 0.0,
                    test_fraction: float = 0.2, seed: int = 0) -> Raw:
     """Synthetic(alpha, beta), the FedProx-style softmax-regression data of FedUmf's appendix
-    (specs/fedumf.md §5, following its [ext] FedDC generator: dim 30, 5 classes, 20 clients,
-    ~200 samples per client).
+    (the FedUmf paper's Appendix A follows FedDC, Gao et al. CVPR 2022, whose code's
+    generator this is: dim 30, 5 classes, 20 clients, ~200 samples per client).
 
     Client k draws n_k ~ LogNormal(log(samples_per_client), size_sigma) samples
     x ~ N(v_k, Sigma), Sigma = diag(j^-1.2), labelled y = argmax(x W_k + b_k).

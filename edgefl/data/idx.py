@@ -2,8 +2,8 @@
 
 An IDX file is a 4-byte magic number -- two zero bytes, a type code, the number of dimensions
 -- then one big-endian uint32 per dimension, then the values, big-endian, row-major
-(LeCun et al., "THE MNIST DATABASE", file-format section; also specs/mfl.md §9 item 7: the
-runtime ships a loader for local IDX files and never downloads).
+(LeCun et al., "THE MNIST DATABASE", file-format section). edgefl reads local IDX files and
+never downloads: a board may have no internet, and a run must not depend on a mirror.
 """
 from __future__ import annotations
 

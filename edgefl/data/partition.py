@@ -1,5 +1,5 @@
 """Partitioners: pure functions of the training labels and a seeded Generator that split a
-training set among clients (DESIGN.md "Data"; FedLab's convention).
+training set among clients (docs/data.md; FedLab's convention).
 
 Each has the signature `f(labels, n_clients, rng, **options) -> Partition`. Every partition
 is complete and disjoint (each training index goes to exactly one client), every client gets
@@ -28,16 +28,17 @@ class Partition:
 
 
 def iid(labels: np.ndarray, n_clients: int, rng: np.random.Generator) -> Partition:
-    """Shuffle, then equal shares (sizes differ by at most one): fedumf.md §5 "Main-text IID",
-    mfl.md §9 item 8, fedmr.md §6 `cifar_iid`."""
+    """Shuffle, then equal shares (sizes differ by at most one): the IID setting of the FedUmf
+    paper (§5.1.1), MFL's Case 1 (§7.2.2) and FedMR's IID split (its authors' `cifar_iid`)."""
     _check_clients("iid", len(labels), n_clients)
     return _finish("iid", np.array_split(rng.permutation(len(labels)), n_clients))
 
 
 def shards(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
            classes_per_client: int = 2) -> Partition:
-    """Pathological label shards, as in FedAvg (fedumf.md §5 "Main-text non-IID"): sort by
-    label, cut into k*N shards, give each client k shards at random without replacement.
+    """Pathological label shards, as in FedAvg (the FedUmf paper's non-IID setting, §5.1.1,
+    "at most two classes"): sort by label, cut into k*N shards, give each client k shards at
+    random without replacement.
 
     Shards are cut inside class blocks (each class gets a number of shards proportional to its
     size, at least one), so a shard holds one class and a client at most k classes; FedAvg's
@@ -66,7 +67,8 @@ def shards(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
 
 def dirichlet(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
               alpha: float = 0.5, min_size: int = 10, max_draws: int = 1000) -> Partition:
-    """Dirichlet label skew, fedmr.md §6 (`separate_data`, after Hsu et al. 2019).
+    """Dirichlet label skew, as in FedMR's §5.1 (its authors' `separate_data`, after Hsu et al.
+    2019).
 
     For each class: shuffle its indices, draw p ~ Dir(alpha * 1_N), zero p_j for every client
     already holding >= n/N samples, renormalise, split the class at cumsum(p) * n_c. Redraw
@@ -107,9 +109,9 @@ def dirichlet(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
 
 def quantity(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
              sigma: float = 0.3) -> Partition:
-    """Quantity skew, fedumf.md §5 "Appendix unbalanced": sizes n_i ~ LogNormal(log(m/N), sigma)
-    normalised to sum to m (integer sizes by largest remainder, each >= 1), then an IID split.
-    sigma = 0 gives equal sizes."""
+    """Quantity skew, the "unbalanced" setting of the FedUmf paper's Appendix A: sizes
+    n_i ~ LogNormal(log(m/N), sigma) normalised to sum to m (integer sizes by largest
+    remainder, each >= 1), then an IID split. sigma = 0 gives equal sizes."""
     if not sigma >= 0:
         raise ValueError(f"quantity: sigma must be >= 0, got {sigma!r}")
     m = len(labels)
@@ -128,7 +130,7 @@ def label_noise(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
 
     rate: one rate for all clients or a list of N; max_rate: rates spread linearly from 0 to
     max_rate over the clients. Not from a paper: DUW lists data quality as motivation but does
-    not test it (duw.md §2.10, §9 item 12 proposes 50% flips on one client as an extension).
+    not test it; this is an extension of ours (e.g. 50% flips on one client).
     """
     labels = _class_labels("label-noise", labels)
     if (rate is None) == (max_rate is None):
@@ -160,10 +162,12 @@ def label_noise(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
 
 def mod(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
         num_classes: int | None = None) -> Partition:
-    """Node = label mod N, MFL's non-i.i.d. Case 2 (mfl.md §6 and §9 item 9; also FedVeca's
-    Case 2, fedveca.md §5). With N=4 and 10 digits: {0,4,8}, {1,5,9}, {2,6}, {3,7}.
+    """Node = label mod N, MFL's non-i.i.d. Case 2 (the MFL paper's §7.2.2; also FedVeca's
+    Case 2, its §IV-A3), as the code both build on maps it (Wang et al., "Adaptive federated
+    learning in resource constrained edge computing systems", JSAC 2019). With N=4 and 10
+    digits: {0,4,8}, {1,5,9}, {2,6}, {3,7}.
 
-    Needs N <= C to give every node its own label; for N > C it follows fedveca.md §5: class l
+    Needs N <= C to give every node its own label; for N > C it follows that code: class l
     is spread over the clients n with n mod C = l, least-filled first (a shuffled, equal
     split), so client n holds only class n mod C. Deterministic for N <= C.
     """
@@ -186,7 +190,7 @@ def mod(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
 def natural(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
             owners: np.ndarray | None = None) -> Partition:
     """Each sample stays with the client that generated it (synthetic data's client_ids,
-    fedumf.md §5 Synthetic(alpha, beta))."""
+    the Synthetic(alpha, beta) data of the FedUmf paper's Appendix A)."""
     if owners is None:
         raise ValueError("natural: this dataset has no natural clients (client_ids is None); "
                          "use a dataset that has them, such as synthetic")

@@ -1,4 +1,4 @@
-"""Model export: a LayerTable and its flat buffer to an ONNX graph (DESIGN.md "ONNX").
+"""Model export: a LayerTable and its flat buffer to an ONNX graph (docs/onnx.md).
 
 Building graphs needs the `onnx` package (the `export` extra), which a board does not: it
 only runs the exported file with onnxruntime (`edgefl.infer`). So the names below (and the

@@ -1,8 +1,9 @@
 """Stop on SIGTERM/SIGINT: the first signal asks the main loop to stop, a second one kills.
 
-systemd stops a service with SIGTERM and waits `TimeoutStopSec=` before SIGKILL; DESIGN.md's
-rule is that a role then finishes or abandons its current step, persists its state and exits
-0. The handler only sets an event; the loop polls it between steps (or waits on it):
+systemd stops a service with SIGTERM and waits `TimeoutStopSec=` before SIGKILL; edgefl's
+rule (docs/deployment.md, "Stopping and restarting") is that a role then finishes or abandons
+its current step, persists its state and exits 0. The handler only sets an event; the loop
+polls it between steps (or waits on it):
 
     stop = install_stop_handlers()
     while not stop.is_set():

@@ -1,50 +1,54 @@
 """FedMR, Federated Model Recombination: Hu, Yue, Ling, Huang, Chen, Wei, Liu, Chen,
 "FedMR: Federated Learning via Model Recombination" (arXiv; KDD 2024 as "Is Aggregation the
-Only Choice? Federated Learning via Layer-wise Model Recombination"), specs/fedmr.md.
+Only Choice? Federated Learning via Layer-wise Model Recombination"); docs/algorithms.md#fedmr.
+Section and algorithm numbers below are the arXiv paper's.
 
 The server keeps a list L_m of K models, K = the clients selected per round, instead of one
-global model. Round r (ours 1-based; the spec's 0-based round is r - 1), §2.2 / §2.7:
+global model. Round r (1-based, as the paper's Algorithm 1 lines 2-9 and §4.2):
 
  1. L_r = K clients, uniformly without replacement (`select_clients`, outside).
  2. Slot i of L_m goes to the i-th selected client (sorted ids; a slot carries no meaning
-    across rounds, §2.2 step 2): a per-client downlink, Task(source="client").
+    across rounds, Algorithm 1 line 5): a per-client downlink, Task(source="client").
  3. Each client runs ordinary local SGD from its model (a fresh momentum buffer every
-    round, never uploaded, §8.6) and uploads the whole model; L_m[i] <- upload.
- 4. w_glb = (1/K) sum_i L_m[i] (uniform, §8.5), the model evaluated and exported; never a
-    starting point in stage 2.
- 5. Stage 1 (r <= stage1_rounds, §2.4): L_m[i] <- w_glb for all i, i.e. uniform FedAvg.
-    Stage 2: L_m <- ModelRecombine(L_m) (§2.3): for every unit u an independent uniform
-    permutation pi_u of the K models (Fisher-Yates via numpy's Generator), new model k takes
-    unit u from upload pi_u(k). Every uploaded unit lands in exactly one new model, in the
+    round, never uploaded: our choice, the paper's §5.1 only names momentum 0.9) and
+    uploads the whole model; L_m[i] <- upload (line 6).
+ 4. w_glb = (1/K) sum_i L_m[i] (uniform, as line 11), the model evaluated and exported;
+    never a starting point in stage 2 (the paper's §4.2: it is for inference only).
+ 5. Stage 1 (r <= stage1_rounds, the two-stage scheme of §4.3): L_m[i] <- w_glb for all i,
+    i.e. uniform FedAvg.
+    Stage 2: L_m <- ModelRecombine(L_m) (§4.2, lines 8-9): for every unit u an independent
+    uniform permutation pi_u of the K models (Fisher-Yates via numpy's Generator), new model
+    k takes unit u from upload pi_u(k). Every uploaded unit lands in exactly one new model, in the
     same position; nothing is averaged, scaled or dropped.
 
 So with stage1_rounds = R1 rounds 1..R1+1 dispatch one model (round R1+1 starts from the last
-stage-1 average) and from round R1+2 on clients receive distinct recombined models (§2.4,
-the authors' code's switch, §8.4). The list is stored as one flat K x P buffer ("models"),
-one model per row (§3.2); in stage 1 it is K copies of "params" and is not stored.
+stage-1 average) and from round R1+2 on clients receive distinct recombined models (where
+the authors' code switches; the paper does not say). The list is stored as one flat K x P
+buffer ("models"), one model per row; in stage 1 it is K copies of "params" and is not stored.
 
-Units (§3, §8.1): `granularity: tensor` (default; the authors' code) permutes every layer-
+Units: `granularity: tensor` (default; the authors' code) permutes every layer-
 table entry (weight and bias separately); `granularity: layer` keeps a layer's weight and
 bias together (the paper's wording). Both come from Setup.units (`Setup.units_of(model)`).
-`seg_x` in (0, 1] is the segment variant FedMR-p x (§2.5, §8.12): one permutation per
+`seg_x` in (0, 1] is the segment variant FedMR-p x (§5.4): one permutation per
 contiguous segment of units, segment s starting at unit ceil(s n x) (exact rational
 arithmetic on x's decimal value); seg_x = 1 is Indep (whole models shuffled); 0 is FedMR.
 
 Recombination randomness comes from a Generator seeded by (run seed, round) alone, so a run
 is deterministic and a resumed round recombines identically; the round metrics log the
-permutations ("permutations": one list of K source slots per unit), which replay a round
-(§8.2, §9 item 15).
+permutations ("permutations": one list of K source slots per unit), which replay a round.
 
-Traffic (§4): K models down (one per client) and K up per round, the same bytes as FedAvg
-counted as unicast. Lemma 4.4: recombination keeps the per-coordinate multiset of the list,
-so the mean of the recombined list equals w_glb up to summation order (§9 item 3).
+Traffic (the paper's §4.2: 2K models per round): K models down (one per client) and K up per
+round, the same bytes as FedAvg counted as unicast. Lemma 4.4: recombination keeps the
+per-coordinate multiset of the list, so the mean of the recombined list equals w_glb up to
+summation order (tests/test_fedmr.py checks it).
 
 Not in the paper: `weighting: samples` weights the stage-1 average and w_glb by |D_i| (the
 FedAvg baseline of the authors' code; uniform is FedMR's). With fewer uploads K' < K (a
-dropout, §8.14) only the K' received models are recombined; next round slot i gets model
-i mod K' (a copy of a received model refills a missing slot); the round metric "slots" is
-the number of models aggregated and recombined. Secure recombination (App. B, §2.5) needs
-client-to-client channels and encryption this runtime does not have; it is not implemented.
+dropout, which the paper does not consider) only the K' received models are recombined;
+next round slot i gets model i mod K' (a copy of a received model refills a missing slot);
+the round metric "slots" is the number of models aggregated and recombined. Secure
+recombination (App. B) needs client-to-client channels and encryption this runtime does not
+have; it is not implemented.
 """
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ _RECOMBINE_STREAM = 0xFED3B   # separates the recombination stream from selectio
 
 
 # ---------------------------------------------------------------------------------------
-# ModelRecombine as free functions (§2.3, §2.5)
+# ModelRecombine as free functions (the paper's §4.2; segments as FedMR-p x, §5.4)
 # ---------------------------------------------------------------------------------------
 
 def recombination_units(setup_units, granularity: str, size: int) -> tuple:
@@ -92,8 +96,9 @@ def recombination_units(setup_units, granularity: str, size: int) -> tuple:
 
 def segment_ids(n_units: int, seg_x: float) -> list:
     """The permutation index of each unit: 0..n-1 for seg_x = 0 (one permutation per unit);
-    for seg_x = x in (0, 1], segment s starts at unit ceil(s n x) (§2.5, §8.12), computed
-    exactly on x's decimal value (0.3 is 3/10, not 0.299999...)."""
+    for seg_x = x in (0, 1], segment s starts at unit ceil(s n x) (ceil(1/x) segments, as the
+    paper's FedMR-p x, §5.4), computed exactly on x's decimal value (0.3 is 3/10, not
+    0.299999...)."""
     if seg_x == 0:
         return list(range(n_units))
     x = Fraction(str(seg_x))
@@ -123,8 +128,8 @@ def draw_permutations(seed: int, round: int, n_units: int, k: int, seg_x: float 
 
 
 def recombine(models: Sequence[np.ndarray], units, perms: np.ndarray) -> np.ndarray:
-    """ModelRecombine (§2.3): a new (K, P) float32 array whose row i takes every unit u from
-    models[perms[u, i]]; slices are copied bit for bit, never mixed or moved."""
+    """ModelRecombine (the paper's §4.2): a new (K, P) float32 array whose row i takes every
+    unit u from models[perms[u, i]]; slices are copied bit for bit, never mixed or moved."""
     models = list(models)
     k, size = len(models), models[0].size
     perms = np.asarray(perms)
@@ -155,17 +160,18 @@ class FedMR(Strategy):
         if isinstance(self.stage1_rounds, bool) or not isinstance(self.stage1_rounds, int) \
                 or self.stage1_rounds < 0:
             raise StrategyError(f"strategy 'fedmr': stage1_rounds = {self.stage1_rounds!r} must "
-                                f"be an integer >= 0 (rounds of FedAvg pre-training, "
-                                f"specs/fedmr.md §2.4)")
+                                f"be an integer >= 0 (rounds of FedAvg pre-training, the "
+                                f"paper's two-stage scheme)")
         check_choice("fedmr", "granularity", self.granularity, GRANULARITIES)
         check_number("fedmr", "seg_x", self.seg_x, 0.0, 1.0,
-                     why="0 = per-unit FedMR, x in (0, 1] = FedMR-p x segments, 1 = Indep; "
-                         "specs/fedmr.md §2.5")
+                     why="0 = per-unit FedMR, x in (0, 1] = FedMR-p x segments, "
+                         "1 = Indep")
         check_choice("fedmr", "weighting", self.weighting, WEIGHTINGS)
 
     def init(self, global_params, cfg):
-        """L_m = K identical copies of the initial model (§8.3; stored as "params" alone
-        until the first recombination)."""
+        """L_m = K identical copies of the initial model (the paper's Algorithm 1 line 1 says
+        only "K initial models"; the authors' code copies one), stored as "params" alone
+        until the first recombination."""
         recombination_units(cfg.units, self.granularity, global_params.size)   # validate now
         return super().init(global_params, cfg)
 
@@ -205,7 +211,7 @@ class FedMR(Strategy):
 
     # ---------------------------------------------------------------- client half
     def train(self, task, local_data, client_state):
-        """ClientUpdate (§2.2 step 3): local SGD from the received model, momentum reset
+        """ClientUpdate (Algorithm 1 line 5): local SGD from the received model, momentum reset
         every round and never uploaded; the whole model goes up."""
         params, _, result = local_round(local_data, task.buffers["params"], task.train)
         update = Update({"params": params} if task.upload else {}, local_data.num_samples,

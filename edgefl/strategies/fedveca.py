@@ -1,54 +1,65 @@
 """FedVeca, Federated Vectorized Averaging: Luo, Cheng, Xiong, Liu, Wu, "FedVeca: Federated
 Vectorized Averaging on Non-IID Data with Adaptive Bi-directional Global Objective"
-(preprint 2021/22; specs/fedveca.md). Paper round k = 0..K-1 is our round t = k + 1.
+(preprint 2021/22; docs/algorithms.md#fedveca). Section, equation, algorithm and line
+numbers below are the paper's. Paper round k = 0..K-1 is our round t = k + 1.
 
 FedNova's normalised aggregation with a per-client, per-round number of local SGD steps
 tau_(k,i) (the "step size" of the "bi-directional vector" G_(k,i); not the learning rate).
 
-Client i, round k (§2.2): tau_(k,i) plain SGD steps from w_k, fresh minibatch each step (1);
+Client i, round k (§II-A, Algorithm 2): tau_(k,i) plain SGD steps from w_k, fresh minibatch
+each step (1);
 it uploads w^tau_(k,i), its gradient at w_k, and from k >= 1 the estimates beta and delta,
 computed in O(d) memory from the kernel's per-step statistics (`kernels.local_train`
 step_stats: ||grad0 - g^s||, ||w_k - w^s||, ||sum_{r<=s} g^r||^2, before step s's update):
 
-    beta_(k,i)  = max_{s in [1, tau-1]} ||grad F_i(w_k) - g^s|| / ||w_k - w^s||       (§8.4)
+    beta_(k,i)  = max_{s in [1, tau-1]} ||grad F_i(w_k) - g^s|| / ||w_k - w^s||  (Alg. 2 l.15-16)
     delta_(k,i) = max_{s in [1, tau-1]} ||sum_{r<=s} g^r||^2 / ((s+1) ||grad F(w_{k-1})||^2)
                                         (Alg. 2 l.17, `delta_variant: alg2`, the default)
                   max_{s in [1, tau-1]} ||w_k - w^s||^2 / (eta^2 s ||grad F(w_{k-1})||^2)
-                                        (A4 / eq. (23), `delta_variant: theory`, §8.5)
+                                        (A4 / eq. (23), `delta_variant: theory`)
 
-grad F_i(w_k) is g^0, the first minibatch gradient (`grad_at_global: batch`, §8.3 default),
-or the full local gradient (`grad_at_global: full`, one extra pass over the local data).
+Alg. 2 l.15 includes s = 0, which is 0/0 (w^0 = w_k), so s starts at 1; Alg. 2 l.17 and
+Assumption 4 / eq. (23) index the sum differently, hence the two delta variants.
+grad F_i(w_k) is g^0, the first minibatch gradient (`grad_at_global: batch`, our default: the
+paper's §III-B1 computes every gradient on minibatches), or the full local gradient
+(`grad_at_global: full`, §III-B2's "on the local training dataset"; one extra pass).
 
-Server, round k (§2.3):
+Server, round k (§III-B, Algorithm 1):
 
  1. grad F(w_k) = sum_i p_i grad F_i(w_k)                                               (8)
  2. tau_k = sum_i p_i tau_(k,i), d_k = sum_i p_i G_(k,i), w_{k+1} = w_k - eta tau_k d_k   (5)
     with G_(k,i) = (w_k - w^tau_(k,i)) / (eta tau_(k,i)). Computed as FedNova's single
     weighted sum of the uploaded models (`fednova.nova_coefficients`, tau_i the steps the
-    client actually ran, §8.9), so fixed tau_i reproduce FedNova bit for bit and equal
-    tau_i reproduce FedAvg bit for bit (§9 items 1-2).
+    client actually ran, not the tau_{k+1} that Alg. 1 l.18 computes before its reset to
+    2 at l.19-21), so fixed tau_i reproduce FedNova bit for bit and equal tau_i reproduce
+    FedAvg bit for bit (tests/test_fedveca.py checks both).
  3. k >= 1: L_{k-1} = ||grad F(w_{k-1}) - grad F(w_{k-2})|| / ||w_{k-1} - w_{k-2}||
-    (L_0 = ||grad F(w_0)|| / ||w_0||, skipped when ||w_0|| < 1e-12, §8.7); L = running max.
-    Diagnostic only: L does not enter the tau rule (§8.8). Each L_{k-1} is computed as soon
-    as its inputs exist (end of round k-1, so the server keeps one gradient and one model,
-    not two of each) and folded into L in round k, when Algorithm 1 computes it.
+    (L_0 = ||grad F(w_0)|| / ||w_0||, Alg. 1 l.12, skipped when ||w_0|| < 1e-12: it is
+    infinite for a zero initial model); L = running max (l.16). Diagnostic only: L does not
+    enter the tau rule (§III-B2 uses it only to check Theorem 1's premise). Each L_{k-1} is
+    computed as soon as its inputs exist (end of round k-1, so the server keeps one
+    gradient and one model, not two of each) and folded into L in round k, when
+    Algorithm 1 computes it.
  4. k >= 1: A_(k,i) = eta beta^2 delta (non-finite -> +inf), m_k = min_j A_(k,j).
  5. tau_(k+1,i) = clamp(floor(A / (A - alpha m_k) + tau_floor_tol), tau_min, tau_max)  (15)
-    in the r_i = A_i / m_k form of §2.6 (η cancels), with the degenerate cases of §8.12:
+    in the form r_i = A_i / m_k, tau = r / (r - alpha) (eta cancels), with our handling of
+    the degenerate cases the paper leaves open:
     m_k <= 1e-12 gives a zero-A client r = 1 (floor(1/(1-alpha)) steps) and the others
     r = inf (tau_min); non-finite A gives tau_min. tau_floor_tol = 1e-9 makes the argmin
-    client get 20 at alpha = 0.95, not the 19 of float64 rounding (§8.11).
+    client get 20 at alpha = 0.95, not the 19 of float64 rounding. tau_max (the paper's
+    max tau = 50, §IV-A4) is the final clamp.
     k = 0: no estimates; tau_(1,i) = tau_(0,i) = tau_init (Alg. 1 l.24-26), so rounds 1 and
-    2 run tau_init and the first adaptive tau is tau_(2,i) (§9 item 10).
+    2 run tau_init and the first adaptive tau is tau_(2,i).
  6. Logged per round: tau (executed), beta, delta, A, the "direction" sign of
-    A - alpha m (§2.4: log only, never branched on), the per-round L_{k-1} ("L_round") and
-    the running max L, tau_eff = tau_k, tau_next = sum p_i tau_(k+1,i) (after the reset,
-    §8.9), eta tau_next L (Fig. 4's premise, >= 1) and the unchecked condition of Thm 2,
-    eta tau_next (2L + alpha m) < 4 (§8.17).
+    A - alpha m (§III-A defines it; nothing branches on it), the per-round L_{k-1}
+    ("L_round") and the running max L, tau_eff = tau_k, tau_next = sum p_i tau_(k+1,i)
+    (after the reset, see above), eta tau_next L (Theorem 1's premise, >= 1, plotted in
+    Fig. 4) and the condition eta tau_next (2L + alpha m) < 4, which the proof of
+    Theorem 2 (App. A) also needs and the paper never checks.
 
-Single-exchange protocol (§3), and why it is the paper's protocol
+Single-exchange protocol, and why it is the paper's protocol
 -------------------------------------------------------------------
-The paper's round k has two exchanges (§2.5): (1) server -> client w_k, tau_(k,i);
+The paper's round k has two exchanges (Alg. 1 l.3-10): (1) server -> client w_k, tau_(k,i);
 client -> server grad F_i(w_k), G_(k,i); (2) for k >= 1 server -> client the vector
 grad F(w_{k-1}) (d floats); the client computes beta, delta; client -> server beta, delta.
 Here one exchange carries everything:
@@ -64,17 +75,19 @@ of round k-1, before w_k is sent, so the scalar can travel with w_k; (b) the sta
 estimators need are recorded during the tau steps either way (the paper's client must keep
 them until the second message arrives); (c) w_{k+1} does not depend on beta or delta, and
 tau_(k+1,i) depends only on them and alpha, so when they arrive does not change any value.
-Uploading w^tau instead of G_(k,i) is the same d floats (§2.8: the server computes G from
-it); tests/test_fedveca.py replays the two-exchange order and checks equality.
-Traffic per client and round: d down + 2d up, against 2d down + 2d up in the paper (§9 item 16).
+Uploading w^tau instead of G_(k,i) is the same d floats (the server computes G from it,
+(5)); tests/test_fedveca.py replays the two-exchange order and checks equality.
+Traffic per client and round: d down + 2d up, against 2d down + 2d up in the paper.
 
-Further resolutions (specs/fedveca.md §8): tau_init = 10 (§8.1), batch size from `train`
-(§8.2); the paper's one-round-stale grad F(w_{k-1}) in delta is kept (§8.6);
-`alpha_clamp: true` uses alpha_eff = min(alpha, (1 - 1e-6) 2L / m_k) when L is finite (§8.8);
-tau_max is the final clamp (§8.10); local momentum is allowed and then normalised by
-FedNova's ||a_i||_1 (§8.21); weight decay is rejected (the kernels' step statistics see the
-loss gradient only, so beta and delta would not describe the steps taken). With partial
-participation (not in the paper, §8.20) p_i is renormalised over the uploaders, the rule's
+Other points the paper leaves open, and edgefl's choices: tau_init = 10 (tau_(0,i) is not
+given; it must be >= 2 for the estimators' ranges to be non-empty), batch size from `train`
+(not given); the paper's one-round-stale grad F(w_{k-1}) in delta is kept (it is what makes
+the single exchange possible); `alpha_clamp: true` uses alpha_eff = min(alpha, (1 - 1e-6)
+2L / m_k) when L is finite (Theorem 2's range for alpha_k; the paper fixes alpha = 0.95);
+local momentum is allowed and then normalised by FedNova's ||a_i||_1 (the paper uses plain
+SGD); weight decay is rejected (the kernels' step statistics see the loss gradient only, so
+beta and delta would not describe the steps taken). With partial participation (not in the
+paper, which is synchronous) p_i is renormalised over the uploaders, the rule's
 min runs over them, and clients that did not take part keep their tau; rounds with fewer
 uploads than clients carry "partial_participation": true. `adapt: false` keeps every
 tau_i = tau_init (FedNova with FedVeca's estimates logged).
@@ -96,20 +109,20 @@ from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, check_choice, 
                exact_weights, mean_train_loss, register, weighted_average)
 from .fednova import normalizer, nova_coefficients
 
-EPS = 1e-12                  # the guards of §2.6 / §2.7 (norms, denominators, min A)
+EPS = 1e-12                  # our guard for norms, denominators and min A near zero
 DELTA_VARIANTS = ("alg2", "theory")
 GRAD_AT_GLOBAL = ("batch", "full")
 
 
 # ---------------------------------------------------------------------------------------
-# the estimators (client, §2.2) and the step-size rule (server, §2.3 step 5)
+# the estimators (client, Alg. 2 l.15-18) and the step-size rule (server, (15), Alg. 1 l.17)
 # ---------------------------------------------------------------------------------------
 
 def estimate_beta_delta(step_stats: np.ndarray, gn2: float | None, lr: float,
                         delta_variant: str = "alg2"):
     """(beta, delta) of one local round from `kernels.local_train`'s step statistics
     (rows s = 0..tau-1: ||grad0 - g^s||, ||w_k - w^s||, ||sum_{r<=s} g^r||^2, each before
-    step s's update), specs/fedveca.md §2.2 with §8.4-8.5:
+    step s's update), Alg. 2 l.15-18 (s = 0 is 0/0 and skipped; two readings of delta):
 
     beta  = max over s in [1, tau-1] with ||w_k - w^s|| > 1e-12 of ||grad0 - g^s|| / ||w_k - w^s||
             (0 when no step qualifies; s = 0 is 0/0)
@@ -140,7 +153,7 @@ def estimate_beta_delta(step_stats: np.ndarray, gn2: float | None, lr: float,
 
 
 def noniid_coefficient(lr: float, beta: float, delta: float) -> float:
-    """A = eta beta^2 delta (Thm 1); +inf when it is not a finite number (§8.12)."""
+    """A = eta beta^2 delta (Theorem 1); +inf when it is not a finite number (our guard)."""
     with np.errstate(over="ignore", invalid="ignore"):
         a = float(np.float64(lr) * np.float64(beta) * np.float64(beta) * np.float64(delta))
     return a if math.isfinite(a) and a >= 0 else float("inf")
@@ -149,13 +162,13 @@ def noniid_coefficient(lr: float, beta: float, delta: float) -> float:
 def next_steps(A: Mapping[int, float], alpha: float, tau_min: int = 2, tau_max: int = 50,
                tau_floor_tol: float = 1e-9) -> dict:
     """{client: tau_(k+1,i)} from {client: A_(k,i)}, rule (15) with reset and cap
-    (specs/fedveca.md §2.3 step 5, §2.6, §8.10-8.12):
+    (Alg. 1 l.17-21; the cap is §IV-A4's max tau; the degenerate cases are ours):
 
         r_i = A_i / m (m = min_j A_j);   tau = clamp(floor(r / (r - alpha) + tol), tau_min, tau_max)
 
     m <= 1e-12: r = 1 for clients with A <= 1e-12, inf otherwise; r = inf gives tau_min;
     non-finite or negative A count as +inf. With tau_min = 2 the clamp is the paper's
-    "tau <= 1 -> 2". Invariant under A -> cA (c > 0), hence under eta (§9 item 7)."""
+    "tau <= 1 -> 2". Invariant under A -> cA (c > 0), hence under eta."""
     if not 0 < alpha < 1:
         raise StrategyError(f"fedveca: alpha = {alpha!r} must be in (0, 1)")
     a = {c: (float(v) if v is not None and math.isfinite(v) and v >= 0 else math.inf)
@@ -177,7 +190,7 @@ def next_steps(A: Mapping[int, float], alpha: float, tau_min: int = 2, tau_max: 
 
 
 def baseline_steps(tau_all: int, rounds: int, sizes) -> list:
-    """The FedAvg/FedNova baselines' fixed local steps (specs/fedveca.md §4-5):
+    """The FedAvg/FedNova baselines' fixed local steps (the paper's §IV-A1):
     tau_i = floor((tau_all / K) D_i / D), with tau_all the total local iterations of all
     clients over the K rounds of the FedVeca run it is compared with (exact integer
     arithmetic: floor(tau_all D_i / (K D)))."""
@@ -209,13 +222,13 @@ class FedVeca(Strategy):
 
     def __post_init__(self):
         check_number("fedveca", "alpha", self.alpha, 0.0, 1.0, lo_open=True, hi_open=True,
-                     why="the control parameter alpha_k; specs/fedveca.md §4")
-        _check_int("tau_min", self.tau_min, 2, 10 ** 6, "delta needs steps s >= 1, §8.1")
-        _check_int("tau_max", self.tau_max, self.tau_min, 10 ** 6, "at least tau_min, §8.10")
+                     why="the control parameter alpha_k, 0.95 in the paper's §IV-A4")
+        _check_int("tau_min", self.tau_min, 2, 10 ** 6, "delta needs steps s >= 1")
+        _check_int("tau_max", self.tau_max, self.tau_min, 10 ** 6, "at least tau_min")
         _check_int("tau_init", self.tau_init, self.tau_min, self.tau_max,
-                   "the steps of rounds 1 and 2, §8.1")
+                   "the steps of rounds 1 and 2")
         check_number("fedveca", "tau_floor_tol", self.tau_floor_tol, 0.0, 0.5, hi_open=True,
-                     why="added before the floor of rule (15); 0 mimics naive float64, §8.11")
+                     why="added before the floor of rule (15); 0 mimics naive float64")
         check_choice("fedveca", "delta_variant", self.delta_variant, DELTA_VARIANTS)
         check_choice("fedveca", "grad_at_global", self.grad_at_global, GRAD_AT_GLOBAL)
         _check_bool("adapt", self.adapt)
@@ -226,8 +239,8 @@ class FedVeca(Strategy):
     def init(self, global_params, cfg):
         if cfg.train.get("weight_decay", 0.0):
             raise StrategyError(f"fedveca: train.weight_decay = {cfg.train['weight_decay']} is "
-                                f"not supported: FedVeca is plain SGD on the loss (specs/"
-                                f"fedveca.md §2.2) and its beta/delta estimators see the loss "
+                                f"not supported: FedVeca is plain SGD on the loss (the "
+                                f"paper's rule (1)) and its beta/delta estimators see the loss "
                                 f"gradient only; use an L2 model option instead")
         steps = cfg.train.get("steps", 0)
         if steps and steps != self.tau_init:
@@ -319,7 +332,7 @@ class FedVeca(Strategy):
         if "grad_prev" in state.buffers:
             L_pending = _ratio(_distance(grad, state.buffers["grad_prev"]),
                                _distance(w_k, state.buffers["params_prev"]))
-        else:                                                           # L_0, §8.7
+        else:                                                           # L_0, Alg. 1 l.12
             L_pending = _ratio(math.sqrt(gn2), math.sqrt(kernels.sqnorm(w_k)))
         new_state = state.replace({"params": params, "grad_prev": grad, "params_prev": w_k},
                                   round=round, tau=taus, gn2=gn2, L=L, L_pending=L_pending)
@@ -327,7 +340,7 @@ class FedVeca(Strategy):
 
     # ---------------------------------------------------------------- client half
     def train(self, task, local_data, client_state):
-        """tau plain SGD steps from w_k (momentum optional, §8.21) recording grad F_i(w_k)
+        """tau plain SGD steps from w_k (momentum optional) recording grad F_i(w_k)
         and, when the task carries gn2 (k >= 1), the step statistics for beta and delta."""
         cfg = dict(task.train)
         if cfg["steps"] < 1:
@@ -366,7 +379,7 @@ def _distance(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _ratio(num: float, den: float):
-    """num / den, or None when the denominator is below 1e-12 (§2.6: skip the estimate)."""
+    """num / den, or None when the denominator is below 1e-12 (then the estimate is skipped)."""
     return num / den if den >= EPS else None
 
 

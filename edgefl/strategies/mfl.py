@@ -1,32 +1,34 @@
 """MFL, Momentum Federated Learning: Liu, Chen, Chen, Zhang, "Accelerating Federated
-Learning via Momentum Gradient Descent", IEEE TPDS 31(8), 2020 (specs/mfl.md).
+Learning via Momentum Gradient Descent", IEEE TPDS 31(8), 2020 (docs/algorithms.md#mfl).
 
-Client i runs tau local heavy-ball (MGD) steps from the broadcast (w, d), specs/mfl.md §2.2:
+Client i runs tau local heavy-ball (MGD) steps from the broadcast (w, d), the paper's §4.2:
 
     d_i(t) = gamma d_i(t-1) + grad F_i(w_i(t-1))        (6)
     w_i(t) = w_i(t-1) - eta d_i(t)                      (7)
 
 d accumulates raw gradients and eta multiplies the whole buffer (PyTorch SGD, dampening 0),
 which is the kernels' convention; with an lr schedule the current eta is applied to d and d
-is never rescaled (§9 item 13). Every round the client uploads BOTH w_i and d_i; the server
-averages both with the same weights p_i = |D_i| / |D| and broadcasts both (§2.3):
+is never rescaled (a choice of ours: the paper keeps eta constant). Every round the client
+uploads BOTH w_i and d_i; the server averages both with the same weights p_i = |D_i| / |D|
+and broadcasts both (§4.2):
 
     d(k tau) = sum_i p_i d_i(k tau)                     (8)
     w(k tau) = sum_i p_i w_i(k tau)                     (9)
 
-Neither is reset: momentum carries across rounds through its average, d(0) = 0 (§2.4).
+Neither is reset: momentum carries across rounds through its average, d(0) = 0 (§7.1).
 The server keeps no state of its own beyond (w, d); clients keep none (they overwrite both
 buffers with the broadcast).
 
-- gamma = 0 is FedAvg bit for bit (§10 item 1): the kernel's buffer update d = 0*d + g
-  then w -= eta*d is exactly plain SGD, and the parameter average uses the same weights in
-  the same order.
-- gamma must be in [0, 1) (§10 item 10: gamma >= 1 is rejected by validation).
-- MFL is specified for synchronous full participation (§9 item 12). With fewer uploads than
-  clients the weights are renormalised over the uploaders: an extension, labelled as such in
-  the round metrics ("partial_participation": true).
+- gamma = 0 is FedAvg bit for bit (tests/test_strategies.py checks it): the kernel's buffer
+  update d = 0*d + g then w -= eta*d is exactly plain SGD, and the parameter average uses the
+  same weights in the same order.
+- gamma must be in [0, 1) (the paper's §3.1.2: MGD converges for -1 < gamma < 1 and
+  accelerates for 0 < gamma < 1; gamma >= 1 is rejected by validation).
+- MFL is specified for synchronous full participation (all N nodes upload, §4.2). With
+  fewer uploads than clients the weights are renormalised over the uploaders: an extension,
+  labelled as such in the round metrics ("partial_participation": true).
 - The momentum is MFL's; `train.momentum` must stay 0 (set `gamma`).
-- Traffic is 2x FedAvg's in both directions (§4): two buffers each way.
+- Traffic is 2x FedAvg's in both directions (the paper's §7.2.5): two buffers each way.
 - `robust` (strategies/robust.py, an extension): (8) and (9) become the same robust rule
   applied to the momentum and model updates d_i - d, w_i - w; a client rejected for either
   buffer is dropped from both, and clipping scales both by its model update's factor.
@@ -52,7 +54,7 @@ class MFL(Strategy):
 
     def __post_init__(self):
         check_number("mfl", "gamma", self.gamma, 0.0, 1.0, hi_open=True,
-                     why="the momentum attenuation factor; specs/mfl.md §10 item 10")
+                     why="the momentum attenuation factor; the paper's §3.1.2 needs gamma < 1")
         check_choice("mfl", "weighting", self.weighting, WEIGHTINGS)
         object.__setattr__(self, "robust", robust_params("mfl", self.robust))
 

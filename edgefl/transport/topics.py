@@ -1,4 +1,4 @@
-"""Every MQTT topic edgefl uses, built and parsed in this one place (DESIGN.md "Wire protocol").
+"""Every MQTT topic edgefl uses, built and parsed in this one place (docs/protocol.md, §1).
 
     topics = Topics("fed1")                    # prefix "edgefl" unless told otherwise
     topics.update("pi-07")                     # 'edgefl/fed1/update/pi-07'
@@ -39,7 +39,7 @@ class TopicSpec:
         return "{node}" in self.pattern
 
 
-# The table of DESIGN.md "Wire protocol"; docs/protocol.md prints the same rows.
+# The topic table; docs/protocol.md §1 "Topics" prints the same rows.
 TOPIC_TABLE = {spec.kind: spec for spec in (
     TopicSpec("round", "round", True, 1, "json",
               "round announcement: round, deadline, model hash, per-client tasks"),
