@@ -1,0 +1,299 @@
+"""The round engine: one federated round, written once for every way of reaching the clients.
+
+A round has three steps, and only the middle one depends on where the clients are:
+
+    engine = RoundEngine.for_run(strategy, setup, model, clients_per_round, test=(x, y))
+    plan = engine.open_round(r, state)          # selection, tasks, who may upload
+    ... dispatch plan.tasks, collect updates ...
+    closed = engine.close_round(plan, updates, state, train_wall_s=...)
+    state, record = closed.state, closed.record
+
+`edgefl simulate` (`sim.run_federation`) dispatches to a thread pool and collects the
+functions' results; the MQTT aggregator (`roles.aggregator`) announces the round on its topic
+and collects updates from the update topics until the round closes. Everything else is
+decided here: the selection (`select_clients`, seeded by (seed, round) alone), the tasks
+(`strategy.configure`), which clients may upload (`RoundPlan.upload_refusal`, the one check
+both callers apply), aggregation in sorted client order, the evaluation schedule
+(`evaluation_due`: every `eval_every` rounds and after the last), and the round's record
+(`round_record`, the one function that builds it). Because both callers go through the same
+steps with the same inputs, a round over a broker ends with the in-process round's model bit
+for bit, and a change to what a round is made here reaches both.
+
+The record (a line of metrics.jsonl), its keys in this order:
+
+    round, test_accuracy, test_loss    (null on rounds not evaluated)
+    train_loss      the strategy's metric of that name, else the mean over the uploaders'
+                    local steps (`strategies.mean_train_loss`)
+    uplink_bytes    float32 bytes of the buffers aggregated
+    downlink_bytes  float32 bytes of the tasks' buffers, summed over the clients tasked
+    selected        the selected client ids, sorted
+    trained         how many clients were tasked (FedUmf tasks unselected clients too)
+    wall_s          seconds from opening the round to its record (evaluation included when
+                    it was not deferred)
+    train_wall_s    the caller's parallel phase: the thread pool's span in process, the
+                    slowest client's local training over MQTT
+    elapsed_s       seconds of the run so far, earlier rounds (and earlier processes of a
+                    resumed run) included
+    ...             the strategy's metrics, then the caller's own fields (`extras`: the
+                    aggregator's closed_by, updates, missing and message counts)
+
+Evaluation is a step of its own so a caller may overlap it with other work: with
+`defer_evaluation` the record comes back with `ClosedRound.evaluation_pending` set and the
+caller evaluates `closed.model` when it likes (`evaluate`) and fills the record in with
+`add_evaluation` (simulate runs it as one more work item of the next round's thread pool).
+The model is a read-only State buffer, so the result is the same whenever it runs.
+
+Seams for the round variants to come (none of them is implemented yet):
+
+- Secure aggregation (the aggregator sees masked vectors and learns only their weighted
+  sum): `close_round` is two steps, `aggregate` (the only one that reads per-client updates)
+  and `record_round` (which takes the new state, the metrics and the `UploadTotals`, never
+  the updates). A secure round unmasks the sum, applies the strategy's update to it, and
+  calls `record_round` with the totals of what it received (the masked vectors' bytes, the
+  losses clients report in the clear); selection, evaluation and the record stay as they are.
+- Buffered asynchronous rounds (FedBuff: a server step once K updates arrived, each possibly
+  trained on a model some rounds old): collection already belongs to the caller, so "closes
+  at K" is the caller's close rule, as quorum and deadline are the aggregator's today.
+  `close_round` aggregates the updates it is given whatever plan they answered, and
+  `record_round` times from the plan it is given; the staleness weighting is the strategy's
+  (the task's round travels in the update's scalars).
+- Partial aggregates from edge aggregators (one contribution stands for several clients):
+  an edge aggregator is a caller of this engine for its own clients, and its contribution
+  reaches the root as one update whose num_samples and steps are its clients' totals, so
+  the sample-weighted average over contributions is the average over clients;
+  `UploadTotals` adds up the same way (`UploadTotals.of` over the contributions).
+
+`RoundEngine.aggregate` with `on_unusable` isolates updates the strategy cannot use (a client
+over MQTT may send anything): they are dropped, the caller is told which and why, and the
+rest is aggregated. In process a StrategyError is a bug and is raised as it is.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from . import kernels
+from .strategies import (Setup, State, Strategy, StrategyError, Task, Update, mean_train_loss,
+                         select_clients)
+
+__all__ = ["RoundEngine", "RoundPlan", "ClosedRound", "UploadTotals", "UploadRefused",
+           "round_record", "add_evaluation"]
+
+
+class UploadRefused(RuntimeError):
+    """An update from a client whose task this round allows no upload."""
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """An opened round: what the server asked of whom.
+
+    round:     the round number, 1..rounds.
+    selected:  the clients `select_clients` chose, sorted.
+    tasks:     {client: Task} from `strategy.configure`: every client that trains this round
+               (FedUmf tasks unselected clients too, with upload=False).
+    uploaders: the clients whose task allows an upload.
+    started:   time.perf_counter() when the round opened; its wall_s counts from here.
+    """
+    round: int
+    selected: tuple
+    tasks: Mapping[int, Task]
+    uploaders: frozenset
+    started: float
+
+    def upload_refusal(self, client: int, who: str | None = None) -> str | None:
+        """Why `client` may not upload this round, or None when it may: the one upload
+        check, applied by simulate to each result and by the aggregator to each update
+        frame. `who` names the client in the reason (the aggregator's node id)."""
+        if client in self.uploaders:
+            return None
+        who = f"client {client}" if who is None else who
+        if client in self.tasks:
+            return (f"round {self.round}: {who} was not selected to upload this round "
+                    f"(FedUmf: only authorised clients upload)")
+        return f"round {self.round}: {who} has no task this round"
+
+
+@dataclass(frozen=True)
+class UploadTotals:
+    """What a round's record says of its uploads, without the uploads themselves (a secure
+    sum or an edge aggregator's partial aggregate gives these, not per-client updates).
+
+    nbytes:     float32 bytes of the buffers aggregated (the record's uplink_bytes).
+    train_loss: the mean minibatch loss over the uploaders' local steps, the record's
+                train_loss when the strategy's metrics have none.
+    """
+    nbytes: int
+    train_loss: float
+
+    @classmethod
+    def of(cls, updates: Mapping[int, Update]) -> "UploadTotals":
+        return cls(sum(u.nbytes for u in updates.values()), mean_train_loss(updates))
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """A closed round: the new server state, its global model, and the round's record.
+    With `evaluation_pending` the round is due an evaluation the caller deferred: evaluate
+    `model` and `add_evaluation(record, ...)` before the record is published."""
+    state: State
+    model: np.ndarray
+    record: dict
+    evaluation_pending: bool = False
+
+
+def round_record(plan: RoundPlan, totals: UploadTotals, metrics: Mapping, *, wall_s: float,
+                 train_wall_s: float, elapsed_s: float, evaluation: Mapping | None = None,
+                 extras: Mapping | None = None) -> dict:
+    """The record of round `plan.round`: the one function that builds it (the module
+    docstring lists its keys). `metrics` are the strategy's (its train_loss, when it has one,
+    is the record's); `extras`, the caller's own fields, come last; `evaluation` is
+    `kernels.evaluate_samples`'s result, or None (not evaluated, or deferred)."""
+    record = {"round": plan.round, "test_accuracy": None, "test_loss": None,
+              "train_loss": metrics["train_loss"] if "train_loss" in metrics
+              else totals.train_loss,
+              "uplink_bytes": totals.nbytes,
+              "downlink_bytes": sum(t.nbytes for t in plan.tasks.values()),
+              "selected": list(plan.selected), "trained": len(plan.tasks),
+              "wall_s": wall_s, "train_wall_s": train_wall_s, "elapsed_s": elapsed_s}
+    for key, value in metrics.items():
+        if key != "train_loss":
+            record[key] = value
+    if extras:
+        record.update(extras)
+    if evaluation is not None:
+        add_evaluation(record, evaluation)
+    return record
+
+
+def add_evaluation(record: dict, evaluation: Mapping) -> None:
+    """Fill a record's test_accuracy and test_loss in from `kernels.evaluate_samples`."""
+    record["test_accuracy"], record["test_loss"] = evaluation["accuracy"], evaluation["loss"]
+
+
+@dataclass(frozen=True)
+class RoundEngine:
+    """The rounds of one run: what they share, and the steps of each.
+
+    strategy, setup:   the algorithm and the server's view of the run (setup.units filled in).
+    clients_per_round: how many clients `select_clients` picks each round.
+    rounds:            the run's last round (the one always evaluated).
+    eval_every:        evaluate every this many rounds (and after the last).
+    test_set:          kernels.Samples to evaluate on (checked once per run), or None.
+    """
+    strategy: Strategy
+    setup: Setup
+    clients_per_round: int
+    rounds: int
+    eval_every: int = 1
+    test_set: kernels.Samples | None = None
+
+    def __post_init__(self):
+        for name, low in (("rounds", 0), ("eval_every", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+                    or value < low:
+                raise ValueError(f"{name} = {value!r}: need an integer >= {low}")
+
+    @classmethod
+    def for_run(cls, strategy: Strategy, setup: Setup, model, clients_per_round: int, *,
+                rounds: int | None = None, eval_every: int = 1,
+                test: tuple | None = None) -> "RoundEngine":
+        """The engine of a run; `test` = (x, y) is checked against `model` here, once."""
+        return cls(strategy, setup, clients_per_round,
+                   setup.rounds if rounds is None else rounds, eval_every,
+                   None if test is None else kernels.Samples(model, *test))
+
+    # ------------------------------------------------------------------ opening
+    def open_round(self, r: int, state: State) -> RoundPlan:
+        """Select round r's clients and ask the strategy for their tasks."""
+        started = time.perf_counter()
+        selected = select_clients(self.setup.seed, r, self.setup.clients,
+                                  self.clients_per_round)
+        tasks = self.strategy.configure(r, selected, state)
+        return RoundPlan(r, tuple(selected), tasks,
+                         frozenset(c for c, t in tasks.items() if t.upload), started)
+
+    def accept_upload(self, plan: RoundPlan, client: int, update: Update) -> bool:
+        """Whether `update`, the result of `client`'s task, goes into the aggregate: True
+        for an uploader, False for a client that trained without uploading. An update with
+        buffers from a client not allowed to upload raises UploadRefused naming the client
+        and the round."""
+        refusal = plan.upload_refusal(client)
+        if refusal is None:
+            return True
+        if update.buffers:
+            raise UploadRefused(f"{self.strategy.name}: {refusal}, but its update carries "
+                                f"buffers {sorted(update.buffers)}")
+        return False
+
+    # ------------------------------------------------------------------ closing
+    def evaluation_due(self, r: int) -> bool:
+        """Whether round r's model is evaluated: every eval_every rounds and the last."""
+        return self.test_set is not None and (r % self.eval_every == 0 or r == self.rounds)
+
+    def evaluate(self, model: np.ndarray) -> dict:
+        """{accuracy, loss} of `model` on the test set."""
+        return kernels.evaluate_samples(self.test_set, model)
+
+    def aggregate(self, r: int, updates: dict, state: State,
+                  on_unusable: Callable[[int, StrategyError], None] | None = None):
+        """(new state, metrics) of round r from `updates` ({client: Update}), visited in
+        sorted client order by the strategy.
+
+        on_unusable: None, and a StrategyError propagates (in process it is a bug). Given,
+        the updates the strategy cannot use on their own are found, each reported as
+        on_unusable(client, error) and deleted from `updates`, and the rest aggregated; if
+        none or all of them are unusable the error is raised, naming the round."""
+        if on_unusable is None:
+            return self.strategy.aggregate(r, updates, state)
+        try:
+            return self.strategy.aggregate(r, updates, state)
+        except StrategyError as exc:
+            bad = {}
+            for c, u in sorted(updates.items()):
+                try:
+                    self.strategy.aggregate(r, {c: u}, state)
+                except StrategyError as single:
+                    bad[c] = single
+            if not bad or len(bad) == len(updates):
+                raise StrategyError(f"round {r}: aggregation failed: {exc}") from exc
+            for c, why in bad.items():
+                on_unusable(c, why)
+                del updates[c]
+            return self.strategy.aggregate(r, updates, state)
+
+    def close_round(self, plan: RoundPlan, updates: dict, state: State, *,
+                    train_wall_s: float, elapsed_before: float = 0.0,
+                    defer_evaluation: bool = False,
+                    on_unusable: Callable[[int, StrategyError], None] | None = None,
+                    extras: Callable[[], Mapping] | None = None) -> ClosedRound:
+        """Aggregate `updates` (`aggregate`; with on_unusable, the ones it drops are deleted
+        from the dict) and `record_round` the result."""
+        state, metrics = self.aggregate(plan.round, updates, state, on_unusable)
+        return self.record_round(plan, state, metrics, UploadTotals.of(updates),
+                                 train_wall_s=train_wall_s, elapsed_before=elapsed_before,
+                                 defer_evaluation=defer_evaluation, extras=extras)
+
+    def record_round(self, plan: RoundPlan, state: State, metrics: Mapping,
+                     totals: UploadTotals, *, train_wall_s: float, elapsed_before: float = 0.0,
+                     defer_evaluation: bool = False,
+                     extras: Callable[[], Mapping] | None = None) -> ClosedRound:
+        """The global model of `state`, its evaluation when due (unless deferred: then
+        ClosedRound.evaluation_pending), and the round's record.
+
+        train_wall_s:   the caller's parallel phase (see the module docstring).
+        elapsed_before: seconds of the run before this round opened.
+        extras:         called once aggregation is done, for the caller's own record
+                        fields (they may count what aggregation dropped)."""
+        model = self.strategy.global_model(state)
+        due = self.evaluation_due(plan.round)
+        evaluation = self.evaluate(model) if due and not defer_evaluation else None
+        wall_s = time.perf_counter() - plan.started
+        record = round_record(plan, totals, metrics, wall_s=wall_s, train_wall_s=train_wall_s,
+                              elapsed_s=elapsed_before + wall_s, evaluation=evaluation,
+                              extras=None if extras is None else extras())
+        return ClosedRound(state, model, record, due and evaluation is None)
