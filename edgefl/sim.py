@@ -43,14 +43,14 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from . import kernels
 from .errors import NonFiniteError
 from .io import jsonable as _jsonable
 from .roles.outputs import RoundExporter, write_outputs
 from .roles.outputs import run_summary as _summary
 from .roles.runner import PreparedRun, RunResult, prepare_run
+from .rounds import RoundEngine, add_evaluation
 from .runconfig import RunConfig
-from .strategies import LocalData, Setup, Strategy, mean_train_loss, select_clients
+from .strategies import LocalData, Setup, Strategy
 
 # Moved to lower layers (docs/architecture.md "Layers"), and still importable from here for
 # the callers that do so today: the CLI (`edgefl client --partition`, `edgefl export`) and
@@ -74,10 +74,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                    on_model: Callable[[int, np.ndarray], None] | None = None) -> RunResult:
     """Run `rounds` (default setup.rounds) rounds of `strategy` over in-memory `clients`.
 
-    Each round selects `clients_per_round` of setup.clients, trains every client the
-    strategy tasks (FedUmf tasks unselected clients too), passes the uploads of tasks with
-    upload=True to `aggregate` in sorted client order, and evaluates the global model on
-    `test` = (x, y) every `eval_every` rounds and after the last. `on_round(record)` sees
+    The rounds are the round engine's (edgefl.rounds): each selects `clients_per_round` of
+    setup.clients, trains every client the strategy tasks (FedUmf tasks unselected clients
+    too) -- here, in a thread pool --, passes the uploads of tasks with upload=True to
+    `aggregate` in sorted client order, and evaluates the global model on `test` = (x, y)
+    every `eval_every` rounds and after the last. `on_round(record)` sees
     each round's metrics once it is done and evaluated (with several threads a round's
     evaluation overlaps the next round's training, so its record comes then; records still
     come in round order), `on_model(round, global model)` its model as soon as it is
@@ -93,7 +94,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers = {workers}: need at least 1 thread")
-    test_set = None if test is None else kernels.Samples(model, *test)   # checked once
+    engine = RoundEngine.for_run(strategy, setup, model, clients_per_round, rounds=rounds,
+                                 eval_every=eval_every, test=test)
     state = strategy.init(init_params, setup)
     client_states: dict = {c: None for c in setup.clients}
     history = []
@@ -106,27 +108,23 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     # core idle (issue #3's overhead target); its record reaches on_round when that phase
     # ends. The last round is evaluated at once. The model is the read-only State buffer of
     # round r, so the result is the same either way.
-    pending = None                  # (record, model) of a round whose evaluation is deferred
+    pending = None                  # the ClosedRound whose evaluation is deferred
 
-    def finish(record, evaluation) -> None:
-        if evaluation is not None:
-            record["test_accuracy"], record["test_loss"] = \
-                evaluation["accuracy"], evaluation["loss"]
+    def finish(record) -> None:
         history.append(record)
         if on_round is not None:
             on_round(record)
 
     try:
         for r in range(1, rounds + 1):
-            t0 = time.perf_counter()
-            selected = select_clients(setup.seed, r, setup.clients, clients_per_round)
-            tasks = strategy.configure(r, selected, state)
+            plan = engine.open_round(r, state)
+            tasks = plan.tasks
             order = sorted(tasks)
             evaluating = pending
 
             def work_item(c, r=r, tasks=tasks, evaluating=evaluating):
                 if c is _EVALUATE:
-                    return kernels.evaluate_samples(test_set, evaluating[1])
+                    return engine.evaluate(evaluating.model)
                 try:
                     return strategy.train(tasks[c], clients[c], client_states[c])
                 except NonFiniteError as exc:
@@ -138,40 +136,24 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
             train_wall = time.perf_counter() - t1
             if evaluating is not None:
                 pending = None
-                finish(evaluating[0], results[0])
+                add_evaluation(evaluating.record, results[0])
+                finish(evaluating.record)
                 results = results[1:]
             updates = {}
             for c, (update, new_state) in zip(order, results):
                 client_states[c] = new_state
-                if tasks[c].upload:
+                if engine.accept_upload(plan, c, update):
                     updates[c] = update
-                elif update.buffers:
-                    raise RuntimeError(f"{strategy.name}: client {c} was not allowed to upload in "
-                                       f"round {r} but its update carries buffers "
-                                       f"{sorted(update.buffers)}")
-            state, metrics = strategy.aggregate(r, updates, state)
-            train_loss = metrics.pop("train_loss") if "train_loss" in metrics \
-                else mean_train_loss(updates)
-            record = {"round": r, "test_accuracy": None, "test_loss": None,
-                      "train_loss": train_loss,
-                      "uplink_bytes": sum(u.nbytes for u in updates.values()),
-                      "downlink_bytes": sum(t.nbytes for t in tasks.values()),
-                      "selected": list(selected), "trained": len(tasks)}
-            model_r = strategy.global_model(state)
-            evaluate = test is not None and (r % eval_every == 0 or r == rounds)
-            evaluation = None
-            if evaluate and (pool is None or r == rounds):
-                evaluation = kernels.evaluate_samples(test_set, model_r)
-            now = time.perf_counter()
-            record.update({"wall_s": now - t0, "train_wall_s": train_wall,
-                           "elapsed_s": now - started})
-            record.update(metrics)
-            if evaluate and evaluation is None:
-                pending = (record, model_r)
+            closed = engine.close_round(plan, updates, state, train_wall_s=train_wall,
+                                        elapsed_before=plan.started - started,
+                                        defer_evaluation=pool is not None and r != rounds)
+            state = closed.state
+            if closed.evaluation_pending:
+                pending = closed
             else:
-                finish(record, evaluation)
+                finish(closed.record)
             if on_model is not None:
-                on_model(r, model_r)
+                on_model(r, closed.model)
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
