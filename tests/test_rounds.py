@@ -18,7 +18,7 @@ from edgefl.rounds import (ClosedRound, RoundEngine, RoundPlan, UploadRefused, U
 from edgefl.roles import Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan, \
     default_client_ids
 from edgefl.sim import prepare_run, run_federation
-from edgefl.strategies import Setup, Task, Update, get_strategy, select_clients
+from edgefl.strategies import Setup, Update, get_strategy, select_clients
 from edgefl.strategies.fedumf import FedUmf
 from edgefl.transport.loopback import LoopbackBroker
 from helpers import load_small_run

@@ -1,11 +1,13 @@
-"""The aggregator: the only round loop of a federation over MQTT (DESIGN.md "Layers").
+"""The aggregator: the round loop of a federation over MQTT (docs/roles.md).
 
     aggregator = Aggregator(plan, transport, state_dir, AggregatorSettings(round_timeout_s=60))
     result = aggregator.run()          # returns when the run is finished (or stop is set)
 
-Each round r:
+Each round r is the round engine's (edgefl.rounds), as in `edgefl simulate`; what is this
+module's own is how the tasks reach the clients and the updates come back:
 
-1. select (`select_clients(seed, r, ...)`, stateless) and `strategy.configure` -> tasks;
+1. open the round (`RoundEngine.open_round`): select (`select_clients(seed, r, ...)`,
+   stateless) and `strategy.configure` -> tasks, and who may upload;
 2. announce: the retained JSON announcement on `round` (round, deadline, model hash,
    per-client tasks), then the model: the global model once on `model` (FedMR's per-client
    models on `model/<client>`), as binary frames chunked to `max_payload`;
@@ -15,7 +17,9 @@ Each round r:
    deadline is announced again with a new deadline. Late updates (for a closed round) are
    dropped, duplicates (QoS 1 repeats, a client re-sending) ignored, updates from clients
    not allowed to upload this round (FedUmf) refused, every bad frame logged with its reason;
-4. aggregate in sorted client order (`strategy.aggregate`), evaluate on the test set;
+4. close it (`RoundEngine.close_round`): aggregate in sorted client order (an update the
+   strategy cannot use is refused and the rest aggregated), evaluate on the test set when
+   due, build the round's record;
 5. checkpoint atomically (roles/state.py), then append "aggregated" to the journal
    `rounds.jsonl` -- the record that each round was aggregated exactly once;
 6. publish the round's metrics and events.
@@ -29,9 +33,9 @@ clear (and the stale retained frame cleared); a client that missed it (joined la
 chunk) asks with `need_model` in its status, or is re-sent its model when its status turns
 online again, on its own `model/<client>` topic. A model that fits one frame is retained.
 
-Determinism: selection, task seeds and aggregation order are those of
-`edgefl.sim.run_federation`, so with compression "none" a run over a broker ends with the
-same model, bit for bit, as the in-process simulation of the same config and seed.
+Determinism: selection, task seeds and aggregation order are the round engine's, the same
+as `edgefl.sim.run_federation`'s, so with compression "none" a run over a broker ends with
+the same model, bit for bit, as the in-process simulation of the same config and seed.
 """
 from __future__ import annotations
 
@@ -47,13 +51,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .. import kernels
 from .._malloc import keep_frames_in_heap
 from ..config import check_number
 from ..models import Model
+from ..rounds import RoundEngine, RoundPlan
 from ..service.layered import check_setting, default
-from ..strategies import (Setup, State, Strategy, StrategyError, Update, mean_train_loss,
-                          select_clients)
+from ..strategies import Setup, State, Strategy, StrategyError, Update
 from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
@@ -214,12 +217,9 @@ class _Downlink:
 
 @dataclass
 class _OpenRound:
-    round: int
-    selected: list
-    tasks: dict                      # strategy client id -> Task
+    round_plan: RoundPlan            # the engine's: selection, tasks and uploaders by client
     node_tasks: dict                 # node id -> Task
-    uploaders: set
-    started: float                   # perf_counter at opening
+    uploaders: set                   # node ids of round_plan.uploaders
     announce_id: str = ""
     opened: float = 0.0
     deadline: float = 0.0
@@ -234,6 +234,10 @@ class _OpenRound:
     counts: dict = field(default_factory=lambda: {"late": 0, "duplicates": 0, "rejected": 0,
                                                   "resends": 0, "announcements": 0,
                                                   "wire_up_bytes": 0, "wire_down_bytes": 0})
+
+    @property
+    def round(self) -> int:
+        return self.round_plan.round
 
 
 class Aggregator:
@@ -261,8 +265,11 @@ class Aggregator:
         self.topics = Topics(settings.federation, settings.prefix)
         self._topic_cache = TopicCache(self.topics)
         self.table = plan.model.table
-        # the test set, checked once for every evaluation of the run (kernels.Samples)
-        self._test_set = None if plan.test is None else kernels.Samples(plan.model, *plan.test)
+        # the rounds' selection, tasks, upload check, aggregation, evaluation and record
+        # (the test set is checked here, once for every evaluation of the run)
+        self.engine = RoundEngine.for_run(plan.strategy, plan.setup, plan.model,
+                                          plan.clients_per_round, eval_every=plan.eval_every,
+                                          test=plan.test)
         self.members = {node: i for i, node in enumerate(plan.client_ids)}
         self.fingerprint = run_fingerprint(plan, settings)
         # Limits (docs/limits.md). Unless configured: room for every uploader's chunked
@@ -482,14 +489,11 @@ class Aggregator:
     # ------------------------------------------------------------------ one round
     def _run_round(self, r: int) -> bool:
         """Open, collect, aggregate and commit round r; False when stopped first."""
-        plan, state = self.plan, self.ckpt.state
-        selected = select_clients(plan.setup.seed, r, plan.setup.clients,
-                                  plan.clients_per_round)
-        tasks = plan.strategy.configure(r, selected, state)
-        node_tasks = {plan.client_ids[c]: t for c, t in tasks.items()}
-        self.open = o = _OpenRound(r, list(selected), tasks, node_tasks,
-                                   {n for n, t in node_tasks.items() if t.upload},
-                                   time.perf_counter())
+        state, ids = self.ckpt.state, self.plan.client_ids
+        round_plan = self.engine.open_round(r, state)
+        self.open = o = _OpenRound(round_plan,
+                                   {ids[c]: t for c, t in round_plan.tasks.items()},
+                                   {ids[c] for c in round_plan.uploaders})
         self._announce()
         if self.notifier is not None:
             self.notifier.status(f"round {r}/{self.rounds}: collecting updates")
@@ -499,9 +503,12 @@ class Aggregator:
                      r, self.ckpt.round)
             return False
         updates = {self.members[n]: u for n, u in o.received.items()}
-        state, metrics = self._aggregate(r, updates, state)
-        record = self._record(o, updates, state, metrics, closed_by)
-        self._commit(r, state, record)
+        closed = self.engine.close_round(
+            o.round_plan, updates, state, train_wall_s=max(o.train_s.values(), default=0.0),
+            elapsed_before=self.ckpt.elapsed_s, on_unusable=self._refuse_unusable,
+            extras=lambda: {"closed_by": closed_by, "updates": len(updates),
+                            "missing": sorted(o.uploaders - set(o.received)), **o.counts})
+        self._commit(r, closed.state, closed.record)
         return True
 
     def _announce(self, deadline: float | None = None) -> None:
@@ -534,7 +541,7 @@ class Aggregator:
             self._publish_downlink(downlink)
         self._publish_status()
         self._event("round_opened", round=o.round, deadline=o.deadline,
-                    selected=[self.plan.client_ids[c] for c in o.selected],
+                    selected=[self.plan.client_ids[c] for c in o.round_plan.selected],
                     announcement=o.counts["announcements"])
         log.info("round %d announced (%s): %d tasks, %d uploaders, deadline in %.0f s",
                  o.round, o.announce_id, len(o.node_tasks), len(o.uploaders),
@@ -782,10 +789,9 @@ class Aggregator:
             self._reject(node, f"update for round {frame_round}, but round {o.round} is open",
                          key)
             return
-        if node not in o.uploaders:
-            why = ("was not selected to upload this round (FedUmf: only authorised clients "
-                   "upload)" if node in o.node_tasks else "has no task this round")
-            self._reject(node, f"round {o.round}: {node} {why}", key)
+        refusal = o.round_plan.upload_refusal(self.members[node], node)
+        if refusal is not None:
+            self._reject(node, refusal, key)
             return
         if node in o.received or node in o.refused:
             o.counts["duplicates"] += 1
@@ -872,49 +878,12 @@ class Aggregator:
                 self._resend(node, "it came back online and the model was chunked (not retained)")
 
     # ------------------------------------------------------------------ closing
-    def _aggregate(self, r: int, updates: dict, state: State):
-        strategy = self.plan.strategy
-        try:
-            return strategy.aggregate(r, updates, state)
-        except StrategyError as exc:
-            # Find the update(s) the strategy cannot use, drop them, aggregate the rest.
-            bad = {}
-            for c, u in sorted(updates.items()):
-                try:
-                    strategy.aggregate(r, {c: u}, state)
-                except StrategyError as single:
-                    bad[c] = single
-            if not bad or len(bad) == len(updates):
-                raise StrategyError(f"round {r}: aggregation failed: {exc}") from exc
-            for c, why in bad.items():
-                node = self.plan.client_ids[c]
-                self._reject(node, f"round {r}: the strategy cannot use it: {why}")
-                del updates[c]
-                self.open.received.pop(node, None)
-                self.open.refused.add(node)
-            return strategy.aggregate(r, updates, state)
-
-    def _record(self, o: _OpenRound, updates: dict, state: State, metrics: dict,
-                closed_by: str) -> dict:
-        plan = self.plan
-        record = {"round": o.round, "test_accuracy": None, "test_loss": None,
-                  "train_loss": metrics.pop("train_loss", mean_train_loss(updates)),
-                  "uplink_bytes": sum(u.nbytes for u in updates.values()),
-                  "downlink_bytes": sum(t.nbytes for t in o.tasks.values()),
-                  "selected": list(o.selected), "trained": len(o.tasks)}
-        if self._test_set is not None and (o.round % plan.eval_every == 0
-                                           or o.round == self.rounds):
-            result = kernels.evaluate_samples(self._test_set, plan.strategy.global_model(state))
-            record["test_accuracy"], record["test_loss"] = result["accuracy"], result["loss"]
-        now = time.perf_counter()
-        record.update({"wall_s": now - o.started,
-                       "train_wall_s": max(o.train_s.values(), default=0.0),
-                       "elapsed_s": self.ckpt.elapsed_s + (now - o.started)})
-        record.update(metrics)
-        missing = sorted(o.uploaders - set(o.received))
-        record.update({"closed_by": closed_by, "updates": len(updates), "missing": missing,
-                       **{k: v for k, v in o.counts.items()}})
-        return record
+    def _refuse_unusable(self, c: int, why: StrategyError) -> None:
+        """The engine found that the strategy cannot use client c's update: refuse it."""
+        o, node = self.open, self.plan.client_ids[c]
+        self._reject(node, f"round {o.round}: the strategy cannot use it: {why}")
+        o.received.pop(node, None)
+        o.refused.add(node)
 
     def _commit(self, r: int, state: State, record: dict) -> None:
         ckpt = self.ckpt
