@@ -123,15 +123,19 @@ class UploadTotals:
     sum or an edge aggregator's partial aggregate gives these, not per-client updates).
 
     nbytes:     float32 bytes of the buffers aggregated (the record's uplink_bytes).
-    train_loss: the mean minibatch loss over the uploaders' local steps, the record's
-                train_loss when the strategy's metrics have none.
+    train_loss: the record's train_loss (`of` says which).
     """
     nbytes: int
     train_loss: float
 
     @classmethod
-    def of(cls, updates: Mapping[int, Update]) -> "UploadTotals":
-        return cls(sum(u.nbytes for u in updates.values()), mean_train_loss(updates))
+    def of(cls, updates: Mapping[int, Update], metrics: Mapping) -> "UploadTotals":
+        """The totals of `updates` aggregated with these strategy `metrics`: train_loss is
+        the strategy's metric of that name (e.g. over the updates a robust aggregation
+        accepted), else the mean over the uploaders' local steps (`mean_train_loss`)."""
+        return cls(sum(u.nbytes for u in updates.values()),
+                   metrics["train_loss"] if "train_loss" in metrics
+                   else mean_train_loss(updates))
 
 
 @dataclass(frozen=True)
@@ -149,13 +153,12 @@ def round_record(plan: RoundPlan, totals: UploadTotals, metrics: Mapping, *, wal
                  train_wall_s: float, elapsed_s: float, evaluation: Mapping | None = None,
                  extras: Mapping | None = None) -> dict:
     """The record of round `plan.round`: the one function that builds it (the module
-    docstring lists its keys). `metrics` are the strategy's (its train_loss, when it has one,
-    is the record's); `extras`, the caller's own fields, come last; `evaluation` is
-    `kernels.evaluate_samples`'s result, or None (not evaluated, or deferred)."""
+    docstring lists its keys). `metrics` are the strategy's, merged after the timings (their
+    train_loss is `totals.train_loss` already); `extras`, the caller's own fields, come last;
+    `evaluation` is `kernels.evaluate_samples`'s result, or None (not evaluated, or
+    deferred)."""
     record = {"round": plan.round, "test_accuracy": None, "test_loss": None,
-              "train_loss": metrics["train_loss"] if "train_loss" in metrics
-              else totals.train_loss,
-              "uplink_bytes": totals.nbytes,
+              "train_loss": totals.train_loss, "uplink_bytes": totals.nbytes,
               "downlink_bytes": sum(t.nbytes for t in plan.tasks.values()),
               "selected": list(plan.selected), "trained": len(plan.tasks),
               "wall_s": wall_s, "train_wall_s": train_wall_s, "elapsed_s": elapsed_s}
@@ -274,7 +277,7 @@ class RoundEngine:
         """Aggregate `updates` (`aggregate`; with on_unusable, the ones it drops are deleted
         from the dict) and `record_round` the result."""
         state, metrics = self.aggregate(plan.round, updates, state, on_unusable)
-        return self.record_round(plan, state, metrics, UploadTotals.of(updates),
+        return self.record_round(plan, state, metrics, UploadTotals.of(updates, metrics),
                                  train_wall_s=train_wall_s, elapsed_before=elapsed_before,
                                  defer_evaluation=defer_evaluation, extras=extras)
 

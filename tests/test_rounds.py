@@ -85,12 +85,14 @@ def test_the_record_has_its_fields_in_order_then_the_strategys_metrics_then_the_
 def test_train_loss_is_the_strategys_else_the_mean_over_local_steps():
     plan = RoundPlan(1, (0, 1), {}, frozenset({0, 1}), 0.0)
     updates = {0: update(0.0, 5, 0.5, 2), 1: update(0.0, 5, 1.0, 6)}
-    totals = UploadTotals.of(updates)
+    totals = UploadTotals.of(updates, {"tau": 3})
     assert totals.nbytes == 80 and totals.train_loss == pytest.approx((0.5 * 2 + 6.0) / 8)
+    assert UploadTotals.of(updates, {"train_loss": 9.0}).train_loss == 9.0
     timing = dict(wall_s=0.0, train_wall_s=0.0, elapsed_s=0.0)
     assert round_record(plan, totals, {"tau": 3}, **timing)["train_loss"] == totals.train_loss
-    record = round_record(plan, totals, {"train_loss": 9.0, "tau": 3}, **timing)
-    assert record["train_loss"] == 9.0 and list(record)[-1] == "tau"   # not merged twice
+    record = round_record(plan, UploadTotals.of(updates, {"train_loss": 9.0}),
+                          {"train_loss": 9.0, "tau": 3}, **timing)
+    assert record["train_loss"] == 9.0 and list(record)[-2:] == ["elapsed_s", "tau"]
     # a metric may not move a field: the merge keeps the record's key order
     assert list(round_record(plan, totals, {"round": 1}, **timing)) == BASE_KEYS
 
