@@ -43,29 +43,29 @@ caller evaluates `closed.model` when it likes (`evaluate`) and fills the record 
 `add_evaluation` (simulate runs it as one more work item of the next round's thread pool).
 The model is a read-only State buffer, so the result is the same whenever it runs.
 
-Seams for the round variants to come (none of them is implemented yet):
+Seams for the round variants to come (none is implemented yet), and why the engine is cut
+where it is:
 
-- Secure aggregation (the aggregator sees masked vectors and learns only their weighted
-  sum): `close_round` is two steps, `aggregate` (the only one that reads per-client updates)
-  and `record_round` (which takes the new state, the metrics and the `UploadTotals`, never
-  the updates). A secure round unmasks the sum, applies the strategy's update to it, and
-  calls `record_round` with the totals of what it received (the masked vectors' bytes, the
-  losses clients report in the clear); selection, evaluation and the record stay as they are.
-- Buffered asynchronous rounds (FedBuff: a server step once K updates arrived, each possibly
-  trained on a model some rounds old): collection already belongs to the caller, so "closes
-  at K" is the caller's close rule, as quorum and deadline are the aggregator's today.
-  `close_round` aggregates the updates it is given whatever plan they answered, and
-  `record_round` times from the plan it is given; the staleness weighting is the strategy's
-  (the task's round travels in the update's scalars).
+- A plan is a plain value between two calls, not a loop the engine owns: the caller decides
+  when a round closes (all uploaders in, a quorum, a deadline -- the aggregator's rules) and
+  may hold several plans at once. Buffered asynchronous rounds (FedBuff: a server step once
+  K updates have arrived, each possibly trained on a model some steps old) are a caller
+  that closes at K and checks each update against the plan that tasked it
+  (`upload_refusal` is per plan); the staleness weighting is the strategy's, with the
+  task's round carried in the update's scalars.
+- Closing is two steps: `aggregate` (with `UploadTotals.of`, the only code that reads
+  per-client updates) and `record_round`, which takes the new state, the strategy's metrics
+  and the `UploadTotals` -- never the updates. Secure aggregation (the aggregator sees
+  masked vectors and learns only their weighted sum) replaces the first step: it unmasks the
+  sum, applies the strategy's server update to it, and calls `record_round` with the totals
+  of what came up (the masked vectors' bytes, the losses clients report in the clear). Selection, the upload check,
+  evaluation and the record stay as they are. (It cannot use `on_unusable`: a sum has no
+  per-client part to drop; the protocol's own dropout handling takes that place.)
 - Partial aggregates from edge aggregators (one contribution stands for several clients):
-  an edge aggregator is a caller of this engine for its own clients, and its contribution
-  reaches the root as one update whose num_samples and steps are its clients' totals, so
-  the sample-weighted average over contributions is the average over clients;
-  `UploadTotals` adds up the same way (`UploadTotals.of` over the contributions).
-
-`RoundEngine.aggregate` with `on_unusable` isolates updates the strategy cannot use (a client
-over MQTT may send anything): they are dropped, the caller is told which and why, and the
-rest is aggregated. In process a StrategyError is a bug and is raised as it is.
+  an edge aggregator is itself a caller of this engine for its clients, and its contribution
+  reaches the root as one update whose num_samples and steps are its clients' totals, so a
+  sample-weighted average over contributions is the average over clients, and
+  `UploadTotals.of` over the contributions adds up their bytes and steps the same way.
 """
 from __future__ import annotations
 
