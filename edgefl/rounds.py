@@ -64,7 +64,8 @@ where it is:
 - Partial aggregates from edge aggregators (one contribution stands for several clients):
   an edge aggregator is itself a caller of this engine for its clients, and its contribution
   reaches the root as one update whose num_samples and steps are its clients' totals, so a
-  sample-weighted average over contributions is the average over clients, and
+  sample-weighted average over contributions is the average over clients (in exact
+  arithmetic: the float32 result differs from a flat run's in the last bits), and
   `UploadTotals.of` over the contributions adds up their bytes and steps the same way.
 """
 from __future__ import annotations
