@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import pkgutil
 import types
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -351,11 +352,43 @@ def extension_field(default=None):
 # ---------------------------------------------------------------------------------------
 
 _REGISTRY: dict[str, type] = {}
-# imported on first lookup
-_MODULES = ("fedavg", "fednova", "mfl", "fedumf", "duw", "fedveca", "fedmr")
 # strategies that wrap another one and are not chosen by name in a config (an attack is the
 # run config's `attack:` section), but a client must rebuild them from an announcement
 _WRAPPER_MODULES = ("edgefl.attacks",)
+_DISCOVERED = False
+
+
+def _load_builtin() -> None:
+    """Import every algorithm of this package once, so its `@register` has run.
+
+    The rule: every module and subpackage of edgefl.strategies is an algorithm, except
+    - names starting with "_" (Python's mark of a private module), and
+    - modules that say `HELPER = True` at module level: shared code the algorithms import
+      (robust.py). They are imported too (that is harmless) but need not register.
+    So adding an algorithm is dropping one file (or package) here; there is no list to keep.
+    A module that is neither a helper nor registers a strategy is an error, not silence: a
+    forgotten `@register` would otherwise surface later as "unknown strategy". The helper
+    mark is a flag, not a leading underscore, because helpers such as `robust` are public
+    API that tests and other modules import by name.
+    """
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if getattr(module, "HELPER", False):
+            continue
+        if not any(cls.__module__ == module.__name__
+                   or cls.__module__.startswith(module.__name__ + ".")
+                   for cls in _REGISTRY.values()):
+            raise StrategyError(f"{module.__name__} registers no strategy: decorate its "
+                                f"Strategy class with @register(name), or mark the module "
+                                f"HELPER = True if it only holds shared code")
+    for module in _WRAPPER_MODULES:
+        importlib.import_module(module)
+    _DISCOVERED = True      # set last: a failed import is retried (and raises) next time
 
 
 def register(name: str):
@@ -372,13 +405,6 @@ def register(name: str):
         _REGISTRY[name] = cls
         return cls
     return wrap
-
-
-def _load_builtin() -> None:
-    for module in _MODULES:
-        importlib.import_module(f"{__name__}.{module}")
-    for module in _WRAPPER_MODULES:
-        importlib.import_module(module)
 
 
 def strategy_names() -> list:
