@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
 import pkgutil
 import types
 from dataclasses import dataclass, field
@@ -40,11 +41,11 @@ import numpy as np
 
 from .. import kernels
 
-__all__ = ["StrategyError", "Setup", "Task", "Update", "State", "LocalData", "Strategy",
-           "register", "get_strategy", "strategy_names", "strategy_params", "client_seed",
-           "select_clients", "exact_weights", "aggregation_weights", "weighted_average",
-           "average_updates", "mean_train_loss", "local_round", "check_choice", "check_number",
-           "WEIGHTINGS", "extension_field"]
+__all__ = ["StrategyError", "Setup", "Task", "Update", "State", "LocalData", "PrepareContext",
+           "Strategy", "register", "get_strategy", "strategy_names", "strategy_params",
+           "client_seed", "select_clients", "exact_weights", "aggregation_weights",
+           "weighted_average", "average_updates", "mean_train_loss", "local_round",
+           "check_choice", "check_number", "WEIGHTINGS", "extension_field"]
 
 WEIGHTINGS = ("samples", "uniform")
 
@@ -251,6 +252,53 @@ class LocalData:
         return kernels.Samples(self.model, self.x, self.y)
 
 
+@dataclass(frozen=True)
+class PrepareContext:
+    """What a strategy's offline phase (`Strategy.prepare`) is given besides the federation.
+    The caller (`edgefl simulate`, `edgefl duw-train`) fills it in from its run config, so a
+    strategy never reads a config, and writes files only where it is told.
+
+    where:             the config's name, the prefix of error messages ("<config>" if none).
+    base_dir:          relative paths in the strategy's parameters (e.g. DUW's `weights`)
+                       are looked up here first (the config file's directory), then in the
+                       working directory; None: the working directory only.
+    clients_per_round: how many clients the run selects per round (None: not known), for
+                       strategies that need every client in every round to say so before
+                       an expensive offline phase rather than in round 1.
+    record:            the run config as plain data, stored with what the phase writes.
+    out_dir:           the run's output directory; the phase writes a result it names
+                       NAME to out_dir/NAME (None: nowhere) ...
+    out_files:         ... unless the caller asked for it at a path of its own:
+                       {NAME: path} (`edgefl duw-train --out`).
+    stream:            where progress lines go (None: silent).
+    workers:           threads the phase may use.
+    """
+    where: str = "<config>"
+    base_dir: str | None = None
+    clients_per_round: int | None = None
+    record: Mapping | None = None
+    out_dir: str | None = None
+    out_files: Mapping[str, str] = field(default_factory=dict)
+    stream: Any = None
+    workers: int = 1
+
+    def output(self, name: str) -> str | None:
+        """The path to write the phase's result `name` to, or None to write nothing."""
+        if name in self.out_files:
+            return str(self.out_files[name])
+        return None if self.out_dir is None else os.path.join(os.fspath(self.out_dir), name)
+
+    def resolve(self, path: str) -> str:
+        """A path from the strategy's parameters, with ~ expanded; a relative one beside the
+        config file when it exists there, else relative to the working directory."""
+        path = os.path.expanduser(path)
+        if self.base_dir and not os.path.isabs(path):
+            beside = os.path.join(self.base_dir, path)
+            if os.path.exists(beside):
+                return beside
+        return path
+
+
 # ---------------------------------------------------------------------------------------
 # the interface
 # ---------------------------------------------------------------------------------------
@@ -267,6 +315,17 @@ class Strategy:
     """
     name: ClassVar[str] = ""
     listed: ClassVar[bool] = True    # False: a wrapper, not offered by strategy_names()
+
+    # ---------------------------------------------------------------- offline phase
+    def prepare(self, init_params: np.ndarray, clients: Mapping[int, "LocalData"],
+                setup: Setup, context: PrepareContext | None = None) -> "Strategy":
+        """The strategy ready for round 1, after its offline phase, if it has one: work done
+        once before the run on the initial model and the clients' data (DUW learns its
+        weight table here). Called by the simulator for every strategy, and by
+        `edgefl duw-train`. Returns a strategy (itself, or a copy holding what the phase
+        produced in its parameters, so a checkpoint of the run keeps it). The default: no
+        offline phase."""
+        return self
 
     # ---------------------------------------------------------------- server half
     def init(self, global_params: np.ndarray, cfg: Setup) -> State:
