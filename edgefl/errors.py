@@ -3,6 +3,13 @@ layers above them, by configuration readers and every command, by the ONNX expor
 runs that export."""
 
 
+class ConfigError(ValueError):
+    """A configuration the run cannot use; the message names the file and the key.
+
+    Here rather than in edgefl.config (which re-exports it) so that the layers below the
+    configs can raise it about files a config names, e.g. DUW's weight file."""
+
+
 class KernelError(ValueError):
     """An argument a kernel cannot take; the message names the argument and the problem."""
 
@@ -15,10 +22,6 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, step: int, message: str):
         super().__init__(message)
         self.step = step
-
-
-class ConfigError(ValueError):
-    """A configuration the run cannot use; the message names the file and the key."""
 
 
 class ExportError(ValueError):

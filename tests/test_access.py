@@ -33,11 +33,11 @@ import uuid
 import pytest
 
 pytest.register_assert_rewrite("brokers")
-from brokers import MOSQUITTO_ACL, MOSQUITTO_CONF, ServerProcess, messages_within  # noqa: E402
-from edgefl.transport.base import Message, TransportError  # noqa: E402
-from edgefl.transport.broker import find_mosquitto, free_port  # noqa: E402
-from edgefl.transport.mqtt import MqttTransport  # noqa: E402
-from edgefl.transport.topics import Topics  # noqa: E402
+from brokers import MOSQUITTO_ACL, MOSQUITTO_CONF, ServerProcess, messages_within    # noqa: E402
+from edgefl.transport.base import Message, TransportError    # noqa: E402
+from edgefl.transport.broker import find_mosquitto, free_port    # noqa: E402
+from edgefl.transport.mqtt import MqttTransport    # noqa: E402
+from edgefl.transport.topics import Topics    # noqa: E402
 
 pytest_plugins = ["brokers"]
 

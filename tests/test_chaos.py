@@ -32,14 +32,14 @@ import pytest
 pytest.register_assert_rewrite("brokers")
 from brokers import (REPO, MosquittoProcess, messages_within, next_message,  # noqa: E402
                      wait_event)
-from edgefl.runconfig import load_run_config  # noqa: E402
-from edgefl.transport.base import DISCONNECTED  # noqa: E402
-from edgefl.transport.broker import find_mosquitto  # noqa: E402
-from edgefl.transport.mqtt import MqttTransport  # noqa: E402
+from edgefl.runconfig import load_run_config    # noqa: E402
+from edgefl.transport.base import DISCONNECTED    # noqa: E402
+from edgefl.transport.broker import find_mosquitto    # noqa: E402
+from edgefl.transport.mqtt import MqttTransport    # noqa: E402
 
 sys.path.insert(0, str(REPO / "tools"))
 import chaos  # noqa: E402
-from mqtt_proxy import MqttFaultProxy, split_packets, FramingError  # noqa: E402
+from mqtt_proxy import MqttFaultProxy, split_packets, FramingError    # noqa: E402
 
 pytest_plugins = ["brokers"]
 

@@ -38,7 +38,8 @@ import pytest
 from edgefl import kernels
 from edgefl.data import load_dataset, partition
 from edgefl.models import build_model
-from edgefl.sim import local_datasets, run_federation
+from edgefl.runs.prepare import local_datasets
+from edgefl.sim import run_federation
 from edgefl.strategies import (Setup, StrategyError, get_strategy, local_round,
                                select_clients, strategy_names, strategy_params)
 from edgefl.strategies.fedmr import (FedMR, draw_permutations, recombination_units, recombine,

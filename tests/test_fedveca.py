@@ -44,7 +44,8 @@ import pytest
 from edgefl import kernels
 from edgefl.data import load_dataset, partition
 from edgefl.models import build_model
-from edgefl.sim import local_datasets, run_federation
+from edgefl.runs.prepare import local_datasets
+from edgefl.sim import run_federation
 from edgefl.strategies import (LocalData, Setup, StrategyError, Task, Update, exact_weights,
                                get_strategy, strategy_names, strategy_params)
 from edgefl.strategies.fedveca import (FedVeca, baseline_steps, estimate_beta_delta,

@@ -20,19 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "edgefl")
 DOC = os.path.join(ROOT, "docs", "architecture.md")
 
-# Violations other engineers are removing in parallel branches (issue 15), allowed here so
-# this branch's test passes on its own. The lead empties this set after merging those
-# branches; test_known_violations_are_still_there fails as soon as one entry is no longer
-# needed, so it cannot outlive its fix.
-KNOWN = {
-    # DUW in two modules that import each other (DUW becomes the package strategies/duw/)
-    ("edgefl.strategies.duw", "edgefl.duw_train"),
-    ("edgefl.duw_train", "edgefl.strategies.duw"),
-    # DUW's offline phase takes local_datasets from the simulator (now in roles.runner) and
-    # ConfigError from config (now in errors) (same change)
-    ("edgefl.duw_train", "edgefl.sim"),
-    ("edgefl.duw_train", "edgefl.config"),
-}
+# Upward imports or cycles tolerated while their fix is under way, each with its reason.
+# test_known_violations_are_still_there fails as soon as a listed edge is gone, so an entry
+# cannot outlive its fix.
+KNOWN: set = set()   # (importer, imported) edges tolerated while a fix is under way: none
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings, 
                           ClientSettings, RunPlan, default_client_ids)
 from edgefl.roles import state as state_module
 from edgefl.roles.state import (StateWriteError, append_journal, atomic_write, read_journal)
-from edgefl.sim import model_sha256, prepare_run, simulate
+from edgefl.checkpoint import model_sha256
+from edgefl.runs.prepare import prepare_run
+from edgefl.sim import simulate
 from edgefl.strategies import State
 from edgefl.transport import wire
 from edgefl.transport.base import ConnectionEvent, Message, ReceiveQueue
@@ -30,8 +32,8 @@ from edgefl.transport.mqtt import MqttTransport
 from edgefl.transport.topics import Topics
 
 pytest.register_assert_rewrite("brokers")
-from brokers import messages_within, next_message  # noqa: E402
-from helpers import load_small_run, wait_for  # noqa: E402
+from brokers import messages_within, next_message    # noqa: E402
+from helpers import load_small_run, wait_for    # noqa: E402
 
 # tests/ on sys.path, so tests/brokers.py loads as the plugin "brokers".
 pytest_plugins = ["brokers"]

@@ -534,7 +534,7 @@ def test_a_failed_final_export_leaves_the_other_outputs_and_names_the_cause(tmp_
     and logs an error naming the file and the cause."""
     out = tmp_path / "run"
     (out / "model.onnx").mkdir(parents=True)
-    with caplog.at_level(logging.ERROR, logger="edgefl.roles.outputs"):
+    with caplog.at_level(logging.ERROR, logger="edgefl.runs.outputs"):
         assert main(["simulate", "quickstart", "--out", str(out), "--quiet",
                      "--set", "rounds=2", "--set", "partition.clients=4",
                      "--set", "clients_per_round=4"]) == 0
@@ -557,7 +557,7 @@ def test_the_end_of_run_export_keeps_the_runs_export_settings(tmp_path, capsys):
     """When the final round's export did not happen, write_outputs exports model.onnx from
     model.npz: with the run's export policy (no softmax output, int8), not the defaults."""
     from edgefl.export import ExportPolicy
-    from edgefl.sim import _export_onnx
+    from edgefl.runs.outputs import export_final_onnx as _export_onnx
     out = tmp_path / "run"
     assert main(["simulate", "quickstart", "--out", str(out), "--quiet",
                  "--set", "rounds=2", "--set", "partition.clients=4",

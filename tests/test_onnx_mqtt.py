@@ -19,20 +19,21 @@ import pytest
 import yaml
 
 pytest.register_assert_rewrite("brokers")
-from edgefl.export import ExportPolicy, export_onnx  # noqa: E402
-from edgefl.infer import ModelFileError, Predictor  # noqa: E402
-from edgefl.models import build_model  # noqa: E402
+from edgefl.export import ExportPolicy, export_onnx    # noqa: E402
+from edgefl.infer import ModelFileError, Predictor    # noqa: E402
+from edgefl.models import build_model    # noqa: E402
 from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings,  # noqa: E402
                           Client, ClientSettings, RunPlan, default_client_ids)
 from edgefl.roles.onnx_channel import (OnnxReceiver, encode_publication, part_index,  # noqa: E402
                                        part_topic, parts_filter)
-from edgefl.runconfig import load_run_config  # noqa: E402
-from edgefl.sim import prepare_run, run_aggregator  # noqa: E402
-from edgefl.transport import wire  # noqa: E402
-from edgefl.transport.base import Message  # noqa: E402
-from edgefl.transport.mqtt import MqttTransport  # noqa: E402
-from edgefl.transport.topics import Topics  # noqa: E402
-from helpers import wait_for  # noqa: E402
+from edgefl.runconfig import load_run_config    # noqa: E402
+from edgefl.roles.runner import run_aggregator  # noqa: E402
+from edgefl.runs.prepare import prepare_run
+from edgefl.transport import wire    # noqa: E402
+from edgefl.transport.base import Message    # noqa: E402
+from edgefl.transport.mqtt import MqttTransport    # noqa: E402
+from edgefl.transport.topics import Topics    # noqa: E402
+from helpers import wait_for    # noqa: E402
 
 pytest_plugins = ["brokers"]
 

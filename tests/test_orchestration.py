@@ -17,18 +17,18 @@ import pytest
 
 pytest_plugins = ["brokers"]
 
-from brokers import messages_within  # noqa: E402
+from brokers import messages_within    # noqa: E402
 from edgefl.roles import (AggregatorCheckpoint, AggregatorSettings, Client,  # noqa: E402
                           ClientSettings)
-from edgefl.roles.control import ControlClient  # noqa: E402
-from edgefl.roles.daemon import Daemon, DaemonSettings, RunStore  # noqa: E402
-from edgefl.roles.state import JOURNAL_FILE, read_journal  # noqa: E402
-from edgefl.runconfig import run_config_from_mapping  # noqa: E402
-from edgefl.sim import client_shard  # noqa: E402
-from edgefl.transport.base import Message  # noqa: E402
-from edgefl.transport.mqtt import MqttTransport  # noqa: E402
-from edgefl.transport.topics import Topics  # noqa: E402
-from helpers import wait_for  # noqa: E402
+from edgefl.roles.control import ControlClient    # noqa: E402
+from edgefl.roles.daemon import Daemon, DaemonSettings, RunStore    # noqa: E402
+from edgefl.roles.state import JOURNAL_FILE, read_journal    # noqa: E402
+from edgefl.runconfig import run_config_from_mapping    # noqa: E402
+from edgefl.runs.prepare import client_shard  # noqa: E402
+from edgefl.transport.base import Message    # noqa: E402
+from edgefl.transport.mqtt import MqttTransport    # noqa: E402
+from edgefl.transport.topics import Topics    # noqa: E402
+from helpers import wait_for    # noqa: E402
 
 CLIENTS = ("client-1", "client-2")          # accounts of the mosquitto_acl_server fixture
 
@@ -939,7 +939,8 @@ def test_a_stopped_run_leaves_no_round_and_its_late_update_is_refused_by_the_nex
     import logging
 
     from edgefl.roles import messages as msg
-    from edgefl.sim import prepare_run, simulate
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import simulate
     from edgefl.strategies import Update
     from edgefl.transport import wire
 
@@ -1000,14 +1001,14 @@ def test_a_final_model_exported_after_the_run_is_still_announced_and_published(f
                                                                                 monkeypatch):
     import hashlib
 
-    import edgefl.sim as sim
+    from edgefl.runs.outputs import RoundExporter
 
-    real = sim.RoundExporter.__call__
+    real = RoundExporter.__call__
 
     def final_fails(self, round, params):     # the run's own final export fails (logged)
         return None if round == self.run.config.rounds else real(self, round, params)
 
-    monkeypatch.setattr(sim.RoundExporter, "__call__", final_fails)
+    monkeypatch.setattr(RoundExporter, "__call__", final_fails)
     f = fleet()
     f.start_daemon()
     for node in CLIENTS:

@@ -29,7 +29,9 @@ from edgefl.config import ConfigError
 from edgefl.data import load_dataset, partition
 from edgefl.models import build_model
 from edgefl.runconfig import load_run_config, run_config_from_mapping
-from edgefl.sim import local_datasets, model_sha256, prepare_run, simulate
+from edgefl.checkpoint import model_sha256
+from edgefl.runs.prepare import local_datasets, prepare_run
+from edgefl.sim import simulate
 from edgefl.strategies import (Setup, State, StrategyError, Update, get_strategy, strategy_names,
                                strategy_params)
 

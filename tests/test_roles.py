@@ -24,7 +24,9 @@ from edgefl.roles import messages as msg
 from edgefl.params import LayerTable
 from edgefl.roles.state import (append_journal, atomic_write, load_arrays, read_journal,
                                 save_arrays, tag_floats, untag_floats)
-from edgefl.sim import model_sha256, prepare_run, simulate
+from edgefl.checkpoint import model_sha256
+from edgefl.runs.prepare import prepare_run
+from edgefl.sim import simulate
 from edgefl.strategies import State, Update, select_clients
 from edgefl.transport import wire
 from edgefl.transport.base import Message

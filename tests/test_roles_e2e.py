@@ -29,21 +29,23 @@ import pytest
 import yaml
 
 pytest.register_assert_rewrite("brokers")
-from brokers import REPO  # noqa: E402
-from edgefl.cli import main  # noqa: E402
+from brokers import REPO    # noqa: E402
+from edgefl.cli import main    # noqa: E402
 from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings,  # noqa: E402
                           Client, ClientSettings, RunPlan, default_client_ids)
-from edgefl.roles import messages as msg  # noqa: E402
-from edgefl.roles.state import JOURNAL_FILE, read_journal  # noqa: E402
-from edgefl.runconfig import load_run_config  # noqa: E402
-from edgefl.sim import model_sha256, prepare_run, simulate  # noqa: E402
-from edgefl.strategies import Update, select_clients  # noqa: E402
-from edgefl.transport import wire  # noqa: E402
-from edgefl.transport.base import Message  # noqa: E402
-from edgefl.transport.broker import have_python_broker  # noqa: E402
-from edgefl.transport.mqtt import MqttTransport  # noqa: E402
-from edgefl.transport.topics import Topics  # noqa: E402
-from helpers import wait_for, write_run_yaml  # noqa: E402
+from edgefl.roles import messages as msg    # noqa: E402
+from edgefl.roles.state import JOURNAL_FILE, read_journal    # noqa: E402
+from edgefl.runconfig import load_run_config    # noqa: E402
+from edgefl.checkpoint import model_sha256# noqa: E402
+from edgefl.runs.prepare import prepare_run
+from edgefl.sim import simulate
+from edgefl.strategies import Update, select_clients    # noqa: E402
+from edgefl.transport import wire    # noqa: E402
+from edgefl.transport.base import Message    # noqa: E402
+from edgefl.transport.broker import have_python_broker    # noqa: E402
+from edgefl.transport.mqtt import MqttTransport    # noqa: E402
+from edgefl.transport.topics import Topics    # noqa: E402
+from helpers import wait_for, write_run_yaml    # noqa: E402
 
 pytest_plugins = ["brokers"]
 

@@ -17,7 +17,8 @@ from edgefl.rounds import (ClosedRound, RoundEngine, RoundPlan, UploadRefused, U
                            add_evaluation, round_record)
 from edgefl.roles import Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan, \
     default_client_ids
-from edgefl.sim import prepare_run, run_federation
+from edgefl.runs.prepare import prepare_run
+from edgefl.sim import run_federation
 from edgefl.strategies import Setup, StrategyError, Update, get_strategy, select_clients
 from edgefl.strategies.fedumf import FedUmf
 from edgefl.transport.loopback import LoopbackBroker

@@ -11,7 +11,8 @@ import yaml
 from edgefl.cli import main
 from edgefl.config import ConfigError
 from edgefl.runconfig import builtin_configs, load_run_config, run_config_from_mapping
-from edgefl.sim import Progress, load_checkpoint, model_sha256, simulate
+from edgefl.checkpoint import load_checkpoint, model_sha256
+from edgefl.sim import Progress, simulate
 
 SMALL = {
     "dataset": {"name": "digits", "limit_train": 600},
@@ -176,7 +177,8 @@ def test_deferred_evaluation_gives_every_round_its_own_accuracy_in_order(tmp_pat
     records still reach on_round in round order, each with the accuracy of its own round's
     model, the same numbers as evaluating between rounds on one thread."""
     from edgefl import kernels
-    from edgefl.sim import prepare_run, run_federation
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import run_federation
     config = load_run_config(write(tmp_path, small(eval_every=1)))
     run = prepare_run(config, workers=1, progress=False)
     test = (run.dataset.x_test, run.dataset.y_test)

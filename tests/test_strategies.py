@@ -15,7 +15,8 @@ import pytest
 from edgefl import kernels
 from edgefl.data import load_dataset, partition
 from edgefl.models import build_model
-from edgefl.sim import local_datasets, run_federation
+from edgefl.runs.prepare import local_datasets
+from edgefl.sim import run_federation
 from edgefl.strategies import (LocalData, Setup, State, Strategy, StrategyError, Update,
                                aggregation_weights, client_seed, get_strategy, local_round,
                                register, select_clients, strategy_names, strategy_params,

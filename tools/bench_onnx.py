@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO))  # a source checkout
 from _bench import markdown, time_medians  # noqa: E402  (tools/ is the script directory)
 
 from edgefl import __version__, kernels
-from edgefl.serve import UnixHTTPConnection  # noqa: E402
+from edgefl.serve import UnixHTTPConnection    # noqa: E402
 from edgefl.export import export_checkpoint, export_onnx, quantize_int8
 from edgefl.infer import Predictor
 from edgefl.models import build_model

@@ -40,10 +40,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import markdown  # noqa: E402
+from _bench import markdown    # noqa: E402
 
-from edgefl import kernels, sim  # noqa: E402
-from edgefl.runconfig import load_run_config  # noqa: E402
+from edgefl import kernels, sim    # noqa: E402
+from edgefl.runconfig import load_run_config    # noqa: E402
+from edgefl.runs.prepare import prepare_run    # noqa: E402
 
 
 def run_once(run, workers: int, inside: list) -> tuple[float, float, int]:
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     config = load_run_config("quickstart")
-    run = sim.prepare_run(config, workers=2, progress=False)
+    run = prepare_run(config, workers=2, progress=False)
 
     # time inside the backend's kernel call (after kernels.py's checks), for the strict
     # single-thread measure

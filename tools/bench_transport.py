@@ -212,7 +212,8 @@ def _roles_rounds(config, url: str, max_payload: int) -> list[dict]:
     """The per-round records of a run of the roles through the broker at `url`, each with
     `cycle_s`: the time from the previous round's commit (checkpoint written) to this one's,
     so everything the aggregator does between rounds counts."""
-    from edgefl.sim import prepare_run, run_over_broker
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import run_over_broker
 
     run = prepare_run(config, progress=False)
     commits = []        # (wall clock, the aggregator thread's CPU time) at each commit
@@ -379,7 +380,7 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> lis
 
     from edgefl.roles import Aggregator, AggregatorSettings, RunPlan, default_client_ids
     from edgefl.runconfig import run_config_from_mapping
-    from edgefl.sim import prepare_run
+    from edgefl.runs.prepare import prepare_run
     from edgefl.transport.mqtt import MqttTransport
 
     config = run_config_from_mapping(config_map)
@@ -432,7 +433,7 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> lis
 
 
 def bench_round(args) -> Iterator[dict]:
-    from edgefl.sim import prepare_run
+    from edgefl.runs.prepare import prepare_run
     from edgefl.transport.broker import (EmbeddedBroker, find_mosquitto, have_python_broker,
                                          packet_bytes_for)
 
@@ -569,7 +570,7 @@ def bench_memory(args) -> Iterator[dict]:
     from edgefl.data import load_dataset
     from edgefl.roles import Aggregator, AggregatorSettings, RunPlan
     from edgefl.runconfig import run_config_from_mapping
-    from edgefl.sim import prepare_run
+    from edgefl.runs.prepare import prepare_run
     from edgefl.transport.broker import EmbeddedBroker, find_mosquitto
     from edgefl.transport.mqtt import MqttTransport
 

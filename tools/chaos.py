@@ -89,11 +89,11 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import yaml  # noqa: E402
 
-from edgefl.roles.state import JOURNAL_FILE, AggregatorCheckpoint, read_journal  # noqa: E402
-from edgefl.transport import wire  # noqa: E402
+from edgefl.roles.state import JOURNAL_FILE, AggregatorCheckpoint, read_journal    # noqa: E402
+from edgefl.transport import wire    # noqa: E402
 from edgefl.transport.broker import (adapt_mosquitto_conf, find_mosquitto,  # noqa: E402
                                      free_port, probe)
-from mqtt_proxy import MqttFaultProxy  # noqa: E402
+from mqtt_proxy import MqttFaultProxy    # noqa: E402
 
 MOSQUITTO_CONF = REPO / "broker" / "mosquitto.conf"
 MOSQUITTO_ACL = REPO / "broker" / "acl"

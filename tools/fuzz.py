@@ -43,9 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from _bench import markdown  # noqa: E402
-from edgefl.params import LayerTable  # noqa: E402
-from edgefl.transport import wire  # noqa: E402
+from _bench import markdown    # noqa: E402
+from edgefl.params import LayerTable    # noqa: E402
+from edgefl.transport import wire    # noqa: E402
 
 TABLE = LayerTable.from_shapes([("w", (16, 8)), ("b", (8,))])
 SENDERS = ("pi-01", "pi-02", "pi-03", "pi-04")

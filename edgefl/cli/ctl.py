@@ -108,7 +108,7 @@ def _ctl_command(args: argparse.Namespace) -> dict:
     doc: dict = {"cmd": args.action}
     if args.action == "start":
         from ..runconfig import load_run_config
-        from ..roles.outputs import absolute_dataset_paths as _absolute_paths
+        from ..runs.outputs import absolute_dataset_paths as _absolute_paths
 
         if args.run_config is None:
             raise ValueError("ctl start: name the run config (a YAML file or built-in name)")

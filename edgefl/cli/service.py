@@ -286,7 +286,7 @@ def _client(args: argparse.Namespace) -> int:
     run_config, flags = None, {}
     if args.partition is not None:
         from ..runconfig import load_run_config
-        from ..roles.outputs import absolute_dataset_paths as _absolute_paths
+        from ..runs.outputs import absolute_dataset_paths as _absolute_paths
 
         run_config = load_run_config(args.partition)
         # the client's data is the run's dataset, a command-line setting
@@ -294,7 +294,7 @@ def _client(args: argparse.Namespace) -> int:
                          _absolute_paths(run_config.dataset, run_config.path))
     config = _role_start("client", args, flags=flags)
     if run_config is not None:
-        from ..roles.runner import client_shard
+        from ..runs.prepare import client_shard
 
         x, y = client_shard(run_config, args.shard)
     else:

@@ -157,8 +157,8 @@ def export_run_checkpoint(record: dict) -> dict:
     from ..config import dataset_from_config
     from ..export import export_run, run_from_params
     from ..strategies import get_strategy
-    from .outputs import absolute_dataset_paths
-    from .runner import RunResult, build_run_model
+    from ..runs.outputs import absolute_dataset_paths
+    from ..runs.prepare import RunResult, build_run_model
 
     ckpt = AggregatorCheckpoint.load(record["state_dir"])
     if ckpt is None:

@@ -1,12 +1,7 @@
-"""A run of a RunConfig: made concrete (`prepare_run`), and run by the aggregator role
-(`run_aggregator`, what `edgefl aggregator` and its service run for each run).
-
-`prepare_run` loads the data set, partitions it, builds the model and its seeded initial
-buffer and the strategy (after its offline phase, e.g. DUW's table): a `PreparedRun`, what
-`edgefl simulate` (edgefl.sim) starts from too. `run_aggregator` runs (or resumes) it as
-the Aggregator role over a Transport and writes the run's outputs (roles.outputs). A run
-ends in a `RunResult`: the server state, the clients' states, one record per round and the
-global model.
+"""The aggregator role's run of a RunConfig (`run_aggregator`): what `edgefl aggregator` and
+its service (roles/daemon.py) run for each run. It prepares the run (edgefl.runs.prepare),
+runs or resumes it as the Aggregator over a Transport, and writes the run's outputs
+(edgefl.runs.outputs), as `edgefl simulate` does for an in-process run.
 """
 from __future__ import annotations
 
@@ -14,115 +9,19 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
 
-import numpy as np
-
-from ..checkpoint import model_sha256
-from ..config import ConfigError, dataset_from_config, partition_from_config
-from ..errors import KernelError
+from ..errors import ConfigError
 from ..io import atomic_write, jsonable
-from ..models import Model, build_model
 from ..runconfig import RunConfig
-from ..strategies import LocalData, Setup, State, Strategy, get_strategy
+from ..runs.outputs import RoundExporter, run_summary, write_outputs
+from ..runs.prepare import RunResult, prepare_run
+from ..strategies import get_strategy
 from .aggregator import Aggregator, RunPlan, default_client_ids
-from .outputs import RoundExporter, run_summary, write_outputs
 from .state import AggregatorCheckpoint
 
 log = logging.getLogger("edgefl.roles.runner")
 
-__all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run", "run_aggregator"]
-
-
-@dataclass
-class RunResult:
-    """How a run ended, in process or over a broker."""
-    state: State                      # the server state after the last round
-    client_states: dict               # {client: State | None}
-    history: list = field(default_factory=list)   # one metrics dict per round
-    params: np.ndarray | None = None  # strategy.global_model(state)
-
-    @property
-    def model_sha256(self) -> str:
-        return model_sha256(self.params)
-
-
-def local_datasets(dataset, split, model: Model) -> dict:
-    """{client: LocalData} for a Dataset and a Partition (per-client labels when the
-    partitioner replaced them, as label-noise does)."""
-    out = {}
-    for c, idx in enumerate(split.indices):
-        y = split.labels[c] if split.labels is not None else dataset.y_train[idx]
-        out[c] = LocalData(c, model, np.ascontiguousarray(dataset.x_train[idx]),
-                           np.ascontiguousarray(y))
-    return out
-
-
-@dataclass
-class PreparedRun:
-    """A RunConfig made concrete: data, split, model, initial parameters, the strategy (after
-    its offline phase, e.g. DUW's table), the Setup (units filled in) and each client's
-    LocalData. What `simulate` and `edgefl aggregator` start from."""
-    config: RunConfig
-    dataset: object
-    split: object
-    model: Model
-    init_params: np.ndarray
-    strategy: Strategy
-    setup: Setup
-    clients: dict
-
-
-def build_run_model(config: RunConfig, dataset) -> Model:
-    model_spec = {k: v for k, v in config.model.items() if k != "init"}
-    try:
-        return build_model(model_spec, dataset.input_shape, dataset.num_classes)
-    except KernelError as exc:
-        raise ConfigError(f"{config.path or '<config>'}: model: {exc}") from None
-
-
-def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
-                progress: bool | None = None, stream=None,
-                strategy: Strategy | None = None) -> PreparedRun:
-    """Load the dataset, partition it, build the model and its seeded initial buffer, and
-    the strategy; run the strategy's offline phase (`prepare`, DUW's table) unless a ready
-    `strategy` is given (a resumed aggregator takes it from its checkpoint)."""
-    dataset = dataset_from_config(config.as_config())
-    split = partition_from_config(config.as_config(), dataset)
-    model = build_run_model(config, dataset)
-    init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
-    setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),
-                  lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds,
-                  units=Setup.units_of(model))
-    clients = local_datasets(dataset, split, model)
-    workers = (os.cpu_count() or 1) if workers is None else int(workers)
-    if strategy is None:
-        strategy = get_strategy(config.strategy, **config.strategy_params)
-        prepare = getattr(strategy, "prepare", None)   # an offline phase (DUW's table)
-        if prepare is not None:
-            strategy = prepare(init_params, clients, setup, config=config, out_dir=out_dir,
-                               stream=None if progress is False else (stream or sys.stderr),
-                               workers=workers)
-    if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
-        from ..attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
-        strategy = with_attack(strategy, config.attack, setup.clients)
-    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients)
-
-
-def client_shard(config: RunConfig, index: int) -> tuple:
-    """(x, y) of client `index` under the config's dataset and partition: what the
-    in-process simulation gives that client, for a test or simulation fleet whose clients
-    are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
-    dataset = dataset_from_config(config.as_config())
-    split = partition_from_config(config.as_config(), dataset)
-    n = len(split.indices)
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
-        raise ConfigError(f"{config.path or '<config>'}: shard {index!r}: the partition has "
-                          f"clients 0..{n - 1}")
-    idx = split.indices[index]
-    y = split.labels[index] if split.labels is not None else dataset.y_train[idx]
-    return np.ascontiguousarray(dataset.x_train[idx]), np.ascontiguousarray(y)
+__all__ = ["run_aggregator"]
 
 
 def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,

@@ -10,7 +10,7 @@
 
 A `RoundExporter` exports the rounds an ExportPolicy names while the run goes on. A `result`
 here is a run's end: `params` (the global model), `history` (one record per round) and
-`state` (the server State), as roles.runner.RunResult has them. Every file is replaced
+`state` (the server State), as runs.prepare.RunResult has them. Every file is replaced
 atomically (edgefl.io).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..models import Model
 from ..runconfig import RunConfig
 from ..strategies import Strategy
 
-log = logging.getLogger("edgefl.roles.outputs")
+log = logging.getLogger("edgefl.runs.outputs")
 
 __all__ = ["RoundExporter", "absolute_dataset_paths", "export_final_onnx", "plot_curves",
            "run_summary", "write_outputs"]

@@ -1,0 +1,117 @@
+"""`edgefl simulate`: a whole federation, the aggregator and N virtual clients, in one
+process, for trying an algorithm or a config on one machine before a fleet runs it.
+
+    loop.py         run_federation: the round engine's rounds over in-memory clients, trained
+                    in a thread pool
+    over_broker.py  run_over_broker: the same rounds through an MQTT broker with the real
+                    roles as threads of this process (`--transport mqtt`)
+    progress.py     the progress bar
+
+`simulate` (here) runs either for a RunConfig: it prepares the run as `edgefl aggregator`
+does (edgefl.runs.prepare: data set, partition, model, strategy) and writes to an output
+directory (metrics.jsonl as the rounds end, the rest by edgefl.runs.outputs):
+
+    metrics.jsonl  one JSON object per round: round, test_accuracy, test_loss (null on
+                   rounds not evaluated), train_loss (mean over the uploaders' local steps),
+                   uplink_bytes, downlink_bytes (float32 bytes of the buffers actually sent,
+                   summed over recipients), wall_s (this round), train_wall_s (the parallel
+                   phase: the clients' training and, with more than one thread, the previous
+                   round's evaluation), elapsed_s, selected (sorted ids), trained (clients that
+                   trained; FedUmf trains unselected ones too), plus the strategy's metrics
+    summary.json   final/best accuracy, rounds, the resolved config, model_sha256 (of the
+                   final global float32 buffer), bytes moved, timings (overhead_fraction =
+                   share of wall time outside the parallel phase)
+    model.npz      the final global buffer, layer table (JSON), model spec, round, the
+                   strategy's state buffers and meta, the input normalisation
+    curves.png     test accuracy and loss by round
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Mapping
+
+from ..io import jsonable
+from ..runconfig import RunConfig
+from ..runs.outputs import RoundExporter, run_summary, write_outputs
+from ..runs.prepare import prepare_run
+from .loop import run_federation
+from .over_broker import run_over_broker
+from .progress import Progress
+
+__all__ = ["TRANSPORTS", "simulate", "run_federation", "run_over_broker", "Progress"]
+
+
+TRANSPORTS = ("inproc", "mqtt")
+
+
+def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: int | None = None,
+             progress: bool | None = None, stream=None, transport: str = "inproc",
+             broker: str | None = None, broker_kind: str = "auto",
+             mqtt: Mapping | None = None, export=None) -> dict:
+    """Run the configured federation and write metrics.jsonl, summary.json, model.npz and
+    curves.png into `out_dir` (None: write nothing). progress: None = show a progress bar on
+    stderr (a bar on a TTY, one line per round otherwise), False = silent. Returns the
+    summary dict.
+
+    transport "inproc" (default) runs `run_federation`; "mqtt" runs the same rounds through
+    a broker -- `broker` (a URL), or an EmbeddedBroker of `broker_kind` started for the run --
+    with the aggregator and one client per partition shard as threads of this process
+    (`run_over_broker`; `mqtt`: its keyword options). Both give the same final model.
+
+    export: an edgefl.export.ExportPolicy; out_dir/model.onnx is the final model, replaced
+    atomically after every `export.every`-th round too (None: the final model only)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
+    if transport == "inproc" and broker is not None:
+        raise ValueError("a broker URL needs transport 'mqtt'")
+    run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
+                      stream=stream)
+    dataset, model, strategy = run.dataset, run.model, run.strategy
+    init_params, clients, setup = run.init_params, run.clients, run.setup
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+
+    metrics_file = None
+    if out_dir is not None:
+        out_dir = os.fspath(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w", encoding="utf-8")
+    bar = Progress(config.rounds, stream or sys.stderr, enabled=progress is not False)
+    exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate") \
+        if out_dir is not None else None
+
+    def on_round(record):
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(jsonable(record)) + "\n")
+            metrics_file.flush()
+        bar.update(record)
+
+    broker_info = None
+    try:
+        if transport == "inproc":
+            result = run_federation(strategy, init_params, clients, setup,
+                                    config.clients_per_round,
+                                    test=(dataset.x_test, dataset.y_test),
+                                    eval_every=config.eval_every, workers=workers,
+                                    on_round=on_round, on_model=exporter)
+        else:
+            result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
+                                                  workers=workers, on_round=on_round,
+                                                  on_model=exporter, **dict(mqtt or {}))
+    finally:
+        bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+
+    summary = run_summary(config, model, result, workers)
+    if broker_info is not None:
+        summary["transport"] = broker_info
+    if exporter is not None and exporter.exported:
+        summary["onnx_exports"] = list(exporter.exported)
+    if out_dir is not None:
+        write_outputs(out_dir, config, model, strategy, result, dataset, summary,
+                      stream or sys.stderr, "edgefl simulate",
+                      onnx_exported=exporter.last_round == config.rounds,
+                      export=exporter.policy)
+    return summary
