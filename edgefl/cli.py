@@ -229,12 +229,26 @@ def _duw_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _duw_train(args: argparse.Namespace) -> int:
-    from .duw_train import train_from_config
+    from .config import ConfigError
     from .runconfig import load_run_config
+    from .sim import prepare_run
+    from .strategies.duw import WEIGHTS_FILE, load_weights
 
     config = load_run_config(args.config, args.overrides)
-    doc = train_from_config(config, args.out, workers=args.workers,
-                            stream=None if args.quiet else sys.stderr)
+    where = config.path or "<config>"
+    if config.strategy != "duw":
+        raise ConfigError(f"{where}: strategy.name: duw-train learns DUW weights; got "
+                          f"{config.strategy!r} (set strategy.name = duw)")
+    for key in ("weights", "table"):            # else the offline phase would not train
+        if config.strategy_params.get(key) is not None:
+            raise ConfigError(f"{where}: strategy.{key}: duw-train writes a new table; remove "
+                              f"the key (--set strategy.{key}=)")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: need at least 1 thread")
+    # the strategy's offline phase (DUW.prepare) trains the table and writes it to --out
+    prepare_run(config, workers=args.workers, progress=not args.quiet,
+                out_files={WEIGHTS_FILE: args.out})
+    doc = load_weights(args.out)
     curve = doc["meta_loss"]
     change = f"meta-loss {curve[0]:.4f} -> {curve[-1]:.4f}" if curve else "no meta-iterations"
     print(f"duw: {doc['rounds']} x {len(doc['clients'])} weight table ({doc['base']}), "
@@ -243,7 +257,7 @@ def _duw_train(args: argparse.Namespace) -> int:
 
 
 register(Command("duw-train", "learn DUW's rounds x clients aggregation-weight table offline by "
-                              "unrolled simulation (specs/duw.md §2.4-2.7) and write it as JSON",
+                              "unrolled simulation and write it as JSON",
                  _duw_train_arguments, _duw_train))
 
 

@@ -12,12 +12,9 @@ import os
 import yaml
 
 from .data import Dataset, Partition, dataset_options, load_dataset, partition, partition_options
+from .errors import ConfigError     # re-exported: the configs' error, raised below them too
 
 _REMOVE = object()   # an override with an empty value deletes the key
-
-
-class ConfigError(ValueError):
-    """A configuration the run cannot use; the message names the file and the key."""
 
 
 class Config(dict):

@@ -1,6 +1,13 @@
 """Exceptions shared by both kernel backends and the layers above them."""
 
 
+class ConfigError(ValueError):
+    """A configuration the run cannot use; the message names the file and the key.
+
+    Here rather than in edgefl.config (which re-exports it) so that the layers below the
+    configs can raise it about files a config names, e.g. DUW's weight file."""
+
+
 class KernelError(ValueError):
     """An argument a kernel cannot take; the message names the argument and the problem."""
 

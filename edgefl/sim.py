@@ -49,8 +49,8 @@ from .config import ConfigError, dataset_from_config, partition_from_config
 from .errors import KernelError, NonFiniteError
 from .models import Model, build_model
 from .runconfig import RunConfig
-from .strategies import (LocalData, Setup, State, Strategy, get_strategy, mean_train_loss,
-                         select_clients)
+from .strategies import (LocalData, PrepareContext, Setup, State, Strategy, get_strategy,
+                         mean_train_loss, select_clients)
 
 log = logging.getLogger("edgefl.sim")
 
@@ -456,10 +456,12 @@ def build_run_model(config: RunConfig, dataset) -> Model:
 
 def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
                 progress: bool | None = None, stream=None,
-                strategy: Strategy | None = None) -> PreparedRun:
+                strategy: Strategy | None = None,
+                out_files: Mapping[str, str] | None = None) -> PreparedRun:
     """Load the dataset, partition it, build the model and its seeded initial buffer, and
-    the strategy; run the strategy's offline phase (`prepare`, DUW's table) unless a ready
-    `strategy` is given (a resumed aggregator takes it from its checkpoint)."""
+    the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
+    unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
+    What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out)."""
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     model = build_run_model(config, dataset)
@@ -471,11 +473,13 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if strategy is None:
         strategy = get_strategy(config.strategy, **config.strategy_params)
-        prepare = getattr(strategy, "prepare", None)   # an offline phase (DUW's table)
-        if prepare is not None:
-            strategy = prepare(init_params, clients, setup, config=config, out_dir=out_dir,
-                               stream=None if progress is False else (stream or sys.stderr),
-                               workers=workers)
+        context = PrepareContext(
+            where=config.path or "<config>", clients_per_round=config.clients_per_round,
+            base_dir=os.path.dirname(os.path.abspath(config.path)) if config.path else None,
+            record=config.to_dict(), out_dir=None if out_dir is None else os.fspath(out_dir),
+            out_files=dict(out_files or {}), workers=workers,
+            stream=None if progress is False else (stream or sys.stderr))
+        strategy = strategy.prepare(init_params, clients, setup, context)
     if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
         from .attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
         strategy = with_attack(strategy, config.attack, setup.clients)

@@ -26,8 +26,6 @@ from edgefl import kernels, reference
 from edgefl.cli import main
 from edgefl.config import ConfigError
 from edgefl.data import load_dataset
-from edgefl.duw_train import (Adam, hypergradient, load_weights, save_weights, train_table,
-                              unroll, weights_document)
 from edgefl.models import build_model
 from edgefl.runconfig import load_run_config
 from edgefl.sim import run_federation, simulate
@@ -35,8 +33,9 @@ from edgefl.strategies import (LocalData, Setup, StrategyError, Task, Update,
                                aggregation_weights, get_strategy, strategy_params,
                                weighted_average)
 from edgefl.strategies.fedavg import FedAvg
-from edgefl.strategies.duw import (initial_phi, initial_table, meta_seed, theta_from_phi,
-                                   uploads)
+from edgefl.strategies.duw import (Adam, hypergradient, initial_phi, initial_table,
+                                   load_weights, meta_seed, save_weights, theta_from_phi,
+                                   train_table, unroll, uploads, weights_document)
 
 # ---------------------------------------------------------------------------------------
 # fixtures
@@ -117,7 +116,7 @@ def _batches(seed, epochs, n, bs):
 def record_trajectory(strategy, setup, clients, w0, theta, iteration):
     """float64 replay of one meta-iteration: per round and client the minibatches and the
     displacement of the iterate before each step from w^(t) (§2.4), plus the round-T
-    batches. Written from the spec, not from edgefl.duw_train."""
+    batches. Written from the spec, not from edgefl.strategies.duw.unrolled."""
     ids = list(setup.clients)
     sizes = {c: clients[c].num_samples for c in ids}
     epochs = dict(zip(ids, strategy.local_epochs)) if strategy.local_epochs else \

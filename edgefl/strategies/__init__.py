@@ -30,6 +30,8 @@ import dataclasses
 import functools
 import importlib
 import math
+import os
+import pkgutil
 import types
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -39,11 +41,11 @@ import numpy as np
 
 from .. import kernels
 
-__all__ = ["StrategyError", "Setup", "Task", "Update", "State", "LocalData", "Strategy",
-           "register", "get_strategy", "strategy_names", "strategy_params", "client_seed",
-           "select_clients", "exact_weights", "aggregation_weights", "weighted_average",
-           "average_updates", "mean_train_loss", "local_round", "check_choice", "check_number",
-           "WEIGHTINGS", "extension_field"]
+__all__ = ["StrategyError", "Setup", "Task", "Update", "State", "LocalData", "PrepareContext",
+           "Strategy", "register", "get_strategy", "strategy_names", "strategy_params",
+           "client_seed", "select_clients", "exact_weights", "aggregation_weights",
+           "weighted_average", "average_updates", "mean_train_loss", "local_round",
+           "check_choice", "check_number", "WEIGHTINGS", "extension_field"]
 
 WEIGHTINGS = ("samples", "uniform")
 
@@ -250,6 +252,53 @@ class LocalData:
         return kernels.Samples(self.model, self.x, self.y)
 
 
+@dataclass(frozen=True)
+class PrepareContext:
+    """What a strategy's offline phase (`Strategy.prepare`) is given besides the federation.
+    The caller (`edgefl simulate`, `edgefl duw-train`) fills it in from its run config, so a
+    strategy never reads a config, and writes files only where it is told.
+
+    where:             the config's name, the prefix of error messages ("<config>" if none).
+    base_dir:          relative paths in the strategy's parameters (e.g. DUW's `weights`)
+                       are looked up here first (the config file's directory), then in the
+                       working directory; None: the working directory only.
+    clients_per_round: how many clients the run selects per round (None: not known), for
+                       strategies that need every client in every round to say so before
+                       an expensive offline phase rather than in round 1.
+    record:            the run config as plain data, stored with what the phase writes.
+    out_dir:           the run's output directory; the phase writes a result it names
+                       NAME to out_dir/NAME (None: nowhere) ...
+    out_files:         ... unless the caller asked for it at a path of its own:
+                       {NAME: path} (`edgefl duw-train --out`).
+    stream:            where progress lines go (None: silent).
+    workers:           threads the phase may use.
+    """
+    where: str = "<config>"
+    base_dir: str | None = None
+    clients_per_round: int | None = None
+    record: Mapping | None = None
+    out_dir: str | None = None
+    out_files: Mapping[str, str] = field(default_factory=dict)
+    stream: Any = None
+    workers: int = 1
+
+    def output(self, name: str) -> str | None:
+        """The path to write the phase's result `name` to, or None to write nothing."""
+        if name in self.out_files:
+            return str(self.out_files[name])
+        return None if self.out_dir is None else os.path.join(os.fspath(self.out_dir), name)
+
+    def resolve(self, path: str) -> str:
+        """A path from the strategy's parameters, with ~ expanded; a relative one beside the
+        config file when it exists there, else relative to the working directory."""
+        path = os.path.expanduser(path)
+        if self.base_dir and not os.path.isabs(path):
+            beside = os.path.join(self.base_dir, path)
+            if os.path.exists(beside):
+                return beside
+        return path
+
+
 # ---------------------------------------------------------------------------------------
 # the interface
 # ---------------------------------------------------------------------------------------
@@ -266,6 +315,17 @@ class Strategy:
     """
     name: ClassVar[str] = ""
     listed: ClassVar[bool] = True    # False: a wrapper, not offered by strategy_names()
+
+    # ---------------------------------------------------------------- offline phase
+    def prepare(self, init_params: np.ndarray, clients: Mapping[int, "LocalData"],
+                setup: Setup, context: PrepareContext | None = None) -> "Strategy":
+        """The strategy ready for round 1, after its offline phase, if it has one: work done
+        once before the run on the initial model and the clients' data (DUW learns its
+        weight table here). Called by the simulator for every strategy, and by
+        `edgefl duw-train`. Returns a strategy (itself, or a copy holding what the phase
+        produced in its parameters, so a checkpoint of the run keeps it). The default: no
+        offline phase."""
+        return self
 
     # ---------------------------------------------------------------- server half
     def init(self, global_params: np.ndarray, cfg: Setup) -> State:
@@ -351,11 +411,43 @@ def extension_field(default=None):
 # ---------------------------------------------------------------------------------------
 
 _REGISTRY: dict[str, type] = {}
-# imported on first lookup
-_MODULES = ("fedavg", "fednova", "mfl", "fedumf", "duw", "fedveca", "fedmr")
 # strategies that wrap another one and are not chosen by name in a config (an attack is the
 # run config's `attack:` section), but a client must rebuild them from an announcement
 _WRAPPER_MODULES = ("edgefl.attacks",)
+_DISCOVERED = False
+
+
+def _load_builtin() -> None:
+    """Import every algorithm of this package once, so its `@register` has run.
+
+    The rule: every module and subpackage of edgefl.strategies is an algorithm, except
+    - names starting with "_" (Python's mark of a private module), and
+    - modules that say `HELPER = True` at module level: shared code the algorithms import
+      (robust.py). They are imported too (that is harmless) but need not register.
+    So adding an algorithm is dropping one file (or package) here; there is no list to keep.
+    A module that is neither a helper nor registers a strategy is an error, not silence: a
+    forgotten `@register` would otherwise surface later as "unknown strategy". The helper
+    mark is a flag, not a leading underscore, because helpers such as `robust` are public
+    API that tests and other modules import by name.
+    """
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    for info in pkgutil.iter_modules(__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if getattr(module, "HELPER", False):
+            continue
+        if not any(cls.__module__ == module.__name__
+                   or cls.__module__.startswith(module.__name__ + ".")
+                   for cls in _REGISTRY.values()):
+            raise StrategyError(f"{module.__name__} registers no strategy: decorate its "
+                                f"Strategy class with @register(name), or mark the module "
+                                f"HELPER = True if it only holds shared code")
+    for module in _WRAPPER_MODULES:
+        importlib.import_module(module)
+    _DISCOVERED = True      # set last: a failed import is retried (and raises) next time
 
 
 def register(name: str):
@@ -372,13 +464,6 @@ def register(name: str):
         _REGISTRY[name] = cls
         return cls
     return wrap
-
-
-def _load_builtin() -> None:
-    for module in _MODULES:
-        importlib.import_module(f"{__name__}.{module}")
-    for module in _WRAPPER_MODULES:
-        importlib.import_module(module)
 
 
 def strategy_names() -> list:

@@ -59,6 +59,10 @@ import numpy as np
 from .. import kernels
 from . import StrategyError, Update, check_choice, check_number, exact_weights, weighted_average
 
+# shared code of fedavg, mfl and fednova, not an algorithm: strategy discovery
+# (strategies._load_builtin) imports this module but expects no @register in it
+HELPER = True
+
 __all__ = ["RULES", "ROBUST_DEFAULTS", "robust_params", "Screening", "screen", "clip_factors",
            "combine", "aggregate_robustly", "rejected_summary"]
 

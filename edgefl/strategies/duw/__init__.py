@@ -1,23 +1,30 @@
 """DUW: Nakai-Kasai, Wadayama, "Deep Unfolding-based Weighted Averaging for Federated Learning
-in Heterogeneous Environments" (arXiv 2212.12191; specs/duw.md). This module is Phase 2
-(§2.8): federated learning with a learned, round-dependent table of aggregation weights
-Theta (T rounds x K clients, eq. (19)); the table itself is learned offline in Phase 1 by
-`edgefl.duw_train` (unrolled simulation, first-order hypergradient, Adam; §2.4-§2.7, §3).
+in Heterogeneous Environments" (arXiv 2212.12191). Federated learning with a learned,
+round-dependent table of aggregation weights Theta (T rounds x K clients, the paper's
+eq. (19)). The table is learned offline, before the run, by the strategy's `prepare` hook
+(unrolled.py: unrolled simulation, first-order hypergradient, Adam; the paper's Alg. 3),
+called by `edgefl simulate` and by `edgefl duw-train`.
 
-Every client trains every round (DUW excludes client selection, §2.10) and the server sets
+    __init__.py  the strategy (the FL run with a table) and its offline phase `prepare`
+    table.py     the table, its parametrisation and the weight file
+    streams.py   the random streams (data order of the meta-training, upload draws)
+    unrolled.py  the unrolled simulation, its hypergradient and the table's training
+
+Every client trains every round (DUW excludes client selection) and the server sets
 
     w^(t+1) = sum_k Theta_k^(t) w_k^(t)                                             (19)
 
 with the table row of round t, unchanged: no renormalisation, and a client whose upload
-failed contributes the broadcast model w^(t) with its full weight (§2.4, the authors' code;
-§9 item 13). Client k runs E_k local epochs (`local_epochs`, computational heterogeneity);
-its upload gets through with probability p_k (`upload_prob`, communication heterogeneity,
-drawn per (seed, round, client) from a stream of its own, §2.10). A client whose upload is
+failed contributes the broadcast model w^(t) with its full weight (as the authors' code
+does). Client k runs E_k local epochs (`local_epochs`, computational heterogeneity); its
+upload gets through with probability p_k (`upload_prob`, communication heterogeneity, drawn
+per (seed, round, client) from a stream of its own, streams.py). A client whose upload is
 drawn to fail does not train: its result would be discarded and the aggregate is the same.
 
-base (§2.9):
-  fedavg   local SGD with the run's lr (DUW-FedAvg, Alg. 1 with line 5 replaced by (19)).
-  fednova  DUW-FedNova as the authors' code does it (§2.9, §8.10): client k's local lr is
+base:
+  fedavg   local SGD with the run's lr (DUW-FedAvg, the paper's Alg. 1 with line 5
+           replaced by (19)).
+  fednova  DUW-FedNova as the authors' code does it: client k's local lr is
            mu * tau_eff^(t) / ||a_k||_1 with tau_k = E_k * ceil(N_k / B) local steps
            (||a_k||_1 = tau_k for plain SGD, fednova.normalizer for local momentum) and
            tau_eff^(t) = sum_j (N_j / N) c_j^(t) ||a_j||_1 over the clients whose upload gets
@@ -30,30 +37,30 @@ Weights: `table` (rows = rounds 1..T, columns = clients in sorted id order) is n
 written by hand: `strategy: {name: duw, weights: FILE}` loads the file `edgefl duw-train`
 wrote, and `strategy: {name: duw}` without one trains the table first in the same run
 (`DUW.prepare`, called by `edgefl.sim.simulate` before round 1). With `meta_iterations: 0`
-the table is exactly N_k / N (the correctly rounded ratios FedAvg uses, §2.3), so DUW-FedAvg
+the table is exactly N_k / N (the correctly rounded ratios FedAvg uses), so DUW-FedAvg
 is FedAvg bit for bit -- and, with `local_epochs` / `upload_prob` set, it is the paper's
-FedAvg baseline in that environment (failed uploads substituted by w^(t), §2.4).
+FedAvg baseline in that environment (failed uploads substituted by w^(t)).
 
-Resolutions of specs/duw.md §8 (non-paper behaviour is marked so):
-  §8.1  Theta_k^(t) = phi_{k,t}^2 / sum_l phi_{l,t}^2, phi initialised to sqrt(N_k / N)
-        (authors' code), guard sum >= 1e-12. Before the first meta-step the table is the
-        correctly rounded N_k / N itself (not phi^2 / sum phi^2, which differs by round-off).
-  §8.5  the meta-training starts from the run's initial model (same w^(0) in both phases,
-        the authors' MNIST setup); `meta_init_seed` starts it from model.init(seed) instead.
-  §8.7  drop-outs are simulated from p_k in both phases; losses of dropped clients enter
-        the meta-loss (server-side simulation, §2.11 (i)).
-  §8.8  the table covers rounds 1..T only. beyond_horizon: error (default; retrain with
-        the new T, the faithful option) or mean (non-paper: use the time average
-        theta_k = mean_t Theta_k^(t), the objective weights of Theorem 1). A run shorter
-        than T uses the first rows (DUW's gain is largest at round T, §9 item 14).
-  §8.2-§8.4, §8.6  see edgefl.duw_train (meta-loss, its range, FO gradient, streams).
-  §8.9  defaults are the paper's values (M = 400, meta lr 0.001); the code's alternates
-        (e.g. 0.0005 for DUW-FedNova) are settings of meta_lr / meta_iterations.
-  §8.10 tau_k = E_k * ceil(N_k / B) (evaluation script), Alg. 5's loop bound read as
-        0..tau-1.
-  §8.12, §8.16, §8.17  not implemented: no balanced validation set, no early stopping (the
-        paper's lr and M are kept), no distributed meta-training (Phase 1 is a server-side
-        simulation over the clients' data, §2.11 (i)).
+Where the paper leaves a choice open (non-paper behaviour is marked so):
+  - Theta_k^(t) = phi_{k,t}^2 / sum_l phi_{l,t}^2, phi initialised to sqrt(N_k / N)
+    (authors' code), guard sum >= 1e-12. Before the first meta-step the table is the
+    correctly rounded N_k / N itself (not phi^2 / sum phi^2, which differs by round-off).
+  - the meta-training starts from the run's initial model (same w^(0) in both phases,
+    the authors' MNIST setup); `meta_init_seed` starts it from model.init(seed) instead.
+  - drop-outs are simulated from p_k in both phases; losses of dropped clients enter
+    the meta-loss (the table is trained in a server-side simulation).
+  - the table covers rounds 1..T only. beyond_horizon: error (default; retrain with
+    the new T, the faithful option) or mean (non-paper: use the time average
+    theta_k = mean_t Theta_k^(t), the objective weights of the paper's Theorem 1). A run
+    shorter than T uses the first rows (DUW's gain is largest at round T).
+  - the meta-loss, its range, the first-order gradient and the streams: see unrolled.py.
+  - defaults are the paper's values (M = 400, meta lr 0.001); the authors' code's
+    alternates (e.g. 0.0005 for DUW-FedNova) are settings of meta_lr / meta_iterations.
+  - tau_k = E_k * ceil(N_k / B) (the authors' evaluation script), Alg. 5's loop bound
+    read as 0..tau-1.
+  - not implemented: a balanced validation set, early stopping (the paper's lr and M are
+    kept), distributed meta-training (the table is trained in a server-side simulation
+    over the clients' data).
 """
 from __future__ import annotations
 
@@ -65,75 +72,26 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .. import kernels
-from . import (Setup, State, Strategy, StrategyError, Task, Update, check_choice, check_number,
-               local_round, mean_train_loss, register, weighted_average)
-from .fednova import normalizer
+from ... import kernels
+from ...errors import ConfigError
+from .. import (PrepareContext, Setup, State, Strategy, StrategyError, Task, Update,
+                check_choice, check_number, local_round, mean_train_loss, register,
+                weighted_average)
+from ..fednova import normalizer
+from .streams import meta_seed, uploads
+from .table import (SIMPLEX_TOLERANCE, WEIGHTS_FILE, as_list, check_document, check_table,
+                    initial_phi, initial_table, load_weights, save_weights, theta_from_phi,
+                    weights_document)
+from .unrolled import (Adam, TrainedTable, Unrolled, hypergradient, progress_reporter,
+                       sorted_clients, train_table, unroll)
+
+__all__ = ["DUW", "BASES", "HORIZONS", "SIMPLEX_TOLERANCE", "WEIGHTS_FILE", "initial_table",
+           "initial_phi", "theta_from_phi", "meta_seed", "uploads", "Unrolled", "unroll",
+           "hypergradient", "Adam", "TrainedTable", "train_table", "weights_document",
+           "save_weights", "load_weights"]
 
 BASES = ("fedavg", "fednova")
 HORIZONS = ("error", "mean")
-SIMPLEX_TOLERANCE = 1e-9        # |sum_k Theta_k^(t) - 1| accepted in a given table
-
-_DROP_STREAM = 0xD809           # upload success draws c_k^(t) ~ Bernoulli(p_k)
-_META_STREAM = 0xDE7A           # data order of the meta-training's local rounds
-_DEPLOY = 0                     # iteration code of the FL run (meta-iteration m has m + 1)
-
-
-# ---------------------------------------------------------------------------------------
-# the table and its parametrisation (§2.3)
-# ---------------------------------------------------------------------------------------
-
-def initial_table(num_samples: Sequence[int], rounds: int) -> np.ndarray:
-    """(T, K) float64 table with every row the correctly rounded N_k / N (eq. (3)): the
-    table before any meta-step, identical to the weights FedAvg's `aggregation_weights`
-    computes, so DUW with M = 0 reproduces FedAvg bit for bit (§9 item 2)."""
-    counts = [int(n) for n in num_samples]
-    total = sum(counts)
-    if not counts or total <= 0 or min(counts) <= 0:
-        raise StrategyError(f"duw: sample counts {counts} cannot weight an average")
-    row = [float(Fraction(n, total)) for n in counts]
-    return np.tile(np.array(row, dtype=np.float64), (int(rounds), 1))
-
-
-def initial_phi(num_samples: Sequence[int], rounds: int) -> np.ndarray:
-    """(T, K) raw parameters phi_{k,t} = sqrt(N_k / N) (§2.3, authors' code)."""
-    counts = np.asarray(num_samples, dtype=np.float64)
-    return np.tile(np.sqrt(counts / counts.sum()), (int(rounds), 1))
-
-
-def theta_from_phi(phi: np.ndarray) -> np.ndarray:
-    """Theta_k^(t) = phi_{k,t}^2 / sum_l phi_{l,t}^2 per round (row), sum guarded at 1e-12
-    (§2.3, §8.1). Invariant to scaling a row of phi and to the signs of phi."""
-    sq = np.square(np.asarray(phi, dtype=np.float64))
-    return sq / np.maximum(sq.sum(axis=1, keepdims=True), 1e-12)
-
-
-# ---------------------------------------------------------------------------------------
-# random streams (§3.4 (4)): one per (iteration, round, client); epochs inside the kernel
-# ---------------------------------------------------------------------------------------
-
-def meta_seed(seed: int, iteration: int, round: int, client: int) -> int:
-    """Data-order seed of `client`'s local round `round` in meta-iteration `iteration`
-    (0-based; round T+1 is the evaluation-only pass). local_train draws epoch e's shuffle
-    from (this seed, e), so every (meta-iteration, round, client, epoch) has its own stream,
-    independent of thread scheduling, and different from the FL run's `client_seed`s."""
-    ss = np.random.SeedSequence((int(seed), _META_STREAM, int(iteration), int(round), int(client)))
-    return int(ss.generate_state(1, np.uint64)[0])
-
-
-def uploads(seed: int, round: int, clients: Sequence[int], upload_prob: Sequence[float] | None,
-            iteration: int | None = None) -> dict:
-    """{client: upload gets through} for round `round`: c_k ~ Bernoulli(p_k), one draw from a
-    Generator seeded by (seed, iteration, round, client); iteration None is the FL run,
-    an int the meta-iteration (each draws a fresh pattern, §2.4, §8.6). p = None: all True."""
-    if upload_prob is None:
-        return {int(c): True for c in clients}
-    code = _DEPLOY if iteration is None else int(iteration) + 1
-    out = {}
-    for c, p in zip(clients, upload_prob):
-        rng = np.random.default_rng((int(seed), _DROP_STREAM, code, int(round), int(c)))
-        out[int(c)] = bool(rng.random() < p)
-    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -143,19 +101,19 @@ def uploads(seed: int, round: int, clients: Sequence[int], upload_prob: Sequence
 @register("duw")
 @dataclass(frozen=True)
 class DUW(Strategy):
-    """DUW-FedAvg / DUW-FedNova (§2.8-§2.9).
+    """DUW-FedAvg / DUW-FedNova.
 
     base:            fedavg | fednova, the FL algorithm the weights are learned for and used with.
     weights:         a weight file written by `edgefl duw-train` (a relative path: beside the
                      config file, else in the working directory).
-    meta_iterations: M, Adam steps of the meta-training (§2.7; paper 400-1000).
+    meta_iterations: M, Adam steps of the meta-training (paper 400-1000).
     meta_lr:         Adam's learning rate on phi (paper 0.001; the code uses 0.0005 for
-                     DUW-FedNova, §8.9).
+                     DUW-FedNova).
     local_epochs:    E_k per client (sorted ids), or None for train.epochs everywhere.
     upload_prob:     p_k per client, or None for perfect communication.
-    meta_init_seed:  None: meta-train from the run's initial model (§8.5); an int: from
+    meta_init_seed:  None: meta-train from the run's initial model; an int: from
                      model.init(meta_init_seed).
-    beyond_horizon:  error | mean, what rounds after the table's T use (§8.8).
+    beyond_horizon:  error | mean, what rounds after the table's T use.
     table:           the T x K weights (rows sum to 1), filled by `prepare` from `weights`
                      or by meta-training; may be given inline.
     num_samples:     N_k per client, filled with the table (DUW-FedNova's tau_eff needs it
@@ -187,27 +145,66 @@ class DUW(Strategy):
         object.__setattr__(self, "local_epochs", _int_list("local_epochs", self.local_epochs, 1))
         object.__setattr__(self, "num_samples", _int_list("num_samples", self.num_samples, 1))
         if self.upload_prob is not None:
-            probs = _as_list("upload_prob", self.upload_prob)
+            probs = as_list("upload_prob", self.upload_prob)
             for p in probs:
                 check_number("duw", "upload_prob", p, 0, 1,
                              why=f"each p_k is a probability; got {list(probs)}")
             object.__setattr__(self, "upload_prob", tuple(float(p) for p in probs))
         if self.table is not None:
-            object.__setattr__(self, "table", _check_table(self.table))
+            object.__setattr__(self, "table", check_table(self.table))
             if self.num_samples is not None and len(self.num_samples) != len(self.table[0]):
                 raise StrategyError(f"strategy 'duw': num_samples = has {len(self.num_samples)} "
                                     f"entries for a table of {len(self.table[0])} clients")
 
     # ---------------------------------------------------------------- the offline phase
-    def prepare(self, init_params, clients, setup: Setup, *, config=None, out_dir=None,
-                stream=None, workers: int = 1) -> "DUW":
-        """This strategy with its table: as given, loaded from `weights`, or meta-trained on
-        the clients' data (Phase 1, server-side simulation, §2.11 (i)); see
-        edgefl.duw_train.prepare_strategy."""
-        from ..duw_train import prepare_strategy
+    def prepare(self, init_params, clients, setup: Setup,
+                context: PrepareContext | None = None) -> "DUW":
+        """This strategy with its table (the `Strategy.prepare` hook):
 
-        return prepare_strategy(self, init_params, clients, setup, config=config,
-                                out_dir=out_dir, stream=stream, workers=workers)
+        - table given inline: unchanged;
+        - weights: the file (`context.resolve`: a relative path is looked up beside the
+          config file first, then in the working directory, so
+          `--set strategy.weights=runs/x/duw_weights.json` works with a built-in config),
+          checked against this federation (client ids, sample counts, base, horizon);
+        - neither: meta-trained here on the clients' data (unrolled.train_table, a
+          server-side simulation), and the weight file written where the context says
+          (`context.output(WEIGHTS_FILE)`: the run's out_dir/duw_weights.json, or
+          `edgefl duw-train --out`), so the table can be reused with
+          `--set strategy.weights=...`.
+        Environment lists of the wrong length raise StrategyError without a context and
+        ConfigError naming `context.where` with one."""
+        given, context = context is not None, context or PrepareContext()
+        if context.clients_per_round is not None \
+                and context.clients_per_round != len(setup.clients):
+            raise ConfigError(f"{context.where}: clients_per_round: DUW needs every client in "
+                              f"every round (its table is indexed by client); set it to "
+                              f"partition.clients = {len(setup.clients)}")
+        data = sorted_clients(clients, setup)
+        sizes = [d.num_samples for d in data]
+        try:                                  # per-client lists against this federation, now
+            self.epochs_of(setup)
+            self.upload_probs(setup)
+        except StrategyError as exc:
+            if not given:
+                raise
+            raise ConfigError(f"{context.where}: {exc}") from None
+        if self.table is not None:
+            return self
+        if self.weights is not None:
+            path = context.resolve(self.weights)
+            doc = load_weights(path)
+            check_document(doc, path, self.base, self.beyond_horizon, setup, sizes)
+            return self.with_table(np.array(doc["table"]), sizes)
+        init = init_params
+        if self.meta_init_seed is not None:
+            init = data[0].model.init(self.meta_init_seed)
+        trained = train_table(self, setup, clients, init, workers=context.workers,
+                              on_iteration=progress_reporter(self.meta_iterations,
+                                                             context.stream))
+        out = context.output(WEIGHTS_FILE)
+        if out is not None:
+            save_weights(out, weights_document(trained, self, setup, context.record))
+        return self.with_table(trained.table, sizes)
 
     def with_table(self, table: np.ndarray, num_samples: Sequence[int]) -> "DUW":
         """A copy using `table` (T x K) and the clients' sample counts."""
@@ -236,7 +233,7 @@ class DUW(Strategy):
         """{client: kernels.train_config} of round `round` (1-based) for every client: the
         setup's train section, E_k, the data-order seed (the FL run's `client_seed` when
         iteration is None, else `meta_seed`) and, for base fednova, the local lr
-        mu tau_eff^(t) / ||a_k||_1 (§2.9). Shared by the FL run and the unrolled simulation,
+        mu tau_eff^(t) / ||a_k||_1. Shared by the FL run and the unrolled simulation,
         so both run the same local rounds."""
         epochs = self.epochs_of(setup)
         cfgs = {}
@@ -275,7 +272,7 @@ class DUW(Strategy):
 
     def weights_of(self, round: int) -> np.ndarray:
         """The K weights of round `round` (1-based): row round-1 of the table, or after the
-        table's T the time average (beyond_horizon: mean, §8.8)."""
+        table's T the time average (beyond_horizon: mean)."""
         table = np.asarray(self.table, dtype=np.float64)
         if round <= len(table):
             return table[round - 1]
@@ -287,7 +284,7 @@ class DUW(Strategy):
         setup = self.setup(state)
         if sorted(clients) != list(setup.clients):
             raise StrategyError(f"strategy 'duw': every client takes part in every round (the "
-                                f"table is indexed by client, §2.10); got {len(clients)} of "
+                                f"table is indexed by client); got {len(clients)} of "
                                 f"{len(setup.clients)} -- set clients_per_round to "
                                 f"{len(setup.clients)}")
         uploaded = uploads(setup.seed, round, setup.clients, self.upload_probs(setup))
@@ -298,7 +295,7 @@ class DUW(Strategy):
 
     def aggregate(self, round, updates, state):
         """(19) over every client of the federation, in sorted id order; a client without an
-        update contributes the current global model w^(t) with its full weight (§2.4)."""
+        update contributes the current global model w^(t) with its full weight."""
         setup = self.setup(state)
         stray = sorted(set(updates) - set(setup.clients))
         if stray:
@@ -332,19 +329,10 @@ def _check_int(key: str, value, lo: int) -> None:
         raise StrategyError(f"strategy 'duw': {key} = {value!r} must be an integer >= {lo}")
 
 
-def _as_list(key: str, value) -> list:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, np.ndarray)):
-        raise StrategyError(f"strategy 'duw': {key} = {value!r} must be a list with one entry "
-                            f"per client")
-    if len(value) == 0:
-        raise StrategyError(f"strategy 'duw': {key} = [] must have one entry per client")
-    return list(value)
-
-
 def _int_list(key: str, value, lo: int):
     if value is None:
         return None
-    items = _as_list(key, value)
+    items = as_list(key, value)
     for v in items:
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < lo:
             raise StrategyError(f"strategy 'duw': {key} = {items!r}: every entry must be an "
@@ -358,28 +346,7 @@ def _check_length(key: str, values, setup: Setup) -> None:
                             f"for {len(setup.clients)} clients")
 
 
-def _check_table(table) -> tuple:
-    rows = _as_list("table", table)
-    try:
-        arr = np.array([[float(v) for v in _as_list("table", row)] for row in rows],
-                       dtype=np.float64)
-    except (TypeError, ValueError):
-        raise StrategyError("strategy 'duw': table = must be T rows of K numbers (rounds x "
-                            "clients)") from None
-    if arr.ndim != 2:
-        raise StrategyError("strategy 'duw': table = rows have different lengths; need T rows "
-                            "of K numbers")
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise StrategyError("strategy 'duw': table = has negative or non-finite weights")
-    sums = arr.sum(axis=1)
-    bad = np.flatnonzero(np.abs(sums - 1) > SIMPLEX_TOLERANCE)
-    if bad.size:
-        raise StrategyError(f"strategy 'duw': table = row {int(bad[0]) + 1} sums to "
-                            f"{sums[bad[0]]!r}, not 1 (Theta is used without renormalisation)")
-    return tuple(tuple(float(v) for v in row) for row in arr)
-
-
 def _horizon_message(table_rounds: int, rounds: int) -> str:
     return (f"strategy 'duw': the weight table covers {table_rounds} rounds but round {rounds} "
             f"was asked for; retrain it for rounds = {rounds}, or set beyond_horizon = mean "
-            f"(valid: {', '.join(HORIZONS)}) to use its time average (specs/duw.md §8.8)")
+            f"(valid: {', '.join(HORIZONS)}) to use its time average")
