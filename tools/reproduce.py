@@ -36,7 +36,9 @@ arm). Runs execute in --workers processes (default: the CPU count), one training
 each; results do not depend on the number of workers (simulate is deterministic per seed).
 
 docs/results.md keeps one section per mode (quick, full), each stating the command, its wall
-time and the machine; running one mode replaces only its section. With --only the report
+time and the machine; running one mode replaces only its section. Sections between
+`<!-- kept:NAME -->` and `<!-- /kept:NAME -->` lines were measured otherwise and are kept as
+they are, after the generated ones. With --only the report
 goes to OUT/results.md unless --results is given, so a partial run never overwrites the
 committed one. --report-only rebuilds the report from the run directories of an earlier
 invocation (OUT/manifest.json keeps its command and wall time).
@@ -822,6 +824,9 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
 
 SECTION_RE = re.compile(r"<!-- reproduce:(\w+) (\{.*?\}) -->\n(.*?)<!-- /reproduce:\1 -->\n",
                         re.DOTALL)
+# sections measured by other means (e.g. the server optimisers' table): kept as they are,
+# after the generated ones, when a run rewrites the file
+KEPT_RE = re.compile(r"<!-- kept:([\w-]+) -->\n.*?<!-- /kept:\1 -->\n", re.DOTALL)
 
 
 def render_section(mode, manifest, experiments, tables, failures) -> tuple:
@@ -851,11 +856,13 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
 
 
 def write_results(path: str, mode: str, section: str, meta: dict) -> None:
-    sections = {}
+    sections, kept = {}, []
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            for match in SECTION_RE.finditer(f.read()):
-                sections[match.group(1)] = (json.loads(match.group(2)), match.group(3))
+            text = f.read()
+        for match in SECTION_RE.finditer(text):
+            sections[match.group(1)] = (json.loads(match.group(2)), match.group(3))
+        kept = [match.group(0) for match in KEPT_RE.finditer(text)]
     sections[mode] = (meta, section.rstrip("\n") + "\n")
     names, titles = [], {}
     for m in MODES:
@@ -891,6 +898,9 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
         lines.append(f"<!-- reproduce:{m} {json.dumps(meta_m, ensure_ascii=False)} -->")
         lines.append(text.rstrip("\n"))
         lines.append(f"<!-- /reproduce:{m} -->")
+        lines.append("")
+    for block in kept:
+        lines.append(block.rstrip("\n"))
         lines.append("")
     tmp = f"{path}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
