@@ -238,7 +238,8 @@ static void test_gradient_and_training(void)
     memset(m1, 0, sizeof m1);
     memset(m2, 0, sizeof m2);
     ef_train_result r1, r2;
-    CHECK(ef_local_train(p1, m1, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS, &cfg) == EF_OK,
+    CHECK(ef_local_train(p1, m1, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS,
+                         &cfg) == EF_OK,
           "local_train status");
     ef_local_train(p2, m2, NULL, &r2, work, iwork, &net, x, labels, NULL, NULL, NS, &cfg);
     CHECK(!memcmp(p1, p2, sizeof(float) * (size_t)P), "local_train not deterministic");
@@ -256,7 +257,8 @@ static void test_gradient_and_training(void)
     cfg.lr = 1e30f;
     cfg.momentum = 0.0f;
     memcpy(p1, params, sizeof(float) * (size_t)P);
-    int rc = ef_local_train(p1, NULL, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS, &cfg);
+    int rc = ef_local_train(p1, NULL, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS,
+                            &cfg);
     CHECK(rc == EF_ERR_NONFINITE && r1.bad_step >= 1, "non-finite: rc %d bad_step %lld", rc,
           (long long)r1.bad_step);
 }
