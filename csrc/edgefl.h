@@ -99,6 +99,8 @@ typedef struct {
     float lr;
     float momentum;      /* heavy ball, PyTorch convention: d = m*d + g; w -= lr*d */
     float weight_decay;  /* g += wd * w (all parameters), before momentum, as torch.optim.SGD */
+    float prox_mu;       /* FedProx: g += mu * (w - anchor), after weight decay, the gradient of
+                            mu/2 ||w - anchor||^2; 0 skips the term (plain SGD, bit for bit) */
     int32_t batch_size;  /* <= 0 or >= n: full-batch gradient descent */
     int32_t epochs;      /* passes over the data, used when steps == 0 */
     int32_t steps;       /* > 0: exactly this many minibatch steps, reshuffling at each pass */
@@ -151,10 +153,12 @@ int ef_evaluate(double *loss_sum, int64_t *correct, float *work, const ef_net *n
                 int64_t n, int64_t chunk);
 
 /* A whole local round: seeded shuffle, minibatch gather, forward, backward, update, for
- * cfg->epochs passes or cfg->steps steps. momentum may be NULL when cfg->momentum == 0. */
+ * cfg->epochs passes or cfg->steps steps. momentum may be NULL when cfg->momentum == 0.
+ * anchor [n_params] is the proximal term's centre (the round's start point, read only; it must
+ * not overlap params); it may be NULL when cfg->prox_mu == 0. */
 int ef_local_train(float *params, float *momentum, ef_train_stats *stats, ef_train_result *res,
                    float *work, int64_t *iwork, const ef_net *net, const float *x,
-                   const int32_t *labels, const float *targets, int64_t n,
+                   const int32_t *labels, const float *targets, const float *anchor, int64_t n,
                    const ef_train_cfg *cfg);
 
 /* The epoch permutation used by ef_local_train: sort i by key(seed, epoch, i) (then by i).

@@ -241,7 +241,7 @@ cdef extern from "edgefl.h" nogil:
         int64_t n_params
         float l2
     ctypedef struct ef_train_cfg:
-        float lr, momentum, weight_decay
+        float lr, momentum, weight_decay, prox_mu
         int32_t batch_size, epochs, steps, grad0_mode
         uint64_t seed
     ctypedef struct ef_train_stats:
@@ -266,7 +266,8 @@ cdef extern from "edgefl.h" nogil:
                     int64_t n, int64_t chunk)
     int ef_local_train(float *params, float *momentum, ef_train_stats *stats, ef_train_result *res,
                        float *work, int64_t *iwork, const ef_net *net, const float *x,
-                       const int32_t *labels, const float *targets, int64_t n, const ef_train_cfg *cfg)
+                       const int32_t *labels, const float *targets, const float *anchor,
+                       int64_t n, const ef_train_cfg *cfg)
     void ef_shuffle(int64_t *perm, int64_t *iwork, uint64_t seed, int64_t epoch, int64_t n)
 
 from .errors import KernelError, NonFiniteError
@@ -465,15 +466,17 @@ cdef float *opt_f32(object a) except? NULL:
 
 
 def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad_sum=None,
-                step_stats=None):
+                step_stats=None, anchor=None):
     """One local round in C (see ef_local_train); params/momentum/stat buffers are updated in
-    place. Returns {"mean_loss", "steps", "samples"}; raises NonFiniteError naming the step."""
+    place. `anchor` is the proximal term's centre, read only and only when cfg["prox_mu"] > 0.
+    Returns {"mean_loss", "steps", "samples"}; raises NonFiniteError naming the step."""
     cdef NetBox box
     fill_net(&box, net)
     cdef ef_train_cfg c
     c.lr = cfg["lr"]
     c.momentum = cfg["momentum"]
     c.weight_decay = cfg["weight_decay"]
+    c.prox_mu = cfg["prox_mu"]
     c.batch_size = cfg["batch_size"]
     c.epochs = cfg["epochs"]
     c.steps = cfg["steps"]
@@ -495,6 +498,9 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
     if targets is not None:
         tgt = <const float *>array_data(targets, cnp.NPY_FLOAT32, False, n, "targets")
     cdef float *mom = opt_data_f32(momentum, np_, "momentum")
+    cdef const float *anc = NULL
+    if c.prox_mu != 0.0:
+        anc = <const float *>array_data(anchor, cnp.NPY_FLOAT32, False, np_, "anchor")
     cdef ef_train_stats st
     cdef ef_train_stats *stp = NULL
     cdef double[:, ::1] ss
@@ -518,7 +524,7 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
     cdef ef_train_result res
     cdef int rc
     with nogil:
-        rc = ef_local_train(p, mom, stp, &res, w, iw, &box.net, xv, lab, tgt, n, &c)
+        rc = ef_local_train(p, mom, stp, &res, w, iw, &box.net, xv, lab, tgt, anc, n, &c)
     if rc == EF_ERR_NONFINITE:
         raise NonFiniteError(res.bad_step, f"local_train: non-finite loss or gradient at step "
                              f"{res.bad_step} (loss {res.mean_loss}); lower the learning rate")

@@ -332,8 +332,8 @@ def evaluate_samples(data: Samples, params) -> dict:
     return {"loss": loss_sum / n + l2, "accuracy": correct / n, "correct": int(correct), "n": n}
 
 
-TRAIN_DEFAULTS = dict(lr=0.01, momentum=0.0, weight_decay=0.0, batch_size=32, epochs=1, steps=0,
-                      grad0_mode=0, seed=0)
+TRAIN_DEFAULTS = dict(lr=0.01, momentum=0.0, weight_decay=0.0, prox_mu=0.0, batch_size=32,
+                      epochs=1, steps=0, grad0_mode=0, seed=0)
 GRAD0_MODES = {"none": 0, "batch": 1, "full": 2}
 
 
@@ -347,7 +347,7 @@ def train_config(**kw) -> dict:
         if cfg["grad0_mode"] not in GRAD0_MODES:
             raise KernelError(f"train config: grad0_mode {cfg['grad0_mode']!r}; valid: {list(GRAD0_MODES)}")
         cfg["grad0_mode"] = GRAD0_MODES[cfg["grad0_mode"]]
-    for key in ("lr", "momentum", "weight_decay"):
+    for key in ("lr", "momentum", "weight_decay", "prox_mu"):
         cfg[key] = float(cfg[key])
         if not np.isfinite(cfg[key]) or cfg[key] < 0:
             raise KernelError(f"train config: {key} = {cfg[key]} must be finite and >= 0")
@@ -371,20 +371,31 @@ def planned_steps(cfg: dict, n: int) -> int:
 
 
 def local_train(model, params, x, y, cfg: dict, momentum=None, grad0=None, grad_sum=None,
-                step_stats=None) -> dict:
+                step_stats=None, anchor=None) -> dict:
     """One local round in one kernel call; params (and momentum, grad0, grad_sum, step_stats)
-    are updated in place. cfg comes from train_config(). Raises NonFiniteError naming the step."""
+    are updated in place. cfg comes from train_config(). With cfg["prox_mu"] > 0 every step
+    adds the proximal gradient prox_mu * (w - anchor) (FedProx): `anchor` is the round's start
+    point, read and never written, a buffer of its own (not `params`, which moves away from
+    it). Raises NonFiniteError naming the step."""
     return train_samples(Samples(model, x, y), params, cfg, momentum=momentum, grad0=grad0,
-                         grad_sum=grad_sum, step_stats=step_stats)
+                         grad_sum=grad_sum, step_stats=step_stats, anchor=anchor)
 
 
 def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, grad_sum=None,
-                  step_stats=None) -> dict:
+                  step_stats=None, anchor=None) -> dict:
     """`local_train` on a data set checked once (`Samples`)."""
     model = data.model
     _check_params(model, params, writable=True)
     if cfg.get("momentum", 0.0) and momentum is None:
         raise KernelError("momentum: a momentum buffer is required when momentum > 0")
+    if cfg.get("prox_mu", 0.0):
+        if anchor is None:
+            raise KernelError(f"anchor: the proximal term (prox_mu = {cfg['prox_mu']}) needs "
+                              f"the round's start point as anchor")
+        _check_params(model, anchor, "anchor")
+        if np.may_share_memory(anchor, params):
+            raise KernelError("anchor: shares memory with params, which training overwrites; "
+                              "pass the round's start point as a buffer of its own")
     if momentum is not None:
         _check_params(model, momentum, "momentum", writable=True)
     if grad0 is not None:
@@ -398,7 +409,7 @@ def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, g
         if grad0 is None:
             raise KernelError("step_stats: needs grad0 (the start-point gradient)")
     return impl.local_train(params, momentum, model, data.x, data.labels, data.targets, cfg,
-                            grad0=grad0, grad_sum=grad_sum, step_stats=step_stats)
+                            grad0=grad0, grad_sum=grad_sum, step_stats=step_stats, anchor=anchor)
 
 
 def shuffle(seed: int, epoch: int, n: int) -> np.ndarray:

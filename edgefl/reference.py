@@ -399,14 +399,15 @@ def shuffle(seed, epoch, n):
 
 
 def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad_sum=None,
-                step_stats=None):
+                step_stats=None, anchor=None):
     # overflow is detected and reported as NonFiniteError below, not as NumPy warnings
     with np.errstate(over="ignore", invalid="ignore"):
         return _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum,
-                            step_stats)
+                            step_stats, anchor)
 
 
-def _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum, step_stats):
+def _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum, step_stats,
+                 anchor):
     from .errors import NonFiniteError
 
     n = x.shape[0]
@@ -415,6 +416,7 @@ def _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum
     total = cfg["steps"] if cfg["steps"] > 0 else cfg["epochs"] * -(-n // bs)
     dt = params.dtype.type
     lr, mom, wd = dt(cfg["lr"]), dt(cfg["momentum"]), dt(cfg["weight_decay"])
+    mu = dt(cfg["prox_mu"])
     g = np.empty_like(params)
     if step_stats is not None:
         w_start, run_sum = params.copy(), np.zeros_like(params)
@@ -446,6 +448,8 @@ def _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum
             step_stats[step, 2] = float(np.dot(run_sum.astype(np.float64), run_sum))
         if wd:
             g += wd * params
+        if mu:  # FedProx's proximal term, in net.c's float32 order: g += mu * (w - anchor)
+            g += mu * (params - anchor)
         if grad_sum is not None:
             grad_sum += g
         if momentum is not None:

@@ -403,3 +403,149 @@ def test_non_finite_loss_stops_and_names_the_step():
     with pytest.raises(NonFiniteError, match="step"):
         kernels.local_train(model, model.init(0), make_data("mlp", n=16)[1], y,
                             kernels.train_config(lr=1e30, batch_size=4, epochs=3))
+
+
+# ----------------------------------------------------------------------------- proximal term
+# FedProx (Li et al., MLSys 2020): with train prox_mu = mu every local step adds the gradient
+# of mu/2 ||w - anchor||^2, mu * (w - anchor), after weight decay and before momentum.
+
+IMPLS = [pytest.param(reference, id="numpy"), pytest.param(_core, id="c", marks=needs_core)]
+PROX_CASES = ["softmax", "mlp", "cnn", "cnn-pool-stride", "svm-multi", "logreg"]
+
+
+def _anchor_near(model, seed):
+    """A read-only anchor 0.1 away from model.init(seed) per coordinate, so the proximal
+    term pulls from the first step on (with anchor = start it starts at step 2)."""
+    a = model.init(seed)
+    a += np.float32(0.1) * np.random.default_rng(seed).standard_normal(a.size).astype(np.float32)
+    a.flags.writeable = False
+    return a
+
+
+@needs_core
+@pytest.mark.parametrize("case", PROX_CASES)
+@pytest.mark.parametrize("mode", ["epochs", "steps-momentum-wd", "anchor-is-start"])
+def test_proximal_training_parity(case, mode):
+    model, x, y = make_data(case, n=23)
+    labels, targets = split(model, y, x.shape[0])
+    if mode == "steps-momentum-wd":
+        cfg = kernels.train_config(lr=0.05, prox_mu=0.7, momentum=0.9, weight_decay=1e-3,
+                                   batch_size=4, steps=9, seed=2)
+    else:
+        cfg = kernels.train_config(lr=0.05, prox_mu=0.3, batch_size=5, epochs=2, seed=11)
+    anchor = model.init(7) if mode == "anchor-is-start" else _anchor_near(model, 7)
+    results = []
+    for impl, mu in ((_core, cfg["prox_mu"]), (reference, cfg["prox_mu"]), (_core, 0.0)):
+        p = model.init(7)
+        mom = np.zeros_like(p) if cfg["momentum"] else None
+        gsum = np.zeros_like(p)
+        res = impl.local_train(p, mom, model, x, labels, targets, dict(cfg, prox_mu=mu),
+                               grad_sum=gsum, anchor=anchor)
+        results.append((p, mom, gsum, res))
+    (p1, m1, s1, r1), (p2, m2, s2, r2), (p_sgd, _, _, _) = results
+    assert r1["steps"] == r2["steps"] and r1["samples"] == r2["samples"]
+    np.testing.assert_allclose(r1["mean_loss"], r2["mean_loss"], rtol=1e-4, atol=1e-6)
+    assert close_rel(p1, p2, TOL["train_params"]) and close_rel(s1, s2, TOL["train_params"])
+    if m1 is not None:
+        assert close_rel(m1, m2, TOL["train_params"])
+    # the term mattered: parity above is not the parity of two plain SGD runs
+    assert not close_rel(p1, p_sgd, 10 * TOL["train_params"])
+    # and it pulls towards the anchor
+    dist = [float(np.linalg.norm(p.astype(np.float64) - anchor)) for p in (p1, p_sgd)]
+    assert dist[0] < dist[1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", ["softmax", "mlp", "cnn"])
+def test_zero_mu_is_plain_sgd_bit_for_bit(impl, case):
+    """prox_mu = 0 (or -0.0) skips the term: the same bits as a call without an anchor, even
+    with an all-NaN anchor, which any `+ 0 * (w - anchor)` would spread to every weight."""
+    model, x, y = make_data(case, n=23)
+    labels, targets = split(model, y, x.shape[0])
+    cfg = kernels.train_config(lr=0.05, momentum=0.9, weight_decay=1e-3, batch_size=5, epochs=2,
+                               seed=3)
+    assert cfg["prox_mu"] == 0.0
+    runs = []
+    for mu, anchor in ((None, None), (0.0, np.full(model.n_params, np.nan, np.float32)),
+                       (-0.0, np.full(model.n_params, np.nan, np.float32))):
+        p, mom = model.init(5), np.zeros(model.n_params, np.float32)
+        run_cfg = cfg if mu is None else kernels.train_config(**dict(cfg, prox_mu=mu))
+        res = impl.local_train(p, mom, model, x, labels, targets, run_cfg, anchor=anchor)
+        runs.append((p.tobytes(), mom.tobytes(), res))
+    assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_proximal_steps_by_hand(impl):
+    """Loss w^2/2 (one sample x = 1, target 0, linear model without bias), so grad F(w) = w.
+    From w0 = 1 with the anchor at the start point, lr 0.1, mu 0.5:
+        step 1: g = 1 + 0.5 (1 - 1) = 1,                w = 0.9
+        step 2: g = 0.9 + 0.5 (0.9 - 1) = 0.85,        w = 0.815
+        step 3: g = 0.815 + 0.5 (0.815 - 1) = 0.7225,  w = 0.74275
+    where plain SGD ends at 0.9**3 = 0.729."""
+    model = build_model(dict(name="linear", bias=False), (1,), 0)
+    x = np.ones((1, 1), np.float32)
+    labels, targets = split(model, np.zeros((1, 1), np.float32), 1)
+    anchor = np.ones(1, np.float32)
+    ends = []
+    for mu in (0.5, 0.0):
+        p = np.ones(1, np.float32)
+        impl.local_train(p, None, model, x, labels, targets,
+                         kernels.train_config(lr=0.1, prox_mu=mu, batch_size=0, steps=3),
+                         anchor=anchor)
+        ends.append(float(p[0]))
+    np.testing.assert_allclose(ends, [0.74275, 0.729], rtol=1e-6)
+    assert anchor[0] == 1.0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", ["mlp", "cnn"])
+def test_one_proximal_step_is_the_formula(impl, case):
+    """One full-batch step: w1 = w0 - lr (grad F(w0) + mu (w0 - anchor)), in float32."""
+    model, x, y = make_data(case, n=13)
+    labels, targets = split(model, y, x.shape[0])
+    w0, anchor = model.init(2), _anchor_near(model, 9)
+    grad = np.empty_like(w0)
+    impl.loss_grad(grad, model, w0, x, labels, targets)
+    lr, mu = np.float32(0.2), np.float32(0.3)
+    want = w0 - lr * (grad + mu * (w0 - anchor))
+    p = w0.copy()
+    impl.local_train(p, None, model, x, labels, targets,
+                     kernels.train_config(lr=0.2, prox_mu=0.3, batch_size=0, steps=1),
+                     anchor=anchor)
+    np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(p, w0 - lr * grad, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_proximal_settings_name_the_cause():
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(KernelError, match=f"prox_mu = {bad} must be finite and >= 0"):
+            kernels.train_config(prox_mu=bad)
+    model, x, y = make_data("mlp", n=12)
+    cfg = kernels.train_config(lr=0.1, prox_mu=0.1, batch_size=4, epochs=1)
+    p = model.init(0)
+    with pytest.raises(KernelError, match=r"anchor: the proximal term \(prox_mu = 0.1\) needs"):
+        kernels.local_train(model, p, x, y, cfg)
+    with pytest.raises(KernelError, match="anchor: .* parameters"):
+        kernels.local_train(model, p, x, y, cfg, anchor=np.zeros(p.size - 1, np.float32))
+    with pytest.raises(KernelError, match="anchor: dtype float64"):
+        kernels.local_train(model, p, x, y, cfg, anchor=p.astype(np.float64))
+    with pytest.raises(KernelError, match="anchor: shares memory with params"):
+        kernels.local_train(model, p, x, y, cfg, anchor=p)
+    assert p.tobytes() == model.init(0).tobytes()
+
+
+@needs_core
+def test_the_c_core_refuses_a_bad_mu_itself():
+    """Past kernels.py's checks (a caller of _core directly), ef_local_train still refuses."""
+    model, x, y = make_data("mlp", n=12)
+    labels, _ = split(model, y, 12)
+    cfg = kernels.train_config(lr=0.1, batch_size=4, epochs=1)
+    p = model.init(0)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(KernelError, match="rejected the arguments"):
+            _core.local_train(p, None, model, x, labels, None, dict(cfg, prox_mu=bad),
+                              anchor=model.init(1))
+    with pytest.raises(KernelError, match="anchor: expected a numpy array"):
+        _core.local_train(p, None, model, x, labels, None, dict(cfg, prox_mu=0.5))
+    assert p.tobytes() == model.init(0).tobytes()

@@ -25,6 +25,8 @@ train: samples/s of one local epoch (seeded shuffle, minibatch gather, forward, 
   step) on MNIST-shaped random data (1x28x28, 10 classes) at batch 32 and 64, for softmax
   (784->10), mlp (784-200-200-10) and cnn-mnist (FedAvg's CNN), as
     c      edgefl._core.local_train (one call per epoch)
+    c-prox the same with FedProx's proximal term (prox_mu = 0.01, anchored at the start point):
+           the cost of one more pass over the parameters per step
     numpy  edgefl.reference.local_train (the NumPy twin, same loop)
     torch  the same network and SGD step in PyTorch (torch.set_num_threads(1)); skipped, with
            a note, when torch is not importable (it is never an edgefl dependency)
@@ -200,14 +202,18 @@ def bench_train(args) -> Iterator[dict]:
         for batch in (32, 64):
             base = {"bench": "train", "model": name, "batch": batch}
             cfg = train_config(lr=0.01, batch_size=batch, epochs=1, seed=1)
+            prox_cfg = train_config(lr=0.01, prox_mu=0.01, batch_size=batch, epochs=1, seed=1)
+            anchor = model.init(0)
             impls = []
-            for impl_name, impl in (("c", _core), ("numpy", reference)):
+            for impl_name, impl, run_cfg in (("c", _core, cfg), ("c-prox", _core, prox_cfg),
+                                             ("numpy", reference, cfg)):
                 if impl is None:
                     yield dict(base, impl=impl_name, samples_per_s=None, note=_NO_CORE)
                     continue
                 params = model.init(0)
-                impls.append((impl_name, lambda impl=impl, params=params: impl.local_train(
-                    params, None, model, x, y, None, cfg)))
+                impls.append((impl_name, lambda impl=impl, params=params, run_cfg=run_cfg:
+                               impl.local_train(params, None, model, x, y, None, run_cfg,
+                                                anchor=anchor)))
             torch_epoch = _torch_epoch(name, x, y, batch)
             if torch_epoch is not None:
                 impls.append(("torch", torch_epoch))

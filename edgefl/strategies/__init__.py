@@ -701,7 +701,9 @@ def local_round(data: LocalData, start: np.ndarray, cfg: Mapping,
         mom = _copy(momentum, "task momentum")
     elif cfg["momentum"] > 0:
         mom = np.zeros_like(params)
-    result = kernels.train_samples(data.samples, params, cfg, momentum=mom)
+    # `start` (read only) is the centre of FedProx's proximal term when cfg prox_mu > 0; with
+    # prox_mu = 0 the kernel skips the term and never reads it
+    result = kernels.train_samples(data.samples, params, cfg, momentum=mom, anchor=start)
     return params, mom, result
 
 

@@ -238,9 +238,10 @@ static void test_gradient_and_training(void)
     memset(m1, 0, sizeof m1);
     memset(m2, 0, sizeof m2);
     ef_train_result r1, r2;
-    CHECK(ef_local_train(p1, m1, NULL, &r1, work, iwork, &net, x, labels, NULL, NS, &cfg) == EF_OK,
+    CHECK(ef_local_train(p1, m1, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS,
+                         &cfg) == EF_OK,
           "local_train status");
-    ef_local_train(p2, m2, NULL, &r2, work, iwork, &net, x, labels, NULL, NS, &cfg);
+    ef_local_train(p2, m2, NULL, &r2, work, iwork, &net, x, labels, NULL, NULL, NS, &cfg);
     CHECK(!memcmp(p1, p2, sizeof(float) * (size_t)P), "local_train not deterministic");
     CHECK(r1.steps == 15 * 4 && r1.samples == 15 * NS, "steps %lld samples %lld",
           (long long)r1.steps, (long long)r1.samples);
@@ -256,9 +257,86 @@ static void test_gradient_and_training(void)
     cfg.lr = 1e30f;
     cfg.momentum = 0.0f;
     memcpy(p1, params, sizeof(float) * (size_t)P);
-    int rc = ef_local_train(p1, NULL, NULL, &r1, work, iwork, &net, x, labels, NULL, NS, &cfg);
+    int rc = ef_local_train(p1, NULL, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS,
+                            &cfg);
     CHECK(rc == EF_ERR_NONFINITE && r1.bad_step >= 1, "non-finite: rc %d bad_step %lld", rc,
           (long long)r1.bad_step);
+}
+
+/* FedProx's proximal term: one full-batch step from w0 with anchor a is exactly
+ * w0 - lr * (g + mu * (w0 - a)) in float32, mu = 0 is plain SGD to the bit whether or not an
+ * anchor is given, and a bad mu or a missing anchor is refused. */
+static void test_proximal_term(void)
+{
+    ef_net net = make_cnn();
+    const int64_t P = net.n_params;
+    static float x[NS * IN], w0[300], anchor[300], grad[300], p1[300], p2[300], work[200000];
+    static int64_t iwork[5 * NS];
+    static int32_t labels[NS];
+    for (int i = 0; i < NS * IN; i++) x[i] = nrand();
+    for (int s = 0; s < NS; s++) labels[s] = s % 4;
+    for (int64_t j = 0; j < P; j++) {
+        w0[j] = 0.3f * nrand();
+        anchor[j] = w0[j] + 0.2f * nrand();
+    }
+    ef_train_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.lr = 0.1f;
+    cfg.batch_size = 0;
+    cfg.steps = 1;
+    cfg.prox_mu = 0.3f; /* not a power of two: every rounding shows */
+    ef_train_result r;
+
+    double loss = 0.0;
+    ef_loss_grad(grad, &loss, work, &net, w0, x, labels, NULL, NS, ef_chunk_for_batch(NS, NS));
+    memcpy(p1, w0, sizeof(float) * (size_t)P);
+    CHECK(ef_local_train(p1, NULL, NULL, &r, work, iwork, &net, x, labels, NULL, anchor, NS,
+                         &cfg) == EF_OK, "proximal step status");
+    int64_t differs = -1;
+    float want = 0.0f;
+    for (int64_t j = 0; j < P && differs < 0; j++) {
+        const float d = w0[j] - anchor[j];
+        const float t = cfg.prox_mu * d;
+        const float g = grad[j] + t;
+        want = w0[j] - cfg.lr * g;
+        if (memcmp(&want, &p1[j], sizeof want)) differs = j;
+    }
+    CHECK(differs < 0, "proximal step [%lld]: %.9g, by hand %.9g", (long long)differs,
+          differs < 0 ? 0.0 : p1[differs], want);
+
+    /* mu = 0: the same bits as plain SGD, with or without an anchor */
+    cfg.prox_mu = 0.0f;
+    cfg.batch_size = 6;
+    cfg.steps = 0;
+    cfg.epochs = 3;
+    cfg.seed = 5;
+    memcpy(p1, w0, sizeof(float) * (size_t)P);
+    memcpy(p2, w0, sizeof(float) * (size_t)P);
+    ef_local_train(p1, NULL, NULL, &r, work, iwork, &net, x, labels, NULL, NULL, NS, &cfg);
+    ef_local_train(p2, NULL, NULL, &r, work, iwork, &net, x, labels, NULL, anchor, NS, &cfg);
+    CHECK(!memcmp(p1, p2, sizeof(float) * (size_t)P), "mu = 0 with an anchor is not plain SGD");
+    /* mu > 0 pulls the end point towards the anchor */
+    cfg.prox_mu = 1.0f;
+    memcpy(p2, w0, sizeof(float) * (size_t)P);
+    ef_local_train(p2, NULL, NULL, &r, work, iwork, &net, x, labels, NULL, anchor, NS, &cfg);
+    double d_sgd = 0.0, d_prox = 0.0;
+    for (int64_t j = 0; j < P; j++) {
+        d_sgd += (double)(p1[j] - anchor[j]) * (p1[j] - anchor[j]);
+        d_prox += (double)(p2[j] - anchor[j]) * (p2[j] - anchor[j]);
+    }
+    CHECK(d_prox < d_sgd, "mu = 1 left the model at %g from the anchor, plain SGD at %g",
+          sqrt(d_prox), sqrt(d_sgd));
+
+    /* refused: mu > 0 without an anchor, a negative or NaN or infinite mu */
+    const float bad[] = {0.5f, -0.5f, NAN, INFINITY};
+    for (int b = 0; b < 4; b++) {
+        cfg.prox_mu = bad[b];
+        memcpy(p1, w0, sizeof(float) * (size_t)P);
+        int rc = ef_local_train(p1, NULL, NULL, &r, work, iwork, &net, x, labels, NULL,
+                                b == 0 ? NULL : anchor, NS, &cfg);
+        CHECK(rc == EF_ERR_ARGS && !memcmp(p1, w0, sizeof(float) * (size_t)P),
+              "prox_mu %g (anchor %s): rc %d", bad[b], b == 0 ? "NULL" : "given", rc);
+    }
 }
 
 static void test_shuffle(void)
@@ -282,6 +360,7 @@ int main(void)
     test_vec();
     test_first_nonfinite();
     test_gradient_and_training();
+    test_proximal_term();
     test_shuffle();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
