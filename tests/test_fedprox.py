@@ -10,7 +10,8 @@ import pytest
 from edgefl.data import load_dataset, partition
 from edgefl.models import build_model
 from edgefl.runconfig import run_config_from_mapping
-from edgefl.sim import local_datasets, simulate
+from edgefl.runs.prepare import local_datasets
+from edgefl.sim import simulate
 from edgefl.strategies import Setup, StrategyError, get_strategy, strategy_names, strategy_params
 
 TRAIN = {"lr": 0.1, "batch_size": 32, "epochs": 2}

@@ -178,6 +178,15 @@ def unplaced(modules, layers: list[Layer]) -> list[str]:
     return out
 
 
+def missing_modules(graph: dict) -> list[str]:
+    """A message for each import of an edgefl module that does not exist (a relative import
+    left one level short when its module moved into a package, say): Python would only say
+    so when that line runs."""
+    return [f"{m} imports {t} at line {line}, which is no module of edgefl"
+            for m, targets in sorted(graph.items()) for t, line in sorted(targets.items())
+            if t not in graph]
+
+
 def upward_imports(graph: dict, layers: list[Layer], allowed=frozenset()) -> list[str]:
     """A message for each import of a module in a higher layer than the importer's."""
     out = []
@@ -276,6 +285,17 @@ def graph():
 def test_every_module_has_exactly_one_layer(graph, layers):
     problems = unplaced(graph, layers)
     assert not problems, "\n".join(problems)
+
+
+def test_every_import_names_a_module_that_exists(graph):
+    problems = missing_modules(graph)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_reports_an_import_of_a_missing_module():
+    graph = {"edgefl.sim": {}, "edgefl.sim.over_broker": {"edgefl.sim.roles": 35}}
+    assert missing_modules(graph) == ["edgefl.sim.over_broker imports edgefl.sim.roles at "
+                                      "line 35, which is no module of edgefl"]
 
 
 def test_no_import_goes_up_the_layers(graph, layers):

@@ -133,6 +133,10 @@ def _same(a, b) -> bool:
 
 def _wire_train(cfg: Mapping) -> dict:
     out = dict(cfg)
+    # FedProx's term is left out when off, as the train config then means what it meant
+    # before the term existed: a board whose edgefl predates it still takes the round.
+    if out.get("prox_mu", None) == 0.0:
+        del out["prox_mu"]
     if "seed" in out:
         out["seed"] = str(int(out["seed"]))
     return out

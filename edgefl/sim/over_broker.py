@@ -32,11 +32,11 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     import tempfile
     import threading
 
-    from .roles import (Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan,
+    from ..roles import (Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan,
                         default_client_ids)
-    from .transport.broker import EmbeddedBroker, packet_bytes_for
-    from .transport.mqtt import MqttTransport, parse_broker_url
-    from .transport.netloop import NetworkLoop
+    from ..transport.broker import EmbeddedBroker, packet_bytes_for
+    from ..transport.mqtt import MqttTransport, parse_broker_url
+    from ..transport.netloop import NetworkLoop
 
     config = run.config
     federation = federation or f"sim-{os.urandom(4).hex()}"   # fresh topics: no leftovers
