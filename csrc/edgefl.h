@@ -112,7 +112,7 @@ typedef struct {
 /* Optional statistics; NULL pointers are skipped. */
 typedef struct {
     float *grad0;       /* [n_params] gradient at the start point (see grad0_mode) */
-    float *grad_sum;    /* [n_params] += every minibatch gradient (DUW, specs/duw.md 3.4) */
+    float *grad_sum;    /* [n_params] += every minibatch gradient (DUW's hypergradient, docs/algorithms.md#duw) */
     double *step_stats; /* [max_steps * 3]: per step s, before its update:
                            ||grad0 - g_s||, ||w_start - w_s||, ||sum_{r<=s} g_r||^2 (FedVeca) */
     int64_t max_steps;  /* rows available in step_stats */

@@ -800,7 +800,7 @@ void ef_shuffle(int64_t *perm, int64_t *iwork, uint64_t seed, int64_t epoch, int
 /* ---------------------------------------------------------------- the local round */
 
 /* params -= lr * g, or with a momentum buffer d = m d + g; params -= lr d (PyTorch's
- * convention, specs/mfl.md section 2), kept also at m = 0 so MFL's buffer holds the last
+ * convention, as MFL's heavy ball, docs/algorithms.md#mfl), kept also at m = 0 so MFL's buffer holds the last
  * direction. */
 EF_MULTIVERSION
 static void sgd_update(float *restrict params, float *restrict momentum, const float *restrict g,

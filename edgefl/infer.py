@@ -1,5 +1,5 @@
 """On-board inference: an onnxruntime session over an exported model file that follows the
-file when it is atomically replaced (DESIGN.md "ONNX"; issue #5 item 5).
+file when it is atomically replaced (docs/onnx.md "Predictor and hot reload").
 
 A board's inference service keeps one `Predictor` on the path the client writes each new
 global model to. Every call (or every `check_interval` seconds) stats the path; when the

@@ -226,7 +226,7 @@ def check_inputs(model, x, what: str = "x") -> np.ndarray:
 def labels_and_targets(model, y, n: int, what: str = "y"):
     """Split y into (int32 labels, None) for classification losses or (None, float32 targets)
     for MSE. MSE on integer labels with one output uses y = +1 for label 1 and -1 otherwise
-    (MFL's even/odd regression, specs/mfl.md section 3)."""
+    (MFL's even/odd linear regression, Liu et al. 2020, Sec. 3.1 and 7.1)."""
     if not isinstance(y, np.ndarray):
         raise KernelError(f"{what}: expected a numpy array, got {type(y).__name__}")
     if y.shape[0] != n:

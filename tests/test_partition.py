@@ -167,7 +167,7 @@ def test_label_noise_bad_rates(digits, options, message):
 
 def test_mod_gives_each_client_exactly_the_labels_congruent_to_it(digits):
     split = mod(digits.y_train, 4, np.random.default_rng(0))
-    expected = [{0, 4, 8}, {1, 5, 9}, {2, 6}, {3, 7}]   # mfl.md §6 Case 2 with N = 4
+    expected = [{0, 4, 8}, {1, 5, 9}, {2, 6}, {3, 7}]   # MFL's Case 2 (Liu et al. 2020, Sec. 7.2), N = 4
     for i, idx in enumerate(split.indices):
         assert set(np.unique(digits.y_train[idx]).tolist()) == expected[i]
         np.testing.assert_array_equal(idx, np.flatnonzero(digits.y_train % 4 == i))
@@ -186,7 +186,7 @@ def test_mod_on_even_odd_labels_splits_by_the_original_digit():
     split = partition(ds, "mod", 4, 0)
     for i, idx in enumerate(split.indices):
         assert np.all(ds.y_train_original[idx] % 4 == i)
-        assert len(np.unique(ds.y_train[idx])) == 1   # each node pure in even/odd (mfl.md §6)
+        assert len(np.unique(ds.y_train[idx])) == 1   # each node pure in even/odd (MFL's Case 2)
 
 
 def test_natural_follows_client_ids(synthetic):

@@ -199,7 +199,7 @@ def test_deferred_evaluation_gives_every_round_its_own_accuracy_in_order(tmp_pat
 
 
 def test_byte_accounting_counts_the_float32_buffers_sent(tmp_path):
-    """FedAvg moves M * 4d each way; MFL twice that (specs/mfl.md §10 item 11)."""
+    """FedAvg moves M * 4d each way; MFL twice that (it sends the momentum buffer as well as the model)."""
     d = 650
     rows = {}
     for name in ("fedavg", "mfl"):

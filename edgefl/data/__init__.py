@@ -39,7 +39,7 @@ LOADERS = {
 COMMON_OPTIONS = ("limit_train", "limit_test", "binary")   # taken by every dataset (see finish)
 
 # Partitioners that split by class; on a relabelled dataset (binary="even-odd") they use the
-# original classes, as MFL's Case 2 assigns node = original digit mod N (mfl.md §6).
+# original classes, as MFL's Case 2 assigns node = original digit mod N (Liu et al. 2020, Sec. 7.2).
 _BY_ORIGINAL_CLASS = ("shards", "dirichlet", "mod")
 
 __all__ = ["Dataset", "Partition", "LOADERS", "PARTITIONERS", "COMMON_OPTIONS", "load_dataset",

@@ -1,5 +1,5 @@
 """A client: waits for a round that tasks it, trains with the strategy's client half,
-uploads, and persists its progress so that no round is trained twice (DESIGN.md "Layers").
+uploads, and persists its progress so that no round is trained twice (docs/roles.md).
 
     client = Client(ClientSettings("client-3"), (x, y), transport, state_dir)
     client.run()               # until stop is set (or the run finishes, exit_when_finished)

@@ -1,5 +1,5 @@
 """What the roles keep on disk, written so that a crash at any instant leaves either the old
-file or the new one, never a torn one (DESIGN.md "Reliability rules").
+file or the new one, never a torn one (docs/reliability.md).
 
 Every write goes to a temporary file in the same directory, is flushed and fsync'ed, renamed
 over the target (atomic on POSIX), and then the directory itself is fsync'ed so the rename

@@ -1,5 +1,5 @@
 """Federated-learning algorithms as strategies: a server half and a client half, pure, no I/O
-(DESIGN.md "Strategies").
+(docs/algorithms.md says what each one computes; docs/architecture.md how one plugs in).
 
     strategy = get_strategy("mfl", gamma=0.5)
     state = strategy.init(w0, Setup(clients=range(10), train={"lr": 0.05}))
@@ -21,7 +21,7 @@ Rules every strategy follows:
 - **Fixed order.** Aggregation visits clients in sorted id order with float64 accumulation
   (`weighted_average`), so the result does not depend on the order updates arrived in.
 
-Round numbers start at 1 (round t = 1..T, the convention of specs/fedumf.md §2.1).
+Round numbers start at 1 (round t = 1..T); papers that count from 0 are translated.
 The global model is `state.buffers["params"]` unless a strategy overrides `global_model`.
 """
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Setup:
     seed:     the run seed; each local round's data order is seeded from (seed, round, client).
     rounds:   the planned number of rounds T (0 if open-ended).
     units:    the model's parameter layout by layer, for strategies that work per layer
-              (FedMR's recombination units, specs/fedmr.md §3): one tuple of (offset, size)
+              (FedMR's layer-wise recombination units): one tuple of (offset, size)
               slices of the flat buffer per layer, in buffer order (`Setup.units_of(model)`);
               empty when the server was not told. `run_federation` fills it in.
     """
@@ -602,9 +602,10 @@ def _validated_train(train: Mapping) -> Mapping:
 
 def select_clients(seed: int, round: int, clients: Sequence[int], m: int) -> list:
     """m of `clients`, uniformly without replacement, from a Generator seeded by
-    (seed, round) alone (specs/fedumf.md §8.11: fixed M, uniform without replacement).
+    (seed, round) alone: a fixed M, uniform without replacement, for every algorithm.
     Stateless, so a resumed run selects the same clients, and independent of the strategy
-    and its parameters (specs/fedumf.md §9 P15). Returned sorted."""
+    and its parameters, so runs of different algorithms with one seed select alike.
+    Returned sorted."""
     clients = sorted(int(c) for c in clients)
     if not 1 <= m <= len(clients):
         raise StrategyError(f"select_clients: cannot select {m} of {len(clients)} clients")
@@ -639,7 +640,7 @@ def exact_weights(updates: Mapping[int, Update], weighting: str = "samples"):
     """(sorted client ids, exact rational weights summing to exactly 1).
 
     samples: p_i = |D_i| / sum_j |D_j| (FedAvg, McMahan et al. 2017; MFL (8)-(9)).
-    uniform: p_i = 1 / K (FedUmf step 8, specs/fedumf.md §2.3).
+    uniform: p_i = 1 / K (FedUmf's plain average of the authorised clients).
     """
     clients, nums, den = _weight_parts(updates, weighting)
     return clients, [Fraction(n, den) for n in nums]
@@ -678,7 +679,7 @@ def average_updates(updates: Mapping[int, Update], name: str, clients: Sequence[
 
 def mean_train_loss(updates: Mapping[int, Update]) -> float:
     """Mean minibatch loss over all local steps of the uploaded updates
-    (specs/fedumf.md §8.15: over the authorised clients' steps)."""
+    (for FedUmf, over the authorised clients' steps only: the others upload nothing)."""
     steps = sum(u.steps for u in updates.values())
     if not steps:
         return float("nan")
@@ -694,7 +695,7 @@ def local_round(data: LocalData, start: np.ndarray, cfg: Mapping,
     """Train from a private copy of `start` for one local round (one C call); returns
     (params, momentum, result). A momentum buffer is copied from `momentum` if given
     (MFL carries it), else a fresh zero buffer is used when cfg momentum > 0 (FedAvg-style
-    local momentum, reset every round: specs/fedumf.md §8.8)."""
+    local momentum, reset every round: a buffer is never carried over or sent)."""
     params = _copy(start, "task params")
     mom = None
     if momentum is not None:
