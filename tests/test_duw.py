@@ -667,6 +667,28 @@ def test_weight_file_round_trips_exactly_and_is_checked_against_the_run(tmp_path
         load_weights(tmp_path / "missing.json")
 
 
+def test_weight_file_is_written_by_the_one_atomic_write(tmp_path, monkeypatch):
+    """save_weights goes through edgefl.io.write_json: the file and then its directory are
+    fsync'ed (the rename survives a power cut), NumPy values and tuples come out as plain
+    JSON, no temporary file is left, and a missing directory is made."""
+    synced = []
+    real_fsync = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    doc = {"format": "edgefl-duw-weights", "table": np.array([[0.25, 0.75]]),
+           "meta_loss": (np.float64(2.5), 1.25), "clients": [np.int64(3), 7]}
+    path = save_weights(tmp_path / "new" / "w.json", doc)
+    assert path == str(tmp_path / "new" / "w.json") and os.listdir(tmp_path / "new") == ["w.json"]
+    assert len(synced) == 2 and synced[1] == str(tmp_path / "new")
+    assert open(path, encoding="utf-8").read() == json.dumps(
+        {"format": "edgefl-duw-weights", "table": [[0.25, 0.75]], "meta_loss": [2.5, 1.25],
+         "clients": [3, 7]}, indent=1) + "\n"
+
+
 # ---------------------------------------------------------------------------------------
 # CLI: edgefl duw-train, and simulate with and without a weight file
 # ---------------------------------------------------------------------------------------
