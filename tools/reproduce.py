@@ -857,6 +857,7 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
 
 
 def write_results(path: str, mode: str, section: str, meta: dict) -> None:
+    from edgefl.io import atomic_write
     sections, kept = {}, []
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -903,11 +904,8 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
     for block in kept:
         lines.append(block.rstrip("\n"))
         lines.append("")
-    tmp = f"{path}.tmp"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines).rstrip("\n") + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, "\n".join(lines).rstrip("\n") + "\n")
 
 
 # ---------------------------------------------------------------------------------------

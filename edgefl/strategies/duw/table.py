@@ -16,6 +16,7 @@ import numpy as np
 
 from ... import __version__, kernels
 from ...errors import ConfigError
+from ...io import jsonable, write_json
 from .. import Setup, StrategyError
 
 FORMAT = "edgefl-duw-weights"
@@ -115,22 +116,16 @@ def weights_document(trained, strategy, setup: Setup, config: Mapping | None = N
         "wall_s": trained.wall_s,
         "backend": kernels.backend,
         "edgefl_version": __version__,
-        "config": None if config is None else _plain(config),
+        "config": None if config is None else jsonable(config),
     }
 
 
 def save_weights(path: str | os.PathLike, document: Mapping) -> str:
-    """Write the document atomically (temporary file, fsync, rename); returns the path."""
+    """Write the document with edgefl.io.write_json (atomic, durable once returned) into a
+    directory made if missing; returns the path."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_plain(document), f, indent=1, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_json(path, document)
     return path
 
 
@@ -186,16 +181,3 @@ def check_document(doc: dict, path: str, base: str, beyond_horizon: str, setup: 
         raise ConfigError(f"{path}: the weight table covers rounds 1..{T} but rounds = "
                           f"{setup.rounds}; retrain for rounds = {setup.rounds}, or set "
                           f"strategy.beyond_horizon = mean (valid: error, mean)")
-
-
-def _plain(x):
-    """JSON types (tuples to lists, NumPy scalars to Python, mappings to dicts)."""
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _plain(x.tolist())
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
