@@ -68,8 +68,6 @@ def test_the_pattern_finds_each_kind_of_citation(tmp_path):
     assert [f.split(":")[:2] for f in found] == [["a.py", "1"], ["b.md", "2"], ["c.yaml", "1"]]
 
 
-@pytest.mark.xfail(strict=False, reason="lead removes the last citations after merging the "
-                                        "restructuring branches")
 def test_no_tracked_file_cites_what_is_outside_the_repository():
     found = outside_citations(tracked_files())
     assert not found, (f"{len(found)} line(s) cite files outside the repository; cite the "
