@@ -84,19 +84,20 @@ def fsync_directory(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def jsonable(x):
+def jsonable(x, nonfinite=None):
     """`x` in plain JSON types: mappings with string keys, lists (from tuples and arrays),
-    Python scalars (from NumPy's), and None for NaN and infinities."""
+    Python scalars (from NumPy's). JSON has no NaN or infinity: each non-finite float becomes
+    None, or `nonfinite(value)` when given (roles.state.tag_floats keeps them that way)."""
     if isinstance(x, Mapping):
-        return {str(k): jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v, nonfinite) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
+        return [jsonable(v, nonfinite) for v in x]
     if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
+        return jsonable(x.tolist(), nonfinite)
     if isinstance(x, np.generic):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
-        return None
+        return None if nonfinite is None else nonfinite(x)
     return x
 
 

@@ -42,6 +42,7 @@ from typing import Any, Mapping
 
 from .. import __version__
 from ..errors import ConfigError
+from ..io import jsonable
 from ..service.layered import check_setting
 from ..transport.base import Message
 from ..transport.topics import TopicError, Topics, validate_id
@@ -234,7 +235,8 @@ def reply_payload(name: str | None, reply: ReplyAddress, *, result=None,
         doc["result"] = result
     else:
         doc["error"] = error
-    return json.dumps(doc, separators=(",", ":"), default=str).encode("utf-8")
+    # jsonable: a NumPy value in a result goes out as a number, a NaN as null (valid JSON)
+    return json.dumps(jsonable(doc), separators=(",", ":"), default=str).encode("utf-8")
 
 
 class RunControl:

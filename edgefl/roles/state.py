@@ -137,17 +137,11 @@ def tag_floats(x):
     "-inf"} (JSON has no NaN), numpy scalars and arrays become Python values, tuples lists.
     `untag_floats` is the inverse, so strategy metadata and scalars survive a round trip
     bit for bit (Python's float repr round-trips exactly)."""
-    if isinstance(x, Mapping):
-        return {str(k): tag_floats(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [tag_floats(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return tag_floats(x.tolist())
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return {"nonfinite": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
-    return x
+    return jsonable(x, _tag)
+
+
+def _tag(value: float) -> dict:
+    return {"nonfinite": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
 
 
 def untag_floats(x):
