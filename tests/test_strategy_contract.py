@@ -29,6 +29,7 @@ from edgefl.checkpoint import model_sha256
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim import simulate
 from edgefl import strategies
+from edgefl.strategies import _registry
 from edgefl.strategies import (State, StrategyError, get_strategy, select_clients,
                                strategy_names, strategy_params)
 from edgefl.transport.loopback import LoopbackBroker
@@ -297,8 +298,9 @@ def test_a_module_dropped_into_the_package_is_discovered_and_one_that_forgets_re
     name with nothing else edited; a module that registers nothing and is not marked
     HELPER is an error naming it; a HELPER module is imported and registers nothing."""
     monkeypatch.setattr(strategies, "__path__", [*strategies.__path__, str(tmp_path)])
-    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
-    monkeypatch.setattr(strategies, "_DISCOVERED", False)
+    # the registry and its discovery flag are the registry module's own state
+    monkeypatch.setattr(_registry, "_REGISTRY", dict(_registry._REGISTRY))
+    monkeypatch.setattr(_registry, "_DISCOVERED", False)
     for module in ("zz_dropped", "zz_shared", "zz_forgot"):
         monkeypatch.delitem(sys.modules, f"edgefl.strategies.{module}", raising=False)
     (tmp_path / "zz_dropped.py").write_text(textwrap.dedent("""
@@ -318,7 +320,7 @@ def test_a_module_dropped_into_the_package_is_discovered_and_one_that_forgets_re
     assert "edgefl.strategies.zz_shared" in sys.modules
 
     (tmp_path / "zz_forgot.py").write_text("X = 1\n")
-    monkeypatch.setattr(strategies, "_DISCOVERED", False)
+    monkeypatch.setattr(_registry, "_DISCOVERED", False)
     with pytest.raises(StrategyError, match=r"edgefl\.strategies\.zz_forgot registers no "
                                             r"strategy: .*@register.*HELPER = True"):
         strategy_names()

@@ -2,6 +2,7 @@
 `edgefl aggregator`, the inference service) call around their main loop.
 
     layered   the layered configuration: defaults -> device profile -> site file -> --set
+    keys      the key table of the settings: each key's type, roles and valid values
     profiles  the device profiles (edgefl/profiles/*.yaml), board detection, threads, memory
     notify    sd_notify over NOTIFY_SOCKET: READY, STATUS, WATCHDOG pings, STOPPING
     signals   SIGTERM/SIGINT -> a stop event; a second signal kills

@@ -1,0 +1,116 @@
+"""The Strategy base class every algorithm subclasses (its defaults are FedAvg's), and
+`extension_field` for parameters that extend a published algorithm."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from .. import kernels
+from ._seeds import _round_base, _seed_of
+from ._types import LocalData, PrepareContext, Setup, State, Task, Update, _copy
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Base class. Subclasses are frozen dataclasses whose fields are the algorithm's
+    hyper-parameters (named as in its spec), validated in `__post_init__`; they register
+    with `@register("name")`.
+
+    Server half: `init`, `configure`, `aggregate`. Client half: `train`. The defaults here
+    are FedAvg's (broadcast "params", train locally, upload "params"); algorithms override
+    what differs.
+    """
+    name: ClassVar[str] = ""
+    listed: ClassVar[bool] = True    # False: a wrapper, not offered by strategy_names()
+
+    # ---------------------------------------------------------------- offline phase
+    def prepare(self, init_params: np.ndarray, clients: Mapping[int, "LocalData"],
+                setup: Setup, context: PrepareContext | None = None) -> "Strategy":
+        """The strategy ready for round 1, after its offline phase, if it has one: work done
+        once before the run on the initial model and the clients' data (DUW learns its
+        weight table here). Called by the simulator for every strategy, and by
+        `edgefl duw-train`. Returns a strategy (itself, or a copy holding what the phase
+        produced in its parameters, so a checkpoint of the run keeps it). The default: no
+        offline phase."""
+        return self
+
+    # ---------------------------------------------------------------- server half
+    def init(self, global_params: np.ndarray, cfg: Setup) -> State:
+        """The server state before round 1: a copy of the initial model and the setup."""
+        return State({"params": _copy(global_params, "global_params")},
+                     {"round": 0, "setup": cfg.to_json()})
+
+    def configure(self, round: int, clients: Sequence[int], state: State) -> dict:
+        """{client: Task} for round `round`; `clients` are the selected clients."""
+        setup = self.setup(state)
+        shared = {"params": state.buffers["params"]}
+        return {c: Task(round, shared, self.local_config(setup, round, c)) for c in sorted(clients)}
+
+    def aggregate(self, round: int, updates: Mapping[int, Update], state: State):
+        """(new state, metrics) from the uploads of round `round`."""
+        raise NotImplementedError
+
+    def global_model(self, state: State) -> np.ndarray:
+        """The model to evaluate, export and checkpoint."""
+        return state.buffers["params"]
+
+    # ---------------------------------------------------------------- client half
+    def train(self, task: Task, local_data: LocalData, client_state: State | None):
+        """(Update, new client state) for one local round. `client_state` is None the first
+        time a client trains."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def setup(state: State) -> Setup:
+        return _setup_of(state.meta["setup"])
+
+    @staticmethod
+    def local_config(setup: Setup, round: int, client: int, **overrides) -> dict:
+        """The `kernels.train_config` of `client`'s local round `round`: the setup's train
+        section, the round's lr (eta_t = lr * lr_decay**(t-1)), the data-order seed from
+        (seed, round, client), then per-client `overrides` (e.g. steps)."""
+        base, prefix = _round_base(setup, round)
+        cfg = dict(base)
+        cfg["seed"] = _seed_of(prefix, client)
+        if overrides:
+            cfg.update(overrides)
+            return kernels.train_config(**cfg)
+        return cfg
+
+    def hyperparameters(self) -> dict:
+        """The hyper-parameters this instance was built with (extension fields only when
+        set: `extension_field`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not (f.metadata.get("extension") and getattr(self, f.name) == f.default)}
+
+
+_SETUP_CACHE: dict = {}     # id(setup JSON) -> (that JSON, its Setup)
+_SETUP_CACHE_SIZE = 16
+
+
+def _setup_of(data: Mapping) -> Setup:
+    """Setup.from_json(data), parsed once per JSON object: `State.replace` hands the same
+    "setup" object from round to round, and re-validating it in every configure and
+    aggregate was a tenth of a digits round's overhead. The cache holds the JSON object
+    itself, so an id is never reused while its entry lives; the JSON is read-only by the
+    State convention (a checkpoint stores it as is)."""
+    hit = _SETUP_CACHE.get(id(data))
+    if hit is not None and hit[0] is data:
+        return hit[1]
+    setup = Setup.from_json(data)
+    if len(_SETUP_CACHE) >= _SETUP_CACHE_SIZE:
+        _SETUP_CACHE.clear()         # atomic, unlike evicting one entry while threads insert
+    _SETUP_CACHE[id(data)] = (data, setup)
+    return setup
+
+
+def extension_field(default=None):
+    """A strategy parameter that extends the published algorithm (e.g. `robust`,
+    strategies/robust.py). Left at its default it changes nothing, is not listed by
+    `strategy_params` (unless asked) and not returned by `hyperparameters()`, so configs,
+    checkpoints and announcements of plain runs stay exactly as they were."""
+    return field(default=default, metadata={"extension": True})
