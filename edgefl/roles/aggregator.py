@@ -80,7 +80,7 @@ def default_client_ids(n: int) -> tuple:
 
 
 # The AggregatorSettings fields that are settings of the `edgefl aggregator` service: each
-# takes its default and its check from that key of the layered table (edgefl.service.layered,
+# takes its default and its check from that key of the layered table (edgefl.service.keys,
 # edgefl/service/defaults.yaml), so a library caller, a simulation and the service agree.
 AGGREGATOR_KEYS = {
     "federation": "node.federation",

@@ -61,7 +61,7 @@ log = logging.getLogger("edgefl.roles.client")
 
 
 # The ClientSettings fields that are settings of the `edgefl client` service: each takes its
-# default and its check from that key of the layered table (edgefl.service.layered,
+# default and its check from that key of the layered table (edgefl.service.keys,
 # edgefl/service/defaults.yaml). The board's limits (max_params, max_batch_size,
 # memory_budget_mb) are None by default, no limit: a simulation's clients have none, a
 # service's come from its profile and site file.
