@@ -210,7 +210,7 @@ double ef_sqnorm(const float *x, int64_t n)
 
 /* ------------------------------------------------------------------------------------------
  * The first NaN or infinity: every frame received and every update encoded is checked for
- * one (transport/wire.py). An all-ones exponent field is inf or nan; blocks are ORed
+ * one (transport/wire/). An all-ones exponent field is inf or nan; blocks are ORed
  * branch-free (integer ops vectorise, AVX2 clone where the CPU has it), and only a block that
  * holds one is scanned again for its index.
  * ---------------------------------------------------------------------------------------- */

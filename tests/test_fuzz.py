@@ -190,7 +190,7 @@ def test_oversized_or_wrong_length_fields_are_refused(caplog, frame, field, valu
     out = fresh(caplog)
     lengths = {"meta_len": wire.read_header(data).meta_len,
                "payload_len": wire.read_header(data).payload_len, field: value}
-    announced = 64 + wire._align(lengths["meta_len"]) + lengths["payload_len"]
+    announced = 64 + wire.header._align(lengths["meta_len"]) + lengths["payload_len"]
     out.add(seal_header(set_field(data, field, value)), expect)
     assert len(out.codes) == 1
     if announced != len(data):        # else the body no longer parses: metadata, buffer...
@@ -233,7 +233,7 @@ def test_non_finite_values_are_refused_even_with_valid_crcs(caplog, seed, at, ba
     data = wire.encode("update", 1, "pi-01", {"p": weights(seed), "m": weights(seed + 1)},
                        None, TABLE)
     h = wire.read_header(data)
-    start = h.data_offset + buffer * wire._align(4 * TABLE.size) + 4 * at
+    start = h.data_offset + buffer * wire.header._align(4 * TABLE.size) + 4 * at
     forged = seal(data[:start] + np.float32(bad).tobytes() + data[start + 4:])
     out = fresh(caplog)
     out.add(forged, Expectation(TABLE, kinds="update"))

@@ -525,13 +525,13 @@ def test_the_frame_crc_is_zlibs_crc32_whatever_computes_it():
     library's checksum bit for bit (docs/protocol.md), for every length and running value,
     so frames stay readable by any implementation."""
     rng = np.random.default_rng(7)
-    assert wire._crc32(b"123456789") == 0xCBF43926
+    assert wire.header._crc32(b"123456789") == 0xCBF43926
     for n in [0, 1, 15, 16, 17, 63, 64, 65, 255, 4096, 131_072 + 3, 4_000_192]:
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         start = int(rng.integers(0, 2 ** 32))
-        assert wire._crc32(data) == zlib.crc32(data), n
-        assert wire._crc32(data, start) == zlib.crc32(data, start), n
-        assert wire._crc32(memoryview(data)[n // 3:]) == zlib.crc32(data[n // 3:]), n
+        assert wire.header._crc32(data) == zlib.crc32(data), n
+        assert wire.header._crc32(data, start) == zlib.crc32(data, start), n
+        assert wire.header._crc32(memoryview(data)[n // 3:]) == zlib.crc32(data[n // 3:]), n
     assert wire.CRC32_IMPL in ("zlib-ng", "zlib")
 
 
@@ -632,7 +632,7 @@ def test_chunk_metadata_is_the_json_of_its_fields(sender, recipient):
     # the JSON encoder writes for the same fields (non-ASCII and escaped characters included)
     meta = {"sender": sender, **({"recipient": recipient} if recipient else {}),
             "offset": 131008, "total": 4000180}
-    assert wire._chunk_meta(sender, recipient, 131008, 4000180) == \
+    assert wire.reassembly._chunk_meta(sender, recipient, 131008, 4000180) == \
         json.dumps(meta, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     kind = "client_model" if recipient else "model"
     data = wire.encode(kind, 2, sender, {"params": params(BIG)}, None, BIG, recipient=recipient)
@@ -645,8 +645,8 @@ def test_metadata_with_a_byte_order_mark_is_refused_as_json_loads_refuses_it():
     data = bytearray(wire.encode("update", 1, "pi-07", {"params": params(BIG)}, None, BIG))
     h = wire.read_header(bytes(data))
     meta = bytes(data[64:64 + h.meta_len])
-    forged = wire._assemble("update", "f32", 0, 1, 0, 1, BIG.hash64, h.message_id,
-                            "\ufeff".encode() + meta, [bytes(data[h.data_offset:])])
+    forged = wire.frame._assemble("update", "f32", 0, 1, 0, 1, BIG.hash64, h.message_id,
+                                  "\ufeff".encode() + meta, [bytes(data[h.data_offset:])])
     with pytest.raises(FrameError, match="BOM") as err:
         wire.decode(forged, Expectation(BIG, kinds="update"))
     assert err.value.code == "metadata"

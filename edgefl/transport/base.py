@@ -1,6 +1,6 @@
 """The transport interface the roles use: opaque bytes on MQTT topic strings, with MQTT's
 semantics (QoS 0/1, retained messages, wildcards, Last Will), and nothing about frames or
-topic layout (wire.py and topics.py own those).
+topic layout (wire/ and topics.py own those).
 
 A transport is used from ordinary threads; everything it receives arrives on one thread-safe
 queue, `transport.messages`, as `Message` (a publication) or `ConnectionEvent` (connected /
@@ -427,7 +427,7 @@ class Transport(abc.ABC):
             raise PayloadTooLarge(
                 f"payload of {len(data):,} bytes on {topic!r} exceeds the limit of "
                 f"{limit:,} bytes (max_payload, or the broker's maximum packet size): send it "
-                "in chunks (wire.py) or raise the broker's max_packet_size")
+                "in chunks (wire.split) or raise the broker's max_packet_size")
         return data
 
     def _payload_limit(self, topic_bytes: int) -> int:
