@@ -11,13 +11,8 @@ process, for trying an algorithm or a config on one machine before a fleet runs 
 does (edgefl.runs.prepare: data set, partition, model, strategy) and writes to an output
 directory (metrics.jsonl as the rounds end, the rest by edgefl.runs.outputs):
 
-    metrics.jsonl  one JSON object per round: round, test_accuracy, test_loss (null on
-                   rounds not evaluated), train_loss (mean over the uploaders' local steps),
-                   uplink_bytes, downlink_bytes (float32 bytes of the buffers actually sent,
-                   summed over recipients), wall_s (this round), train_wall_s (the parallel
-                   phase: the clients' training and, with more than one thread, the previous
-                   round's evaluation), elapsed_s, selected (sorted ids), trained (clients that
-                   trained; FedUmf trains unselected ones too), plus the strategy's metrics
+    metrics.jsonl  one JSON object per round, the round engine's record (edgefl/rounds.py
+                   lists its keys), written as each round ends
     summary.json   final/best accuracy, rounds, the resolved config, model_sha256 (of the
                    final global float32 buffer), bytes moved, timings (overhead_fraction =
                    share of wall time outside the parallel phase)
