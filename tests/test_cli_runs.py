@@ -119,7 +119,7 @@ def test_a_real_runs_name_directory_is_left_alone_and_said_so(cwd, capsys):
     assert simulate() == 0
     captured = capsys.readouterr()
     notes = captured.err.strip().splitlines()
-    assert len(notes) == 1 and "runs/tiny is not a link" in notes[0] \
+    assert len(notes) == 1 and "runs/tiny is not the link to the latest run" in notes[0] \
         and "left as it is" in notes[0], notes
     assert not old.is_symlink() and os.listdir(old) == ["summary.json"]
     assert (old / "summary.json").read_bytes() == b"from an older edgefl"

@@ -75,13 +75,15 @@ def link_latest(run_dir: str, name: str, root: str = RUNS_ROOT, stream=None) -> 
     """Point root/NAME at run_dir (a relative link, so the runs folder can move) by creating
     a temporary link beside it and renaming it over the old one: a reader sees the old run
     or the new one, never no link. root/NAME that is not a link (a run directory from an
-    edgefl before timestamped runs) is left as it is, and one line on `stream` says so.
+    edgefl before timestamped runs, or one named with --out) is left as it is, and one line
+    on `stream` says so.
     Returns the link's path, or None when it was not made."""
     stream = stream or sys.stderr
     link = os.path.join(root, name)
     if os.path.lexists(link) and not os.path.islink(link):
-        print(f"edgefl simulate: {link} is not a link (a run directory from an earlier "
-              f"edgefl?), left as it is; this run is in {run_dir}", file=stream)
+        print(f"edgefl simulate: {link} is not the link to the latest run (a directory "
+              f"from an earlier edgefl, or an --out), left as it is; this run is in "
+              f"{run_dir}", file=stream)
         return None
     temp = os.path.join(root, f".{name}.link-{os.getpid()}")
     try:
