@@ -40,9 +40,8 @@ def check_out_dir(path: str, force: bool) -> None:
     if os.path.isdir(path) and os.listdir(path) and not force:
         raise UsageError(f"--out {path}: directory is not empty (it holds an earlier run?); "
                          f"pass --force to write into it anyway (files of the same names are "
-                         f"replaced, nothing is deleted), choose another --out, or leave "
-                         f"--out out and the run gets a directory of its own under "
-                         f"{RUNS_ROOT}/")
+                         f"replaced, nothing is deleted), choose another --out, or drop --out "
+                         f"and the run gets a directory of its own under {RUNS_ROOT}/")
 
 
 def new_run_dir(name: str, root: str = RUNS_ROOT, now: float | None = None) -> str:
