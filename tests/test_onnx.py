@@ -535,7 +535,7 @@ def test_a_failed_final_export_leaves_the_other_outputs_and_names_the_cause(tmp_
     out = tmp_path / "run"
     (out / "model.onnx").mkdir(parents=True)
     with caplog.at_level(logging.ERROR, logger="edgefl.runs.outputs"):
-        assert main(["simulate", "quickstart", "--out", str(out), "--quiet",
+        assert main(["simulate", "quickstart", "--out", str(out), "--quiet", "--force",
                      "--set", "rounds=2", "--set", "partition.clients=4",
                      "--set", "clients_per_round=4"]) == 0
     printed = capsys.readouterr()

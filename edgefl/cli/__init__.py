@@ -27,7 +27,7 @@ import traceback
 
 from .. import __version__
 from . import ctl, runs, service
-from .command import Command
+from .command import Command, UsageError
 
 __all__ = ["COMMANDS", "Command", "build_parser", "console_main", "main"]
 
@@ -72,6 +72,9 @@ def main(argv=None) -> int:
         return 2
     try:
         return command.run(args)
+    except UsageError as exc:
+        print(f"edgefl {command.name}: error: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, OSError, ImportError) as exc:
         # Bad input (config, data, files): one line naming the cause, no traceback.
         print(f"edgefl {command.name}: error: {exc}", file=sys.stderr)

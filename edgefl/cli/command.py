@@ -14,3 +14,8 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """A command line the command refuses as given, before doing anything (an --out that
+    would replace earlier work): one line, exit status 2, as argparse's own usage errors."""

@@ -7,6 +7,7 @@ import sys
 
 from .. import __version__
 from .command import Command
+from .destinations import FORCE_HELP, check_new_file, check_out_dir
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +26,8 @@ def _partition_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--out", default="partition.png", metavar="PNG",
                         help="heatmap file to write (default: partition.png in the current "
-                             "directory)")
+                             "directory); an existing file is refused without --force")
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
     parser.add_argument("--no-plot", action="store_true", help="print the table only")
 
 
@@ -33,6 +35,8 @@ def _partition(args: argparse.Namespace) -> int:
     from ..config import dataset_from_config, load_config, partition_from_config, section, seed_of
     from ..data.report import format_table, label_counts, save_heatmap
 
+    if not args.no_plot:
+        check_new_file(args.out, args.force)
     config = load_config(args.config, args.overrides)
     dataset = dataset_from_config(config)
     split = partition_from_config(config, dataset)
@@ -62,7 +66,12 @@ PARTITION = Command(
 def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--out", metavar="DIR",
-                        help="output directory (default: runs/<config name>)")
+                        help="output directory, refused if it is not empty unless --force "
+                             "(default: a new runs/NAME-YYYYmmdd-HHMMSS, NAME the config's "
+                             "name, and runs/NAME links to the latest finished run)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into a non-empty --out DIR (files of the same names are "
+                             "replaced; nothing is deleted)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="client training threads (default: the number of CPUs)")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
@@ -97,10 +106,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from ..errors import NonFiniteError
     from ..runconfig import load_run_config
     from ..sim import simulate
+    from .destinations import discard_if_empty, link_latest, new_run_dir
 
+    if args.out is not None:
+        check_out_dir(args.out, args.force)
     config = load_run_config(args.config, args.overrides)
-    stem = os.path.splitext(os.path.basename(config.path or "run"))[0]
-    out = args.out or os.path.join("runs", stem)
+    name = os.path.splitext(os.path.basename(config.path or "run"))[0]
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers {args.workers}: need at least 1 thread")
     if args.broker is not None and args.transport != "mqtt":
@@ -113,16 +124,24 @@ def _simulate(args: argparse.Namespace) -> int:
                          f"final model only)")
     export = ExportPolicy(every=args.export_every, softmax=not args.export_no_softmax,
                           quantize=args.export_quantize)
+    out = args.out if args.out is not None else new_run_dir(name)
     try:
         summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
                            transport=args.transport, broker=args.broker, mqtt=mqtt,
                            export=export)
     except NonFiniteError as exc:
-        print(f"edgefl simulate: training diverged: {exc}", file=sys.stderr)
+        print(f"edgefl simulate: training diverged: {exc} (the rounds before it are in "
+              f"{out})", file=sys.stderr)
         return 1
+    except BaseException:
+        if args.out is None:            # failed before writing: no empty run directory left
+            discard_if_empty(out)
+        raise
+    link = link_latest(out, name) if args.out is None else None
     print(f"{config.strategy}: final accuracy {summary['final_accuracy']:.4f} "
           f"(best {summary['best_accuracy']:.4f} at round {summary['best_round']}), "
-          f"{summary['rounds']} rounds in {summary['wall_s']:.2f} s; outputs in {out}")
+          f"{summary['rounds']} rounds in {summary['wall_s']:.2f} s; outputs in {out}"
+          + (f" ({link} links to it)" if link else ""))
     return 0
 
 
@@ -140,7 +159,9 @@ SIMULATE = Command(
 def _duw_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--out", required=True, metavar="JSON",
-                        help="weight file to write (use it with strategy.weights=JSON)")
+                        help="weight file to write (use it with strategy.weights=JSON); an "
+                             "existing file is refused without --force")
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
     parser.add_argument("--workers", type=int, metavar="N",
                         help="client simulation threads (default: the number of CPUs)")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
@@ -152,6 +173,7 @@ def _duw_train(args: argparse.Namespace) -> int:
     from ..runs.prepare import prepare_run
     from ..strategies.duw import WEIGHTS_FILE, load_weights
 
+    check_new_file(args.out, args.force)
     config = load_run_config(args.config, args.overrides)
     where = config.path or "<config>"
     if config.strategy != "duw":
@@ -218,8 +240,10 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run directory from `edgefl simulate` or its model.npz")
     parser.add_argument("--out", metavar="ONNX",
-                        help="file to write (default: model.onnx, or model.int8.onnx with "
-                             "--quantize, next to the checkpoint)")
+                        help="file to write, refused if it exists unless --force (default: "
+                             "model.onnx, or model.int8.onnx with --quantize, next to the "
+                             "checkpoint, which is made from it and is replaced)")
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
     parser.add_argument("--quantize", choices=["int8"],
                         help="static int8 quantisation (onnxruntime), calibrated on training "
                              "samples; reports the test accuracy change")
@@ -235,7 +259,9 @@ def _export(args: argparse.Namespace) -> int:
     from ..export import export_checkpoint
 
     out = args.out
-    if out is None:
+    if out is not None:
+        check_new_file(out, args.force)
+    else:
         directory = args.source if os.path.isdir(args.source) else \
             os.path.dirname(os.path.abspath(args.source))
         out = os.path.join(directory, "model.int8.onnx" if args.quantize else "model.onnx")

@@ -1,0 +1,197 @@
+"""Runs never overwrite: `edgefl simulate`, `export`, `partition` and `duw-train` refuse to
+replace earlier work without --force (exit 2, nothing touched), and simulate without --out
+gives every run a directory of its own with runs/NAME linking to the latest."""
+import json
+import os
+import re
+
+import pytest
+import yaml
+
+from edgefl.cli import destinations, main
+
+TINY = {
+    "dataset": {"name": "digits", "limit_train": 300},
+    "partition": {"name": "iid", "clients": 3},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedavg"},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "rounds": 2,
+    "clients_per_round": 3,
+    "seed": 0,
+}
+STAMPED = re.compile(r"tiny-\d{8}-\d{6}(-\d+)?")
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch):
+    """A fresh working directory holding tiny.yaml."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(TINY))
+    return tmp_path
+
+
+def simulate(*extra):
+    return main(["simulate", "tiny.yaml", "--quiet", "--workers", "1", *extra])
+
+
+def one_line_error(capsys, command):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"edgefl {command}: error: "), err
+    return err[0]
+
+
+# ---------------------------------------------------------------------------------------
+# simulate --out DIR
+# ---------------------------------------------------------------------------------------
+
+def test_a_non_empty_out_dir_is_refused_and_left_untouched(cwd, capsys):
+    (cwd / "old").mkdir()
+    (cwd / "old" / "summary.json").write_bytes(b'{"earlier": "run"}\n')
+    assert simulate("--out", "old") == 2
+    err = one_line_error(capsys, "simulate")
+    assert "--out old: directory is not empty" in err and "--force" in err
+    assert os.listdir(cwd / "old") == ["summary.json"]
+    assert (cwd / "old" / "summary.json").read_bytes() == b'{"earlier": "run"}\n'
+    assert not (cwd / "runs").exists()
+
+
+def test_force_writes_into_a_non_empty_out_dir(cwd, capsys):
+    (cwd / "old").mkdir()
+    (cwd / "old" / "notes.txt").write_text("mine")
+    assert simulate("--out", "old", "--force") == 0
+    assert json.loads((cwd / "old" / "summary.json").read_text())["rounds"] == 2
+    assert (cwd / "old" / "notes.txt").read_text() == "mine"          # nothing deleted
+    assert "outputs in old" in capsys.readouterr().out
+
+
+def test_an_empty_existing_out_dir_is_fine(cwd):
+    (cwd / "empty").mkdir()
+    assert simulate("--out", "empty") == 0
+    assert (cwd / "empty" / "model.npz").is_file()
+    assert not (cwd / "runs").exists()                 # --out: no link made
+
+
+def test_an_out_that_is_a_file_is_refused(cwd, capsys):
+    (cwd / "f").write_text("x")
+    assert simulate("--out", "f", "--force") == 2
+    assert "--out f: exists and is not a directory" in one_line_error(capsys, "simulate")
+    assert (cwd / "f").read_text() == "x"
+
+
+# ---------------------------------------------------------------------------------------
+# simulate without --out: runs/NAME-YYYYmmdd-HHMMSS and the runs/NAME link
+# ---------------------------------------------------------------------------------------
+
+def test_each_run_gets_its_own_directory_and_the_link_follows_the_latest(cwd, capsys):
+    assert simulate() == 0
+    first = capsys.readouterr().out
+    assert simulate("--set", "seed=1") == 0
+    second = capsys.readouterr().out
+    runs = sorted(os.listdir(cwd / "runs"))
+    stamped = [d for d in runs if STAMPED.fullmatch(d)]
+    assert len(stamped) == 2 and set(runs) == {*stamped, "tiny"}, runs
+    link = cwd / "runs" / "tiny"
+    assert link.is_symlink() and not os.path.isabs(os.readlink(link))
+    seeds = {d: json.loads((cwd / "runs" / d / "summary.json").read_text())["config"]["seed"]
+             for d in stamped}
+    latest = next(d for d, seed in seeds.items() if seed == 1)
+    assert os.readlink(link) == latest
+    assert json.loads((link / "summary.json").read_text())["config"]["seed"] == 1
+    assert f"outputs in {os.path.join('runs', latest)} (runs/tiny links to it)" in second
+    assert f"outputs in {os.path.join('runs', latest)}" not in first
+    assert not [f for f in runs if f.startswith(".")]             # no temporary link left
+
+
+def test_runs_started_in_the_same_second_get_a_numeric_suffix(cwd):
+    now = 1_700_000_000.0
+    a = destinations.new_run_dir("tiny", now=now)
+    b = destinations.new_run_dir("tiny", now=now)
+    c = destinations.new_run_dir("tiny", now=now)
+    assert b == f"{a}-2" and c == f"{a}-3"
+    assert all(os.path.isdir(p) for p in (a, b, c))
+
+
+def test_a_real_runs_name_directory_is_left_alone_and_said_so(cwd, capsys):
+    old = cwd / "runs" / "tiny"
+    old.mkdir(parents=True)
+    (old / "summary.json").write_bytes(b"from an older edgefl")
+    assert simulate() == 0
+    captured = capsys.readouterr()
+    notes = captured.err.strip().splitlines()
+    assert len(notes) == 1 and "runs/tiny is not the link to the latest run" in notes[0] \
+        and "left as it is" in notes[0], notes
+    assert not old.is_symlink() and os.listdir(old) == ["summary.json"]
+    assert (old / "summary.json").read_bytes() == b"from an older edgefl"
+    stamped = [d for d in os.listdir(cwd / "runs") if STAMPED.fullmatch(d)]
+    assert len(stamped) == 1 and (cwd / "runs" / stamped[0] / "model.npz").is_file()
+    assert "links to it" not in captured.out
+
+
+def test_a_run_that_fails_before_writing_leaves_no_directory_and_keeps_the_link(cwd, capsys):
+    assert simulate() == 0
+    before = os.readlink(cwd / "runs" / "tiny")
+    # a data set that cannot load: the run fails in its preparation, before any output
+    assert simulate("--set", "dataset.name=fashion-mnist", "--set", "dataset.path=/none") == 1
+    assert "edgefl simulate: error:" in capsys.readouterr().err
+    assert sorted(os.listdir(cwd / "runs")) == sorted([before, "tiny"])
+    assert os.readlink(cwd / "runs" / "tiny") == before
+
+
+# ---------------------------------------------------------------------------------------
+# export, partition, duw-train: an existing file is refused without --force
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def run_dir(cwd):
+    assert simulate("--out", "run") == 0
+    return cwd / "run"
+
+
+def test_export_refuses_an_existing_out_file_and_force_replaces_it(run_dir, cwd, capsys):
+    (cwd / "m.onnx").write_bytes(b"keep me")
+    assert main(["export", "run", "--out", "m.onnx"]) == 2
+    err = one_line_error(capsys, "export")
+    assert "--out m.onnx: file exists; pass --force to replace it" in err
+    assert (cwd / "m.onnx").read_bytes() == b"keep me"
+    assert main(["export", "run", "--out", "m.onnx", "--force"]) == 0
+    assert (cwd / "m.onnx").read_bytes() != b"keep me" and "to m.onnx" in capsys.readouterr().out
+    # a directory is never replaced, --force or not
+    (cwd / "d.onnx").mkdir()
+    assert main(["export", "run", "--out", "d.onnx", "--force"]) == 2
+    assert "--out d.onnx: is a directory" in one_line_error(capsys, "export")
+
+
+def test_export_without_out_replaces_the_runs_own_onnx_file(run_dir):
+    before = (run_dir / "model.onnx").read_bytes()
+    assert main(["export", "run", "--no-softmax"]) == 0       # derived from model.npz beside it
+    assert (run_dir / "model.onnx").read_bytes() != before
+
+
+def test_partition_refuses_an_existing_heatmap_and_force_replaces_it(cwd, capsys):
+    (cwd / "heat.png").write_bytes(b"keep me")
+    assert main(["partition", "tiny.yaml", "--out", "heat.png"]) == 2
+    assert "--out heat.png: file exists" in one_line_error(capsys, "partition")
+    assert (cwd / "heat.png").read_bytes() == b"keep me"
+    assert capsys.readouterr().out == ""                # refused before the table too
+    assert main(["partition", "tiny.yaml", "--out", "heat.png", "--force"]) == 0
+    assert (cwd / "heat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the default file is held to the same rule; --no-plot writes nothing, so checks nothing
+    (cwd / "partition.png").write_bytes(b"mine")
+    assert main(["partition", "tiny.yaml"]) == 2
+    assert "--out partition.png: file exists" in one_line_error(capsys, "partition")
+    assert main(["partition", "tiny.yaml", "--no-plot"]) == 0
+    assert (cwd / "partition.png").read_bytes() == b"mine"
+
+
+def test_duw_train_refuses_an_existing_weight_file_and_force_replaces_it(cwd, capsys):
+    duw = {**TINY, "strategy": {"name": "duw", "meta_iterations": 2, "meta_lr": 0.01}}
+    (cwd / "duw.yaml").write_text(yaml.safe_dump(duw))
+    (cwd / "w.json").write_bytes(b"keep me")
+    argv = ["duw-train", "duw.yaml", "--out", "w.json", "--quiet", "--workers", "1"]
+    assert main(argv) == 2
+    assert "--out w.json: file exists; pass --force" in one_line_error(capsys, "duw-train")
+    assert (cwd / "w.json").read_bytes() == b"keep me"
+    assert main([*argv, "--force"]) == 0
+    doc = json.loads((cwd / "w.json").read_text())
+    assert doc["format"] == "edgefl-duw-weights" and doc["rounds"] == 2
