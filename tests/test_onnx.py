@@ -5,6 +5,8 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -506,6 +508,26 @@ def test_cli_predict_prints_values_for_a_regression_model(tmp_path, capsys):
     assert main(["predict", path, "--input", str(tmp_path / "x.npy"), "--json"]) == 0
     values = json.loads(capsys.readouterr().out)["values"]
     np.testing.assert_allclose(values, kernels.forward(model, params, x), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_predict_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`edgefl predict ... | head -1`: the reader goes after one line. The output (~150 kB)
+    is larger than a pipe's buffer, so predict is still writing when the pipe closes; it
+    must end with no message (no "error: [Errno 32] Broken pipe", no "Exception ignored")
+    and 141, the status of a program stopped by SIGPIPE."""
+    model, params, raw, x, mean, std = random_case("softmax", n=2500)
+    path = str(tmp_path / "m.onnx")
+    export_onnx(model, params, path, norm_mean=mean, norm_std=std)
+    np.save(tmp_path / "x.npy", raw)
+    proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "predict", path,
+                             "--input", str(tmp_path / "x.npy")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 141, err
+    assert first.startswith(b"0: ") and err == b""
 
 
 def test_cli_export_quantize_prints_both_accuracies(run_dir, tmp_path, capsys):
