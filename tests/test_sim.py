@@ -10,6 +10,7 @@ import yaml
 
 from edgefl.cli import main
 from edgefl.config import ConfigError
+from edgefl.runs.outputs import plot_curves
 from edgefl.runconfig import builtin_configs, load_run_config, run_config_from_mapping
 from edgefl.checkpoint import load_checkpoint, model_sha256
 from edgefl.sim import Progress, simulate
@@ -128,6 +129,16 @@ def test_builtin_configs_resolve_by_name_and_unknown_names_list_them():
 # ---------------------------------------------------------------------------------------
 # outputs and determinism
 # ---------------------------------------------------------------------------------------
+
+def test_curves_tick_the_rounds_at_whole_numbers(tmp_path):
+    history = [{"round": r, "test_accuracy": 0.5 + r / 10, "test_loss": 1.0 / r,
+                "train_loss": 1.2 / r} for r in (1, 2, 3)]
+    fig = plot_curves(history, str(tmp_path / "curves.png"), title="three rounds")
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+    for axes in fig.axes:
+        ticks = [t for t in axes.get_xticks() if 1 <= t <= 3]
+        assert ticks == [1, 2, 3], axes.get_xticks()
+
 
 def test_outputs_exist_and_parse(tmp_path):
     config = load_run_config(write(tmp_path, small(eval_every=3)))
