@@ -69,10 +69,10 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
                                            "came from (defaults, profile, site file, --set)")
     show.add_argument("--role", choices=ROLES, default="client",
                       help="the service whose settings to resolve (default: client)")
-    add_service_config_arguments(show, site_option="--site")
+    add_service_config_arguments(show, aliases=("--site",))
     show.add_argument("--id", dest="node_id", metavar="ID",
                       help="with --role client: the site file `edgefl install-service` wrote "
-                           "for client ID, /etc/edgefl/client-ID.yaml (instead of --site)")
+                           "for client ID, /etc/edgefl/client-ID.yaml (instead of --config)")
     show.add_argument("--json", action="store_true", help="values and sources as JSON")
 
 
