@@ -360,6 +360,16 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
     assert table[-1] == "5 nodes: 0 online, 5 offline"
 
 
+def test_status_of_an_empty_federation_names_it_the_broker_and_how_to_pick_another(
+        mosquitto_server, capsys):
+    assert main(["status", "--broker", mosquitto_server.url, "--federation", "nobody-here",
+                 "--wait", "0.3"]) == 0
+    assert capsys.readouterr().out == (
+        f"no nodes have published a status in federation 'nobody-here' on "
+        f"{mosquitto_server.url}; another federation: --federation ID (or node.federation in "
+        f"the site file given with --config), another broker: --broker URL\n")
+
+
 # ---------------------------------------------------------------------------------------
 # dropped clients, deadlines, late and duplicate updates
 # ---------------------------------------------------------------------------------------
