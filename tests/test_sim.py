@@ -14,6 +14,7 @@ from edgefl.runs.outputs import plot_curves
 from edgefl.runconfig import builtin_configs, load_run_config, run_config_from_mapping
 from edgefl.checkpoint import load_checkpoint, model_sha256
 from edgefl.sim import Progress, simulate
+from edgefl.strategies import strategy_names
 
 SMALL = {
     "dataset": {"name": "digits", "limit_train": 600},
@@ -124,6 +125,22 @@ def test_builtin_configs_resolve_by_name_and_unknown_names_list_them():
         load_run_config(name)            # every shipped config validates
     with pytest.raises(ConfigError, match=r"not a built-in config \(.*quickstart"):
         load_run_config("quikstart")
+
+
+def test_every_strategy_has_an_example_config():
+    shown = {load_run_config(name).strategy for name in builtin_configs()}
+    assert set(strategy_names()) <= shown, sorted(set(strategy_names()) - shown)
+
+
+def test_the_fednova_example_gives_its_clients_different_numbers_of_local_steps(tmp_path):
+    """What the config is there to show: with equal steps, tau_eff (the p-weighted mean of
+    the clients' steps) would be that whole number in every round."""
+    config = load_run_config("fednova", ["rounds=2"])
+    assert config.strategy == "fednova"
+    simulate(config, tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(r["tau_eff"] != int(r["tau_eff"]) for r in rows), rows
 
 
 # ---------------------------------------------------------------------------------------
