@@ -169,7 +169,9 @@ def test_outputs_exist_and_parse(tmp_path):
         assert len(row["selected"]) == 3 and row["selected"] == sorted(row["selected"])
     # evaluated every 3 rounds and after the last
     assert [r["test_accuracy"] is not None for r in rows] == [False, False, True, True]
-    on_disk = json.loads((out / "summary.json").read_text())
+    text = (out / "summary.json").read_text()
+    assert text.endswith("}\n")                  # a text file: cat, diff and git see its end
+    on_disk = json.loads(text)
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["rounds"] == 4 and on_disk["final_accuracy"] == rows[-1]["test_accuracy"]
     assert on_disk["best_accuracy"] >= on_disk["final_accuracy"] > 0.5
