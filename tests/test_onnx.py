@@ -5,6 +5,8 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -485,6 +487,37 @@ def test_cli_export_and_predict_on_npy_csv_and_an_image(run_dir, tmp_path, capsy
         Predictor(model_path).predict(x)[0].tolist()
 
 
+def test_cli_predict_from_dataset_takes_raw_test_samples_of_the_models_data_set(
+        run_dir, tmp_path, capsys, digits):
+    out, _ = run_dir
+    model_path = str(tmp_path / "m.onnx")
+    assert main(["export", str(out), "--out", model_path]) == 0
+    capsys.readouterr()
+    want, probs = Predictor(model_path).predict(raw_inputs(digits, digits.x_test[:3]))
+    for named in ([], ["digits"]):         # the model's own data set, or one named
+        assert main(["predict", model_path, "--from-dataset", *named, "--limit", "3",
+                     "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["input"] == "digits test samples 0..2"
+        assert result["classes"] == want.tolist()
+        assert result["labels"] == digits.y_test[:3].tolist()
+        np.testing.assert_allclose(result["probabilities"], probs, atol=1e-7)
+    assert main(["predict", model_path, "--from-dataset"]) == 0     # 10 by default
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 10 and lines[0].endswith(f"(true: {digits.y_test[0]})")
+
+    assert main(["predict", model_path, "--from-dataset", "synthetic", "--limit", "2"]) == 1
+    assert "its samples have shape" in capsys.readouterr().err
+    assert main(["predict", model_path, "--input", "x.npy", "--limit", "2"]) == 1
+    assert "a --input file is read whole" in capsys.readouterr().err
+    model, params, raw, x, mean, std = random_case("softmax", n=2)
+    export_onnx(model, params, tmp_path / "bare.onnx", norm_mean=mean, norm_std=std)
+    assert main(["predict", str(tmp_path / "bare.onnx"), "--from-dataset"]) == 1
+    assert capsys.readouterr().err == (
+        "edgefl predict: error: --from-dataset: the model does not name the data set it was "
+        "trained on; name one: --from-dataset NAME\n")
+
+
 def test_cli_export_writes_next_to_the_checkpoint_by_default(run_dir, capsys):
     out, _ = run_dir
     target = out / "model.onnx"
@@ -506,6 +539,26 @@ def test_cli_predict_prints_values_for_a_regression_model(tmp_path, capsys):
     assert main(["predict", path, "--input", str(tmp_path / "x.npy"), "--json"]) == 0
     values = json.loads(capsys.readouterr().out)["values"]
     np.testing.assert_allclose(values, kernels.forward(model, params, x), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_predict_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`edgefl predict ... | head -1`: the reader goes after one line. The output (~150 kB)
+    is larger than a pipe's buffer, so predict is still writing when the pipe closes; it
+    must end with no message (no "error: [Errno 32] Broken pipe", no "Exception ignored")
+    and 141, the status of a program stopped by SIGPIPE."""
+    model, params, raw, x, mean, std = random_case("softmax", n=2500)
+    path = str(tmp_path / "m.onnx")
+    export_onnx(model, params, path, norm_mean=mean, norm_std=std)
+    np.save(tmp_path / "x.npy", raw)
+    proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "predict", path,
+                             "--input", str(tmp_path / "x.npy")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == 141, err
+    assert first.startswith(b"0: ") and err == b""
 
 
 def test_cli_export_quantize_prints_both_accuracies(run_dir, tmp_path, capsys):

@@ -364,7 +364,7 @@ def test_memory_budget():
 def test_config_show_prints_values_and_sources(tmp_path, capsys):
     site = write(tmp_path / "client-07.yaml",
                  'profile: rpi4\nnode:\n  id: "07"\ndata: {name: digits}\n')
-    assert main(["config", "show", "--site", site, "--set", "train.batch_size=8"]) == 0
+    assert main(["config", "show", "--config", site, "--set", "train.batch_size=8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("edgefl client: profile rpi4\n  board: Raspberry Pi 4 Model B")
     rows = {line.split()[0]: line for line in out.splitlines()[8:] if line.strip()}
@@ -372,6 +372,16 @@ def test_config_show_prints_values_and_sources(tmp_path, capsys):
     assert rows["train.batch_size"].endswith("--set train.batch_size=8")
     assert rows["compute.threads"].endswith(f"{profiles.profile_path('rpi4')}:5: compute.threads")
     assert "infer.threads" not in rows            # not a client setting
+
+
+def test_config_show_takes_config_like_every_command_and_site_as_its_alias(tmp_path, capsys):
+    site = write(tmp_path / "client.yaml",
+                 'profile: rpi4\nnode:\n  id: "07"\ndata: {name: digits}\n')
+    shown = []
+    for option in ("--config", "--site"):
+        assert main(["config", "show", option, site, "--json"]) == 0
+        shown.append(json.loads(capsys.readouterr().out))
+    assert shown[0] == shown[1] and shown[0]["sources"]["node.id"]["file"] == site
 
 
 def test_config_show_json_and_roles(tmp_path, capsys):
@@ -388,7 +398,7 @@ def test_config_show_json_and_roles(tmp_path, capsys):
 
 def test_config_show_error_is_one_line_naming_the_cause(tmp_path, capsys):
     site = write(tmp_path / "s.yaml", "profile: rpi4\ntrain:\n  batch_size: 0\n")
-    assert main(["config", "show", "--site", site]) == 1
+    assert main(["config", "show", "--config", site]) == 1
     err = capsys.readouterr().err
     assert err == (f"edgefl config: error: {site}:3: train.batch_size: 0 is below the "
                    f"minimum 1\n")

@@ -293,6 +293,18 @@ class ClientHarness:
         assert not self.thread.is_alive()
 
 
+def test_client_says_when_it_is_connected_and_waiting(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "edgefl.roles.client")
+    broker, _, _ = loopback_aggregator()
+    run, _, _ = announcement_for(tmp_path, strategy="fedavg")
+    harness = ClientHarness(tmp_path, broker, run)
+    try:
+        assert "client-0: connected to broker in this process, federation 'fed': waiting " \
+               "for a run" in caplog.text
+    finally:
+        harness.stop()
+
+
 def test_client_checks_every_frame_and_trains_each_round_once(tmp_path, caplog):
     caplog.set_level(logging.INFO, "edgefl.roles.client")
     broker, agg, topics = loopback_aggregator()

@@ -15,6 +15,7 @@ second, clusterable broker.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -358,6 +359,30 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
     assert set(rows) == {agg_id, "client-0", "client-1", "client-2", "client-3"}
     assert rows[agg_id][-1] == str(rounds) and rows[agg_id][2] == "no"
     assert table[-1] == "5 nodes: 0 online, 5 offline"
+
+
+def test_a_client_logs_the_broker_and_federation_it_waits_on(tmp_path, mosquitto_server,
+                                                               caplog):
+    caplog.set_level(logging.INFO, "edgefl.roles.client")
+    config = load_run_config(write_config(tmp_path, rounds=1))
+    fleet = Fleet(tmp_path, config, mosquitto_server.url)
+    try:
+        fleet.start_client("client-0")
+        host_port = mosquitto_server.url.split("://", 1)[1]
+        assert (f"client-0: connected to broker {host_port}, federation {fleet.federation!r}: "
+                f"waiting for a run") in caplog.text
+    finally:
+        fleet.close()
+
+
+def test_status_of_an_empty_federation_names_it_the_broker_and_how_to_pick_another(
+        mosquitto_server, capsys):
+    assert main(["status", "--broker", mosquitto_server.url, "--federation", "nobody-here",
+                 "--wait", "0.3"]) == 0
+    assert capsys.readouterr().out == (
+        f"no nodes have published a status in federation 'nobody-here' on "
+        f"{mosquitto_server.url}; another federation: --federation ID (or node.federation in "
+        f"the site file given with --config), another broker: --broker URL\n")
 
 
 # ---------------------------------------------------------------------------------------

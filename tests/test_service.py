@@ -703,7 +703,7 @@ def test_config_show_finds_the_client_site_file_install_service_wrote(tmp_path, 
     # without it: the error and the layer note say which file to name, and how
     hint = (f"an installed client's site file is {etc}/client-<id>.yaml, which `edgefl "
             f"install-service --role client --id ID` writes: name it with --config FILE "
-            f"(edgefl config show: --id ID or --site FILE); there are {installed}")
+            f"(edgefl config show: --id ID or --config FILE); there are {installed}")
     with pytest.raises(ConfigError) as exc:
         load_service_config("client", None, etc_dir=etc)
     assert str(exc.value) == (f"node.id: not set, and the client needs it (this node's id "

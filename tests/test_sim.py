@@ -10,9 +10,11 @@ import yaml
 
 from edgefl.cli import main
 from edgefl.config import ConfigError
+from edgefl.runs.outputs import plot_curves
 from edgefl.runconfig import builtin_configs, load_run_config, run_config_from_mapping
 from edgefl.checkpoint import load_checkpoint, model_sha256
 from edgefl.sim import Progress, simulate
+from edgefl.strategies import strategy_names
 
 SMALL = {
     "dataset": {"name": "digits", "limit_train": 600},
@@ -125,9 +127,35 @@ def test_builtin_configs_resolve_by_name_and_unknown_names_list_them():
         load_run_config("quikstart")
 
 
+def test_every_strategy_has_an_example_config():
+    shown = {load_run_config(name).strategy for name in builtin_configs()}
+    assert set(strategy_names()) <= shown, sorted(set(strategy_names()) - shown)
+
+
+def test_the_fednova_example_gives_its_clients_different_numbers_of_local_steps(tmp_path):
+    """What the config is there to show: with equal steps, tau_eff (the p-weighted mean of
+    the clients' steps) would be that whole number in every round."""
+    config = load_run_config("fednova", ["rounds=2"])
+    assert config.strategy == "fednova"
+    simulate(config, tmp_path, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(r["tau_eff"] != int(r["tau_eff"]) for r in rows), rows
+
+
 # ---------------------------------------------------------------------------------------
 # outputs and determinism
 # ---------------------------------------------------------------------------------------
+
+def test_curves_tick_the_rounds_at_whole_numbers(tmp_path):
+    history = [{"round": r, "test_accuracy": 0.5 + r / 10, "test_loss": 1.0 / r,
+                "train_loss": 1.2 / r} for r in (1, 2, 3)]
+    fig = plot_curves(history, str(tmp_path / "curves.png"), title="three rounds")
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+    for axes in fig.axes:
+        ticks = [t for t in axes.get_xticks() if 1 <= t <= 3]
+        assert ticks == [1, 2, 3], axes.get_xticks()
+
 
 def test_outputs_exist_and_parse(tmp_path):
     config = load_run_config(write(tmp_path, small(eval_every=3)))
@@ -141,7 +169,9 @@ def test_outputs_exist_and_parse(tmp_path):
         assert len(row["selected"]) == 3 and row["selected"] == sorted(row["selected"])
     # evaluated every 3 rounds and after the last
     assert [r["test_accuracy"] is not None for r in rows] == [False, False, True, True]
-    on_disk = json.loads((out / "summary.json").read_text())
+    text = (out / "summary.json").read_text()
+    assert text.endswith("}\n")                  # a text file: cat, diff and git see its end
+    on_disk = json.loads(text)
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["rounds"] == 4 and on_disk["final_accuracy"] == rows[-1]["test_accuracy"]
     assert on_disk["best_accuracy"] >= on_disk["final_accuracy"] > 0.5

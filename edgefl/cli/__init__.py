@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import sys
 import traceback
 
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
         print(f"edgefl {command.name}: error: {exc}", file=sys.stderr)
         return 2
     except (ValueError, OSError, ImportError) as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            raise       # the reader of the output has gone: console_main ends quietly
         # Bad input (config, data, files): one line naming the cause, no traceback.
         print(f"edgefl {command.name}: error: {exc}", file=sys.stderr)
         return 1
@@ -91,6 +94,9 @@ def console_main(argv=None) -> int:
     is trained again after a restart, is cut short."""
     try:
         code = main(argv)
+        sys.stdout.flush()      # output still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        code = _closed_pipe()
     except BaseException as exc:            # Ctrl-C in a simulation over MQTT, a bug
         if not _training_left_running():
             raise
@@ -102,6 +108,30 @@ def console_main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _stdout_closed() -> bool:
+    """Whether a BrokenPipeError was stdout's (and not a socket's, which stays an error):
+    the write end of a pipe whose reader has gone polls as POLLERR."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):    # no poll, no stdout or no fd
+        return False
+
+
+def _closed_pipe() -> int:
+    """`edgefl predict ... | head -3`: the reader has gone, so what is left of the output has
+    nowhere to go. stdout is pointed at /dev/null so the interpreter's flush at exit does not
+    fail a second time (and print "Exception ignored ... BrokenPipeError"). The status is
+    141, 128 + SIGPIPE, what a C program killed by the signal reports: the shell shows it
+    only under `set -o pipefail`, where a truncated output is meant to be noticed, and
+    `head`'s status, the pipeline's otherwise, is 0 either way."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13     # signal.SIGPIPE is 13 on every POSIX system
 
 
 def _training_left_running() -> bool:

@@ -297,14 +297,50 @@ EXPORT = Command(
 
 def _predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_ONNX", help="a model from `edgefl export`")
-    parser.add_argument("--input", required=True, metavar="FILE",
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", metavar="FILE",
                         help=".npy or .csv of raw samples, or an image file for image models")
+    source.add_argument("--from-dataset", nargs="?", const="", metavar="NAME",
+                        help="instead of a file, the first --limit test samples of a built-in "
+                             "data set, raw as the model takes them: NAME, or without it the "
+                             "data set the model was trained on (its metadata)")
+    parser.add_argument("--limit", type=int, metavar="N",
+                        help="with --from-dataset: how many test samples (default 10)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="onnxruntime threads (default 1)")
     parser.add_argument("--top", type=int, default=3, metavar="K",
                         help="classes listed per sample (default 3)")
     parser.add_argument("--json", action="store_true",
                         help="print classes and all probabilities as JSON")
+
+
+def _dataset_samples(name: str, limit: int, predictor) -> tuple:
+    """(raw samples, their labels, a description) for `predict --from-dataset`: the first
+    `limit` test samples of data set `name` (the model's own data set section when name is
+    empty), with the loader's normalisation undone, since the graph normalises itself."""
+    import json
+
+    from ..data import load_dataset
+    from ..export.onnx import raw_inputs
+
+    if limit < 1:
+        raise ValueError(f"--limit {limit}: give a number of samples >= 1")
+    if name:
+        options = {"name": name}
+    else:
+        options = json.loads(predictor.metadata.get("dataset") or "{}")
+        if not options.get("name"):
+            raise ValueError("--from-dataset: the model does not name the data set it was "
+                             "trained on; name one: --from-dataset NAME")
+    options = dict(options)
+    name = options.pop("name")
+    dataset = load_dataset(name, **options)
+    if tuple(dataset.input_shape) != tuple(predictor.input_shape):
+        raise ValueError(f"--from-dataset {name}: its samples have shape "
+                         f"{tuple(dataset.input_shape)}, the model takes "
+                         f"{tuple(predictor.input_shape)}")
+    raw = raw_inputs(dataset, dataset.x_test[:limit])
+    return raw, dataset.y_test[:len(raw)], f"{name} test samples 0..{len(raw) - 1}"
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -314,13 +350,22 @@ def _predict(args: argparse.Namespace) -> int:
 
     predictor = Predictor(args.model, threads=args.threads, check_interval=None)
     meta = predictor.metadata
-    input_range = json.loads(meta["input_range"]) if meta.get("input_range") else None
-    x = read_inputs(args.input, predictor.input_shape, input_range)
+    labels = None
+    if args.input is not None:
+        if args.limit is not None:
+            raise ValueError("--limit counts --from-dataset's samples; a --input file is "
+                             "read whole")
+        input_range = json.loads(meta["input_range"]) if meta.get("input_range") else None
+        x = read_inputs(args.input, predictor.input_shape, input_range)
+        source = args.input
+    else:
+        x, labels, source = _dataset_samples(args.from_dataset,
+                                             10 if args.limit is None else args.limit, predictor)
     if meta.get("decision") == "none":
         values = predictor.scores(x)
         if args.json:
-            print(json.dumps({"model": args.model, "input": args.input,
-                              "values": values.tolist()}))
+            doc = {"model": args.model, "input": source, "values": values.tolist()}
+            print(json.dumps(doc if labels is None else {**doc, "labels": labels.tolist()}))
         else:
             for i, row in enumerate(values):
                 print(f"{i}: " + " ".join(f"{v:.6g}" for v in row))
@@ -328,22 +373,24 @@ def _predict(args: argparse.Namespace) -> int:
     classes, probs = predictor.predict(x)
     names = predictor.class_names
     if args.json:
-        print(json.dumps({"model": args.model, "input": args.input, "class_names": list(names),
-                          "classes": classes.tolist(),
-                          "names": [names[c] for c in classes],
-                          "probabilities": probs.tolist()}))
+        doc = {"model": args.model, "input": source, "class_names": list(names),
+               "classes": classes.tolist(), "names": [names[c] for c in classes],
+               "probabilities": probs.tolist()}
+        print(json.dumps(doc if labels is None else {**doc, "labels": labels.tolist()}))
         return 0
     top = max(1, min(args.top, probs.shape[1]))
     for i, (c, p) in enumerate(zip(classes, probs)):
         best = sorted(range(len(p)), key=lambda k: -p[k])[:top]
         listed = ", ".join(f"{names[k]} {p[k]:.4f}" for k in best)
-        print(f"{i}: {names[c]} (class {c}, p={p[c]:.4f})  top {top}: {listed}")
+        truth = "" if labels is None else f"  (true: {names[int(labels[i])]})"
+        print(f"{i}: {names[c]} (class {c}, p={p[c]:.4f})  top {top}: {listed}{truth}")
     return 0
 
 
 PREDICT = Command(
     "predict",
-    "classify samples (npy, csv or an image) with an exported ONNX model",
+    "classify samples (npy, csv, an image, or a data set's test samples) with an exported "
+    "ONNX model",
     _predict_arguments, _predict)
 
 

@@ -69,10 +69,10 @@ def _config_arguments(parser: argparse.ArgumentParser) -> None:
                                            "came from (defaults, profile, site file, --set)")
     show.add_argument("--role", choices=ROLES, default="client",
                       help="the service whose settings to resolve (default: client)")
-    add_service_config_arguments(show, site_option="--site")
+    add_service_config_arguments(show, aliases=("--site",))
     show.add_argument("--id", dest="node_id", metavar="ID",
                       help="with --role client: the site file `edgefl install-service` wrote "
-                           "for client ID, /etc/edgefl/client-ID.yaml (instead of --site)")
+                           "for client ID, /etc/edgefl/client-ID.yaml (instead of --config)")
     show.add_argument("--json", action="store_true", help="values and sources as JSON")
 
 
@@ -402,11 +402,14 @@ def _status(args: argparse.Namespace) -> int:
         config = load_service_config(args.role, args.site, profile=args.profile,
                                      overrides=args.overrides)
     if args.broker is not None:
+        broker_url = args.broker
         transport = MqttTransport(args.broker, client_id, clean_session=True)
     elif config is not None:
+        broker_url = config["broker.url"]
         transport = _mqtt_transport(config, client_id, clean_session=True)
     else:
-        transport = MqttTransport(default("broker.url"), client_id, clean_session=True)
+        broker_url = default("broker.url")
+        transport = MqttTransport(broker_url, client_id, clean_session=True)
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
     topics = Topics(federation)
@@ -431,6 +434,11 @@ def _status(args: argparse.Namespace) -> int:
     rows = [statuses[n] for n in sorted(statuses)]
     if args.json:
         print(json.dumps(rows, indent=1))
+    elif not rows:
+        # The usual cause is a fleet on another federation or broker: say which were asked.
+        print(f"no nodes have published a status in federation {federation!r} on "
+              f"{broker_url}; another federation: --federation ID (or node.federation in "
+              f"the site file given with --config), another broker: --broker URL")
     else:
         print(format_fleet(rows))
     return 0

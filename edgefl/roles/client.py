@@ -247,6 +247,11 @@ class Client:
                         "(%s missing): that round is not trained again and cannot be re-sent",
                         self.node, self.progress.trained, self.progress.upload_missing)
         self._connect()
+        # An MqttTransport knows its broker's address (host:port, never a password); the
+        # loopback one is a broker inside this process.
+        broker = getattr(self.transport, "address", None) or "in this process"
+        log.info("%s: connected to broker %s, federation %r: waiting for a run", self.node,
+                 broker, self.settings.federation)
         self.ready.set()
         if self.notifier is not None:
             self.notifier.ready(f"client {self.node}: waiting for a round")

@@ -176,12 +176,15 @@ def export_final_onnx(out_dir: str, stream, policy=None) -> None:
                   out_dir, left)
 
 
-def plot_curves(history: list, path: str, title: str = "") -> None:
+def plot_curves(history: list, path: str, title: str = ""):
     """curves.png: test accuracy (left) and test/train loss (right) by round; matplotlib's
-    Agg canvas directly, no pyplot state."""
+    Agg canvas directly, no pyplot state. Returns the Figure written. Rounds are whole
+    numbers, so the round axes tick at integers only (a 3-round run would otherwise show
+    1.25, 1.5, ...)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise ImportError("curves.png needs matplotlib (pip install 'edgefl[plot]')") from exc
     evaluated = [h for h in history if h["test_accuracy"] is not None]
@@ -200,7 +203,10 @@ def plot_curves(history: list, path: str, title: str = "") -> None:
     loss.set_ylabel("loss")
     loss.grid(True, alpha=0.3)
     loss.legend()
+    for axes in (acc, loss):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    return fig

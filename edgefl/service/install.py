@@ -270,7 +270,7 @@ def site_skeleton(role: str, node_id: str, profile: str) -> str:
         f"# Site settings of {who}, written by `edgefl install-service`.",
         f"# Layers, later ones win: package defaults -> device profile {profile} -> this file",
         "# -> --set on the command line. To see every value and where it came from:",
-        f"#   edgefl config show --role {role} --site {site}",
+        f"#   edgefl config show --role {role} --config {site}",
         f"profile: {profile}",
     ]
     if role in ("client", "aggregator"):

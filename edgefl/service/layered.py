@@ -212,7 +212,7 @@ def _installed_client_hint(etc_dir: str) -> str:
     hint = (f"an installed client's site file is "
             f"{default_site_path('client', '<id>', etc_dir)}, which `edgefl install-service "
             f"--role client --id ID` writes: name it with --config FILE (edgefl config show: "
-            f"--id ID or --site FILE)")
+            f"--id ID or --config FILE)")
     found = sorted(glob.glob(os.path.join(glob.escape(etc_dir), "client-*.yaml")))
     return hint + (f"; there are {', '.join(found)}" if found else "")
 
@@ -536,10 +536,11 @@ def load_service_config(role: str, site: str | os.PathLike | None = None, *,
 # command line
 # ---------------------------------------------------------------------------------------
 
-def add_service_config_arguments(parser, site_option: str = "--config") -> None:
-    """The layer arguments every service command shares: the site file (`--config FILE` for
-    the roles, `--site FILE` for `edgefl config show`), --profile NAME and repeatable --set."""
-    parser.add_argument(site_option, dest="site", metavar="FILE",
+def add_service_config_arguments(parser, aliases: tuple = ()) -> None:
+    """The layer arguments every service command shares: the site file (`--config FILE`, and
+    any `aliases` of it: `edgefl config show` also takes its older spelling `--site FILE`),
+    --profile NAME and repeatable --set."""
+    parser.add_argument("--config", *aliases, dest="site", metavar="FILE",
                         help=f"site file (default: {ETC_DIR}/<role>.yaml when it exists)")
     parser.add_argument("--profile", metavar="NAME",
                         help="device profile: " + ", ".join(profiles.profile_names() + ["auto"]))
