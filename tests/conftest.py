@@ -10,6 +10,7 @@ the logging configuration it started with back.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -23,3 +24,17 @@ def _restore_logging():
         for handler in [h for h in lg.handlers if h not in handlers]:
             lg.removeHandler(handler)
         lg.setLevel(level)
+
+
+@pytest.fixture
+def fsynced(monkeypatch):
+    """The paths os.fsync was called on, in order (the fd's target, read from /proc)."""
+    paths = []
+    real = os.fsync
+
+    def record(fd):
+        paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    return paths

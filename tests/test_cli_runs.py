@@ -9,17 +9,10 @@ import pytest
 import yaml
 
 from edgefl.cli import destinations, main
+from helpers import SMALL_RUN
 
-TINY = {
-    "dataset": {"name": "digits", "limit_train": 300},
-    "partition": {"name": "iid", "clients": 3},
-    "model": {"name": "softmax"},
-    "strategy": {"name": "fedavg"},
-    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
-    "rounds": 2,
-    "clients_per_round": 3,
-    "seed": 0,
-}
+# the roles' small run (all three clients every round), as tiny.yaml
+TINY = {**SMALL_RUN, "clients_per_round": 3}
 STAMPED = re.compile(r"tiny-\d{8}-\d{6}(-\d+)?")
 
 

@@ -667,18 +667,11 @@ def test_weight_file_round_trips_exactly_and_is_checked_against_the_run(tmp_path
         load_weights(tmp_path / "missing.json")
 
 
-def test_weight_file_is_written_by_the_one_atomic_write(tmp_path, monkeypatch):
+def test_weight_file_is_written_by_the_one_atomic_write(tmp_path, fsynced):
     """save_weights goes through edgefl.io.write_json: the file and then its directory are
     fsync'ed (the rename survives a power cut), NumPy values and tuples come out as plain
     JSON, no temporary file is left, and a missing directory is made."""
-    synced = []
-    real_fsync = os.fsync
-
-    def record(fd):
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", record)
+    synced = fsynced
     doc = {"format": "edgefl-duw-weights", "table": np.array([[0.25, 0.75]]),
            "meta_loss": (np.float64(2.5), 1.25), "clients": [np.int64(3), 7]}
     path = save_weights(tmp_path / "new" / "w.json", doc)

@@ -15,20 +15,6 @@ import pytest
 from edgefl import io
 
 
-@pytest.fixture
-def fsynced(monkeypatch):
-    """The paths os.fsync was called on, in order (the fd's target, read from /proc)."""
-    paths = []
-    real = os.fsync
-
-    def record(fd):
-        paths.append(os.readlink(f"/proc/self/fd/{fd}"))
-        return real(fd)
-
-    monkeypatch.setattr(os, "fsync", record)
-    return paths
-
-
 def test_atomic_write_fsyncs_the_file_then_its_directory(tmp_path, fsynced):
     path = tmp_path / "model.onnx"
     io.atomic_write(path, b"new bytes")
