@@ -101,6 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source chec
 from _bench import time_medians, markdown  # noqa: E402  (tools/ is the script directory)
 
 from edgefl import kernels
+from edgefl._malloc import keep_frames_in_heap
 from edgefl.params import LayerTable
 from edgefl.transport import wire
 
@@ -119,6 +120,10 @@ def bench_table(p: int) -> LayerTable:
 
 
 def bench_frame(args) -> Iterator[dict]:
+    # The allocator settings the roles run with: without them each multi-megabyte frame is a
+    # fresh mapping, and the 1M-parameter rows measured glibc's heap state (a 4x swing that
+    # moved with import order alone) instead of the encoder.
+    keep_frames_in_heap()
     sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000]
     repeats = 5 if args.quick else 9
     for p in sizes:
