@@ -27,6 +27,43 @@ def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-packet-bytes", type=int, default=DEFAULT_MAX_PACKET_BYTES,
                         metavar="N", help="largest MQTT packet accepted (default "
                                           f"{DEFAULT_MAX_PACKET_BYTES})")
+    actions = parser.add_subparsers(dest="broker_action", metavar="ACTION")
+    accounts = actions.add_parser(
+        "accounts", help="generate a federation's broker accounts (one per connection, bound "
+                         "to its client id), hashed passwords and access, for Mosquitto's "
+                         "dynamic security plugin (docs/brokers.md)")
+    accounts.add_argument("--federation", required=True, metavar="ID", help="federation id")
+    accounts.add_argument("--clients", required=True, metavar="N|ID,ID,...",
+                          help="the boards: a number N (client-1 ... client-N) or their ids")
+    accounts.add_argument("--aggregator", default="aggregator", metavar="ID",
+                          help="the aggregator's node id (default aggregator)")
+    accounts.add_argument("--out", required=True, metavar="DIR",
+                          help="writes DIR/broker/dynamic-security.json and "
+                               "DIR/credentials/<account>.pw (refuses to replace them)")
+
+
+def _broker_accounts(args: argparse.Namespace) -> int:
+    import os
+
+    from ..service.accounts import federation_accounts, write_accounts
+
+    clients = args.clients.strip()
+    if clients.isdigit():
+        ids = [f"client-{i}" for i in range(1, int(clients) + 1)]
+    else:
+        ids = [c.strip() for c in clients.split(",") if c.strip()]
+    fed = federation_accounts(args.federation, ids, aggregator=args.aggregator)
+    written = write_accounts(fed, args.out)
+    print(f"edgefl broker accounts: {len(fed.accounts)} accounts of federation "
+          f"{fed.federation} in {written['dynsec']} (the dynamic security plugin's "
+          f"plugin_opt_config_file); passwords in {os.path.join(args.out, 'credentials')}/")
+    for a in fed.accounts:
+        bound = f"client id {a.client_id}" if a.client_id else "any client id"
+        print(f"  {a.username:<20} {bound:<28} {a.purpose}")
+    print("site files: broker.username and broker.password_file of each node (the "
+          "aggregator's also broker.control_username / control_password_file: "
+          f"{fed.aggregator}-ctl); see docs/brokers.md")
+    return 0
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -34,6 +71,9 @@ def _broker(args: argparse.Namespace) -> int:
     import threading
 
     from ..transport.broker import EmbeddedBroker
+
+    if getattr(args, "broker_action", None) == "accounts":
+        return _broker_accounts(args)
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -139,13 +179,21 @@ INSTALL_SERVICE = Command(
 
 def _mqtt_transport(config, client_id: str, **options):
     """An MqttTransport from a service config's broker section (url, user, password file,
-    TLS files)."""
+    TLS files). The aggregator service's control connection (client id <node>-ctl) logs in
+    with broker.control_username when set: a broker that binds each account to one client
+    id (docs/brokers.md, `edgefl broker accounts`) needs an account per connection."""
+    from ..service.accounts import control_username
     from ..transport.mqtt import MqttTransport
 
     broker = config.section("broker")
     tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
-    transport = MqttTransport(broker["url"], client_id, username=broker.get("username"),
-                              password_file=broker.get("password_file"), **tls, **options)
+    username, password_file = broker.get("username"), broker.get("password_file")
+    if broker.get("control_username") and config["node.id"] and \
+            client_id == control_username(config["node.id"]):
+        username = broker["control_username"]
+        password_file = broker.get("control_password_file")
+    transport = MqttTransport(broker["url"], client_id, username=username,
+                              password_file=password_file, **tls, **options)
     transport.set_queue_limits(config["limits.queue_messages"], config.mib("limits.queue_mb"))
     return transport
 
@@ -387,14 +435,10 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
 def _status(args: argparse.Namespace) -> int:
     import json
     import os
-    import time
 
-    from ..roles.messages import MessageError, parse_status
     from ..service.layered import default, load_service_config
-    from ..service.status import format_fleet
-    from ..transport.base import Message
+    from ..service.status import collect_statuses, format_fleet
     from ..transport.mqtt import MqttTransport
-    from ..transport.topics import Topics
 
     client_id = f"edgefl-status-{os.getpid()}-{os.urandom(3).hex()}"
     config = None
@@ -412,23 +456,11 @@ def _status(args: argparse.Namespace) -> int:
         transport = MqttTransport(broker_url, client_id, clean_session=True)
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
-    topics = Topics(federation)
     transport.connect()
-    statuses = {}
     try:
-        transport.subscribe(topics.subscription("status"), qos=1)
-        end = time.monotonic() + max(0.0, args.wait)
-        quiet_until = time.monotonic() + min(0.5, args.wait)
-        while time.monotonic() < min(end, quiet_until):
-            item = transport.receive(timeout=max(0.0, min(end, quiet_until) - time.monotonic()))
-            if not isinstance(item, Message) or not item.payload:
-                continue
-            quiet_until = time.monotonic() + 0.3      # retained ones come in a burst
-            try:
-                _, node = topics.parse(item.topic)
-                statuses[node] = parse_status(item.payload, node)
-            except (MessageError, ValueError) as exc:
-                print(f"edgefl status: ignored {item.topic}: {exc}", file=sys.stderr)
+        statuses = collect_statuses(
+            transport, federation, args.wait,
+            warn=lambda text: print(f"edgefl status: {text}", file=sys.stderr))
     finally:
         transport.close(timeout=1.0, announce_offline=False)
     rows = [statuses[n] for n in sorted(statuses)]

@@ -58,8 +58,13 @@ def packet_bytes_for(payload_bytes: int) -> int:
 
 
 def find_mosquitto() -> str | None:
-    """The mosquitto binary: on PATH, or in the sbin directories Debian installs it to
-    (which an ordinary user's PATH often lacks)."""
+    """The mosquitto binary: $EDGEFL_MOSQUITTO when set (a path; "none" or empty: act as if
+    Mosquitto were not installed, as the tests of the fallbacks do), else on PATH, or in the
+    sbin directories Debian installs it to (which an ordinary user's PATH often lacks)."""
+    override = os.environ.get("EDGEFL_MOSQUITTO")
+    if override is not None:
+        return override if override not in ("", "none") and os.access(override, os.X_OK) \
+            else None
     found = shutil.which("mosquitto")
     if found:
         return found
