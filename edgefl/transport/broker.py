@@ -165,6 +165,8 @@ _LISTENER_OPTIONS = {
     "require_certificate", "use_identity_as_username", "use_subject_as_username",
     "allow_anonymous", "password_file", "acl_file", "ciphers", "psk_hint", "mount_point",
     "socket_domain", "bind_interface", "http_dir", "max_connections",
+    # access control by a plugin (the dynamic security plugin's accounts): replaced too
+    "plugin", "auth_plugin", "per_listener_settings",
 }
 
 
@@ -194,7 +196,7 @@ def adapt_mosquitto_conf(text: str, port: int, workdir: str | os.PathLike,
         if not line or line.startswith("#"):
             continue
         option = line.split()[0]
-        if option in _LISTENER_OPTIONS:
+        if option in _LISTENER_OPTIONS or option.startswith(("plugin_opt_", "auth_opt_")):
             continue
         if option == "persistence_location":
             line = f"persistence_location {workdir}/"
