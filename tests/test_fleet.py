@@ -91,6 +91,14 @@ def _bring_up_run_and_stop(tmp_path: Path, clients: int, env=None) -> str:
         assert len(re.findall(r"round \d closed \(all\): %d update" % clients, watched)) == 5
         summary = fleet_dir / "state" / "aggregator" / "runs" / "digits-1" / "summary.json"
         assert json.loads(summary.read_text())["rounds"] == 5
+        # watching a run that has ended says how it ended, and returns
+        start = _next_command(up.stdout)
+        late = subprocess.run([a if a != "start" else "watch" for a in start
+                               if not a.endswith("digits.yaml")] + ["--run", "digits-1"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert late.returncode == 0, late.stdout + late.stderr
+        assert "run digits-1: finished before watch began, 5/5 rounds" in late.stdout
 
         status = edgefl(tmp_path, "fleet", "status", "--dir", "fleet", env=env)
         assert status.returncode == 0, status.stdout + status.stderr

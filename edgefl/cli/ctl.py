@@ -216,16 +216,30 @@ def _ctl_watch(args, transport, topics, name) -> int:
     # the clients online: from the status reply (the active run's aggregator knows them),
     # then kept up to date by client_joined / client_left
     online: set = set()
+    control = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
     try:
-        status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5").request(
-            {"cmd": "status"}, timeout=args.timeout)
+        status = control.request({"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):
-            active = (status.get("result") or {}).get("active")
+            result = status.get("result") or {}
+            active = result.get("active")
             watched = watched or (active or {}).get("run")
             if active and active.get("run") == watched:
                 online.update(active.get("clients_online") or [])
             if not args.json:
-                print(_ctl_text("status", status.get("result") or {}), flush=True)
+                print(_ctl_text("status", result), flush=True)
+            if watched and (active or {}).get("run") != watched and \
+                    watched not in (result.get("queue") or []):
+                # neither running nor queued: it may have ended before watch began (a short
+                # run), and then no event of it will come: say how it ended
+                ended = _ended_run(control, watched, args.timeout)
+                if ended is not None:
+                    print(json.dumps(ended) if args.json else
+                          f"run {watched}: {ended.get('state')} before watch began, "
+                          f"{ended.get('rounds_done', 0)}/{ended.get('rounds') or '?'} rounds"
+                          + (f", final accuracy {ended['final_accuracy']:.4f}"
+                             if ended.get("final_accuracy") is not None else "")
+                          + (f"; {ended['error']}" if ended.get("error") else ""), flush=True)
+                    return 0 if ended.get("state") == "finished" else 1
     except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
     ends = ("run_finished", "run_stopped", "run_cancelled")
@@ -258,6 +272,17 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 return 0 if kind == "run_finished" else 1
     except KeyboardInterrupt:
         return 0
+
+
+def _ended_run(control, run_id: str, timeout: float) -> dict | None:
+    """The record of run `run_id` if it has ended (finished, stopped, cancelled, failed),
+    from the service's `runs` reply; None if it has not or is unknown."""
+    reply = control.request({"cmd": "runs"}, timeout=timeout)
+    for record in (reply.get("result") or {}).get("runs") or []:
+        if record.get("id") == run_id and record.get("state") in (
+                "finished", "stopped", "cancelled", "failed"):
+            return record
+    return None
 
 
 def _event_text(event: dict, online: set) -> str:
