@@ -427,6 +427,12 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
                              "mqtt://localhost:1883)")
     parser.add_argument("--federation", metavar="ID", help="federation id (default: the site "
                         "file's node.federation, else 'default')")
+    parser.add_argument("--username", metavar="USER",
+                        help="log in as USER (the operator) instead of the site file's "
+                             "account, which a broker that binds accounts to client ids "
+                             "refuses under status's own client id (docs/brokers.md)")
+    parser.add_argument("--password-file", metavar="FILE",
+                        help="with --username: file whose first line is its password")
     parser.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
                         help="longest wait for the retained statuses (default 2)")
     parser.add_argument("--json", action="store_true", help="print the statuses as JSON")
@@ -438,6 +444,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from ..service.layered import default, load_service_config
     from ..service.status import collect_statuses, format_fleet
+    from ..transport.base import TransportError
     from ..transport.mqtt import MqttTransport
 
     client_id = f"edgefl-status-{os.getpid()}-{os.urandom(3).hex()}"
@@ -445,18 +452,37 @@ def _status(args: argparse.Namespace) -> int:
     if args.site is not None or args.overrides or args.profile is not None:
         config = load_service_config(args.role, args.site, profile=args.profile,
                                      overrides=args.overrides)
+    login = {"username": args.username, "password_file": args.password_file} \
+        if args.username else {}
+    if args.password_file and not args.username:
+        raise ValueError("--password-file goes with --username")
+    site_account = None
     if args.broker is not None:
         broker_url = args.broker
-        transport = MqttTransport(args.broker, client_id, clean_session=True)
+        transport = MqttTransport(args.broker, client_id, clean_session=True, **login)
     elif config is not None:
         broker_url = config["broker.url"]
-        transport = _mqtt_transport(config, client_id, clean_session=True)
+        if login:
+            broker = config.section("broker")
+            tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
+            transport = MqttTransport(broker_url, client_id, clean_session=True, **tls, **login)
+        else:
+            site_account = config.section("broker").get("username")
+            transport = _mqtt_transport(config, client_id, clean_session=True)
     else:
         broker_url = default("broker.url")
-        transport = MqttTransport(broker_url, client_id, clean_session=True)
+        transport = MqttTransport(broker_url, client_id, clean_session=True, **login)
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
-    transport.connect()
+    try:
+        transport.connect()
+    except TransportError as exc:
+        if site_account and "refused client" in str(exc):
+            raise TransportError(
+                f"{exc}; the site file's account {site_account!r} may be bound to its node's "
+                "client id (docs/brokers.md \"Client ids bound to accounts\"): give the "
+                "operator's with --username operator --password-file FILE") from None
+        raise
     try:
         statuses = collect_statuses(
             transport, federation, args.wait,
