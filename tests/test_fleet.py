@@ -240,3 +240,54 @@ def test_up_waits_for_every_node_and_names_what_failed(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "f" / "fleet.json").read_text())
     wait_for(lambda: all(_gone(p["pid"]) for p in doc["processes"].values()), 30,
              "the fleet's processes to be stopped")
+
+
+def test_a_board_cannot_take_over_the_running_aggregator(tmp_path):
+    """Issue 16's attack on a live fleet: mid-run, client-1's account connects under the
+    aggregator's client id and under its control connection's (as a clean session, which
+    would wipe a persistent one). Both are refused; the run goes on, its control connection
+    still answers, and the aggregator never finds its session lost."""
+    if find_mosquitto() is None or find_dynsec_plugin() is None:
+        pytest.skip("needs mosquitto >= 2.0 with its dynamic security plugin")
+    from edgefl.transport.base import TransportError
+    from edgefl.transport.mqtt import MqttTransport
+
+    up = edgefl(tmp_path, "fleet", "up", "--clients", "2", "--dir", "fleet")
+    assert up.returncode == 0, up.stdout + up.stderr
+    fleet_dir = tmp_path / "fleet"
+    ctl = _next_command(up.stdout)
+    ctl = [a for a in ctl if not a.endswith("digits.yaml")]
+
+    def ctl_run(action, *rest):
+        at = ctl.index("start")           # the action and its CONFIG come before the options
+        argv = ctl[:at] + [action, *rest] + ctl[at + 1:]
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    try:
+        ctl_run("start", str(fleet_dir / "long.yaml"), "--run", "long-1")
+        wait_for(lambda: re.search(r"run long-1: running, .*?(\d+) of 1000",
+                                   ctl_run("status")), 120, "long-1 to be running")
+        url = json.loads((fleet_dir / "fleet.json").read_text())["url"]
+        for victim in ("aggregator", "aggregator-ctl"):
+            attacker = MqttTransport(url, victim, username="client-1", clean_session=True,
+                                     password_file=str(fleet_dir / "credentials/client-1.pw"),
+                                     connect_timeout=10)
+            with pytest.raises(TransportError, match="Not authorized"):
+                attacker.connect()
+        status = ctl_run("status")          # the control connection answers
+        assert "run long-1: running" in status
+        before = int(re.search(r"(\d+) of 1000", status).group(1))
+        wait_for(lambda: int(re.search(r"(\d+) of 1000", ctl_run("status")).group(1))
+                 > before, 120, "the run to go on after the attempts")
+        assert "stopping" in ctl_run("stop")
+    finally:
+        down = edgefl(tmp_path, "fleet", "down", "--dir", "fleet")
+    assert down.returncode == 0
+    agg_log = (fleet_dir / "logs" / "aggregator.log").read_text()
+    assert "lost our session" not in agg_log
+    broker_log = (fleet_dir / "logs" / "broker.log").read_text()
+    assert "closing old connection" not in broker_log
+    assert broker_log.count("disconnected, not authorised") >= 2
