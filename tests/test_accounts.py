@@ -252,3 +252,71 @@ def test_the_command_writes_private_files_and_never_replaces_them(tmp_path):
     assert again.returncode == 1
     assert "dynamic-security.json: exists" in again.stderr
     assert (out / "credentials" / "client-1.pw").read_text() == before
+
+
+# ------------------------------------------------------------------ without the plugin
+class PasswordFileMosquitto(ServerProcess):
+    """broker/mosquitto.conf adapted (one plain listener) with a generated password file
+    and ACL instead of the plugin."""
+
+    name = "mosquitto"
+
+    def __init__(self, workdir: Path, written: dict):
+        super().__init__(workdir)
+        from edgefl.transport.broker import adapt_mosquitto_conf
+
+        repo = Path(__file__).resolve().parents[1]
+        self.conf = self.workdir / "mosquitto.conf"
+        self.conf.write_text(adapt_mosquitto_conf((repo / "broker" / "mosquitto.conf")
+                                                  .read_text(), self.port, self.workdir,
+                                                  written["passwords"], written["acl"]))
+
+    def command(self):
+        return [find_mosquitto(), "-c", str(self.conf)]
+
+
+@pytest.mark.parametrize("hasher", ["mosquitto_passwd", "edgefl"])
+def test_password_file_accounts_log_in_and_keep_to_their_topics(tmp_path, monkeypatch,
+                                                                hasher):
+    """`--mechanism passwd`: the hashes Mosquitto reads, whether mosquitto_passwd made them
+    or edgefl wrote its format itself; the ACL gives each account its topics."""
+    from edgefl.service.accounts import write_password_file_accounts
+
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    if hasher == "edgefl":
+        monkeypatch.setenv("EDGEFL_MOSQUITTO_PASSWD", "none")
+    elif not os.access("/usr/bin/mosquitto_passwd", os.X_OK):
+        pytest.skip("mosquitto_passwd is not installed")
+    written = write_password_file_accounts(federation_accounts(FED, CLIENTS), str(tmp_path))
+    assert written["hashed_by"].endswith(hasher)
+    lines = Path(written["passwords"]).read_text().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["aggregator", "aggregator-ctl",
+                                                      "client-1", "client-2", "operator"]
+    assert all(line.split(":", 1)[1].startswith("$7$101$") for line in lines)
+    server = PasswordFileMosquitto(tmp_path, written)
+    server.start()
+    made = []
+    try:
+        def login(user, cid):
+            t = MqttTransport(server.url, cid, username=user, clean_session=True,
+                              password_file=written["credentials"][user], connect_timeout=5)
+            t.connect()
+            made.append(t)
+            return t
+
+        agg = login("aggregator", "aggregator")
+        agg.subscribe(f"edgefl/{FED}/update/+", qos=1)
+        board = login("client-1", "client-1")
+        board.publish(f"edgefl/{FED}/update/client-2", b"forged", qos=1).wait(5)
+        board.publish(f"edgefl/{FED}/update/client-1", b"mine", qos=1).wait(5)
+        assert next_message(agg).payload == b"mine"
+        wrong = tmp_path / "wrong.pw"
+        wrong.write_text("nope\n")
+        with pytest.raises(TransportError, match="refused client"):
+            MqttTransport(server.url, "client-2", username="client-2",
+                          password_file=str(wrong), connect_timeout=5).connect()
+    finally:
+        for t in made:
+            t.close(timeout=1.0, announce_offline=False)
+        server.stop()

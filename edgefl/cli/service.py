@@ -40,12 +40,18 @@ def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     accounts.add_argument("--out", required=True, metavar="DIR",
                           help="writes DIR/broker/dynamic-security.json and "
                                "DIR/credentials/<account>.pw (refuses to replace them)")
+    accounts.add_argument("--mechanism", choices=["dynsec", "passwd"], default="dynsec",
+                          help="dynsec (default): the dynamic security plugin's state, every "
+                               "node's account bound to its client id; passwd: a password "
+                               "file and an ACL for a broker without the plugin, which bind "
+                               "no client id")
 
 
 def _broker_accounts(args: argparse.Namespace) -> int:
     import os
 
-    from ..service.accounts import federation_accounts, write_accounts
+    from ..service.accounts import (ADMIN, federation_accounts, write_accounts,
+                                    write_password_file_accounts)
 
     clients = args.clients.strip()
     if clients.isdigit():
@@ -53,12 +59,23 @@ def _broker_accounts(args: argparse.Namespace) -> int:
     else:
         ids = [c.strip() for c in clients.split(",") if c.strip()]
     fed = federation_accounts(args.federation, ids, aggregator=args.aggregator)
-    written = write_accounts(fed, args.out)
-    print(f"edgefl broker accounts: {len(fed.accounts)} accounts of federation "
-          f"{fed.federation} in {written['dynsec']} (the dynamic security plugin's "
-          f"plugin_opt_config_file); passwords in {os.path.join(args.out, 'credentials')}/")
+    credentials = os.path.join(args.out, "credentials")
+    if args.mechanism == "passwd":
+        written = write_password_file_accounts(fed, args.out)
+        print(f"edgefl broker accounts: {len(fed.accounts) - 1} accounts of federation "
+              f"{fed.federation} in {written['passwords']} (hashed by "
+              f"{written['hashed_by']}) and {written['acl']}; passwords in {credentials}/; "
+              "client ids are NOT bound to accounts (docs/brokers.md)")
+    else:
+        written = write_accounts(fed, args.out)
+        print(f"edgefl broker accounts: {len(fed.accounts)} accounts of federation "
+              f"{fed.federation} in {written['dynsec']} (the dynamic security plugin's "
+              f"plugin_opt_config_file); passwords in {credentials}/")
     for a in fed.accounts:
-        bound = f"client id {a.client_id}" if a.client_id else "any client id"
+        if args.mechanism == "passwd" and a.username == ADMIN:
+            continue
+        bound = f"client id {a.client_id}" if a.client_id and args.mechanism == "dynsec" \
+            else "any client id"
         print(f"  {a.username:<20} {bound:<28} {a.purpose}")
     print("site files: broker.username and broker.password_file of each node (the "
           "aggregator's also broker.control_username / control_password_file: "

@@ -40,6 +40,7 @@ from ..transport.topics import DEFAULT_PREFIX, Topics, validate_id
 
 __all__ = ["Account", "FederationAccounts", "federation_accounts", "dynsec_state",
            "hash_password", "find_dynsec_plugin", "write_accounts", "DYNSEC_FILE",
+           "password_file_line", "acl_text", "write_password_file_accounts",
            "CREDENTIALS_DIR", "OPERATOR", "ADMIN", "control_username"]
 
 DYNSEC_FILE = "dynamic-security.json"     # the plugin's state, under the output directory
@@ -199,6 +200,83 @@ def dynsec_state(fed: FederationAccounts) -> dict:
     return {"clients": clients, "groups": [], "roles": _roles(fed),
             "defaultACLAccess": {"publishClientSend": False, "publishClientReceive": False,
                                  "subscribe": False, "unsubscribe": True}}
+
+
+def password_file_line(username: str, password: str, salt: bytes | None = None,
+                       iterations: int = ITERATIONS) -> str:
+    """One line of a Mosquitto password file in the format mosquitto_passwd writes
+    (`user:$7$<iterations>$<salt>$<hash>`, PBKDF2-HMAC-SHA512, base64), for a broker
+    without the dynamic security plugin; no trailing newline."""
+    fields = hash_password(password, salt, iterations)
+    return f"{username}:$7${iterations}${fields['salt']}${fields['password']}"
+
+
+def acl_text(fed: FederationAccounts) -> str:
+    """A Mosquitto acl_file granting each account the topics its dynsec role grants: for a
+    broker without the plugin. It binds no client id (docs/brokers.md)."""
+    lines = [f"# Mosquitto ACL of federation {fed.federation}, written by `edgefl broker "
+             "accounts --mechanism passwd`.",
+             "# It grants what the dynamic security accounts grant, but binds no client id: "
+             "any account",
+             "# can take another's session over (docs/brokers.md). Anything not granted is "
+             "denied.", ""]
+    roles = {r["rolename"]: r for r in _roles(fed)}
+    for a in fed.accounts:
+        if a.username == ADMIN:
+            continue                    # the plugin's own API: nothing to grant without it
+        lines.append(f"user {a.username}")
+        for acl in roles[a.role]["acls"]:
+            if acl["acltype"] == "publishClientSend":
+                lines.append(f"topic write {acl['topic']}")
+            elif acl["acltype"] == "subscribePattern":
+                lines.append(f"topic read {acl['topic']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_password_file_accounts(fed: FederationAccounts, out_dir: str) -> dict:
+    """The accounts for a broker without the dynamic security plugin: out_dir/broker/
+    passwords (hashed by mosquitto_passwd when it is installed, else in its format here),
+    out_dir/broker/acl and the credentials, all mode 0600. Refuses to replace files."""
+    import shutil
+    import subprocess
+
+    broker_dir = os.path.join(out_dir, "broker")
+    cred_dir = os.path.join(out_dir, CREDENTIALS_DIR)
+    passwords = os.path.join(broker_dir, "passwords")
+    acl = os.path.join(broker_dir, "acl")
+    accounts = [a for a in fed.accounts if a.username != ADMIN]
+    credentials = {a.username: os.path.join(cred_dir, f"{a.username}.pw") for a in accounts}
+    existing = [p for p in (passwords, acl, *credentials.values()) if os.path.lexists(p)]
+    if existing:
+        raise FileExistsError(f"{existing[0]}: exists (accounts were generated there "
+                              f"before); choose another directory")
+    os.makedirs(broker_dir, exist_ok=True)
+    os.makedirs(cred_dir, mode=0o700, exist_ok=True)
+    passwd = shutil.which("mosquitto_passwd") or next(
+        (p for p in ("/usr/bin/mosquitto_passwd", "/usr/local/bin/mosquitto_passwd")
+         if os.access(p, os.X_OK)), None)
+    if os.environ.get("EDGEFL_MOSQUITTO_PASSWD") is not None:     # tests: "none" = absent
+        passwd = os.environ["EDGEFL_MOSQUITTO_PASSWD"] or None
+        passwd = None if passwd == "none" else passwd
+    if passwd:
+        # the plain lines exist only in this 0600 file until mosquitto_passwd hashes them
+        atomic_write(passwords, "".join(f"{a.username}:{a.password}\n" for a in accounts),
+                     mode=0o600)
+        done = subprocess.run([passwd, "-U", passwords], capture_output=True, text=True,
+                              timeout=60)
+        if done.returncode != 0:
+            os.unlink(passwords)
+            raise OSError(f"{passwd} -U {passwords} failed ({done.returncode}): "
+                          f"{(done.stderr or done.stdout).strip()}")
+    else:
+        atomic_write(passwords, "".join(password_file_line(a.username, a.password) + "\n"
+                                        for a in accounts), mode=0o600)
+    atomic_write(acl, acl_text(fed), mode=0o600)
+    for a in accounts:
+        atomic_write(credentials[a.username], a.password + "\n", mode=0o600)
+    return {"passwords": passwords, "acl": acl, "credentials": credentials,
+            "hashed_by": passwd or "edgefl"}
 
 
 def find_dynsec_plugin() -> str | None:
