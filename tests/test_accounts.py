@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+pytest.register_assert_rewrite("brokers")
 
 from brokers import ServerProcess, messages_within, next_message, wait_event  # noqa: E402
 from edgefl.fleet import mosquitto_conf  # noqa: E402
