@@ -70,41 +70,45 @@ def client_ids(n: int) -> list:
 
 # ------------------------------------------------------------------ the files
 def _site_header(what: str) -> str:
-    return (f"# {what}: written by `edgefl fleet up`. Relative paths are relative to this file.\n"
-            f"# On a real board, see docs/deployment.md for what changes (URL, TLS, paths).\n")
+    return (f"# {what},\n# written by `edgefl fleet up`; relative paths are relative to this "
+            "file. On real\n# machines some keys change: docs/deployment.md says which.\n")
+
+
+def _yaml_lines(*rows) -> str:
+    """YAML lines, each (text) or (text, comment) with the comments in one column."""
+    out = []
+    for row in rows:
+        text, comment = (row, None) if isinstance(row, str) else row
+        out.append(f"{text:<41} # {comment}" if comment else text)
+    return "\n".join(out) + "\n"
 
 
 def site_files(federation: str, clients: list, url: str) -> dict:
     """{file name: YAML text} of each node's site file."""
     agg_ctl = control_username(AGGREGATOR)
-    files = {"aggregator.yaml": (
-        _site_header("the aggregator service's site file (edgefl aggregator --config)")
-        + f"node: {{id: {AGGREGATOR}, federation: {federation}}}\n"
-        + "broker:\n"
-        + f"  url: \"{url}\"\n"
-        + f"  username: {AGGREGATOR}                  # its rounds' connection (client id "
-          f"{AGGREGATOR})\n"
-        + f"  password_file: {CREDENTIALS_DIR}/{AGGREGATOR}.pw\n"
-        + f"  control_username: {agg_ctl}      # its control connection (client id {agg_ctl})\n"
-        + f"  control_password_file: {CREDENTIALS_DIR}/{agg_ctl}.pw\n"
-        + f"state_dir: state/{AGGREGATOR}             # runs/<id>/: records, checkpoints, "
-          "outputs\n"
-        + f"clients: [{', '.join(clients)}]   # the boards, in the order of a run's "
-          "partition\n"
-        + "round: {deadline: 60}                # a start command may override it\n"
-        + "log: {level: info}\n")}
+    files = {"aggregator.yaml": _site_header(
+        "the aggregator service's site file (edgefl aggregator --config)") + _yaml_lines(
+        f"node: {{id: {AGGREGATOR}, federation: {federation}}}",
+        "broker:",
+        f"  url: \"{url}\"",
+        (f"  username: {AGGREGATOR}", f"its rounds' connection (client id {AGGREGATOR})"),
+        f"  password_file: {CREDENTIALS_DIR}/{AGGREGATOR}.pw",
+        (f"  control_username: {agg_ctl}", f"its control connection (client id {agg_ctl})"),
+        f"  control_password_file: {CREDENTIALS_DIR}/{agg_ctl}.pw",
+        (f"state_dir: state/{AGGREGATOR}", "runs/<id>/: records, checkpoints, outputs"),
+        (f"clients: [{', '.join(clients)}]", "the boards, in the order of a run's partition"),
+        ("round: {deadline: 60}", "a start command may override it"),
+        "log: {level: info}")}
     for client in clients:
-        files[f"{client}.yaml"] = (
-            _site_header(f"board {client}'s site file (edgefl client --config)")
-            + f"node: {{id: {client}, federation: {federation}}}\n"
-            + "broker:\n"
-            + f"  url: \"{url}\"\n"
-            + f"  username: {client}                 # its own account, bound to client id "
-              f"{client}\n"
-            + f"  password_file: {CREDENTIALS_DIR}/{client}.pw\n"
-            + f"state_dir: state/{client}            # progress, stored update, installed "
-              "model.onnx\n"
-            + "log: {level: info}\n")
+        files[f"{client}.yaml"] = _site_header(
+            f"board {client}'s site file (edgefl client --config)") + _yaml_lines(
+            f"node: {{id: {client}, federation: {federation}}}",
+            "broker:",
+            f"  url: \"{url}\"",
+            (f"  username: {client}", f"its own account, bound to client id {client}"),
+            f"  password_file: {CREDENTIALS_DIR}/{client}.pw",
+            (f"state_dir: state/{client}", "progress, stored update, installed model.onnx"),
+            "log: {level: info}")
     return files
 
 
