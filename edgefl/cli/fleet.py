@@ -49,6 +49,7 @@ def _fleet(args: argparse.Namespace) -> int:
                   f"federation {fleet.federation}; files in {fleet.directory}, logs in "
                   f"{fleet.path('logs')}")
             print("next:", fleet.ctl_command("start", fleet.path("digits.yaml")), flush=True)
+            print(f"stop it: edgefl fleet down --dir {args.dir}", flush=True)
             return 0
         if args.action == "down":
             options = {} if args.timeout is None else {"timeout": args.timeout}
