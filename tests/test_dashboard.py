@@ -22,7 +22,7 @@ import yaml
 
 pytest_plugins = ["brokers"]
 
-from browser import Browser          # noqa: E402
+from browser import Browser, find_chromium    # noqa: E402
 from edgefl.cli import main           # noqa: E402
 from edgefl.dashboard import DashboardServer, FleetView, is_loopback    # noqa: E402
 from edgefl.transport.base import Message    # noqa: E402
@@ -94,6 +94,8 @@ DOM = {
 }
 
 
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
+                    "package chromium): the dashboard's browser test needs a real browser")
 def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_server):
     server = mosquitto_acl_server
     fed = f"dash-{os.urandom(4).hex()}"
