@@ -26,8 +26,8 @@ def add_operator_arguments(parser: argparse.ArgumentParser, what: str) -> None:
                         help="whose site file --config is (its broker URL, CA file and "
                              "federation are used, never its account; default aggregator)")
     parser.add_argument("--broker", metavar="URL",
-                        help="mqtt://host[:port] or mqtts://... (default: the site file's, "
-                             "else mqtt://localhost:1883)")
+                        help="mqtt://host[:port], mqtts://... or host:port (default: the "
+                             "site file's, else mqtt://localhost:1883)")
     parser.add_argument("--username", metavar="USER",
                         help=f"MQTT user: the operator's account (the broker's ACL lets only "
                              f"the operator {what}); never taken from --config, "

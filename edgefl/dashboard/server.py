@@ -184,6 +184,23 @@ def _sse(kind: str, doc) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _json(doc) + b"\n\n"
 
 
+def _listen_error(exc: OSError, host: str, port: int) -> OSError:
+    """The error of a failed bind in words naming the address and the option to change,
+    with the errno kept (the CLI prints the message alone)."""
+    texts = {
+        errno.EADDRINUSE: f"port {port} on {host} is in use (another dashboard, or another "
+                          f"server?): choose another with --port",
+        errno.EADDRNOTAVAIL: f"cannot listen on {host}: not an address of this machine "
+                             f"(--host)",
+        errno.EACCES: f"port {port} on {host}: permission denied (ports below 1024 need "
+                      f"root): choose another with --port",
+    }
+    error = OSError(texts.get(exc.errno, f"cannot listen on {host}:{port}: "
+                                         f"{exc.strerror or exc}"))
+    error.errno = exc.errno
+    return error
+
+
 class DashboardServer(ThreadingHTTPServer):
     """The page and its live feed for `view`, on host:port (port 0: a free one; `port`
     then says which). OSError naming the address when the port is taken or the host is
@@ -202,19 +219,7 @@ class DashboardServer(ThreadingHTTPServer):
         try:
             super().__init__((host, port), _Handler)
         except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise OSError(exc.errno, f"port {port} on {host} is in use (another "
-                                         f"dashboard, or another server?): choose another with "
-                                         f"--port") from None
-            if exc.errno == errno.EADDRNOTAVAIL:
-                raise OSError(exc.errno, f"cannot listen on {host}: not an address of this "
-                                         f"machine (--host)") from None
-            if exc.errno == errno.EACCES:
-                raise OSError(exc.errno, f"port {port} on {host}: permission denied (ports "
-                                         f"below 1024 need root): choose another with "
-                                         f"--port") from None
-            raise OSError(exc.errno, f"cannot listen on {host}:{port}: "
-                                     f"{exc.strerror or exc}") from None
+            raise _listen_error(exc, host, port) from None
         self.thread: threading.Thread | None = None
 
     @property
