@@ -352,3 +352,53 @@ def test_view_folds_status_records_and_events():
         changes.append(listener.queue.get_nowait()[0])
     assert changes.count("point") == 2 and "node_gone" in changes and "run_gone" in changes
     view.unlisten(listener)
+
+
+def test_event_stream_starts_with_a_snapshot_then_sends_each_change():
+    topics = Topics("lab")
+    view = FleetView(topics, broker="127.0.0.1:1883")
+    with DashboardServer(view, "127.0.0.1", 0) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/events")
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.getheader("Content-Type") == "text/event-stream"
+
+        def next_event():
+            fields = {}
+            while True:
+                line = response.fp.readline().decode().rstrip("\n")
+                if not line:
+                    if "event" in fields:
+                        return fields["event"], json.loads(fields["data"])
+                    continue
+                key, _, value = line.partition(": ")
+                fields[key] = value
+
+        kind, snapshot = next_event()
+        assert kind == "snapshot" and snapshot["nodes"] == [] and not snapshot["broker"][
+            "connected"]
+        view.apply(_message(topics, "status", "pi-1", {"node": "pi-1", "online": True}))
+        kind, doc = next_event()
+        assert kind == "node" and doc["node"] == "pi-1" and doc["online"] is True
+        from edgefl.transport.base import ConnectionEvent
+        view.apply(ConnectionEvent("disconnected", "broker restarted"))
+        kind, doc = next_event()
+        assert kind == "broker" and doc["connected"] is False and doc["reason"] == \
+            "broker restarted"
+        conn.close()
+
+
+def test_server_on_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        server = DashboardServer(FleetView(Topics("lab")), "::1", 0)
+    except OSError as exc:
+        pytest.skip(f"cannot listen on ::1 here: {exc}")
+    with server:
+        assert server.url.startswith("http://[::1]:")
+        conn = http.client.HTTPConnection("::1", server.port, timeout=10)
+        conn.request("GET", "/state")
+        assert conn.getresponse().status == 200
+        conn.close()
