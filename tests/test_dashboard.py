@@ -101,6 +101,8 @@ def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_
     fed = f"dash-{os.urandom(4).hex()}"
     run_file = tmp_path / "run.yaml"
     run_file.write_text(yaml.safe_dump(RUN))
+    run2_file = tmp_path / "run2.yaml"            # 3 rounds, every one evaluated
+    run2_file.write_text(yaml.safe_dump({**RUN, "rounds": 3, "eval_every": 1}))
 
     def account(user: str) -> dict:
         path = tmp_path / f"{user}.pw"
@@ -151,42 +153,65 @@ def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_
             assert dom("link") == "live"
 
             # a run started by the operator: round 1 waits for client-2, so it is running
-            ctl = subprocess.run([sys.executable, "-m", "edgefl.cli", "ctl", "start",
-                                  str(run_file), "--run", "dash-run", "--broker", server.url,
-                                  *operator],
-                                 cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                                 timeout=120)
-            assert ctl.returncode == 0, ctl.stderr
-            wait_for(lambda: dom("runs").get("dash-run") == "running", 60,
-                     "run dash-run shown as running")
+            def ctl(*args):
+                done = subprocess.run([sys.executable, "-m", "edgefl.cli", "ctl", *args,
+                                       "--broker", server.url, *operator], cwd=tmp_path,
+                                      env=_env(), capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0, done.stderr
+
+            def state_of(run, state):
+                return lambda: dom("runs").get(run) == state
+
+            # a run started by the operator: round 1 waits for client-2, so it stays running
+            ctl("start", str(run_file), "--run", "dash-run")
+            wait_for(state_of("dash-run", "running"), 60, "run dash-run shown as running")
             wait_for(lambda: "round_opened" in dom("events"), 60, "round 1 opened in the events")
             assert dom("accuracy") == 0 and dom("train_loss") == 0   # no round has closed
             assert dom("curve_run") == "dash-run"
+            ctl("pause")
+            wait_for(state_of("dash-run", "paused"), 60, "run dash-run shown as paused")
+            ctl("resume")
+            wait_for(state_of("dash-run", "running"), 60, "run dash-run running again")
+            # a second run waits in the queue behind the active one
+            ctl("start", str(run2_file), "--run", "dash-run-2")
+            wait_for(state_of("dash-run-2", "queued"), 60, "run dash-run-2 shown as queued")
+            assert dom("curve_run") == "dash-run"            # the active run's curves
             page.screenshot(tmp_path / "dashboard-running.png")
 
-            # the second board comes: the run goes through its rounds and finishes
+            # the second board comes: both runs go through their rounds and finish
             procs.start("client-2", "client", "--config", client_sites["client-2"],
                         "--partition", str(run_file), "--shard", "1")
-            wait_for(lambda: dom("runs").get("dash-run") == "finished", 180,
-                     "run dash-run shown as finished")
-            metrics = tmp_path / "agg-state" / "runs" / "dash-run" / "metrics.jsonl"
-            rounds = [json.loads(line) for line in metrics.read_text().splitlines()]
-            evaluated = [r["round"] for r in rounds if r["test_accuracy"] is not None]
-            assert len(rounds) == ROUNDS and evaluated == [2, 4, 5], evaluated
-            # one point per evaluated round on the accuracy and test loss curves, one per
-            # round on the train loss curve
-            wait_for(lambda: dom("accuracy") == len(evaluated), 30,
-                     f"{len(evaluated)} accuracy points (got {dom('accuracy')})")
-            assert sorted(dom("accuracy_rounds")) == evaluated
-            assert dom("test_loss") == len(evaluated)
-            assert dom("train_loss") == ROUNDS
-            assert {"run_queued", "run_started", "round_closed", "run_finished"} \
-                <= set(dom("events"))
-            # every board installed the run's final ONNX model, and its status says so
-            wait_for(lambda: all(f"round {ROUNDS}" in n["model"] for n in dom("nodes")
-                                 if n["node"] in CLIENTS)
-                     and {n["node"] for n in dom("nodes")} >= set(CLIENTS), 60,
-                     f"both clients showing the model of round {ROUNDS} installed")
+            for run in ("dash-run", "dash-run-2"):
+                wait_for(state_of(run, "finished"), 180, f"run {run} shown as finished")
+
+            def evaluated(run):
+                metrics = tmp_path / "agg-state" / "runs" / run / "metrics.jsonl"
+                rounds = [json.loads(line) for line in metrics.read_text().splitlines()]
+                return len(rounds), [r["round"] for r in rounds
+                                     if r["test_accuracy"] is not None]
+
+            # by default the curves of the run that ended last; a click on a run's row
+            # shows its own. One point per evaluated round on the accuracy and test loss
+            # curves, one per round on the train loss curve.
+            for run, click in (("dash-run-2", False), ("dash-run", True)):
+                if click:
+                    page.evaluate(f"document.querySelector('#runs tr[data-run=\"{run}\"]')"
+                                  ".click()")
+                rounds, points = evaluated(run)
+                assert (rounds, points) == {"dash-run": (ROUNDS, [2, 4, 5]),
+                                            "dash-run-2": (3, [1, 2, 3])}[run]
+                wait_for(lambda: dom("curve_run") == run and dom("accuracy") == len(points),
+                         30, f"{len(points)} accuracy points of {run} (got {dom('accuracy')} "
+                         f"of {dom('curve_run')})")
+                assert sorted(dom("accuracy_rounds")) == points
+                assert dom("test_loss") == len(points) and dom("train_loss") == rounds
+            assert {"run_queued", "run_started", "run_paused", "run_continued", "round_closed",
+                    "run_finished"} <= set(dom("events"))
+            # every board installed the last run's final ONNX model, and its status says so
+            wait_for(lambda: {n["node"] for n in dom("nodes")} >= set(CLIENTS)
+                     and all("round 3" in n["model"] for n in dom("nodes")
+                             if n["node"] in CLIENTS), 60,
+                     "both clients showing the model of round 3 installed")
             assert page.errors == [], page.errors
             shot = page.screenshot(tmp_path / "dashboard.png")
             assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20000

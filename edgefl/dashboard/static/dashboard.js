@@ -274,7 +274,8 @@
     chart("chart-loss", [
       { cls: "train-loss", label: "train loss", line: true, points: run ? series(run, "train_loss") : [] },
       { cls: "test-loss", label: "test loss", line: false, points: run ? series(run, "test_loss") : [] },
-    ], { rounds, digits: 2, empty, range: (values) => [0, Math.max(...values) * 1.1 || 1] });
+    ], { rounds, digits: 2, empty: run ? "no round closed yet" : "no run yet",
+      range: (values) => [0, Math.max(...values) * 1.1 || 1] });
   }
 
   // ---------------------------------------------------------------- events
