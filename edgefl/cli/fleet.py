@@ -27,8 +27,10 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="up: longest wait for every node to be online (default 180); "
                              "down: for each process to stop after SIGTERM (default 30)")
-    # The dashboard (`edgefl dashboard`) joins here when it exists: a --dashboard flag that
-    # passes edgefl.fleet.FleetService("dashboard", [...]) to up(extra_services=...).
+    # The dashboard (`edgefl dashboard`) joins here: a --dashboard flag that passes
+    # edgefl.fleet.FleetService("dashboard", [..."dashboard", "--config", aggregator.yaml,
+    # "--username", "operator", "--password-file", ...]) to up(extra_services=...); `down`
+    # and `status` then treat it as every other process of the fleet.
 
 
 def _fleet(args: argparse.Namespace) -> int:
