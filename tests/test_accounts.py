@@ -321,3 +321,26 @@ def test_password_file_accounts_log_in_and_keep_to_their_topics(tmp_path, monkey
         for t in made:
             t.close(timeout=1.0, announce_offline=False)
         server.stop()
+
+
+def test_an_aggregator_without_its_control_account_is_told_what_to_set(broker, tmp_path):
+    """A site file giving the service one account for both connections, against a broker
+    that binds accounts: the control connection is refused, and the error says which keys
+    to set."""
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(f"node: {{id: aggregator, federation: {FED}}}\n"
+                    f"broker: {{url: \"{broker.url}\", username: aggregator, "
+                    f"password_file: {broker.password_file('aggregator')}}}\n"
+                    f"state_dir: {tmp_path / 'state'}\nclients: [client-1, client-2]\n")
+    done = subprocess.run([sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                           str(site), "--once"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "refused client 'aggregator-ctl'" in done.stderr
+    assert "set broker.control_username (aggregator-ctl)" in done.stderr
+    # with the keys set, the same service starts and (--once, nothing queued) exits 0
+    site.write_text(site.read_text().replace(
+        "broker: {", "broker: {control_username: aggregator-ctl, control_password_file: "
+                     f"{broker.password_file('aggregator-ctl')}, "))
+    done = subprocess.run([sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                           str(site), "--once"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -269,6 +269,7 @@ def _aggregator(args: argparse.Namespace) -> int:
 
     from ..roles import AggregatorSettings
     from ..roles.daemon import Daemon, DaemonSettings
+    from ..transport.base import TransportError
     from ..service.notify import Notifier
     from ..service.signals import install_stop_handlers
 
@@ -298,7 +299,10 @@ def _aggregator(args: argparse.Namespace) -> int:
             notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
         daemon = Daemon(daemon_settings, state_dir, transport, stop=stop, notifier=notifier,
                         site_run=site_run)
-        daemon.run()
+        try:
+            daemon.run()
+        except TransportError as exc:
+            raise _control_account_hint(exc, config) from None
         notifier.stopping()
     for run_id in daemon.executed:
         record = daemon.records[run_id]
@@ -317,6 +321,21 @@ def _aggregator(args: argparse.Namespace) -> int:
         print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'})", flush=True)
     return 1 if any(daemon.records[r]["state"] == "failed" for r in daemon.executed) \
         and args.once else 0
+
+
+def _control_account_hint(exc, config):
+    """`exc`, with what to do when the broker refused the control connection because the
+    site file gives it no account of its own (a broker that binds accounts to client ids)."""
+    from ..service.accounts import control_username
+    from ..transport.base import TransportError
+
+    control = control_username(config["node.id"])
+    if f"refused client {control!r}" in str(exc) and not config["broker.control_username"]:
+        return TransportError(
+            f"{exc}; if the broker binds each account to one client id (docs/brokers.md), "
+            f"the control connection needs its own account: set broker.control_username "
+            f"({control}) and broker.control_password_file in the site file")
+    return exc
 
 
 AGGREGATOR = Command(
