@@ -365,9 +365,12 @@ def _dp(v: "_Validator", section) -> DifferentialPrivacy:
             if count_noise < 0:
                 v.fail(f"{a_where}.count_noise", f"{count_noise} must be >= 0")
         adaptive = AdaptiveClip(target_quantile=quantile, lr=lr, count_noise=count_noise)
+    reproducible = section.get("reproducible", d.reproducible)
+    if not isinstance(reproducible, bool):
+        v.fail(f"{where}.reproducible", f"{reproducible!r} must be true or false")
     return DifferentialPrivacy(mode=mode, clip=clip, noise_multiplier=noise, delta=delta,
                                target_epsilon=target, accountant=accountant,
-                               adaptive_clip=adaptive)
+                               adaptive_clip=adaptive, reproducible=reproducible)
 
 
 def _clients_per_round(v: "_Validator", data: Mapping, clients: int) -> int:

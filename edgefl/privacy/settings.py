@@ -17,6 +17,8 @@ the key in every error); the protocols that use these values are this package's 
         target_epsilon: null     # budget mode: the run ends before epsilon would pass this
         accountant: rdp          # rdp | pld (dp-accounting)
         adaptive_clip: null      # or {target_quantile: 0.5, lr: 0.2, count_noise: ...}
+        reproducible: false      # true: noise seeded from (seed, round, client), for tests and
+                                 #   experiments only (anyone knowing the seed can remove it)
 
 Which strategies can run under each is decided where the strategies are (`secure_sum` on the
 strategy); the check is `refusal` below, called by the run config.
@@ -55,7 +57,7 @@ class SecureAggregation:
 class AdaptiveClip:
     target_quantile: float = 0.5
     lr: float = 0.2
-    count_noise: float | None = None   # None: the paper's default, noise_multiplier / 20
+    count_noise: float | None = None   # None: the paper's default, clients_per_round / 20
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class DifferentialPrivacy:
     target_epsilon: float | None = None
     accountant: str = "rdp"
     adaptive_clip: AdaptiveClip | None = None
+    reproducible: bool = False
 
 
 @dataclass(frozen=True)
