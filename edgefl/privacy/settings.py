@@ -118,4 +118,14 @@ def refusal(privacy: Privacy, strategy, robust: Mapping | None, attack: Mapping 
     if attack:
         return key, ("the attack simulation (attack:) tampers with individual updates in the "
                      "clear; run it without the privacy section")
+    if privacy.dp is not None:
+        why = getattr(strategy, "dp_refusal", "")
+        if why:
+            return "privacy.dp", f"strategy {strategy.name!r} cannot run with it: {why}"
+        weighting = getattr(strategy, "weighting", "uniform")
+        if weighting != "uniform":
+            return "strategy.weighting", (
+                f"{weighting!r} cannot run with privacy.dp: DP-FedAvg bounds one client's "
+                f"effect on the sum only when every client has the same weight (a client "
+                f"reports its own sample count); set strategy.weighting: uniform")
     return None
