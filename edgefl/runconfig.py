@@ -272,6 +272,12 @@ def _privacy(v: "_Validator", section, per_round: int) -> Privacy | None:
             v.fail("privacy.dp.mode", "distributed noise protects a client only when the "
                                       "aggregator sees nothing but the sum; add "
                                       "privacy.secure_aggregation or use mode: central")
+        if dp.mode == "distributed" and dp.adaptive_clip is not None:
+            v.fail("privacy.dp.adaptive_clip", "adapts the clip in central mode only: with "
+                                               "distributed noise the clip would have to "
+                                               "reach the clients each round and their clip "
+                                               "bits go through the secure sum; use mode: "
+                                               "central or drop adaptive_clip")
     return Privacy(secure_aggregation=secagg, dp=dp)
 
 

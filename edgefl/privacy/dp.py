@@ -53,15 +53,21 @@ from __future__ import annotations
 
 import math
 import secrets
+import threading
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from .. import kernels
 from ..errors import ConfigError
+from ..strategies import StrategyError
+from .accountant import PrivacyAccountant
+from .hooks import BudgetExhausted, PrivacyHooks
 from .settings import DifferentialPrivacy
 
-__all__ = ["clip_delta", "DPMechanism", "noise_generator", "add_gaussian", "NOISE_STREAM"]
+__all__ = ["clip_delta", "DPMechanism", "DPHooks", "noise_generator", "add_gaussian",
+           "NOISE_STREAM"]
 
 NOISE_STREAM = 0xD1FF   # separates the noise seeds from selection and training seeds
 AGGREGATOR = -1         # the "client" id of the aggregator's own draws
@@ -175,3 +181,102 @@ class DPMechanism:
             return clip
         fraction = centred_count / self.clients_per_round + 0.5
         return float(clip * math.exp(-a.lr * (fraction - a.target_quantile)))
+
+
+class DPHooks(PrivacyHooks):
+    """DP-FedAvg on a summing round (edgefl.privacy's docstring says where the engine calls
+    each method): the client side clips and, in distributed mode, adds its noise share; the
+    server side checks the budget, adds the central noise (or the top-up for missing shares),
+    fixes the denominator at m, steps the adaptive clip and keeps the round's record fields.
+
+    One object serves a run. In central mode the aggregator may run `client_delta` itself on
+    each update it receives (it is trusted with them, and the clients then need nothing);
+    in distributed mode each client runs it. Adaptive clipping needs the clip bits of the
+    round's clients, which `client_delta` counts in this object, so it runs in central mode
+    only (the config refuses it with distributed noise: the clip would have to travel to the
+    clients and the bits through the secure sum).
+
+    A resumed aggregator restores the clip from its history (`resume`); epsilon after a
+    round depends only on the round number, so the accountant needs nothing restored.
+    """
+
+    def __init__(self, dp: DifferentialPrivacy, clients: int, clients_per_round: int,
+                 seed: int, *, accountant: PrivacyAccountant | None = None):
+        self.dp = dp
+        self.mechanism = DPMechanism(dp, clients_per_round)
+        self.clients_per_round = clients_per_round
+        self.accountant = accountant if accountant is not None else \
+            PrivacyAccountant(dp, clients, clients_per_round)
+        self.seed = int(seed) if dp.reproducible else None
+        self.clip = float(dp.clip)
+        self._lock = threading.Lock()
+        self._bits = [0, 0]          # this round's clients within the clip, and all of them
+        self._metrics: dict = {}
+
+    # ------------------------------------------------------------------ client side
+    def client_delta(self, delta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The delta clipped to the round's C (and, distributed, plus the client's share of
+        the noise). `rng` is used only with privacy.dp.reproducible (it is seeded from the
+        task); otherwise the share is drawn from a fresh CSPRNG-seeded generator."""
+        clip = self.clip
+        clipped, norm = clip_delta(delta, clip)
+        with self._lock:
+            self._bits[0] += norm <= clip
+            self._bits[1] += 1
+        std = self.mechanism.share_std(clip)
+        if std == 0:
+            return np.ascontiguousarray(clipped, dtype=np.float32)
+        if self.seed is None:
+            rng = noise_generator(None, 0, 0)
+        return add_gaussian(clipped, std, rng)
+
+    # ------------------------------------------------------------------ server side
+    def server_sum(self, total, round: int):
+        """The sum to step with: the budget check (BudgetExhausted past the target), the
+        noise, the fixed denominator m, and the next clip."""
+        epsilon = self.accountant.epsilon(round)
+        target = self.dp.target_epsilon
+        if target is not None and epsilon > target:
+            raise BudgetExhausted(
+                f"privacy budget: round {round} would bring epsilon to {epsilon:.4g} "
+                f"(delta {self.dp.delta:g}), past privacy.dp.target_epsilon = {target:g}; "
+                f"the run ends with round {round - 1}'s model at epsilon "
+                f"{self.accountant.epsilon(round - 1):.4g}")
+        if total.weight != total.count:
+            raise StrategyError(   # refused before round 1 by the config; a guard here
+                f"round {round}: the sum's weights total {total.weight:g} for {total.count} "
+                f"clients; DP needs each client's weight to be 1 (strategy.weighting: "
+                f"uniform)")
+        clip = self.clip
+        with self._lock:
+            within, seen = self._bits
+            self._bits = [0, 0]
+        rng = noise_generator(self.seed, round, AGGREGATOR)
+        std = self.mechanism.server_std(clip, total.count)
+        vector = add_gaussian(total.vector, std, rng) if std > 0 else total.vector
+        metrics = {"dp_epsilon": epsilon, "dp_delta": self.dp.delta, "dp_clip": clip,
+                   "dp_noise_std": self.mechanism.sum_noise_std(clip),
+                   "dp_participants": total.count}
+        if self.dp.mode == "distributed":
+            metrics["dp_noise_shortfall"] = max(0, self.clients_per_round - total.count)
+        if self.dp.adaptive_clip is not None:
+            centred = (within - seen / 2) + float(rng.normal(0.0, self.mechanism.count_noise)) \
+                if self.mechanism.count_noise > 0 else float(within - seen / 2)
+            self.clip = self.mechanism.next_clip(clip, centred)
+            metrics["dp_unclipped_fraction"] = centred / self.clients_per_round + 0.5
+            metrics["dp_next_clip"] = self.clip
+        self._metrics = {round: metrics}
+        # the fixed denominator: the strategy divides the sum by m, not by who came up
+        return total.replace(vector=vector, weight=float(self.clients_per_round))
+
+    def round_metrics(self, round: int) -> Mapping:
+        return dict(self._metrics.get(round, {}))
+
+    # ------------------------------------------------------------------ a resumed run
+    def resume(self, history: Sequence[Mapping]) -> None:
+        """Take the clip up where a run's records left it (an aggregator resumed from its
+        checkpoint): the last record's dp_next_clip, when the clip adapts."""
+        for record in reversed(list(history)):
+            if record.get("dp_next_clip") is not None:
+                self.clip = float(record["dp_next_clip"])
+                return

@@ -19,11 +19,12 @@ from ..checkpoint import model_sha256
 from ..config import dataset_from_config, partition_from_config
 from ..errors import ConfigError, KernelError
 from ..models import Model, build_model
+from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run"]
+           "prepare_run", "privacy_hooks"]
 
 
 @dataclass
@@ -64,6 +65,7 @@ class PreparedRun:
     strategy: Strategy
     setup: Setup
     clients: dict
+    hooks: PrivacyHooks = NO_HOOKS    # DP's (edgefl.privacy.dp), when the config asks for it
 
 
 def build_run_model(config: RunConfig, dataset) -> Model:
@@ -82,11 +84,12 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
     What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out)."""
-    if config.privacy is not None:
+    if config.privacy is not None and config.privacy.secure_aggregation is not None:
         # the section is read and checked (edgefl.runconfig); the rounds that honour it are
         # being built, and a run must never pretend to be private
-        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation and DP "
-                          f"are not available in this version yet")
+        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation is not "
+                          f"available in this version yet")
+    hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     model = build_run_model(config, dataset)
@@ -108,18 +111,41 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
         from ..attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
         strategy = with_attack(strategy, config.attack, setup.clients)
-    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients)
+    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients,
+                       hooks)
+
+
+def privacy_hooks(config: RunConfig) -> PrivacyHooks:
+    """The run's DP hooks (edgefl.privacy.dp.DPHooks), or NO_HOOKS without privacy.dp. Errors
+    name the config and the key: dp-accounting missing, a count noise too small for the
+    noise split, a target epsilon that even one round would pass."""
+    dp = config.privacy.dp if config.privacy is not None else None
+    if dp is None:
+        return NO_HOOKS
+    where = config.path or "<config>"
+    try:
+        from ..privacy.dp import DPHooks
+        hooks = DPHooks(dp, config.clients, config.clients_per_round, config.seed)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if dp.target_epsilon is not None and hooks.accountant.epsilon(1) > dp.target_epsilon:
+        raise ConfigError(f"{where}: privacy.dp.target_epsilon: {dp.target_epsilon:g} is "
+                          f"spent by the first round already (epsilon "
+                          f"{hooks.accountant.epsilon(1):.4g} at noise_multiplier "
+                          f"{dp.noise_multiplier:g}); raise the noise or the target")
+    return hooks
 
 
 def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
-    if config.privacy is not None:
+    if config.privacy is not None and config.privacy.secure_aggregation is not None:
         # the section is read and checked (edgefl.runconfig); the rounds that honour it are
         # being built, and a run must never pretend to be private
-        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation and DP "
-                          f"are not available in this version yet")
+        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation is not "
+                          f"available in this version yet")
+    # central DP needs nothing of a client: the aggregator clips what it receives
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

@@ -28,6 +28,7 @@ import sys
 from typing import Mapping
 
 from ..io import jsonable
+from ..privacy import NO_HOOKS
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import prepare_run
@@ -89,7 +90,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
                                     config.clients_per_round,
                                     test=(dataset.x_test, dataset.y_test),
                                     eval_every=config.eval_every, workers=workers,
-                                    on_round=on_round, on_model=exporter)
+                                    on_round=on_round, on_model=exporter,
+                                    summing=run.hooks is not NO_HOOKS, hooks=run.hooks)
         else:
             result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
                                                   workers=workers, on_round=on_round,
