@@ -238,7 +238,7 @@ class DPHooks(PrivacyHooks):
         target = self.dp.target_epsilon
         if target is not None and epsilon > target:
             raise BudgetExhausted(
-                f"privacy budget: round {round} would bring epsilon to {epsilon:.4g} "
+                f"privacy budget: this round would bring epsilon to {epsilon:.4g} "
                 f"(delta {self.dp.delta:g}), past privacy.dp.target_epsilon = {target:g}; "
                 f"the run ends with round {round - 1}'s model at epsilon "
                 f"{self.accountant.epsilon(round - 1):.4g}")
