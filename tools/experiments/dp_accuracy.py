@@ -62,7 +62,7 @@ def run(args, config: dict, sets: list, out: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write("\n".join(f"{k}: {yaml_of(v)}" for k, v in config.items()) + "\n")
         path = f.name
-    cmd = [sys.executable, "-m", "edgefl", "simulate", path, "--out", out, "--force",
+    cmd = [sys.executable, "-m", "edgefl.cli", "simulate", path, "--out", out, "--force",
            "--quiet", "--workers", str(args.workers)]
     for s in sets:
         cmd += ["--set", s]
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for part, label, z, eps, acc in rows:
         zs = "-" if z is None else f"{z:.3f}"
-        es = "-" if eps is None else ("inf" if eps == math.inf or eps is None else f"{eps:.3f}")
+        es = "-" if z is None else "inf" if z == 0 else f"{eps:.3f}"   # JSON has no inf
         print(f"| {part} | {label} | {zs} | {es} | {acc:.4f} |")
     return 0
 
