@@ -182,3 +182,32 @@ def test_adaptive_clip_moves_toward_the_quantile():
         assert clip == pytest.approx(1.0, rel=0.35), start
     # one step: all within the clip -> C shrinks by exp(-lr * (1 - q))
     assert mech.next_clip(2.0, 10.0) == pytest.approx(2.0 * math.exp(-0.2 * 0.5))
+
+
+# ------------------------------------------------------------------ distributed shares
+def test_distributed_shares_through_the_hooks_give_the_sum_the_full_std():
+    """m clients' hooks each clip and add a share; the aggregator's hook adds nothing when
+    all m arrive and tops up to the full variance when some are missing."""
+    from edgefl.privacy.dp import DPHooks
+    from edgefl.strategies import SumTotal
+
+    m, clip, z, n = 6, 0.5, 1.2, 60_000
+    dp = DifferentialPrivacy(mode="distributed", clip=clip, noise_multiplier=z,
+                             reproducible=True)
+    server = DPHooks(dp, 12, m, seed=3)
+    board = DPHooks.for_client(dp, m)
+    assert board.accountant is None
+    shares = [board.client_delta(np.zeros(n, np.float32), noise_generator(3, 1, c))
+              for c in range(m)]
+    for share in shares:   # each share alone has std z C / sqrt(m)
+        assert np.std(share.astype(np.float64)) == pytest.approx(z * clip / math.sqrt(m),
+                                                                 rel=0.02)
+    full = np.sum([s.astype(np.float64) for s in shares], axis=0).astype(np.float32)
+    out = server.server_sum(SumTotal(full, m, {}, m), 1)
+    assert np.array_equal(out.vector, full)                   # nothing added
+    assert np.std(out.vector.astype(np.float64)) == pytest.approx(z * clip, rel=0.02)
+    assert server.round_metrics(1)["dp_noise_shortfall"] == 0
+    short = np.sum([s.astype(np.float64) for s in shares[:4]], axis=0).astype(np.float32)
+    topped = server.server_sum(SumTotal(short, 4, {}, 4), 2)
+    assert np.std(topped.vector.astype(np.float64)) == pytest.approx(z * clip, rel=0.02)
+    assert server.round_metrics(2)["dp_noise_shortfall"] == 2

@@ -201,17 +201,25 @@ class DPHooks(PrivacyHooks):
     """
 
     def __init__(self, dp: DifferentialPrivacy, clients: int, clients_per_round: int,
-                 seed: int, *, accountant: PrivacyAccountant | None = None):
+                 seed: int, *, server: bool = True):
         self.dp = dp
         self.mechanism = DPMechanism(dp, clients_per_round)
         self.clients_per_round = clients_per_round
-        self.accountant = accountant if accountant is not None else \
-            PrivacyAccountant(dp, clients, clients_per_round)
+        # the accountant (and dp-accounting) is the aggregator's; a board's hooks only clip
+        # and add their noise share
+        self.accountant = PrivacyAccountant(dp, clients, clients_per_round) if server else None
         self.seed = int(seed) if dp.reproducible else None
         self.clip = float(dp.clip)
         self._lock = threading.Lock()
         self._bits = [0, 0]          # this round's clients within the clip, and all of them
         self._metrics: dict = {}
+
+    @classmethod
+    def for_client(cls, dp: DifferentialPrivacy, clients_per_round: int,
+                   seed: int = 0) -> "DPHooks":
+        """The hooks a board needs in distributed mode (clip, noise share): no accountant,
+        so no dp-accounting on the board."""
+        return cls(dp, clients_per_round, clients_per_round, seed, server=False)
 
     # ------------------------------------------------------------------ client side
     def client_delta(self, delta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -234,6 +242,8 @@ class DPHooks(PrivacyHooks):
     def server_sum(self, total, round: int):
         """The sum to step with: the budget check (BudgetExhausted past the target), the
         noise, the fixed denominator m, and the next clip."""
+        if self.accountant is None:
+            raise RuntimeError("DPHooks.for_client hooks have no server side")
         epsilon = self.accountant.epsilon(round)
         target = self.dp.target_epsilon
         if target is not None and epsilon > target:
