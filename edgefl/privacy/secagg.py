@@ -218,10 +218,9 @@ def neighbours_of(participants: Sequence[int], k: int, seed: int, round: int) ->
 
 def _neighbour_threshold(setup: "RoundSetup", holders: int) -> int:
     """t_N, the shares needed of a secret held by `holders` clients: t scaled to the
-    neighbourhood (t itself on a complete graph), at least a majority of the holders."""
+    neighbourhood, rounded up (t itself on a complete graph)."""
     n = len(setup.participants)
-    return max(setup.threshold * holders // n + (setup.threshold * holders % n > 0),
-               holders // 2 + 1)
+    return max(1, -(-setup.threshold * holders // n))
 
 
 # ======================================================================== messages
