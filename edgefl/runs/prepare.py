@@ -24,7 +24,7 @@ from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run", "privacy_hooks"]
+           "prepare_run", "privacy_hooks", "refuse_privacy"]
 
 
 @dataclass
@@ -79,16 +79,16 @@ def build_run_model(config: RunConfig, dataset) -> Model:
 def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
                 progress: bool | None = None, stream=None,
                 strategy: Strategy | None = None,
-                out_files: Mapping[str, str] | None = None) -> PreparedRun:
+                out_files: Mapping[str, str] | None = None,
+                privacy_rounds: tuple = ()) -> PreparedRun:
     """Load the dataset, partition it, build the model and its seeded initial buffer, and
     the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
-    What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out)."""
-    if config.privacy is not None and config.privacy.secure_aggregation is not None:
-        # the section is read and checked (edgefl.runconfig); the rounds that honour it are
-        # being built, and a run must never pretend to be private
-        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation is not "
-                          f"available in this version yet")
+    What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out).
+    privacy_rounds: the parts of the `privacy:` section the caller's rounds honour
+    ("secure_aggregation", "dp"); a config asking for another is refused (`refuse_privacy`).
+    With privacy.dp the run's DP hooks are built here (`privacy_hooks`)."""
+    refuse_privacy(config, privacy_rounds)
     hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
@@ -136,16 +136,28 @@ def privacy_hooks(config: RunConfig) -> PrivacyHooks:
     return hooks
 
 
+def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
+    """ConfigError when the config's `privacy:` section asks for something the caller's rounds
+    do not honour: a run must never pretend to be private."""
+    privacy = config.privacy
+    if privacy is None:
+        return
+    where = config.path or "<config>"
+    if privacy.secure_aggregation is not None and "secure_aggregation" not in honoured:
+        raise ConfigError(f"{where}: privacy.secure_aggregation: secure rounds run in process "
+                          f"only in this version (edgefl simulate without --transport mqtt); "
+                          f"over MQTT they are not available yet")
+    if privacy.dp is not None and "dp" not in honoured:
+        raise ConfigError(f"{where}: privacy.dp: differential privacy is not available in this "
+                          f"version yet")
+
+
 def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
-    if config.privacy is not None and config.privacy.secure_aggregation is not None:
-        # the section is read and checked (edgefl.runconfig); the rounds that honour it are
-        # being built, and a run must never pretend to be private
-        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation is not "
-                          f"available in this version yet")
     # central DP needs nothing of a client: the aggregator clips what it receives
+    refuse_privacy(config, ("dp",))
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

@@ -1,0 +1,85 @@
+"""Secure aggregation in `edgefl simulate` (in process): the round runs the real SecAgg+
+protocol between the in-process clients and closes from the unmasked sum. Its model is the
+clear run's within the quantisation bound, for every strategy that serves it; configs it
+cannot honour are refused before anything runs."""
+import numpy as np
+import pytest
+
+from edgefl.errors import ConfigError
+from edgefl.privacy.settings import SecureAggregation
+from edgefl.runconfig import load_run_config
+from edgefl.runs.prepare import client_shard
+from edgefl.sim import run_federation, simulate
+from edgefl.sim.secure import in_process_secure_sum
+from edgefl.data import load_dataset, partition
+from edgefl.models import build_model
+from edgefl.runs.prepare import local_datasets
+from edgefl.strategies import Setup, get_strategy, strategy_names
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(scope="module")
+def fed():
+    ds = load_dataset("digits")
+    model = build_model("softmax", ds.input_shape, ds.num_classes)
+    return model, local_datasets(ds, partition(ds, "dirichlet", 6, 3, alpha=0.5), model)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in strategy_names() if get_strategy(n).secure_sum))
+def test_one_secure_round_is_the_clear_round_within_the_quantisation_bound(fed, name):
+    """After one round, |secure - summed in the clear| <= factor * clip / levels per
+    coordinate: the weighted mean of the stochastic rounding errors is below one level, and
+    the server step scales the mean delta by `factor` (FedNova's tau_eff; for the adaptive
+    optimisers a difference in the mean delta moves the step by up to eta / tau times it)."""
+    model, clients = fed
+    strategy = get_strategy(name)
+    setup = Setup(clients=sorted(clients), train={"lr": 0.1, "steps": 4}, seed=3, rounds=1)
+    settings = SecureAggregation(threshold=0.8, ring_bits=32, clip_range=2.0)
+    clear = run_federation(strategy, model.init(0), clients, setup, 5, summing=True)
+    secure = run_federation(strategy, model.init(0), clients, setup, 5, summing=True,
+                            secure_sum=in_process_secure_sum(settings, "t", 3))
+    record = secure.history[0]
+    levels = record["secure"]["levels"]
+    assert record["secure"]["survivors"] == 5 and record["secure"]["threshold"] == 4
+    factor = clear.history[0]["tau_eff"] if name == "fednova" else \
+        strategy.eta / strategy.tau if name in ("fedadam", "fedyogi") else 1.0
+    bound = factor * 2.0 / levels + 4 * EPS32 * np.abs(clear.params).max()
+    diff = np.abs(secure.params.astype(np.float64) - clear.params).max()
+    assert 0 < diff <= bound, (diff, bound)
+    # masked 32-bit words and the 64-bit scalars went up, not float32 vectors
+    n = clear.params.size * (2 if name == "mfl" else 1)
+    scalars = 1 + 2 + (1 if name in ("fednova", "fedumf") else 0)
+    assert record["uplink_bytes"] == 5 * (4 * n + 8 * scalars)
+    assert record["train_loss"] == pytest.approx(clear.history[0]["train_loss"], rel=1e-6)
+
+
+def test_simulate_with_secure_aggregation_writes_the_protocol_into_the_record(tmp_path):
+    cfg = load_run_config("quickstart", ["rounds=2", "privacy.secure_aggregation.threshold=0.8",
+                                         "privacy.secure_aggregation.ring_bits=64"])
+    summary = simulate(cfg, tmp_path, progress=False)
+    assert summary["rounds"] == 2 and summary["final_accuracy"] > 0.5
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert '"secure": {"survivors": 5, "dropped": [], "ring_bits": 64' in lines[0]
+    clear = simulate(load_run_config("quickstart", ["rounds=2"]), None, progress=False)
+    assert summary["model_sha256"] != clear["model_sha256"]   # it did not run the clear rounds
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["strategy.name=fedmr"], "fedmr"),
+    (["strategy.robust.rule=median"], "robust aggregation"),
+    (["attack.kind=sign_flip", "attack.fraction=0.2"], "attack"),
+])
+def test_runs_that_would_read_single_updates_are_refused(sets, words):
+    with pytest.raises(ConfigError, match=f"privacy.secure_aggregation.*{words}"):
+        load_run_config("quickstart", ["privacy.secure_aggregation.threshold=0.8", *sets])
+
+
+def test_secure_aggregation_over_mqtt_and_fleet_shards_are_refused_not_run_in_the_clear(tmp_path):
+    cfg = load_run_config("quickstart", ["rounds=1", "privacy.secure_aggregation.threshold=0.8"])
+    with pytest.raises(ConfigError, match="privacy.secure_aggregation: secure rounds run in "
+                                          "process only"):
+        simulate(cfg, tmp_path, progress=False, transport="mqtt")
+    assert not (tmp_path / "metrics.jsonl").exists()
+    with pytest.raises(ConfigError, match="privacy.secure_aggregation"):
+        client_shard(cfg, 0)
