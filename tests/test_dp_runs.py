@@ -93,14 +93,15 @@ def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path)
 def test_a_target_the_first_round_passes_is_a_config_error():
     with pytest.raises(ConfigError, match=r"privacy.dp.target_epsilon: 0.5 is spent by the "
                                           r"first round"):
-        prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False)
+        prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False,
+                    privacy_rounds=("dp",))
 
 
 def test_a_huge_update_moves_the_sum_by_at_most_the_clip():
     """Through the engine: the round's sum with one client's update blown up differs from
     the sum without that client by at most C (noise off, so the difference is the clip)."""
     config = dp_config("privacy.dp.noise_multiplier=0.0", "privacy.dp.clip=0.3")
-    run = prepare_run(config, progress=False)
+    run = prepare_run(config, progress=False, privacy_rounds=("dp",))
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
     state = run.strategy.init(run.init_params, run.setup)
     plan = engine.open_round(1, state)
@@ -155,7 +156,7 @@ def test_missing_dp_accounting_fails_before_the_run(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "dp_accounting", None)
     with pytest.raises(ConfigError, match=r"pip install 'edgefl\[privacy\]'"):
-        prepare_run(dp_config(), progress=False)
+        prepare_run(dp_config(), progress=False, privacy_rounds=("dp",))
 
 
 def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
@@ -228,3 +229,57 @@ def test_every_client_every_round_is_accounted_without_sampling():
     assert PrivacyAccountant(dp, 4, 4).description["sampling"].startswith("none")
     pld = PrivacyAccountant(replace(dp, accountant="pld"), 4, 4)
     assert pld.description["accountant"] == "pld" and 0 < pld.epsilon(3) < math.inf
+
+
+# ---------------------------------------------------------------------------------------
+# distributed noise under secure aggregation
+# ---------------------------------------------------------------------------------------
+
+def secure_dp_config(*sets, rounds=3):
+    return load_run_config("quickstart", [
+        "strategy.weighting=uniform", f"rounds={rounds}",
+        "privacy.secure_aggregation.threshold=0.8", "privacy.dp.mode=distributed",
+        "privacy.dp.clip=0.5", "privacy.dp.noise_multiplier=1.5",
+        "privacy.dp.reproducible=true", *sets])
+
+
+def test_a_run_with_secure_aggregation_and_distributed_noise(tmp_path):
+    summary = simulate(secure_dp_config(), tmp_path, workers=2, progress=False)
+    records = lines(tmp_path / "metrics.jsonl")
+    assert len(records) == 3
+    for r in records:
+        assert r["secure"]["survivors"] == 5 and r["dp_noise_shortfall"] == 0
+        assert r["dp_epsilon"] > 0
+    assert summary["privacy"]["mode"] == "distributed"
+    assert summary["privacy"]["epsilon"] == records[-1]["dp_epsilon"]
+
+
+def test_the_unmasked_sum_carries_the_full_noise():
+    """Clients that did not move (delta 0) contribute only their noise shares; the secure
+    protocol's unmasked sum of the m shares has std z * C, and the aggregator adds nothing."""
+    from edgefl.sim.secure import in_process_secure_sum
+
+    config = secure_dp_config()
+    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp"))
+    engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
+    state = run.strategy.init(run.init_params, run.setup)
+    plan = engine.open_round(1, state)
+    contributions = {}
+    for c, task in sorted(plan.tasks.items()):
+        still = Update({"params": task.buffers["params"]}, run.clients[c].num_samples, 0.0, 1)
+        contributions[c] = client_contribution(run.strategy, task, still, run.hooks,
+                                               task_generator(task))
+        assert np.std(contributions[c].vector.astype(np.float64)) == \
+            pytest.approx(1.5 * 0.5 / np.sqrt(5), rel=0.06)
+    secure_sum = in_process_secure_sum(config.privacy.secure_aggregation, "dp-test",
+                                       config.seed)
+    total, _, extras = secure_sum(engine, plan, contributions)
+    assert extras["secure"]["survivors"] == 5
+    clear = engine.sum_clear(contributions).vector.astype(np.float64)
+    unmasked = total.vector.astype(np.float64)
+    assert np.abs(unmasked - clear).max() < 1e-3          # within the quantisation bound
+    # n = 4810 values: the sample std's own relative error is 1 %, so 5 % is five of those
+    assert np.std(unmasked) == pytest.approx(1.5 * 0.5, rel=0.05)
+    released = run.hooks.server_sum(total, 1)
+    assert np.array_equal(released.vector, total.vector)
+    assert run.hooks.round_metrics(1)["dp_noise_shortfall"] == 0
