@@ -20,7 +20,7 @@ from edgefl.privacy import NO_HOOKS  # noqa: E402
 from edgefl.privacy.accountant import PrivacyAccountant  # noqa: E402
 from edgefl.privacy.dp import DPHooks  # noqa: E402
 from edgefl.privacy.hooks import task_generator  # noqa: E402
-from edgefl.privacy.settings import DifferentialPrivacy  # noqa: E402
+from edgefl.privacy.settings import AdaptiveClip, DifferentialPrivacy  # noqa: E402
 from edgefl.rounds import RoundEngine, client_contribution  # noqa: E402
 from edgefl.runconfig import load_run_config, run_config_from_mapping  # noqa: E402
 from edgefl.runs.prepare import prepare_run  # noqa: E402
@@ -283,3 +283,21 @@ def test_the_unmasked_sum_carries_the_full_noise():
     released = run.hooks.server_sum(total, 1)
     assert np.array_equal(released.vector, total.vector)
     assert run.hooks.round_metrics(1)["dp_noise_shortfall"] == 0
+
+
+def test_count_noise_too_small_is_named_before_the_run():
+    config = dp_config("privacy.dp.adaptive_clip.lr=0.2")   # m = 5: default sigma_b 0.25
+    with pytest.raises(ConfigError, match=r"quickstart.yaml: privacy.dp.adaptive_clip."
+                                          r"count_noise: 0.25 is too small for "
+                                          r"noise_multiplier 0.9"):
+        prepare_run(config, progress=False, privacy_rounds=("dp",))
+
+
+def test_a_resumed_aggregator_takes_the_adaptive_clip_up_from_its_records():
+    dp = DifferentialPrivacy(clip=1.0, noise_multiplier=0.0,
+                             adaptive_clip=AdaptiveClip(count_noise=1.0))
+    hooks = DPHooks(dp, 10, 5, seed=0)
+    hooks.resume([{"round": 1, "dp_clip": 1.0, "dp_next_clip": 0.8},
+                  {"round": 2, "dp_clip": 0.8, "dp_next_clip": 0.7}])
+    assert hooks.clip == 0.7
+    DPHooks(replace(dp, adaptive_clip=None), 10, 5, seed=0).resume([{"round": 1}])
