@@ -148,17 +148,25 @@ class PrivacyAccountant:
 
     def _compute(self, rounds: int) -> float:
         dpa = require_dp_accounting()
-        event = dpa.SelfComposedDpEvent(
-            round_event(self.dp.noise_multiplier, self.clients, self.clients_per_round,
-                        self.sampling), rounds)
+        one_round = round_event(self.dp.noise_multiplier, self.clients,
+                                self.clients_per_round, self.sampling)
         relation = (dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if self.sampling == "poisson"
                     else dpa.NeighboringRelation.REPLACE_ONE)
         with _quiet_absl():
-            if self.dp.accountant == "pld":
-                accountant = dpa.pld.PLDAccountant(neighboring_relation=relation)
-            else:
-                accountant = dpa.rdp.RdpAccountant(neighboring_relation=relation)
-            accountant.compose(event)
+            if self.dp.accountant == "rdp":
+                # RDP composes by addition: an RdpAccountant given the round's event r times
+                # holds r times the one round's vector of RDP values, so that vector is
+                # computed once (0.2 s of series per call) and epsilon read from r times it
+                # with dp-accounting's own conversion -- the same numbers, bit for bit
+                if "rdp" not in self._cache:
+                    single = dpa.rdp.RdpAccountant(neighboring_relation=relation)
+                    single.compose(one_round)
+                    self._cache["rdp"] = (single.orders, single.rdp)
+                orders, per_round = self._cache["rdp"]
+                return float(dpa.rdp.compute_epsilon(orders, rounds * per_round,
+                                                     self.dp.delta)[0])
+            accountant = dpa.pld.PLDAccountant(neighboring_relation=relation)
+            accountant.compose(dpa.SelfComposedDpEvent(one_round, rounds))
             return float(accountant.get_epsilon(self.dp.delta))
 
     def rounds_within(self, target: float, limit: int) -> int:
