@@ -16,7 +16,7 @@ seed), so the table is reproduced exactly by the same command; a deployment must
 
 The scale: client-level DP needs many clients per round (the noise on the average is
 z * C / m per coordinate), so the 60,000 training images are split over --clients clients
-(default 3000, 20 images each) with --per-round of them per round (default 300, q = 0.1).
+(default 1000, 60 images each) with --per-round of them per round (default 100, q = 0.1).
 Runs execute one after another, each with --workers threads.
 """
 from __future__ import annotations
@@ -78,8 +78,10 @@ def run(args, config: dict, sets: list, out: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "edgefl-dp-accuracy"))
-    ap.add_argument("--clients", type=int, default=3000)
-    ap.add_argument("--per-round", type=int, default=300)
+    ap.add_argument("--clients", type=int, default=1000)
+    ap.add_argument("--per-round", type=int, default=100)
+    ap.add_argument("--min-size", type=int, default=10,
+                    help="the Dirichlet split's smallest client (redrawn until it holds this)")
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--lr", type=float, default=0.1)
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
     rows = []          # (partition, label, z, epsilon reported, final acc, best acc)
     for part in args.partitions.split(","):
         config["partition"] = dict(PARTITIONS[part], clients=args.clients)
+        if config["partition"]["name"] == "dirichlet":
+            config["partition"]["min_size"] = args.min_size
         dp = DifferentialPrivacy(clip=args.clip, delta=args.delta)
         arms = [(f"{e:g}", noise_for_epsilon(e, dp, args.clients, args.per_round, args.rounds))
                 for e in epsilons]
