@@ -416,6 +416,7 @@ class SecAggClient:
             self._s = X25519PrivateKey.from_private_bytes(draw[1])
             self._seed = draw[2]
         self._keys: dict = {}
+        self._aeads: dict = {}
         self._held: dict = {}        # {sender: (b-share, s-share)} decrypted on demand
         self._shared_with: tuple = ()
         self._answered = False
@@ -516,9 +517,14 @@ class SecAggClient:
                               f"{msg.round} in round {self.setup.round}")
 
     def _aead(self, other: int) -> AESGCM:
-        shared = self._c.exchange(self._keys[other][0])
-        lo, hi = sorted((self.client, other))
-        return AESGCM(_hkdf(shared, "shares", self.setup.run_id, self.setup.round, lo, hi))
+        # one key agreement per peer and round: the same key decrypts in the unmask phase
+        aead = self._aeads.get(other)
+        if aead is None:
+            shared = self._c.exchange(self._keys[other][0])
+            lo, hi = sorted((self.client, other))
+            aead = self._aeads[other] = AESGCM(_hkdf(shared, "shares", self.setup.run_id,
+                                                     self.setup.round, lo, hi))
+        return aead
 
     @staticmethod
     def _nonce(sender: int) -> bytes:

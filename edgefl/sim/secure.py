@@ -1,7 +1,9 @@
 """The secure rounds of `edgefl simulate` in process: each round's sum comes from the real
 SecAgg+ protocol (edgefl.privacy.secagg) run between the round's in-process clients -- real
-key agreement, real masks, the messages through their wire encoding -- and the round engine
-closes from the unmasked sum (`RoundEngine.close_round_from_sum`)."""
+key agreement, real masks, the same message objects a transport would encode (encoding them
+here would only copy every masked vector twice; tests/test_secagg.py runs rounds through the
+encoding) -- and the round engine closes from the unmasked sum
+(`RoundEngine.close_round_from_sum`)."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -31,8 +33,7 @@ def in_process_secure_sum(settings: SecureAggregation, run_id: str, seed: int):
             seed=seed, vector_size=first.vector.size, scalar_names=first.scalars,
             max_weight=max(c.weight for c in contributions.values()))
         server = secagg.run_in_process(
-            setup, contributions, {c: plan.tasks[c].train["seed"] for c in contributions},
-            wire=True)
+            setup, contributions, {c: plan.tasks[c].train["seed"] for c in contributions})
         total = server.total
         extras = {"secure": {"survivors": total.count, "dropped": list(server.dropped),
                              "ring_bits": setup.ring_bits, "levels": setup.levels,
