@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -66,6 +67,7 @@ import os
 import random
 import struct
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -200,20 +202,28 @@ def _public_bytes(key: X25519PublicKey) -> bytes:
 
 
 def neighbours_of(participants: Sequence[int], k: int, seed: int, round: int) -> dict:
+    """{client: its neighbourhood, itself included} (see `_graph`): every client of a round
+    derives the same graph, so it is built once per process and round."""
+    return _graph(tuple(sorted(int(c) for c in participants)), int(k), int(seed), int(round))
+
+
+@functools.lru_cache(maxsize=8)
+def _graph(ids: tuple, k: int, seed: int, round: int) -> dict:
     """{client: its neighbourhood, itself included}: SecAgg+'s random k-regular graph, a
     Harary graph (each client joined to the k/2 nearest on either side of a ring) over a
     permutation seeded by (seed, round). k = 0, or k >= n - 1, joins everyone (SecAgg);
     an odd k takes one more (a Harary graph of even degree)."""
-    ids = sorted(int(c) for c in participants)
     n = len(ids)
     if k <= 0 or k >= n - 1:
-        return {c: frozenset(ids) for c in ids}
+        everyone = frozenset(ids)
+        return types.MappingProxyType({c: everyone for c in ids})
     half = (k + 1) // 2
     digest = hashlib.sha256(f"edgefl-secagg-graph|{seed}|{round}".encode()).digest()
-    ring = ids[:]
+    ring = list(ids)
     random.Random(int.from_bytes(digest, "big")).shuffle(ring)
     pos = {c: i for i, c in enumerate(ring)}
-    return {c: frozenset(ring[(pos[c] + d) % n] for d in range(-half, half + 1)) for c in ids}
+    return types.MappingProxyType(
+        {c: frozenset(ring[(pos[c] + d) % n] for d in range(-half, half + 1)) for c in ids})
 
 
 def _neighbour_threshold(setup: "RoundSetup", holders: int) -> int:
