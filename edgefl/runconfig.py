@@ -272,6 +272,12 @@ def _privacy(v: "_Validator", section, per_round: int) -> Privacy | None:
             v.fail("privacy.dp.mode", "distributed noise protects a client only when the "
                                       "aggregator sees nothing but the sum; add "
                                       "privacy.secure_aggregation or use mode: central")
+        if dp.mode == "distributed" and dp.adaptive_clip is not None:
+            v.fail("privacy.dp.adaptive_clip", "adapts the clip in central mode only: with "
+                                               "distributed noise the clip would have to "
+                                               "reach the clients each round and their clip "
+                                               "bits go through the secure sum; use mode: "
+                                               "central or drop adaptive_clip")
     return Privacy(secure_aggregation=secagg, dp=dp)
 
 
@@ -365,9 +371,12 @@ def _dp(v: "_Validator", section) -> DifferentialPrivacy:
             if count_noise < 0:
                 v.fail(f"{a_where}.count_noise", f"{count_noise} must be >= 0")
         adaptive = AdaptiveClip(target_quantile=quantile, lr=lr, count_noise=count_noise)
+    reproducible = section.get("reproducible", d.reproducible)
+    if not isinstance(reproducible, bool):
+        v.fail(f"{where}.reproducible", f"{reproducible!r} must be true or false")
     return DifferentialPrivacy(mode=mode, clip=clip, noise_multiplier=noise, delta=delta,
                                target_epsilon=target, accountant=accountant,
-                               adaptive_clip=adaptive)
+                               adaptive_clip=adaptive, reproducible=reproducible)
 
 
 def _clients_per_round(v: "_Validator", data: Mapping, clients: int) -> int:

@@ -6,7 +6,7 @@ from typing import Mapping
 
 import numpy as np
 
-__all__ = ["PrivacyHooks", "NO_HOOKS", "BudgetExhausted"]
+__all__ = ["PrivacyHooks", "NO_HOOKS", "BudgetExhausted", "task_generator"]
 
 
 class BudgetExhausted(RuntimeError):
@@ -45,3 +45,13 @@ class PrivacyHooks:
 
 
 NO_HOOKS = PrivacyHooks()
+
+
+PRIVACY_STREAM = 0xD9     # separates a client's DP draws from its training seed
+
+
+def task_generator(task) -> np.random.Generator:
+    """The Generator a simulation hands `client_delta` for `task`: seeded from the task's
+    training seed, so an in-process run and the same run over a broker (where the central-DP
+    aggregator runs the hook) draw the same numbers. A board draws its own."""
+    return np.random.default_rng([task.train["seed"], PRIVACY_STREAM])

@@ -54,7 +54,9 @@ import numpy as np
 from .._malloc import keep_frames_in_heap
 from ..config import check_number
 from ..models import Model
-from ..rounds import RoundEngine, RoundPlan
+from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks
+from ..privacy.hooks import task_generator
+from ..rounds import RoundEngine, RoundPlan, client_contribution
 from ..service.layered import check_setting, default
 from ..strategies import Setup, State, Strategy, StrategyError, Update
 from ..transport import wire
@@ -162,6 +164,10 @@ class RunPlan:
     client_ids: the node id of strategy client i at position i.
     test:       (x, y) to evaluate the global model on, or None.
     description: the run's config as JSON data (part of the checkpoint's fingerprint).
+    hooks:      DP's hooks (edgefl.privacy.dp), or NO_HOOKS. With hooks the rounds sum: the
+                aggregator applies the client hook to each update it receives (central DP:
+                it is trusted with them, and the clients need nothing new) and closes the
+                round from the clear sum (`RoundEngine.close_round_clear_sum`).
     """
     strategy: Strategy
     init_params: np.ndarray
@@ -172,6 +178,7 @@ class RunPlan:
     test: tuple | None = None
     eval_every: int = 1
     description: Mapping = field(default_factory=dict)
+    hooks: PrivacyHooks = NO_HOOKS
 
     def __post_init__(self):
         ids = tuple(self.client_ids)
@@ -203,6 +210,7 @@ class AggregatorResult:
     aggregated: list
     finished: bool
     stats: dict
+    stopped: str | None = None      # why the run ended before its last round (privacy budget)
 
 
 @dataclass
@@ -290,6 +298,7 @@ class Aggregator:
         self.open: _OpenRound | None = None
         self.ckpt: AggregatorCheckpoint | None = None
         self.stats = {"late": 0, "duplicates": 0, "rejected": 0, "resends": 0}
+        self.stopped: str | None = None     # set when DP's budget ends the run early
         self._logged: set = set()            # (node, message id) already reported
         self._cleared: set = set()           # retained topics cleared this session
         self._retained: set = set()          # model topics we left a retained frame on
@@ -328,7 +337,7 @@ class Aggregator:
                     break
                 if not self._run_round(r):
                     break
-            finished = self.ckpt.round >= self.rounds
+            finished = self.ckpt.round >= self.rounds or self.stopped is not None
             if finished:
                 self._finish()
         finally:
@@ -337,7 +346,8 @@ class Aggregator:
         return AggregatorResult(self.ckpt.run_id, self.ckpt.state,
                                 self.plan.strategy.global_model(self.ckpt.state),
                                 list(self.ckpt.history), list(self.ckpt.aggregated),
-                                self.ckpt.round >= self.rounds, dict(self.stats))
+                                self.ckpt.round >= self.rounds or self.stopped is not None,
+                                dict(self.stats), self.stopped)
 
     # ------------------------------------------------------------------ start and stop
     def _strategy_record(self) -> dict:
@@ -439,16 +449,18 @@ class Aggregator:
     def _finish(self) -> None:
         sha = hashlib.sha256(np.ascontiguousarray(
             self.plan.strategy.global_model(self.ckpt.state), dtype=np.float32)).hexdigest()
+        rounds = self.rounds if self.stopped is None else self.ckpt.round
         doc = finished_announcement(run_id=self.ckpt.run_id, aggregator=self.settings.node_id,
-                                    rounds=self.rounds, model_sha256=sha)
+                                    rounds=rounds, model_sha256=sha)
         self.transport.publish(self.topics.round(), json.dumps(doc).encode(), qos=1,
                                retain=True)
         for topic in sorted(self._retained):     # no stale round's model for late joiners
             self.transport.clear_retained(topic)
-        self._event("run_finished", rounds=self.rounds, model_sha256=sha)
+        self._event("run_finished", rounds=rounds, model_sha256=sha,
+                    **({"stopped": self.stopped} if self.stopped else {}))
         self.transport.flush(10.0)
         log.info("run %s finished: %d rounds, final model sha256 %s", self.ckpt.run_id,
-                 self.rounds, sha)
+                 rounds, sha)
 
     def publish_onnx(self, path: str | os.PathLike, record_dir: str | None = None) -> dict | None:
         """An export of the run's model at `path` (edgefl.export): run_aggregator calls this
@@ -503,13 +515,42 @@ class Aggregator:
                      r, self.ckpt.round)
             return False
         updates = {self.members[n]: u for n, u in o.received.items()}
-        closed = self.engine.close_round(
-            o.round_plan, updates, state, train_wall_s=max(o.train_s.values(), default=0.0),
-            elapsed_before=self.ckpt.elapsed_s, on_unusable=self._refuse_unusable,
-            extras=lambda: {"closed_by": closed_by, "updates": len(updates),
-                            "missing": sorted(o.uploaders - set(o.received)), **o.counts})
+        timing = dict(train_wall_s=max(o.train_s.values(), default=0.0),
+                      elapsed_before=self.ckpt.elapsed_s,
+                      extras=lambda: {"closed_by": closed_by, "updates": len(updates),
+                                      "missing": sorted(o.uploaders - set(o.received)),
+                                      **o.counts})
+        if self.plan.hooks is NO_HOOKS:
+            closed = self.engine.close_round(o.round_plan, updates, state,
+                                             on_unusable=self._refuse_unusable, **timing)
+        else:
+            try:
+                closed = self._close_dp_round(o.round_plan, updates, state, timing)
+            except BudgetExhausted as exc:
+                self.stopped = f"round {r}: {exc}"
+                log.info("run %s ends: %s", self.run_id, exc)
+                return False
         self._commit(r, closed.state, closed.record)
         return True
+
+    def _close_dp_round(self, round_plan: RoundPlan, updates: dict, state: State, timing):
+        """Close a central-DP round from the clear sum: each update becomes its contribution
+        through the client hook here (clipped to the round's C; the same Generator seed as
+        in process, so a reproducible run's model matches the in-process one bit for bit).
+        An update the strategy cannot turn into a contribution is refused, as
+        `on_unusable` refuses one it cannot aggregate."""
+        contributions = {}
+        for c, update in sorted(updates.items()):
+            task = round_plan.tasks[c]
+            try:
+                contributions[c] = client_contribution(self.plan.strategy, task, update,
+                                                       self.plan.hooks, task_generator(task))
+            except (StrategyError, ValueError) as exc:
+                self._refuse_unusable(c, StrategyError(str(exc)))
+        for c in set(updates) - set(contributions):
+            del updates[c]
+        return self.engine.close_round_clear_sum(round_plan, contributions, state,
+                                                 hooks=self.plan.hooks, **timing)
 
     def _announce(self, deadline: float | None = None) -> None:
         """Publish the announcement of the open round (a new id and deadline, `deadline` or
@@ -933,7 +974,8 @@ class Aggregator:
             pass
         self._event("round_closed", round=r, closed_by=record["closed_by"],
                     updates=record["updates"], missing=record["missing"],
-                    test_accuracy=record["test_accuracy"])
+                    test_accuracy=record["test_accuracy"],
+                    **{k: record[k] for k in ("dp_epsilon", "dp_delta") if k in record})
         self._publish_status()
         if self.on_round is not None:
             self.on_round(record, list(new.history))

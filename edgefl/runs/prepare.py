@@ -19,11 +19,12 @@ from ..checkpoint import model_sha256
 from ..config import dataset_from_config, partition_from_config
 from ..errors import ConfigError, KernelError
 from ..models import Model, build_model
+from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run", "refuse_privacy"]
+           "prepare_run", "privacy_hooks", "refuse_privacy"]
 
 
 @dataclass
@@ -64,6 +65,7 @@ class PreparedRun:
     strategy: Strategy
     setup: Setup
     clients: dict
+    hooks: PrivacyHooks = NO_HOOKS    # DP's (edgefl.privacy.dp), when the config asks for it
 
 
 def build_run_model(config: RunConfig, dataset) -> Model:
@@ -84,8 +86,10 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
     What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out).
     privacy_rounds: the parts of the `privacy:` section the caller's rounds honour
-    ("secure_aggregation", "dp"); a config asking for another is refused (`refuse_privacy`)."""
+    ("secure_aggregation", "dp"); a config asking for another is refused (`refuse_privacy`).
+    With privacy.dp the run's DP hooks are built here (`privacy_hooks`)."""
     refuse_privacy(config, privacy_rounds)
+    hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     model = build_run_model(config, dataset)
@@ -107,7 +111,29 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
         from ..attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
         strategy = with_attack(strategy, config.attack, setup.clients)
-    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients)
+    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients,
+                       hooks)
+
+
+def privacy_hooks(config: RunConfig) -> PrivacyHooks:
+    """The run's DP hooks (edgefl.privacy.dp.DPHooks), or NO_HOOKS without privacy.dp. Errors
+    name the config and the key: dp-accounting missing, a count noise too small for the
+    noise split, a target epsilon that even one round would pass."""
+    dp = config.privacy.dp if config.privacy is not None else None
+    if dp is None:
+        return NO_HOOKS
+    where = config.path or "<config>"
+    try:
+        from ..privacy.dp import DPHooks
+        hooks = DPHooks(dp, config.clients, config.clients_per_round, config.seed)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if dp.target_epsilon is not None and hooks.accountant.epsilon(1) > dp.target_epsilon:
+        raise ConfigError(f"{where}: privacy.dp.target_epsilon: {dp.target_epsilon:g} is "
+                          f"spent by the first round already (epsilon "
+                          f"{hooks.accountant.epsilon(1):.4g} at noise_multiplier "
+                          f"{dp.noise_multiplier:g}); raise the noise or the target")
+    return hooks
 
 
 def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
@@ -130,7 +156,8 @@ def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
-    refuse_privacy(config, ())
+    # central DP needs nothing of a client: the aggregator clips what it receives
+    refuse_privacy(config, ("dp",))
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

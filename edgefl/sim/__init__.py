@@ -29,6 +29,7 @@ import sys
 from typing import Mapping
 
 from ..io import jsonable
+from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import prepare_run
@@ -63,7 +64,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
-    honoured = ("secure_aggregation",) if transport == "inproc" else ()
+    # over a broker the central-DP aggregator clips what it receives (roles.aggregator)
+    honoured = ("secure_aggregation", "dp") if transport == "inproc" else ("dp",)
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                       stream=stream, privacy_rounds=honoured)
     dataset, model, strategy = run.dataset, run.model, run.strategy
@@ -93,7 +95,7 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
                                     test=(dataset.x_test, dataset.y_test),
                                     eval_every=config.eval_every, workers=workers,
                                     on_round=on_round, on_model=exporter,
-                                    **_privacy_rounds(config))
+                                    **_privacy_rounds(config, run.hooks))
         else:
             result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
                                                   workers=workers, on_round=on_round,
@@ -118,13 +120,14 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     return summary
 
 
-def _privacy_rounds(config: RunConfig) -> dict:
+def _privacy_rounds(config: RunConfig, hooks: PrivacyHooks) -> dict:
     """run_federation's keyword arguments for the config's `privacy:` section: summing
-    rounds, and the secure sum when secure aggregation is asked for."""
+    rounds, DP's hooks (the run's, from prepare_run), and the secure sum when secure
+    aggregation is asked for."""
     privacy = config.privacy
     if privacy is None:
         return {}
-    out: dict = {"summing": True}
+    out: dict = {"summing": True, "hooks": hooks}
     if privacy.secure_aggregation is not None:
         run_id = f"{os.path.basename(config.path or 'run')}:{config.seed}"
         out["secure_sum"] = in_process_secure_sum(privacy.secure_aggregation, run_id,

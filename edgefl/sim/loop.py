@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import NonFiniteError
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks
+from ..privacy.hooks import task_generator
 from ..rounds import RoundEngine, add_evaluation, client_contribution
 from ..runs.prepare import RunResult
 from ..strategies import LocalData, Setup, Strategy
@@ -101,9 +102,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 try:
                     update, new_state = strategy.train(tasks[c], clients[c], client_states[c])
                     if summing and tasks[c].upload:
-                        rng = np.random.default_rng([tasks[c].train["seed"], _PRIVACY_STREAM])
-                        return update, new_state, client_contribution(strategy, tasks[c],
-                                                                      update, hooks, rng)
+                        return update, new_state, client_contribution(
+                            strategy, tasks[c], update, hooks, task_generator(tasks[c]))
                     return update, new_state, None
                 except NonFiniteError as exc:
                     raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc
@@ -155,7 +155,6 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     return RunResult(state, client_states, history, strategy.global_model(state), stopped)
 
 
-_PRIVACY_STREAM = 0xD9     # separates a client's DP draws from its training seed
 _EVALUATE = object()      # the work item of run_federation's deferred evaluation
 
 

@@ -72,6 +72,8 @@ def nova_coefficients(weights, norms):
 @dataclass(frozen=True)
 class FedNova(Strategy):
     secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
+    dp_refusal = ("its server step scales by tau_eff, a sum of the clients' local step "
+                  "counts that DP's noise does not cover")
     weighting: str = "samples"
     robust: dict | None = extension_field()
 
