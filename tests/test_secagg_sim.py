@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from edgefl.errors import ConfigError
+from edgefl.privacy import secagg
 from edgefl.privacy.settings import SecureAggregation
 from edgefl.runconfig import load_run_config
 from edgefl.runs.prepare import client_shard
@@ -83,3 +84,29 @@ def test_secure_aggregation_over_mqtt_and_fleet_shards_are_refused_not_run_in_th
     assert not (tmp_path / "metrics.jsonl").exists()
     with pytest.raises(ConfigError, match="privacy.secure_aggregation"):
         client_shard(cfg, 0)
+
+
+def test_a_run_survives_dropouts_down_to_the_threshold_and_stops_cleanly_below(fed):
+    """Round 2 loses n - t clients after sharing keys: it closes with the survivors' sum
+    (the record says who dropped). Losing one more fails round 2 with SecAggAborted: the
+    records of round 1 stand, nothing of round 2 is applied."""
+    model, clients = fed
+    setup = Setup(clients=sorted(clients), train={"lr": 0.1, "steps": 2}, seed=4, rounds=3)
+    settings = SecureAggregation(threshold=4, ring_bits=64)          # t = 4 of 6
+    seen = []
+    ok = run_federation(get_strategy("fedavg"), model.init(0), clients, setup, 6,
+                        summing=True, on_round=seen.append,
+                        secure_sum=in_process_secure_sum(
+                            settings, "t", 4, lambda r: {"masked": [1, 3]} if r == 2 else {}))
+    assert [h["secure"]["dropped"] for h in ok.history] == [[], [1, 3], []]
+    assert ok.history[1]["secure"]["survivors"] == 4
+    # the survivors' sum only: round 2's uplink is four masked inputs
+    assert ok.history[1]["uplink_bytes"] == 4 * ok.history[0]["uplink_bytes"] // 6
+    seen.clear()
+    with pytest.raises(secagg.SecAggAborted, match=r"round 2: only 3 of 6 clients sent masked "
+                                                   r"input .*threshold is 4"):
+        run_federation(get_strategy("fedavg"), model.init(0), clients, setup, 6, summing=True,
+                       on_round=seen.append, workers=1,
+                       secure_sum=in_process_secure_sum(
+                           settings, "t", 4, lambda r: {"masked": [1, 3, 5]} if r == 2 else {}))
+    assert [h["round"] for h in seen] == [1]

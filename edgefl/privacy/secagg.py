@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -66,6 +67,7 @@ import os
 import random
 import struct
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -200,20 +202,28 @@ def _public_bytes(key: X25519PublicKey) -> bytes:
 
 
 def neighbours_of(participants: Sequence[int], k: int, seed: int, round: int) -> dict:
+    """{client: its neighbourhood, itself included} (see `_graph`): every client of a round
+    derives the same graph, so it is built once per process and round."""
+    return _graph(tuple(sorted(int(c) for c in participants)), int(k), int(seed), int(round))
+
+
+@functools.lru_cache(maxsize=8)
+def _graph(ids: tuple, k: int, seed: int, round: int) -> dict:
     """{client: its neighbourhood, itself included}: SecAgg+'s random k-regular graph, a
     Harary graph (each client joined to the k/2 nearest on either side of a ring) over a
     permutation seeded by (seed, round). k = 0, or k >= n - 1, joins everyone (SecAgg);
     an odd k takes one more (a Harary graph of even degree)."""
-    ids = sorted(int(c) for c in participants)
     n = len(ids)
     if k <= 0 or k >= n - 1:
-        return {c: frozenset(ids) for c in ids}
+        everyone = frozenset(ids)
+        return types.MappingProxyType({c: everyone for c in ids})
     half = (k + 1) // 2
     digest = hashlib.sha256(f"edgefl-secagg-graph|{seed}|{round}".encode()).digest()
-    ring = ids[:]
+    ring = list(ids)
     random.Random(int.from_bytes(digest, "big")).shuffle(ring)
     pos = {c: i for i, c in enumerate(ring)}
-    return {c: frozenset(ring[(pos[c] + d) % n] for d in range(-half, half + 1)) for c in ids}
+    return types.MappingProxyType(
+        {c: frozenset(ring[(pos[c] + d) % n] for d in range(-half, half + 1)) for c in ids})
 
 
 def _neighbour_threshold(setup: "RoundSetup", holders: int) -> int:
@@ -416,6 +426,7 @@ class SecAggClient:
             self._s = X25519PrivateKey.from_private_bytes(draw[1])
             self._seed = draw[2]
         self._keys: dict = {}
+        self._aeads: dict = {}
         self._held: dict = {}        # {sender: (b-share, s-share)} decrypted on demand
         self._shared_with: tuple = ()
         self._answered = False
@@ -516,9 +527,14 @@ class SecAggClient:
                               f"{msg.round} in round {self.setup.round}")
 
     def _aead(self, other: int) -> AESGCM:
-        shared = self._c.exchange(self._keys[other][0])
-        lo, hi = sorted((self.client, other))
-        return AESGCM(_hkdf(shared, "shares", self.setup.run_id, self.setup.round, lo, hi))
+        # one key agreement per peer and round: the same key decrypts in the unmask phase
+        aead = self._aeads.get(other)
+        if aead is None:
+            shared = self._c.exchange(self._keys[other][0])
+            lo, hi = sorted((self.client, other))
+            aead = self._aeads[other] = AESGCM(_hkdf(shared, "shares", self.setup.run_id,
+                                                     self.setup.round, lo, hi))
+        return aead
 
     @staticmethod
     def _nonce(sender: int) -> bytes:
