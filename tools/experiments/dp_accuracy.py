@@ -68,7 +68,7 @@ def run(args, config: dict, sets: list, out: str) -> dict:
         cmd += ["--set", s]
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        subprocess.run(cmd, check=True, env=env)
+        subprocess.run(cmd, check=True, env=env, stdout=sys.stderr)   # stdout: the table
     finally:
         os.unlink(path)
     with open(os.path.join(out, "summary.json")) as f:
