@@ -21,7 +21,6 @@ choices. A config may also be named by the stem of a file shipped in edgefl/conf
 from __future__ import annotations
 
 import math
-
 import os
 import re
 import types
