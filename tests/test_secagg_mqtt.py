@@ -111,3 +111,36 @@ def test_the_acl_keeps_each_clients_secure_topics_its_own(mosquitto_acl_server):
     finally:
         for t in made:
             t.close(timeout=1, announce_offline=False)
+
+
+def test_a_client_that_stops_answering_is_a_dropout_and_the_model_matches(mosquitto_server,
+                                                                          monkeypatch):
+    """client-2 trains and shares its keys but never sends its masked input (a board that
+    dies mid-round; it stays online, so its phase runs to the deadline): the rounds it takes
+    part in close with the other clients' exact sum, the model the in-process secure run's
+    with client 2 vanishing at the same phase."""
+    from edgefl.roles import client as client_role
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import run_federation
+    from edgefl.sim.secure import in_process_secure_sum
+
+    answer = client_role.Client._on_secure
+
+    def dies_before_masking(self, payload):
+        if self.node == "client-2" and self._secure is not None and self._secure._keys:
+            return                       # after its shares: silent from the masked phase on
+        answer(self, payload)
+
+    monkeypatch.setattr(client_role.Client, "_on_secure", dies_before_masking)
+    config = load_run_config("quickstart", ["rounds=3", "privacy.secure_aggregation.threshold=0.8"])
+    over = simulate(config, None, workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url, mqtt={"round_timeout_s": 3.0})
+    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+    dropped = []
+    inproc = run_federation(
+        run.strategy, run.init_params, run.clients, run.setup, config.clients_per_round,
+        summing=True, on_round=lambda rec: dropped.append(rec["secure"]["dropped"]),
+        secure_sum=in_process_secure_sum(config.privacy.secure_aggregation, "x", config.seed,
+                                         lambda r: {"masked": [2]}))
+    assert [2] in dropped                   # client 2 was selected, and dropped, somewhere
+    assert over["model_sha256"] == inproc.model_sha256

@@ -1055,6 +1055,7 @@ class Aggregator:
             for chunk in secagg.to_chunks(msg, self.settings.max_payload,
                                           (o.secure_tag << 32) | o.secure_seq):
                 self.transport.publish(self.topics.secure_to(node), chunk, qos=1)
+                o.counts["wire_down_bytes"] += len(chunk)
         except TransportError as exc:
             log.warning("round %d: secure message to %s not sent: %s", o.round, node, exc)
 
@@ -1070,6 +1071,7 @@ class Aggregator:
         if len(payload) < 12 or int.from_bytes(payload[4:8], "big") != o.secure_tag:
             o.counts["late"] += 1
             return
+        o.counts["wire_up_bytes"] += len(payload)
         try:
             msg = o.secure_in.add(node, payload)
             if msg is None:
