@@ -995,8 +995,8 @@ class Aggregator:
 
     def _collect_secure(self) -> str | None:
         """The secure round's phases (docs/protocol.md section 10): each ends when every
-        client it waits for has answered, when the ones still missing are offline, or at
-        its deadline (the announcement's for the first, which includes training; then
+        client it waits for has answered, when the ones still missing are offline and the
+        phase has its threshold, or at its deadline (the announcement's for the first, which includes training; then
         round_timeout_s each). A phase left below the threshold fails the attempt cleanly
         (nothing is unmasked) and the round is announced again: a new attempt with fresh
         keys. Returns "secure" once the sum is unmasked, None when stopped."""
@@ -1009,11 +1009,16 @@ class Aggregator:
                 return None
             server = o.secure
             waiting, book = self._secure_waiting(server)
-            now = time.time()
+            now, mono = time.time(), time.monotonic()
+            # stop waiting for offline clients (their Last Will, offline_grace_s ago; not
+            # within offline_grace_s of our own reconnect: a restarting broker publishes
+            # every will) only once the phase has its threshold: below it, the clients may
+            # come back before the deadline, and failing early would only start over
             offline = {n for n in waiting if self.online.get(n) is False
-                       and time.monotonic() - self._offline_since.get(n, -math.inf)
-                       >= s.offline_grace_s}
-            if not waiting or waiting <= offline or now >= phase_deadline:
+                       and mono - self._offline_since.get(n, -math.inf) >= s.offline_grace_s}
+            gone = bool(waiting) and waiting <= offline and len(book) >= server.setup.threshold \
+                and mono - self._reconnected_at >= s.offline_grace_s
+            if not waiting or gone or now >= phase_deadline:
                 phase = server.phase
                 try:
                     out = server.advance()
