@@ -451,6 +451,8 @@ class ChunkAssembler:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self._parts: dict = {}           # sender -> (message id, count, {index: bytes}, size)
+        self._done: dict = {}            # sender -> id of its last complete message
+        self.repeats = 0                 # chunks of a message already complete (QoS 1 repeats)
 
     def add(self, sender, payload: bytes):
         """The whole message once its last chunk is in (parsed: message_from_bytes), else
@@ -462,6 +464,9 @@ class ChunkAssembler:
         if magic != CHUNK_MAGIC or not 0 <= index < count:
             raise SecAggError(f"secure message from {sender!r}: not a secure aggregation "
                               f"chunk (magic {magic!r}, chunk {index} of {count})")
+        if self._done.get(sender) == mid:
+            self.repeats += 1            # MQTT QoS 1 may deliver a chunk twice
+            return None
         held = self._parts.get(sender)
         if held is None or held[0] != mid or held[1] != count:
             held = (mid, count, {}, 0)
@@ -478,10 +483,12 @@ class ChunkAssembler:
             self._parts[sender] = (mid, count, parts, size)
             return None
         self._parts.pop(sender, None)
+        self._done[sender] = mid
         return message_from_bytes(b"".join(parts[i] for i in range(count)))
 
     def clear(self) -> None:
         self._parts.clear()
+        self._done.clear()
 
 
 # ======================================================================== client

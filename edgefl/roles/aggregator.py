@@ -1078,7 +1078,9 @@ class Aggregator:
             return
         o.counts["wire_up_bytes"] += len(payload)
         try:
+            repeats = o.secure_in.repeats
             msg = o.secure_in.add(node, payload)
+            o.counts["duplicates"] += o.secure_in.repeats - repeats
             if msg is None:
                 return
             if getattr(msg, "client", None) != self.members[node]:
