@@ -49,10 +49,10 @@ Quantisation (`Quantiser`): each coordinate of a contribution's vector is clippe
 integers, times the client's whole-number weight; the sum of n contributions of weights
 w_i <= max_weight stays exact in the ring while n * max_weight * levels < 2^(bits-1), so
 `Quantiser.for_round` picks the largest such levels (capped at 2^40) and refuses a round
-where fewer than MIN_LEVELS would remain. The dequantised sum is within
-sum_i w_i * clip_range / (2 levels)... per coordinate with nearest rounding, and within
-sum_i w_i * clip_range / levels (one step per client) with stochastic rounding, of the
-clipped float sum. Scalars (weights, FedNova's norms, the loss sums) ride along as 64-bit
+where fewer than MIN_LEVELS would remain. Each client's rounding moves its value by less than
+one level, so the dequantised sum is within sum_i w_i * clip_range / levels of the clipped
+float sum per coordinate (half that with round-to-nearest; stochastic rounding, used here,
+is unbiased). Scalars (weights, FedNova's norms, the loss sums) ride along as 64-bit
 fixed point with SCALAR_FRACTION_BITS fractional bits, masked with the same streams.
 """
 from __future__ import annotations
