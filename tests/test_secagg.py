@@ -258,3 +258,24 @@ def test_shamir_threshold():
         shamir.combine({x: shares[x] for x in (2, 4)}, 3)
     with pytest.raises(shamir.ShamirError, match="threshold 6 for 5 holders"):
         shamir.split(secret, [1, 2, 3, 4, 5], 6)
+
+
+def test_chunks_reassemble_in_any_order_and_repeats_are_dropped():
+    msg = secagg.MaskedInput(3, 1, np.arange(5000, dtype=np.uint32),
+                             np.arange(3, dtype=np.uint64), ("a", "b"))
+    chunks = secagg.to_chunks(msg, 1024, (7 << 32) | 1)
+    n = len(chunks)
+    assert n == -(-len(msg.to_bytes()) // (1024 - 20)) and all(len(c) <= 1024 for c in chunks)
+    inbox = secagg.ChunkAssembler(1 << 20)
+    order = chunks[::-1] + chunks[:2]
+    got = [inbox.add("client-1", c) for c in order]
+    assert [g is None for g in got] == [True] * (n - 1) + [False] + [True, True]
+    whole = got[n - 1]
+    assert np.array_equal(whole.words, msg.words) and whole.scalar_names == ("a", "b")
+    assert inbox.repeats == 2
+    with pytest.raises(SecAggError, match="from 'client-1': over 10000 bytes"):
+        small = secagg.ChunkAssembler(10_000)
+        for c in secagg.to_chunks(msg, 1024, 9):
+            small.add("client-1", c)
+    with pytest.raises(SecAggError, match="not a secure aggregation chunk"):
+        inbox.add("client-2", b"XXXX" + bytes(40))

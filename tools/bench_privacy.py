@@ -18,6 +18,12 @@ Rows:
                         aggregation path, the part secure aggregation changes; models are
                         digits MLPs of about 100k and 1M parameters. `neighbours` is SecAgg+'s
                         k (0: every pair masks, SecAgg).
+    round, Mosquitto    the same rounds through a real Mosquitto started for the benchmark, with
+                        the aggregator and one client role per shard as threads of this process
+                        (`edgefl simulate --transport mqtt`'s `run_over_broker`, one training
+                        thread): every run has 2 rounds, and its time is the median of their
+                        `wall_s` (announcement to record: the model down, training, the
+                        update or the secure phases up, aggregation).
 Each row's functions run interleaved (clear, secure, clear, secure, ...) after one warm-up;
 times are medians over the repeats with [min, max], and `ratio` is the median of the
 per-repeat secure / clear ratios (same-run ratios, so drift on the shared machine cancels).
@@ -121,11 +127,50 @@ def round_rows(repeats, cases):
     return rows
 
 
+def broker_rows(repeats, cases):
+    from edgefl.runconfig import load_run_config
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import run_over_broker
+    from edgefl.transport.broker import EmbeddedBroker, packet_bytes_for
+
+    rows = []
+    broker = EmbeddedBroker(kind="mosquitto", max_packet_bytes=packet_bytes_for(128 << 10))
+    broker.start()
+    try:
+        for clients_n, params in cases:
+            base = ["rounds=2", f"partition.clients={clients_n}",
+                    f"clients_per_round={clients_n}", "train.epochs=1",
+                    f"model.hidden={json.dumps(HIDDEN[params])}"]
+            runs = [prepare_run(load_run_config("quickstart", base + extra), progress=False,
+                                workers=1, privacy_rounds=("secure_aggregation",))
+                    for extra in ([], ["privacy.secure_aggregation.threshold=0.67"])]
+            walls = [[], []]
+
+            def one(i):
+                result, _ = run_over_broker(runs[i], broker.url, workers=1)
+                walls[i].append(statistics.median(r["wall_s"] for r in result.history))
+
+            interleaved([lambda: one(0), lambda: one(1)], repeats)
+            t_clear, t_secure = walls[0][1:], walls[1][1:]      # without the warm-up's
+            ratios = [s / c for s, c in zip(t_secure, t_clear)]
+            rows.append({"row": "round, Mosquitto", "clients": clients_n,
+                         "params": runs[0].init_params.size, "neighbours": 0,
+                         "local": "1 epoch", "clear ms": spread(t_clear, 1e3, 0),
+                         "secure ms": spread(t_secure, 1e3, 0),
+                         "ratio": f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, "
+                                  f"{max(ratios):.2f}]"})
+    finally:
+        broker.stop()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true",
                         help="the 10-client rows and the 100-client 100k row only")
+    parser.add_argument("--no-broker", action="store_true",
+                        help="skip the rows through Mosquitto")
     parser.add_argument("--json", action="store_true", help="rows as JSON instead of a table")
     args = parser.parse_args(argv)
     cases = [(10, 100_000, 0, "1 epoch"), (10, 1_000_000, 0, "1 epoch"),
@@ -134,6 +179,8 @@ def main(argv=None) -> int:
     if not args.quick:
         cases += [(100, 1_000_000, 10, "1 epoch")]
     rows = mask_rows(max(args.repeats, 10)) + round_rows(args.repeats, cases)
+    if not args.no_broker:
+        rows += broker_rows(args.repeats, [(10, 100_000), (10, 1_000_000)])
     if args.json:
         print(json.dumps({"backend": kernels.backend, "repeats": args.repeats, "rows": rows},
                          indent=1))

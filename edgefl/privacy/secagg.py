@@ -49,10 +49,10 @@ Quantisation (`Quantiser`): each coordinate of a contribution's vector is clippe
 integers, times the client's whole-number weight; the sum of n contributions of weights
 w_i <= max_weight stays exact in the ring while n * max_weight * levels < 2^(bits-1), so
 `Quantiser.for_round` picks the largest such levels (capped at 2^40) and refuses a round
-where fewer than MIN_LEVELS would remain. The dequantised sum is within
-sum_i w_i * clip_range / (2 levels)... per coordinate with nearest rounding, and within
-sum_i w_i * clip_range / levels (one step per client) with stochastic rounding, of the
-clipped float sum. Scalars (weights, FedNova's norms, the loss sums) ride along as 64-bit
+where fewer than MIN_LEVELS would remain. Each client's rounding moves its value by less than
+one level, so the dequantised sum is within sum_i w_i * clip_range / levels of the clipped
+float sum per coordinate (half that with round-to-nearest; stochastic rounding, used here,
+is unbiased). Scalars (weights, FedNova's norms, the loss sums) ride along as 64-bit
 fixed point with SCALAR_FRACTION_BITS fractional bits, masked with the same streams.
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ __all__ = ["SecAggError", "SecAggAborted", "LateMessage", "Quantiser", "RoundSet
            "AdvertiseKeys", "KeysBroadcast", "ShareKeys", "SharesForward", "MaskedInput",
            "UnmaskRequest", "UnmaskResponse", "SecAggClient", "SecAggServer", "neighbours_of",
            "mask_stream", "run_in_process", "message_from_bytes", "MIN_LEVELS",
-           "SCALAR_FRACTION_BITS", "PHASES", "round_setup"]
+           "SCALAR_FRACTION_BITS", "PHASES", "round_setup", "to_chunks", "ChunkAssembler",
+           "max_weight_of"]
 
 MIN_LEVELS = 16               # fewer quantisation levels than this is not worth sending
 MAX_LEVELS = 2 ** 40          # beyond this the float64 scaling has no fraction left to round
@@ -293,8 +294,23 @@ class RoundSetup(_Message):
     clip_range: float
     levels: int
     max_weight: int
-    vector_size: int
-    scalar_names: tuple
+    vector_size: int | None         # None: learnt from the first masked input (a broker's
+    scalar_names: tuple | None      # aggregator does not run the strategy's client half)
+
+    def to_dict(self) -> dict:
+        """The setup as JSON-able values (a round announcement carries it)."""
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, doc) -> "RoundSetup":
+        try:
+            values = dict(doc)
+            values["participants"] = tuple(int(c) for c in values["participants"])
+            if values.get("scalar_names") is not None:
+                values["scalar_names"] = tuple(values["scalar_names"])
+            return cls(**values)
+        except (TypeError, KeyError, ValueError) as exc:
+            raise SecAggError(f"secure aggregation setup {doc!r}: {exc}") from None
 
     @property
     def quantiser(self) -> Quantiser:
@@ -342,10 +358,12 @@ class MaskedInput(_Message):
     client: int
     words: np.ndarray = field(repr=False)       # uint32/uint64: the masked vector
     scalars: np.ndarray = field(repr=False)     # uint64: masked [weight, scalars...]
+    scalar_names: tuple = ()                    # the scalars' names (in the clear)
 
     def _header(self) -> dict:
         return {"round": self.round, "client": self.client, "bits": self.words.dtype.itemsize * 8,
-                "n": int(self.words.size), "m": int(self.scalars.size)}
+                "n": int(self.words.size), "m": int(self.scalars.size),
+                "names": list(self.scalar_names)}
 
     def _blob(self) -> bytes:
         return self.words.tobytes() + self.scalars.tobytes()
@@ -395,14 +413,82 @@ def message_from_bytes(data: bytes):
                                   f"bytes of words, expected {n * dtype.itemsize + 8 * m}")
             words = np.frombuffer(blob, dtype, n).copy()
             scalars = np.frombuffer(blob, np.uint64, m, n * dtype.itemsize).copy()
-            return MaskedInput(header["round"], header["client"], words, scalars)
+            return MaskedInput(header["round"], header["client"], words, scalars,
+                               tuple(header.get("names", ())))
         values = _unplain(header)
         for name in ("participants", "scalar_names", "survivors", "dropped"):
-            if name in values:
+            if values.get(name) is not None:
                 values[name] = tuple(values[name])
         return cls(**values)
     except (TypeError, KeyError, ValueError) as exc:
         raise SecAggError(f"{kind} message: {exc}") from None
+
+
+# ======================================================================== chunks
+# A message travels as one or more chunks (an MQTT payload has a size limit, and a masked
+# input is 4 bytes a parameter): b"SAC1", the sender's message id (u64), the chunk's index
+# and the chunk count (u32 each, big-endian), then that slice of `to_bytes()`.
+_CHUNK = struct.Struct(">4sQII")
+CHUNK_MAGIC = b"SAC1"
+
+
+def to_chunks(msg, max_payload: int, message_id: int) -> list[bytes]:
+    """`msg.to_bytes()` in chunks of at most `max_payload` bytes each (header included)."""
+    body = msg.to_bytes()
+    room = int(max_payload) - _CHUNK.size
+    if room < 64:
+        raise SecAggError(f"max_payload {max_payload}: too small for secure aggregation chunks")
+    count = max(1, -(-len(body) // room))
+    return [_CHUNK.pack(CHUNK_MAGIC, message_id, i, count) + body[i * room:(i + 1) * room]
+            for i in range(count)]
+
+
+class ChunkAssembler:
+    """Puts chunked messages back together, per sender: at most `max_bytes` held for one
+    sender, one message in progress per sender (a new message id drops the unfinished one:
+    a sender that re-sends starts over)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._parts: dict = {}           # sender -> (message id, count, {index: bytes}, size)
+        self._done: dict = {}            # sender -> id of its last complete message
+        self.repeats = 0                 # chunks of a message already complete (QoS 1 repeats)
+
+    def add(self, sender, payload: bytes):
+        """The whole message once its last chunk is in (parsed: message_from_bytes), else
+        None; SecAggError naming the sender for a malformed chunk or one over the limit."""
+        if len(payload) < _CHUNK.size:
+            raise SecAggError(f"secure message from {sender!r}: {len(payload)} bytes, shorter "
+                              f"than a chunk header")
+        magic, mid, index, count = _CHUNK.unpack_from(payload)
+        if magic != CHUNK_MAGIC or not 0 <= index < count:
+            raise SecAggError(f"secure message from {sender!r}: not a secure aggregation "
+                              f"chunk (magic {magic!r}, chunk {index} of {count})")
+        if self._done.get(sender) == mid:
+            self.repeats += 1            # MQTT QoS 1 may deliver a chunk twice
+            return None
+        held = self._parts.get(sender)
+        if held is None or held[0] != mid or held[1] != count:
+            held = (mid, count, {}, 0)
+        mid, count, parts, size = held
+        data = bytes(payload[_CHUNK.size:])
+        if index not in parts:
+            size += len(data)
+            parts[index] = data
+        if size > self.max_bytes:
+            self._parts.pop(sender, None)
+            raise SecAggError(f"secure message from {sender!r}: over {self.max_bytes} bytes; "
+                              f"dropped")
+        if len(parts) < count:
+            self._parts[sender] = (mid, count, parts, size)
+            return None
+        self._parts.pop(sender, None)
+        self._done[sender] = mid
+        return message_from_bytes(b"".join(parts[i] for i in range(count)))
+
+    def clear(self) -> None:
+        self._parts.clear()
+        self._done.clear()
 
 
 # ======================================================================== client
@@ -464,10 +550,11 @@ class SecAggClient:
         shared (their ciphertexts are in `msg`)."""
         self._check_round(msg)
         setup = self.setup
-        if contribution.vector.size != setup.vector_size:
+        if setup.vector_size is not None and contribution.vector.size != setup.vector_size:
             raise SecAggError(f"round {setup.round}: client {self.client}'s contribution has "
                               f"{contribution.vector.size} values, the round {setup.vector_size}")
-        if sorted(contribution.scalars) != list(setup.scalar_names):
+        names = tuple(sorted(contribution.scalars))
+        if setup.scalar_names is not None and names != tuple(setup.scalar_names):
             raise SecAggError(f"round {setup.round}: client {self.client}'s scalars "
                               f"{sorted(contribution.scalars)}, the round's "
                               f"{list(setup.scalar_names)}")
@@ -476,14 +563,14 @@ class SecAggClient:
         self._shared_with = tuple(sorted(self._held))
         q = setup.quantiser
         words = q.encode(contribution, quantise_seed, setup.max_weight)
-        scalars = encode_scalars(contribution.weight, contribution.scalars, setup.scalar_names)
+        scalars = encode_scalars(contribution.weight, contribution.scalars, names)
         _apply_mask(words, scalars, _self_key(setup, self.client, self._seed), subtract=False)
         for j in self._shared_with:
             if j == self.client:
                 continue
             key = _pair_key(setup, self._s, self._keys[j][1], self.client, j)
             _apply_mask(words, scalars, key, subtract=self.client > j)
-        return MaskedInput(setup.round, self.client, words, scalars)
+        return MaskedInput(setup.round, self.client, words, scalars, names)
 
     def unmask(self, msg: UnmaskRequest) -> UnmaskResponse:
         self._check_round(msg)
@@ -592,6 +679,7 @@ class SecAggServer:
             raise SecAggError(f"round {setup.round}: threshold {setup.threshold} for "
                               f"{len(setup.participants)} participants")
         self.setup = setup
+        self.vector_size, self.scalar_names = setup.vector_size, setup.scalar_names
         self.phase = "keys"
         self.neighbourhoods = setup.neighbourhoods()
         self.keys: dict = {}
@@ -636,13 +724,17 @@ class SecAggServer:
                               f"message twice")
         if isinstance(msg, MaskedInput):
             q = self.setup.quantiser
-            if msg.words.dtype != q.dtype or msg.words.size != self.setup.vector_size \
-                    or msg.scalars.size != 1 + len(self.setup.scalar_names):
+            size, names = self.vector_size, self.scalar_names
+            if size is None and self.masked:       # learnt from the first masked input
+                first = self.masked[min(self.masked)]
+                size, names = first.words.size, first.scalar_names
+            if msg.words.dtype != q.dtype or (size is not None and msg.words.size != size) \
+                    or (names is not None and tuple(msg.scalar_names) != tuple(names)) \
+                    or msg.scalars.size != 1 + len(msg.scalar_names):
                 raise SecAggError(f"round {self.round}: client {msg.client}'s masked input "
-                                  f"has {msg.words.size} {msg.words.dtype} words and "
-                                  f"{msg.scalars.size} scalars, expected "
-                                  f"{self.setup.vector_size} {q.dtype} and "
-                                  f"{1 + len(self.setup.scalar_names)}")
+                                  f"has {msg.words.size} {msg.words.dtype} words and scalars "
+                                  f"{list(msg.scalar_names)} ({msg.scalars.size} words), "
+                                  f"expected {size} {q.dtype} and {names}")
         book[msg.client] = msg
 
     def advance(self) -> dict:
@@ -703,8 +795,10 @@ class SecAggServer:
                                     f"{'self-mask seed' if which == 'seed' else 'mask key'} "
                                     f"came back, {t_n} needed; nothing is unmasked")
             pieces[(c, which)] = got
-        words = np.zeros(setup.vector_size, q.dtype)
-        scalars = np.zeros(1 + len(setup.scalar_names), np.uint64)
+        first = self.masked[self.survivors[0]]
+        names = tuple(first.scalar_names)
+        words = np.zeros(first.words.size, q.dtype)
+        scalars = np.zeros(1 + len(names), np.uint64)
         for c in self.survivors:
             kernels.ring_add(words, self.masked[c].words)
             kernels.ring_add(scalars, self.masked[c].scalars)
@@ -725,7 +819,7 @@ class SecAggServer:
                     _apply_mask(words, scalars, key, subtract=j < d)
         self.ring_words, self.ring_scalars = words.copy(), scalars.copy()
         values = decode_scalars(scalars)
-        return SumTotal(q.decode(words), values[0], dict(zip(setup.scalar_names, values[1:])),
+        return SumTotal(q.decode(words), values[0], dict(zip(names, values[1:])),
                         len(self.survivors))
 
     def _shared_with(self, j: int) -> set:
@@ -738,8 +832,17 @@ class SecAggServer:
 
 
 # ======================================================================== in process
+def max_weight_of(strategy, sample_counts: Mapping[int, int]) -> int:
+    """The quantiser's weight bound for a round of these participants: 1 under uniform
+    weighting, else their largest sample count (`strategies.client_weight`)."""
+    if getattr(strategy, "weighting", "samples") == "uniform":
+        return 1
+    return max(int(n) for n in sample_counts.values())
+
+
 def round_setup(settings, *, run_id: str, round: int, participants: Sequence[int], seed: int,
-                vector_size: int, scalar_names: Sequence[str], max_weight: int) -> RoundSetup:
+                vector_size: int | None, scalar_names: Sequence[str] | None,
+                max_weight: int) -> RoundSetup:
     """The RoundSetup of one round from the run's `privacy.secure_aggregation` settings
     (privacy.settings.SecureAggregation): t for this many participants, the quantiser
     (SecAggError when the ring cannot hold the sum)."""
@@ -748,8 +851,9 @@ def round_setup(settings, *, run_id: str, round: int, participants: Sequence[int
                             max_weight)
     return RoundSetup(str(run_id), int(round), participants,
                       settings.threshold_count(len(participants)), int(settings.neighbours),
-                      int(seed), q.bits, q.clip, q.levels, int(max_weight), int(vector_size),
-                      tuple(sorted(scalar_names)))
+                      int(seed), q.bits, q.clip, q.levels, int(max_weight),
+                      None if vector_size is None else int(vector_size),
+                      None if scalar_names is None else tuple(sorted(scalar_names)))
 
 
 def run_in_process(setup: RoundSetup, contributions: Mapping[int, Contribution],

@@ -144,9 +144,14 @@ def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
         return
     where = config.path or "<config>"
     if privacy.secure_aggregation is not None and "secure_aggregation" not in honoured:
-        raise ConfigError(f"{where}: privacy.secure_aggregation: secure rounds run in process "
-                          f"only in this version (edgefl simulate without --transport mqtt); "
-                          f"over MQTT they are not available yet")
+        raise ConfigError(f"{where}: privacy.secure_aggregation: this kind of run does not "
+                          f"run secure rounds")
+    if privacy.secure_aggregation is not None and privacy.dp is not None \
+            and "secure_aggregation+dp" not in honoured:
+        raise ConfigError(f"{where}: privacy.dp with privacy.secure_aggregation: together they "
+                          f"run in process only in this version (edgefl simulate without "
+                          f"--transport mqtt); over MQTT the boards' own clipping and noise "
+                          f"shares are not built yet")
     if privacy.dp is not None and "dp" not in honoured:
         raise ConfigError(f"{where}: privacy.dp: differential privacy is not available in this "
                           f"version yet")
@@ -157,7 +162,7 @@ def client_shard(config: RunConfig, index: int) -> tuple:
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
     # central DP needs nothing of a client: the aggregator clips what it receives
-    refuse_privacy(config, ("dp",))
+    refuse_privacy(config, ("dp", "secure_aggregation"))
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

@@ -65,7 +65,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
     # over a broker the central-DP aggregator clips what it receives (roles.aggregator)
-    honoured = ("secure_aggregation", "dp") if transport == "inproc" else ("dp",)
+    honoured = ("secure_aggregation", "dp", "secure_aggregation+dp") if transport == "inproc" \
+        else ("secure_aggregation", "dp")
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                       stream=stream, privacy_rounds=honoured)
     dataset, model, strategy = run.dataset, run.model, run.strategy

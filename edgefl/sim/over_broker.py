@@ -34,6 +34,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
 
     from ..roles import (Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan,
                         default_client_ids)
+    from ..roles.aggregator import secure_plan
     from ..transport.broker import EmbeddedBroker, packet_bytes_for
     from ..transport.mqtt import MqttTransport, parse_broker_url
     from ..transport.netloop import NetworkLoop
@@ -98,7 +99,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                        config.clients_per_round, ids,
                        test=(run.dataset.x_test, run.dataset.y_test),
                        eval_every=config.eval_every, description=config.to_dict(),
-                       hooks=run.hooks)
+                       hooks=run.hooks, **secure_plan(run))
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
                                       max_payload=max_payload, compression=compression)
         def after_round(record, history):
