@@ -260,7 +260,8 @@ def test_the_unmasked_sum_carries_the_full_noise():
     from edgefl.sim.secure import in_process_secure_sum
 
     config = secure_dp_config()
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp"))
+    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp",
+                                                                "secure_aggregation+dp"))
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
     state = run.strategy.init(run.init_params, run.setup)
     plan = engine.open_round(1, state)
@@ -301,3 +302,24 @@ def test_a_resumed_aggregator_takes_the_adaptive_clip_up_from_its_records():
                   {"round": 2, "dp_clip": 0.8, "dp_next_clip": 0.7}])
     assert hooks.clip == 0.7
     DPHooks(replace(dp, adaptive_clip=None), 10, 5, seed=0).resume([{"round": 1}])
+
+
+@pytest.mark.parametrize("mode", ["distributed", "central"])
+def test_secure_dp_over_mosquitto_is_the_in_process_run(mosquitto_server, tmp_path, mode):
+    """Under secure aggregation the aggregator sees only the sum, so the boards clip (and in
+    distributed mode add their noise shares) themselves, from the announcement's `dp`: with
+    reproducible noise the model over a real broker is the in-process model bit for bit."""
+    config = secure_dp_config(f"privacy.dp.mode={mode}", "privacy.dp.clip=0.3")
+    inproc = simulate(config, tmp_path / "inproc", workers=2, progress=False)
+    over = simulate(config, tmp_path / "mqtt", workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url)
+    assert over["model_sha256"] == inproc["model_sha256"]
+    records = lines(tmp_path / "mqtt" / "metrics.jsonl")
+    assert [r["closed_by"] for r in records] == ["secure"] * 3
+    assert [r["dp_epsilon"] for r in records] == \
+        [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+    # and the boards did clip: without DP the same secure run ends elsewhere
+    plain = simulate(load_run_config("quickstart", [
+        "strategy.weighting=uniform", "rounds=3",
+        "privacy.secure_aggregation.threshold=0.8"]), None, progress=False)
+    assert plain["model_sha256"] != over["model_sha256"]

@@ -221,6 +221,36 @@ class DPHooks(PrivacyHooks):
         so no dp-accounting on the board."""
         return cls(dp, clients_per_round, clients_per_round, seed, server=False)
 
+    def client_settings(self) -> dict:
+        """What a board needs to run `client_delta` when it, not the aggregator, must clip
+        (under secure aggregation the aggregator sees only the sum): the round's
+        announcement carries this, and `from_client_settings` reads it back."""
+        return {"mode": self.dp.mode, "clip": self.clip,
+                "noise_multiplier": self.dp.noise_multiplier,
+                "reproducible": self.dp.reproducible,
+                "clients_per_round": self.clients_per_round}
+
+    @classmethod
+    def from_client_settings(cls, doc: Mapping) -> "DPHooks":
+        """A board's hooks from an announcement's `dp` object; ValueError naming the field
+        when it is not one `client_settings` wrote."""
+        try:
+            mode, clip = doc["mode"], float(doc["clip"])
+            z, m = float(doc["noise_multiplier"]), doc["clients_per_round"]
+            reproducible = doc["reproducible"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"announcement dp: missing or malformed field ({exc!r})") from None
+        if mode not in ("central", "distributed"):
+            raise ValueError(f"announcement dp.mode: {mode!r}")
+        if not (clip > 0 and math.isfinite(clip)) or not (z >= 0 and math.isfinite(z)):
+            raise ValueError(f"announcement dp: clip {clip!r}, noise_multiplier {z!r}")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 \
+                or not isinstance(reproducible, bool):
+            raise ValueError(f"announcement dp: clients_per_round {m!r}, reproducible "
+                             f"{reproducible!r}")
+        return cls.for_client(DifferentialPrivacy(mode=mode, clip=clip, noise_multiplier=z,
+                                                  reproducible=reproducible), m)
+
     # ------------------------------------------------------------------ client side
     def client_delta(self, delta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The delta clipped to the round's C (and, distributed, plus the client's share of

@@ -620,6 +620,10 @@ class Aggregator:
             client_index=self.members, client_sha=client_sha, frame_ids=frame_ids)
         if self.plan.secure is not None:
             doc["secure"] = self._secure_setup().to_dict()
+            if hasattr(self.plan.hooks, "client_settings"):
+                # the aggregator sees only the sum, so the boards clip (and add their noise
+                # shares in distributed mode) themselves
+                doc["dp"] = self.plan.hooks.client_settings()
         o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         for downlink in o.downlinks.values():

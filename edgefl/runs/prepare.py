@@ -148,10 +148,8 @@ def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
                           f"run secure rounds")
     if privacy.secure_aggregation is not None and privacy.dp is not None \
             and "secure_aggregation+dp" not in honoured:
-        raise ConfigError(f"{where}: privacy.dp with privacy.secure_aggregation: together they "
-                          f"run in process only in this version (edgefl simulate without "
-                          f"--transport mqtt); over MQTT the boards' own clipping and noise "
-                          f"shares are not built yet")
+        raise ConfigError(f"{where}: privacy.dp with privacy.secure_aggregation: this kind "
+                          f"of run does not run them together")
     if privacy.dp is not None and "dp" not in honoured:
         raise ConfigError(f"{where}: privacy.dp: differential privacy is not available in this "
                           f"version yet")

@@ -64,9 +64,9 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
-    # over a broker the central-DP aggregator clips what it receives (roles.aggregator)
-    honoured = ("secure_aggregation", "dp", "secure_aggregation+dp") if transport == "inproc" \
-        else ("secure_aggregation", "dp")
+    # over a broker the central-DP aggregator clips what it receives, and under secure
+    # aggregation the boards clip and add their noise shares (roles.aggregator, roles.client)
+    honoured = ("secure_aggregation", "dp", "secure_aggregation+dp")
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                       stream=stream, privacy_rounds=honoured)
     dataset, model, strategy = run.dataset, run.model, run.strategy
