@@ -159,8 +159,9 @@ def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
-    # central DP needs nothing of a client: the aggregator clips what it receives
-    refuse_privacy(config, ("dp", "secure_aggregation"))
+    # a shard is data: the privacy a client takes part in comes with each round's
+    # announcement (secure aggregation's setup, DP's clip and noise share)
+    refuse_privacy(config, ("dp", "secure_aggregation", "secure_aggregation+dp"))
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)
