@@ -32,7 +32,7 @@ from ..io import jsonable
 from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
-from ..runs.prepare import prepare_run
+from ..runs.prepare import prepare_run, refuse_privacy_over_broker
 from .loop import run_federation
 from .over_broker import run_over_broker
 from .progress import Progress
@@ -64,9 +64,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
-    # over a broker the central-DP aggregator clips what it receives (roles.aggregator)
-    honoured = ("secure_aggregation", "dp", "secure_aggregation+dp") if transport == "inproc" \
-        else ("secure_aggregation", "dp")
+    # over a broker the central-DP aggregator clips what it receives, and secure rounds run
+    # their phases on the clients' secure topics (roles); the pair is in process only
+    if transport != "inproc":
+        refuse_privacy_over_broker(config)
+    honoured = ("secure_aggregation", "dp")
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                       stream=stream, privacy_rounds=honoured)
     dataset, model, strategy = run.dataset, run.model, run.strategy
