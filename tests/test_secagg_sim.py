@@ -113,3 +113,18 @@ def test_a_run_survives_dropouts_down_to_the_threshold_and_stops_cleanly_below(f
                        secure_sum=in_process_secure_sum(
                            settings, "t", 4, lambda r: {"masked": [1, 3, 5]} if r == 2 else {}))
     assert [h["round"] for h in seen] == [1]
+
+
+def test_a_ring_too_small_for_the_run_is_refused_before_round_one(monkeypatch, tmp_path):
+    """The ring bound n * max_weight * levels < 2^(bits-1) is checked when the run is
+    prepared, with the run's clients_per_round and largest client (here made to fail by
+    asking for more levels than a 32-bit ring can give 5 clients of ~180 samples)."""
+    monkeypatch.setattr(secagg, "MIN_LEVELS", 2 ** 22)
+    cfg = load_run_config("quickstart", ["privacy.secure_aggregation.threshold=0.8"])
+    with pytest.raises(ConfigError, match=r"privacy.secure_aggregation.ring_bits: ring_bits 32 "
+                                          r"cannot hold the sum of 5 contributions of weight up "
+                                          r"to 1\d\d: .*use ring_bits: 64"):
+        simulate(cfg, tmp_path, progress=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    simulate(load_run_config("quickstart", ["rounds=1", "privacy.secure_aggregation.ring_bits=64"]),
+             None, progress=False)

@@ -108,6 +108,7 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
             out_files=dict(out_files or {}), workers=workers,
             stream=None if progress is False else (stream or sys.stderr))
         strategy = strategy.prepare(init_params, clients, setup, context)
+    check_secure_ring(config, strategy, clients)
     if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
         from ..attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
         strategy = with_attack(strategy, config.attack, setup.clients)
@@ -134,6 +135,23 @@ def privacy_hooks(config: RunConfig) -> PrivacyHooks:
                           f"{hooks.accountant.epsilon(1):.4g} at noise_multiplier "
                           f"{dp.noise_multiplier:g}); raise the noise or the target")
     return hooks
+
+
+def check_secure_ring(config: RunConfig, strategy: Strategy, clients: Mapping) -> None:
+    """ConfigError naming privacy.secure_aggregation.ring_bits when a round of this run could
+    overflow the ring: clients_per_round contributions of weight up to the largest client's
+    (secagg.Quantiser.for_round states the bound), before round 1 rather than in it."""
+    settings = config.privacy.secure_aggregation if config.privacy is not None else None
+    if settings is None:
+        return
+    from ..privacy import secagg
+    weight = secagg.max_weight_of(strategy, {c: d.num_samples for c, d in clients.items()})
+    try:
+        secagg.Quantiser.for_round(settings.ring_bits, settings.clip_range,
+                                   config.clients_per_round, weight)
+    except secagg.SecAggError as exc:
+        raise ConfigError(f"{config.path or '<config>'}: privacy.secure_aggregation.ring_bits: "
+                          f"{exc}") from None
 
 
 def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
