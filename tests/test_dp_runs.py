@@ -260,8 +260,7 @@ def test_the_unmasked_sum_carries_the_full_noise():
     from edgefl.sim.secure import in_process_secure_sum
 
     config = secure_dp_config()
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp",
-                                                                "secure_aggregation+dp"))
+    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp"))
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
     state = run.strategy.init(run.init_params, run.setup)
     plan = engine.open_round(1, state)

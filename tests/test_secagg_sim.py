@@ -76,14 +76,15 @@ def test_runs_that_would_read_single_updates_are_refused(sets, words):
         load_run_config("quickstart", ["privacy.secure_aggregation.threshold=0.8", *sets])
 
 
-def test_secure_aggregation_over_mqtt_and_fleet_shards_are_refused_not_run_in_the_clear(tmp_path):
-    cfg = load_run_config("quickstart", ["rounds=1", "privacy.secure_aggregation.threshold=0.8"])
-    with pytest.raises(ConfigError, match="privacy.secure_aggregation: secure rounds run in "
-                                          "process only"):
-        simulate(cfg, tmp_path, progress=False, transport="mqtt")
-    assert not (tmp_path / "metrics.jsonl").exists()
-    with pytest.raises(ConfigError, match="privacy.secure_aggregation"):
-        client_shard(cfg, 0)
+def test_fleet_shards_of_secure_configs_are_plain_data():
+    """A fleet client's shard is data; what it takes part in (secure aggregation's setup,
+    DP's clip and noise share) comes with each round's announcement. (Secure aggregation
+    with DP over MQTT, the boards clipping themselves: tests/test_dp_runs.py.)"""
+    for sets in (["privacy.secure_aggregation.threshold=0.8"],
+                 ["privacy.secure_aggregation.threshold=0.8", "strategy.weighting=uniform",
+                  "privacy.dp.mode=distributed"]):
+        x, y = client_shard(load_run_config("quickstart", sets), 0)
+        assert len(x) == len(y) > 0
 
 
 def test_a_run_survives_dropouts_down_to_the_threshold_and_stops_cleanly_below(fed):
@@ -110,3 +111,18 @@ def test_a_run_survives_dropouts_down_to_the_threshold_and_stops_cleanly_below(f
                        secure_sum=in_process_secure_sum(
                            settings, "t", 4, lambda r: {"masked": [1, 3, 5]} if r == 2 else {}))
     assert [h["round"] for h in seen] == [1]
+
+
+def test_a_ring_too_small_for_the_run_is_refused_before_round_one(monkeypatch, tmp_path):
+    """The ring bound n * max_weight * levels < 2^(bits-1) is checked when the run is
+    prepared, with the run's clients_per_round and largest client (here made to fail by
+    asking for more levels than a 32-bit ring can give 5 clients of ~180 samples)."""
+    monkeypatch.setattr(secagg, "MIN_LEVELS", 2 ** 22)
+    cfg = load_run_config("quickstart", ["privacy.secure_aggregation.threshold=0.8"])
+    with pytest.raises(ConfigError, match=r"privacy.secure_aggregation.ring_bits: ring_bits 32 "
+                                          r"cannot hold the sum of 5 contributions of weight up "
+                                          r"to 1\d\d: .*use ring_bits: 64"):
+        simulate(cfg, tmp_path, progress=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    simulate(load_run_config("quickstart", ["rounds=1", "privacy.secure_aggregation.ring_bits=64"]),
+             None, progress=False)

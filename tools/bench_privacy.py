@@ -5,9 +5,10 @@ Run from a checkout with the extension built in place (or edgefl installed):
     python tools/bench_privacy.py [--repeats N] [--quick] [--json]
 
 Rows:
-    mask expansion      one pairwise mask over a vector of N words: AES-256-CTR keystream
-                        from `cryptography` (edgefl.privacy.secagg.mask_stream) added into the
-                        words in C (kernels.ring_add); GB/s = mask bytes per second, one core.
+    mask expansion      1 or 10 masks added to a vector of 1M words (secagg.apply_masks):
+                        AES-256-CTR keystream from `cryptography` added into the words in C
+                        (kernels.ring_add), block by block; GB/s = mask bytes per second, one
+                        core.
     round               one FedAvg round in process (`run_federation`, one thread, every
                         selected client uploads): the clear round against the same round run
                         secure (SecAgg+ between the in-process clients: keys, Shamir shares,
@@ -85,13 +86,15 @@ def mask_rows(repeats):
         n = 1_000_000
         dtype = kernels.RING_DTYPES[bits]
         words, scalars = np.zeros(n, dtype), np.zeros(0, np.uint64)
-        key = bytes(range(32))
-        (ts,) = interleaved([lambda: secagg._apply_mask(words, scalars, key, False)], repeats)
-        nbytes = n * dtype.itemsize
-        rates = [nbytes / t / 1e9 for t in ts]
-        rows.append({"row": f"mask expansion, {bits}-bit words", "size": f"{nbytes / 1e6:.0f} MB",
-                     "GB/s": f"{statistics.median(rates):.2f} [{min(rates):.2f}, "
-                             f"{max(rates):.2f}]"})
+        for count in (1, 10):
+            masks = [(bytes([k]) * 32, k % 2 == 1) for k in range(count)]
+            (ts,) = interleaved([lambda: secagg.apply_masks(words, scalars, masks)], repeats)
+            nbytes = count * n * dtype.itemsize
+            rates = [nbytes / t / 1e9 for t in ts]
+            rows.append({"row": f"mask expansion, {bits}-bit words, {count} mask(s)",
+                         "size": f"{nbytes / 1e6:.0f} MB",
+                         "GB/s": f"{statistics.median(rates):.2f} [{min(rates):.2f}, "
+                                 f"{max(rates):.2f}]"})
     return rows
 
 

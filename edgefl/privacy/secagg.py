@@ -564,12 +564,10 @@ class SecAggClient:
         q = setup.quantiser
         words = q.encode(contribution, quantise_seed, setup.max_weight)
         scalars = encode_scalars(contribution.weight, contribution.scalars, names)
-        _apply_mask(words, scalars, _self_key(setup, self.client, self._seed), subtract=False)
-        for j in self._shared_with:
-            if j == self.client:
-                continue
-            key = _pair_key(setup, self._s, self._keys[j][1], self.client, j)
-            _apply_mask(words, scalars, key, subtract=self.client > j)
+        masks = [(_self_key(setup, self.client, self._seed), False)]
+        masks += [(_pair_key(setup, self._s, self._keys[j][1], self.client, j), self.client > j)
+                  for j in self._shared_with if j != self.client]
+        apply_masks(words, scalars, masks)
         return MaskedInput(setup.round, self.client, words, scalars, names)
 
     def unmask(self, msg: UnmaskRequest) -> UnmaskResponse:
@@ -643,14 +641,31 @@ def _pair_key(setup: RoundSetup, private: X25519PrivateKey, public: X25519Public
     return _hkdf(private.exchange(public), "pair", setup.run_id, setup.round, lo, hi)
 
 
-def _apply_mask(words: np.ndarray, scalars: np.ndarray, key: bytes, subtract: bool) -> None:
-    """words, scalars (+|-)= PRG(key) mod 2^bits: the vector's words first, then 8 bytes per
-    scalar, from one keystream."""
-    nbytes = words.nbytes + scalars.nbytes
-    stream = mask_stream(key, nbytes, _scratch(nbytes))
-    kernels.ring_add(words, np.frombuffer(stream, words.dtype, words.size), subtract)
-    kernels.ring_add(scalars, np.frombuffer(stream, np.uint64, scalars.size, words.nbytes),
-                     subtract)
+MASK_BLOCK = 1 << 20        # bytes of words masked at a time (a block stays in cache)
+
+
+def apply_masks(words: np.ndarray, scalars: np.ndarray, masks) -> None:
+    """words, scalars (+|-)= PRG(key) mod 2^bits for each (key, subtract) of `masks`: each
+    key's keystream (`mask_stream`'s) covers the vector's words first, then 8 bytes per
+    scalar. The vector is walked block by block with every key's stream in turn, so a block
+    of words stays in cache while all the masks are added to it: the words cross memory once,
+    not once per mask, and the keystream buffer is one block, not a vector. (On this
+    machine the AES itself dominates; the measured gain is within the noise.)"""
+    if not masks:
+        return
+    streams = [(Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor(), subtract)
+               for key, subtract in masks]
+    block = max(1, MASK_BLOCK // words.dtype.itemsize)
+    scratch = _scratch(max(MASK_BLOCK, scalars.nbytes))
+    for start in range(0, words.size, block):
+        part = words[start:start + block]
+        nbytes = part.nbytes
+        for encryptor, subtract in streams:
+            encryptor.update_into(_zeros(nbytes), scratch[:nbytes])
+            kernels.ring_add(part, np.frombuffer(scratch, words.dtype, part.size), subtract)
+    for encryptor, subtract in streams:
+        encryptor.update_into(_zeros(scalars.nbytes), scratch[:scalars.nbytes])
+        kernels.ring_add(scalars, np.frombuffer(scratch, np.uint64, scalars.size), subtract)
 
 
 _LOCAL = threading.local()
@@ -802,10 +817,11 @@ class SecAggServer:
         for c in self.survivors:
             kernels.ring_add(words, self.masked[c].words)
             kernels.ring_add(scalars, self.masked[c].scalars)
+        masks = []
         for c in self.survivors:
             seed = shamir.combine(pieces[(c, "seed")], _neighbour_threshold(
                 setup, len(self.neighbourhoods[c])))
-            _apply_mask(words, scalars, _self_key(setup, c, seed), subtract=True)
+            masks.append((_self_key(setup, c, seed), True))
         for d in self.dropped:
             secret = shamir.combine(pieces[(d, "key")], _neighbour_threshold(
                 setup, len(self.neighbourhoods[d])))
@@ -816,7 +832,8 @@ class SecAggServer:
                     public = X25519PublicKey.from_public_bytes(self.keys[j].s_public)
                     key = _pair_key(setup, private, public, d, j)
                     # j added sign(j, d) PRG: + when j < d; take it away
-                    _apply_mask(words, scalars, key, subtract=j < d)
+                    masks.append((key, j < d))
+        apply_masks(words, scalars, masks)
         self.ring_words, self.ring_scalars = words.copy(), scalars.copy()
         values = decode_scalars(scalars)
         return SumTotal(q.decode(words), values[0], dict(zip(names, values[1:])),

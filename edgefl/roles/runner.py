@@ -47,8 +47,7 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     if ckpt is not None:      # the strategy as the run used it (DUW's table is not retrained)
         strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False, stream=stream,
-                      strategy=strategy, privacy_rounds=("dp", "secure_aggregation",
-                                                       "secure_aggregation+dp"))
+                      strategy=strategy, privacy_rounds=("dp", "secure_aggregation"))
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "

@@ -108,6 +108,7 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
             out_files=dict(out_files or {}), workers=workers,
             stream=None if progress is False else (stream or sys.stderr))
         strategy = strategy.prepare(init_params, clients, setup, context)
+    check_secure_ring(config, strategy, clients)
     if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
         from ..attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
         strategy = with_attack(strategy, config.attack, setup.clients)
@@ -136,6 +137,23 @@ def privacy_hooks(config: RunConfig) -> PrivacyHooks:
     return hooks
 
 
+def check_secure_ring(config: RunConfig, strategy: Strategy, clients: Mapping) -> None:
+    """ConfigError naming privacy.secure_aggregation.ring_bits when a round of this run could
+    overflow the ring: clients_per_round contributions of weight up to the largest client's
+    (secagg.Quantiser.for_round states the bound), before round 1 rather than in it."""
+    settings = config.privacy.secure_aggregation if config.privacy is not None else None
+    if settings is None:
+        return
+    from ..privacy import secagg
+    weight = secagg.max_weight_of(strategy, {c: d.num_samples for c, d in clients.items()})
+    try:
+        secagg.Quantiser.for_round(settings.ring_bits, settings.clip_range,
+                                   config.clients_per_round, weight)
+    except secagg.SecAggError as exc:
+        raise ConfigError(f"{config.path or '<config>'}: privacy.secure_aggregation.ring_bits: "
+                          f"{exc}") from None
+
+
 def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
     """ConfigError when the config's `privacy:` section asks for something the caller's rounds
     do not honour: a run must never pretend to be private."""
@@ -146,10 +164,6 @@ def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
     if privacy.secure_aggregation is not None and "secure_aggregation" not in honoured:
         raise ConfigError(f"{where}: privacy.secure_aggregation: this kind of run does not "
                           f"run secure rounds")
-    if privacy.secure_aggregation is not None and privacy.dp is not None \
-            and "secure_aggregation+dp" not in honoured:
-        raise ConfigError(f"{where}: privacy.dp with privacy.secure_aggregation: this kind "
-                          f"of run does not run them together")
     if privacy.dp is not None and "dp" not in honoured:
         raise ConfigError(f"{where}: privacy.dp: differential privacy is not available in this "
                           f"version yet")
@@ -161,7 +175,7 @@ def client_shard(config: RunConfig, index: int) -> tuple:
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
     # a shard is data: the privacy a client takes part in comes with each round's
     # announcement (secure aggregation's setup, DP's clip and noise share)
-    refuse_privacy(config, ("dp", "secure_aggregation", "secure_aggregation+dp"))
+    refuse_privacy(config, ("dp", "secure_aggregation"))
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

@@ -66,7 +66,7 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError("a broker URL needs transport 'mqtt'")
     # over a broker the central-DP aggregator clips what it receives, and under secure
     # aggregation the boards clip and add their noise shares (roles.aggregator, roles.client)
-    honoured = ("secure_aggregation", "dp", "secure_aggregation+dp")
+    honoured = ("secure_aggregation", "dp")
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                       stream=stream, privacy_rounds=honoured)
     dataset, model, strategy = run.dataset, run.model, run.strategy
