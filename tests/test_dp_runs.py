@@ -322,3 +322,43 @@ def test_secure_dp_over_mosquitto_is_the_in_process_run(mosquitto_server, tmp_pa
         "strategy.weighting=uniform", "rounds=3",
         "privacy.secure_aggregation.threshold=0.8"]), None, progress=False)
     assert plain["model_sha256"] != over["model_sha256"]
+
+
+def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
+    """`edgefl ctl start` and `edgefl ctl watch` as processes against the aggregator service:
+    watch prints each round's epsilon and ends with the budget's run_finished."""
+    import subprocess
+
+    import yaml
+
+    from test_orchestration import CLIENTS, Lines, _ctl_env, ctl_argv, run_config, run_ctl
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    ctl = ctl_argv(f, tmp_path)
+    run_file = tmp_path / "dp.yaml"
+    run_file.write_text(yaml.safe_dump(run_config(
+        rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
+        privacy={"dp": {"clip": 1.0, "noise_multiplier": 2.0, "target_epsilon": 8.0}})))
+    acc = PrivacyAccountant(DifferentialPrivacy(clip=1.0, noise_multiplier=2.0), 2, 2)
+    last = acc.rounds_within(8.0, 30)
+    watch = subprocess.Popen(ctl + ["watch"], env=_ctl_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    out = Lines(watch)
+    try:
+        out.wait(lambda x: "no active run" in x, "watch's status line")
+        started = run_ctl(ctl, "start", str(run_file), "--run", "dpw", "--clients",
+                          ",".join(CLIENTS))
+        assert started.returncode == 0, started.stderr
+        assert watch.wait(120) == 0, watch.stderr.read()
+        out.thread.join(5)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+    for r in range(1, last + 1):
+        line = next(x for x in out.lines if f" dpw round {r} closed " in x)
+        assert line.endswith(f", epsilon {acc.epsilon(r):.4g} at delta 1e-05"), line
+    finished = next(x for x in out.lines if " dpw run_finished: " in x)
+    assert f"rounds {last}" in finished and "privacy budget" in finished, finished
