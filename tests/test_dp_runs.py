@@ -360,5 +360,6 @@ def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
     for r in range(1, last + 1):
         line = next(x for x in out.lines if f" dpw round {r} closed " in x)
         assert line.endswith(f", epsilon {acc.epsilon(r):.4g} at delta 1e-05"), line
+    assert not any(f" dpw round {last + 1} opened" in x for x in out.lines), out.lines
     finished = next(x for x in out.lines if " dpw run_finished: " in x)
     assert f"rounds {last}" in finished and "privacy budget" in finished, finished

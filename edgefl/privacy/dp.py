@@ -269,9 +269,10 @@ class DPHooks(PrivacyHooks):
         return add_gaussian(clipped, std, rng)
 
     # ------------------------------------------------------------------ server side
-    def server_sum(self, total, round: int):
-        """The sum to step with: the budget check (BudgetExhausted past the target), the
-        noise, the fixed denominator m, and the next clip."""
+    def before_round(self, round: int) -> None:
+        """BudgetExhausted when round `round` would take epsilon past the target: epsilon
+        after a round depends only on its number, so the run ends before the round opens
+        and no board trains for a round that could not be released."""
         if self.accountant is None:
             raise RuntimeError("DPHooks.for_client hooks have no server side")
         epsilon = self.accountant.epsilon(round)
@@ -282,6 +283,12 @@ class DPHooks(PrivacyHooks):
                 f"(delta {self.dp.delta:g}), past privacy.dp.target_epsilon = {target:g}; "
                 f"the run ends with round {round - 1}'s model at epsilon "
                 f"{self.accountant.epsilon(round - 1):.4g}")
+
+    def server_sum(self, total, round: int):
+        """The sum to step with: the budget check again (`before_round`; a guard for a
+        caller that did not ask), the noise, the fixed denominator m, and the next clip."""
+        self.before_round(round)
+        epsilon = self.accountant.epsilon(round)
         if total.weight != total.count:
             raise StrategyError(   # refused before round 1 by the config; a guard here
                 f"round {round}: the sum's weights total {total.weight:g} for {total.count} "

@@ -524,6 +524,12 @@ class Aggregator:
     # ------------------------------------------------------------------ one round
     def _run_round(self, r: int) -> bool:
         """Open, collect, aggregate and commit round r; False when stopped first."""
+        try:
+            self.plan.hooks.before_round(r)    # a spent DP budget: no board trains for nothing
+        except BudgetExhausted as exc:
+            self.stopped = f"round {r}: {exc}"
+            log.info("run %s ends: %s", self.run_id, exc)
+            return False
         state, ids = self.ckpt.state, self.plan.client_ids
         round_plan = self.engine.open_round(r, state)
         self.open = o = _OpenRound(round_plan,
