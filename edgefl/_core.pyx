@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Cython binding of csrc/ (the only Cython file). Arguments arrive validated by
 edgefl.kernels; every kernel runs with the GIL released."""
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, free
 import threading
 
@@ -23,6 +23,12 @@ cdef extern from "edgefl.h" nogil:
     void ef_f16_to_f32(float *out, const uint16_t *inp, int64_t n)
     void ef_f32_to_i8(int8_t *out, float *scales, const float *inp, const int64_t *seg_offsets, int64_t nseg)
     void ef_i8_to_f32(float *out, const int8_t *inp, const float *scales, const int64_t *seg_offsets, int64_t nseg)
+    void ef_quantize_u32(uint32_t *out, const float *x, int64_t n, double clip, double scale, int64_t weight, uint64_t seed, int stochastic)
+    void ef_quantize_u64(uint64_t *out, const float *x, int64_t n, double clip, double scale, int64_t weight, uint64_t seed, int stochastic)
+    void ef_ring_add_u32(uint32_t *x, const uint32_t *m, int64_t n, int subtract)
+    void ef_ring_add_u64(uint64_t *x, const uint64_t *m, int64_t n, int subtract)
+    void ef_dequantize_u32(float *out, const uint32_t *sum, int64_t n, double unit)
+    void ef_dequantize_u64(float *out, const uint64_t *sum, int64_t n, double unit)
     int ef_have_blas()
     void ef_blas_set_threads(int n)
 
@@ -531,3 +537,62 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
     if rc != EF_OK:
         raise KernelError("local_train: the C core rejected the arguments")
     return {"mean_loss": res.mean_loss, "steps": res.steps, "samples": res.samples}
+
+
+# ======================= secure aggregation's ring arithmetic (secagg.c) =================
+
+def quantize(out, x, double clip, double scale, int64_t weight, uint64_t seed, bint stochastic):
+    """out = x quantised into the ring of out's dtype, times weight (ef_quantize_u32/u64)."""
+    cdef const float[::1] vx = x.reshape(-1)
+    cdef uint32_t[::1] o32
+    cdef uint64_t[::1] o64
+    cdef int64_t n = vx.shape[0]
+    if n == 0:
+        return
+    if out.dtype.itemsize == 4:
+        o32 = out.reshape(-1)
+        with nogil:
+            ef_quantize_u32(&o32[0], &vx[0], n, clip, scale, weight, seed, stochastic)
+    else:
+        o64 = out.reshape(-1)
+        with nogil:
+            ef_quantize_u64(&o64[0], &vx[0], n, clip, scale, weight, seed, stochastic)
+
+
+def ring_add(x, m, bint subtract):
+    """x += m (or -= m) mod 2^bits, bits from the dtype (ef_ring_add_u32/u64)."""
+    cdef uint32_t[::1] x32
+    cdef const uint32_t[::1] m32
+    cdef uint64_t[::1] x64
+    cdef const uint64_t[::1] m64
+    cdef int64_t n = x.size
+    if n == 0:
+        return
+    if x.dtype.itemsize == 4:
+        x32 = x.reshape(-1)
+        m32 = m.reshape(-1)
+        with nogil:
+            ef_ring_add_u32(&x32[0], &m32[0], n, subtract)
+    else:
+        x64 = x.reshape(-1)
+        m64 = m.reshape(-1)
+        with nogil:
+            ef_ring_add_u64(&x64[0], &m64[0], n, subtract)
+
+
+def dequantize(out, words, double unit):
+    """out = signed(words) * unit in float32 (ef_dequantize_u32/u64)."""
+    cdef float[::1] o = out.reshape(-1)
+    cdef const uint32_t[::1] w32
+    cdef const uint64_t[::1] w64
+    cdef int64_t n = o.shape[0]
+    if n == 0:
+        return
+    if words.dtype.itemsize == 4:
+        w32 = words.reshape(-1)
+        with nogil:
+            ef_dequantize_u32(&o[0], &w32[0], n, unit)
+    else:
+        w64 = words.reshape(-1)
+        with nogil:
+            ef_dequantize_u64(&o[0], &w64[0], n, unit)

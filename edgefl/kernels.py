@@ -158,6 +158,63 @@ def trimmed_mean(out: np.ndarray, xs, trim: int) -> np.ndarray:
     return out
 
 
+# ---------------------------------------------------------------------------------------
+# secure aggregation's ring arithmetic (csrc/secagg.c states the representation)
+# ---------------------------------------------------------------------------------------
+
+RING_DTYPES = {32: np.dtype(np.uint32), 64: np.dtype(np.uint64)}
+
+
+def _ring_bits(name: str, a) -> int:
+    if not isinstance(a, np.ndarray) or a.dtype not in (RING_DTYPES[32], RING_DTYPES[64]):
+        got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise KernelError(f"{name}: ring words must be uint32 or uint64, got {got}")
+    return a.dtype.itemsize * 8
+
+
+def quantize(out: np.ndarray, x: np.ndarray, clip: float, levels: int, weight: int = 1,
+             seed: int = 0, stochastic: bool = True) -> np.ndarray:
+    """out = round(clip(x, -clip, clip) * levels / clip) * weight mod 2^bits (bits from out's
+    dtype, uint32 or uint64): rounded stochastically (unbiased; u from a counter stream
+    seeded by `seed`) or to nearest. |round(...)| <= levels; the caller keeps the sum of
+    the weights times levels below 2^(bits-1) so the ring sum reads back exactly."""
+    bits = _ring_bits("out", out)
+    check_array("out", out, out.dtype, writable=True)
+    check_array("x", x, np.float32, size=out.size)
+    if not (isinstance(clip, (int, float, np.floating)) and np.isfinite(clip) and clip > 0):
+        raise KernelError(f"clip: {clip!r} must be a finite number > 0")
+    for name, value, low in (("levels", levels, 1), ("weight", weight, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise KernelError(f"{name}: {value!r} must be a whole number >= {low}")
+    if int(levels) * max(int(weight), 1) >= 2 ** (bits - 1):
+        raise KernelError(f"levels * weight = {int(levels) * int(weight)}: must be below "
+                          f"2^{bits - 1} for the ring's signed read-back")
+    bad = impl.first_nonfinite(x)
+    if bad >= 0:
+        raise NonFiniteError("quantize", f"x[{bad}] = {x.reshape(-1)[bad]} is not finite")
+    impl.quantize(out, x, float(clip), float(levels) / float(clip), int(weight),
+                  int(seed) & 0xFFFFFFFFFFFFFFFF, bool(stochastic))
+    return out
+
+
+def ring_add(x: np.ndarray, m: np.ndarray, subtract: bool = False) -> np.ndarray:
+    """x += m (or x -= m) word by word mod 2^bits: adding a mask stream, or removing it."""
+    _ring_bits("x", x)
+    check_array("x", x, x.dtype, writable=True)
+    check_array("m", m, x.dtype, size=x.size)
+    impl.ring_add(x, m, bool(subtract))
+    return x
+
+
+def dequantize(out: np.ndarray, words: np.ndarray, unit: float) -> np.ndarray:
+    """out = (words read as signed integers) * unit, rounded once to float32."""
+    _ring_bits("words", words)
+    check_array("words", words, words.dtype)
+    check_array("out", out, np.float32, size=words.size, writable=True)
+    impl.dequantize(out, words, float(unit))
+    return out
+
+
 def f32_to_f16(out: np.ndarray, x: np.ndarray) -> np.ndarray:
     check_array("x", x, np.float32)
     check_array("out", out, np.uint16, size=x.size, writable=True)

@@ -460,3 +460,47 @@ def _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum
             params -= lr * g
         samples += idx.size
     return {"mean_loss": loss_acc / total if total else 0.0, "steps": total, "samples": samples}
+
+
+# ======================= secure aggregation's ring arithmetic (secagg.c) =================
+# The kernel's steps in the same order: clip and scale in float64, u from splitmix64's
+# finaliser over the counter seed + (i + 1) * GOLDEN (uint64 wrap-around, as in C), floor,
+# int64, times the weight mod 2^64, then the low bits.
+
+_GOLDEN64 = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z):
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def quantize(out, x, clip, scale, weight, seed, stochastic):
+    """out = floor(clip(x) * scale + u) * weight mod 2^bits (secagg.c)."""
+    v = np.clip(_flat(x).astype(np.float64), -clip, clip) * scale
+    if stochastic:
+        with np.errstate(over="ignore"):
+            counter = np.uint64(seed) + np.arange(1, v.size + 1, dtype=np.uint64) * _GOLDEN64
+            u = (_mix64(counter) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    else:
+        u = 0.5
+    k = np.floor(v + u).astype(np.int64).view(np.uint64)
+    with np.errstate(over="ignore"):
+        words = k * np.uint64(weight)
+    _flat(out)[...] = words.astype(out.dtype)
+
+
+def ring_add(x, m, subtract):
+    """x += m or x -= m, wrapping mod 2^bits (numpy's unsigned arithmetic wraps)."""
+    xf = _flat(x)
+    if subtract:
+        np.subtract(xf, _flat(m), out=xf)
+    else:
+        np.add(xf, _flat(m), out=xf)
+
+
+def dequantize(out, words, unit):
+    """out = signed(words) * unit, one rounding to float32."""
+    signed = _flat(words).view(np.int32 if words.dtype.itemsize == 4 else np.int64)
+    _flat(out)[...] = signed.astype(np.float64) * unit

@@ -61,6 +61,13 @@ where it is:
   of what came up (the masked vectors' bytes, the losses clients report in the clear). Selection, the upload check,
   evaluation and the record stay as they are. (It cannot use `on_unusable`: a sum has no
   per-client part to drop; the protocol's own dropout handling takes that place.)
+- Rounds that sum (secure aggregation, DP; edgefl.privacy's docstring draws the whole
+  path): each client turns its update into a `Contribution` (`client_contribution`, with
+  DP's client hook), the server gets their sum -- in the clear (`sum_clear`, sorted client
+  order) or unmasked by the secure aggregation protocol -- and `close_round_from_sum`
+  applies DP's server hook, the strategy's `aggregate_sum` and `record_round`. The record's
+  train_loss comes from two scalars every contribution carries (`LOSS_SCALARS`), so it too
+  is computed from the sum.
 - Partial aggregates from edge aggregators (one contribution stands for several clients):
   an edge aggregator is itself a caller of this engine for its clients, and its contribution
   reaches the root as one update whose num_samples and steps are its clients' totals, so a
@@ -77,11 +84,38 @@ from typing import Callable, Mapping
 import numpy as np
 
 from . import kernels
-from .strategies import (Setup, State, Strategy, StrategyError, Task, Update, mean_train_loss,
-                         select_clients)
+from .privacy.hooks import NO_HOOKS, PrivacyHooks
+from .strategies import (Contribution, Setup, State, Strategy, StrategyError, SumTotal, Task,
+                         Update, mean_train_loss, select_clients)
 
 __all__ = ["RoundEngine", "RoundPlan", "ClosedRound", "UploadTotals", "UploadRefused",
-           "round_record", "add_evaluation"]
+           "round_record", "add_evaluation", "client_contribution", "LOSS_SCALARS"]
+
+# the scalars every contribution carries so a summing round's record has its train_loss:
+# sum_i loss_i * steps_i and sum_i steps_i (the mean over all local steps, mean_train_loss's)
+LOSS_SCALARS = ("train_loss_x_steps", "train_steps")
+
+
+def client_contribution(strategy: Strategy, task: Task, update: Update,
+                        hooks: PrivacyHooks = NO_HOOKS,
+                        rng: np.random.Generator | None = None) -> Contribution:
+    """The client's side of a summing round: `strategy.contribution(task, update)`, its
+    vector passed through DP's `hooks.client_delta` (before the weight is folded in and
+    before any masking), plus the `LOSS_SCALARS`. `rng`: the Generator handed to the hook
+    (None: a fresh one from the OS's entropy, which the server cannot know)."""
+    contribution = strategy.contribution(task, update)
+    vector = contribution.vector
+    if hooks is not NO_HOOKS:
+        vector = hooks.client_delta(np.array(vector, copy=True),
+                                    np.random.default_rng() if rng is None else rng)
+    clash = [k for k in LOSS_SCALARS if k in contribution.scalars]
+    if clash:
+        raise StrategyError(f"{strategy.name}: contribution scalars {clash} are the round "
+                            f"engine's")
+    scalars = dict(contribution.scalars)
+    scalars[LOSS_SCALARS[0]] = update.train_loss * update.steps
+    scalars[LOSS_SCALARS[1]] = float(update.steps)
+    return Contribution(vector, contribution.weight, scalars)
 
 
 class UploadRefused(RuntimeError):
@@ -137,6 +171,16 @@ class UploadTotals:
         return cls(sum(u.nbytes for u in updates.values()),
                    metrics["train_loss"] if "train_loss" in metrics
                    else mean_train_loss(updates))
+
+
+    @classmethod
+    def of_sum(cls, total: SumTotal, nbytes: int) -> "UploadTotals":
+        """The totals of a summing round: `nbytes` of what came up (masked vectors, or the
+        clear contributions), train_loss from the sum's `LOSS_SCALARS`."""
+        steps = total.scalars.get(LOSS_SCALARS[1], 0.0)
+        loss = total.scalars.get(LOSS_SCALARS[0], float("nan")) / steps if steps > 0 \
+            else float("nan")
+        return cls(int(nbytes), float(loss))
 
 
 @dataclass(frozen=True)
@@ -281,6 +325,63 @@ class RoundEngine:
         return self.record_round(plan, state, metrics, UploadTotals.of(updates, metrics),
                                  train_wall_s=train_wall_s, elapsed_before=elapsed_before,
                                  defer_evaluation=defer_evaluation, extras=extras)
+
+    def sum_clear(self, contributions: Mapping[int, Contribution], r: int | None = None) \
+            -> SumTotal:
+        """The sum of `contributions` ({client: Contribution}) in the clear, in sorted client
+        order: sum_i weight_i * vector_i (kernels.weighted_sum: float64 accumulation, one
+        rounding to float32), and the weights' and scalars' sums. A DP-only round's sum; a
+        secure round's must equal it within the quantisation bound."""
+        where = f"round {r}: " if r is not None else ""
+        clients = sorted(contributions)
+        if not clients:
+            raise StrategyError(f"{where}no contributions to sum")
+        first = contributions[clients[0]]
+        names = sorted(first.scalars)
+        for c in clients:
+            got = contributions[c]
+            if got.vector.size != first.vector.size or sorted(got.scalars) != names:
+                raise StrategyError(
+                    f"{where}client {c}'s contribution ({got.vector.size} values, scalars "
+                    f"{sorted(got.scalars)}) does not match client {clients[0]}'s "
+                    f"({first.vector.size} values, scalars {names})")
+        vector = np.empty(first.vector.size, np.float32)
+        kernels.weighted_sum(vector, [contributions[c].vector for c in clients],
+                             [float(contributions[c].weight) for c in clients])
+        scalars = {k: float(sum(contributions[c].scalars[k] for c in clients)) for k in names}
+        return SumTotal(vector, sum(contributions[c].weight for c in clients), scalars,
+                        len(clients))
+
+    def close_round_from_sum(self, plan: RoundPlan, total: SumTotal, totals: UploadTotals,
+                             state: State, *, hooks: PrivacyHooks = NO_HOOKS,
+                             train_wall_s: float, elapsed_before: float = 0.0,
+                             defer_evaluation: bool = False,
+                             extras: Callable[[], Mapping] | None = None) -> ClosedRound:
+        """Close a summing round from the sum of its contributions: DP's `hooks.server_sum`
+        (which may raise privacy.BudgetExhausted: nothing is applied), the strategy's
+        `aggregate_sum`, then `record_round` with `totals` (`UploadTotals.of_sum`) and the
+        hooks' `round_metrics` after the strategy's."""
+        total = hooks.server_sum(total, plan.round)
+        state, metrics = self.strategy.aggregate_sum(plan.round, total, state)
+        metrics = dict(metrics)
+        metrics.update(hooks.round_metrics(plan.round))
+        return self.record_round(plan, state, metrics, totals, train_wall_s=train_wall_s,
+                                 elapsed_before=elapsed_before,
+                                 defer_evaluation=defer_evaluation, extras=extras)
+
+    def close_round_clear_sum(self, plan: RoundPlan, contributions: Mapping[int, Contribution],
+                              state: State, *, hooks: PrivacyHooks = NO_HOOKS,
+                              train_wall_s: float, elapsed_before: float = 0.0,
+                              defer_evaluation: bool = False,
+                              extras: Callable[[], Mapping] | None = None) -> ClosedRound:
+        """A DP-only round: `sum_clear` the contributions and `close_round_from_sum`; the
+        record's uplink_bytes are the contributions' float32 vectors."""
+        total = self.sum_clear(contributions, plan.round)
+        nbytes = sum(c.vector.nbytes for c in contributions.values())
+        return self.close_round_from_sum(plan, total, UploadTotals.of_sum(total, nbytes), state,
+                                         hooks=hooks, train_wall_s=train_wall_s,
+                                         elapsed_before=elapsed_before,
+                                         defer_evaluation=defer_evaluation, extras=extras)
 
     def record_round(self, plan: RoundPlan, state: State, metrics: Mapping,
                      totals: UploadTotals, *, train_wall_s: float, elapsed_before: float = 0.0,

@@ -20,6 +20,7 @@ choices. A config may also be named by the stem of a file shipped in edgefl/conf
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import types
@@ -272,6 +273,23 @@ def _privacy(v: "_Validator", section, per_round: int) -> Privacy | None:
             v.fail("privacy.dp.mode", "distributed noise protects a client only when the "
                                       "aggregator sees nothing but the sum; add "
                                       "privacy.secure_aggregation or use mode: central")
+        if dp.mode == "distributed" and secagg is not None:
+            # each client's noisy delta goes through the quantiser, which clips every value
+            # to [-clip_range, clip_range]; a clipped noise share is less noise than the
+            # accountant counts, so the range must hold the clipped delta plus 8 share stds
+            share = dp.noise_multiplier * dp.clip / math.sqrt(per_round)
+            need = dp.clip + 8 * share
+            if secagg.clip_range < need:
+                v.fail("privacy.secure_aggregation.clip_range",
+                       f"{secagg.clip_range:g} would clip the noise: each client's value is "
+                       f"up to privacy.dp.clip = {dp.clip:g} plus a noise share of std "
+                       f"{share:.3g}; give clip_range >= {need:.3g} (clip + 8 stds)")
+        if secagg is not None and dp.adaptive_clip is not None:
+            v.fail("privacy.dp.adaptive_clip", "adapts the clip without secure aggregation "
+                                               "only: under it the boards clip, so the clip "
+                                               "would have to reach them each round and "
+                                               "their clip bits go through the secure sum; "
+                                               "drop one of the two")
     return Privacy(secure_aggregation=secagg, dp=dp)
 
 
@@ -365,9 +383,12 @@ def _dp(v: "_Validator", section) -> DifferentialPrivacy:
             if count_noise < 0:
                 v.fail(f"{a_where}.count_noise", f"{count_noise} must be >= 0")
         adaptive = AdaptiveClip(target_quantile=quantile, lr=lr, count_noise=count_noise)
+    reproducible = section.get("reproducible", d.reproducible)
+    if not isinstance(reproducible, bool):
+        v.fail(f"{where}.reproducible", f"{reproducible!r} must be true or false")
     return DifferentialPrivacy(mode=mode, clip=clip, noise_multiplier=noise, delta=delta,
                                target_epsilon=target, accountant=accountant,
-                               adaptive_clip=adaptive)
+                               adaptive_clip=adaptive, reproducible=reproducible)
 
 
 def _clients_per_round(v: "_Validator", data: Mapping, clients: int) -> int:

@@ -865,7 +865,8 @@ def test_topic_table_matches_the_design():
         "client_model": (True, 1, "frame"), "update": (False, 1, "frame"),
         "status": (True, 1, "json"), "metrics": (False, 0, "json"),
         "onnx": (True, 1, "frame"), "ctl": (False, 1, "json"), "events": (False, 1, "json"),
-        "reply": (False, 1, "json"), "runs": (True, 1, "json")}
+        "reply": (False, 1, "json"), "runs": (True, 1, "json"),
+        "secure": (False, 1, "secagg"), "secure_to": (False, 1, "secagg")}
     assert set(wire.KINDS) == {k for k, s in TOPIC_TABLE.items() if s.payload == "frame"}
 
 

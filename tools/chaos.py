@@ -126,6 +126,7 @@ class SoakConfig:
     # trigger round and its firing.
     announce_hold_s: float = 0.25
     timeout_s: float = 900.0
+    secure: float = 0.0                # > 0: privacy.secure_aggregation with this threshold
 
     def __post_init__(self):
         if self.clients < 2:
@@ -340,7 +341,8 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
         "dataset": digits_npz(workdir), "partition": {"name": "iid", "clients": cfg.clients},
         "model": {"name": "softmax"}, "strategy": {"name": "fedavg"},
         "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": cfg.rounds,
-        "clients_per_round": cfg.clients, "seed": cfg.seed})
+        "clients_per_round": cfg.clients, "seed": cfg.seed,
+        **({"privacy": {"secure_aggregation": {"threshold": cfg.secure}}} if cfg.secure else {})})
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def site(node: str, **extra) -> str:
@@ -490,6 +492,9 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
         "duplicates_ignored": sum(h.get("duplicates", 0) for h in history),
         "rejected": sum(h.get("rejected", 0) for h in history),
         "closed_by": dict(Counter(h["closed_by"] for h in history)),
+        # secure rounds: clients whose contribution did not reach the sum (a client killed
+        # after training holds its contribution in memory only: a dropout, by design)
+        "secure_dropouts": sum(len(h["selected"]) - h["secure"]["survivors"] for h in history if "secure" in h),
         "uploads_recorded": sum(len(re.findall(r"round \d+ done \([^)]*uploaded", t))
                                 for t in client_logs.values()),
         "resent": sum(t.count("its stored update re-sent") for t in client_logs.values()),
@@ -565,12 +570,15 @@ def table(cfg: SoakConfig, chaos: dict, clean: dict | None) -> str:
          str(sum(clean["restarted_on_failure"].values())) if clean else "-"),
         ("rounds closed by", ", ".join(f"{k} {v}" for k, v in sorted(chaos["closed_by"].items())),
          ", ".join(f"{k} {v}" for k, v in sorted(clean["closed_by"].items())) if clean else "-"),
+        *([("secure rounds: dropouts", str(chaos["secure_dropouts"]),
+            str(clean["secure_dropouts"]) if clean else "-")] if cfg.secure else []),
         ("final test accuracy", acc(chaos), acc(clean)),
         ("wall time (s)", str(chaos["wall_s"]), str(clean["wall_s"]) if clean else "-"),
     ]
     width = max(len(r[0]) for r in rows)
     lines = [f"chaos soak: {cfg.clients} clients, {cfg.rounds} rounds, seed {cfg.seed} "
-             f"(FedAvg, softmax on digits, {cfg.chunk_size}-byte chunks)", "",
+             f"(FedAvg, softmax on digits, {cfg.chunk_size}-byte chunks"
+             f"{f', secure aggregation t={cfg.secure:g}' if cfg.secure else ''})", "",
              f"| {'':{width}} | chaos | fault-free |", f"|{'-' * (width + 2)}|---|---|"]
     lines += [f"| {a:{width}} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
@@ -598,6 +606,10 @@ def main(argv=None) -> int:
                    help="the aggregator's round deadline")
     p.add_argument("--timeout", type=float, default=d.timeout_s, metavar="SECONDS",
                    help="give up on a run after this long")
+    p.add_argument("--secure", type=float, default=0.0, metavar="THRESHOLD",
+                   help="run with privacy.secure_aggregation at this threshold (updates then "
+                        "travel masked on the secure topics: 'updates lost' counts update "
+                        "frames, which a secure run does not send; see 'dropouts')")
     p.add_argument("--no-clean", action="store_true", help="skip the fault-free run")
     p.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (logs, state)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -608,7 +620,8 @@ def main(argv=None) -> int:
                          client_kills=args.client_kills, aggregator_kills=args.aggregator_kills,
                          broker_restarts=args.broker_restarts, delay_rate=args.delay_rate,
                          duplicate_rate=args.duplicate_rate, deadline_s=args.deadline,
-                         drop_acked_rate=args.drop_acked_rate, timeout_s=args.timeout)
+                         drop_acked_rate=args.drop_acked_rate, timeout_s=args.timeout,
+                         secure=args.secure)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -338,7 +338,9 @@ def _event_text(event: dict, online: set) -> str:
         acc = event.get("test_accuracy")
         text = (f"round {event.get('round')} closed ({event.get('closed_by')}): "
                 f"{event.get('updates')} update(s), test accuracy "
-                f"{f'{acc:.4f}' if acc is not None else '-'}")
+                f"{f'{acc:.4f}' if acc is not None else '-'}"
+                + (f", epsilon {event['dp_epsilon']:.4g} at delta {event.get('dp_delta'):g}"
+                   if isinstance(event.get("dp_epsilon"), (int, float)) else ""))
     elif kind in ("client_joined", "client_left"):
         text = (f"{event.get('client')} {'online' if kind == 'client_joined' else 'offline'} "
                 f"({len(online)} online)")

@@ -142,6 +142,11 @@ def _simulate(args: argparse.Namespace) -> int:
           f"(best {summary['best_accuracy']:.4f} at round {summary['best_round']}), "
           f"{summary['rounds']} rounds in {summary['wall_s']:.2f} s; outputs in {out}"
           + (f" ({link} links to it)" if link else ""))
+    if "privacy" in summary and "epsilon" in summary["privacy"]:
+        p = summary["privacy"]
+        print(f"privacy: epsilon {p['epsilon']:.4g} at delta {p['delta']:g} ({p['accountant']})")
+    if summary.get("stopped"):
+        print(f"stopped early: {summary['stopped']}")
     return 0
 
 

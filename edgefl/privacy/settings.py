@@ -17,6 +17,8 @@ the key in every error); the protocols that use these values are this package's 
         target_epsilon: null     # budget mode: the run ends before epsilon would pass this
         accountant: rdp          # rdp | pld (dp-accounting)
         adaptive_clip: null      # or {target_quantile: 0.5, lr: 0.2, count_noise: ...}
+        reproducible: false      # true: noise seeded from (seed, round, client), for tests and
+                                 #   experiments only (anyone knowing the seed can remove it)
 
 Which strategies can run under each is decided where the strategies are (`secure_sum` on the
 strategy); the check is `refusal` below, called by the run config.
@@ -55,7 +57,7 @@ class SecureAggregation:
 class AdaptiveClip:
     target_quantile: float = 0.5
     lr: float = 0.2
-    count_noise: float | None = None   # None: the paper's default, noise_multiplier / 20
+    count_noise: float | None = None   # None: the paper's default, clients_per_round / 20
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class DifferentialPrivacy:
     target_epsilon: float | None = None
     accountant: str = "rdp"
     adaptive_clip: AdaptiveClip | None = None
+    reproducible: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,4 +118,14 @@ def refusal(privacy: Privacy, strategy, robust: Mapping | None, attack: Mapping 
     if attack:
         return key, ("the attack simulation (attack:) tampers with individual updates in the "
                      "clear; run it without the privacy section")
+    if privacy.dp is not None:
+        why = getattr(strategy, "dp_refusal", "")
+        if why:
+            return "privacy.dp", f"strategy {strategy.name!r} cannot run with it: {why}"
+        weighting = getattr(strategy, "weighting", "uniform")
+        if weighting != "uniform":
+            return "strategy.weighting", (
+                f"{weighting!r} cannot run with privacy.dp: DP-FedAvg bounds one client's "
+                f"effect on the sum only when every client has the same weight (a client "
+                f"reports its own sample count); set strategy.weighting: uniform")
     return None

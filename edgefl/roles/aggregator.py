@@ -54,7 +54,9 @@ import numpy as np
 from .._malloc import keep_frames_in_heap
 from ..config import check_number
 from ..models import Model
-from ..rounds import RoundEngine, RoundPlan
+from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks, secagg
+from ..privacy.hooks import task_generator
+from ..rounds import RoundEngine, RoundPlan, UploadTotals, client_contribution
 from ..service.layered import check_setting, default
 from ..strategies import Setup, State, Strategy, StrategyError, Update
 from ..transport import wire
@@ -66,7 +68,7 @@ from .messages import (MessageError, TopicCache, build_announcement, buffers_sha
 from .state import (JOURNAL_FILE, AggregatorCheckpoint, StateError, StateWriteError,
                     append_journal, jsonable, read_journal)
 
-__all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult",
+__all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult", "secure_plan",
            "run_fingerprint", "default_client_ids"]
 
 log = logging.getLogger("edgefl.roles.aggregator")
@@ -162,6 +164,14 @@ class RunPlan:
     client_ids: the node id of strategy client i at position i.
     test:       (x, y) to evaluate the global model on, or None.
     description: the run's config as JSON data (part of the checkpoint's fingerprint).
+    hooks:      DP's hooks (edgefl.privacy.dp), or NO_HOOKS. With hooks the rounds sum: the
+                aggregator applies the client hook to each update it receives (central DP:
+                it is trusted with them, and the clients need nothing new) and closes the
+                round from the clear sum (`RoundEngine.close_round_clear_sum`).
+    secure:     the run's `privacy.secure_aggregation` settings, or None. With it no update
+                comes up: after training, each uploader runs SecAgg+ with the aggregator on
+                its `secure` / `secure_to` topics (docs/protocol.md section 10) and the round
+                closes from the unmasked sum. sample_counts bound the clients' weights.
     """
     strategy: Strategy
     init_params: np.ndarray
@@ -172,6 +182,9 @@ class RunPlan:
     test: tuple | None = None
     eval_every: int = 1
     description: Mapping = field(default_factory=dict)
+    hooks: PrivacyHooks = NO_HOOKS
+    secure: object = None               # privacy.settings.SecureAggregation: secure rounds
+    sample_counts: tuple = ()           # |D_i| of client i: the secure quantiser's weight bound
 
     def __post_init__(self):
         ids = tuple(self.client_ids)
@@ -183,6 +196,17 @@ class RunPlan:
         for node in ids:
             validate_id(node, "client id")
         object.__setattr__(self, "client_ids", ids)
+
+
+def secure_plan(run) -> dict:
+    """RunPlan's secure-aggregation fields for a prepared run (runs.prepare.PreparedRun):
+    the config's settings and every client's sample count."""
+    privacy = run.config.privacy
+    settings = privacy.secure_aggregation if privacy is not None else None
+    if settings is None:
+        return {}
+    return {"secure": settings,
+            "sample_counts": tuple(run.clients[c].num_samples for c in run.setup.clients)}
 
 
 def run_fingerprint(plan: RunPlan, settings: AggregatorSettings) -> str:
@@ -203,6 +227,7 @@ class AggregatorResult:
     aggregated: list
     finished: bool
     stats: dict
+    stopped: str | None = None      # why the run ended before its last round (privacy budget)
 
 
 @dataclass
@@ -231,6 +256,10 @@ class _OpenRound:
     refused: set = field(default_factory=set)         # nodes whose update aggregate refused
     last_resend: dict = field(default_factory=dict)
     expects: dict = field(default_factory=dict)       # node -> wire.Expectation of its update
+    secure: object = None            # the attempt's secagg.SecAggServer (secure rounds)
+    secure_tag: int = 0              # the attempt's tag: the high half of its chunks' ids
+    secure_seq: int = 0
+    secure_in: object = None         # secagg.ChunkAssembler of the clients' messages
     counts: dict = field(default_factory=lambda: {"late": 0, "duplicates": 0, "rejected": 0,
                                                   "resends": 0, "announcements": 0,
                                                   "wire_up_bytes": 0, "wire_down_bytes": 0})
@@ -290,6 +319,7 @@ class Aggregator:
         self.open: _OpenRound | None = None
         self.ckpt: AggregatorCheckpoint | None = None
         self.stats = {"late": 0, "duplicates": 0, "rejected": 0, "resends": 0}
+        self.stopped: str | None = None     # set when DP's budget ends the run early
         self._logged: set = set()            # (node, message id) already reported
         self._cleared: set = set()           # retained topics cleared this session
         self._retained: set = set()          # model topics we left a retained frame on
@@ -328,7 +358,7 @@ class Aggregator:
                     break
                 if not self._run_round(r):
                     break
-            finished = self.ckpt.round >= self.rounds
+            finished = self.ckpt.round >= self.rounds or self.stopped is not None
             if finished:
                 self._finish()
         finally:
@@ -337,7 +367,8 @@ class Aggregator:
         return AggregatorResult(self.ckpt.run_id, self.ckpt.state,
                                 self.plan.strategy.global_model(self.ckpt.state),
                                 list(self.ckpt.history), list(self.ckpt.aggregated),
-                                self.ckpt.round >= self.rounds, dict(self.stats))
+                                self.ckpt.round >= self.rounds or self.stopped is not None,
+                                dict(self.stats), self.stopped)
 
     # ------------------------------------------------------------------ start and stop
     def _strategy_record(self) -> dict:
@@ -405,6 +436,8 @@ class Aggregator:
         t.connect()
         t.subscribe(self.topics.subscription("update"), qos=1)
         t.subscribe(self.topics.subscription("status"), qos=1)
+        if self.plan.secure is not None:
+            t.subscribe(self.topics.subscription("secure"), qos=1)
         self._publish_status()
 
     def _close(self) -> None:
@@ -439,16 +472,18 @@ class Aggregator:
     def _finish(self) -> None:
         sha = hashlib.sha256(np.ascontiguousarray(
             self.plan.strategy.global_model(self.ckpt.state), dtype=np.float32)).hexdigest()
+        rounds = self.rounds if self.stopped is None else self.ckpt.round
         doc = finished_announcement(run_id=self.ckpt.run_id, aggregator=self.settings.node_id,
-                                    rounds=self.rounds, model_sha256=sha)
+                                    rounds=rounds, model_sha256=sha)
         self.transport.publish(self.topics.round(), json.dumps(doc).encode(), qos=1,
                                retain=True)
         for topic in sorted(self._retained):     # no stale round's model for late joiners
             self.transport.clear_retained(topic)
-        self._event("run_finished", rounds=self.rounds, model_sha256=sha)
+        self._event("run_finished", rounds=rounds, model_sha256=sha,
+                    **({"stopped": self.stopped} if self.stopped else {}))
         self.transport.flush(10.0)
         log.info("run %s finished: %d rounds, final model sha256 %s", self.ckpt.run_id,
-                 self.rounds, sha)
+                 rounds, sha)
 
     def publish_onnx(self, path: str | os.PathLike, record_dir: str | None = None) -> dict | None:
         """An export of the run's model at `path` (edgefl.export): run_aggregator calls this
@@ -489,6 +524,12 @@ class Aggregator:
     # ------------------------------------------------------------------ one round
     def _run_round(self, r: int) -> bool:
         """Open, collect, aggregate and commit round r; False when stopped first."""
+        try:
+            self.plan.hooks.before_round(r)    # a spent DP budget: no board trains for nothing
+        except BudgetExhausted as exc:
+            self.stopped = f"round {r}: {exc}"
+            log.info("run %s ends: %s", self.run_id, exc)
+            return False
         state, ids = self.ckpt.state, self.plan.client_ids
         round_plan = self.engine.open_round(r, state)
         self.open = o = _OpenRound(round_plan,
@@ -497,19 +538,67 @@ class Aggregator:
         self._announce()
         if self.notifier is not None:
             self.notifier.status(f"round {r}/{self.rounds}: collecting updates")
-        closed_by = self._collect()
+        closed_by = self._collect() if self.plan.secure is None else self._collect_secure()
         if closed_by is None:
             log.info("round %d abandoned: stop requested; the checkpoint of round %d stands",
                      r, self.ckpt.round)
             return False
+        if self.plan.secure is not None:
+            server = o.secure
+            total = server.total
+            try:
+                closed = self.engine.close_round_from_sum(
+                    o.round_plan, total, UploadTotals.of_sum(total, server.uplink_bytes()),
+                    state, hooks=self.plan.hooks, train_wall_s=0.0,
+                    elapsed_before=self.ckpt.elapsed_s,
+                    extras=lambda: {"closed_by": closed_by, "updates": total.count,
+                                    "secure": _secure_record(server),
+                                    "missing": sorted(o.uploaders - {self.plan.client_ids[c]
+                                                                     for c in server.survivors}),
+                                    **o.counts})
+            except BudgetExhausted as exc:
+                self.stopped = f"round {r}: {exc}"
+                log.info("run %s ends: %s", self.run_id, exc)
+                return False
+            self._commit(r, closed.state, closed.record)
+            return True
         updates = {self.members[n]: u for n, u in o.received.items()}
-        closed = self.engine.close_round(
-            o.round_plan, updates, state, train_wall_s=max(o.train_s.values(), default=0.0),
-            elapsed_before=self.ckpt.elapsed_s, on_unusable=self._refuse_unusable,
-            extras=lambda: {"closed_by": closed_by, "updates": len(updates),
-                            "missing": sorted(o.uploaders - set(o.received)), **o.counts})
+        timing = dict(train_wall_s=max(o.train_s.values(), default=0.0),
+                      elapsed_before=self.ckpt.elapsed_s,
+                      extras=lambda: {"closed_by": closed_by, "updates": len(updates),
+                                      "missing": sorted(o.uploaders - set(o.received)),
+                                      **o.counts})
+        if self.plan.hooks is NO_HOOKS:
+            closed = self.engine.close_round(o.round_plan, updates, state,
+                                             on_unusable=self._refuse_unusable, **timing)
+        else:
+            try:
+                closed = self._close_dp_round(o.round_plan, updates, state, timing)
+            except BudgetExhausted as exc:
+                self.stopped = f"round {r}: {exc}"
+                log.info("run %s ends: %s", self.run_id, exc)
+                return False
         self._commit(r, closed.state, closed.record)
         return True
+
+    def _close_dp_round(self, round_plan: RoundPlan, updates: dict, state: State, timing):
+        """Close a central-DP round from the clear sum: each update becomes its contribution
+        through the client hook here (clipped to the round's C; the same Generator seed as
+        in process, so a reproducible run's model matches the in-process one bit for bit).
+        An update the strategy cannot turn into a contribution is refused, as
+        `on_unusable` refuses one it cannot aggregate."""
+        contributions = {}
+        for c, update in sorted(updates.items()):
+            task = round_plan.tasks[c]
+            try:
+                contributions[c] = client_contribution(self.plan.strategy, task, update,
+                                                       self.plan.hooks, task_generator(task))
+            except (StrategyError, ValueError) as exc:
+                self._refuse_unusable(c, StrategyError(str(exc)))
+        for c in set(updates) - set(contributions):
+            del updates[c]
+        return self.engine.close_round_clear_sum(round_plan, contributions, state,
+                                                 hooks=self.plan.hooks, **timing)
 
     def _announce(self, deadline: float | None = None) -> None:
         """Publish the announcement of the open round (a new id and deadline, `deadline` or
@@ -535,6 +624,12 @@ class Aggregator:
             strategy=self._strategy_record(), model=model, compression=s.compression,
             global_sha=glob.sha if glob else None, tasks=o.node_tasks,
             client_index=self.members, client_sha=client_sha, frame_ids=frame_ids)
+        if self.plan.secure is not None:
+            doc["secure"] = self._secure_setup().to_dict()
+            if hasattr(self.plan.hooks, "client_settings"):
+                # the aggregator sees only the sum, so the boards clip (and add their noise
+                # shares in distributed mode) themselves
+                doc["dp"] = self.plan.hooks.client_settings()
         o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         for downlink in o.downlinks.values():
@@ -735,6 +830,9 @@ class Aggregator:
         if kind == "update":
             if self.open is not None:          # none while paused between rounds: late
                 self._on_update(node, item.payload)
+        elif kind == "secure":
+            if self.open is not None and self.open.secure is not None:
+                self._on_secure(node, item.payload)
         elif kind == "status":
             self._on_status(node, item.payload)
 
@@ -885,6 +983,126 @@ class Aggregator:
         o.received.pop(node, None)
         o.refused.add(node)
 
+    # ------------------------------------------------------------------ secure rounds
+    def _secure_setup(self) -> "secagg.RoundSetup":
+        """A fresh attempt of the open round: its SecAgg+ setup (the announcement carries
+        it) and the server that runs it. Every uploader takes part; the quantiser's weight
+        bound is the largest sample count among them (1 under uniform weighting), as in
+        process (edgefl.sim.secure), so the sum and the model are the same."""
+        o, plan = self.open, self.plan
+        participants = sorted(o.round_plan.uploaders)
+        max_weight = secagg.max_weight_of(plan.strategy,
+                                          {c: plan.sample_counts[c] for c in participants})
+        setup = secagg.round_setup(plan.secure, run_id=f"{self.ckpt.run_id}:{o.announce_id}",
+                                   round=o.round, participants=participants,
+                                   seed=plan.setup.seed, vector_size=None, scalar_names=None,
+                                   max_weight=max_weight)
+        o.secure = secagg.SecAggServer(setup)
+        o.secure_tag = _attempt_tag(o.announce_id)
+        o.secure_seq = 0
+        o.secure_in = secagg.ChunkAssembler(2 * 8 * plan.model.n_params + (1 << 20))
+        return setup
+
+    def _collect_secure(self) -> str | None:
+        """The secure round's phases (docs/protocol.md section 10): each ends when every
+        client it waits for has answered, when the ones still missing are offline and the
+        phase has its threshold, or at its deadline (the announcement's for the first, which includes training; then
+        round_timeout_s each). A phase left below the threshold fails the attempt cleanly
+        (nothing is unmasked) and the round is announced again: a new attempt with fresh
+        keys. Returns "secure" once the sum is unmasked, None when stopped."""
+        o, s = self.open, self.settings
+        phase_deadline = o.deadline
+        while True:
+            if self.notifier is not None:
+                self.notifier.beat()
+            if self.stop.is_set():
+                return None
+            server = o.secure
+            waiting, book = self._secure_waiting(server)
+            now, mono = time.time(), time.monotonic()
+            # stop waiting for offline clients (their Last Will, offline_grace_s ago; not
+            # within offline_grace_s of our own reconnect: a restarting broker publishes
+            # every will) only once the phase has its threshold: below it, the clients may
+            # come back before the deadline, and failing early would only start over
+            offline = {n for n in waiting if self.online.get(n) is False
+                       and mono - self._offline_since.get(n, -math.inf) >= s.offline_grace_s}
+            gone = bool(waiting) and waiting <= offline and len(book) >= server.setup.threshold \
+                and mono - self._reconnected_at >= s.offline_grace_s
+            if not waiting or gone or now >= phase_deadline:
+                phase = server.phase
+                try:
+                    out = server.advance()
+                except secagg.SecAggAborted as exc:
+                    log.warning("round %d: secure aggregation failed (%s); announcing it again",
+                                o.round, exc)
+                    self._event("secure_round_failed", round=o.round, phase=phase,
+                                reason=str(exc))
+                    self._announce()
+                    phase_deadline = o.deadline
+                    continue
+                log.info("round %d: secure phase %r closed (%d of %d answered)", o.round,
+                         phase, len(book), len(book) + len(waiting))
+                for c, msg in out.items():
+                    self._send_secure(self.plan.client_ids[c], msg)
+                if server.phase == "done":
+                    return "secure"
+                phase_deadline = time.time() + s.round_timeout_s
+                continue
+            item = self.transport.receive(timeout=max(0.0, min(s.poll_s, phase_deadline - now)))
+            while item is not None:
+                self._handle(item)
+                item = self.transport.receive(timeout=0)
+
+    def _secure_waiting(self, server) -> tuple:
+        """(node ids the current phase still waits for, the phase's answers so far)."""
+        ids = self.plan.client_ids
+        expected, book = {
+            "keys": (server.setup.participants, server.keys),
+            "shares": (server.keys, server.shares),
+            "masked": (server.shares, server.masked),
+            "unmask": (server.survivors, server.revealed)}[server.phase]
+        return {ids[c] for c in expected if c not in book}, book
+
+    def _send_secure(self, node: str, msg) -> None:
+        o = self.open
+        o.secure_seq += 1
+        try:
+            for chunk in secagg.to_chunks(msg, self.settings.max_payload,
+                                          (o.secure_tag << 32) | o.secure_seq):
+                self.transport.publish(self.topics.secure_to(node), chunk, qos=1)
+                o.counts["wire_down_bytes"] += len(chunk)
+        except TransportError as exc:
+            log.warning("round %d: secure message to %s not sent: %s", o.round, node, exc)
+
+    def _on_secure(self, node: str, payload: bytes) -> None:
+        """A client's secure aggregation message: chunks reassembled, the sender bound to
+        its topic (the ACL lets a client write only its own), handed to the attempt's
+        server. An earlier attempt's chunks are dropped; a masked input after the unmask
+        request is refused (secagg.LateMessage)."""
+        o = self.open
+        if node not in self.members:
+            self._reject(node, "secure message from a node outside the federation")
+            return
+        if len(payload) < 12 or int.from_bytes(payload[4:8], "big") != o.secure_tag:
+            o.counts["late"] += 1
+            return
+        o.counts["wire_up_bytes"] += len(payload)
+        try:
+            repeats = o.secure_in.repeats
+            msg = o.secure_in.add(node, payload)
+            o.counts["duplicates"] += o.secure_in.repeats - repeats
+            if msg is None:
+                return
+            if getattr(msg, "client", None) != self.members[node]:
+                raise secagg.SecAggError(f"it speaks for client {getattr(msg, 'client', None)}, "
+                                         f"{node} is client {self.members[node]}")
+            o.secure.receive(msg)
+        except secagg.LateMessage as exc:
+            o.counts["late"] += 1
+            self._reject(node, str(exc))
+        except secagg.SecAggError as exc:
+            self._reject(node, f"secure message: {exc}")
+
     def _commit(self, r: int, state: State, record: dict) -> None:
         ckpt = self.ckpt
         new = AggregatorCheckpoint(ckpt.run_id, ckpt.fingerprint, r, ckpt.aggregated + [r],
@@ -936,7 +1154,21 @@ class Aggregator:
         self._event("round_closed", round=r, closed_by=record["closed_by"],
                     updates=record["updates"], missing=record["missing"],
                     test_accuracy=record["test_accuracy"], test_loss=record["test_loss"],
-                    train_loss=record["train_loss"])
+                    train_loss=record["train_loss"],
+                    **{k: record[k] for k in ("dp_epsilon", "dp_delta") if k in record})
         self._publish_status()
         if self.on_round is not None:
             self.on_round(record, list(new.history))
+
+
+def _attempt_tag(announce_id: str) -> int:
+    """The 32-bit tag of a round attempt: the high half of its secure chunks' message ids
+    (the client derives the same from the announcement id)."""
+    return int.from_bytes(hashlib.sha256(announce_id.encode()).digest()[:4], "big")
+
+
+def _secure_record(server) -> dict:
+    """The round record's `secure` field, as in process (edgefl.sim.secure)."""
+    return {"survivors": server.total.count, "dropped": list(server.dropped),
+            "ring_bits": server.setup.ring_bits, "levels": server.setup.levels,
+            "threshold": server.setup.threshold}

@@ -29,6 +29,7 @@ and dropped, and the client keeps running.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -44,6 +45,10 @@ from ..config import check_number
 from ..errors import KernelError, NonFiniteError
 from ..infer import ModelFileError
 from ..models import build_model
+from ..privacy import NO_HOOKS, secagg
+from ..privacy.dp import DPHooks
+from ..privacy.hooks import task_generator
+from ..rounds import client_contribution
 from ..service.layered import check_setting, default
 from ..strategies import LocalData, StrategyError, get_strategy
 from ..transport import wire
@@ -233,6 +238,13 @@ class Client:
         self.ready = threading.Event()          # set once connected and subscribed
         self._connects = 0                      # `connected` events handled
         self.onnx: OnnxReceiver | None = None   # the exported model (created on first use)
+        # secure aggregation: the contribution of the round trained last (kept in memory only:
+        # the round may be attempted again with fresh keys), and the attempt in progress
+        self._secure_held = None                # (run, round, task seed, Contribution)
+        self._secure: secagg.SecAggClient | None = None
+        self._secure_tag = 0                    # the attempt's tag (its chunks' id prefix)
+        self._secure_seq = 0
+        self._secure_in = secagg.ChunkAssembler(64 << 20)
 
     # ------------------------------------------------------------------ public
     @property
@@ -306,6 +318,7 @@ class Client:
         # the latest exported ONNX model, retained: its manifest and its parts
         t.subscribe(self.topics.onnx(), qos=1)
         t.subscribe(parts_filter(self.topics), qos=1)
+        t.subscribe(self.topics.secure_to(self.node), qos=1)
         self._publish_status()
 
     def _close(self) -> None:
@@ -353,6 +366,8 @@ class Client:
             self._on_announcement(item.payload)
         elif kind == "model" or (kind == "client_model" and node == self.node):
             self._on_model(kind, item.payload)
+        elif kind == "secure_to" and node == self.node:
+            self._on_secure(item.payload)
         else:
             self._reject(f"message on {item.topic}, which this client did not subscribe to")
 
@@ -486,6 +501,9 @@ class Client:
                       r, self.progress.trained)
             return
         if r == self.progress.trained:
+            if doc.get("secure") is not None:
+                self._secure_attempt(doc, r)
+                return
             if entry["upload"] and self.progress.upload is not None \
                     and self._answered != doc["announce"]:
                 self._upload(self.progress.upload)
@@ -618,7 +636,19 @@ class Client:
             return
         update, new_state = job.result
         frame = None
-        if job.task.upload:
+        secure = doc.get("secure") is not None and job.task.upload
+        if secure:
+            try:
+                hooks = NO_HOOKS if doc.get("dp") is None else \
+                    DPHooks.from_client_settings(doc["dp"])
+                contribution = client_contribution(self._strategy, job.task, update, hooks,
+                                                   task_generator(job.task))
+            except (StrategyError, ValueError) as exc:
+                log.error("%s: round %d: no contribution to the secure sum: %s", self.node, r,
+                          exc)
+                return
+            self._secure_held = (doc["run"], r, int(job.task.train["seed"]), contribution)
+        elif job.task.upload:
             if not update.buffers:
                 log.error("%s: round %d: the strategy produced no buffers to upload", self.node,
                           r)
@@ -638,6 +668,8 @@ class Client:
         if frame is not None:
             self._upload(frame)
             self._answered = doc["announce"]
+        if secure:
+            self._secure_attempt(doc, r)
         # the frame itself is stored while the upload goes out (kept for re-sending)
         self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
                                         name=f"edgefl-save-{self.node}", daemon=True)
@@ -668,3 +700,66 @@ class Client:
         except TransportError as exc:
             log.error("%s: upload failed: %s; it is re-sent when the round is announced "
                       "again", self.node, exc)
+
+    # ------------------------------------------------------------------ secure aggregation
+    def _secure_attempt(self, doc: dict, r: int) -> None:
+        """Start the secure protocol for the attempt `doc` announces, with the contribution of
+        round r held in memory: fresh keys, then our advertisement (docs/protocol.md section 10).
+        Without it (the process restarted since training) we cannot take part: a dropout."""
+        held = self._secure_held
+        if held is None or held[0] != doc["run"] or held[1] != r:
+            log.warning("%s: round %d's contribution is not held (restarted since training): "
+                        "this client sits the secure round out", self.node, r)
+            return
+        tag = _attempt_tag(doc["announce"])
+        if self._secure is not None and self._secure_tag == tag:
+            return                                   # this attempt is under way already
+        try:
+            setup = secagg.RoundSetup.from_dict(doc["secure"])
+            self._secure = secagg.SecAggClient(int(doc["tasks"][self.node]["client"]), setup)
+        except (secagg.SecAggError, KeyError, TypeError, ValueError) as exc:
+            self._reject(f"secure aggregation setup of round {r}: {exc}")
+            return
+        self._secure_tag, self._secure_seq = tag, 0
+        self._secure_in.clear()
+        self._send_secure(self._secure.advertise())
+
+
+    def _send_secure(self, msg) -> None:
+        self._secure_seq += 1
+        topic = self.topics.secure(self.node)
+        try:
+            for chunk in secagg.to_chunks(msg, self.settings.max_payload,
+                                          (self._secure_tag << 32) | self._secure_seq):
+                self.transport.publish(topic, chunk, qos=1)
+        except TransportError as exc:
+            log.error("%s: secure aggregation message not sent: %s", self.node, exc)
+
+
+    def _on_secure(self, payload: bytes) -> None:
+        """A message of the aggregator's for the secure attempt under way: answer it."""
+        sa = self._secure
+        if sa is None or len(payload) < 12 or int.from_bytes(payload[4:8], "big") != self._secure_tag:
+            return                                   # no attempt under way, or an earlier one's
+        try:
+            msg = self._secure_in.add("aggregator", payload)
+            if msg is None:
+                return
+            if isinstance(msg, secagg.KeysBroadcast):
+                self._send_secure(sa.share_keys(msg))
+            elif isinstance(msg, secagg.SharesForward):
+                _, _, seed, contribution = self._secure_held
+                self._send_secure(sa.masked_input(msg, contribution, seed))
+            elif isinstance(msg, secagg.UnmaskRequest):
+                self._send_secure(sa.unmask(msg))
+                self._secure = None                  # one answer an attempt: done
+            else:
+                raise secagg.SecAggError(f"a {msg.kind} message is not for a client")
+        except (secagg.SecAggError, ValueError) as exc:
+            self._reject(f"secure aggregation message: {exc}")
+
+
+def _attempt_tag(announce_id: str) -> int:
+    """The 32-bit tag of a round attempt (its announcement id): the high half of every
+    secure chunk's message id, so messages of an earlier attempt are told apart."""
+    return int.from_bytes(hashlib.sha256(announce_id.encode()).digest()[:4], "big")

@@ -16,7 +16,7 @@ from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import RunResult, prepare_run
 from ..strategies import get_strategy
-from .aggregator import Aggregator, RunPlan, default_client_ids
+from .aggregator import Aggregator, RunPlan, default_client_ids, secure_plan
 from .state import AggregatorCheckpoint
 
 log = logging.getLogger("edgefl.roles.runner")
@@ -47,14 +47,17 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     if ckpt is not None:      # the strategy as the run used it (DUW's table is not retrained)
         strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False, stream=stream,
-                      strategy=strategy)
+                      strategy=strategy, privacy_rounds=("dp", "secure_aggregation"))
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
                           f"{len(run.setup.clients)} but {len(ids)} client ids were given")
     plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
                    config.clients_per_round, ids, test=(run.dataset.x_test, run.dataset.y_test),
-                   eval_every=config.eval_every, description=config.to_dict())
+                   eval_every=config.eval_every, description=config.to_dict(),
+                   hooks=run.hooks, **secure_plan(run))
+    if ckpt is not None and hasattr(run.hooks, "resume"):   # an adaptive clip goes on
+        run.hooks.resume(ckpt.history)
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
 
@@ -79,7 +82,7 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     result = aggregator.run()
     if not result.finished:
         return None
-    run_result = RunResult(result.state, {}, result.history, result.params)
+    run_result = RunResult(result.state, {}, result.history, result.params, result.stopped)
     summary = run_summary(config, run.model, run_result, workers or 1)
     summary["transport"] = {"name": "mqtt", "federation": settings.federation,
                             "run_id": result.run_id, "aggregated_rounds": result.aggregated}

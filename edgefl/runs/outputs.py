@@ -29,8 +29,8 @@ from ..strategies import Strategy
 
 log = logging.getLogger("edgefl.runs.outputs")
 
-__all__ = ["RoundExporter", "absolute_dataset_paths", "export_final_onnx", "plot_curves",
-           "run_summary", "write_outputs"]
+__all__ = ["RoundExporter", "absolute_dataset_paths", "dp_summary", "export_final_onnx",
+           "plot_curves", "run_summary", "write_outputs"]
 
 
 def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strategy,
@@ -77,7 +77,31 @@ def run_summary(config: RunConfig, model: Model, result, workers: int) -> dict:
         "backend": kernels.backend,
         "edgefl_version": __version__,
         "config": config.to_dict(),
+        **({"stopped": result.stopped} if getattr(result, "stopped", None) else {}),
+        **({"privacy": privacy} if (privacy := dp_summary(config, result)) else {}),
     }
+
+
+def dp_summary(config: RunConfig, result) -> dict | None:
+    """summary.json's account of a DP run: the final (epsilon, delta), how it was accounted,
+    the clip (its history when it adapts), and why the run stopped early if it did."""
+    dp = config.privacy.dp if config.privacy is not None else None
+    if dp is None:
+        return None
+    from ..privacy.accountant import PrivacyAccountant
+    records = [h for h in result.history if "dp_epsilon" in h]
+    accountant = PrivacyAccountant(dp, config.clients, config.clients_per_round)
+    out = {"epsilon": records[-1]["dp_epsilon"] if records else 0.0, "delta": dp.delta,
+           "mode": dp.mode, "target_epsilon": dp.target_epsilon,
+           "rounds_accounted": len(records), **accountant.description,
+           "clip": dp.clip, "reproducible_noise": dp.reproducible}
+    if dp.adaptive_clip is not None:
+        out["clip_history"] = [h["dp_clip"] for h in records]
+        if records:
+            out["clip"] = records[-1]["dp_next_clip"]
+    if getattr(result, "stopped", None):
+        out["stopped"] = result.stopped
+    return out
 
 
 def absolute_dataset_paths(dataset_section, config_path) -> dict:

@@ -19,11 +19,12 @@ from ..checkpoint import model_sha256
 from ..config import dataset_from_config, partition_from_config
 from ..errors import ConfigError, KernelError
 from ..models import Model, build_model
+from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run"]
+           "prepare_run", "privacy_hooks", "refuse_privacy"]
 
 
 @dataclass
@@ -33,6 +34,7 @@ class RunResult:
     client_states: dict               # {client: State | None}
     history: list = field(default_factory=list)   # one metrics dict per round
     params: np.ndarray | None = None  # strategy.global_model(state)
+    stopped: str | None = None        # why the run ended before its last round (privacy budget)
 
     @property
     def model_sha256(self) -> str:
@@ -63,6 +65,7 @@ class PreparedRun:
     strategy: Strategy
     setup: Setup
     clients: dict
+    hooks: PrivacyHooks = NO_HOOKS    # DP's (edgefl.privacy.dp), when the config asks for it
 
 
 def build_run_model(config: RunConfig, dataset) -> Model:
@@ -76,16 +79,17 @@ def build_run_model(config: RunConfig, dataset) -> Model:
 def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
                 progress: bool | None = None, stream=None,
                 strategy: Strategy | None = None,
-                out_files: Mapping[str, str] | None = None) -> PreparedRun:
+                out_files: Mapping[str, str] | None = None,
+                privacy_rounds: tuple = ()) -> PreparedRun:
     """Load the dataset, partition it, build the model and its seeded initial buffer, and
     the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
-    What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out)."""
-    if config.privacy is not None:
-        # the section is read and checked (edgefl.runconfig); the rounds that honour it are
-        # being built, and a run must never pretend to be private
-        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation and DP "
-                          f"are not available in this version yet")
+    What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out).
+    privacy_rounds: the parts of the `privacy:` section the caller's rounds honour
+    ("secure_aggregation", "dp"); a config asking for another is refused (`refuse_privacy`).
+    With privacy.dp the run's DP hooks are built here (`privacy_hooks`)."""
+    refuse_privacy(config, privacy_rounds)
+    hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     model = build_run_model(config, dataset)
@@ -104,21 +108,74 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
             out_files=dict(out_files or {}), workers=workers,
             stream=None if progress is False else (stream or sys.stderr))
         strategy = strategy.prepare(init_params, clients, setup, context)
+    check_secure_ring(config, strategy, clients)
     if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
         from ..attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
         strategy = with_attack(strategy, config.attack, setup.clients)
-    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients)
+    return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients,
+                       hooks)
+
+
+def privacy_hooks(config: RunConfig) -> PrivacyHooks:
+    """The run's DP hooks (edgefl.privacy.dp.DPHooks), or NO_HOOKS without privacy.dp. Errors
+    name the config and the key: dp-accounting missing, a count noise too small for the
+    noise split, a target epsilon that even one round would pass."""
+    dp = config.privacy.dp if config.privacy is not None else None
+    if dp is None:
+        return NO_HOOKS
+    where = config.path or "<config>"
+    try:
+        from ..privacy.dp import DPHooks
+        hooks = DPHooks(dp, config.clients, config.clients_per_round, config.seed)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if dp.target_epsilon is not None and hooks.accountant.epsilon(1) > dp.target_epsilon:
+        raise ConfigError(f"{where}: privacy.dp.target_epsilon: {dp.target_epsilon:g} is "
+                          f"spent by the first round already (epsilon "
+                          f"{hooks.accountant.epsilon(1):.4g} at noise_multiplier "
+                          f"{dp.noise_multiplier:g}); raise the noise or the target")
+    return hooks
+
+
+def check_secure_ring(config: RunConfig, strategy: Strategy, clients: Mapping) -> None:
+    """ConfigError naming privacy.secure_aggregation.ring_bits when a round of this run could
+    overflow the ring: clients_per_round contributions of weight up to the largest client's
+    (secagg.Quantiser.for_round states the bound), before round 1 rather than in it."""
+    settings = config.privacy.secure_aggregation if config.privacy is not None else None
+    if settings is None:
+        return
+    from ..privacy import secagg
+    weight = secagg.max_weight_of(strategy, {c: d.num_samples for c, d in clients.items()})
+    try:
+        secagg.Quantiser.for_round(settings.ring_bits, settings.clip_range,
+                                   config.clients_per_round, weight)
+    except secagg.SecAggError as exc:
+        raise ConfigError(f"{config.path or '<config>'}: privacy.secure_aggregation.ring_bits: "
+                          f"{exc}") from None
+
+
+def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
+    """ConfigError when the config's `privacy:` section asks for something the caller's rounds
+    do not honour: a run must never pretend to be private."""
+    privacy = config.privacy
+    if privacy is None:
+        return
+    where = config.path or "<config>"
+    if privacy.secure_aggregation is not None and "secure_aggregation" not in honoured:
+        raise ConfigError(f"{where}: privacy.secure_aggregation: this kind of run does not "
+                          f"run secure rounds")
+    if privacy.dp is not None and "dp" not in honoured:
+        raise ConfigError(f"{where}: privacy.dp: differential privacy is not available in this "
+                          f"version yet")
 
 
 def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
-    if config.privacy is not None:
-        # the section is read and checked (edgefl.runconfig); the rounds that honour it are
-        # being built, and a run must never pretend to be private
-        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation and DP "
-                          f"are not available in this version yet")
+    # a shard is data: the privacy a client takes part in comes with each round's
+    # announcement (secure aggregation's setup, DP's clip and noise share)
+    refuse_privacy(config, ("dp", "secure_aggregation"))
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

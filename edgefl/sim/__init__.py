@@ -6,6 +6,7 @@ process, for trying an algorithm or a config on one machine before a fleet runs 
     over_broker.py  run_over_broker: the same rounds through an MQTT broker with the real
                     roles as threads of this process (`--transport mqtt`)
     progress.py     the progress bar
+    secure.py       the secure rounds in process (real SecAgg+ between the in-process clients)
 
 `simulate` (here) runs either for a RunConfig: it prepares the run as `edgefl aggregator`
 does (edgefl.runs.prepare: data set, partition, model, strategy) and writes to an output
@@ -28,12 +29,14 @@ import sys
 from typing import Mapping
 
 from ..io import jsonable
+from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import prepare_run
 from .loop import run_federation
 from .over_broker import run_over_broker
 from .progress import Progress
+from .secure import in_process_secure_sum
 
 __all__ = ["TRANSPORTS", "simulate", "run_federation", "run_over_broker", "Progress"]
 
@@ -61,8 +64,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
+    # over a broker the central-DP aggregator clips what it receives, and under secure
+    # aggregation the boards clip and add their noise shares (roles.aggregator, roles.client)
+    honoured = ("secure_aggregation", "dp")
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
-                      stream=stream)
+                      stream=stream, privacy_rounds=honoured)
     dataset, model, strategy = run.dataset, run.model, run.strategy
     init_params, clients, setup = run.init_params, run.clients, run.setup
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
@@ -89,7 +95,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
                                     config.clients_per_round,
                                     test=(dataset.x_test, dataset.y_test),
                                     eval_every=config.eval_every, workers=workers,
-                                    on_round=on_round, on_model=exporter)
+                                    on_round=on_round, on_model=exporter,
+                                    **_privacy_rounds(config, run.hooks))
         else:
             result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
                                                   workers=workers, on_round=on_round,
@@ -100,6 +107,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
             metrics_file.close()
 
     summary = run_summary(config, model, result, workers)
+    if result.stopped is not None:
+        summary["stopped"] = result.stopped
     if broker_info is not None:
         summary["transport"] = broker_info
     if exporter is not None and exporter.exported:
@@ -110,3 +119,18 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
                       onnx_exported=exporter.last_round == config.rounds,
                       export=exporter.policy)
     return summary
+
+
+def _privacy_rounds(config: RunConfig, hooks: PrivacyHooks) -> dict:
+    """run_federation's keyword arguments for the config's `privacy:` section: summing
+    rounds, DP's hooks (the run's, from prepare_run), and the secure sum when secure
+    aggregation is asked for."""
+    privacy = config.privacy
+    if privacy is None:
+        return {}
+    out: dict = {"summing": True, "hooks": hooks}
+    if privacy.secure_aggregation is not None:
+        run_id = f"{os.path.basename(config.path or 'run')}:{config.seed}"
+        out["secure_sum"] = in_process_secure_sum(privacy.secure_aggregation, run_id,
+                                                  config.seed)
+    return out

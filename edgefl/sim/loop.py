@@ -21,7 +21,9 @@ from typing import Callable, Mapping
 import numpy as np
 
 from ..errors import NonFiniteError
-from ..rounds import RoundEngine, add_evaluation
+from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks
+from ..privacy.hooks import task_generator
+from ..rounds import RoundEngine, add_evaluation, client_contribution
 from ..runs.prepare import RunResult
 from ..strategies import LocalData, Setup, Strategy
 
@@ -32,7 +34,9 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                    setup: Setup, clients_per_round: int, *, rounds: int | None = None,
                    test: tuple | None = None, eval_every: int = 1, workers: int | None = None,
                    on_round: Callable[[dict], None] | None = None,
-                   on_model: Callable[[int, np.ndarray], None] | None = None) -> RunResult:
+                   on_model: Callable[[int, np.ndarray], None] | None = None,
+                   summing: bool = False, hooks: PrivacyHooks = NO_HOOKS,
+                   secure_sum: Callable | None = None) -> RunResult:
     """Run `rounds` (default setup.rounds) rounds of `strategy` over in-memory `clients`.
 
     The rounds are the round engine's (edgefl.rounds): each selects `clients_per_round` of
@@ -44,6 +48,15 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     evaluation overlaps the next round's training, so its record comes then; records still
     come in round order), `on_model(round, global model)` its model as soon as it is
     aggregated (the periodic ONNX export).
+
+    summing: the rounds sum (edgefl.privacy's docstring): each client turns its update into
+    a contribution (`rounds.client_contribution`, DP's `hooks.client_delta` with a Generator
+    seeded from its task's seed, so a simulation is reproducible -- a board draws its own),
+    and the round closes from their sum: `secure_sum(engine, plan, contributions)` ->
+    (SumTotal, UploadTotals, extras) when given (secure aggregation), else the clear sum.
+    `hooks.before_round` (before a round opens) or `hooks.server_sum` raising
+    privacy.BudgetExhausted ends the run after the round before;
+    the result's `stopped` says why.
     """
     rounds = setup.rounds if rounds is None else rounds
     missing = sorted(set(setup.clients) - set(clients))
@@ -70,6 +83,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     # ends. The last round is evaluated at once. The model is the read-only State buffer of
     # round r, so the result is the same either way.
     pending = None                  # the ClosedRound whose evaluation is deferred
+    stopped = None                  # why the run ended early (privacy budget), if it did
 
     def finish(record) -> None:
         history.append(record)
@@ -78,6 +92,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
 
     try:
         for r in range(1, rounds + 1):
+            try:
+                hooks.before_round(r)      # a spent DP budget ends the run before training
+            except BudgetExhausted as exc:
+                stopped = f"round {r}: {exc}"
+                break
             plan = engine.open_round(r, state)
             tasks = plan.tasks
             order = sorted(tasks)
@@ -87,7 +106,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 if c is _EVALUATE:
                     return engine.evaluate(evaluating.model)
                 try:
-                    return strategy.train(tasks[c], clients[c], client_states[c])
+                    update, new_state = strategy.train(tasks[c], clients[c], client_states[c])
+                    if summing and tasks[c].upload:
+                        return update, new_state, client_contribution(
+                            strategy, tasks[c], update, hooks, task_generator(tasks[c]))
+                    return update, new_state, None
                 except NonFiniteError as exc:
                     raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc
 
@@ -100,14 +123,28 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 add_evaluation(evaluating.record, results[0])
                 finish(evaluating.record)
                 results = results[1:]
-            updates = {}
-            for c, (update, new_state) in zip(order, results):
+            updates, contributions = {}, {}
+            for c, (update, new_state, contribution) in zip(order, results):
                 client_states[c] = new_state
                 if engine.accept_upload(plan, c, update):
                     updates[c] = update
-            closed = engine.close_round(plan, updates, state, train_wall_s=train_wall,
-                                        elapsed_before=plan.started - started,
-                                        defer_evaluation=pool is not None and r != rounds)
+                    contributions[c] = contribution
+            timing = dict(train_wall_s=train_wall, elapsed_before=plan.started - started,
+                          defer_evaluation=pool is not None and r != rounds)
+            try:
+                if not summing:
+                    closed = engine.close_round(plan, updates, state, **timing)
+                elif secure_sum is None:
+                    closed = engine.close_round_clear_sum(plan, contributions, state,
+                                                          hooks=hooks, **timing)
+                else:
+                    total, totals, extras = secure_sum(engine, plan, contributions)
+                    closed = engine.close_round_from_sum(plan, total, totals, state,
+                                                         hooks=hooks, extras=lambda: extras,
+                                                         **timing)
+            except BudgetExhausted as exc:
+                stopped = f"round {r}: {exc}"
+                break
             state = closed.state
             if closed.evaluation_pending:
                 pending = closed
@@ -115,10 +152,13 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 finish(closed.record)
             if on_model is not None:
                 on_model(r, closed.model)
+        if pending is not None:      # the run stopped early with a deferred evaluation
+            add_evaluation(pending.record, engine.evaluate(pending.model))
+            finish(pending.record)
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
-    return RunResult(state, client_states, history, strategy.global_model(state))
+    return RunResult(state, client_states, history, strategy.global_model(state), stopped)
 
 
 _EVALUATE = object()      # the work item of run_federation's deferred evaluation

@@ -34,6 +34,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
 
     from ..roles import (Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan,
                         default_client_ids)
+    from ..roles.aggregator import secure_plan
     from ..transport.broker import EmbeddedBroker, packet_bytes_for
     from ..transport.mqtt import MqttTransport, parse_broker_url
     from ..transport.netloop import NetworkLoop
@@ -97,7 +98,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
                        config.clients_per_round, ids,
                        test=(run.dataset.x_test, run.dataset.y_test),
-                       eval_every=config.eval_every, description=config.to_dict())
+                       eval_every=config.eval_every, description=config.to_dict(),
+                       hooks=run.hooks, **secure_plan(run))
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
                                       max_payload=max_payload, compression=compression)
         def after_round(record, history):
@@ -133,4 +135,5 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             "run_id": result.run_id, "late": result.stats["late"],
             "duplicates": result.stats["duplicates"], "rejected": result.stats["rejected"],
             "resends": result.stats["resends"]}
-    return RunResult(result.state, client_states, result.history, result.params), info
+    return RunResult(result.state, client_states, result.history, result.params,
+                     result.stopped), info

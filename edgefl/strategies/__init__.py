@@ -28,21 +28,25 @@ The package's own machinery lives in modules whose names start with "_", which d
 never takes for algorithms: `_types` (the values above and StrategyError), `_base` (the
 Strategy base class), `_registry` (register, discovery, look-up by name), `_checks`
 (parameter checks), `_seeds` (client seeds and selection), `_aggregation` (weights and
-averages) and `_local` (the client's local round). Everything is imported from here.
+averages, and the deltas and mean deltas of a server step from a sum) and `_local` (the client's local round). Everything is imported from here.
 """
 from __future__ import annotations
 
-from ._aggregation import (WEIGHTINGS, aggregation_weights, average_updates, exact_weights,
-                           mean_train_loss, weighted_average)
+from ._aggregation import (WEIGHTINGS, aggregation_weights, apply_mean_delta, average_updates,
+                           client_weight, contribution_of, exact_weights, mean_delta,
+                           mean_train_loss, update_delta, weighted_average)
 from ._base import Strategy, extension_field
 from ._checks import check_choice, check_number
 from ._local import local_round
 from ._registry import get_strategy, register, strategy_names, strategy_params
 from ._seeds import client_seed, select_clients
-from ._types import LocalData, PrepareContext, Setup, State, StrategyError, Task, Update
+from ._types import (Contribution, LocalData, PrepareContext, Setup, State, StrategyError, SumTotal,
+                     Task, Update)
 
 __all__ = ["StrategyError", "Setup", "Task", "Update", "State", "LocalData", "PrepareContext",
            "Strategy", "register", "get_strategy", "strategy_names", "strategy_params",
            "client_seed", "select_clients", "exact_weights", "aggregation_weights",
            "weighted_average", "average_updates", "mean_train_loss", "local_round",
-           "check_choice", "check_number", "WEIGHTINGS", "extension_field"]
+           "check_choice", "check_number", "WEIGHTINGS", "extension_field", "Contribution",
+           "SumTotal", "client_weight", "update_delta", "contribution_of", "mean_delta",
+           "apply_mean_delta"]

@@ -1,6 +1,7 @@
 """Aggregation math, free functions over flat buffers: the weights of a round's updates
 (exact ratios, rounded once), their float64 weighted average in sorted client order, and
-the mean training loss."""
+the mean training loss; and the two halves of a server step from a sum (secure aggregation,
+DP): a client's delta and weight, and the mean delta applied to the server's buffers."""
 from __future__ import annotations
 
 from fractions import Fraction
@@ -9,7 +10,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .. import kernels
-from ._types import StrategyError, Update
+from ._types import Contribution, StrategyError, SumTotal, Task, Update
 
 WEIGHTINGS = ("samples", "uniform")
 
@@ -78,3 +79,60 @@ def mean_train_loss(updates: Mapping[int, Update]) -> float:
     if not steps:
         return float("nan")
     return sum(u.train_loss * u.steps for _, u in sorted(updates.items())) / steps
+
+
+# --------------------------------------------------------------------------- sums
+def client_weight(update: Update, weighting: str) -> int:
+    """The whole-number weight a contribution carries: |D_i| (samples) or 1 (uniform); the
+    server divides by their sum, so this is `exact_weights` without the common denominator."""
+    if weighting == "uniform":
+        return 1
+    if weighting != "samples":
+        raise StrategyError(f"weighting {weighting!r}; valid: {', '.join(WEIGHTINGS)}")
+    return update.num_samples
+
+
+def update_delta(task: Task, update: Update, names: Sequence[str]) -> np.ndarray:
+    """The deltas update.buffers[name] - task.buffers[name], end to end in `names` order
+    (float32, one rounding each): what a contribution's vector is made of."""
+    missing = [n for n in names if n not in update.buffers or n not in task.buffers]
+    if missing:
+        raise StrategyError(f"contribution: buffer(s) {missing} missing from the update "
+                            f"(has {sorted(update.buffers)}) or the task (has {sorted(task.buffers)})")
+    parts = [np.subtract(update.buffers[n], task.buffers[n]) for n in names]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def contribution_of(task: Task, update: Update, names: Sequence[str], weighting: str,
+                    **scalars) -> Contribution:
+    """The usual contribution: the deltas of buffers `names`, weighted by `weighting`."""
+    if not task.upload:
+        raise StrategyError(f"contribution: round {task.round}'s task allows no upload")
+    return Contribution(update_delta(task, update, names), client_weight(update, weighting),
+                        scalars)
+
+
+def mean_delta(total: SumTotal, size: int) -> np.ndarray:
+    """sum_i w_i delta_i / sum_i w_i in float64, checked against the expected `size`."""
+    if total.vector.size != size:
+        raise StrategyError(f"aggregate_sum: the sum has {total.vector.size} values, the "
+                            f"server's buffers {size}")
+    if not total.weight > 0:
+        raise StrategyError(f"aggregate_sum: total weight {total.weight} cannot weight an "
+                            f"average (no contribution, or all of weight 0)")
+    return total.vector.astype(np.float64) / total.weight
+
+
+def apply_mean_delta(buffers: Mapping[str, np.ndarray], names: Sequence[str],
+                     total: SumTotal, factor: float = 1.0) -> dict:
+    """{name: buffer + factor * (its part of the mean delta)}, in float64 rounded once to
+    float32: the server step of FedAvg (factor 1) and, with its tau_eff, FedNova."""
+    sizes = [buffers[n].size for n in names]
+    mean = mean_delta(total, sum(sizes))
+    if factor != 1.0:
+        mean *= factor
+    out, at = {}, 0
+    for name, size in zip(names, sizes):
+        out[name] = (buffers[name].astype(np.float64) + mean[at:at + size]).astype(np.float32)
+        at += size
+    return out

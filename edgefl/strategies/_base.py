@@ -10,7 +10,8 @@ import numpy as np
 
 from .. import kernels
 from ._seeds import _round_base, _seed_of
-from ._types import LocalData, PrepareContext, Setup, State, Task, Update, _copy
+from ._types import (Contribution, LocalData, PrepareContext, Setup, State, StrategyError,
+                     SumTotal, Task, Update, _copy)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,14 @@ class Strategy:
         """(new state, metrics) from the uploads of round `round`."""
         raise NotImplementedError
 
+    def aggregate_sum(self, round: int, total: SumTotal, state: State):
+        """(new state, metrics) of round `round` from the sum of its contributions alone
+        (`contribution`, summed by the round engine in the clear or by secure aggregation):
+        the same server step as `aggregate`, equal to it up to float32 rounding. Only for
+        strategies with `secure_sum`."""
+        raise StrategyError(f"{self.name}: its server step needs each client's update, not "
+                            f"only their sum (secure_sum is False)")
+
     def global_model(self, state: State) -> np.ndarray:
         """The model to evaluate, export and checkpoint."""
         return state.buffers["params"]
@@ -66,6 +75,13 @@ class Strategy:
         """(Update, new client state) for one local round. `client_state` is None the first
         time a client trains."""
         raise NotImplementedError
+
+    def contribution(self, task: Task, update: Update) -> Contribution:
+        """What this client adds to the round's sum (`Contribution`): its update as a delta
+        from `task`'s buffers, its weight and scalars. Only for strategies with `secure_sum`;
+        the server side is `aggregate_sum`."""
+        raise StrategyError(f"{self.name}: its server step needs each client's update, not "
+                            f"only their sum (secure_sum is False)")
 
     # ---------------------------------------------------------------- helpers
     @staticmethod

@@ -5,6 +5,7 @@ and `PrepareContext` (what an offline phase is given). `Task`, `Update` and `Sta
 their buffers read-only on construction (the package's copy-on-write rule)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import types
@@ -176,6 +177,69 @@ class Update:
     def nbytes(self) -> int:
         """float32 bytes of the buffers this update sends up."""
         return sum(b.nbytes for b in self.buffers.values())
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What one client adds to a round's sum, for the strategies whose server step needs only
+    a weighted sum of the clients' updates (`Strategy.secure_sum`): secure aggregation masks
+    it, DP clips and noises it, and the server sees only the sum of the round's contributions
+    (`SumTotal`), never one of them.
+
+    vector:  flat float32, the client's update as a DELTA from the task's buffers (so a fixed
+             quantisation range means the same for every model), before its weight is folded
+             in; e.g. FedAvg's w_i - w, FedNova's (w_i - w) / ||a_i||_1, MFL's deltas of w
+             and d end to end. DP's client hook clips and noises this vector.
+    weight:  the strategy's weight of this client, a non-negative whole number (|D_i| for
+             `weighting: samples`, 1 for uniform): the sum is sum_i weight_i * vector_i, and
+             secure aggregation folds it in exactly, as an integer product in the ring.
+    scalars: named numbers summed as given, weights already folded in where the server step
+             needs them (FedNova's weight_i * ||a_i||_1); the round engine adds the two
+             the record needs (`rounds.LOSS_SCALARS`).
+    """
+    vector: np.ndarray
+    weight: int
+    scalars: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        vec = self.vector
+        if not isinstance(vec, np.ndarray) or vec.dtype != _F32 or vec.ndim != 1 \
+                or not vec.flags.c_contiguous:
+            got = f"{vec.dtype} {vec.shape}" if isinstance(vec, np.ndarray) else type(vec).__name__
+            raise StrategyError(f"contribution vector: need a flat contiguous float32 array, "
+                                f"got {got}")
+        if isinstance(self.weight, bool) or int(self.weight) != self.weight or self.weight < 0:
+            raise StrategyError(f"contribution weight {self.weight!r}: need a whole number >= 0 "
+                                f"(a sample count, or 1)")
+        object.__setattr__(self, "weight", int(self.weight))
+        object.__setattr__(self, "scalars", _frozen_mapping(
+            {str(k): float(v) for k, v in dict(self.scalars).items()}))
+
+
+@dataclass(frozen=True)
+class SumTotal:
+    """The sum of a round's contributions: all the server step of a `secure_sum` strategy
+    reads (`Strategy.aggregate_sum`). Secure aggregation hands it over unmasked and
+    dequantised, a DP-only round sums in the clear; DP's server hook may add noise to it.
+
+    vector:  float32, sum_i weight_i * vector_i over the contributing clients.
+    weight:  sum_i weight_i.
+    scalars: {name: sum_i scalar_i}.
+    count:   how many clients contributed (the survivors of a secure round).
+    """
+    vector: np.ndarray
+    weight: float
+    scalars: Mapping[str, float]
+    count: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "scalars", _frozen_mapping(self.scalars))
+        object.__setattr__(self, "weight", float(self.weight))
+        object.__setattr__(self, "count", int(self.count))
+
+    def replace(self, **changes) -> "SumTotal":
+        """A new SumTotal with some fields replaced (a DP hook's noisy vector, say)."""
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import (WEIGHTINGS, Strategy, Update, aggregation_weights, average_updates, check_choice,
-               extension_field, local_round, mean_train_loss, register)
+from . import (WEIGHTINGS, Strategy, StrategyError, Update, aggregation_weights,
+               apply_mean_delta, average_updates, check_choice, contribution_of, extension_field,
+               local_round, mean_train_loss, register)
 from .robust import aggregate_robustly, robust_params
 
 
@@ -47,8 +48,27 @@ class FedAvg(Strategy):
         metrics = {"train_loss": mean_train_loss(updates)}
         return state.replace({"params": params}, round=round), metrics
 
+    def contribution(self, task, update):
+        """n_i (or 1) times the model delta w_i - w."""
+        no_robust_sum(self)
+        return contribution_of(task, update, ("params",), self.weighting)
+
+    def aggregate_sum(self, round, total, state):
+        """w + sum_i n_i (w_i - w) / sum_i n_i: the average above, from the sum."""
+        no_robust_sum(self)
+        return state.replace(apply_mean_delta(state.buffers, ("params",), total),
+                             round=round), {}
+
     def train(self, task, local_data, client_state):
         params, _, result = local_round(local_data, task.buffers["params"], task.train)
         update = Update({"params": params} if task.upload else {}, local_data.num_samples,
                         result["mean_loss"], result["steps"])
         return update, client_state
+
+
+def no_robust_sum(strategy) -> None:
+    """Robust aggregation reads each update; a sum has none to read (the run config refuses
+    the pair already: this is the strategy's own guard)."""
+    if getattr(strategy, "robust", None) is not None:
+        raise StrategyError(f"{strategy.name}: robust aggregation ranks the individual updates, "
+                            f"which a sum hides")

@@ -34,7 +34,8 @@ from fractions import Fraction
 import numpy as np
 
 from . import (WEIGHTINGS, State, Strategy, StrategyError, check_choice, check_number,
-               exact_weights, mean_train_loss, register, weighted_average)
+               contribution_of, exact_weights, mean_delta, mean_train_loss, register,
+               weighted_average)
 from .fedavg import FedAvg
 
 
@@ -70,6 +71,20 @@ class FedAvgM(Strategy):
                                [eta * p for p in weights] + [1 - eta, -eta * beta])
         metrics = {"train_loss": mean_train_loss(updates)}
         return state.replace({"params": params, "velocity": velocity}, round=round), metrics
+
+    def contribution(self, task, update):
+        """FedAvg's: the weight times w_i - w."""
+        return contribution_of(task, update, ("params",), self.weighting)
+
+    def aggregate_sum(self, round, total, state: State):
+        """From the sum: Delta_t = -(mean delta); v_t = beta v + Delta_t;
+        w_{t+1} = w - eta v_t, in float64, each rounded once to float32."""
+        w, v = state.buffers["params"], state.buffers["velocity"]
+        delta = mean_delta(total, w.size)
+        velocity = self.beta * v.astype(np.float64) - delta
+        params = w.astype(np.float64) - self.eta * velocity
+        return state.replace({"params": params.astype(np.float32),
+                              "velocity": velocity.astype(np.float32)}, round=round), {}
 
     train = FedAvg.train          # the client half is FedAvg's, unchanged
 

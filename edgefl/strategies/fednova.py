@@ -36,8 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from . import (WEIGHTINGS, Strategy, StrategyError, Update, check_choice, exact_weights,
-               extension_field, local_round, mean_train_loss, register, weighted_average)
+import numpy as np
+
+from . import (WEIGHTINGS, Contribution, Strategy, StrategyError, Update, apply_mean_delta,
+               check_choice, client_weight, exact_weights, extension_field, local_round,
+               mean_delta, mean_train_loss, register, update_delta, weighted_average)
+from .fedavg import no_robust_sum
 from .robust import aggregate_robustly, robust_params
 
 
@@ -68,6 +72,8 @@ def nova_coefficients(weights, norms):
 @dataclass(frozen=True)
 class FedNova(Strategy):
     secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
+    dp_refusal = ("its server step scales by tau_eff, a sum of the clients' local step "
+                  "counts that DP's noise does not cover")
     weighting: str = "samples"
     robust: dict | None = extension_field()
 
@@ -97,6 +103,28 @@ class FedNova(Strategy):
         params = weighted_average(buffers, factors)
         metrics = {"train_loss": mean_train_loss(updates), "tau_eff": float(tau_eff)}
         return state.replace({"params": params}, round=round), metrics
+
+    def contribution(self, task, update):
+        """The weight p_i (n_i or 1) times the normalised delta (w_i - w) / ||a_i||_1, and
+        p_i ||a_i||_1 for tau_eff."""
+        no_robust_sum(self)
+        if not task.upload:
+            raise StrategyError(f"contribution: round {task.round}'s task allows no upload")
+        a_norm = update.scalars.get("a_norm")
+        if a_norm is None:
+            raise StrategyError("fednova: the update lacks the 'a_norm' scalar")
+        weight = client_weight(update, self.weighting)
+        delta = update_delta(task, update, ("params",))
+        normalised = (delta.astype(np.float64) / a_norm).astype(np.float32)
+        return Contribution(normalised, weight, {"weighted_a_norm": weight * float(a_norm)})
+
+    def aggregate_sum(self, round, total, state):
+        """w + tau_eff * sum_i p_i d_i / sum_i p_i, tau_eff = sum_i p_i ||a_i||_1 / sum_i p_i."""
+        no_robust_sum(self)
+        mean_delta(total, state.buffers["params"].size)       # checks size and weight
+        tau_eff = total.scalars["weighted_a_norm"] / total.weight
+        new = apply_mean_delta(state.buffers, ("params",), total, tau_eff)
+        return state.replace(new, round=round), {"tau_eff": float(tau_eff)}
 
     def train(self, task, local_data, client_state):
         params, _, result = local_round(local_data, task.buffers["params"], task.train)

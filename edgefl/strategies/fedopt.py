@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import (WEIGHTINGS, State, Strategy, StrategyError, aggregation_weights, check_choice,
-               check_number, mean_train_loss, register, weighted_average)
+               check_number, contribution_of, mean_delta, mean_train_loss, register,
+               weighted_average)
 from .fedavg import FedAvg
 
 
@@ -79,12 +80,26 @@ class _FedOpt(Strategy):
         # Delta_t = sum p_i x_i - x_t: the weights sum to 1, so this is sum p_i (x_i - x_t)
         delta = weighted_average([updates[c].buffers["params"] for c in clients] + [x],
                                  list(weights) + [-1.0]).astype(np.float64)
+        state, metrics = self._step(round, delta, state)
+        metrics = {"train_loss": mean_train_loss(updates), **metrics}
+        return state, metrics
+
+    def contribution(self, task, update):
+        """FedAvg's: the weight times x_i - x."""
+        return contribution_of(task, update, ("params",), self.weighting)
+
+    def aggregate_sum(self, round, total, state: State):
+        """The optimiser step with Delta_t the sum's weighted mean delta."""
+        return self._step(round, mean_delta(total, state.buffers["params"].size), state)
+
+    def _step(self, round, delta: np.ndarray, state: State):
+        """(new state, metrics) of the adaptive step with pseudo-gradient `delta` (float64)."""
+        x = state.buffers["params"]
         m = self.beta1 * state.buffers["m"].astype(np.float64) + (1 - self.beta1) * delta
         v = self.second_moment(state.buffers["v"].astype(np.float64), delta * delta)
         step = self.eta * m / (np.sqrt(v) + self.tau)
         params = (x.astype(np.float64) + step).astype(np.float32)
-        metrics = {"train_loss": mean_train_loss(updates),
-                   "server_step_norm": float(np.linalg.norm(step))}
+        metrics = {"server_step_norm": float(np.linalg.norm(step))}
         return state.replace({"params": params, "m": m.astype(np.float32),
                               "v": v.astype(np.float32)}, round=round), metrics
 

@@ -43,7 +43,8 @@ import numpy as np
 
 from .. import kernels
 from . import (WEIGHTINGS, State, Strategy, StrategyError, Task, Update, aggregation_weights,
-               average_updates, check_choice, check_number, local_round, mean_train_loss, register)
+               apply_mean_delta, average_updates, check_choice, check_number, contribution_of,
+               local_round, mean_train_loss, register)
 
 
 @register("fedumf")
@@ -80,6 +81,17 @@ class FedUmf(Strategy):
                    "fused": [c for c in clients if updates[c].scalars.get("fused")]}
         return state.replace({"params": params}, round=round), metrics
 
+    def contribution(self, task, update):
+        """The weight (1, or n_i) times theta_i - theta; whether it fused, as a count."""
+        return contribution_of(task, update, ("params",), self.weighting,
+                               fused=1.0 if update.scalars.get("fused") else 0.0)
+
+    def aggregate_sum(self, round, total, state):
+        """Step 8 from the sum. "fused" is the number of clients that fused (which ones is
+        what the sum hides)."""
+        new = apply_mean_delta(state.buffers, ("params",), total)
+        return state.replace(new, round=round), {"fused": round_count(total.scalars.get("fused", 0))}
+
     def train(self, task, local_data, client_state):
         start = np.array(task.buffers["params"], copy=True)                 # step 3
         fused = self.fuses(task, client_state)
@@ -103,3 +115,9 @@ class FedUmf(Strategy):
         return bool(task.upload and client_state is not None
                     and client_state.meta.get("round") == task.round - 1
                     and not client_state.meta.get("authorized", True))
+
+
+def round_count(value: float) -> int:
+    """A count summed through secure aggregation's fixed point comes back within its
+    resolution of a whole number."""
+    return int(round(float(value)))

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, aggregation_weights,
-               average_updates, check_choice, check_number, extension_field, local_round,
-               mean_train_loss, register)
+               apply_mean_delta, average_updates, check_choice, check_number, contribution_of,
+               extension_field, local_round, mean_train_loss, register)
+from .fedavg import no_robust_sum
 from .robust import aggregate_robustly, robust_params
 
 
@@ -89,6 +90,20 @@ class MFL(Strategy):
         if len(clients) < len(self.setup(state).clients):
             metrics["partial_participation"] = True
         return state.replace({"params": params, "momentum": momentum}, round=round), metrics
+
+    def contribution(self, task, update):
+        """n_i (or 1) times the deltas of w and of d, end to end."""
+        no_robust_sum(self)
+        return contribution_of(task, update, ("params", "momentum"), self.weighting)
+
+    def aggregate_sum(self, round, total, state):
+        """(8) and (9) from the sum: each buffer plus its weighted mean delta."""
+        no_robust_sum(self)
+        new = apply_mean_delta(state.buffers, ("params", "momentum"), total)
+        metrics = {}
+        if total.count < len(self.setup(state).clients):
+            metrics["partial_participation"] = True
+        return state.replace(new, round=round), metrics
 
     def train(self, task, local_data, client_state):
         params, momentum, result = local_round(local_data, task.buffers["params"], task.train,

@@ -31,7 +31,8 @@ class TopicSpec:
     pattern: str     # the levels after '<prefix>/<fed>/', '{node}' for the per-node level
     retained: bool   # published with the retain flag
     qos: int         # MQTT QoS of publishes and subscriptions
-    payload: str     # "json" or "frame" (binary, edgefl.transport.wire)
+    payload: str     # "json", "frame" (binary, edgefl.transport.wire) or "secagg"
+                     # (edgefl.privacy.secagg's messages, in chunks)
     meaning: str
 
     @property
@@ -63,6 +64,12 @@ TOPIC_TABLE = {spec.kind: spec for spec in (
               "replies to operator commands (the requester's own reply topic)"),
     TopicSpec("runs", "runs/{node}", True, 1, "json",
               "one run's record: state, rounds done, accuracy, outputs ({node}: the run id)"),
+    TopicSpec("secure", "secure/{node}", False, 1, "secagg",
+              "a client's secure aggregation messages to the aggregator (keys, shares, "
+              "masked input, unmask answer; docs/protocol.md section 10)"),
+    TopicSpec("secure_to", "secure_to/{node}", False, 1, "secagg",
+              "the aggregator's secure aggregation messages to one client (its neighbours' "
+              "keys, the shares addressed to it, the unmask request)"),
 )}
 
 # first level after <prefix>/<fed>/ -> (kind without a node level, kind with one)
@@ -172,6 +179,12 @@ class Topics:
 
     def run_record(self, run_id: str) -> str:
         return self.topic("runs", run_id)
+
+    def secure(self, client: str) -> str:
+        return self.topic("secure", client)
+
+    def secure_to(self, client: str) -> str:
+        return self.topic("secure_to", client)
 
     def subscription(self, kind: str) -> str:
         """The subscription filter for every topic of `kind` ('+' for the node level)."""

@@ -1,0 +1,365 @@
+"""DP-FedAvg in whole runs: epsilon after each round in metrics.jsonl and summary.json equal
+to the accountant's, budget mode ending the run before the round that would pass the
+target (outputs written, the reason stated), clipping bounding a client's effect on the
+round's sum through the engine, the adaptive clip moving in a run, the same model over a
+real Mosquitto as in process, and a DP run started through the aggregator service."""
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("dp_accounting")
+
+pytest_plugins = ["brokers"]
+
+from edgefl.cli.ctl import _event_text  # noqa: E402
+from edgefl.errors import ConfigError  # noqa: E402
+from edgefl.privacy import NO_HOOKS  # noqa: E402
+from edgefl.privacy.accountant import PrivacyAccountant  # noqa: E402
+from edgefl.privacy.dp import DPHooks  # noqa: E402
+from edgefl.privacy.hooks import task_generator  # noqa: E402
+from edgefl.privacy.settings import AdaptiveClip, DifferentialPrivacy  # noqa: E402
+from edgefl.rounds import RoundEngine, client_contribution  # noqa: E402
+from edgefl.runconfig import load_run_config, run_config_from_mapping  # noqa: E402
+from edgefl.runs.prepare import prepare_run  # noqa: E402
+from edgefl.sim import simulate  # noqa: E402
+from edgefl.strategies import Update  # noqa: E402
+
+
+def dp_config(*sets, rounds=6):
+    return load_run_config("quickstart", ["strategy.weighting=uniform", f"rounds={rounds}",
+                                          "privacy.dp.clip=1.0",
+                                          "privacy.dp.noise_multiplier=0.9",
+                                          "privacy.dp.reproducible=true", *sets])
+
+
+def lines(path):
+    return [json.loads(x) for x in open(path)]
+
+
+def test_epsilon_after_each_round_in_metrics_and_summary(tmp_path):
+    config = dp_config(rounds=5)
+    summary = simulate(config, tmp_path, workers=2, progress=False)
+    acc = PrivacyAccountant(config.privacy.dp, config.clients, config.clients_per_round)
+    records = lines(tmp_path / "metrics.jsonl")
+    assert [r["round"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert r["dp_epsilon"] == pytest.approx(acc.epsilon(r["round"]), rel=1e-12)
+        assert r["dp_delta"] == 1e-5 and r["dp_clip"] == 1.0
+        assert r["dp_noise_std"] == pytest.approx(0.9) and r["dp_participants"] == 5
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    p = summary["privacy"]
+    assert p["epsilon"] == pytest.approx(acc.epsilon(5)) and p["delta"] == 1e-5
+    assert p["accountant"] == "rdp" and p["mode"] == "central" and p["rounds_accounted"] == 5
+    assert p["sampling_rate"] == 0.5 and "poisson" in p["sampling"]
+    assert "stopped" not in summary
+    # reproducible noise: the same run again is the same model
+    again = simulate(config, None, workers=1, progress=False)
+    assert again["model_sha256"] == summary["model_sha256"]
+
+
+def test_noise_changes_the_model_and_fresh_noise_differs_each_run():
+    quiet = simulate(dp_config("privacy.dp.noise_multiplier=0.0"), None, progress=False)
+    noisy = simulate(dp_config(), None, progress=False)
+    assert quiet["model_sha256"] != noisy["model_sha256"]
+    assert quiet["privacy"]["epsilon"] == math.inf
+    fresh = [simulate(dp_config("privacy.dp.reproducible=false", rounds=2), None,
+                      progress=False)["model_sha256"] for _ in range(2)]
+    assert fresh[0] != fresh[1]
+
+
+def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path):
+    target = 11.0
+    config = dp_config(f"privacy.dp.target_epsilon={target}", rounds=20)
+    acc = PrivacyAccountant(config.privacy.dp, config.clients, config.clients_per_round)
+    last = acc.rounds_within(target, 20)
+    assert 1 < last < 20
+    summary = simulate(config, tmp_path, workers=2, progress=False)
+    records = lines(tmp_path / "metrics.jsonl")
+    assert len(records) == summary["rounds"] == last
+    assert records[-1]["dp_epsilon"] <= target < acc.epsilon(last + 1)
+    assert records[-1]["test_accuracy"] is not None        # the last round run is evaluated
+    assert summary["stopped"].startswith(f"round {last + 1}: privacy budget")
+    assert f"target_epsilon = {target:g}" in summary["stopped"]
+    assert summary["privacy"]["stopped"] == summary["stopped"]
+    assert summary["privacy"]["epsilon"] == pytest.approx(acc.epsilon(last))
+    for name in ("summary.json", "model.npz", "metrics.jsonl"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_a_target_the_first_round_passes_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"privacy.dp.target_epsilon: 0.5 is spent by the "
+                                          r"first round"):
+        prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False,
+                    privacy_rounds=("dp",))
+
+
+def test_a_huge_update_moves_the_sum_by_at_most_the_clip():
+    """Through the engine: the round's sum with one client's update blown up differs from
+    the sum without that client by at most C (noise off, so the difference is the clip)."""
+    config = dp_config("privacy.dp.noise_multiplier=0.0", "privacy.dp.clip=0.3")
+    run = prepare_run(config, progress=False, privacy_rounds=("dp",))
+    engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
+    state = run.strategy.init(run.init_params, run.setup)
+    plan = engine.open_round(1, state)
+    hooks = run.hooks
+    contributions = {}
+    for c, task in sorted(plan.tasks.items()):
+        update, _ = run.strategy.train(task, run.clients[c], None)
+        if c == plan.selected[0]:     # a client whose model ran away
+            huge = task.buffers["params"] + np.float32(1e3)
+            update = Update({"params": huge}, update.num_samples, update.train_loss,
+                            update.steps)
+        contributions[c] = client_contribution(run.strategy, task, update, hooks,
+                                               task_generator(task))
+    with_all = engine.sum_clear(contributions).vector.astype(np.float64)
+    rest = dict(contributions)
+    del rest[plan.selected[0]]
+    without = engine.sum_clear(rest).vector.astype(np.float64)
+    assert np.linalg.norm(with_all - without) <= 0.3 * (1 + 1e-6)
+    assert np.linalg.norm(with_all - without) == pytest.approx(0.3, rel=1e-4)
+
+
+def test_the_sum_is_divided_by_the_fixed_denominator():
+    """With dropouts the round moves the model by sum / m, m = clients_per_round."""
+    dp = DifferentialPrivacy(clip=1.0, noise_multiplier=0.0)
+    hooks = DPHooks(dp, 10, 5, seed=0)
+    from edgefl.strategies import SumTotal
+    total = SumTotal(np.ones(4, np.float32), 3.0, {}, 3)       # 3 of 5 came up
+    out = hooks.server_sum(total, 1)
+    assert out.weight == 5.0 and np.array_equal(out.vector, total.vector)
+
+
+def test_adaptive_clip_moves_in_a_run_and_is_reported(tmp_path):
+    # every quickstart delta is far above 0.01, so the clip must grow round after round
+    config = dp_config("privacy.dp.clip=0.01", "privacy.dp.adaptive_clip.lr=0.5",
+                       "privacy.dp.adaptive_clip.count_noise=0.5", rounds=6)
+    summary = simulate(config, tmp_path, progress=False)
+    history = summary["privacy"]["clip_history"]
+    assert history[0] == 0.01 and len(history) == 6
+    assert all(b > a for a, b in zip(history, history[1:])), history
+    assert summary["privacy"]["clip"] > history[-1]
+    records = lines(tmp_path / "metrics.jsonl")
+    assert [r["dp_clip"] for r in records] == history
+    assert all("dp_unclipped_fraction" in r for r in records)
+
+
+def test_dp_only_needs_no_hooks_without_the_section():
+    assert prepare_run(load_run_config("quickstart", ["rounds=1"]),
+                       progress=False).hooks is NO_HOOKS
+
+
+def test_missing_dp_accounting_fails_before_the_run(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)
+    with pytest.raises(ConfigError, match=r"pip install 'edgefl\[privacy\]'"):
+        prepare_run(dp_config(), progress=False, privacy_rounds=("dp",))
+
+
+def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
+    config = dp_config("privacy.dp.target_epsilon=11", rounds=20)
+    inproc = simulate(config, tmp_path / "inproc", workers=2, progress=False)
+    over = simulate(config, tmp_path / "mqtt", workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url)
+    assert over["transport"]["broker_kind"] == "external"
+    assert over["model_sha256"] == inproc["model_sha256"]
+    assert over["rounds"] == inproc["rounds"] < 20
+    assert over["privacy"]["epsilon"] == inproc["privacy"]["epsilon"]
+    assert "privacy budget" in over["stopped"]
+    eps = [r["dp_epsilon"] for r in lines(tmp_path / "mqtt" / "metrics.jsonl")]
+    assert eps == [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+
+
+def test_watch_prints_epsilon_of_a_closed_round():
+    text = _event_text({"event": "round_closed", "run": "r1", "round": 3, "closed_by": "all",
+                        "updates": 2, "test_accuracy": 0.5, "dp_epsilon": 2.345678,
+                        "dp_delta": 1e-5, "at": 0}, set())
+    assert text.endswith("r1 round 3 closed (all): 2 update(s), test accuracy 0.5000, "
+                         "epsilon 2.346 at delta 1e-05")
+
+
+def test_a_dp_run_through_the_aggregator_service(fleet):
+    """`ctl start` of a DP config: each round_closed event carries epsilon, the budget ends
+    the run as finished, and its summary.json says why."""
+    from test_orchestration import CLIENTS, run_config, wait_state
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    doc = run_config(rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
+                     privacy={"dp": {"clip": 1.0, "noise_multiplier": 2.0,
+                                     "target_epsilon": 8.0}})
+    config = run_config_from_mapping(doc)
+    acc = PrivacyAccountant(config.privacy.dp, 2, 2)
+    last = acc.rounds_within(8.0, 30)
+    assert 1 < last < 30
+    f.ok({"cmd": "start", "config": doc, "run": "dp"})
+    finished = f.events.wait("run_finished", timeout=120, run="dp")
+    assert finished["rounds"] == last and "privacy budget" in finished["stopped"]
+    closed = sorted(f.events.of("round_closed", run="dp"), key=lambda e: e["round"])
+    assert [e["round"] for e in closed] == list(range(1, last + 1))
+    for e in closed:
+        assert e["dp_epsilon"] == pytest.approx(acc.epsilon(e["round"]))
+    wait_state(f, "dp", "finished")
+    summary = json.loads((f.state_dir / "runs" / "dp" / "summary.json").read_text())
+    assert summary["rounds"] == last and summary["privacy"]["epsilon"] == \
+        pytest.approx(acc.epsilon(last))
+    assert "privacy budget" in summary["stopped"]
+
+
+@pytest.fixture
+def fleet(mosquitto_acl_server, tmp_path):
+    from test_orchestration import Fleet
+    made = []
+
+    def make(**options):
+        made.append(Fleet(mosquitto_acl_server, tmp_path, **options))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def test_every_client_every_round_is_accounted_without_sampling():
+    dp = DifferentialPrivacy(noise_multiplier=1.0)
+    assert PrivacyAccountant(dp, 4, 4).description["sampling"].startswith("none")
+    pld = PrivacyAccountant(replace(dp, accountant="pld"), 4, 4)
+    assert pld.description["accountant"] == "pld" and 0 < pld.epsilon(3) < math.inf
+
+
+# ---------------------------------------------------------------------------------------
+# distributed noise under secure aggregation
+# ---------------------------------------------------------------------------------------
+
+def secure_dp_config(*sets, rounds=3):
+    return load_run_config("quickstart", [
+        "strategy.weighting=uniform", f"rounds={rounds}",
+        "privacy.secure_aggregation.threshold=0.8", "privacy.dp.mode=distributed",
+        "privacy.dp.clip=0.5", "privacy.dp.noise_multiplier=1.5",
+        "privacy.dp.reproducible=true", *sets])
+
+
+def test_a_run_with_secure_aggregation_and_distributed_noise(tmp_path):
+    summary = simulate(secure_dp_config(), tmp_path, workers=2, progress=False)
+    records = lines(tmp_path / "metrics.jsonl")
+    assert len(records) == 3
+    for r in records:
+        assert r["secure"]["survivors"] == 5 and r["dp_noise_shortfall"] == 0
+        assert r["dp_epsilon"] > 0
+    assert summary["privacy"]["mode"] == "distributed"
+    assert summary["privacy"]["epsilon"] == records[-1]["dp_epsilon"]
+
+
+def test_the_unmasked_sum_carries_the_full_noise():
+    """Clients that did not move (delta 0) contribute only their noise shares; the secure
+    protocol's unmasked sum of the m shares has std z * C, and the aggregator adds nothing."""
+    from edgefl.sim.secure import in_process_secure_sum
+
+    config = secure_dp_config()
+    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp"))
+    engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
+    state = run.strategy.init(run.init_params, run.setup)
+    plan = engine.open_round(1, state)
+    contributions = {}
+    for c, task in sorted(plan.tasks.items()):
+        still = Update({"params": task.buffers["params"]}, run.clients[c].num_samples, 0.0, 1)
+        contributions[c] = client_contribution(run.strategy, task, still, run.hooks,
+                                               task_generator(task))
+        assert np.std(contributions[c].vector.astype(np.float64)) == \
+            pytest.approx(1.5 * 0.5 / np.sqrt(5), rel=0.06)
+    secure_sum = in_process_secure_sum(config.privacy.secure_aggregation, "dp-test",
+                                       config.seed)
+    total, _, extras = secure_sum(engine, plan, contributions)
+    assert extras["secure"]["survivors"] == 5
+    clear = engine.sum_clear(contributions).vector.astype(np.float64)
+    unmasked = total.vector.astype(np.float64)
+    assert np.abs(unmasked - clear).max() < 1e-3          # within the quantisation bound
+    # n = 4810 values: the sample std's own relative error is 1 %, so 5 % is five of those
+    assert np.std(unmasked) == pytest.approx(1.5 * 0.5, rel=0.05)
+    released = run.hooks.server_sum(total, 1)
+    assert np.array_equal(released.vector, total.vector)
+    assert run.hooks.round_metrics(1)["dp_noise_shortfall"] == 0
+
+
+def test_count_noise_too_small_is_named_before_the_run():
+    config = dp_config("privacy.dp.adaptive_clip.lr=0.2")   # m = 5: default sigma_b 0.25
+    with pytest.raises(ConfigError, match=r"quickstart.yaml: privacy.dp.adaptive_clip."
+                                          r"count_noise: 0.25 is too small for "
+                                          r"noise_multiplier 0.9"):
+        prepare_run(config, progress=False, privacy_rounds=("dp",))
+
+
+def test_a_resumed_aggregator_takes_the_adaptive_clip_up_from_its_records():
+    dp = DifferentialPrivacy(clip=1.0, noise_multiplier=0.0,
+                             adaptive_clip=AdaptiveClip(count_noise=1.0))
+    hooks = DPHooks(dp, 10, 5, seed=0)
+    hooks.resume([{"round": 1, "dp_clip": 1.0, "dp_next_clip": 0.8},
+                  {"round": 2, "dp_clip": 0.8, "dp_next_clip": 0.7}])
+    assert hooks.clip == 0.7
+    DPHooks(replace(dp, adaptive_clip=None), 10, 5, seed=0).resume([{"round": 1}])
+
+
+@pytest.mark.parametrize("mode", ["distributed", "central"])
+def test_secure_dp_over_mosquitto_is_the_in_process_run(mosquitto_server, tmp_path, mode):
+    """Under secure aggregation the aggregator sees only the sum, so the boards clip (and in
+    distributed mode add their noise shares) themselves, from the announcement's `dp`: with
+    reproducible noise the model over a real broker is the in-process model bit for bit."""
+    config = secure_dp_config(f"privacy.dp.mode={mode}", "privacy.dp.clip=0.3")
+    inproc = simulate(config, tmp_path / "inproc", workers=2, progress=False)
+    over = simulate(config, tmp_path / "mqtt", workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url)
+    assert over["model_sha256"] == inproc["model_sha256"]
+    records = lines(tmp_path / "mqtt" / "metrics.jsonl")
+    assert [r["closed_by"] for r in records] == ["secure"] * 3
+    assert [r["dp_epsilon"] for r in records] == \
+        [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+    # and the boards did clip: without DP the same secure run ends elsewhere
+    plain = simulate(load_run_config("quickstart", [
+        "strategy.weighting=uniform", "rounds=3",
+        "privacy.secure_aggregation.threshold=0.8"]), None, progress=False)
+    assert plain["model_sha256"] != over["model_sha256"]
+
+
+def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
+    """`edgefl ctl start` and `edgefl ctl watch` as processes against the aggregator service:
+    watch prints each round's epsilon and ends with the budget's run_finished."""
+    import subprocess
+
+    import yaml
+
+    from test_orchestration import CLIENTS, Lines, _ctl_env, ctl_argv, run_config, run_ctl
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    ctl = ctl_argv(f, tmp_path)
+    run_file = tmp_path / "dp.yaml"
+    run_file.write_text(yaml.safe_dump(run_config(
+        rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
+        privacy={"dp": {"clip": 1.0, "noise_multiplier": 2.0, "target_epsilon": 8.0}})))
+    acc = PrivacyAccountant(DifferentialPrivacy(clip=1.0, noise_multiplier=2.0), 2, 2)
+    last = acc.rounds_within(8.0, 30)
+    watch = subprocess.Popen(ctl + ["watch"], env=_ctl_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    out = Lines(watch)
+    try:
+        out.wait(lambda x: "no active run" in x, "watch's status line")
+        started = run_ctl(ctl, "start", str(run_file), "--run", "dpw", "--clients",
+                          ",".join(CLIENTS))
+        assert started.returncode == 0, started.stderr
+        assert watch.wait(120) == 0, watch.stderr.read()
+        out.thread.join(5)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+    for r in range(1, last + 1):
+        line = next(x for x in out.lines if f" dpw round {r} closed " in x)
+        assert line.endswith(f", epsilon {acc.epsilon(r):.4g} at delta 1e-05"), line
+    assert not any(f" dpw round {last + 1} opened" in x for x in out.lines), out.lines
+    finished = next(x for x in out.lines if " dpw run_finished: " in x)
+    assert f"rounds {last}" in finished and "privacy budget" in finished, finished

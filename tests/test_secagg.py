@@ -1,0 +1,281 @@
+"""Secure aggregation, SecAgg+ (edgefl/privacy/secagg.py): real key agreement and real masks
+between in-process clients. The secure sum equals the clear sum of the quantised
+contributions exactly in the ring and the float sum within the stated bound; one client's
+masked input looks uniform; dropouts up to n - t are recovered and one more fails cleanly;
+late and inconsistent messages are refused."""
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from edgefl import kernels
+from edgefl.privacy import secagg, shamir
+from edgefl.privacy.secagg import (LateMessage, MaskedInput, Quantiser, SecAggAborted,
+                                   SecAggClient, SecAggError, SecAggServer, UnmaskRequest,
+                                   run_in_process)
+from edgefl.privacy.settings import SecureAggregation
+from edgefl.strategies import Contribution
+
+ENTROPY = b"fixed test entropy"
+P_VALUE = 1e-3            # the uniformity tests' significance level (fixed seeds: deterministic)
+
+
+def contributions(n, size=2000, seed=0, spread=0.05):
+    rng = np.random.default_rng(seed)
+    return {c: Contribution((rng.standard_normal(size) * spread).astype(np.float32),
+                            int(rng.integers(1, 50)),
+                            {"train_steps": float(rng.integers(1, 9)), "x": float(c) - 2.5})
+            for c in range(n)}
+
+
+def setup_for(contribs, *, threshold=0.7, neighbours=0, bits=32, clip=1.0, round=3):
+    settings = SecureAggregation(threshold=threshold, neighbours=neighbours, ring_bits=bits,
+                                 clip_range=clip)
+    first = next(iter(contribs.values()))
+    return secagg.round_setup(settings, run_id="test-run", round=round,
+                              participants=sorted(contribs), seed=11,
+                              vector_size=first.vector.size, scalar_names=first.scalars,
+                              max_weight=max(c.weight for c in contribs.values()))
+
+
+def clear_ring_sum(setup, contribs, survivors):
+    q = setup.quantiser
+    total = np.zeros(setup.vector_size, q.dtype)
+    for c in survivors:
+        kernels.ring_add(total, q.encode(contribs[c], c, setup.max_weight))
+    return total
+
+
+@pytest.mark.parametrize("bits", [32, 64])
+@pytest.mark.parametrize("neighbours", [0, 4])
+def test_the_secure_sum_is_the_clear_sum_exactly_in_the_ring(bits, neighbours):
+    contribs = contributions(10)
+    setup = setup_for(contribs, bits=bits, neighbours=neighbours)
+    server = run_in_process(setup, contribs, {c: c for c in contribs}, wire=True)
+    want = clear_ring_sum(setup, contribs, sorted(contribs))
+    assert server.ring_words.dtype == want.dtype
+    assert np.array_equal(server.ring_words, want)
+    total = server.total
+    assert total.count == 10 and total.weight == sum(c.weight for c in contribs.values())
+    assert total.scalars["train_steps"] == sum(c.scalars["train_steps"] for c in contribs.values())
+    assert total.scalars["x"] == pytest.approx(sum(c.scalars["x"] for c in contribs.values()),
+                                               abs=10 * 2.0 ** -secagg.SCALAR_FRACTION_BITS)
+    # the dequantised sum is within one level per unit of weight of the clear float sum
+    # (stochastic rounding moves each client's value by less than one level, times its
+    # weight), plus float32's rounding of the result
+    clear = sum(c.weight * np.clip(c.vector.astype(np.float64), -1, 1) for c in contribs.values())
+    bound = total.weight * setup.quantiser.unit + 4 * np.finfo(np.float32).eps * np.abs(clear).max()
+    assert np.abs(total.vector - clear).max() <= bound
+
+
+def test_the_quantised_sum_is_unbiased_and_within_the_bound_on_a_clipped_input():
+    contribs = contributions(4, size=20000, spread=2.0)         # many values beyond clip 1
+    setup = setup_for(contribs, bits=32)
+    total = run_in_process(setup, contribs, {c: c for c in contribs}).total
+    clipped = sum(c.weight * np.clip(c.vector.astype(np.float64), -1, 1)
+                  for c in contribs.values())
+    err = total.vector - clipped
+    assert np.abs(err).max() <= total.weight * setup.quantiser.unit * (1 + 1e-6)
+    # unbiased: the mean error over 20000 coordinates is well inside its standard error
+    assert abs(err.mean()) <= 5 * total.weight * setup.quantiser.unit / math.sqrt(err.size)
+
+
+def masked_vector(bits, zeros=True):
+    contribs = contributions(5, size=1 << 18)
+    if zeros:   # the most structured input there is: all zeros, weight 1
+        contribs[0] = Contribution(np.zeros(1 << 18, np.float32), 1, contribs[0].scalars)
+    setup = setup_for(contribs, bits=bits)
+    clients = {c: SecAggClient(c, setup, ENTROPY) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in clients:
+        server.receive(clients[c].share_keys(out[c]))
+    out = server.advance()
+    return clients[0].masked_input(out[0], contribs[0], 0)
+
+
+@pytest.mark.parametrize("bits", [32, 64])
+def test_what_the_aggregator_receives_from_one_client_looks_uniform(bits):
+    """Chi-square on the byte values of one client's masked input (of an all-zero update),
+    and a binomial test on each bit position's frequency of ones; the keys are derived from
+    fixed entropy, so the test is deterministic."""
+    masked = masked_vector(bits)
+    data = np.frombuffer(masked.words.tobytes(), np.uint8)
+    counts = np.bincount(data, minlength=256)
+    assert stats.chisquare(counts).pvalue > P_VALUE
+    words = masked.words
+    ones = [int(((words >> words.dtype.type(b)) & words.dtype.type(1)).sum()) for b in range(bits)]
+    p_values = [stats.binomtest(k, words.size, 0.5).pvalue for k in ones]
+    # Bonferroni over the bit positions
+    assert min(p_values) > P_VALUE / bits
+    # and the unmasked quantised input is anything but uniform (the test can fail)
+    q = setup_for(contributions(5), bits=bits).quantiser
+    plain = q.encode(Contribution(np.zeros(words.size, np.float32), 1), 0, 1)
+    assert stats.chisquare(np.bincount(np.frombuffer(plain.tobytes(), np.uint8),
+                                       minlength=256)).pvalue < P_VALUE
+
+
+@pytest.mark.parametrize("phase", ["masked", "unmask"])
+def test_dropout_at_exactly_the_threshold_succeeds_and_one_more_fails_cleanly(phase):
+    contribs = contributions(10)
+    setup = setup_for(contribs, threshold=0.7)          # t = 7 of 10
+    assert setup.threshold == 7
+    gone = [1, 4, 8]                                     # n - t
+    server = run_in_process(setup, contribs, {c: c for c in contribs}, vanish={phase: gone})
+    survivors = [c for c in contribs if c not in gone] if phase == "masked" else sorted(contribs)
+    assert np.array_equal(server.ring_words, clear_ring_sum(setup, contribs, survivors))
+    assert server.total.count == len(survivors)
+    with pytest.raises(SecAggAborted, match=r"round 3: only 6 of 10 clients .*threshold is 7, "
+                                            r"so the round fails and nothing is unmasked"):
+        run_in_process(setup, contribs, vanish={phase: gone + [9]})
+
+
+def test_a_sparse_graph_recovers_a_dropout_and_fails_cleanly_when_a_neighbourhood_cannot():
+    contribs = contributions(12)
+    setup = setup_for(contribs, threshold=0.6, neighbours=4)
+    graph = setup.neighbourhoods()
+    assert all(len(v) == 5 and c in v for c, v in graph.items())
+    assert all(c in graph[j] for c in graph for j in graph[c])          # symmetric
+    server = run_in_process(setup, contribs, {c: c for c in contribs}, vanish={"masked": [5]})
+    assert np.array_equal(server.ring_words,
+                          clear_ring_sum(setup, contribs, [c for c in contribs if c != 5]))
+    # a whole neighbourhood but one gone: client 0's self-mask seed has too few holders left
+    victims = sorted(graph[0] - {0})[:3]
+    with pytest.raises(SecAggAborted, match="shares of client .* came back, 4 needed; nothing "
+                                            "is unmasked"):
+        run_in_process(setup, contribs, vanish={"unmask": victims})
+
+
+def test_a_client_reappearing_after_its_masks_were_removed_is_refused():
+    contribs = contributions(5)
+    setup = setup_for(contribs, threshold=0.6)
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in clients:
+        server.receive(clients[c].share_keys(out[c]))
+    forward = server.advance()
+    for c in (0, 1, 2, 3):
+        server.receive(clients[c].masked_input(forward[c], contribs[c], c))
+    requests = server.advance()
+    assert requests[0].dropped == (4,)
+    late = clients[4].masked_input(forward[4], contribs[4], 4)
+    with pytest.raises(LateMessage, match="client 4's masked message arrived in phase 'unmask'"
+                                          ".*cannot be unmasked"):
+        server.receive(late)
+    for c in (0, 1, 2, 3):
+        server.receive(clients[c].unmask(requests[c]))
+    server.advance()
+    assert server.total.count == 4
+    with pytest.raises(LateMessage):
+        server.receive(late)
+
+
+def test_clients_never_reveal_both_secrets_of_one_client_nor_answer_twice():
+    contribs = contributions(4)
+    setup = setup_for(contribs, threshold=0.75)
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in clients:
+        server.receive(clients[c].share_keys(out[c]))
+    forward = server.advance()
+    for c in clients:
+        server.receive(clients[c].masked_input(forward[c], contribs[c], c))
+    with pytest.raises(SecAggError, match=r"client 0 refuses to unmask: client\(s\) \[2\] are "
+                                          r"listed both as survivors and as dropped"):
+        clients[0].unmask(UnmaskRequest(3, (0, 1, 2, 3), (2,)))
+    clients[0].unmask(UnmaskRequest(3, (0, 1, 2, 3), ()))
+    with pytest.raises(SecAggError, match="answered an unmask request already"):
+        clients[0].unmask(UnmaskRequest(3, (0, 1, 3), (2,)))
+
+
+def test_bad_messages_are_refused_naming_the_client():
+    contribs = contributions(3)
+    setup = setup_for(contribs, threshold=2)
+    server = SecAggServer(setup)
+    a = SecAggClient(0, setup).advertise()
+    server.receive(a)
+    with pytest.raises(SecAggError, match="client 0 sent its advertise message twice"):
+        server.receive(a)
+    with pytest.raises(SecAggError, match="client 7 may not send"):
+        server.receive(a.__class__(3, 7, a.c_public, a.s_public))
+    with pytest.raises(SecAggError, match="a masked message in phase 'keys'"):
+        server.receive(MaskedInput(3, 0, np.zeros(3, np.uint32), np.zeros(3, np.uint64)))
+    with pytest.raises(LateMessage, match="round 3: a advertise message of round 2"):
+        server.receive(a.__class__(2, 0, a.c_public, a.s_public))
+    with pytest.raises(SecAggError, match="not a secure aggregation message"):
+        secagg.message_from_bytes(b"\x00\x00\x00\x02{}")
+    blob = MaskedInput(3, 0, np.zeros(3, np.uint32), np.zeros(2, np.uint64)).to_bytes()
+    with pytest.raises(SecAggError, match="masked input of client 0: 27 bytes"):
+        secagg.message_from_bytes(blob[:-1])
+
+
+def test_a_tampered_share_does_not_authenticate():
+    contribs = contributions(3)
+    setup = setup_for(contribs, threshold=2)
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in clients:
+        share = clients[c].share_keys(out[c])
+        if c == 1:   # flip one bit of the ciphertext meant for client 0
+            bad = bytearray(share.ciphertexts[0])
+            bad[5] ^= 1
+            share = share.__class__(share.round, 1, {**share.ciphertexts, 0: bytes(bad)})
+        server.receive(share)
+    forward = server.advance()
+    for c in clients:
+        server.receive(clients[c].masked_input(forward[c], contribs[c], c))
+    request = server.advance()
+    with pytest.raises(SecAggError, match="the shares client 1 sent to client 0 do not "
+                                          "authenticate"):
+        clients[0].unmask(request[0])
+
+
+def test_a_ring_too_small_for_the_round_is_refused_with_the_bound():
+    with pytest.raises(SecAggError, match=r"ring_bits 32 cannot hold the sum of 100 "
+                                          r"contributions of weight up to 2000000: n \* weight "
+                                          r"\* levels must stay below 2\^31.*ring_bits: 64"):
+        Quantiser.for_round(32, 1.0, 100, 2_000_000)
+    assert Quantiser.for_round(64, 1.0, 100, 2_000_000).levels == 2 ** 63 // (2 * 10 ** 8)
+
+
+def test_shamir_threshold():
+    secret = bytes(range(32))
+    shares = shamir.split(secret, [1, 2, 3, 4, 5], 3)
+    assert shamir.combine({x: shares[x] for x in (5, 2, 4)}, 3) == secret
+    with pytest.raises(shamir.ShamirError, match="2 shares, 3 needed"):
+        shamir.combine({x: shares[x] for x in (2, 4)}, 3)
+    with pytest.raises(shamir.ShamirError, match="threshold 6 for 5 holders"):
+        shamir.split(secret, [1, 2, 3, 4, 5], 6)
+
+
+def test_chunks_reassemble_in_any_order_and_repeats_are_dropped():
+    msg = secagg.MaskedInput(3, 1, np.arange(5000, dtype=np.uint32),
+                             np.arange(3, dtype=np.uint64), ("a", "b"))
+    chunks = secagg.to_chunks(msg, 1024, (7 << 32) | 1)
+    n = len(chunks)
+    assert n == -(-len(msg.to_bytes()) // (1024 - 20)) and all(len(c) <= 1024 for c in chunks)
+    inbox = secagg.ChunkAssembler(1 << 20)
+    order = chunks[::-1] + chunks[:2]
+    got = [inbox.add("client-1", c) for c in order]
+    assert [g is None for g in got] == [True] * (n - 1) + [False] + [True, True]
+    whole = got[n - 1]
+    assert np.array_equal(whole.words, msg.words) and whole.scalar_names == ("a", "b")
+    assert inbox.repeats == 2
+    with pytest.raises(SecAggError, match="from 'client-1': over 10000 bytes"):
+        small = secagg.ChunkAssembler(10_000)
+        for c in secagg.to_chunks(msg, 1024, 9):
+            small.add("client-1", c)
+    with pytest.raises(SecAggError, match="not a secure aggregation chunk"):
+        inbox.add("client-2", b"XXXX" + bytes(40))

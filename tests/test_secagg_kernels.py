@@ -1,0 +1,144 @@
+"""Secure aggregation's ring arithmetic (csrc/secagg.c): the C core against its NumPy twin bit
+for bit, what the representation promises (|k| <= levels, unbiased stochastic rounding,
+negative values wrapping so that sums read back exactly), and the argument checks."""
+import contextlib
+
+import numpy as np
+import pytest
+
+from edgefl import kernels, reference
+from edgefl.kernels import KernelError, NonFiniteError
+
+try:
+    from edgefl import _core
+except ImportError:   # a non-strict install without the core: the parity tests skip
+    _core = None
+
+needs_core = pytest.mark.skipif(_core is None, reason="edgefl._core is not built")
+SIZES = [0, 1, 7, 8, 9, 127, 1025, 5003]
+IMPLS = [pytest.param(_core, marks=needs_core, id="c"), pytest.param(reference, id="numpy")]
+
+
+@contextlib.contextmanager
+def backend(impl):
+    saved = kernels.impl
+    kernels.impl = impl
+    try:
+        yield
+    finally:
+        kernels.impl = saved
+
+
+def values(n, seed=1, spread=3.0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * spread).astype(np.float32)
+    if n > 4:   # the clip edges and beyond, exactly
+        x[:4] = [8.0, -8.0, 1e30, -1e30]
+    return x
+
+
+@needs_core
+@pytest.mark.parametrize("bits", [32, 64])
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("n", SIZES)
+def test_quantize_parity(bits, stochastic, n):
+    x = values(n)
+    x.setflags(write=False)                    # the C wrapper takes read-only inputs
+    outs = []
+    for impl in (_core, reference):
+        out = np.zeros(n, kernels.RING_DTYPES[bits])
+        with backend(impl):
+            kernels.quantize(out, x, 8.0, 1000, weight=37, seed=12345, stochastic=stochastic)
+        outs.append(out)
+    assert outs[0].tobytes() == outs[1].tobytes()
+
+
+@needs_core
+@pytest.mark.parametrize("bits", [32, 64])
+@pytest.mark.parametrize("subtract", [False, True])
+@pytest.mark.parametrize("n", SIZES)
+def test_ring_add_and_dequantize_parity(bits, subtract, n):
+    rng = np.random.default_rng(n)
+    dtype = kernels.RING_DTYPES[bits]
+    x = rng.integers(0, 2 ** bits, n, dtype=dtype, endpoint=False)
+    m = rng.integers(0, 2 ** bits, n, dtype=dtype, endpoint=False)
+    m.setflags(write=False)
+    got = []
+    for impl in (_core, reference):
+        y = x.copy()
+        out = np.empty(n, np.float32)
+        with backend(impl):
+            kernels.ring_add(y, m, subtract)
+            kernels.dequantize(out, y, 1.0 / 3000)
+        got.append((y, out))
+    assert got[0][0].tobytes() == got[1][0].tobytes()
+    assert got[0][1].tobytes() == got[1][1].tobytes()
+    want = (x.astype(object) + (-1 if subtract else 1) * m.astype(object)) % 2 ** bits
+    assert [int(v) for v in got[0][0]] == list(want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [32, 64])
+def test_a_ring_sum_of_signed_contributions_reads_back_exactly(impl, bits):
+    """Negative values wrap to the top of the ring; the sum of n contributions of weights w_i
+    reads back as the true integer sum while sum_i w_i * levels < 2^(bits-1)."""
+    levels, weights = 2 ** (bits - 1) // 60 - 1, [1, 7, 2, 30, 19]     # sum 59 * levels fits
+    dtype = kernels.RING_DTYPES[bits]
+    with backend(impl):
+        total = np.zeros(5003, dtype)
+        want = np.zeros(5003, object)
+        for i, w in enumerate(weights):
+            x = values(5003, seed=i, spread=5.0)
+            q = np.empty(5003, dtype)
+            kernels.quantize(q, x, 8.0, levels, weight=w, seed=i, stochastic=True)
+            kernels.ring_add(total, q)
+            unweighted = np.empty(5003, dtype)
+            kernels.quantize(unweighted, x, 8.0, levels, weight=1, seed=i, stochastic=True)
+            k = unweighted.view(np.int32 if bits == 32 else np.int64).astype(object)
+            assert max(abs(int(v)) for v in k) <= levels
+            want += w * k
+        signed = total.view(np.int32 if bits == 32 else np.int64)
+        assert [int(v) for v in signed] == list(want)
+        assert any(v < 0 for v in want) and any(v > 0 for v in want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stochastic_rounding_is_unbiased_and_nearest_is_within_half_a_step(impl):
+    x = np.full(200_000, 0.25, np.float32)           # 2.5 steps of 0.1: 2 or 3, half each
+    q = np.empty(x.size, np.uint32)
+    out = np.empty(x.size, np.float32)
+    with backend(impl):
+        kernels.quantize(q, x, 1.0, 10, seed=7, stochastic=True)
+        kernels.dequantize(out, q, 0.1)
+        assert set(q.tolist()) == {2, 3}
+        # the mean of 200k draws of 0.2 / 0.3 is within 5 standard errors (1.1e-4) of 0.25
+        assert abs(float(out.astype(np.float64).mean()) - 0.25) < 5 * 0.05 / np.sqrt(x.size)
+        y = values(5003, spread=0.5)
+        kernels.quantize(q[:5003], y, 8.0, 1000, stochastic=False)
+        kernels.dequantize(out[:5003], q[:5003], 8.0 / 1000)
+        err = np.abs(out[:5003].astype(np.float64) - np.clip(y, -8, 8))
+        assert float(err.max()) <= 0.5 * 8.0 / 1000 + 1e-6
+
+
+def test_bad_arguments_are_named():
+    x = np.zeros(4, np.float32)
+    with pytest.raises(KernelError, match="out: ring words must be uint32 or uint64, got int32"):
+        kernels.quantize(np.zeros(4, np.int32), x, 1.0, 10)
+    with pytest.raises(KernelError, match="x: expected 4 elements"):
+        kernels.quantize(np.zeros(4, np.uint32), np.zeros(5, np.float32), 1.0, 10)
+    with pytest.raises(KernelError, match="clip: 0"):
+        kernels.quantize(np.zeros(4, np.uint32), x, 0, 10)
+    with pytest.raises(KernelError, match="levels: 0"):
+        kernels.quantize(np.zeros(4, np.uint32), x, 1.0, 0)
+    with pytest.raises(KernelError, match=r"levels \* weight = 4294967296: must be below 2\^31"):
+        kernels.quantize(np.zeros(4, np.uint32), x, 1.0, 2 ** 16, weight=2 ** 16)
+    with pytest.raises(NonFiniteError, match=r"x\[2\] = nan"):
+        kernels.quantize(np.zeros(4, np.uint32), np.array([0, 1, np.nan, 0], np.float32), 1.0, 10)
+    with pytest.raises(KernelError, match="m: dtype uint64 where uint32"):
+        kernels.ring_add(np.zeros(4, np.uint32), np.zeros(4, np.uint64))
+    with pytest.raises(KernelError, match="x: array is read-only"):
+        ro = np.zeros(4, np.uint32)
+        ro.setflags(write=False)
+        kernels.ring_add(ro, np.zeros(4, np.uint32))
+    with pytest.raises(KernelError, match="out: expected 4 elements"):
+        kernels.dequantize(np.zeros(3, np.float32), np.zeros(4, np.uint64), 1.0)
