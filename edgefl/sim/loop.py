@@ -32,7 +32,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                    setup: Setup, clients_per_round: int, *, rounds: int | None = None,
                    test: tuple | None = None, eval_every: int = 1, workers: int | None = None,
                    on_round: Callable[[dict], None] | None = None,
-                   on_model: Callable[[int, np.ndarray], None] | None = None) -> RunResult:
+                   on_model: Callable[[int, np.ndarray], None] | None = None,
+                   clock=None) -> RunResult:
     """Run `rounds` (default setup.rounds) rounds of `strategy` over in-memory `clients`.
 
     The rounds are the round engine's (edgefl.rounds): each selects `clients_per_round` of
@@ -44,6 +45,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     evaluation overlaps the next round's training, so its record comes then; records still
     come in round order), `on_model(round, global model)` its model as soon as it is
     aggregated (the periodic ONNX export).
+
+    clock: a sim.clock.Clock of the run's `fleet:`, or None. Given, each round lasts as long
+    as its slowest uploader (or the fleet's deadline: an uploader not done by then is not
+    trained and its update is lost), and each record gains sim_time_s (the simulated time
+    at the round's end) and late (how many uploaders missed the deadline).
     """
     rounds = setup.rounds if rounds is None else rounds
     missing = sorted(set(setup.clients) - set(clients))
@@ -70,6 +76,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     # ends. The last round is evaluated at once. The model is the read-only State buffer of
     # round r, so the result is the same either way.
     pending = None                  # the ClosedRound whose evaluation is deferred
+    sim_time = 0.0
 
     def finish(record) -> None:
         history.append(record)
@@ -81,6 +88,14 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
             plan = engine.open_round(r, state)
             tasks = plan.tasks
             order = sorted(tasks)
+            extras = None
+            if clock is not None:
+                seconds = {c: clock.task_seconds(c, tasks[c], clients[c].num_samples)
+                           for c in plan.uploaders}
+                duration, late = clock.round_seconds(r, seconds)
+                order = [c for c in order if c not in late]
+                sim_time += duration
+                extras = {"sim_time_s": sim_time, "late": len(late)}
             evaluating = pending
 
             def work_item(c, r=r, tasks=tasks, evaluating=evaluating):
@@ -107,7 +122,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                     updates[c] = update
             closed = engine.close_round(plan, updates, state, train_wall_s=train_wall,
                                         elapsed_before=plan.started - started,
-                                        defer_evaluation=pool is not None and r != rounds)
+                                        defer_evaluation=pool is not None and r != rounds,
+                                        extras=None if extras is None else extras.copy)
             state = closed.state
             if closed.evaluation_pending:
                 pending = closed

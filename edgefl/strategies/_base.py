@@ -25,6 +25,9 @@ class Strategy:
     """
     name: ClassVar[str] = ""
     listed: ClassVar[bool] = True    # False: a wrapper, not offered by strategy_names()
+    # True: `edgefl simulate` runs it with the asynchronous driver (edgefl/sim/asynchronous.py:
+    # clients train at once and a buffer closes each step), e.g. FedBuff
+    asynchronous: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- offline phase
     def prepare(self, init_params: np.ndarray, clients: Mapping[int, "LocalData"],
