@@ -100,16 +100,18 @@ def fleet_section(section, fail: Callable[[str, str], None]) -> dict | None:
     out = {"mix": mix}
     for key, unit in (("gflops", "GFLOP/s"), ("bandwidth_mbps", "Mbit/s")):
         given = section.get(key, {})
-        if not isinstance(given, Mapping):
-            given = {name: given for name in names}
+        one = not isinstance(given, Mapping)      # one rate for every board
         rates = {}
-        for name, value in given.items():
-            if name not in names:
-                fail(f"fleet.{key}.{name}", f"unknown profile; valid: {', '.join(names)}")
-            rate = check_number(value, lambda p, n=name: fail(f"fleet.{key}.{n}", p))
+        for name, value in ({"": given} if one else given).items():
+            where = f"fleet.{key}" if one else f"fleet.{key}.{name}"
+            if not one and name not in names:
+                fail(where, f"unknown profile; valid: {', '.join(names)}")
+            rate = check_number(value, lambda p, w=where: fail(w, p))
             if not rate > 0:
-                fail(f"fleet.{key}.{name}", f"{rate} {unit} must be > 0")
+                fail(where, f"{rate} {unit} must be > 0")
             rates[name] = rate
+        if one:
+            rates = {name: rates[""] for name in mix}
         out[key] = {name: rates.get(name, getattr(BOARDS[name], key)) for name in mix}
     deadline = check_number(section.get("deadline_s", 0), lambda p: fail("fleet.deadline_s", p),
                             minimum=0)
