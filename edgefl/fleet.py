@@ -9,7 +9,7 @@ report simulated seconds of the fleet they model.
       bandwidth_mbps: 50         # optional: every link's rate, or {profile: Mbit/s}
       deadline_s: 30             # optional, synchronous rounds: a round closes then at the
                                  # latest, and a client not done by then is stopped
-    fleet: {rpi-zero2w: 0.3, rpi4: 0.5, rpi5: 0.2}   # shorthand for mix alone
+    fleet: {rpi-zero2w: 0.3, rpi4: 0.5, rpi5: 0.2}   # shorthand: shares beside the keys
     fleet: {profile: rpi4}                           # every client the same board
 
 The profile names are the device profiles of edgefl/profiles/ (`service.profiles`); a
@@ -72,8 +72,12 @@ def fleet_section(section, fail: Callable[[str, str], None]) -> dict | None:
                       f"or {{profile: share}}, got {section!r}")
     names = profiles.profile_names()
     section = dict(section)
-    if section and all(k in names for k in section):      # the shorthand: a bare mix
-        section = {"mix": section}
+    shares = {k: section.pop(k) for k in list(section) if k in names}
+    if shares:                          # the shorthand: profiles' shares beside the keys
+        if "mix" in section:
+            fail("fleet.mix", f"give the shares in fleet.mix or beside it, not both "
+                              f"({', '.join(shares)} are beside it)")
+        section["mix"] = shares
     for key in section:
         if key not in FLEET_KEYS:
             fail(f"fleet.{key}", f"unknown key; valid keys: {', '.join(FLEET_KEYS)} (or a "
