@@ -311,3 +311,21 @@ def test_events_at_the_same_time_come_out_in_push_order():
     assert q.pop_simultaneous() == (1.0, ["a", "b"])
     assert q.pop_simultaneous() == (2.0, ["c", "d"])
     assert len(q) == 0
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"strategy": {"name": "fedbuff", "concurrency": 5, "buffer_size": 2}},
+     "strategy.concurrency / strategy.buffer_size: asynchronous rounds run in edgefl simulate"),
+    ({"strategy": "fedavg", "fleet": MIXED}, "fleet: a simulated fleet is for edgefl simulate"),
+])
+def test_the_aggregator_refuses_what_it_would_run_otherwise(tmp_path, changes, key):
+    """Over MQTT the aggregator runs synchronous rounds: FedBuff with a buffer smaller than
+    its concurrency, or a simulated fleet, is refused before it connects."""
+    from edgefl.roles.runner import run_aggregator
+    from edgefl.roles import AggregatorSettings
+    from edgefl.transport.loopback import LoopbackBroker
+    transport = LoopbackBroker().transport("aggregator")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        run_aggregator(config(tmp_path, **changes), transport, str(tmp_path / "agg"),
+                       settings=AggregatorSettings(federation="fed"))
+    assert not transport.connected
