@@ -329,3 +329,20 @@ def test_the_aggregator_refuses_what_it_would_run_otherwise(tmp_path, changes, k
         run_aggregator(config(tmp_path, **changes), transport, str(tmp_path / "agg"),
                        settings=AggregatorSettings(federation="fed"))
     assert not transport.connected
+
+
+def test_compare_shows_the_simulated_time_to_a_target(tmp_path):
+    """`edgefl compare` adds "sim s to >= ACC" when a run has a clock; a run without one
+    shows a dash there, and the table of clockless runs keeps its columns."""
+    from edgefl.compare import comparison_rows, load_runs, markdown_table
+    run(config(tmp_path, "a.yaml", strategy="fedavg", fleet=MIXED), out=tmp_path / "timed")
+    run(config(tmp_path, "b.yaml", strategy="fedavg"), out=tmp_path / "plain")
+    runs = load_runs([tmp_path / "timed", tmp_path / "plain"])
+    first = next(r for r in records(tmp_path / "timed") if r["test_accuracy"] >= 0.5)
+    rows = comparison_rows(runs, 0.5)
+    assert rows[0]["sim_s_to_target"] == first["sim_time_s"]
+    table = markdown_table(rows, 0.5).splitlines()
+    assert "sim s to ≥0.5" in table[0]
+    assert f"| {first['sim_time_s']:.3g} |" in table[2] and "| – |" in table[3]
+    plain = markdown_table(comparison_rows(runs[1:], 0.5), 0.5)
+    assert "sim s" not in plain
