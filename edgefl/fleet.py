@@ -9,6 +9,8 @@ report simulated seconds of the fleet they model.
       bandwidth_mbps: 50         # optional: every link's rate, or {profile: Mbit/s}
       deadline_s: 30             # optional, synchronous rounds: a round closes then at the
                                  # latest, and a client not done by then is stopped
+      jitter: 0.3                # optional: each task's time times a log-normal factor of
+                                 # mean 1 and this sigma, drawn per task (0: constant speeds)
     fleet: {rpi-zero2w: 0.3, rpi4: 0.5, rpi5: 0.2}   # shorthand: shares beside the keys
     fleet: {profile: rpi4}                           # every client the same board
 
@@ -60,12 +62,12 @@ BOARDS = {
 }
 
 COMPRESSION_RATIO = {"none": 1.0, "f16": 0.5, "int8": 0.25}
-FLEET_KEYS = ("mix", "profile", "gflops", "bandwidth_mbps", "deadline_s")
+FLEET_KEYS = ("mix", "profile", "gflops", "bandwidth_mbps", "deadline_s", "jitter")
 
 
 def fleet_section(section, fail: Callable[[str, str], None]) -> dict | None:
     """The `fleet:` section checked and resolved to {mix: {profile: share}, gflops: {profile:
-    rate}, bandwidth_mbps: {profile: rate}, deadline_s} (None when absent). fail(key,
+    rate}, bandwidth_mbps: {profile: rate}, deadline_s, jitter} (None when absent). fail(key,
     problem) raises the caller's ConfigError naming the dotted key."""
     if section is None:
         return None
@@ -122,6 +124,8 @@ def fleet_section(section, fail: Callable[[str, str], None]) -> dict | None:
     deadline = check_number(section.get("deadline_s", 0), lambda p: fail("fleet.deadline_s", p),
                             minimum=0)
     out["deadline_s"] = deadline
+    out["jitter"] = check_number(section.get("jitter", 0), lambda p: fail("fleet.jitter", p),
+                                 minimum=0, maximum=2)
     return out
 
 

@@ -346,3 +346,30 @@ def test_compare_shows_the_simulated_time_to_a_target(tmp_path):
     assert f"| {first['sim_time_s']:.3g} |" in table[2] and "| – |" in table[3]
     plain = markdown_table(comparison_rows(runs[1:], 0.5), 0.5)
     assert "sim s" not in plain
+
+
+def test_jitter_varies_a_boards_task_times_around_their_mean_and_repeats_per_seed(tmp_path):
+    """fleet.jitter multiplies each task's time by a log-normal factor of mean 1 drawn from
+    the task's seed: the same task takes the same time in every run, different rounds of
+    one client differ, and over many tasks the mean stays the board's time."""
+    cfg = config(tmp_path, strategy="fedavg", fleet={"profile": "rpi4", "jitter": 0.3})
+    prepared = prepare_run(cfg, workers=1, progress=False)
+    clock = Clock.for_fleet(cfg.fleet, prepared.setup.clients, cfg.seed,
+                            prepared.model.n_params)
+    steady = Clock.for_fleet({**cfg.fleet, "jitter": 0.0}, prepared.setup.clients, cfg.seed,
+                             prepared.model.n_params)
+    state = prepared.strategy.init(prepared.init_params, prepared.setup)
+    n = prepared.clients[0].num_samples
+    ratios = [clock.task_seconds(0, t, n) / steady.task_seconds(0, t, n)
+              for t in (prepared.strategy.configure(r, [0], state)[0] for r in range(1, 401))]
+    assert len(set(ratios)) == len(ratios)
+    assert abs(np.mean(ratios) - 1) < 0.05 and 0.2 < np.std(ratios) < 0.45
+    again = prepared.strategy.configure(7, [0], state)[0]
+    assert clock.task_seconds(0, again, n) / steady.task_seconds(0, again, n) == ratios[6]
+    with pytest.raises(ConfigError, match=r"fleet\.jitter: 3 is above the maximum 2"):
+        run_config_from_mapping({**RUN, "fleet": {"profile": "rpi4", "jitter": 3}}, "run.yaml")
+    # an asynchronous run with jitter is still the same for any number of workers
+    cfg = config(tmp_path, "b.yaml", strategy={"name": "fedbuff", "concurrency": 6,
+                                               "buffer_size": 2},
+                 fleet={"mix": MIXED, "jitter": 0.5}, rounds=10)
+    assert run(cfg, workers=1)["model_sha256"] == run(cfg, workers=3)["model_sha256"]

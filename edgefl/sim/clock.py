@@ -10,8 +10,12 @@ per parameter and sample is the usual estimate of a dense network's forward and 
 (it undercounts convolutions, which reuse each weight at many positions), rate is the board's
 training GFLOP/s and link its Mbit/s (edgefl.fleet.BOARDS, or the config's overrides), and the
 bytes are the float32 bytes of the task's buffers scaled by the profile's compression (the
-upload is taken to be as large as the download: a model in, a model out). Nothing here reads a
-real clock, so simulated times are the same on any machine and for any number of threads.
+upload is taken to be as large as the download: a model in, a model out). With
+`fleet.jitter` sigma > 0 the whole is multiplied by exp(sigma z - sigma^2 / 2), z standard
+normal drawn from the task's own seed (the (seed, round, client) seed of its local round), a
+factor of mean 1 that makes a board slower or faster from one task to the next. Nothing here
+reads a real clock, so simulated times are the same on any machine and for any number of
+threads.
 
 Without a `fleet:` section (`Clock.lockstep`) every task takes one simulated second: the
 asynchronous driver then runs its clients in lock step, and FedBuff with K = C is synchronous
@@ -35,6 +39,7 @@ __all__ = ["Clock", "EventQueue", "FLOPS_PER_PARAM_SAMPLE"]
 
 FLOPS_PER_PARAM_SAMPLE = 6
 _FLEET_STREAM = 0xF1EE7      # separates the profile assignment from the run's other streams
+_JITTER_STREAM = 0x717E4     # separates a task's jitter from its data order
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class Clock:
     gflops, bandwidth_mbps, wire_ratio: {client: value}.
     n_params:  the model's parameter count.
     deadline_s: synchronous rounds close at this many seconds at the latest (0: never).
+    jitter:    sigma of the log-normal factor on each task's time (0: none).
     """
     profile: Mapping[int, str] = field(default_factory=dict)
     gflops: Mapping[int, float] = field(default_factory=dict)
@@ -52,6 +58,7 @@ class Clock:
     wire_ratio: Mapping[int, float] = field(default_factory=dict)
     n_params: int = 0
     deadline_s: float = 0.0
+    jitter: float = 0.0
 
     @classmethod
     def lockstep(cls) -> "Clock":
@@ -68,7 +75,7 @@ class Clock:
         return cls(profile, {c: boards[p].gflops for c, p in profile.items()},
                    {c: boards[p].bandwidth_mbps for c, p in profile.items()},
                    {c: ratio[p] for c, p in profile.items()}, int(n_params),
-                   float(fleet["deadline_s"]))
+                   float(fleet["deadline_s"]), float(fleet.get("jitter", 0.0)))
 
     @property
     def is_lockstep(self) -> bool:
@@ -83,6 +90,9 @@ class Clock:
         samples = cfg["steps"] * batch if cfg["steps"] > 0 else cfg["epochs"] * num_samples
         compute = FLOPS_PER_PARAM_SAMPLE * self.n_params * samples / (self.gflops[client] * 1e9)
         wire = 2 * task.nbytes * self.wire_ratio[client] * 8 / (self.bandwidth_mbps[client] * 1e6)
+        if self.jitter:
+            z = np.random.default_rng((int(cfg["seed"]), _JITTER_STREAM)).standard_normal()
+            return (compute + wire) * float(np.exp(self.jitter * z - self.jitter ** 2 / 2))
         return compute + wire
 
     def round_seconds(self, r: int, seconds: Mapping[int, float]) -> tuple:
