@@ -28,6 +28,10 @@ class Strategy:
     # True: `edgefl simulate` runs it with the asynchronous driver (edgefl/sim/asynchronous.py:
     # clients train at once and a buffer closes each step), e.g. FedBuff
     asynchronous: ClassVar[bool] = False
+    # Whether the server step needs only the weighted sum of the clients' updates, so it can
+    # run on what secure aggregation or DP hand it (edgefl.privacy); when not, the reason.
+    secure_sum: ClassVar[bool] = False
+    secure_sum_refusal: ClassVar[str] = ""
 
     # ---------------------------------------------------------------- offline phase
     def prepare(self, init_params: np.ndarray, clients: Mapping[int, "LocalData"],

@@ -57,6 +57,10 @@ PAST = "params_v"          # State buffer name prefix of the retained past globa
 @dataclass(frozen=True)
 class FedBuff(Strategy):
     asynchronous: ClassVar[bool] = True
+    secure_sum = False
+    secure_sum_refusal = ("each update is weighted by its own staleness and measured from the "
+                          "model it started from, so the server step needs the updates one "
+                          "by one")
     concurrency: int = 0            # 0: clients_per_round (the driver resolves it)
     buffer_size: int = 0            # 0: concurrency
     eta: float = 1.0
