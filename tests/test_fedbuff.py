@@ -373,3 +373,20 @@ def test_jitter_varies_a_boards_task_times_around_their_mean_and_repeats_per_see
                                                "buffer_size": 2},
                  fleet={"mix": MIXED, "jitter": 0.5}, rounds=10)
     assert run(cfg, workers=1)["model_sha256"] == run(cfg, workers=3)["model_sha256"]
+
+
+def test_client_momentum_is_allowed_and_the_reduction_still_holds(tmp_path):
+    """train.momentum runs on the clients as in FedAvg (a fresh buffer every local round,
+    never uploaded): FedBuff at K = C is FedAvg with momentum bit for bit, and an
+    asynchronous run with momentum differs from one without."""
+    train = {"lr": 0.05, "batch_size": 32, "epochs": 1, "momentum": 0.9}
+    fedavg = run(config(tmp_path, "a.yaml", strategy="fedavg", train=train))
+    fedbuff = run(config(tmp_path, "b.yaml", strategy="fedbuff", train=train))
+    assert fedbuff["model_sha256"] == fedavg["model_sha256"]
+    asynchronous = {"name": "fedbuff", "concurrency": 6, "buffer_size": 2}
+    with_momentum = run(config(tmp_path, "c.yaml", strategy=asynchronous, train=train,
+                               fleet=MIXED), out=tmp_path / "c")
+    without = run(config(tmp_path, "d.yaml", strategy=asynchronous,
+                         train={**train, "momentum": 0.0}, fleet=MIXED))
+    assert with_momentum["model_sha256"] != without["model_sha256"]
+    assert all(set(r) >= {"sim_time_s", "staleness_max"} for r in records(tmp_path / "c"))
