@@ -12,7 +12,7 @@ overrides, parsed by edgefl.config) validated into frozen dataclasses, with defa
     seed: 0
     eval_every: 1                             # evaluate every k rounds (and after the last)
     attack: {kind: sign_flip, fraction: 0.2}  # optional: malicious clients (edgefl.attacks)
-    fleet: {rpi-zero2w: 0.3, rpi4: 0.7}       # optional: the virtual clock's boards (edgefl.fleet)
+    fleet: {rpi-zero2w: 0.3, rpi4: 0.7}       # optional: simulated boards (edgefl.virtual_fleet)
     privacy: {secure_aggregation: {...}, dp: {...}}   # optional (edgefl.privacy.settings)
 
 Every error names the file, the dotted key (and says when it came from --set) and the valid
@@ -31,7 +31,7 @@ from typing import Any, Mapping
 from . import kernels
 from .attacks import AttackError, attack_section
 from .config import Config, ConfigError, check_number, load_config
-from .fleet import fleet_section
+from .virtual_fleet import fleet_section
 from .data import dataset_options, partition_options
 from .models import model_names
 from .privacy import settings as privacy_settings
@@ -91,7 +91,7 @@ class RunConfig:
     eval_every: int = 1
     path: str | None = None        # the file it came from (relative dataset paths use it)
     attack: Mapping[str, Any] | None = None   # the `attack:` section (edgefl.attacks), resolved
-    fleet: Mapping[str, Any] | None = None    # the `fleet:` section (edgefl.fleet), resolved
+    fleet: Mapping[str, Any] | None = None    # `fleet:` (edgefl.virtual_fleet), resolved
     privacy: Privacy | None = None            # the `privacy:` section (edgefl.privacy.settings)
 
     @property

@@ -1,5 +1,5 @@
 """FedBuff (edgefl/strategies/fedbuff.py), the asynchronous driver (edgefl/sim/asynchronous.py),
-the virtual clock (edgefl/sim/clock.py) and the `fleet:` section (edgefl/fleet.py).
+the virtual clock (edgefl/sim/clock.py) and the `fleet:` section (edgefl/virtual_fleet.py).
 
 The acceptance tests: FedBuff with K = C and no staleness is FedAvg bit for bit; an
 asynchronous run on a mixed fleet has the same model_sha256 for 1 and 4 worker threads.
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from edgefl.errors import ConfigError
-from edgefl.fleet import BOARDS, assign_profiles
+from edgefl.virtual_fleet import BOARDS, assign_profiles
 from edgefl.rounds import RoundEngine, UploadRefused
 from edgefl.runconfig import run_config_from_mapping
 from edgefl.runs.prepare import prepare_run

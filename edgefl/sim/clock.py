@@ -8,9 +8,10 @@ A task's time is its download, its local training and its upload, one after the 
 where samples is what the local round processes (steps x batch, or epochs x |D_i|), 6 FLOPs
 per parameter and sample is the usual estimate of a dense network's forward and backward pass
 (it undercounts convolutions, which reuse each weight at many positions), rate is the board's
-training GFLOP/s and link its Mbit/s (edgefl.fleet.BOARDS, or the config's overrides), and the
-bytes are the float32 bytes of the task's buffers scaled by the profile's compression (the
-upload is taken to be as large as the download: a model in, a model out). With
+training GFLOP/s and link its Mbit/s (edgefl.virtual_fleet.BOARDS, or the config's
+overrides), and the bytes are the float32 bytes of the task's buffers scaled by the
+profile's compression (the upload is taken to be as large as the download: a model in, a
+model out). With
 `fleet.jitter` sigma > 0 the whole is multiplied by exp(sigma z - sigma^2 / 2), z standard
 normal drawn from the task's own seed (the (seed, round, client) seed of its local round), a
 factor of mean 1 that makes a board slower or faster from one task to the next. Nothing here
@@ -33,7 +34,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..fleet import assign_profiles, boards_of, compression_ratio
+from ..virtual_fleet import assign_profiles, boards_of, compression_ratio
 
 __all__ = ["Clock", "EventQueue", "FLOPS_PER_PARAM_SAMPLE"]
 
@@ -66,8 +67,8 @@ class Clock:
 
     @classmethod
     def for_fleet(cls, fleet: Mapping, clients, seed: int, n_params: int) -> "Clock":
-        """The clock of a resolved `fleet:` section (edgefl.fleet) for these client ids; the
-        profiles are dealt to the clients from the run seed."""
+        """The clock of a resolved `fleet:` section (edgefl.virtual_fleet) for these client
+        ids; the profiles are dealt to the clients from the run seed."""
         rng = np.random.default_rng((int(seed), _FLEET_STREAM))
         profile = assign_profiles(fleet["mix"], clients, rng)
         boards = boards_of(fleet)

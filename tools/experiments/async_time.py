@@ -2,12 +2,12 @@
 """Simulated time to a target accuracy on a mixed fleet: synchronous FedAvg (with and without
 a round deadline), FedBuff and FedVeca on Fashion-MNIST; writes the tables of docs/async.md.
 
-    python tools/experiments/async_time.py              # 5 seeds, ~5 min on 2 busy cores
+    python tools/experiments/async_time.py              # 5 seeds, 15-20 min on 2 busy cores
     python tools/experiments/async_time.py --seeds 2 --out /tmp/a --doc /tmp/async.md
 
-Every run is an ordinary `edgefl simulate` run with a `fleet:` section (edgefl/fleet.py), so
-each record carries sim_time_s, the simulated time at which the model of that round or step
-existed. From the records of a run this script reads: the simulated time at which the test
+Every run is an ordinary `edgefl simulate` run with a `fleet:` section
+(edgefl/virtual_fleet.py), so each record carries sim_time_s, the simulated time at which
+the model of that round or step existed. From the records of a run this script reads: the simulated time at which the test
 accuracy first reached each target, the bytes moved until then (float32 bytes of the tasks
 sent down, the updates aggregated and the updates dropped as too stale), the accuracy of the
 model the server held at the time budget, and how many client updates were lost by then
@@ -48,7 +48,7 @@ BASE = {
     "fleet": {"mix": MIXED},
 }
 # A Pi 4's local round on a 600-image shard takes 0.047 simulated seconds, a Zero 2 W's 0.163
-# (edgefl.fleet.BOARDS, mlp [64]): the deadline stops the Zeros and lets the others finish.
+# (edgefl.virtual_fleet.BOARDS, mlp [64]): the deadline stops the Zeros, not the others.
 DEADLINE_S = 0.1
 BUDGET_S = 6.0                  # the time budget of the "at T" columns
 TARGETS = (0.80, 0.83)
