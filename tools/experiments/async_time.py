@@ -7,8 +7,8 @@ a round deadline), FedBuff and FedVeca on Fashion-MNIST; writes the tables of do
 
 Every run is an ordinary `edgefl simulate` run with a `fleet:` section
 (edgefl/virtual_fleet.py), so each record carries sim_time_s, the simulated time at which
-the model of that round or step existed. From the records of a run this script reads: the simulated time at which the test
-accuracy first reached each target, the bytes moved until then (float32 bytes of the tasks
+the model of that round or step existed. From the records of a run this script reads: the
+simulated time at which the test accuracy first reached each target, the bytes moved until then (float32 bytes of the tasks
 sent down, the updates aggregated and the updates dropped as too stale), the accuracy of the
 model the server held at the time budget, and how many client updates were lost by then
 (stopped at a deadline, or dropped as too stale). Each table cell is the mean over seeds
