@@ -222,6 +222,7 @@ def _paused_where(doc: dict) -> str:
 def _ctl_watch(args, transport, topics, name) -> int:
     """Follow the events topic: rounds, accuracy, clients online, until the run ends."""
     import json
+    import time
 
     from ..roles.control import CommandRefused, ControlClient
     from ..transport.base import Message
@@ -231,22 +232,43 @@ def _ctl_watch(args, transport, topics, name) -> int:
     # the clients online: from the status reply (the active run's aggregator knows them),
     # then kept up to date by client_joined / client_left
     online: set = set()
+    control = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
     try:
-        status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5").request(
-            {"cmd": "status"}, timeout=args.timeout)
+        status = control.request({"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):
-            active = (status.get("result") or {}).get("active")
+            result = status.get("result") or {}
+            active = result.get("active")
             watched = watched or (active or {}).get("run")
             if active and active.get("run") == watched:
                 online.update(active.get("clients_online") or [])
             if not args.json:
-                print(_ctl_text("status", status.get("result") or {}), flush=True)
+                print(_ctl_text("status", result), flush=True)
+            if watched and (active or {}).get("run") != watched and \
+                    watched not in (result.get("queue") or []):
+                # neither running nor queued: it may have ended before watch began (a short
+                # run), and then no event of it will come: say how it ended
+                ended = _ended_run(control, watched, args.timeout)
+                if ended is not None:
+                    return _report_ended(ended, args.json, "before watch began")
     except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
     ends = ("run_finished", "run_stopped", "run_cancelled")
+    quiet_since = time.monotonic()
     try:
         while True:
             item = transport.receive(timeout=1.0)
+            if watched and time.monotonic() - quiet_since > WATCH_RECHECK_S:
+                # nothing of the run for a while: it may have ended between the events this
+                # watch saw and its status request (the service closes a run's record just
+                # after its last event); its record says
+                quiet_since = time.monotonic()
+                try:
+                    ended = _ended_run(control, watched, args.timeout)
+                except (TimeoutError, CommandRefused):
+                    ended = None
+                if ended is not None:
+                    return _report_ended(ended, args.json, "(its record; the end's event "
+                                                           "came before watch was listening)")
             if not isinstance(item, Message) or item.topic != topics.events():
                 continue
             try:
@@ -260,6 +282,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 watched = run
             if watched is not None and run not in (None, watched):
                 continue
+            quiet_since = time.monotonic()
             kind = event.get("event")
             if kind == "client_joined":
                 online.add(event.get("client"))
@@ -273,6 +296,33 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 return 0 if kind == "run_finished" else 1
     except KeyboardInterrupt:
         return 0
+
+
+WATCH_RECHECK_S = 5.0    # seconds without an event of the watched run before its record is asked
+
+
+def _report_ended(record: dict, as_json: bool, when: str) -> int:
+    """Print how a run ended that watch did not see end; returns watch's exit status."""
+    import json
+
+    print(json.dumps(record) if as_json else
+          f"run {record.get('id')}: {record.get('state')} {when}, "
+          f"{record.get('rounds_done', 0)}/{record.get('rounds') or '?'} rounds"
+          + (f", final accuracy {record['final_accuracy']:.4f}"
+             if record.get("final_accuracy") is not None else "")
+          + (f"; {record['error']}" if record.get("error") else ""), flush=True)
+    return 0 if record.get("state") == "finished" else 1
+
+
+def _ended_run(control, run_id: str, timeout: float) -> dict | None:
+    """The record of run `run_id` if it has ended (finished, stopped, cancelled, failed),
+    from the service's `runs` reply; None if it has not or is unknown."""
+    reply = control.request({"cmd": "runs"}, timeout=timeout)
+    for record in (reply.get("result") or {}).get("runs") or []:
+        if record.get("id") == run_id and record.get("state") in (
+                "finished", "stopped", "cancelled", "failed"):
+            return record
+    return None
 
 
 def _event_text(event: dict, online: set) -> str:

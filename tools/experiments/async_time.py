@@ -8,12 +8,13 @@ a round deadline), FedBuff and FedVeca on Fashion-MNIST; writes the tables of do
 Every run is an ordinary `edgefl simulate` run with a `fleet:` section
 (edgefl/virtual_fleet.py), so each record carries sim_time_s, the simulated time at which
 the model of that round or step existed. From the records of a run this script reads: the
-simulated time at which the test accuracy first reached each target, the bytes moved until then (float32 bytes of the tasks
-sent down, the updates aggregated and the updates dropped as too stale), the accuracy of the
-model the server held at the time budget, and how many client updates were lost by then
-(stopped at a deadline, or dropped as too stale). Each table cell is the mean over seeds
-0..n-1 with a 95% confidence interval (Student's t over the seeds); a target some seeds did
-not reach within the run says how many did, and its mean is over those.
+simulated time at which the test accuracy first reached each target, the bytes moved until
+then (float32 bytes of the tasks sent down, the updates aggregated and the updates dropped
+as too stale), the accuracy of the model the server held at the time budget, and how many
+client updates were lost by then (stopped at a deadline, or dropped as too stale). Each
+table cell is the mean over seeds 0..n-1 with a 95% confidence interval (Student's t over
+the seeds); a target some seeds did not reach within the run says how many did, and its mean
+is over those.
 
 The generated part of docs/async.md lies between the lines `<!-- async:begin -->` and
 `<!-- async:end -->`; the text around it is kept. Runs go to OUT/SETTING/ARM/seedK.
