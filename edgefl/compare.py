@@ -7,7 +7,8 @@ them). `compare_table` gives one Markdown row per run
     up+down bytes | wall
 
 where "rounds to >= ACC" is the first round whose test accuracy reached ACC ("*" when no
-evaluated round did), bytes are the float32 model bytes the run moved (uplink plus downlink
+evaluated round did) -- followed, when a run has a virtual clock (`fleet:`, FedBuff), by
+"sim s to >= ACC", the simulated seconds of that round ("–" for a run without a clock) -- bytes are the float32 model bytes the run moved (uplink plus downlink
 summed over rounds, binary units), and wall is the round loop's wall time from summary.json,
 plus, shown separately, an offline phase that ran before round 1 (DUW's weight training,
 whose time duw_weights.json in the run directory records). `overlay_figure` draws test
@@ -171,6 +172,14 @@ def rounds_to_target(history: Sequence[dict], target: float) -> int | None:
     return None
 
 
+def sim_time_to_target(history: Sequence[dict], target: float) -> float | None:
+    """The simulated time (sim_time_s) of the first record whose test accuracy is >= target,
+    or None when none is or the run had no virtual clock."""
+    r = rounds_to_target(history, target)
+    record = next((h for h in history if h["round"] == r), None) if r is not None else None
+    return None if record is None else record.get("sim_time_s")
+
+
 def check_target(target: float) -> float:
     """A target accuracy must be a fraction in (0, 1]."""
     if isinstance(target, bool) or not isinstance(target, (int, float)) \
@@ -282,6 +291,9 @@ def comparison_rows(runs: Sequence[Run], target: float | None = None) -> list:
             "best_round": s.get("best_round"),
             "target": target,
             "rounds_to_target": run.rounds_to(target) if target is not None else None,
+            "clocked": "sim_time_s" in run.history[-1],
+            "sim_s_to_target": sim_time_to_target(run.history, target)
+            if target is not None else None,
             "uplink_bytes": s.get("uplink_bytes"),
             "downlink_bytes": s.get("downlink_bytes"),
             "bytes": run.bytes_moved,
@@ -303,8 +315,11 @@ def markdown_table(rows: Sequence[dict], target: float | None = None) -> str:
     """The Markdown table of `comparison_rows`; the rounds-to-target column only when a
     target was given."""
     header = ["run", "strategy", "dataset", "partition", "final acc", "best acc (round)"]
+    clocked = target is not None and any(row.get("clocked") for row in rows)
     if target is not None:
         header.append(f"rounds to ≥{target:g}")
+    if clocked:
+        header.append(f"sim s to ≥{target:g}")
     header += ["up+down bytes", "wall"]
     lines = ["| " + " | ".join(header) + " |",
              "|" + "|".join("---" if i < 4 else "--:" for i in range(len(header))) + "|"]
@@ -316,6 +331,9 @@ def markdown_table(rows: Sequence[dict], target: float | None = None) -> str:
         if target is not None:
             r = row["rounds_to_target"]
             cells.append("*" if r is None else str(r))
+        if clocked:
+            t = row["sim_s_to_target"]
+            cells.append("–" if not row["clocked"] else "*" if t is None else f"{t:.3g}")
         wall = "–" if row["wall_s"] is None else format_duration(row["wall_s"])
         if row.get("offline_s") is not None:
             wall += f" (+{format_duration(row['offline_s'])} offline)"

@@ -49,10 +49,11 @@ where it is:
 - A plan is a plain value between two calls, not a loop the engine owns: the caller decides
   when a round closes (all uploaders in, a quorum, a deadline -- the aggregator's rules) and
   may hold several plans at once. Buffered asynchronous rounds (FedBuff: a server step once
-  K updates have arrived, each possibly trained on a model some steps old) are a caller
-  that closes at K and checks each update against the plan that tasked it
-  (`upload_refusal` is per plan); the staleness weighting is the strategy's, with the
-  task's round carried in the update's scalars.
+  K updates have arrived, each possibly trained on a model some steps old) are such a
+  caller (`edgefl/sim/asynchronous.py`): it refills idle clients with `open_round(r, state,
+  among=idle, count=n, draw=j)` and closes step r with `close_buffer`, which checks each
+  update against the plan that tasked it (`upload_refusal` is per plan); the staleness
+  weighting is the strategy's, with the task's version carried in the update's scalars.
 - Closing is two steps: `aggregate` (with `UploadTotals.of`, the only code that reads
   per-client updates) and `record_round`, which takes the new state, the strategy's metrics
   and the `UploadTotals` -- never the updates. Secure aggregation (the aggregator sees
@@ -256,11 +257,17 @@ class RoundEngine:
                    None if test is None else kernels.Samples(model, *test))
 
     # ------------------------------------------------------------------ opening
-    def open_round(self, r: int, state: State) -> RoundPlan:
-        """Select round r's clients and ask the strategy for their tasks."""
+    def open_round(self, r: int, state: State, *, among=None, count: int | None = None,
+                   draw: int = 0) -> RoundPlan:
+        """Select round r's clients and ask the strategy for their tasks.
+
+        among, count, draw: an asynchronous caller's refill (`close_buffer`): `count` of the
+        idle clients `among`, select_clients' draw `draw` of round r; the defaults are the
+        synchronous round's clients_per_round of every client, draw 0."""
         started = time.perf_counter()
-        selected = select_clients(self.setup.seed, r, self.setup.clients,
-                                  self.clients_per_round)
+        selected = select_clients(self.setup.seed, r,
+                                  self.setup.clients if among is None else among,
+                                  self.clients_per_round if count is None else count, draw)
         tasks = self.strategy.configure(r, selected, state)
         return RoundPlan(r, tuple(selected), tasks,
                          frozenset(c for c, t in tasks.items() if t.upload), started)
@@ -382,6 +389,28 @@ class RoundEngine:
                                          hooks=hooks, train_wall_s=train_wall_s,
                                          elapsed_before=elapsed_before,
                                          defer_evaluation=defer_evaluation, extras=extras)
+
+    def close_buffer(self, r: int, buffer, tasked, state: State, *, started: float,
+                     train_wall_s: float, elapsed_before: float = 0.0,
+                     defer_evaluation: bool = False,
+                     extras: Callable[[], Mapping] | None = None) -> ClosedRound:
+        """Asynchronous rounds (FedBuff): server step r from `buffer`, the updates that came
+        in since step r-1 as (plan, client, update) in arrival order, each checked against
+        the plan that tasked it (`accept_upload`), possibly an earlier version's. Updates are
+        keyed (client, arrival index), so a client back twice in one buffer counts twice and
+        aggregation still visits clients in sorted order. `tasked` are the plans opened since
+        step r-1 (the record's downlink and `trained`); `started` is when step r-1 closed."""
+        updates = {}
+        for i, (plan, client, update) in enumerate(buffer):
+            if self.accept_upload(plan, client, update):
+                updates[(client, i)] = update
+        tasks = {(c, i): t for i, plan in enumerate(tasked) for c, t in plan.tasks.items()}
+        record_plan = RoundPlan(r, tuple(sorted({c for c, _ in updates})), tasks,
+                                frozenset(c for c, _ in updates), started)
+        state, metrics = self.aggregate(r, updates, state)
+        return self.record_round(record_plan, state, metrics, UploadTotals.of(updates, metrics),
+                                 train_wall_s=train_wall_s, elapsed_before=elapsed_before,
+                                 defer_evaluation=defer_evaluation, extras=extras)
 
     def record_round(self, plan: RoundPlan, state: State, metrics: Mapping,
                      totals: UploadTotals, *, train_wall_s: float, elapsed_before: float = 0.0,

@@ -12,6 +12,7 @@ overrides, parsed by edgefl.config) validated into frozen dataclasses, with defa
     seed: 0
     eval_every: 1                             # evaluate every k rounds (and after the last)
     attack: {kind: sign_flip, fraction: 0.2}  # optional: malicious clients (edgefl.attacks)
+    fleet: {rpi-zero2w: 0.3, rpi4: 0.7}       # optional: simulated boards (edgefl.virtual_fleet)
     privacy: {secure_aggregation: {...}, dp: {...}}   # optional (edgefl.privacy.settings)
 
 Every error names the file, the dotted key (and says when it came from --set) and the valid
@@ -31,6 +32,7 @@ from typing import Any, Mapping
 from . import kernels
 from .attacks import AttackError, attack_section
 from .config import Config, ConfigError, check_number, load_config
+from .virtual_fleet import fleet_section
 from .data import dataset_options, partition_options
 from .models import model_names
 from .privacy import settings as privacy_settings
@@ -41,7 +43,7 @@ __all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mappi
            "builtin_configs", "resolve_config_path", "ConfigError"]
 
 TOP_KEYS = ("dataset", "partition", "model", "strategy", "train", "rounds", "clients_per_round",
-            "fraction", "seed", "eval_every", "attack", "privacy")
+            "fraction", "seed", "eval_every", "attack", "privacy", "fleet")
 # model.init: "uniform" is Model.init's seeded default; "zeros" is w(0) = 0 for the convex
 # models (what the MFL reproduction uses; the paper only asks for equal initial values).
 # The other model keys are the model's options.
@@ -90,6 +92,7 @@ class RunConfig:
     eval_every: int = 1
     path: str | None = None        # the file it came from (relative dataset paths use it)
     attack: Mapping[str, Any] | None = None   # the `attack:` section (edgefl.attacks), resolved
+    fleet: Mapping[str, Any] | None = None    # `fleet:` (edgefl.virtual_fleet), resolved
     privacy: Privacy | None = None            # the `privacy:` section (edgefl.privacy.settings)
 
     @property
@@ -112,6 +115,9 @@ class RunConfig:
         }
         if self.attack is not None:       # absent when unset: plain runs keep their config
             out["attack"] = dict(self.attack)
+        if self.fleet is not None:        # absent when unset, as attack
+            out["fleet"] = {k: dict(v) if isinstance(v, Mapping) else v
+                            for k, v in self.fleet.items()}
         if self.privacy is not None:
             out["privacy"] = self.privacy.to_dict()
         return out
@@ -209,10 +215,15 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
         refused = privacy_settings.refusal(privacy, instance, params.get("robust"), attack)
         if refused:
             v.fail(*refused)
+    fleet = fleet_section(data.get("fleet"), v.fail)
+    if fleet is not None and fleet["deadline_s"] and getattr(instance, "asynchronous", False):
+        v.fail("fleet.deadline_s", f"a deadline closes synchronous rounds; {name} is "
+                                   f"asynchronous (its buffer closes a step)")
     return RunConfig(dataset=_frozen(dataset), partition=_frozen(partition), model=_frozen(model),
                      strategy=name, strategy_params=_frozen(params), train=train, rounds=rounds,
                      clients_per_round=m, seed=seed, eval_every=eval_every, path=path,
-                     attack=None if attack is None else _frozen(attack), privacy=privacy)
+                     attack=None if attack is None else _frozen(attack), privacy=privacy,
+                     fleet=None if fleet is None else _frozen(fleet))
 
 
 def _strategy_key(message: str, params: Mapping) -> str:

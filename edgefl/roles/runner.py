@@ -48,6 +48,7 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
         strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False, stream=stream,
                       strategy=strategy, privacy_rounds=("dp", "secure_aggregation"))
+    _refuse_asynchronous(config, run.strategy)
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
@@ -94,3 +95,20 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                       onnx_exported=exporter.last_round == config.rounds,
                       export=exporter.policy)
     return summary
+
+
+def _refuse_asynchronous(config: RunConfig, strategy) -> None:
+    """The aggregator runs synchronous rounds: an asynchronous strategy runs here only as its
+    synchronous case (FedBuff with K = C = clients_per_round), and a simulated fleet means
+    nothing to real boards. Anything else is refused rather than silently run otherwise."""
+    where = config.path or "<config>"
+    if config.fleet is not None:
+        raise ConfigError(f"{where}: fleet: a simulated fleet is for edgefl simulate; the "
+                          f"aggregator's boards are real")
+    if getattr(strategy, "asynchronous", False):
+        m = config.clients_per_round
+        if strategy.resolved(m) != (m, m):
+            raise ConfigError(f"{where}: strategy.concurrency / strategy.buffer_size: "
+                              f"asynchronous rounds run in edgefl simulate only for now; over "
+                              f"MQTT {strategy.name} runs synchronously, K = C = "
+                              f"clients_per_round = {m} (leave both 0)")

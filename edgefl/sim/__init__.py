@@ -3,6 +3,10 @@ process, for trying an algorithm or a config on one machine before a fleet runs 
 
     loop.py         run_federation: the round engine's rounds over in-memory clients, trained
                     in a thread pool
+    asynchronous.py run_asynchronous: buffered asynchronous steps (FedBuff) on the virtual
+                    clock, the engine's asynchronous caller
+    clock.py        the virtual clock: each task's simulated seconds on the `fleet:`, the
+                    event queue
     over_broker.py  run_over_broker: the same rounds through an MQTT broker with the real
                     roles as threads of this process (`--transport mqtt`)
     progress.py     the progress bar
@@ -33,12 +37,15 @@ from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import prepare_run
+from .asynchronous import run_asynchronous
+from .clock import Clock
 from .loop import run_federation
 from .over_broker import run_over_broker
 from .progress import Progress
 from .secure import in_process_secure_sum
 
-__all__ = ["TRANSPORTS", "simulate", "run_federation", "run_over_broker", "Progress"]
+__all__ = ["TRANSPORTS", "simulate", "run_federation", "run_asynchronous", "run_over_broker",
+           "Progress", "Clock"]
 
 
 TRANSPORTS = ("inproc", "mqtt")
@@ -69,6 +76,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     honoured = ("secure_aggregation", "dp")
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                       stream=stream, privacy_rounds=honoured)
+    asynchronous = getattr(run.strategy, "asynchronous", False)
+    if transport != "inproc" and (asynchronous or config.fleet is not None):
+        raise ValueError(f"{'strategy ' + config.strategy if asynchronous else 'fleet:'}: "
+                         f"asynchronous rounds and the virtual clock run in process only "
+                         f"(--transport inproc)")
     dataset, model, strategy = run.dataset, run.model, run.strategy
     init_params, clients, setup = run.init_params, run.clients, run.setup
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
@@ -89,13 +101,21 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         bar.update(record)
 
     broker_info = None
+    clock = None if config.fleet is None else \
+        Clock.for_fleet(config.fleet, setup.clients, config.seed, model.n_params)
     try:
-        if transport == "inproc":
+        if asynchronous:
+            result = run_asynchronous(strategy, init_params, clients, setup,
+                                      config.clients_per_round, clock=clock,
+                                      test=(dataset.x_test, dataset.y_test),
+                                      eval_every=config.eval_every, workers=workers,
+                                      on_round=on_round, on_model=exporter)
+        elif transport == "inproc":
             result = run_federation(strategy, init_params, clients, setup,
                                     config.clients_per_round,
                                     test=(dataset.x_test, dataset.y_test),
                                     eval_every=config.eval_every, workers=workers,
-                                    on_round=on_round, on_model=exporter,
+                                    on_round=on_round, on_model=exporter, clock=clock,
                                     **_privacy_rounds(config, run.hooks))
         else:
             result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
@@ -109,6 +129,10 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     summary = run_summary(config, model, result, workers)
     if result.stopped is not None:
         summary["stopped"] = result.stopped
+    if "sim_time_s" in result.history[-1]:
+        summary["sim_time_s"] = result.history[-1]["sim_time_s"]
+    if clock is not None:
+        summary["fleet"] = clock.describe()
     if broker_info is not None:
         summary["transport"] = broker_info
     if exporter is not None and exporter.exported:

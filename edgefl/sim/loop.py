@@ -36,7 +36,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                    on_round: Callable[[dict], None] | None = None,
                    on_model: Callable[[int, np.ndarray], None] | None = None,
                    summing: bool = False, hooks: PrivacyHooks = NO_HOOKS,
-                   secure_sum: Callable | None = None) -> RunResult:
+                   secure_sum: Callable | None = None, clock=None) -> RunResult:
     """Run `rounds` (default setup.rounds) rounds of `strategy` over in-memory `clients`.
 
     The rounds are the round engine's (edgefl.rounds): each selects `clients_per_round` of
@@ -57,6 +57,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     `hooks.before_round` (before a round opens) or `hooks.server_sum` raising
     privacy.BudgetExhausted ends the run after the round before;
     the result's `stopped` says why.
+
+    clock: a sim.clock.Clock of the run's `fleet:`, or None. Given, each round lasts as long
+    as its slowest uploader (or the fleet's deadline: an uploader not done by then is not
+    trained and its update is lost), and each record gains sim_time_s (the simulated time
+    at the round's end) and late (how many uploaders missed the deadline).
     """
     rounds = setup.rounds if rounds is None else rounds
     missing = sorted(set(setup.clients) - set(clients))
@@ -84,6 +89,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     # round r, so the result is the same either way.
     pending = None                  # the ClosedRound whose evaluation is deferred
     stopped = None                  # why the run ended early (privacy budget), if it did
+    sim_time = 0.0
 
     def finish(record) -> None:
         history.append(record)
@@ -100,6 +106,14 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
             plan = engine.open_round(r, state)
             tasks = plan.tasks
             order = sorted(tasks)
+            clock_extras = None
+            if clock is not None:
+                seconds = {c: clock.task_seconds(c, tasks[c], clients[c].num_samples)
+                           for c in plan.uploaders}
+                duration, late = clock.round_seconds(r, seconds)
+                order = [c for c in order if c not in late]
+                sim_time += duration
+                clock_extras = {"sim_time_s": sim_time, "late": len(late)}
             evaluating = pending
 
             def work_item(c, r=r, tasks=tasks, evaluating=evaluating):
@@ -133,12 +147,16 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                           defer_evaluation=pool is not None and r != rounds)
             try:
                 if not summing:
-                    closed = engine.close_round(plan, updates, state, **timing)
+                    closed = engine.close_round(
+                        plan, updates, state, **timing,
+                        extras=None if clock_extras is None else clock_extras.copy)
                 elif secure_sum is None:
-                    closed = engine.close_round_clear_sum(plan, contributions, state,
-                                                          hooks=hooks, **timing)
+                    closed = engine.close_round_clear_sum(
+                        plan, contributions, state, hooks=hooks, **timing,
+                        extras=None if clock_extras is None else clock_extras.copy)
                 else:
                     total, totals, extras = secure_sum(engine, plan, contributions)
+                    extras = {**extras, **(clock_extras or {})}
                     closed = engine.close_round_from_sum(plan, total, totals, state,
                                                          hooks=hooks, extras=lambda: extras,
                                                          **timing)

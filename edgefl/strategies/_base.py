@@ -26,6 +26,9 @@ class Strategy:
     """
     name: ClassVar[str] = ""
     listed: ClassVar[bool] = True    # False: a wrapper, not offered by strategy_names()
+    # True: `edgefl simulate` runs it with the asynchronous driver (edgefl/sim/asynchronous.py:
+    # clients train at once and a buffer closes each step), e.g. FedBuff
+    asynchronous: ClassVar[bool] = False
     # Whether the server step needs only the weighted sum of the clients' updates, so it can
     # run on what secure aggregation or DP hand it (edgefl.privacy); when not, the reason.
     secure_sum: ClassVar[bool] = False

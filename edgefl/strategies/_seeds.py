@@ -90,17 +90,23 @@ def _validated_train(train: Mapping) -> Mapping:
         return kernels.train_config(**train)
 
 
-def select_clients(seed: int, round: int, clients: Sequence[int], m: int) -> list:
+def select_clients(seed: int, round: int, clients: Sequence[int], m: int,
+                   draw: int = 0) -> list:
     """m of `clients`, uniformly without replacement, from a Generator seeded by
     (seed, round) alone: a fixed M, uniform without replacement, for every algorithm.
     Stateless, so a resumed run selects the same clients, and independent of the strategy
     and its parameters, so runs of different algorithms with one seed select alike.
-    Returned sorted."""
+    Returned sorted.
+
+    draw: the asynchronous driver tasks idle clients several times per version; draw j > 0
+    seeds the j-th of them by (seed, round, j), and draw 0 is the synchronous selection, so
+    a first draw of the whole cohort selects as a synchronous round does."""
     clients = sorted(int(c) for c in clients)
     if not 1 <= m <= len(clients):
         raise StrategyError(f"select_clients: cannot select {m} of {len(clients)} clients")
     if m == len(clients):
         return clients
-    rng = np.random.default_rng((int(seed), _SELECT_STREAM, int(round)))
+    key = (int(seed), _SELECT_STREAM, int(round)) + ((int(draw),) if draw else ())
+    rng = np.random.default_rng(key)
     picked = rng.choice(len(clients), size=m, replace=False)
     return sorted(clients[i] for i in picked)
