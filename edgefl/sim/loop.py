@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, RunStopped, TrainingStopped
 from ..rounds import RoundEngine, add_evaluation
 from ..runs.prepare import RunResult
 from ..strategies import LocalData, Setup, Strategy
@@ -32,7 +32,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                    setup: Setup, clients_per_round: int, *, rounds: int | None = None,
                    test: tuple | None = None, eval_every: int = 1, workers: int | None = None,
                    on_round: Callable[[dict], None] | None = None,
-                   on_model: Callable[[int, np.ndarray], None] | None = None) -> RunResult:
+                   on_model: Callable[[int, np.ndarray], None] | None = None,
+                   stop=None) -> RunResult:
     """Run `rounds` (default setup.rounds) rounds of `strategy` over in-memory `clients`.
 
     The rounds are the round engine's (edgefl.rounds): each selects `clients_per_round` of
@@ -44,6 +45,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     evaluation overlaps the next round's training, so its record comes then; records still
     come in round order), `on_model(round, global model)` its model as soon as it is
     aggregated (the periodic ONNX export).
+
+    `stop`: a kernels.StopFlag (the clients' LocalData carry it to the kernel, prepare_run
+    puts it there). Once it is set, the local rounds stop before their next step and
+    RunStopped is raised with the rounds done (each evaluated and passed to on_round); the
+    round in progress is dropped.
     """
     rounds = setup.rounds if rounds is None else rounds
     missing = sorted(set(setup.clients) - set(clients))
@@ -76,8 +82,17 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
         if on_round is not None:
             on_round(record)
 
+    def stopped(r):
+        if pending is not None:        # the round before this one was aggregated: record it
+            add_evaluation(pending.record, engine.evaluate(pending.model))
+            finish(pending.record)
+        return RunStopped(r, RunResult(state, client_states, history,
+                                       strategy.global_model(state)), rounds)
+
     try:
         for r in range(1, rounds + 1):
+            if stop is not None and stop.is_set():
+                raise stopped(r)
             plan = engine.open_round(r, state)
             tasks = plan.tasks
             order = sorted(tasks)
@@ -92,8 +107,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                     raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc
 
             t1 = time.perf_counter()
-            results = _map_clients(pool, workers, work_item,
-                                   order if evaluating is None else [_EVALUATE] + order)
+            try:
+                results = _map_clients(pool, workers, work_item,
+                                       order if evaluating is None else [_EVALUATE] + order)
+            except TrainingStopped:
+                raise stopped(r) from None
             train_wall = time.perf_counter() - t1
             if evaluating is not None:
                 pending = None
