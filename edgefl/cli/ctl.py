@@ -21,7 +21,9 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=CTL_ACTIONS,
                         help="start CONFIG: queue a run; pause / resume / stop / export: the "
                              "active run (or --run ID); status; runs; watch: follow the "
-                             "events until the run ends (Ctrl-C to leave)")
+                             "events until the run ends (Ctrl-C to leave), or print how "
+                             "--run ID ended if it has; exit 0 finished, 1 failed or "
+                             "unknown, 3 stopped or cancelled")
     parser.add_argument("run_config", nargs="?", metavar="CONFIG",
                         help="with start: the run config (YAML file or built-in name)")
     add_service_config_arguments(parser)
@@ -204,8 +206,18 @@ def _paused_where(doc: dict) -> str:
     return f"between rounds: {done} round(s) done, the next opens after resume"
 
 
+# `ctl watch`'s exit status by how the watched run ended (docs/orchestration.md)
+WATCH_EXIT = {"finished": 0, "failed": 1, "stopped": 3, "cancelled": 3}
+WATCH_ENDS = {"run_finished": "finished", "run_stopped": "stopped",
+              "run_cancelled": "cancelled"}
+
+
 def _ctl_watch(args, transport, topics, name) -> int:
-    """Follow the events topic: rounds, accuracy, clients online, until the run ends."""
+    """Follow the events topic: rounds, accuracy, clients online, until the run ends. A run
+    (--run) that has ended already is not waited for: its outcome, from the service's run
+    records (the `runs` reply, else the retained record on runs/<id>), is printed at once.
+    Exit status: WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or
+    cancelled); 1 for a run id the service does not know."""
     import json
 
     from ..roles.control import CommandRefused, ControlClient
@@ -213,26 +225,56 @@ def _ctl_watch(args, transport, topics, name) -> int:
 
     transport.subscribe(topics.events(), qos=1)
     watched = args.run_id
+    record_topic = topics.run_record(watched) if watched is not None else None
+    requester = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
     # the clients online: from the status reply (the active run's aggregator knows them),
     # then kept up to date by client_joined / client_left
     online: set = set()
     try:
-        status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5").request(
-            {"cmd": "status"}, timeout=args.timeout)
+        status = requester.request({"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):
-            active = (status.get("result") or {}).get("active")
+            result = status.get("result") or {}
+            active = result.get("active")
             watched = watched or (active or {}).get("run")
             if active and active.get("run") == watched:
                 online.update(active.get("clients_online") or [])
+            elif args.run_id is not None:
+                # not the active run: ended, queued, or unknown to this service
+                runs = requester.request({"cmd": "runs"}, timeout=args.timeout)
+                records = {r.get("id"): r for r in
+                           ((runs.get("result") or {}).get("runs") or [])}
+                record = records.get(watched)
+                if record is None:
+                    print(f"edgefl ctl watch: no run {watched!r} on aggregator "
+                          f"{result.get('node')} of federation {topics.federation!r} (its "
+                          f"runs: {', '.join(records) or 'none'}; `edgefl ctl runs` lists "
+                          f"them)", file=sys.stderr)
+                    return 1
+                if record.get("state") in WATCH_EXIT:
+                    return _watch_outcome(args, record)
             if not args.json:
-                print(_ctl_text("status", status.get("result") or {}), flush=True)
+                print(_ctl_text("status", result), flush=True)
     except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
-    ends = ("run_finished", "run_stopped", "run_cancelled")
+    if record_topic is not None:
+        # the run's retained record comes on subscribing: an end the requests above did not
+        # see (the service did not answer, or the run ended while they waited -- a request
+        # passes over the events that arrive meanwhile) ends the watch all the same
+        transport.subscribe(record_topic, qos=1)
     try:
         while True:
             item = transport.receive(timeout=1.0)
-            if not isinstance(item, Message) or item.topic != topics.events():
+            if not isinstance(item, Message):
+                continue
+            if item.topic == record_topic:      # the retained record: an end missed above
+                try:
+                    record = json.loads(item.payload)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("state") in WATCH_EXIT:
+                    return _watch_outcome(args, record)
+                continue
+            if item.topic != topics.events():
                 continue
             try:
                 event = json.loads(item.payload)
@@ -254,10 +296,37 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 print(json.dumps(event), flush=True)
             else:
                 print(_event_text(event, online), flush=True)
-            if kind in ends or (kind == "error" and run == watched and run is not None):
-                return 0 if kind == "run_finished" else 1
+            if kind in WATCH_ENDS:
+                return WATCH_EXIT[WATCH_ENDS[kind]]
+            if kind == "error" and run == watched and run is not None:
+                return WATCH_EXIT["failed"]
     except KeyboardInterrupt:
         return 0
+
+
+def _watch_outcome(args, record: dict) -> int:
+    """Print how a run that has ended ended (its public record) and return watch's status."""
+    import json
+
+    state = record.get("state")
+    if args.json:
+        print(json.dumps(record), flush=True)
+        return WATCH_EXIT[state]
+    run, acc = record.get("id"), record.get("final_accuracy")
+    rounds = f"{record.get('rounds_done', 0)} of {record.get('rounds') or '?'} rounds"
+    accuracy = f"final accuracy {acc:.4f}" if acc is not None else "no accuracy"
+    where = record.get("out_dir") or record.get("run_dir")
+    if state == "finished":
+        text = f"finished: {rounds}, {accuracy}; outputs in {where}"
+    elif state == "stopped":
+        text = (f"stopped by the operator after {rounds}, {accuracy}; checkpoint and "
+                f"model.onnx in {where}")
+    elif state == "cancelled":
+        text = "cancelled before it started"
+    else:
+        text = f"failed: {record.get('error') or 'no reason recorded'} (after {rounds})"
+    print(f"run {run}: {text}", flush=True)
+    return WATCH_EXIT[state]
 
 
 def _event_text(event: dict, online: set) -> str:
