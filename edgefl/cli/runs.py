@@ -134,6 +134,8 @@ def _simulate(args: argparse.Namespace) -> int:
                                transport=args.transport, broker=args.broker, mqtt=mqtt,
                                export=export, stop=stop)
     except RunStopped as exc:
+        if args.out is None:            # stopped before writing: no empty run directory left
+            discard_if_empty(out)
         done = exc.summary["stopped"]["rounds_done"] if exc.summary else 0
         print(f"edgefl simulate: stopped ({stop.name or 'stop requested'}) in round "
               f"{exc.round} of {config.rounds}, which is dropped; "
