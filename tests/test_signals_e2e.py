@@ -1,11 +1,14 @@
-"""SIGTERM end to end (issue #6 item 3; docs/deployment.md "Stopping and restarting"): real `edgefl
-aggregator` and `edgefl client` processes against a real Mosquitto, signalled mid-round
-(a client while its local round trains, the aggregator while the round waits for that
-client, the other clients while they wait), each stops within seconds with exit 0 and its
-state persisted, and restarted they finish the run: each round aggregated exactly once,
+"""SIGTERM and SIGINT end to end (issue #6 item 3, issue #18 item 6; docs/reliability.md
+"Stopping: signals and exit statuses"): real `edgefl aggregator` and `edgefl client`
+processes against a real Mosquitto, signalled mid-round (a client while its local round
+trains, the aggregator while the round waits for that client, the other clients while they
+wait), each stops with exit 0 (the training client before its round's next local step) and
+its state persisted, and restarted they finish the run: each round aggregated exactly once,
 every round aggregated with all three updates (the round the client abandoned trained once
 after the restart, the others' stored updates re-sent rather than retrained), and the final
-model is the one the in-process simulation of the same config and seed gives.
+model is the one the in-process simulation of the same config and seed gives. `edgefl
+simulate`, in process and over MQTT, stops inside the round it is in and exits 128 + the
+signal.
 
 The aggregator's site file sets the round and export settings the layered config declares
 for it (round.deadline, export.every), and every board ends with the final ONNX model.
@@ -35,7 +38,11 @@ from helpers import NotifySocket, StderrGate, wait_for
 pytest_plugins = ["brokers"]
 
 REPO = Path(__file__).resolve().parents[1]
-STOP_WITHIN_S = 10.0        # "within a few seconds", with room for a loaded machine
+# How long a signalled process may take to exit before the test calls it hung: a bound for
+# a broken stop, not a measure of promptness (no timed assertions on a shared machine). That
+# a stop is prompt shows in what did not happen: a client's round stopped with fewer steps
+# done than planned, a simulation's round left unrecorded.
+HANG_S = 120.0
 RUN = {
     "dataset": {"name": "digits", "limit_train": 600},
     "partition": {"name": "iid", "clients": 3},
@@ -115,9 +122,9 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
             proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         try:
-            code = proc.wait(STOP_WITHIN_S)
+            code = proc.wait(HANG_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not stop within {STOP_WITHIN_S:g} s of SIGTERM:\n"
+            pytest.fail(f"{name} did not stop within {HANG_S:g} s of SIGTERM (hung):\n"
                         f"{log_of(name)[-2000:]}")
         assert code == 0, f"{name} exited {code}:\n{log_of(name)[-2000:]}"
         return time.monotonic() - t0
@@ -172,7 +179,7 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
                  what="the aggregator's outputs", timeout=60.0)
         if agg.poll() is None:      # a service that stays up for the next run: stop it too
             stop(agg, "aggregator")
-        assert agg.wait(STOP_WITHIN_S) == 0, log_of("aggregator")[-3000:]
+        assert agg.wait(HANG_S) == 0, log_of("aggregator")[-3000:]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -268,8 +275,9 @@ def test_sigterm_while_the_c_core_trains_exits_0_every_time(tmp_path, mosquitto_
                             "--shard", "0"], "client-0", {"NOTIFY_SOCKET": status.path})
             wait_for(lambda: "STATUS=round 1: training" in status.lines,
                      what=f"client-0 training round 1 (start {attempt + 1})", timeout=60.0)
-            client.send_signal(signal.SIGTERM)
-            code = client.wait(STOP_WITHIN_S)
+            # SIGTERM (systemctl stop), and once SIGINT (Ctrl-C in a terminal): both exit 0
+            client.send_signal(signal.SIGINT if attempt == 1 else signal.SIGTERM)
+            code = client.wait(HANG_S)
             assert code == 0, f"stop {attempt + 1}: client exited {code}:\n" \
                               f"{log_of('client-0')[-2000:]}"
         stops = _abandoned_steps(log_of("client-0"), 1)
@@ -278,7 +286,7 @@ def test_sigterm_while_the_c_core_trains_exits_0_every_time(tmp_path, mosquitto_
                                         "trained 0") == 3       # main() returned each time
         assert ClientProgress.load(tmp_path / "client-0").trained == 0   # never finished
         agg.send_signal(signal.SIGINT)
-        assert agg.wait(STOP_WITHIN_S) == 0, log_of("aggregator")[-2000:]
+        assert agg.wait(HANG_S) == 0, log_of("aggregator")[-2000:]
         assert "edgefl aggregator: stopped (SIGINT)" in log_of("aggregator")
         ckpt = AggregatorCheckpoint.load(tmp_path / "agg-state")
         assert ckpt.round == 0 and ckpt.aggregated == []
@@ -458,9 +466,9 @@ def _check_watchdog_follows_the_main_loop(proc, notify: NotifySocket, gate: Stde
 def _stop_and_check(proc, notify: NotifySocket, gate: StderrGate, name: str) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
-        code = proc.wait(STOP_WITHIN_S)
+        code = proc.wait(HANG_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{name} did not stop within {STOP_WITHIN_S:g} s of SIGTERM:\n"
+        pytest.fail(f"{name} did not stop within {HANG_S:g} s of SIGTERM (hung):\n"
                     f"{gate.text()[-2000:]}")
     assert code == 0, f"{name} exited {code}:\n{gate.text()[-2000:]}"
     assert notify.find("STOPPING", "1"), notify.lines
