@@ -22,18 +22,18 @@ applies, so a board's certificate is as narrow as its password.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import re
-import shutil
-import subprocess
 import time
 import uuid
 
 import pytest
 
 pytest.register_assert_rewrite("brokers")
-from brokers import MOSQUITTO_ACL, MOSQUITTO_CONF, ServerProcess, messages_within    # noqa: E402
+from brokers import MOSQUITTO_CONF, ServerProcess, messages_within    # noqa: E402
+from edgefl.service.accounts import dynsec_state, federation_accounts, find_dynsec_plugin  # noqa: E402,E501
 from edgefl.transport.base import Message, TransportError    # noqa: E402
 from edgefl.transport.broker import find_mosquitto, free_port    # noqa: E402
 from edgefl.transport.mqtt import MqttTransport    # noqa: E402
@@ -43,6 +43,10 @@ pytest_plugins = ["brokers"]
 
 PROTOCOLS = ["3.1.1", "5"]
 NOT_AUTHORIZED = 135          # MQTT 5 reason code of a denied publish
+
+
+# the TLS brokers' accounts are generated for one federation (edgefl broker accounts)
+TLS_FEDERATION = Topics("acc-tls")
 
 
 @pytest.fixture
@@ -301,7 +305,7 @@ def make_pki(d):
     return files
 
 
-def tls_conf(d, tls_port, local_port, password_file, mutual: bool) -> str:
+def tls_conf(d, tls_port, local_port, dynsec_file, mutual: bool) -> str:
     """broker/mosquitto.conf as shipped, its paths pointed at the test's files and its two
     listeners at free ports on 127.0.0.1; with `mutual`, its commented-out mutual-TLS lines
     switched on."""
@@ -312,8 +316,8 @@ def tls_conf(d, tls_port, local_port, password_file, mutual: bool) -> str:
         "/etc/mosquitto/certs/ca.crt": str(d / "ca.crt"),
         "/etc/mosquitto/certs/server.crt": str(d / "server.crt"),
         "/etc/mosquitto/certs/server.key": str(d / "server.key"),
-        "/etc/mosquitto/edgefl.passwords": str(password_file),
-        "/etc/mosquitto/edgefl.acl": str(MOSQUITTO_ACL),
+        "/var/lib/mosquitto/edgefl-dynsec.json": str(dynsec_file),
+        "/usr/lib/x86_64-linux-gnu/mosquitto_dynamic_security.so": find_dynsec_plugin(),
         "persistence_location /var/lib/mosquitto/": f"persistence_location {d}/",
         "log_dest syslog": "log_dest stderr",
     }
@@ -336,12 +340,13 @@ class TlsMosquitto(ServerProcess):
         super().__init__(d)
         self.local_port = self.port            # listener 2: the aggregator's, plain TCP
         self.tls_port = free_port()            # listener 1: the boards', TLS
-        passwords = d / "passwords"
-        passwords.write_text("".join(f"{u}:{p}\n" for u, p in users.items()))
-        passwd = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
-        subprocess.run([passwd, "-U", str(passwords)], check=True, timeout=10)
+        # the accounts as `edgefl broker accounts` makes them, with the test's passwords
+        accounts = federation_accounts(TLS_FEDERATION.federation, ["client-1", "client-2"],
+                                       passwords=users)
+        dynsec = d / "dynsec.json"
+        dynsec.write_text(json.dumps(dynsec_state(accounts)))
         self.conf = d / "mosquitto.conf"
-        self.conf.write_text(tls_conf(d, self.tls_port, self.local_port, passwords, mutual))
+        self.conf.write_text(tls_conf(d, self.tls_port, self.local_port, dynsec, mutual))
         self.users = users
 
     def command(self):
@@ -351,6 +356,9 @@ class TlsMosquitto(ServerProcess):
 def _tls_broker(tmp_path_factory, mutual):
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")
+    if find_dynsec_plugin() is None:
+        pytest.skip("Mosquitto's dynamic security plugin, which broker/mosquitto.conf loads, "
+                    "is not installed (Mosquitto >= 2.0)")
     pytest.importorskip("cryptography", reason="the test CA is made with `cryptography`")
     d = tmp_path_factory.mktemp("tls-mutual" if mutual else "tls")
     make_pki(d)
@@ -381,13 +389,14 @@ def _tls(server, user, ca="ca.crt", host="localhost", **options):
     d = server.dir
     if user in server.users and "cert_file" not in options:
         options.update(username=user, password=server.users[user])
-    return MqttTransport(f"mqtts://{host}:{server.tls_port}", f"{user}-{uuid.uuid4().hex[:6]}",
+    # the client id bound to the account (broker/mosquitto.conf's accounts)
+    return MqttTransport(f"mqtts://{host}:{server.tls_port}", user,
                          ca_file=str(d / ca), clean_session=True, connect_timeout=10,
                          reconnect_min=0.05, **options)
 
 
 def _local(server, user):
-    return MqttTransport(f"mqtt://127.0.0.1:{server.local_port}", f"{user}-{uuid.uuid4().hex[:6]}",
+    return MqttTransport(f"mqtt://127.0.0.1:{server.local_port}", user,
                          username=user, password=server.users[user], clean_session=True,
                          connect_timeout=10)
 
@@ -408,7 +417,8 @@ def assert_only_its_own_update_arrives(aggregator, board, federation, how: str):
         aggregator.close(timeout=1, announce_offline=False)
 
 
-def test_tls_with_the_test_ca_works_and_the_acl_still_applies(tls_broker, federation):
+def test_tls_with_the_test_ca_works_and_the_acl_still_applies(tls_broker):
+    federation = TLS_FEDERATION
     aggregator = _local(tls_broker, "aggregator")        # listener 2, on the gateway
     aggregator.connect()
     board = _tls(tls_broker, "client-1")                 # listener 1, over the network
@@ -447,8 +457,8 @@ def test_the_tls_listener_speaks_no_plain_mqtt_and_needs_a_password(tls_broker):
         anonymous.connect()
 
 
-def test_mutual_tls_logs_in_by_certificate_and_the_acl_applies_to_its_cn(mutual_tls_broker,
-                                                                          federation):
+def test_mutual_tls_logs_in_by_certificate_and_the_acl_applies_to_its_cn(mutual_tls_broker):
+    federation = TLS_FEDERATION
     d = mutual_tls_broker.dir
     aggregator = _local(mutual_tls_broker, "aggregator")
     aggregator.connect()
@@ -467,3 +477,20 @@ def test_mutual_tls_refuses_a_board_without_a_certificate_of_its_ca(mutual_tls_b
     with pytest.raises(TransportError, match=rf"localhost:{mutual_tls_broker.tls_port}"):
         board.connect(timeout=5)
     assert not board.connected
+
+
+def test_mutual_tls_identity_logins_are_not_bound_to_a_client_id(mutual_tls_broker):
+    """What broker/mosquitto.conf and docs/brokers.md warn of: a login by certificate
+    (use_identity_as_username) skips the plugin's password check and the client-id binding
+    that is part of it, so a board's certificate connects under the aggregator's client id.
+    The binding holds only for password logins."""
+    d = mutual_tls_broker.dir
+    board = MqttTransport(f"mqtts://localhost:{mutual_tls_broker.tls_port}", "aggregator",
+                          ca_file=str(d / "ca.crt"), cert_file=str(d / "client-1.crt"),
+                          key_file=str(d / "client-1.key"), clean_session=True,
+                          connect_timeout=10, reconnect_min=0.05)
+    board.connect()
+    try:
+        assert board.connected
+    finally:
+        board.close(timeout=1, announce_offline=False)

@@ -704,8 +704,9 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
         watched = run_ctl("watch", "--run", "short")
         assert watched.returncode == 0, watched.stderr
         run_dir = f.state_dir / "runs" / "short"
-        assert watched.stdout == (f"run short: finished: 2 of 2 rounds, final accuracy "
-                                  f"{finished['final_accuracy']:.4f}; outputs in {run_dir}\n")
+        assert watched.stdout == (f"run short: finished before watch began, 2/2 rounds, final "
+                                  f"accuracy {finished['final_accuracy']:.4f}; outputs in "
+                                  f"{run_dir}\n")
         assert (run_dir / "summary.json").exists() and (run_dir / "model.onnx").exists()
         as_json = run_ctl("watch", "--run", "short", "--json")
         assert as_json.returncode == 0, as_json.stderr
@@ -715,7 +716,8 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
 
         failed = run_ctl("watch", "--run", "nodata")
         assert failed.returncode == 1, failed.stderr
-        assert failed.stdout.startswith("run nodata: failed: ") and \
+        assert failed.stdout.startswith("run nodata: failed before watch began, 0/2 rounds; ") \
+            and \
             "npz: file /nonexistent/edgefl/data.npz does not exist" in failed.stdout, \
             failed.stdout
 
@@ -732,7 +734,9 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
         offline = run_ctl("watch", "--run", "short")
         assert offline.returncode == 0, offline.stderr
         assert "(watching the events anyway)" in offline.stderr
-        assert offline.stdout == watched.stdout
+        assert offline.stdout == watched.stdout.replace(
+            "before watch began", "(its record; the end's event came before watch was "
+                                  "listening)")
     finally:
         if service.poll() is None:
             service.send_signal(signal.SIGTERM)

@@ -15,27 +15,22 @@ from .command import Command
 CTL_ACTIONS = ("start", "pause", "resume", "stop", "export", "status", "runs", "watch")
 
 
-def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
+def add_operator_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """The options of a tool of the operator's account (`ctl`, `dashboard`): the site file
+    (its broker URL, CA file and federation), the broker, the account and TLS files.
+    `what`: what only the operator may, in the help ("publish commands")."""
     from ..service.layered import add_service_config_arguments
 
-    parser.add_argument("action", choices=CTL_ACTIONS,
-                        help="start CONFIG: queue a run; pause / resume / stop / export: the "
-                             "active run (or --run ID); status; runs; watch: follow the "
-                             "events until the run ends (Ctrl-C to leave), or print how "
-                             "--run ID ended if it has; exit 0 finished, 1 failed or "
-                             "unknown, 3 stopped or cancelled")
-    parser.add_argument("run_config", nargs="?", metavar="CONFIG",
-                        help="with start: the run config (YAML file or built-in name)")
     add_service_config_arguments(parser)
     parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
                         help="whose site file --config is (its broker URL, CA file and "
                              "federation are used, never its account; default aggregator)")
     parser.add_argument("--broker", metavar="URL",
-                        help="mqtt://host[:port] or mqtts://... (default: the site file's, "
-                             "else mqtt://localhost:1883)")
+                        help="mqtt://host[:port], mqtts://... or host:port (default: the "
+                             "site file's, else mqtt://localhost:1883)")
     parser.add_argument("--username", metavar="USER",
-                        help="MQTT user: the operator's account (the broker's ACL lets only "
-                             "the operator publish commands); never taken from --config, "
+                        help=f"MQTT user: the operator's account (the broker's ACL lets only "
+                             f"the operator {what}); never taken from --config, "
                              "whose account is the node's own")
     parser.add_argument("--password-file", metavar="FILE",
                         help="file whose first line is the MQTT password of --username")
@@ -47,6 +42,18 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--federation", metavar="ID",
                         help="federation id (default: the site file's node.federation, else "
                              "'default')")
+
+
+def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=CTL_ACTIONS,
+                        help="start CONFIG: queue a run; pause / resume / stop / export: the "
+                             "active run (or --run ID); status; runs; watch: follow the "
+                             "events until the run ends (Ctrl-C to leave), or say how "
+                             "--run ID ended if it has; exit 0 finished, 1 failed or "
+                             "unknown, 3 stopped or cancelled")
+    parser.add_argument("run_config", nargs="?", metavar="CONFIG",
+                        help="with start: the run config (YAML file or built-in name)")
+    add_operator_arguments(parser, "publish commands")
     parser.add_argument("--mqtt", choices=["5", "3.1.1"], default="5",
                         help="protocol: 5 (default) sends the reply address as response topic "
                              "+ correlation data, 3.1.1 in the payload (reply_to, request_id)")
@@ -66,18 +73,16 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the reply (watch: each event) as JSON")
 
 
-def _ctl_connect(args: argparse.Namespace):
-    """The connection of `edgefl ctl`. A site file (--config) gives the broker URL, its CA
-    file and the federation, never its account: that is the node's own login (the
-    aggregator's, a board's), which the broker's ACL does not let publish commands. The
-    account is the command line's (--username / --password-file, or --cert-file /
-    --key-file); with a site file that names an account and none given, ctl refuses
-    before connecting rather than have the broker drop every command."""
-    import os
-
-    from ..transport.requester import RequesterTransport
+def operator_settings(args: argparse.Namespace, tool: str,
+                      why: str) -> tuple[str, dict, str]:
+    """(broker URL, MqttTransport options, federation) of a tool of the operator's account
+    (add_operator_arguments). A site file (--config) gives the broker URL, its CA file and
+    the federation, never its account: that is the node's own login (the aggregator's, a
+    board's), which the broker's ACL does not let do what the operator does (`why`, e.g.
+    "publish commands"; `tool` names the command, "ctl"). The account is the command line's (--username / --password-file,
+    or --cert-file / --key-file); with a site file that names an account and none given,
+    ValueError before connecting, saying so."""
     from ..service.layered import default, load_service_config
-    from ..transport.topics import Topics
 
     config = None
     if args.site is not None or args.overrides or args.profile is not None:
@@ -89,19 +94,29 @@ def _ctl_connect(args: argparse.Namespace):
         raise ValueError(
             f"the {args.role}'s site file {args.site or '(default)'} logs in as its own "
             f"account ({', '.join(own)}), and the broker's ACL lets only the operator account "
-            f"publish commands (broker/acl), so ctl does not use it: give the operator's "
+            f"{why} (broker/acl), so {tool} does not use it: give the operator's "
             f"credentials with --username operator --password-file FILE (or --cert-file / "
             f"--key-file); the site file still gives the broker URL, CA file and federation")
     url = args.broker or broker.get("url") or default("broker.url")
     options = {"ca_file": args.ca_file or broker.get("ca_file"), "cert_file": args.cert_file,
-               "key_file": args.key_file}
-    name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
-    transport = RequesterTransport(url, f"edgefl-{name}", clean_session=True,
-                                   protocol=args.mqtt, username=args.username,
-                                   password_file=args.password_file,
-                                   **{k: v for k, v in options.items() if v})
+               "key_file": args.key_file, "username": args.username,
+               "password_file": args.password_file}
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
+    return url, {k: v for k, v in options.items() if v}, federation
+
+
+def _ctl_connect(args: argparse.Namespace):
+    """The connection of `edgefl ctl` (operator_settings says where and as whom)."""
+    import os
+
+    from ..transport.requester import RequesterTransport
+    from ..transport.topics import Topics
+
+    url, options, federation = operator_settings(args, "ctl", "publish commands")
+    name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
+    transport = RequesterTransport(url, f"edgefl-{name}", clean_session=True,
+                                   protocol=args.mqtt, **options)
     transport.connect()
     return transport, Topics(federation), name
 
@@ -214,10 +229,10 @@ WATCH_ENDS = {"run_finished": "finished", "run_stopped": "stopped",
 
 def _ctl_watch(args, transport, topics, name) -> int:
     """Follow the events topic: rounds, accuracy, clients online, until the run ends. A run
-    (--run) that has ended already is not waited for: its outcome, from the service's run
-    records (the `runs` reply, else the retained record on runs/<id>), is printed at once.
-    Exit status: WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or
-    cancelled); 1 for a run id the service does not know."""
+    that has ended before watch began sends no more events: its outcome, from the service's
+    run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
+    at once. Exit status: WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or
+    cancelled); 1 for a --run ID the service does not know."""
     import json
 
     from ..roles.control import CommandRefused, ControlClient
@@ -225,24 +240,22 @@ def _ctl_watch(args, transport, topics, name) -> int:
 
     transport.subscribe(topics.events(), qos=1)
     watched = args.run_id
-    record_topic = topics.run_record(watched) if watched is not None else None
-    requester = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
     # the clients online: from the status reply (the active run's aggregator knows them),
     # then kept up to date by client_joined / client_left
     online: set = set()
+    control = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
     try:
-        status = requester.request({"cmd": "status"}, timeout=args.timeout)
+        status = control.request({"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):
             result = status.get("result") or {}
             active = result.get("active")
             watched = watched or (active or {}).get("run")
             if active and active.get("run") == watched:
                 online.update(active.get("clients_online") or [])
-            elif args.run_id is not None:
-                # not the active run: ended, queued, or unknown to this service
-                runs = requester.request({"cmd": "runs"}, timeout=args.timeout)
-                records = {r.get("id"): r for r in
-                           ((runs.get("result") or {}).get("runs") or [])}
+            elif watched is not None:
+                # not the active run: ended (a short run is over before a script's next
+                # command, and no event of it will come), queued, or unknown here
+                records = _run_records(control, args.timeout)
                 record = records.get(watched)
                 if record is None:
                     print(f"edgefl ctl watch: no run {watched!r} on aggregator "
@@ -251,28 +264,31 @@ def _ctl_watch(args, transport, topics, name) -> int:
                           f"them)", file=sys.stderr)
                     return 1
                 if record.get("state") in WATCH_EXIT:
-                    return _watch_outcome(args, record)
+                    return _report_ended(record, args.json, "before watch began")
             if not args.json:
                 print(_ctl_text("status", result), flush=True)
     except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
+    # The run's retained record comes on subscribing, and again when the service closes it:
+    # an end the requests above did not see (the service did not answer, or the run ended
+    # while they waited: a request passes over the events that arrive meanwhile) ends the
+    # watch all the same, without asking the service again.
+    record_topic = topics.run_record(watched) if watched is not None else None
     if record_topic is not None:
-        # the run's retained record comes on subscribing: an end the requests above did not
-        # see (the service did not answer, or the run ended while they waited -- a request
-        # passes over the events that arrive meanwhile) ends the watch all the same
         transport.subscribe(record_topic, qos=1)
     try:
         while True:
             item = transport.receive(timeout=1.0)
             if not isinstance(item, Message):
                 continue
-            if item.topic == record_topic:      # the retained record: an end missed above
+            if item.topic == record_topic:
                 try:
                     record = json.loads(item.payload)
                 except ValueError:
                     continue
                 if isinstance(record, dict) and record.get("state") in WATCH_EXIT:
-                    return _watch_outcome(args, record)
+                    return _report_ended(record, args.json, "(its record; the end's event "
+                                                            "came before watch was listening)")
                 continue
             if item.topic != topics.events():
                 continue
@@ -304,29 +320,29 @@ def _ctl_watch(args, transport, topics, name) -> int:
         return 0
 
 
-def _watch_outcome(args, record: dict) -> int:
-    """Print how a run that has ended ended (its public record) and return watch's status."""
+def _report_ended(record: dict, as_json: bool, when: str) -> int:
+    """Print how a run ended that watch did not see end (its public record: state, rounds,
+    accuracy, where its outputs are, or why it failed); returns watch's exit status."""
     import json
 
     state = record.get("state")
-    if args.json:
-        print(json.dumps(record), flush=True)
-        return WATCH_EXIT[state]
-    run, acc = record.get("id"), record.get("final_accuracy")
-    rounds = f"{record.get('rounds_done', 0)} of {record.get('rounds') or '?'} rounds"
-    accuracy = f"final accuracy {acc:.4f}" if acc is not None else "no accuracy"
     where = record.get("out_dir") or record.get("run_dir")
-    if state == "finished":
-        text = f"finished: {rounds}, {accuracy}; outputs in {where}"
-    elif state == "stopped":
-        text = (f"stopped by the operator after {rounds}, {accuracy}; checkpoint and "
-                f"model.onnx in {where}")
-    elif state == "cancelled":
-        text = "cancelled before it started"
-    else:
-        text = f"failed: {record.get('error') or 'no reason recorded'} (after {rounds})"
-    print(f"run {run}: {text}", flush=True)
-    return WATCH_EXIT[state]
+    print(json.dumps(record) if as_json else
+          f"run {record.get('id')}: {state} {when}, "
+          f"{record.get('rounds_done', 0)}/{record.get('rounds') or '?'} rounds"
+          + (f", final accuracy {record['final_accuracy']:.4f}"
+             if record.get("final_accuracy") is not None else "")
+          + (f"; {record['error']}" if record.get("error") else "")
+          + (f"; outputs in {where}" if where and state in ("finished", "stopped") else ""),
+          flush=True)
+    return WATCH_EXIT.get(state, 1)
+
+
+def _run_records(control, timeout: float) -> dict:
+    """{run id: its public record} of every run the service knows (the `runs` reply)."""
+    reply = control.request({"cmd": "runs"}, timeout=timeout)
+    return {r.get("id"): r for r in (reply.get("result") or {}).get("runs") or []
+            if isinstance(r, dict)}
 
 
 def _event_text(event: dict, online: set) -> str:

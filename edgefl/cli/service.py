@@ -27,6 +27,60 @@ def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-packet-bytes", type=int, default=DEFAULT_MAX_PACKET_BYTES,
                         metavar="N", help="largest MQTT packet accepted (default "
                                           f"{DEFAULT_MAX_PACKET_BYTES})")
+    actions = parser.add_subparsers(dest="broker_action", metavar="ACTION")
+    accounts = actions.add_parser(
+        "accounts", help="generate a federation's broker accounts (one per connection, bound "
+                         "to its client id), hashed passwords and access, for Mosquitto's "
+                         "dynamic security plugin (docs/brokers.md)")
+    accounts.add_argument("--federation", required=True, metavar="ID", help="federation id")
+    accounts.add_argument("--clients", required=True, metavar="N|ID,ID,...",
+                          help="the boards: a number N (client-1 ... client-N) or their ids")
+    accounts.add_argument("--aggregator", default="aggregator", metavar="ID",
+                          help="the aggregator's node id (default aggregator)")
+    accounts.add_argument("--out", required=True, metavar="DIR",
+                          help="writes DIR/broker/dynamic-security.json and "
+                               "DIR/credentials/<account>.pw (refuses to replace them)")
+    accounts.add_argument("--mechanism", choices=["dynsec", "passwd"], default="dynsec",
+                          help="dynsec (default): the dynamic security plugin's state, every "
+                               "node's account bound to its client id; passwd: a password "
+                               "file and an ACL for a broker without the plugin, which bind "
+                               "no client id")
+
+
+def _broker_accounts(args: argparse.Namespace) -> int:
+    import os
+
+    from ..service.accounts import (ADMIN, federation_accounts, write_accounts,
+                                    write_password_file_accounts)
+
+    clients = args.clients.strip()
+    if clients.isdigit():
+        ids = [f"client-{i}" for i in range(1, int(clients) + 1)]
+    else:
+        ids = [c.strip() for c in clients.split(",") if c.strip()]
+    fed = federation_accounts(args.federation, ids, aggregator=args.aggregator)
+    credentials = os.path.join(args.out, "credentials")
+    if args.mechanism == "passwd":
+        written = write_password_file_accounts(fed, args.out)
+        print(f"edgefl broker accounts: {len(fed.accounts) - 1} accounts of federation "
+              f"{fed.federation} in {written['passwords']} (hashed by "
+              f"{written['hashed_by']}) and {written['acl']}; passwords in {credentials}/; "
+              "client ids are NOT bound to accounts (docs/brokers.md)")
+    else:
+        written = write_accounts(fed, args.out)
+        print(f"edgefl broker accounts: {len(fed.accounts)} accounts of federation "
+              f"{fed.federation} in {written['dynsec']} (the dynamic security plugin's "
+              f"plugin_opt_config_file); passwords in {credentials}/")
+    for a in fed.accounts:
+        if args.mechanism == "passwd" and a.username == ADMIN:
+            continue
+        bound = f"client id {a.client_id}" if a.client_id and args.mechanism == "dynsec" \
+            else "any client id"
+        print(f"  {a.username:<20} {bound:<28} {a.purpose}")
+    print("site files: broker.username and broker.password_file of each node (the "
+          "aggregator's also broker.control_username / control_password_file: "
+          f"{fed.aggregator}-ctl); see docs/brokers.md")
+    return 0
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -34,6 +88,9 @@ def _broker(args: argparse.Namespace) -> int:
     import threading
 
     from ..transport.broker import EmbeddedBroker
+
+    if getattr(args, "broker_action", None) == "accounts":
+        return _broker_accounts(args)
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -139,13 +196,21 @@ INSTALL_SERVICE = Command(
 
 def _mqtt_transport(config, client_id: str, **options):
     """An MqttTransport from a service config's broker section (url, user, password file,
-    TLS files)."""
+    TLS files). The aggregator service's control connection (client id <node>-ctl) logs in
+    with broker.control_username when set: a broker that binds each account to one client
+    id (docs/brokers.md, `edgefl broker accounts`) needs an account per connection."""
+    from ..service.accounts import control_username
     from ..transport.mqtt import MqttTransport
 
     broker = config.section("broker")
     tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
-    transport = MqttTransport(broker["url"], client_id, username=broker.get("username"),
-                              password_file=broker.get("password_file"), **tls, **options)
+    username, password_file = broker.get("username"), broker.get("password_file")
+    if broker.get("control_username") and config["node.id"] and \
+            client_id == control_username(config["node.id"]):
+        username = broker["control_username"]
+        password_file = broker.get("control_password_file")
+    transport = MqttTransport(broker["url"], client_id, username=username,
+                              password_file=password_file, **tls, **options)
     transport.set_queue_limits(config["limits.queue_messages"], config.mib("limits.queue_mb"))
     return transport
 
@@ -204,6 +269,7 @@ def _aggregator(args: argparse.Namespace) -> int:
 
     from ..roles import AggregatorSettings
     from ..roles.daemon import Daemon, DaemonSettings
+    from ..transport.base import TransportError
     from ..service.notify import Notifier
     from ..service.signals import install_stop_handlers
 
@@ -233,7 +299,10 @@ def _aggregator(args: argparse.Namespace) -> int:
             notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
         daemon = Daemon(daemon_settings, state_dir, transport, stop=stop, notifier=notifier,
                         site_run=site_run)
-        daemon.run()
+        try:
+            daemon.run()
+        except TransportError as exc:
+            raise _control_account_hint(exc, config) from None
         notifier.stopping()
     for run_id in daemon.executed:
         record = daemon.records[run_id]
@@ -252,6 +321,21 @@ def _aggregator(args: argparse.Namespace) -> int:
         print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'})", flush=True)
     return 1 if any(daemon.records[r]["state"] == "failed" for r in daemon.executed) \
         and args.once else 0
+
+
+def _control_account_hint(exc, config):
+    """`exc`, with what to do when the broker refused the control connection because the
+    site file gives it no account of its own (a broker that binds accounts to client ids)."""
+    from ..service.accounts import control_username
+    from ..transport.base import TransportError
+
+    control = control_username(config["node.id"])
+    if f"refused client {control!r}" in str(exc) and not config["broker.control_username"]:
+        return TransportError(
+            f"{exc}; if the broker binds each account to one client id (docs/brokers.md), "
+            f"the control connection needs its own account: set broker.control_username "
+            f"({control}) and broker.control_password_file in the site file")
+    return exc
 
 
 AGGREGATOR = Command(
@@ -379,6 +463,12 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
                              "mqtt://localhost:1883)")
     parser.add_argument("--federation", metavar="ID", help="federation id (default: the site "
                         "file's node.federation, else 'default')")
+    parser.add_argument("--username", metavar="USER",
+                        help="log in as USER (the operator) instead of the site file's "
+                             "account, which a broker that binds accounts to client ids "
+                             "refuses under status's own client id (docs/brokers.md)")
+    parser.add_argument("--password-file", metavar="FILE",
+                        help="with --username: file whose first line is its password")
     parser.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
                         help="longest wait for the retained statuses (default 2)")
     parser.add_argument("--json", action="store_true", help="print the statuses as JSON")
@@ -387,48 +477,52 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
 def _status(args: argparse.Namespace) -> int:
     import json
     import os
-    import time
 
-    from ..roles.messages import MessageError, parse_status
     from ..service.layered import default, load_service_config
-    from ..service.status import format_fleet
-    from ..transport.base import Message
+    from ..service.status import collect_statuses, format_fleet
+    from ..transport.base import TransportError
     from ..transport.mqtt import MqttTransport
-    from ..transport.topics import Topics
 
     client_id = f"edgefl-status-{os.getpid()}-{os.urandom(3).hex()}"
     config = None
     if args.site is not None or args.overrides or args.profile is not None:
         config = load_service_config(args.role, args.site, profile=args.profile,
                                      overrides=args.overrides)
+    login = {"username": args.username, "password_file": args.password_file} \
+        if args.username else {}
+    if args.password_file and not args.username:
+        raise ValueError("--password-file goes with --username")
+    site_account = None
     if args.broker is not None:
         broker_url = args.broker
-        transport = MqttTransport(args.broker, client_id, clean_session=True)
+        transport = MqttTransport(args.broker, client_id, clean_session=True, **login)
     elif config is not None:
         broker_url = config["broker.url"]
-        transport = _mqtt_transport(config, client_id, clean_session=True)
+        if login:
+            broker = config.section("broker")
+            tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
+            transport = MqttTransport(broker_url, client_id, clean_session=True, **tls, **login)
+        else:
+            site_account = config.section("broker").get("username")
+            transport = _mqtt_transport(config, client_id, clean_session=True)
     else:
         broker_url = default("broker.url")
-        transport = MqttTransport(broker_url, client_id, clean_session=True)
+        transport = MqttTransport(broker_url, client_id, clean_session=True, **login)
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
-    topics = Topics(federation)
-    transport.connect()
-    statuses = {}
     try:
-        transport.subscribe(topics.subscription("status"), qos=1)
-        end = time.monotonic() + max(0.0, args.wait)
-        quiet_until = time.monotonic() + min(0.5, args.wait)
-        while time.monotonic() < min(end, quiet_until):
-            item = transport.receive(timeout=max(0.0, min(end, quiet_until) - time.monotonic()))
-            if not isinstance(item, Message) or not item.payload:
-                continue
-            quiet_until = time.monotonic() + 0.3      # retained ones come in a burst
-            try:
-                _, node = topics.parse(item.topic)
-                statuses[node] = parse_status(item.payload, node)
-            except (MessageError, ValueError) as exc:
-                print(f"edgefl status: ignored {item.topic}: {exc}", file=sys.stderr)
+        transport.connect()
+    except TransportError as exc:
+        if site_account and "refused client" in str(exc):
+            raise TransportError(
+                f"{exc}; the site file's account {site_account!r} may be bound to its node's "
+                "client id (docs/brokers.md \"Client ids bound to accounts\"): give the "
+                "operator's with --username operator --password-file FILE") from None
+        raise
+    try:
+        statuses = collect_statuses(
+            transport, federation, args.wait,
+            warn=lambda text: print(f"edgefl status: {text}", file=sys.stderr))
     finally:
         transport.close(timeout=1.0, announce_offline=False)
     rows = [statuses[n] for n in sorted(statuses)]

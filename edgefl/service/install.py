@@ -284,6 +284,13 @@ def site_skeleton(role: str, node_id: str, profile: str) -> str:
             f"  # password_file: {ETC_DIR}/{role}-{node_id}.password   # mode 0640, group edgefl",
             f"  # ca_file: {ETC_DIR}/ca.crt",
         ]
+    if role == "aggregator":
+        # its control connection's own account, where the broker binds accounts to client
+        # ids (edgefl broker accounts, docs/brokers.md)
+        lines += [
+            f"  # control_username: {_yaml_scalar(node_id + '-ctl')}",
+            f"  # control_password_file: {ETC_DIR}/{role}-{node_id}-ctl.password",
+        ]
     if role == "client":
         lines += [
             "data:                            # this board's training data (docs/data.md)",

@@ -60,6 +60,11 @@ KEYS = {k.name: k for k in (
     Key("broker.username", "str", "MQTT user name", _MQTT, nullable=True),
     Key("broker.password_file", "path", "file whose first line is the MQTT password", _MQTT,
         nullable=True),
+    Key("broker.control_username", "str", "aggregator: the MQTT user of the service's control "
+        "connection (client id <node.id>-ctl; null: broker.username)", ("aggregator",),
+        nullable=True),
+    Key("broker.control_password_file", "path", "aggregator: the password file of "
+        "broker.control_username", ("aggregator",), nullable=True),
     Key("broker.ca_file", "path", "CA bundle that signed the broker's certificate", _MQTT,
         nullable=True),
     Key("broker.cert_file", "path", "client certificate (mutual TLS)", _MQTT, nullable=True),

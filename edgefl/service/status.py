@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["FLEET_COLUMNS", "format_fleet"]
+__all__ = ["FLEET_COLUMNS", "format_fleet", "collect_statuses"]
 
 FLEET_COLUMNS = ("node", "online", "version", "profile", "last round")
 
@@ -73,3 +73,34 @@ def format_fleet(statuses: list[dict]) -> str:
     if unknown:
         summary += f", {unknown} unknown"
     return "\n".join(lines + [summary])
+
+
+def collect_statuses(transport, federation: str, wait: float = 2.0, warn=None) -> dict:
+    """{node: status} of every node of `federation` that has a retained status on the broker
+    of `transport` (connected, not yet subscribed): what `edgefl status` and `edgefl fleet
+    status` print. Retained messages come in a burst right after the subscription, so the
+    collection ends 0.3 s after the last one (at most `wait` seconds). warn(text): told of a
+    status that does not parse (skipped)."""
+    import time
+
+    from ..roles.messages import MessageError, parse_status
+    from ..transport.base import Message
+    from ..transport.topics import Topics
+
+    topics = Topics(federation)
+    statuses = {}
+    transport.subscribe(topics.subscription("status"), qos=1)
+    end = time.monotonic() + max(0.0, wait)
+    quiet_until = time.monotonic() + min(0.5, wait)
+    while time.monotonic() < min(end, quiet_until):
+        item = transport.receive(timeout=max(0.0, min(end, quiet_until) - time.monotonic()))
+        if not isinstance(item, Message) or not item.payload:
+            continue
+        quiet_until = time.monotonic() + 0.3      # retained ones come in a burst
+        try:
+            _, node = topics.parse(item.topic)
+            statuses[node] = parse_status(item.payload, node)
+        except (MessageError, ValueError) as exc:
+            if warn is not None:
+                warn(f"ignored {item.topic}: {exc}")
+    return statuses

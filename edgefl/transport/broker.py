@@ -58,8 +58,13 @@ def packet_bytes_for(payload_bytes: int) -> int:
 
 
 def find_mosquitto() -> str | None:
-    """The mosquitto binary: on PATH, or in the sbin directories Debian installs it to
-    (which an ordinary user's PATH often lacks)."""
+    """The mosquitto binary: $EDGEFL_MOSQUITTO when set (a path; "none" or empty: act as if
+    Mosquitto were not installed, as the tests of the fallbacks do), else on PATH, or in the
+    sbin directories Debian installs it to (which an ordinary user's PATH often lacks)."""
+    override = os.environ.get("EDGEFL_MOSQUITTO")
+    if override is not None:
+        return override if override not in ("", "none") and os.access(override, os.X_OK) \
+            else None
     found = shutil.which("mosquitto")
     if found:
         return found
@@ -160,6 +165,8 @@ _LISTENER_OPTIONS = {
     "require_certificate", "use_identity_as_username", "use_subject_as_username",
     "allow_anonymous", "password_file", "acl_file", "ciphers", "psk_hint", "mount_point",
     "socket_domain", "bind_interface", "http_dir", "max_connections",
+    # access control by a plugin (the dynamic security plugin's accounts): replaced too
+    "plugin", "auth_plugin", "per_listener_settings",
 }
 
 
@@ -189,7 +196,7 @@ def adapt_mosquitto_conf(text: str, port: int, workdir: str | os.PathLike,
         if not line or line.startswith("#"):
             continue
         option = line.split()[0]
-        if option in _LISTENER_OPTIONS:
+        if option in _LISTENER_OPTIONS or option.startswith(("plugin_opt_", "auth_opt_")):
             continue
         if option == "persistence_location":
             line = f"persistence_location {workdir}/"
