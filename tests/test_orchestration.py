@@ -651,7 +651,9 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
     wait for events that will never come: against the real aggregator service process it
     prints the run's outcome from the service's run records and exits 0 for a finished run
     (rounds, final accuracy, where the outputs are), 1 for a failed one (its error); a run
-    id the service does not know is an error naming the id and the runs it has."""
+    id the service does not know is an error naming the id and the runs it has, once
+    --timeout passes without it being started; with the service down, the run's retained
+    record says how it ended."""
     import signal
     import subprocess
     import sys
@@ -721,11 +723,16 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
             "npz: file /nonexistent/edgefl/data.npz does not exist" in failed.stdout, \
             failed.stdout
 
+        # an id the service does not know: an error once --timeout passes without such a
+        # run being started (a script may start watch before the run, to see all of it)
+        ctl[ctl.index("--timeout") + 1] = "3"
         unknown = run_ctl("watch", "--run", "nosuch")
-        assert unknown.returncode == 1 and unknown.stdout == ""
-        assert unknown.stderr.strip() == (
-            f"edgefl ctl watch: no run 'nosuch' on aggregator aggregator of federation "
-            f"{f.fed!r} (its runs: short, nodata; `edgefl ctl runs` lists them)")
+        assert unknown.returncode == 1, unknown.stdout + unknown.stderr
+        said = (f"edgefl ctl watch: no run 'nosuch' on aggregator aggregator of federation "
+                f"{f.fed!r} (its runs: short, nodata; `edgefl ctl runs` lists them)")
+        assert unknown.stderr.splitlines() == [f"{said}; waiting 3 s for it to be started",
+                                               f"{said}; none was started within 3 s"]
+        assert unknown.stdout == "aggregator: no active run; queue: empty\n"
 
         # with the service down, nothing answers: the retained record on runs/short says it
         service.send_signal(signal.SIGTERM)

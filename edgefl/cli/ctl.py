@@ -232,14 +232,19 @@ def _ctl_watch(args, transport, topics, name) -> int:
     that has ended before watch began sends no more events: its outcome, from the service's
     run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
     at once. Exit status: WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or
-    cancelled); 1 for a --run ID the service does not know."""
+    cancelled); 1 for a --run ID the service does not know and that is not started within
+    --timeout seconds."""
     import json
+    import time
 
     from ..roles.control import CommandRefused, ControlClient
     from ..transport.base import Message
 
     transport.subscribe(topics.events(), qos=1)
     watched = args.run_id
+    # a --run ID the service does not know: an error, unless the run is started within
+    # --timeout seconds (a script may start watch first, so as to see the whole run)
+    unknown: tuple | None = None           # (the error's text, when it is given)
     # the clients online: from the status reply (the active run's aggregator knows them),
     # then kept up to date by client_joined / client_left
     online: set = set()
@@ -258,12 +263,13 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 records = _run_records(control, args.timeout)
                 record = records.get(watched)
                 if record is None:
-                    print(f"edgefl ctl watch: no run {watched!r} on aggregator "
-                          f"{result.get('node')} of federation {topics.federation!r} (its "
-                          f"runs: {', '.join(records) or 'none'}; `edgefl ctl runs` lists "
-                          f"them)", file=sys.stderr)
-                    return 1
-                if record.get("state") in WATCH_EXIT:
+                    text = (f"no run {watched!r} on aggregator {result.get('node')} of "
+                            f"federation {topics.federation!r} (its runs: "
+                            f"{', '.join(records) or 'none'}; `edgefl ctl runs` lists them)")
+                    print(f"edgefl ctl watch: {text}; waiting {args.timeout:g} s for it to "
+                          f"be started", file=sys.stderr, flush=True)
+                    unknown = (text, time.monotonic() + args.timeout)
+                elif record.get("state") in WATCH_EXIT:
                     return _report_ended(record, args.json, "before watch began")
             if not args.json:
                 print(_ctl_text("status", result), flush=True)
@@ -278,7 +284,11 @@ def _ctl_watch(args, transport, topics, name) -> int:
         transport.subscribe(record_topic, qos=1)
     try:
         while True:
-            item = transport.receive(timeout=1.0)
+            if unknown is not None and time.monotonic() > unknown[1]:
+                print(f"edgefl ctl watch: {unknown[0]}; none was started within "
+                      f"{args.timeout:g} s", file=sys.stderr)
+                return 1
+            item = transport.receive(timeout=0.5)
             if not isinstance(item, Message):
                 continue
             if item.topic == record_topic:
@@ -286,6 +296,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
                     record = json.loads(item.payload)
                 except ValueError:
                     continue
+                if isinstance(record, dict) and item.payload:
+                    unknown = None              # the run exists (queued, at least)
                 if isinstance(record, dict) and record.get("state") in WATCH_EXIT:
                     return _report_ended(record, args.json, "(its record; the end's event "
                                                             "came before watch was listening)")
@@ -303,6 +315,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 watched = run
             if watched is not None and run not in (None, watched):
                 continue
+            if run is not None:
+                unknown = None                  # the run exists: it was just started
             kind = event.get("event")
             if kind == "client_joined":
                 online.add(event.get("client"))
