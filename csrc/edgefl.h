@@ -124,6 +124,12 @@ typedef struct {
     int32_t grad0_mode;  /* 0 none; 1 gradient at the start point on the first minibatch;
                             2 on all local data */
     uint64_t seed;
+    /* NULL, or a stop word another thread (a signal's watcher) may write while the round
+       runs; it is read before every step. 0: keep going. v > 0: stop before step v - 1,
+       or before the next step if that one has passed: 1 means "stop now", k + 1 "stop
+       after exactly k steps" (the deterministic stop the parity tests use). A stopped
+       round returns EF_STOPPED with res->steps = the steps done, params as they left them. */
+    const volatile int32_t *stop;
 } ef_train_cfg;
 
 /* Optional statistics; NULL pointers are skipped. */
@@ -144,7 +150,7 @@ typedef struct {
     int64_t bad_step;   /* the step whose loss or gradient was not finite, or -1 */
 } ef_train_result;
 
-enum ef_status { EF_OK = 0, EF_ERR_NONFINITE = 1, EF_ERR_ARGS = 2 };
+enum ef_status { EF_OK = 0, EF_ERR_NONFINITE = 1, EF_ERR_ARGS = 2, EF_STOPPED = 3 };
 
 /* Workspace needed (in floats and in int64s) for a network processing `chunk` samples at a
  * time over a data set of n samples. Returns 0, or EF_ERR_ARGS for an inconsistent net. */
@@ -170,7 +176,7 @@ int ef_evaluate(double *loss_sum, int64_t *correct, float *work, const ef_net *n
                 int64_t n, int64_t chunk);
 
 /* A whole local round: seeded shuffle, minibatch gather, forward, backward, update, for
- * cfg->epochs passes or cfg->steps steps. momentum may be NULL when cfg->momentum == 0.
+ * cfg->epochs passes or cfg->steps steps, or until cfg->stop asks for a stop (EF_STOPPED). momentum may be NULL when cfg->momentum == 0.
  * anchor [n_params] is the proximal term's centre (the round's start point, read only; it must
  * not overlap params); it may be NULL when cfg->prox_mu == 0. */
 int ef_local_train(float *params, float *momentum, ef_train_stats *stats, ef_train_result *res,

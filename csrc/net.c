@@ -879,6 +879,13 @@ int ef_local_train(float *params, float *momentum, ef_train_stats *stats, ef_tra
     int64_t *perm = iwork, epoch = 0, pos = n;
     double loss_acc = 0.0;
     for (int64_t step = 0; step < total; step++) {
+        if (cfg->stop) {
+            const int32_t word = *cfg->stop;    /* one read: a writer may change it between */
+            if (word > 0 && step >= (int64_t)word - 1) {
+                res->mean_loss = step ? loss_acc / (double)step : 0.0;
+                return EF_STOPPED;
+            }
+        }
         const int64_t *idx = NULL;
         int64_t b = bs, base = 0;
         if (full_batch) {

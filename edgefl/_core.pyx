@@ -250,6 +250,7 @@ cdef extern from "edgefl.h" nogil:
         float lr, momentum, weight_decay, prox_mu
         int32_t batch_size, epochs, steps, grad0_mode
         uint64_t seed
+        const int32_t *stop
     ctypedef struct ef_train_stats:
         float *grad0
         float *grad_sum
@@ -260,7 +261,7 @@ cdef extern from "edgefl.h" nogil:
     ctypedef struct ef_train_result:
         double mean_loss
         int64_t steps, samples, bad_step
-    int EF_OK, EF_ERR_NONFINITE, EF_ERR_ARGS
+    int EF_OK, EF_ERR_NONFINITE, EF_ERR_ARGS, EF_STOPPED
     int ef_workspace_size(int64_t *n_float, int64_t *n_int, const ef_net *net, int64_t chunk, int64_t n)
     int64_t ef_chunk_for_batch(int64_t batch_size, int64_t n)
     int ef_forward(float *out, float *work, const ef_net *net, const float *params, const float *x,
@@ -276,7 +277,7 @@ cdef extern from "edgefl.h" nogil:
                        int64_t n, const ef_train_cfg *cfg)
     void ef_shuffle(int64_t *perm, int64_t *iwork, uint64_t seed, int64_t epoch, int64_t n)
 
-from .errors import KernelError, NonFiniteError
+from .errors import KernelError, NonFiniteError, TrainingStopped
 
 cdef enum:
     MAX_LAYERS = 64
@@ -472,10 +473,12 @@ cdef float *opt_f32(object a) except? NULL:
 
 
 def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad_sum=None,
-                step_stats=None, anchor=None):
+                step_stats=None, anchor=None, stop_word=None):
     """One local round in C (see ef_local_train); params/momentum/stat buffers are updated in
     place. `anchor` is the proximal term's centre, read only and only when cfg["prox_mu"] > 0.
-    Returns {"mean_loss", "steps", "samples"}; raises NonFiniteError naming the step."""
+    `stop_word`: None or an int32 array of one element read before every step (edgefl.h,
+    ef_train_cfg.stop). Returns {"mean_loss", "steps", "samples"}; raises NonFiniteError
+    naming the step, TrainingStopped with the steps done when the word stopped it."""
     cdef NetBox box
     fill_net(&box, net)
     cdef ef_train_cfg c
@@ -488,6 +491,10 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
     c.steps = cfg["steps"]
     c.grad0_mode = cfg["grad0_mode"]
     c.seed = <uint64_t>cfg["seed"]
+    c.stop = NULL
+    if stop_word is not None:
+        # read by the C loop while another thread may write it: the array outlives the call
+        c.stop = <const int32_t *>array_data(stop_word, cnp.NPY_INT32, False, 1, "stop_word")
     cdef int64_t n = x.shape[0], np_ = box.net.n_params
     cdef int64_t bs = n if (c.batch_size <= 0 or c.batch_size >= n) else c.batch_size
     cdef const ef_layer *first = &box.layers[0]
@@ -534,6 +541,8 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
     if rc == EF_ERR_NONFINITE:
         raise NonFiniteError(res.bad_step, f"local_train: non-finite loss or gradient at step "
                              f"{res.bad_step} (loss {res.mean_loss}); lower the learning rate")
+    if rc == EF_STOPPED:
+        raise TrainingStopped(res.steps, res.samples, res.mean_loss)
     if rc != EF_OK:
         raise KernelError("local_train: the C core rejected the arguments")
     return {"mean_loss": res.mean_loss, "steps": res.steps, "samples": res.samples}

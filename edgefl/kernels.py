@@ -11,12 +11,13 @@ unset, the compiled core is used when it was built and the reference otherwise.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import numpy as np
 
 from . import reference
-from .errors import KernelError, NonFiniteError  # noqa: F401  (re-exported)
+from .errors import KernelError, NonFiniteError, TrainingStopped  # noqa: F401  (re-exported)
 
 _REQUESTED = os.environ.get("EDGEFL_BACKEND", "").strip().lower()
 if _REQUESTED not in ("", "c", "numpy"):
@@ -427,20 +428,58 @@ def planned_steps(cfg: dict, n: int) -> int:
     return cfg["steps"] if cfg["steps"] > 0 else cfg["epochs"] * -(-n // bs)
 
 
+class StopFlag:
+    """A stop request that local training sees within one step. It is a threading.Event (set,
+    is_set, wait, clear) and a one-element int32 array, the stop word, that `local_train`
+    hands to the kernel: the C loop (and the NumPy twin) reads it before every step, with
+    the interpreter lock released, so a thread other than the training one -- a signal's
+    watcher (edgefl.service.signals), a role's main loop -- stops a long local round without
+    waiting for it to end. A stopped round raises TrainingStopped with the steps it did."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        # the kernel keeps a pointer to this buffer while it trains: never replaced
+        self.word = np.zeros(1, dtype=np.int32)
+
+    def set(self) -> None:
+        self.word[0] = 1            # first: the training thread may be the one that waits
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def clear(self) -> None:
+        self._event.clear()
+        self.word[0] = 0
+
+    def stop_after_steps(self, steps: int) -> None:
+        """Stop every local round that sees this flag after exactly `steps` steps, without
+        setting the event: the deterministic stop of the tests (edgefl.h, ef_train_cfg.stop)."""
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise KernelError(f"stop_after_steps: steps = {steps!r}, need an integer >= 0")
+        self.word[0] = int(steps) + 1
+
+
 def local_train(model, params, x, y, cfg: dict, momentum=None, grad0=None, grad_sum=None,
-                step_stats=None, anchor=None) -> dict:
+                step_stats=None, anchor=None, stop: StopFlag | None = None) -> dict:
     """One local round in one kernel call; params (and momentum, grad0, grad_sum, step_stats)
     are updated in place. cfg comes from train_config(). With cfg["prox_mu"] > 0 every step
     adds the proximal gradient prox_mu * (w - anchor) (FedProx): `anchor` is the round's start
     point, read and never written, a buffer of its own (not `params`, which moves away from
-    it). Raises NonFiniteError naming the step."""
+    it). `stop`: a StopFlag read before every step. Raises NonFiniteError naming the step,
+    TrainingStopped (the steps done) when `stop` stopped the round."""
     return train_samples(Samples(model, x, y), params, cfg, momentum=momentum, grad0=grad0,
-                         grad_sum=grad_sum, step_stats=step_stats, anchor=anchor)
+                         grad_sum=grad_sum, step_stats=step_stats, anchor=anchor, stop=stop)
 
 
 def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, grad_sum=None,
-                  step_stats=None, anchor=None) -> dict:
+                  step_stats=None, anchor=None, stop: StopFlag | None = None) -> dict:
     """`local_train` on a data set checked once (`Samples`)."""
+    if stop is not None and not isinstance(stop, StopFlag):
+        raise KernelError(f"stop: need an edgefl.kernels.StopFlag, got {type(stop).__name__}")
     model = data.model
     _check_params(model, params, writable=True)
     if cfg.get("momentum", 0.0) and momentum is None:
@@ -466,7 +505,8 @@ def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, g
         if grad0 is None:
             raise KernelError("step_stats: needs grad0 (the start-point gradient)")
     return impl.local_train(params, momentum, model, data.x, data.labels, data.targets, cfg,
-                            grad0=grad0, grad_sum=grad_sum, step_stats=step_stats, anchor=anchor)
+                            grad0=grad0, grad_sum=grad_sum, step_stats=step_stats, anchor=anchor,
+                            stop_word=None if stop is None else stop.word)
 
 
 def shuffle(seed: int, epoch: int, n: int) -> np.ndarray:

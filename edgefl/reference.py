@@ -399,16 +399,16 @@ def shuffle(seed, epoch, n):
 
 
 def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad_sum=None,
-                step_stats=None, anchor=None):
+                step_stats=None, anchor=None, stop_word=None):
     # overflow is detected and reported as NonFiniteError below, not as NumPy warnings
     with np.errstate(over="ignore", invalid="ignore"):
         return _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum,
-                            step_stats, anchor)
+                            step_stats, anchor, stop_word)
 
 
 def _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum, step_stats,
-                 anchor):
-    from .errors import NonFiniteError
+                 anchor, stop_word):
+    from .errors import NonFiniteError, TrainingStopped
 
     n = x.shape[0]
     full = cfg["batch_size"] <= 0 or cfg["batch_size"] >= n
@@ -426,6 +426,10 @@ def _local_train(params, momentum, net, x, labels, targets, cfg, grad0, grad_sum
             raise NonFiniteError(0, "local_train: non-finite start-point gradient")
     perm, epoch, pos, loss_acc, samples = None, 0, n, 0.0, 0
     for step in range(total):
+        if stop_word is not None:     # net.c's rule: v > 0 stops before step v - 1 (or now)
+            word = int(stop_word[0])
+            if word > 0 and step >= word - 1:
+                raise TrainingStopped(step, samples, loss_acc / step if step else 0.0)
         if full:
             idx = np.arange(n)
         else:

@@ -1,10 +1,12 @@
 """Networks: gradients against finite differences, the C core against the NumPy reference,
 determinism, the momentum convention, the optional statistics, and bad input."""
+import threading
+
 import numpy as np
 import pytest
 
 from edgefl import kernels, reference
-from edgefl.errors import KernelError, NonFiniteError
+from edgefl.errors import KernelError, NonFiniteError, TrainingStopped
 from edgefl.models import build_model
 
 try:
@@ -549,3 +551,134 @@ def test_the_c_core_refuses_a_bad_mu_itself():
     with pytest.raises(KernelError, match="anchor: expected a numpy array"):
         _core.local_train(p, None, model, x, labels, None, dict(cfg, prox_mu=0.5))
     assert p.tobytes() == model.init(0).tobytes()
+
+
+# ---------------------------------------------------------------------------------------
+# the stop word: a local round stops before any step once asked (issue #18 item 6)
+# ---------------------------------------------------------------------------------------
+
+STOP_MODES = {
+    "epochs-momentum-wd": dict(lr=0.05, momentum=0.9, weight_decay=1e-3, batch_size=5,
+                               epochs=3, seed=11),
+    "steps-grad0-batch": dict(lr=0.05, batch_size=4, steps=9, grad0_mode="batch", seed=2),
+    "full-batch-prox": dict(lr=0.05, batch_size=0, epochs=6, prox_mu=0.3, seed=2),
+}
+
+
+def _train_stopped(impl, model, x, labels, targets, cfg, flag):
+    """local_train from fixed buffers with `flag`'s word; (buffers, TrainingStopped or the
+    result dict)."""
+    p = model.init(7)
+    anchor = model.init(8)
+    mom = np.zeros(model.n_params, np.float32)
+    g0 = np.full(model.n_params, np.nan, np.float32) if cfg["grad0_mode"] else None
+    gsum = np.zeros(model.n_params, np.float32)
+    try:
+        out = impl.local_train(p, mom, model, x, labels, targets, cfg, grad0=g0, grad_sum=gsum,
+                               anchor=anchor, stop_word=None if flag is None else flag.word)
+    except TrainingStopped as exc:
+        out = exc
+    return (p, mom, gsum, g0), out
+
+
+@needs_core
+@pytest.mark.parametrize("case", ["mlp", "cnn", "svm-multi"])
+@pytest.mark.parametrize("mode", sorted(STOP_MODES))
+def test_a_stopped_round_is_the_same_in_c_and_numpy_and_equals_a_shorter_round(case, mode):
+    """Stopped after k steps (the word set to k + 1 before the call: deterministic), both
+    backends raise TrainingStopped with k steps and the same samples, and leave the same
+    parameters, momentum and gradient sum; in each backend they are bit for bit those of a
+    round of exactly k steps. k = 0 leaves the buffers untouched."""
+    model, x, y = make_data(case, n=23)
+    labels, targets = split(model, y, x.shape[0])
+    cfg = kernels.train_config(**STOP_MODES[mode])
+    total = kernels.planned_steps(cfg, x.shape[0])
+    for k in (0, 1, 4, total - 1):
+        flag = kernels.StopFlag()
+        flag.stop_after_steps(k)
+        runs = {}
+        for impl in (_core, reference):
+            buffers, stopped = _train_stopped(impl, model, x, labels, targets, cfg, flag)
+            assert isinstance(stopped, TrainingStopped), (impl.__name__, k, stopped)
+            assert stopped.steps == k, (impl.__name__, k, stopped.steps)
+            short = dict(cfg, steps=k, epochs=0) if k else None
+            if short is not None:   # the same k steps as a round that plans k steps
+                same, done = _train_stopped(impl, model, x, labels, targets, short, None)
+                assert done["steps"] == k and done["samples"] == stopped.samples
+                assert done["mean_loss"] == stopped.mean_loss
+                for a, b in zip(buffers, same):
+                    if a is not None:
+                        np.testing.assert_array_equal(a, b)
+            else:
+                assert stopped.samples == 0
+                np.testing.assert_array_equal(buffers[0], model.init(7))
+            runs[impl] = buffers, stopped
+        (b1, s1), (b2, s2) = runs[_core], runs[reference]
+        assert s1.samples == s2.samples
+        np.testing.assert_allclose(s1.mean_loss, s2.mean_loss, rtol=1e-4, atol=1e-6)
+        for a, b in zip(b1, b2):
+            if a is None:
+                continue
+            if k == 0:              # untouched in both (grad0 still NaN)
+                np.testing.assert_array_equal(a, b)
+            else:
+                assert close_rel(a, b, TOL["train_params"]), (k, mode)
+        # the word is only read: a later call with the word cleared runs the whole round
+        flag.clear()
+        _, done = _train_stopped(_core, model, x, labels, targets, cfg, flag)
+        assert done["steps"] == total
+
+
+@pytest.mark.parametrize("impl_name", ["c", "numpy"])
+def test_another_thread_stops_a_long_round_while_it_trains(impl_name):
+    """The word set by another thread while a round trains stops it before its next step: the
+    C core reads it with the interpreter lock released (so the setting thread runs at all),
+    the NumPy twin reads it every step. The round planned a million steps; it raises
+    TrainingStopped with far fewer, and the parameters are those of the steps it did."""
+    if impl_name == "c" and _core is None:
+        pytest.skip("compiled core not built")
+    impl = _core if impl_name == "c" else reference
+    model, x, y = make_data("softmax", n=64)
+    labels, targets = split(model, y, x.shape[0])
+    cfg = kernels.train_config(lr=0.01, batch_size=8, steps=1_000_000, seed=3)
+    flag = kernels.StopFlag()
+    p = model.init(1)
+    outcome = {}
+    started = threading.Event()
+
+    def train():
+        started.set()
+        try:
+            outcome["result"] = impl.local_train(p, None, model, x, labels, targets, cfg,
+                                                 stop_word=flag.word)
+        except TrainingStopped as exc:
+            outcome["stopped"] = exc
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    started.wait()
+    flag.set()
+    thread.join()
+    assert "stopped" in outcome, outcome
+    k = outcome["stopped"].steps
+    assert k < cfg["steps"]
+    again = model.init(1)
+    if k:
+        impl.local_train(again, None, model, x, labels, targets, dict(cfg, steps=k))
+    np.testing.assert_array_equal(p, again)
+
+
+def test_the_stop_flag_is_checked_at_the_kernels_face():
+    model, x, y = make_data("softmax", n=8)
+    p = model.init(0)
+    cfg = kernels.train_config(lr=0.1, batch_size=4, epochs=1)
+    with pytest.raises(KernelError, match="stop: need an edgefl.kernels.StopFlag, got ndarray"):
+        kernels.local_train(model, p, x, y, cfg, stop=np.zeros(1, np.int32))
+    with pytest.raises(KernelError, match="stop_after_steps: steps = -1"):
+        kernels.StopFlag().stop_after_steps(-1)
+    flag = kernels.StopFlag()
+    flag.set()
+    assert flag.is_set() and flag.wait(0)
+    with pytest.raises(TrainingStopped, match="after 0 steps"):
+        kernels.local_train(model, p, x, y, cfg, stop=flag)
+    np.testing.assert_array_equal(p, model.init(0))

@@ -646,6 +646,114 @@ def test_edgefl_ctl_drives_the_aggregator_service_process(fleet, tmp_path):
                 proc.wait(10)
 
 
+def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, tmp_path):
+    """`edgefl ctl watch --run ID` started after the run ended (issue #18 item 8) does not
+    wait for events that will never come: against the real aggregator service process it
+    prints the run's outcome from the service's run records and exits 0 for a finished run
+    (rounds, final accuracy, where the outputs are), 1 for a failed one (its error); a run
+    id the service does not know is an error naming the id and the runs it has, once
+    --timeout passes without it being started; with the service down, the run's retained
+    record says how it ended."""
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from brokers import REPO
+
+    f = fleet()
+    secrets = {}
+    for user in ("aggregator", "operator"):
+        secrets[user] = tmp_path / f"{user}.password"
+        secrets[user].write_text(f.server.users[user] + "\n")
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": "aggregator", "federation": f.fed},
+        "state_dir": str(f.state_dir), "log": {"level": "info"},
+        "broker": {"url": f.server.url, "username": "aggregator",
+                   "password_file": str(secrets["aggregator"])}}))
+    good, bad = tmp_path / "short.yaml", tmp_path / "nodata.yaml"
+    good.write_text(yaml.safe_dump(run_config(rounds=2)))
+    bad.write_text(yaml.safe_dump(run_config(
+        rounds=2, dataset={"name": "npz", "path": "/nonexistent/edgefl/data.npz"})))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    ctl = [sys.executable, "-m", "edgefl.cli", "ctl", "--broker", f.server.url,
+           "--username", "operator", "--password-file", str(secrets["operator"]),
+           "--federation", f.fed, "--timeout", "30"]
+
+    def run_ctl(*args):
+        return subprocess.run(ctl + list(args), env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    log = open(tmp_path / "aggregator.log", "wb")
+    service = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                                str(site)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL)
+    log.close()
+    try:
+        wait_for(lambda: "taking commands on" in (tmp_path / "aggregator.log").read_text(),
+                 timeout=60, poll=0.1, what="the aggregator service to take commands")
+        for node in CLIENTS:
+            f.start_client(node)
+        for config, run_id in ((good, "short"), (bad, "nodata")):
+            started = run_ctl("start", str(config), "--run", run_id, "--clients",
+                              "client-1,client-2")
+            assert started.returncode == 0, started.stderr
+        finished = wait_state(f, "short", "finished")
+        wait_state(f, "nodata", "failed")
+
+        watched = run_ctl("watch", "--run", "short")
+        assert watched.returncode == 0, watched.stderr
+        run_dir = f.state_dir / "runs" / "short"
+        assert watched.stdout == (f"run short: finished before watch began, 2/2 rounds, final "
+                                  f"accuracy {finished['final_accuracy']:.4f}; outputs in "
+                                  f"{run_dir}\n")
+        assert (run_dir / "summary.json").exists() and (run_dir / "model.onnx").exists()
+        as_json = run_ctl("watch", "--run", "short", "--json")
+        assert as_json.returncode == 0, as_json.stderr
+        record = json.loads(as_json.stdout)
+        assert (record["id"], record["state"], record["rounds_done"], record["rounds"]) == \
+            ("short", "finished", 2, 2)
+
+        failed = run_ctl("watch", "--run", "nodata")
+        assert failed.returncode == 1, failed.stderr
+        assert failed.stdout.startswith("run nodata: failed before watch began, 0/2 rounds; ") \
+            and \
+            "npz: file /nonexistent/edgefl/data.npz does not exist" in failed.stdout, \
+            failed.stdout
+
+        # an id the service does not know: an error once --timeout passes without such a
+        # run being started (a script may start watch before the run, to see all of it)
+        ctl[ctl.index("--timeout") + 1] = "3"
+        unknown = run_ctl("watch", "--run", "nosuch")
+        assert unknown.returncode == 1, unknown.stdout + unknown.stderr
+        said = (f"edgefl ctl watch: no run 'nosuch' on aggregator aggregator of federation "
+                f"{f.fed!r} (its runs: short, nodata; `edgefl ctl runs` lists them)")
+        assert unknown.stderr.splitlines() == [f"{said}; waiting 3 s for it to be started",
+                                               f"{said}; none was started within 3 s"]
+        assert unknown.stdout == "aggregator: no active run; queue: empty\n"
+
+        # with the service down, nothing answers: the retained record on runs/short says it
+        service.send_signal(signal.SIGTERM)
+        assert service.wait(30) == 0, (tmp_path / "aggregator.log").read_text()[-3000:]
+        ctl[ctl.index("--timeout") + 1] = "2"
+        offline = run_ctl("watch", "--run", "short")
+        assert offline.returncode == 0, offline.stderr
+        assert "(watching the events anyway)" in offline.stderr
+        assert offline.stdout == watched.stdout.replace(
+            "before watch began", "(its record; the end's event came before watch was "
+                                  "listening)")
+    finally:
+        if service.poll() is None:
+            service.send_signal(signal.SIGTERM)
+            try:
+                service.wait(30)
+            except subprocess.TimeoutExpired:
+                service.kill()
+                service.wait(10)
+
+
 # ---------------------------------------------------------------------------------------
 # bad input on the aggregator's side: a run that cannot start, a corrupt record
 # ---------------------------------------------------------------------------------------
@@ -779,7 +887,7 @@ def test_edgefl_ctl_processes_pause_resume_export_stop_and_watch_counts_clients(
         stopped = run_ctl(ctl, "stop")
         assert stopped.returncode == 0, stopped.stderr
         assert stopped.stdout.startswith("run long: state stopping"), stopped.stdout
-        assert watch.wait(60) == 1                # the watched run ended, not finished
+        assert watch.wait(60) == 3                # the watched run was stopped, not finished
         out.thread.join(5)
         assert any(" long run_stopped: " in x for x in out.lines), out.lines
     finally:

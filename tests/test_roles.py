@@ -535,3 +535,30 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     with pytest.raises(StateError, match="holds the checkpoint of run .* made with another "
                                          "configuration"):
         second.run()
+
+
+def test_a_stop_during_the_offline_phase_ends_the_aggregators_run_before_it_starts(tmp_path):
+    """DUW learns its table by training before round 1; the aggregator service's stop (a
+    StopFlag among the stop events it passes) stops that training within one local step,
+    and run_aggregator returns None (not finished: the service resumes the run after a
+    restart) without a checkpoint or touching the transport, instead of failing the run."""
+    from edgefl.errors import TrainingStopped
+    from edgefl.kernels import StopFlag
+    from edgefl.roles.control import EitherStop
+    from edgefl.roles.runner import run_aggregator
+
+    config = load_small_run(tmp_path, "duw.yaml", strategy={"name": "duw",
+                                                             "meta_iterations": 2},
+                            clients_per_round=3)
+    flag = StopFlag()
+    flag.set()
+    result = run_aggregator(config, None, str(tmp_path / "agg"), settings=AggregatorSettings(),
+                            stop=EitherStop(flag, threading.Event()))
+    assert result is None
+    assert AggregatorCheckpoint.load(tmp_path / "agg") is None
+    # the stop, not the config, ended it: the phase raises TrainingStopped with the flag set
+    # and learns its table with it clear
+    with pytest.raises(TrainingStopped):
+        prepare_run(config, workers=1, progress=False, stop=flag)
+    flag.clear()
+    assert prepare_run(config, workers=1, progress=False, stop=flag).strategy.name == "duw"

@@ -1,11 +1,14 @@
-"""SIGTERM end to end (issue #6 item 3; docs/deployment.md "Stopping and restarting"): real `edgefl
-aggregator` and `edgefl client` processes against a real Mosquitto, signalled mid-round
-(a client while its local round trains, the aggregator while the round waits for that
-client, the other clients while they wait), each stops within seconds with exit 0 and its
-state persisted, and restarted they finish the run: each round aggregated exactly once,
+"""SIGTERM and SIGINT end to end (issue #6 item 3, issue #18 item 6; docs/reliability.md
+"Stopping: signals and exit statuses"): real `edgefl aggregator` and `edgefl client`
+processes against a real Mosquitto, signalled mid-round (a client while its local round
+trains, the aggregator while the round waits for that client, the other clients while they
+wait), each stops with exit 0 (the training client before its round's next local step) and
+its state persisted, and restarted they finish the run: each round aggregated exactly once,
 every round aggregated with all three updates (the round the client abandoned trained once
 after the restart, the others' stored updates re-sent rather than retrained), and the final
-model is the one the in-process simulation of the same config and seed gives.
+model is the one the in-process simulation of the same config and seed gives. `edgefl
+simulate`, in process and over MQTT, stops inside the round it is in and exits 128 + the
+signal.
 
 The aggregator's site file sets the round and export settings the layered config declares
 for it (round.deadline, export.every), and every board ends with the final ONNX model.
@@ -35,7 +38,11 @@ from helpers import NotifySocket, StderrGate, wait_for
 pytest_plugins = ["brokers"]
 
 REPO = Path(__file__).resolve().parents[1]
-STOP_WITHIN_S = 10.0        # "within a few seconds", with room for a loaded machine
+# How long a signalled process may take to exit before the test calls it hung: a bound for
+# a broken stop, not a measure of promptness (no timed assertions on a shared machine). That
+# a stop is prompt shows in what did not happen: a client's round stopped with fewer steps
+# done than planned, a simulation's round left unrecorded.
+HANG_S = 120.0
 RUN = {
     "dataset": {"name": "digits", "limit_train": 600},
     "partition": {"name": "iid", "clients": 3},
@@ -115,9 +122,9 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
             proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         try:
-            code = proc.wait(STOP_WITHIN_S)
+            code = proc.wait(HANG_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not stop within {STOP_WITHIN_S:g} s of SIGTERM:\n"
+            pytest.fail(f"{name} did not stop within {HANG_S:g} s of SIGTERM (hung):\n"
                         f"{log_of(name)[-2000:]}")
         assert code == 0, f"{name} exited {code}:\n{log_of(name)[-2000:]}"
         return time.monotonic() - t0
@@ -140,7 +147,8 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
         clients[0].send_signal(signal.SIGTERM)
         stop(agg, "aggregator")
         stop(clients[0], "client-0", signalled=True)
-        assert "round 2's training is abandoned" in log_of("client-0")
+        done, planned = _abandoned_steps(log_of("client-0"), 2)[-1]
+        assert done < planned          # stopped inside the round, before its last step
         assert "STOPPING=1" in status0.lines
         progress = ClientProgress.load(tmp_path / "client-0")
         assert progress.trained == 1 and progress.upload is not None   # round 1's, kept
@@ -171,7 +179,7 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
                  what="the aggregator's outputs", timeout=60.0)
         if agg.poll() is None:      # a service that stays up for the next run: stop it too
             stop(agg, "aggregator")
-        assert agg.wait(STOP_WITHIN_S) == 0, log_of("aggregator")[-3000:]
+        assert agg.wait(HANG_S) == 0, log_of("aggregator")[-3000:]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -206,12 +214,25 @@ def test_sigterm_mid_round_stops_cleanly_and_a_restart_resumes(tmp_path, mosquit
         assert (tmp_path / f"client-{c}" / "model.onnx").read_bytes() == final_onnx, c
 
 
+def _abandoned_steps(log: str, round: int) -> list:
+    """[(steps done, steps planned)] of each "round N's training is abandoned after K of M
+    local steps" line a stopped client logged."""
+    import re
+
+    return [(int(k), int(m)) for k, m in re.findall(
+        rf"round {round}'s training is abandoned after (\d+) of (\d+) local steps", log)]
+
+
 def test_sigterm_while_the_c_core_trains_exits_0_every_time(tmp_path, mosquitto_server):
     """A client stopped while its local round runs in the C core (a GEMM-heavy MLP, the
-    interpreter lock released) exits 0, not SIGSEGV: a normal interpreter exit ran the C
-    libraries' destructors under the abandoned training thread, and OpenBLAS freed the
-    buffers its sgemm was using (seen in CI: exit -11; a plain Python script that exits
-    while such a thread trains crashed 5 times in 6). Three stops in a row, each mid-round."""
+    interpreter lock released) exits 0, not SIGSEGV. The round stops before its next step
+    (the signal's watcher sets the kernel's stop word) and the client joins the training
+    thread, so the interpreter exits normally with no thread inside the C core: an exit
+    under a running thread ran the C libraries' destructors under it, and OpenBLAS freed
+    the buffers its sgemm was using (seen in CI: exit -11). Three stops in a row, each
+    mid-round (steps done < steps planned, from the client's log); the client's progress
+    file loads and records no round; the aggregator, stopped with SIGINT, exits 0 with its
+    checkpoint and journal intact."""
     run = {"dataset": {"name": "digits", "limit_train": 600},
            "partition": {"name": "iid", "clients": 1},
            "model": {"name": "mlp", "hidden": [1024, 1024]},
@@ -254,15 +275,23 @@ def test_sigterm_while_the_c_core_trains_exits_0_every_time(tmp_path, mosquitto_
                             "--shard", "0"], "client-0", {"NOTIFY_SOCKET": status.path})
             wait_for(lambda: "STATUS=round 1: training" in status.lines,
                      what=f"client-0 training round 1 (start {attempt + 1})", timeout=60.0)
-            time.sleep(0.3)                      # well inside the round's GEMMs
-            client.send_signal(signal.SIGTERM)
-            code = client.wait(STOP_WITHIN_S)
+            # SIGTERM (systemctl stop), and once SIGINT (Ctrl-C in a terminal): both exit 0
+            client.send_signal(signal.SIGINT if attempt == 1 else signal.SIGTERM)
+            code = client.wait(HANG_S)
             assert code == 0, f"stop {attempt + 1}: client exited {code}:\n" \
                               f"{log_of('client-0')[-2000:]}"
-        assert log_of("client-0").count("round 1's training is abandoned") == 3
+        stops = _abandoned_steps(log_of("client-0"), 1)
+        assert len(stops) == 3 and all(done < planned for done, planned in stops), stops
+        assert log_of("client-0").count("edgefl client client-0: stopped; last round "
+                                        "trained 0") == 3       # main() returned each time
         assert ClientProgress.load(tmp_path / "client-0").trained == 0   # never finished
-        agg.send_signal(signal.SIGTERM)
-        assert agg.wait(STOP_WITHIN_S) == 0, log_of("aggregator")[-2000:]
+        agg.send_signal(signal.SIGINT)
+        assert agg.wait(HANG_S) == 0, log_of("aggregator")[-2000:]
+        assert "edgefl aggregator: stopped (SIGINT)" in log_of("aggregator")
+        ckpt = AggregatorCheckpoint.load(tmp_path / "agg-state")
+        assert ckpt.round == 0 and ckpt.aggregated == []
+        assert [r["event"] for r in read_journal(tmp_path / "agg-state" / JOURNAL_FILE)
+                if r.get("event") == "aggregated"] == []
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -270,6 +299,74 @@ def test_sigterm_while_the_c_core_trains_exits_0_every_time(tmp_path, mosquitto_
                 proc.wait(10)
         status.close()
         shutil.rmtree(sockets_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------
+# `edgefl simulate` stops mid-round on SIGINT/SIGTERM (issue #18 item 6)
+# ---------------------------------------------------------------------------------------
+
+# Rounds of several seconds each: the signal, sent as soon as round 1's progress line is
+# out, lands in round 2's local training. A simulation that finished its round before
+# stopping (as `--transport mqtt` did) would record round 2 and fail the test.
+SIM_RUN = {**RUN, "train": {"lr": 0.01, "batch_size": 32,
+                            "epochs": 6000 if edgefl.backend == "c" else 600}}
+
+
+@pytest.mark.parametrize("transport", ["inproc", "mqtt"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_simulate_stops_within_the_round_it_is_in_and_keeps_the_rounds_done(
+        tmp_path, request, transport, signum):
+    """A real `edgefl simulate` process (over the test's Mosquitto with --transport mqtt)
+    signalled while round 2 trains exits 128 + the signal's number (130, 143) without a
+    traceback; round 2 is not recorded; out/ holds round 1: metrics.jsonl (one whole line),
+    summary.json saying where it stopped, and model.npz of round 1, which loads and matches
+    the summary's hash; no ONNX export."""
+    from edgefl.checkpoint import load_checkpoint, model_sha256
+
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(SIM_RUN))
+    out = tmp_path / "out"
+    # in process on one thread: the main thread itself is inside the C core when the signal
+    # comes (only the signal's watcher thread can reach it), and round 1's line is printed
+    # as round 1 ends (with more threads its evaluation, and so its line, overlaps round 2)
+    args = ["simulate", str(run_file), "--out", str(out), "--workers",
+            "1" if transport == "inproc" else "2"]
+    if transport == "mqtt":
+        broker = request.getfixturevalue("mosquitto_server")
+        args += ["--transport", "mqtt", "--broker", broker.url]
+    log_path = tmp_path / "simulate.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=tmp_path,
+                                env=_role_env(), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def log_text():
+        return log_path.read_text(errors="replace")
+
+    try:
+        wait_for(lambda: "round 1/3" in log_text() or proc.poll() is not None,
+                 what="round 1's progress line", timeout=180.0)
+        assert proc.poll() is None, log_text()
+        proc.send_signal(signum)
+        code = proc.wait(180)      # a bound for a hung process, not a speed requirement
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log_text()
+    assert code == 128 + signum, f"exit {code}:\n{text[-3000:]}"
+    assert "Traceback" not in text, text[-3000:]
+    assert f"stopped ({signum.name}) in round 2 of 3, which is dropped; rounds 1-1 are in " \
+        in text, text[-3000:]
+    assert "round 2/3" not in text            # round 2 never finished
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == {"in_round": 2, "rounds_done": 1, "rounds_planned": 3}
+    assert summary["rounds"] == 1
+    ckpt = load_checkpoint(str(out / "model.npz"))
+    assert ckpt["round"] == 1 and model_sha256(ckpt["params"]) == summary["model_sha256"]
+    assert not (out / "model.onnx").exists() and not (out / "curves.png").exists()
 
 
 def test_aggregator_site_file_round_client_and_export_settings(tmp_path, capsys):
@@ -369,9 +466,9 @@ def _check_watchdog_follows_the_main_loop(proc, notify: NotifySocket, gate: Stde
 def _stop_and_check(proc, notify: NotifySocket, gate: StderrGate, name: str) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
-        code = proc.wait(STOP_WITHIN_S)
+        code = proc.wait(HANG_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{name} did not stop within {STOP_WITHIN_S:g} s of SIGTERM:\n"
+        pytest.fail(f"{name} did not stop within {HANG_S:g} s of SIGTERM (hung):\n"
                     f"{gate.text()[-2000:]}")
     assert code == 0, f"{name} exited {code}:\n{gate.text()[-2000:]}"
     assert notify.find("STOPPING", "1"), notify.lines

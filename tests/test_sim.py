@@ -228,6 +228,46 @@ def test_deferred_evaluation_gives_every_round_its_own_accuracy_in_order(tmp_pat
     assert runs[1] == runs[3]
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("how", ["between-rounds", "mid-training"])
+def test_a_stop_ends_the_run_with_the_rounds_done_recorded(tmp_path, workers, how):
+    """A StopFlag set once round 1 is aggregated -- before round 2 opens (the event), or as
+    a word that stops round 2's local rounds after 2 steps each (mid-training) -- ends
+    run_federation with RunStopped(round 2): round 2 is dropped, and round 1 is recorded,
+    evaluated (with several threads its evaluation was deferred into round 2, which never
+    finished) and equal to round 1 of the run that was not stopped."""
+    from edgefl.errors import RunStopped
+    from edgefl.kernels import StopFlag
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import run_federation
+
+    config = load_run_config(write(tmp_path, small(eval_every=1)))
+    flag = StopFlag()
+    run = prepare_run(config, workers=1, progress=False, stop=flag)
+    test = (run.dataset.x_test, run.dataset.y_test)
+    models = {}
+    unbroken = run_federation(run.strategy, run.init_params, run.clients, run.setup,
+                              config.clients_per_round, test=test, workers=workers,
+                              on_model=lambda r, m: models.__setitem__(r, m.copy()))
+
+    def on_model(r, model):
+        if r == 1:
+            flag.set() if how == "between-rounds" else flag.stop_after_steps(2)
+
+    seen = []
+    with pytest.raises(RunStopped) as stopped:
+        run_federation(run.strategy, run.init_params, run.clients, run.setup,
+                       config.clients_per_round, test=test, workers=workers,
+                       on_round=seen.append, on_model=on_model, stop=flag)
+    assert stopped.value.round == 2 and stopped.value.rounds_planned == config.rounds
+    result = stopped.value.result
+    assert [rec["round"] for rec in seen] == [1] == [rec["round"] for rec in result.history]
+    first = unbroken.history[0]
+    assert (seen[0]["test_accuracy"], seen[0]["test_loss"]) == \
+        (first["test_accuracy"], first["test_loss"])
+    assert model_sha256(result.params) == model_sha256(models[1])
+
+
 def test_byte_accounting_counts_the_float32_buffers_sent(tmp_path):
     """FedAvg moves M * 4d each way; MFL twice that (it sends the momentum buffer as well as the model)."""
     d = 650

@@ -7,7 +7,9 @@ algorithm dropped into edgefl/strategies/ gets these tests without writing any.
 3. the same model over the loopback broker (aggregator and clients as roles) as in process;
 4. an aggregator stopped after round 1 and restarted on its state directory ends with the
    model of an unbroken run;
-5. a bad parameter is rejected with a StrategyError naming it.
+5. a bad parameter is rejected with a StrategyError naming it;
+6. its local round stops before its first step when the client's LocalData.stop is set
+   (a signal to `edgefl simulate` or a client: the round raises TrainingStopped).
 
 Every strategy runs a small federation on digits (CONTRACT_RUN: four clients, three of them
 per round, three rounds, softmax); SETTINGS gives a strategy what it needs on top (DUW: full
@@ -26,6 +28,8 @@ import pytest
 from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings, Client,
                           ClientSettings, RunPlan, default_client_ids)
 from edgefl.checkpoint import model_sha256
+from edgefl.errors import TrainingStopped
+from edgefl.kernels import StopFlag
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim import simulate
 from edgefl import strategies
@@ -290,6 +294,31 @@ def test_a_bad_parameter_is_rejected_naming_it(name):
 # ---------------------------------------------------------------------------------------
 # discovery: a file dropped into the package is an algorithm
 # ---------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------
+# 6. a set stop flag stops the local round
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_local_round_honours_the_stop_flag_of_its_data(tmp_path, name):
+    """Every client half hands LocalData.stop to the kernel: with the flag set, each task of
+    round 1 raises TrainingStopped after 0 steps, and the task's buffers are unchanged."""
+    config = contract_config(tmp_path, name)
+    flag = StopFlag()
+    run = prepare_run(config, workers=1, progress=False, stop=flag)
+    strategy, setup = run.strategy, run.setup
+    state = strategy.init(run.init_params, setup)
+    tasks = strategy.configure(1, select_clients(setup.seed, 1, setup.clients,
+                                                 config.clients_per_round), state)
+    flag.set()
+    for c in sorted(tasks):
+        given = snapshot(tasks[c].buffers)
+        with pytest.raises(TrainingStopped) as stopped:
+            strategy.train(tasks[c], run.clients[c], None)
+        assert stopped.value.steps == 0, (name, c)
+        for key, buf in tasks[c].buffers.items():
+            assert np.array_equal(buf, given[key], equal_nan=True)
+
 
 def test_a_module_dropped_into_the_package_is_discovered_and_one_that_forgets_register_fails(
         tmp_path, monkeypatch):

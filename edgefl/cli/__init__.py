@@ -22,11 +22,9 @@ layer.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import select
 import sys
-import traceback
 
 from .. import __version__
 from . import ctl, dashboard, fleet, runs, service
@@ -87,28 +85,15 @@ def main(argv=None) -> int:
 
 
 def console_main(argv=None) -> int:
-    """The `edgefl` console script and `python -m edgefl.cli`: main(), and then, if a client
-    stopped mid-round left its local round running in a worker thread, an immediate exit
-    (os._exit) with main's status once logs and output are flushed. The thread is inside the
-    C core; a normal exit would run the C libraries' destructors under it and end the
-    process with SIGSEGV (edgefl.roles.client.training_in_progress). Everything the client
-    keeps is on disk and its connection is closed by then; only the abandoned round, which
-    is trained again after a restart, is cut short."""
+    """The `edgefl` console script and `python -m edgefl.cli`: main(), ending quietly with
+    status 141 when the reader of stdout has gone (`edgefl predict ... | head -3`). A stopped
+    role or simulation returns from main() normally: its training threads stop within one
+    local step (kernels.StopFlag) and are joined, so none is left inside the C core."""
     try:
         code = main(argv)
         sys.stdout.flush()      # output still buffered meets a closed pipe here, not at exit
     except BrokenPipeError:
         code = _closed_pipe()
-    except BaseException as exc:            # Ctrl-C in a simulation over MQTT, a bug
-        if not _training_left_running():
-            raise
-        traceback.print_exc()
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-    if _training_left_running():
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
     return code
 
 
@@ -134,9 +119,3 @@ def _closed_pipe() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return 128 + 13     # signal.SIGPIPE is 13 on every POSIX system
-
-
-def _training_left_running() -> bool:
-    client = sys.modules.get("edgefl.roles.client")
-    return client is not None and client.training_in_progress()
-

@@ -48,7 +48,9 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=CTL_ACTIONS,
                         help="start CONFIG: queue a run; pause / resume / stop / export: the "
                              "active run (or --run ID); status; runs; watch: follow the "
-                             "events until the run ends (Ctrl-C to leave)")
+                             "events until the run ends (Ctrl-C to leave), or say how "
+                             "--run ID ended if it has; exit 0 finished, 1 failed or "
+                             "unknown, 3 stopped or cancelled")
     parser.add_argument("run_config", nargs="?", metavar="CONFIG",
                         help="with start: the run config (YAML file or built-in name)")
     add_operator_arguments(parser, "publish commands")
@@ -219,8 +221,19 @@ def _paused_where(doc: dict) -> str:
     return f"between rounds: {done} round(s) done, the next opens after resume"
 
 
+# `ctl watch`'s exit status by how the watched run ended (docs/orchestration.md)
+WATCH_EXIT = {"finished": 0, "failed": 1, "stopped": 3, "cancelled": 3}
+WATCH_ENDS = {"run_finished": "finished", "run_stopped": "stopped",
+              "run_cancelled": "cancelled"}
+
+
 def _ctl_watch(args, transport, topics, name) -> int:
-    """Follow the events topic: rounds, accuracy, clients online, until the run ends."""
+    """Follow the events topic: rounds, accuracy, clients online, until the run ends. A run
+    that has ended before watch began sends no more events: its outcome, from the service's
+    run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
+    at once. Exit status: WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or
+    cancelled); 1 for a --run ID the service does not know and that is not started within
+    --timeout seconds."""
     import json
     import time
 
@@ -229,6 +242,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
 
     transport.subscribe(topics.events(), qos=1)
     watched = args.run_id
+    # a --run ID the service does not know: an error, unless the run is started within
+    # --timeout seconds (a script may start watch first, so as to see the whole run)
+    unknown: tuple | None = None           # (the error's text, when it is given)
     # the clients online: from the status reply (the active run's aggregator knows them),
     # then kept up to date by client_joined / client_left
     online: set = set()
@@ -241,35 +257,52 @@ def _ctl_watch(args, transport, topics, name) -> int:
             watched = watched or (active or {}).get("run")
             if active and active.get("run") == watched:
                 online.update(active.get("clients_online") or [])
+            elif watched is not None:
+                # not the active run: ended (a short run is over before a script's next
+                # command, and no event of it will come), queued, or unknown here
+                records = _run_records(control, args.timeout)
+                record = records.get(watched)
+                if record is None:
+                    text = (f"no run {watched!r} on aggregator {result.get('node')} of "
+                            f"federation {topics.federation!r} (its runs: "
+                            f"{', '.join(records) or 'none'}; `edgefl ctl runs` lists them)")
+                    print(f"edgefl ctl watch: {text}; waiting {args.timeout:g} s for it to "
+                          f"be started", file=sys.stderr, flush=True)
+                    unknown = (text, time.monotonic() + args.timeout)
+                elif record.get("state") in WATCH_EXIT:
+                    return _report_ended(record, args.json, "before watch began")
             if not args.json:
                 print(_ctl_text("status", result), flush=True)
-            if watched and (active or {}).get("run") != watched and \
-                    watched not in (result.get("queue") or []):
-                # neither running nor queued: it may have ended before watch began (a short
-                # run), and then no event of it will come: say how it ended
-                ended = _ended_run(control, watched, args.timeout)
-                if ended is not None:
-                    return _report_ended(ended, args.json, "before watch began")
     except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
-    ends = ("run_finished", "run_stopped", "run_cancelled")
-    quiet_since = time.monotonic()
+    # The run's retained record comes on subscribing, and again when the service closes it:
+    # an end the requests above did not see (the service did not answer, or the run ended
+    # while they waited: a request passes over the events that arrive meanwhile) ends the
+    # watch all the same, without asking the service again.
+    record_topic = topics.run_record(watched) if watched is not None else None
+    if record_topic is not None:
+        transport.subscribe(record_topic, qos=1)
     try:
         while True:
-            item = transport.receive(timeout=1.0)
-            if watched and time.monotonic() - quiet_since > WATCH_RECHECK_S:
-                # nothing of the run for a while: it may have ended between the events this
-                # watch saw and its status request (the service closes a run's record just
-                # after its last event); its record says
-                quiet_since = time.monotonic()
+            if unknown is not None and time.monotonic() > unknown[1]:
+                print(f"edgefl ctl watch: {unknown[0]}; none was started within "
+                      f"{args.timeout:g} s", file=sys.stderr)
+                return 1
+            item = transport.receive(timeout=0.5)
+            if not isinstance(item, Message):
+                continue
+            if item.topic == record_topic:
                 try:
-                    ended = _ended_run(control, watched, args.timeout)
-                except (TimeoutError, CommandRefused):
-                    ended = None
-                if ended is not None:
-                    return _report_ended(ended, args.json, "(its record; the end's event "
-                                                           "came before watch was listening)")
-            if not isinstance(item, Message) or item.topic != topics.events():
+                    record = json.loads(item.payload)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and item.payload:
+                    unknown = None              # the run exists (queued, at least)
+                if isinstance(record, dict) and record.get("state") in WATCH_EXIT:
+                    return _report_ended(record, args.json, "(its record; the end's event "
+                                                            "came before watch was listening)")
+                continue
+            if item.topic != topics.events():
                 continue
             try:
                 event = json.loads(item.payload)
@@ -282,7 +315,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 watched = run
             if watched is not None and run not in (None, watched):
                 continue
-            quiet_since = time.monotonic()
+            if run is not None:
+                unknown = None                  # the run exists: it was just started
             kind = event.get("event")
             if kind == "client_joined":
                 online.add(event.get("client"))
@@ -292,37 +326,37 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 print(json.dumps(event), flush=True)
             else:
                 print(_event_text(event, online), flush=True)
-            if kind in ends or (kind == "error" and run == watched and run is not None):
-                return 0 if kind == "run_finished" else 1
+            if kind in WATCH_ENDS:
+                return WATCH_EXIT[WATCH_ENDS[kind]]
+            if kind == "error" and run == watched and run is not None:
+                return WATCH_EXIT["failed"]
     except KeyboardInterrupt:
         return 0
 
 
-WATCH_RECHECK_S = 5.0    # seconds without an event of the watched run before its record is asked
-
-
 def _report_ended(record: dict, as_json: bool, when: str) -> int:
-    """Print how a run ended that watch did not see end; returns watch's exit status."""
+    """Print how a run ended that watch did not see end (its public record: state, rounds,
+    accuracy, where its outputs are, or why it failed); returns watch's exit status."""
     import json
 
+    state = record.get("state")
+    where = record.get("out_dir") or record.get("run_dir")
     print(json.dumps(record) if as_json else
-          f"run {record.get('id')}: {record.get('state')} {when}, "
+          f"run {record.get('id')}: {state} {when}, "
           f"{record.get('rounds_done', 0)}/{record.get('rounds') or '?'} rounds"
           + (f", final accuracy {record['final_accuracy']:.4f}"
              if record.get("final_accuracy") is not None else "")
-          + (f"; {record['error']}" if record.get("error") else ""), flush=True)
-    return 0 if record.get("state") == "finished" else 1
+          + (f"; {record['error']}" if record.get("error") else "")
+          + (f"; outputs in {where}" if where and state in ("finished", "stopped") else ""),
+          flush=True)
+    return WATCH_EXIT.get(state, 1)
 
 
-def _ended_run(control, run_id: str, timeout: float) -> dict | None:
-    """The record of run `run_id` if it has ended (finished, stopped, cancelled, failed),
-    from the service's `runs` reply; None if it has not or is unknown."""
+def _run_records(control, timeout: float) -> dict:
+    """{run id: its public record} of every run the service knows (the `runs` reply)."""
     reply = control.request({"cmd": "runs"}, timeout=timeout)
-    for record in (reply.get("result") or {}).get("runs") or []:
-        if record.get("id") == run_id and record.get("state") in (
-                "finished", "stopped", "cancelled", "failed"):
-            return record
-    return None
+    return {r.get("id"): r for r in (reply.get("result") or {}).get("runs") or []
+            if isinstance(r, dict)}
 
 
 def _event_text(event: dict, online: set) -> str:

@@ -103,8 +103,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     import os
 
-    from ..errors import NonFiniteError
+    from ..errors import NonFiniteError, RunStopped
     from ..runconfig import load_run_config
+    from ..service.signals import exit_status, install_stop_handlers
     from ..sim import simulate
     from .destinations import discard_if_empty, link_latest, new_run_dir
 
@@ -126,9 +127,21 @@ def _simulate(args: argparse.Namespace) -> int:
                           quantize=args.export_quantize)
     out = args.out if args.out is not None else new_run_dir(name)
     try:
-        summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
-                           transport=args.transport, broker=args.broker, mqtt=mqtt,
-                           export=export)
+        # SIGINT (Ctrl-C) and SIGTERM stop the local rounds within one step (StopSignal's
+        # stop word); simulate then writes the rounds done and raises RunStopped
+        with install_stop_handlers() as stop:
+            summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
+                               transport=args.transport, broker=args.broker, mqtt=mqtt,
+                               export=export, stop=stop)
+    except RunStopped as exc:
+        if args.out is None:            # stopped before writing: no empty run directory left
+            discard_if_empty(out)
+        done = exc.summary["stopped"]["rounds_done"] if exc.summary else 0
+        print(f"edgefl simulate: stopped ({stop.name or 'stop requested'}) in round "
+              f"{exc.round} of {config.rounds}, which is dropped; "
+              + (f"rounds 1-{done} are in {out} (summary.json says it stopped)" if done else
+                 f"no round was done ({out})"), file=sys.stderr)
+        return exit_status(stop)
     except NonFiniteError as exc:
         print(f"edgefl simulate: training diverged: {exc} (the rounds before it are in "
               f"{out})", file=sys.stderr)

@@ -16,7 +16,9 @@ broker are configured on the board. Per announcement:
   frame, whose content must hash to the announced sha256), train in a worker thread
   (the C core releases the GIL; the loop keeps handling messages and the stop signal),
   persist progress atomically (client strategy state, round, the encoded update), then
-  upload the update in chunks of `max_payload` with QoS 1.
+  upload the update in chunks of `max_payload` with QoS 1. A client that stops while it
+  trains stops the round before its next local step (the kernel reads a stop word,
+  kernels.StopFlag), joins the training thread and stores nothing of that round.
 
 The exported ONNX model the aggregator publishes (retained, in parts: roles/onnx_channel.py)
 is reassembled, checked (sha256, onnxruntime loads it) and installed atomically as
@@ -34,15 +36,15 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from .. import kernels
 from .._malloc import keep_frames_in_heap
 from ..config import check_number
-from ..errors import KernelError, NonFiniteError
+from ..errors import KernelError, NonFiniteError, TrainingStopped
 from ..infer import ModelFileError
 from ..models import build_model
 from ..privacy import NO_HOOKS, secagg
@@ -140,22 +142,11 @@ class ClientSettings:
 
 _TRAINING_DONE = object()
 
-# Every _Job whose thread may still run: a thread keeps its job alive until it returns.
-_JOBS: "weakref.WeakSet[_Job]" = weakref.WeakSet()
-
-
-def training_in_progress() -> bool:
-    """Whether a local round still runs in a worker thread of this process. A client stopped
-    mid-round abandons its job (the round is trained again after a restart) and its thread
-    runs on inside the C core, with the interpreter lock released, until the round ends.
-    Such a process must end with os._exit (edgefl.cli.console_main does): a normal exit
-    runs the C libraries' destructors under the running thread -- OpenBLAS frees the
-    buffers its GEMM is using -- and the process dies of SIGSEGV instead of exiting 0."""
-    return any(job.thread.is_alive() for job in list(_JOBS))
-
 
 class _Job:
-    """One local round running in a worker thread."""
+    """One local round running in a worker thread. `stop` is the kernels.StopFlag its
+    training reads before every step: the client's own stop when that is one (a signal then
+    stops the round at once), else the job's own, set when the client stops."""
 
     def __init__(self, announcement: dict, task, local: LocalData, strategy, client_state,
                  slots, wake):
@@ -163,13 +154,14 @@ class _Job:
         self.announcement = announcement
         self.round = int(announcement["round"])
         self.task = task
+        self.stop = local.stop
+        self.planned_steps = kernels.planned_steps(task.train, local.num_samples)
         self.result = None
         self.error: BaseException | None = None
         self.train_s = 0.0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"edgefl-train-{local.client}",
                                        args=(local, strategy, client_state, slots), daemon=True)
-        _JOBS.add(self)
 
     def _run(self, local, strategy, client_state, slots) -> None:
         try:
@@ -284,11 +276,24 @@ class Client:
                     doc, self.next_ann = self.next_ann, None
                     self._adopt(doc)
                 self._maybe_ask_for_model()
-            if self.job is not None and not self.job.done.is_set():
-                log.info("%s: stopping; round %d's training is abandoned (it is trained again "
-                         "after a restart)", self.node, self.job.round)
         finally:
-            self._close()
+            try:
+                self._stop_job()
+            finally:
+                self._close()
+
+    def _stop_job(self) -> None:
+        """The loop has ended: a local round still training stops before its next step, and
+        its thread is joined, so no thread is left inside the C core when the process exits.
+        A round stopped short is not stored (trained again after a restart); one that ended
+        on its own meanwhile is finished as usual (stored, then uploaded)."""
+        job = self.job
+        if job is None:
+            return
+        if not job.done.is_set():
+            job.stop.set()
+            job.thread.join()
+        self._finish_job()
 
     # ------------------------------------------------------------------ connection
     def _status(self, online: bool, will: bool = False, **extra) -> bytes:
@@ -595,7 +600,9 @@ class Client:
             self._reject(f"task of round {frame.round}: {exc}")
             self.waiting = None
             return
-        local = LocalData(int(entry["client"]), self._model, self.x, self.y)
+        # the client's stop, if it is a StopFlag (a signal's), reaches the kernel directly
+        stop = self.stop if isinstance(self.stop, kernels.StopFlag) else kernels.StopFlag()
+        local = LocalData(int(entry["client"]), self._model, self.x, self.y, stop=stop)
         self.waiting = None
         self.job = _Job(doc, task, local, self._strategy, self.progress.client_state,
                         self.train_slots, self.transport.messages)
@@ -621,6 +628,11 @@ class Client:
     def _finish_job(self) -> None:
         job, self.job = self.job, None
         r, doc = job.round, job.announcement
+        if isinstance(job.error, TrainingStopped):     # the client is stopping
+            log.info("%s: stopping; round %d's training is abandoned after %d of %d local "
+                     "steps (it is trained again after a restart)", self.node, r,
+                     job.error.steps, job.planned_steps)
+            return
         if job.error is not None:
             exc = job.error
             kind = "diverged" if isinstance(exc, NonFiniteError) else "failed"

@@ -583,7 +583,8 @@ class Daemon:
     @staticmethod
     def _public(record: dict) -> dict:
         keys = ("id", "state", "created", "started", "ended", "rounds_done", "final_accuracy",
-                "model_sha256", "model_onnx", "run_dir", "error", "export_error", "clients")
+                "model_sha256", "model_onnx", "run_dir", "out_dir", "error", "export_error",
+                "clients")
         out = {k: record.get(k) for k in keys if record.get(k) is not None}
         out["rounds"] = (record.get("config") or {}).get("rounds")
         return out

@@ -10,8 +10,9 @@ import logging
 import os
 import sys
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingStopped
 from ..io import atomic_write, jsonable
+from ..kernels import StopFlag
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import RunResult, prepare_run
@@ -46,8 +47,17 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     strategy = None
     if ckpt is not None:      # the strategy as the run used it (DUW's table is not retrained)
         strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
-    run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False, stream=stream,
-                      strategy=strategy, privacy_rounds=("dp", "secure_aggregation"))
+    # a strategy's offline phase (DUW's table) trains too: the service's signal stops it
+    # within one local step, and the run, not started, is taken up again after a restart
+    kernel_stop = next((e for e in getattr(stop, "events", [stop])
+                        if isinstance(e, StopFlag)), None)
+    try:
+        run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False,
+                          stream=stream, strategy=strategy, stop=kernel_stop,
+                          privacy_rounds=("dp", "secure_aggregation"))
+    except TrainingStopped:
+        log.info("stopped while the run was being prepared")
+        return None
     _refuse_asynchronous(config, run.strategy)
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):

@@ -104,6 +104,23 @@ def dp_summary(config: RunConfig, result) -> dict | None:
     return out
 
 
+def stopped_summary(config: RunConfig, model: Model, stopped, workers: int) -> dict:
+    """summary.json of a run stopped before its last round (errors.RunStopped): run_summary
+    of the rounds done (when one was evaluated), and `stopped`: the round it was in (not
+    recorded), the rounds done and planned. `rounds` counts the rounds done."""
+    result = stopped.result
+    history = result.history if result is not None else []
+    if any(h["test_accuracy"] is not None for h in history):
+        summary = run_summary(config, model, result, workers)
+    else:
+        summary = {"rounds": len(history), "n_params": model.n_params, "workers": workers,
+                   "backend": kernels.backend, "edgefl_version": __version__,
+                   "config": config.to_dict()}
+    summary["stopped"] = {"in_round": stopped.round, "rounds_done": len(history),
+                          "rounds_planned": stopped.rounds_planned}
+    return summary
+
+
 def absolute_dataset_paths(dataset_section, config_path) -> dict:
     """The dataset section with relative path/test_path resolved against the config file, so a
     checkpoint names data that `edgefl export` can find from any directory."""

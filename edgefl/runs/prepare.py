@@ -41,14 +41,15 @@ class RunResult:
         return model_sha256(self.params)
 
 
-def local_datasets(dataset, split, model: Model) -> dict:
+def local_datasets(dataset, split, model: Model, stop=None) -> dict:
     """{client: LocalData} for a Dataset and a Partition (per-client labels when the
-    partitioner replaced them, as label-noise does)."""
+    partitioner replaced them, as label-noise does); `stop`, a kernels.StopFlag, stops
+    their local rounds."""
     out = {}
     for c, idx in enumerate(split.indices):
         y = split.labels[c] if split.labels is not None else dataset.y_train[idx]
         out[c] = LocalData(c, model, np.ascontiguousarray(dataset.x_train[idx]),
-                           np.ascontiguousarray(y))
+                           np.ascontiguousarray(y), stop=stop)
     return out
 
 
@@ -80,14 +81,16 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
                 progress: bool | None = None, stream=None,
                 strategy: Strategy | None = None,
                 out_files: Mapping[str, str] | None = None,
-                privacy_rounds: tuple = ()) -> PreparedRun:
+                privacy_rounds: tuple = (), stop=None) -> PreparedRun:
     """Load the dataset, partition it, build the model and its seeded initial buffer, and
     the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
     What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out).
     privacy_rounds: the parts of the `privacy:` section the caller's rounds honour
     ("secure_aggregation", "dp"); a config asking for another is refused (`refuse_privacy`).
-    With privacy.dp the run's DP hooks are built here (`privacy_hooks`)."""
+    With privacy.dp the run's DP hooks are built here (`privacy_hooks`).
+    `stop` (a kernels.StopFlag) goes into every client's LocalData: the local rounds of the
+    offline phase and of the run stop within one step once it is set."""
     refuse_privacy(config, privacy_rounds)
     hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
     dataset = dataset_from_config(config.as_config())
@@ -97,7 +100,7 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),
                   lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds,
                   units=Setup.units_of(model))
-    clients = local_datasets(dataset, split, model)
+    clients = local_datasets(dataset, split, model, stop)
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if strategy is None:
         strategy = get_strategy(config.strategy, **config.strategy_params)

@@ -12,9 +12,12 @@ polls it between steps (or waits on it):
     persist_state(); return 0
 
 Python runs signal handlers in the main thread between bytecodes, so a main thread inside one
-long C call (a local epoch) sees the signal only when that call returns. A role that must
-react within seconds runs long C calls in a worker thread (the C core releases the GIL) and
-waits on `stop` in the main thread; a signal then interrupts the wait at once.
+long C call (a local round) would see the signal only when that call returns. The StopSignal
+is therefore also a kernels.StopFlag: a watcher thread, woken through the interpreter's
+wakeup file descriptor (signal.set_wakeup_fd, written by the C-level handler the moment the
+signal arrives), sets its stop word at once, and every local round that was handed the flag
+(LocalData.stop) stops before its next step, on whatever thread it runs -- the main one
+included. The Python handler then records which signal it was and wakes `wait`.
 
 A second stop signal while stopping restores the default action and re-raises it, so an
 operator's second Ctrl-C (or `systemctl kill`) ends a process whose clean-up hangs.
@@ -24,33 +27,35 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 
-__all__ = ["StopSignal", "install_stop_handlers"]
+from ..kernels import StopFlag
+
+__all__ = ["StopSignal", "install_stop_handlers", "exit_status"]
 
 log = logging.getLogger("edgefl.service.signals")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class StopSignal:
-    """The stop request set by the handlers of `install_stop_handlers`.
+class StopSignal(StopFlag):
+    """The stop request set by the handlers of `install_stop_handlers`: a kernels.StopFlag
+    (set, is_set, wait; its stop word stops local training within one step).
 
     `signum` is the first signal received (None before), `name` its name ("SIGTERM")."""
 
     def __init__(self, signals=STOP_SIGNALS):
+        super().__init__()
         self.signals = tuple(signals)
-        self.event = threading.Event()
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple | None = None      # (reader, writer, previous fd, watcher thread)
 
-    # ---------------------------------------------------------------- the loop's side
-    def is_set(self) -> bool:
-        return self.event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Sleep up to `timeout` seconds, returning early (True) when a stop was requested."""
-        return self.event.wait(timeout)
+    @property
+    def event(self) -> "StopSignal":
+        """The event to wait on: the StopSignal itself (kept for callers of the old API)."""
+        return self
 
     @property
     def name(self) -> str | None:
@@ -60,18 +65,31 @@ class StopSignal:
         """Ask for a stop from code (an operator's `stop` command over MQTT, a test)."""
         if self.signum is None:
             self.signum = signum
-        self.event.set()
+        self.set()
 
-    # ---------------------------------------------------------------- the handler
+    # ---------------------------------------------------------------- the handlers
+    def _watch(self, reader: socket.socket) -> None:
+        """The watcher thread: one byte per signal arrives here from the C-level handler, even
+        while the main thread is inside a C call; one of ours sets the stop word at once."""
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:                    # restore() closed the writer
+                return
+            if any(b in self.signals for b in data):
+                self.set()
+
     def _handle(self, signum, frame) -> None:
-        if self.event.is_set() and self.signum is not None:
+        if self.is_set() and self.signum is not None:
             # second signal: the clean stop is taking too long; die by this signal
             log.warning("%s again while stopping: exiting now", signal.Signals(signum).name)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        self.event.set()
+        self.set()
         log.info("%s: stopping after the current step", signal.Signals(signum).name)
 
     def install(self) -> "StopSignal":
@@ -80,13 +98,27 @@ class StopSignal:
                                "from the main thread")
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)           # the C-level handler must never block on it
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        watcher = threading.Thread(target=self._watch, args=(reader,), daemon=True,
+                                   name="edgefl-stop-signal")
+        watcher.start()
+        self._wakeup = (reader, writer, previous, watcher)
         return self
 
     def restore(self) -> None:
-        """Put back the handlers that were there before install()."""
+        """Put back the handlers (and the wakeup fd) that were there before install()."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if self._wakeup is not None:
+            reader, writer, previous, watcher = self._wakeup
+            self._wakeup = None
+            signal.set_wakeup_fd(previous)
+            writer.close()                  # the watcher reads end-of-file and returns
+            watcher.join()
+            reader.close()
 
     def __enter__(self) -> "StopSignal":
         return self
@@ -99,3 +131,11 @@ def install_stop_handlers(signals=STOP_SIGNALS) -> StopSignal:
     """Route `signals` (SIGTERM and SIGINT) to a new StopSignal and return it. Call from the
     main thread, once, before the main loop; `restore()` (or a with-block) undoes it."""
     return StopSignal(signals).install()
+
+
+def exit_status(stop: StopSignal) -> int:
+    """The status a command that runs to an end of its own (`edgefl simulate`) exits with
+    when a signal stopped it: 128 + the signal's number, as a shell reports a command the
+    signal killed (130 for SIGINT, 143 for SIGTERM), so scripts see it was cut short; 1 for
+    a stop requested from code. The services exit 0 instead (docs/reliability.md)."""
+    return 128 + stop.signum if stop.signum is not None else 1

@@ -32,10 +32,13 @@ import os
 import sys
 from typing import Mapping
 
-from ..io import jsonable
+from ..checkpoint import save_checkpoint
+from ..errors import RunStopped, TrainingStopped
+from ..io import jsonable, write_json
 from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
-from ..runs.outputs import RoundExporter, run_summary, write_outputs
+from ..runs.outputs import (RoundExporter, absolute_dataset_paths, run_summary,
+                            stopped_summary, write_outputs)
 from ..runs.prepare import prepare_run
 from .asynchronous import run_asynchronous
 from .clock import Clock
@@ -54,7 +57,7 @@ TRANSPORTS = ("inproc", "mqtt")
 def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: int | None = None,
              progress: bool | None = None, stream=None, transport: str = "inproc",
              broker: str | None = None, broker_kind: str = "auto",
-             mqtt: Mapping | None = None, export=None) -> dict:
+             mqtt: Mapping | None = None, export=None, stop=None) -> dict:
     """Run the configured federation and write metrics.jsonl, summary.json, model.npz and
     curves.png into `out_dir` (None: write nothing). progress: None = show a progress bar on
     stderr (a bar on a TTY, one line per round otherwise), False = silent. Returns the
@@ -66,7 +69,13 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     (`run_over_broker`; `mqtt`: its keyword options). Both give the same final model.
 
     export: an edgefl.export.ExportPolicy; out_dir/model.onnx is the final model, replaced
-    atomically after every `export.every`-th round too (None: the final model only)."""
+    atomically after every `export.every`-th round too (None: the final model only).
+
+    stop: a kernels.StopFlag (edgefl.service.signals' StopSignal in `edgefl simulate`). Once
+    it is set, every local round stops before its next step and RunStopped is raised; by
+    then out_dir holds the rounds done: metrics.jsonl (whole lines), summary.json with a
+    `stopped` entry, and model.npz of the last round done (none if no round was done); no
+    ONNX export or plot, and runs/NAME is not pointed at it."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
@@ -74,8 +83,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     # over a broker the central-DP aggregator clips what it receives, and under secure
     # aggregation the boards clip and add their noise shares (roles.aggregator, roles.client)
     honoured = ("secure_aggregation", "dp")
-    run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
-                      stream=stream, privacy_rounds=honoured)
+    try:
+        run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
+                          stream=stream, privacy_rounds=honoured, stop=stop)
+    except TrainingStopped:             # in a strategy's offline phase (DUW's)
+        raise RunStopped(1, None, config.rounds) from None
     asynchronous = getattr(run.strategy, "asynchronous", False)
     if transport != "inproc" and (asynchronous or config.fleet is not None):
         raise ValueError(f"{'strategy ' + config.strategy if asynchronous else 'fleet:'}: "
@@ -105,30 +117,45 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         Clock.for_fleet(config.fleet, setup.clients, config.seed, model.n_params)
     try:
         if asynchronous:
-            result = run_asynchronous(strategy, init_params, clients, setup,
-                                      config.clients_per_round, clock=clock,
-                                      test=(dataset.x_test, dataset.y_test),
-                                      eval_every=config.eval_every, workers=workers,
-                                      on_round=on_round, on_model=exporter)
+            try:
+                result = run_asynchronous(strategy, init_params, clients, setup,
+                                          config.clients_per_round, clock=clock,
+                                          test=(dataset.x_test, dataset.y_test),
+                                          eval_every=config.eval_every, workers=workers,
+                                          on_round=on_round, on_model=exporter)
+            except TrainingStopped:
+                # the clients' LocalData carry the stop flag; the asynchronous driver keeps
+                # no per-step result to hand back, so the steps applied so far are in
+                # metrics.jsonl and no model.npz is written
+                raise RunStopped(1, None, config.rounds) from None
         elif transport == "inproc":
             result = run_federation(strategy, init_params, clients, setup,
                                     config.clients_per_round,
                                     test=(dataset.x_test, dataset.y_test),
                                     eval_every=config.eval_every, workers=workers,
                                     on_round=on_round, on_model=exporter, clock=clock,
-                                    **_privacy_rounds(config, run.hooks))
+                                    stop=stop, **_privacy_rounds(config, run.hooks))
         else:
             result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
                                                   workers=workers, on_round=on_round,
-                                                  on_model=exporter, **dict(mqtt or {}))
+                                                  on_model=exporter, stop=stop,
+                                                  **dict(mqtt or {}))
+    except RunStopped as stopped:
+        stopped.summary = stopped_summary(config, model, stopped, workers)
+        if out_dir is not None:
+            write_json(os.path.join(out_dir, "summary.json"), stopped.summary, indent=2)
+            if stopped.result is not None and stopped.result.history:
+                save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy,
+                                stopped.result, dataset,
+                                dataset_config=absolute_dataset_paths(config.dataset,
+                                                                      config.path))
+        raise
     finally:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
 
-    summary = run_summary(config, model, result, workers)
-    if result.stopped is not None:
-        summary["stopped"] = result.stopped
+    summary = run_summary(config, model, result, workers)     # (with a DP budget's stop)
     if "sim_time_s" in result.history[-1]:
         summary["sim_time_s"] = result.history[-1]["sim_time_s"]
     if clock is not None:

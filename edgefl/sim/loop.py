@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, RunStopped, TrainingStopped
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks
 from ..privacy.hooks import task_generator
 from ..rounds import RoundEngine, add_evaluation, client_contribution
@@ -36,7 +36,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                    on_round: Callable[[dict], None] | None = None,
                    on_model: Callable[[int, np.ndarray], None] | None = None,
                    summing: bool = False, hooks: PrivacyHooks = NO_HOOKS,
-                   secure_sum: Callable | None = None, clock=None) -> RunResult:
+                   secure_sum: Callable | None = None, clock=None,
+                   stop=None) -> RunResult:
     """Run `rounds` (default setup.rounds) rounds of `strategy` over in-memory `clients`.
 
     The rounds are the round engine's (edgefl.rounds): each selects `clients_per_round` of
@@ -62,6 +63,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     as its slowest uploader (or the fleet's deadline: an uploader not done by then is not
     trained and its update is lost), and each record gains sim_time_s (the simulated time
     at the round's end) and late (how many uploaders missed the deadline).
+
+    `stop`: a kernels.StopFlag (the clients' LocalData carry it to the kernel, prepare_run
+    puts it there). Once it is set, the local rounds stop before their next step and
+    RunStopped is raised with the rounds done (each evaluated and passed to on_round); the
+    round in progress is dropped.
     """
     rounds = setup.rounds if rounds is None else rounds
     missing = sorted(set(setup.clients) - set(clients))
@@ -96,8 +102,17 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
         if on_round is not None:
             on_round(record)
 
+    def run_stopped(r):
+        if pending is not None:        # the round before this one was aggregated: record it
+            add_evaluation(pending.record, engine.evaluate(pending.model))
+            finish(pending.record)
+        return RunStopped(r, RunResult(state, client_states, history,
+                                       strategy.global_model(state)), rounds)
+
     try:
         for r in range(1, rounds + 1):
+            if stop is not None and stop.is_set():
+                raise run_stopped(r)
             try:
                 hooks.before_round(r)      # a spent DP budget ends the run before training
             except BudgetExhausted as exc:
@@ -129,8 +144,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                     raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc
 
             t1 = time.perf_counter()
-            results = _map_clients(pool, workers, work_item,
-                                   order if evaluating is None else [_EVALUATE] + order)
+            try:
+                results = _map_clients(pool, workers, work_item,
+                                       order if evaluating is None else [_EVALUATE] + order)
+            except TrainingStopped:
+                raise run_stopped(r) from None
             train_wall = time.perf_counter() - t1
             if evaluating is not None:
                 pending = None

@@ -22,13 +22,19 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                     on_model: Callable[[int, np.ndarray], None] | None = None,
                     max_payload: int = 128 * 1024, compression: str = "none",
                     round_timeout_s: float = 120.0, federation: str | None = None,
-                    state_dir: str | None = None, connect_timeout: float = 30.0):
+                    state_dir: str | None = None, connect_timeout: float = 30.0,
+                    stop=None):
     """Run `run` through an MQTT broker: the aggregator role in this thread and one client
     role per shard in its own thread, each with its own MQTT connection, as a fleet would
     (edgefl.roles). url: the broker (None: an EmbeddedBroker of `broker_kind` for the run).
     At most `workers` clients train at once. Returns (RunResult, a description of the
     transport for the summary). The final model equals run_federation's bit for bit when
-    compression is "none"."""
+    compression is "none".
+
+    `stop`: a kernels.StopFlag shared by every role (None: one of its own). Set by a
+    signal, the clients' local rounds stop before their next step, the aggregator abandons
+    the open round, and RunStopped is raised with the rounds aggregated. It is set when the
+    run ends in any case: that is how the role threads are told to finish."""
     import tempfile
     import threading
 
@@ -45,7 +51,10 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if url is not None:
         parse_broker_url(url)                      # a bad URL fails before anything starts
-    stop = threading.Event()
+    from ..errors import RunStopped
+    from ..kernels import StopFlag
+
+    stop = StopFlag() if stop is None else stop     # the clients' kernels read its word
     slots = threading.Semaphore(max(1, workers))
     errors: list = []
     broker, scratch, roles, threads = None, None, [], []
@@ -116,6 +125,10 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             thread.join(timeout=30.0)
         if errors:
             raise errors[0]
+        if not result.finished and stop.is_set():
+            raise RunStopped(len(result.history) + 1,
+                             RunResult(result.state, {}, result.history, result.params),
+                             run.setup.rounds)
         if not result.finished:
             raise RuntimeError(f"simulation over {address} stopped after round "
                                f"{len(result.history)} of {run.setup.rounds}")

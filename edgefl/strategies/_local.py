@@ -24,5 +24,6 @@ def local_round(data: LocalData, start: np.ndarray, cfg: Mapping,
         mom = np.zeros_like(params)
     # `start` (read only) is the centre of FedProx's proximal term when cfg prox_mu > 0; with
     # prox_mu = 0 the kernel skips the term and never reads it
-    result = kernels.train_samples(data.samples, params, cfg, momentum=mom, anchor=start)
+    result = kernels.train_samples(data.samples, params, cfg, momentum=mom, anchor=start,
+                                   stop=data.stop)
     return params, mom, result

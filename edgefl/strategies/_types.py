@@ -265,11 +265,14 @@ class State:
 @dataclass(frozen=True)
 class LocalData:
     """What a client holds locally: its id, the model architecture (the same on every
-    client) and its samples (float32 C-contiguous x, int32 labels or float32 targets y)."""
+    client) and its samples (float32 C-contiguous x, int32 labels or float32 targets y).
+    `stop`: None, or the kernels.StopFlag every local round on this data passes to the
+    kernel, so a stopping process ends the round within one step (TrainingStopped)."""
     client: int
     model: Any
     x: np.ndarray
     y: np.ndarray
+    stop: Any = None
 
     @property
     def num_samples(self) -> int:

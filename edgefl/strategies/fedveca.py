@@ -354,7 +354,7 @@ class FedVeca(Strategy):
         stats = np.zeros((cfg["steps"], 3), dtype=np.float64) if gn2 is not None else None
         momentum = np.zeros_like(params) if cfg["momentum"] > 0 else None
         result = kernels.train_samples(local_data.samples, params, cfg, momentum=momentum,
-                                       grad0=grad0, step_stats=stats)
+                                       grad0=grad0, step_stats=stats, stop=local_data.stop)
         scalars = {"a_norm": normalizer(result["steps"], cfg["momentum"])}
         if stats is not None:
             scalars["beta"], scalars["delta"] = estimate_beta_delta(stats, gn2, cfg["lr"],

@@ -367,8 +367,12 @@ class EmbeddedBroker:
         with open(conf, "w", encoding="utf-8") as fh:
             fh.write(mosquitto_config(self.port, self.host, self.max_packet_bytes))
         self._log = open(os.path.join(self._dir.name, "mosquitto.log"), "wb")
+        # its own session: a Ctrl-C at the terminal (SIGINT to the whole foreground process
+        # group) reaches the run, which stops its roles and then this broker, not the broker
+        # under roles still publishing their last status
         self._proc = subprocess.Popen([find_mosquitto(), "-c", conf], stdin=subprocess.DEVNULL,
-                                      stdout=self._log, stderr=subprocess.STDOUT)
+                                      stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self._proc.poll() is not None:

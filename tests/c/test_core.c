@@ -339,6 +339,58 @@ static void test_proximal_term(void)
     }
 }
 
+/* The stop word: read before every step. v = k + 1 stops after exactly k steps, with the
+ * parameters those k steps leave (the same as a round of cfg.steps = k), EF_STOPPED and
+ * res.steps = k; 1 stops before the first step with the parameters untouched; 0 runs the
+ * whole round. */
+static void test_stop_word(void)
+{
+    ef_net net = make_cnn();
+    const int64_t P = net.n_params;
+    static float x[NS * IN], w0[300], p1[300], p2[300], m1[300], m2[300], work[200000];
+    static int64_t iwork[5 * NS];
+    static int32_t labels[NS];
+    for (int i = 0; i < NS * IN; i++) x[i] = nrand();
+    for (int s = 0; s < NS; s++) labels[s] = s % 4;
+    for (int64_t j = 0; j < P; j++) w0[j] = 0.3f * nrand();
+    ef_train_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.lr = 0.05f;
+    cfg.momentum = 0.9f;
+    cfg.batch_size = 5;
+    cfg.epochs = 4;          /* 5 steps a pass over NS = 24 samples: 20 steps */
+    cfg.seed = 11;
+    ef_train_result r1, r2;
+    int32_t word = 7 + 1;    /* stop after 7 steps: inside the second pass over NS samples */
+    cfg.stop = &word;
+    memcpy(p1, w0, sizeof(float) * (size_t)P);
+    memset(m1, 0, sizeof m1);
+    int rc = ef_local_train(p1, m1, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS,
+                            &cfg);
+    CHECK(rc == EF_STOPPED && r1.steps == 7, "stop after 7: rc %d steps %lld", rc,
+          (long long)r1.steps);
+    cfg.stop = NULL;
+    cfg.epochs = 0;
+    cfg.steps = 7;
+    memcpy(p2, w0, sizeof(float) * (size_t)P);
+    memset(m2, 0, sizeof m2);
+    CHECK(ef_local_train(p2, m2, NULL, &r2, work, iwork, &net, x, labels, NULL, NULL, NS,
+                         &cfg) == EF_OK, "7 steps status");
+    CHECK(!memcmp(p1, p2, sizeof(float) * (size_t)P) && !memcmp(m1, m2, sizeof m1)
+          && r1.mean_loss == r2.mean_loss && r1.samples == r2.samples,
+          "stopped after 7 steps differs from 7 steps");
+    word = 1;                /* "stop now": nothing trained */
+    cfg.stop = &word;
+    cfg.momentum = 0.0f;
+    memcpy(p1, w0, sizeof(float) * (size_t)P);
+    rc = ef_local_train(p1, NULL, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS, &cfg);
+    CHECK(rc == EF_STOPPED && r1.steps == 0 && !memcmp(p1, w0, sizeof(float) * (size_t)P),
+          "stop now: rc %d steps %lld", rc, (long long)r1.steps);
+    word = 0;                /* a clear word: the whole round */
+    rc = ef_local_train(p1, NULL, NULL, &r1, work, iwork, &net, x, labels, NULL, NULL, NS, &cfg);
+    CHECK(rc == EF_OK && r1.steps == 7, "clear word: rc %d steps %lld", rc, (long long)r1.steps);
+}
+
 static void test_shuffle(void)
 {
     enum { N = 1000 };
@@ -361,6 +413,7 @@ int main(void)
     test_first_nonfinite();
     test_gradient_and_training();
     test_proximal_term();
+    test_stop_word();
     test_shuffle();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;

@@ -113,7 +113,7 @@ def _local(data: LocalData, params: np.ndarray, cfg: dict, grad_sum: np.ndarray)
     if params.dtype == np.float32:
         momentum = np.zeros_like(params) if cfg["momentum"] > 0 else None
         return kernels.train_samples(data.samples, params, cfg, momentum=momentum,
-                                     grad_sum=grad_sum)
+                                     grad_sum=grad_sum, stop=data.stop)
     labels, targets = kernels.labels_and_targets(data.model, data.y, data.x.shape[0])
     momentum = np.zeros_like(params) if cfg["momentum"] > 0 else None
     return reference.local_train(params, momentum, data.model, data.x, labels, targets, cfg,
