@@ -42,6 +42,10 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
                              "certificate's CN as the username), with --key-file")
     parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
     parser.add_argument("--ca-file", metavar="FILE", help="CA bundle of the broker (TLS)")
+    parser.add_argument("--operator-key", metavar="FILE",
+                        help="sign the command with this Ed25519 private key (edgefl keys "
+                             "gen); default: the aggregator site file's keys.operator_key. "
+                             "Needed when the aggregator sets keys.operators")
     parser.add_argument("--federation", metavar="ID",
                         help="federation id (default: the site file's node.federation, else "
                              "'default')")
@@ -100,6 +104,8 @@ def _ctl_connect(args: argparse.Namespace):
                                    **{k: v for k, v in options.items() if v})
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
+    args.signing_key = args.operator_key or (config.get("keys.operator_key") if config
+                                             else None)
     transport.connect()
     return transport, Topics(federation), name
 
@@ -129,6 +135,15 @@ def _ctl_command(args: argparse.Namespace) -> dict:
     return doc
 
 
+def _operator_signer(args: argparse.Namespace, topics):
+    """The operator's Signer when a key is given (--operator-key, keys.operator_key)."""
+    if not getattr(args, "signing_key", None):
+        return None
+    from ..transport.signing import Signer
+
+    return Signer.from_file(args.signing_key, args.username or "operator", topics.federation)
+
+
 def _ctl(args: argparse.Namespace) -> int:
     import json
 
@@ -139,7 +154,8 @@ def _ctl(args: argparse.Namespace) -> int:
     try:
         if args.action == "watch":
             return _ctl_watch(args, transport, topics, name)
-        client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
+        client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5",
+                               signer=_operator_signer(args, topics))
         try:
             reply = client.request(doc, timeout=args.timeout)
         except CommandRefused as exc:
@@ -217,7 +233,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
     # then kept up to date by client_joined / client_left
     online: set = set()
     try:
-        status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5").request(
+        status = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5",
+                               signer=_operator_signer(args, topics)).request(
             {"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):
             active = (status.get("result") or {}).get("active")

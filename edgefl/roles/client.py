@@ -29,13 +29,15 @@ and dropped, and the client keeps running.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +50,7 @@ from ..service.layered import check_setting, default
 from ..strategies import LocalData, StrategyError, get_strategy
 from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
+from ..transport.signing import SignatureError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from .messages import (MessageError, TopicCache, announced_frame_id, buffers_sha256,
                        parse_announcement, peek_frame, status_payload, task_from_announcement,
@@ -109,6 +112,8 @@ class ClientSettings:
     max_params: int | None = None
     max_batch_size: int | None = None
     memory_budget_mb: int | None = None
+    # signatures (roles/trust.py): None or a Trust without keys.aggregator: nothing checked
+    trust: object = field(default=None, compare=False)
 
     def __post_init__(self):
         validate_id(self.node_id, "client id")
@@ -130,6 +135,9 @@ class ClientSettings:
         values = {name: config[key] for name, key in CLIENT_KEYS.items()}
         values.update(node_id=config["node.id"], profile=config.profile,
                       reassembly_bytes=config.mib("limits.reassembly_mb"))
+        if "trust" not in fields:
+            from .trust import Trust
+            values["trust"] = Trust.from_service_config(config, "client")
         return cls(**{**values, **fields})
 
 
@@ -233,6 +241,10 @@ class Client:
         self.ready = threading.Event()          # set once connected and subscribed
         self._connects = 0                      # `connected` events handled
         self.onnx: OnnxReceiver | None = None   # the exported model (created on first use)
+        # signatures (roles/trust.py): None each when the site file sets no keys
+        self.signer = getattr(settings.trust, "signer", None)
+        self.downlink = getattr(settings.trust, "downlink", None)
+        self._signed_at = -math.inf             # signing time of the announcement followed
 
     # ------------------------------------------------------------------ public
     @property
@@ -242,6 +254,12 @@ class Client:
     def run(self) -> None:
         os.makedirs(self.state_dir, exist_ok=True)
         self.progress = ClientProgress.load(self.state_dir)
+        self._signed_at = _load_signed_at(self.state_dir)
+        if self.settings.trust is not None:
+            log.info("%s: %s", self.node, self.settings.trust.describe())
+        if self.downlink is None:
+            log.info("%s: signatures off: announcements, models and ONNX files are taken "
+                     "unsigned (set keys.aggregator to require the aggregator's)", self.node)
         if self.progress.upload_missing:
             log.warning("%s: the update of round %d was not stored before the process ended "
                         "(%s missing): that round is not trained again and cannot be re-sent",
@@ -283,7 +301,9 @@ class Client:
         # The will is fixed at connect time: it carries no last round (it would be stale).
         return status_payload(self.node, "client", online, profile=self.settings.profile,
                               last_round=None if will else (self.progress.trained or None),
-                              run=self.progress.run_id, **extra)
+                              run=self.progress.run_id,
+                              key=self.signer.fingerprint if self.signer else None,
+                              signatures="on" if self.downlink else "off", **extra)
 
     def _publish_status(self, online: bool = True, **extra) -> None:
         try:
@@ -361,7 +381,7 @@ class Client:
         <state_dir>/model.onnx once complete and checked (roles/onnx_channel.py), where
         `edgefl serve` on this board picks it up."""
         if self.onnx is None:
-            self.onnx = OnnxReceiver(self.state_dir)
+            self.onnx = OnnxReceiver(self.state_dir, verifier=self.downlink)
         try:
             if not part:
                 doc = self.onnx.on_manifest(payload)
@@ -373,7 +393,7 @@ class Client:
                 return
             if self.onnx.on_part(payload) is not None:
                 self.stats["onnx_installed"] = self.onnx.installs
-        except (wire.FrameError, ModelFileError) as exc:
+        except (wire.FrameError, ModelFileError, SignatureError) as exc:
             self._reject(f"ONNX model on {topic}: {exc}")
 
     def _on_announcement(self, payload: bytes) -> None:
@@ -384,6 +404,8 @@ class Client:
         except MessageError as exc:
             self._reject(str(exc))                  # "announcement: <what is wrong>"
             return
+        if self.downlink is not None and not self._signed_announcement(doc):
+            return
         current = self.next_ann or self.ann
         if current is not None and current.get("announce") == doc["announce"]:
             return                                  # the same announcement again (QoS 1)
@@ -391,6 +413,28 @@ class Client:
             self.next_ann = doc                     # acted on once the training is done
             return
         self._adopt(doc)
+
+    def _signed_announcement(self, doc: dict) -> bool:
+        """Whether `doc` is the aggregator's, for this federation, its own run and round,
+        and not older than the announcement followed (a replay of an earlier run's or
+        round's, which the aggregator signed then, is refused by its signing time)."""
+        kind = "finished" if doc.get("finished") is True else "announce"
+        try:
+            env = self.downlink.verify_doc(doc, kind=kind, where="announcement",
+                                           run=doc["run"], round=doc["round"],
+                                           by=doc["aggregator"])
+        except SignatureError as exc:
+            self._reject(f"{exc}; the model this board has stays")
+            return False
+        if env["at"] < self._signed_at:
+            self._reject(f"announcement of run {doc['run']} round {doc['round']}: signed at "
+                         f"{env['at']:.3f}, before the announcement this board follows "
+                         f"({self._signed_at:.3f}): a replay; the model this board has stays")
+            return False
+        if env["at"] > self._signed_at:
+            self._signed_at = env["at"]
+            _save_signed_at(self.state_dir, env["at"])
+        return True
 
     def _prepare_run(self, doc: dict) -> None:
         """Build the model and the strategy's client half the announcement describes, and
@@ -548,6 +592,13 @@ class Client:
         if entry["source"] == "client" and kind == "model":
             return                                  # FedMR: the shared model is not ours
         expected = entry["model_sha256"] if entry["source"] == "client" else doc["model_sha256"]
+        if self.downlink is not None:
+            try:
+                self.downlink.verify_frame(frame, where=f"{kind} frame of round {frame.round}",
+                                           run=doc["run"], by=doc["aggregator"])
+            except SignatureError as exc:
+                self._reject(str(exc))
+                return
         # The frame the announcement names is its model: only the aggregator publishes
         # model frames, with a fresh random id each. Any other frame (an announcement
         # without "model_frame", a re-encoded model) is checked by content, which costs a
@@ -619,7 +670,9 @@ class Client:
             try:
                 frame = wire.encode("update", r, self.node, update.buffers,
                                     update_scalars(update, doc["run"], job.train_s),
-                                    self._model.table, self.settings.compression)
+                                    self._model.table, self.settings.compression,
+                                    sign=self.signer.frame_signer(doc["run"]) if self.signer
+                                    else None)
             except wire.EncodeError as exc:
                 log.error("%s: round %d: update not sent: %s", self.node, r, exc)
                 return
@@ -661,3 +714,27 @@ class Client:
         except TransportError as exc:
             log.error("%s: upload failed: %s; it is re-sent when the round is announced "
                       "again", self.node, exc)
+
+
+SIGNED_AT_FILE = "downlink-signed.json"    # the signing time of the announcement followed
+
+
+def _load_signed_at(state_dir: str) -> float:
+    try:
+        with open(os.path.join(state_dir, SIGNED_AT_FILE), encoding="utf-8") as f:
+            at = json.load(f).get("at")
+        return float(at) if isinstance(at, (int, float)) and math.isfinite(at) else -math.inf
+    except (OSError, ValueError, AttributeError):
+        return -math.inf
+
+
+def _save_signed_at(state_dir: str, at: float) -> None:
+    from ..io import atomic_write
+
+    try:
+        atomic_write(os.path.join(state_dir, SIGNED_AT_FILE),
+                     json.dumps({"at": at}).encode())
+    except OSError as exc:
+        log.warning("the signing time of the followed announcement was not stored (%s): "
+                    "after a restart, an older one replayed is refused only by its run and "
+                    "round", exc)
