@@ -233,3 +233,231 @@ def test_nonces_are_remembered_on_disk_until_they_expire(tmp_path):
         store.check_and_add("n1", now + 60, "t", now=now)
     store.check_and_add("n2", now + 60, "t", now=now + 61)  # n1 has expired: forgotten
     assert set(json.loads(open(path).read())) == {"n2"}
+
+
+# ---------------------------------------------------------------------------------------
+# through a real Mosquitto
+# ---------------------------------------------------------------------------------------
+
+def write_config(tmp_path, **changes) -> str:
+    return write_run_yaml(tmp_path, BASE, "run.yaml", **changes)
+
+
+def reference_sha(config) -> str:
+    return simulate(config, None, workers=1, progress=False)["model_sha256"]
+
+
+class RawPublisher:
+    """A plain paho client, nothing of edgefl's transport: what an attacker with broker
+    access publishes."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("mqtt://").split(":")
+        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{uid()}")
+        self.client.connect(host, int(port))
+        self.client.loop_start()
+
+    def publish(self, topic, payload, retain=False):
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def close(self):
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def mqtt(url, name):
+    return MqttTransport(url, f"{name}-{uid()}", reconnect_min=0.05, reconnect_max=0.5,
+                         connect_timeout=5.0)
+
+
+def sha_of(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+class SignedRun:
+    """An Aggregator (thread) signing with `agg_key`, checking the boards' keys, on `fed`."""
+
+    def __init__(self, tmp_path, config, url, fed, agg_key, board_keys, state="agg",
+                 ids=("client-0", "client-1")):
+        self.run = prepare_run(config, progress=False)
+        plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup, self.run.model,
+                       config.clients_per_round, ids, description=config.to_dict())
+        trust = Trust(fed, signer=Signer(agg_key, "aggregator", fed),
+                      uplink=Verifier(fed, {n: [k.public_key()] for n, k in board_keys.items()}))
+        self.aggregator = Aggregator(plan, mqtt(url, "aggregator"), tmp_path / state,
+                                     AggregatorSettings(node_id="aggregator", federation=fed,
+                                                        round_timeout_s=60.0, trust=trust))
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._body, daemon=True)
+
+    def _body(self):
+        try:
+            self.result = self.aggregator.run()
+        except BaseException as exc:      # noqa: BLE001 -- re-raised by finish()
+            self.error = exc
+
+    def start(self):
+        self.thread.start()
+        wait_for(lambda: self.aggregator.open is not None or self.error is not None,
+                 what="round 1 to open", timeout=20.0)
+        return self
+
+    def finish(self, timeout=60.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the aggregator did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def board(tmp_path, run, url, fed, node, key, aggregator_keys, **options):
+    c = int(node.rsplit("-", 1)[1])
+    trust = Trust(fed, signer=Signer(key, node, fed) if key is not None else None,
+                  downlink=Verifier(fed, {"*": [k.public_key() for k in aggregator_keys]}))
+    client = Client(ClientSettings(node, fed, exit_when_finished=True, trust=trust, **options),
+                    (run.clients[c % len(run.clients)].x, run.clients[c % len(run.clients)].y),
+                    mqtt(url, node), tmp_path / node)
+    thread = threading.Thread(target=client.run, daemon=True)
+    thread.start()
+    assert client.ready.wait(10)
+    return client, thread
+
+
+def forged_announcement(run, node="client-0", run_id="forged-run") -> dict:
+    now = time.time()
+    doc = {"v": 1, "run": run_id, "aggregator": "aggregator", "round": 1, "rounds": 1,
+           "announce": uid(), "opened": now, "deadline": now + 60,
+           "strategy": {"name": "fedavg", "params": {}},
+           "model": {"spec": json.loads(run.model.spec),
+                     "input_shape": list(run.model.input_shape),
+                     "num_classes": int(run.model.num_classes), "table": run.model.table.digest},
+           "compression": "none", "model_sha256": "0" * 64,
+           "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "scalars": {},
+           "tasks": {node: {"client": 0, "upload": True, "source": "global",
+                            "train": {"seed": "1"}, "scalars": {}}}}
+    msg.parse_announcement(json.dumps(doc).encode())     # well formed: only its signature fails
+    return doc
+
+
+def test_a_running_edgefl_client_refuses_forged_announcements_and_onnx_and_keeps_its_model(
+        tmp_path, mosquitto_server, capsys):
+    path = write_config(tmp_path)
+    config = load_run_config(path)
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key, _, agg_pub = keypair(tmp_path, "aggregator")
+    rogue_key = signing.generate_key()
+    c0_key, c0_private, _ = keypair(tmp_path, "client-0")
+    c1_key = signing.generate_key()
+    run = prepare_run(config, progress=False)
+    state = tmp_path / "client-0-state"
+    site = tmp_path / "client-0.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": "client-0", "federation": fed},
+        "state_dir": str(state), "broker": {"url": mosquitto_server.url},
+        "log": {"level": "info"},
+        "keys": {"aggregator": [agg_pub], "signing_key": c0_private}}))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log_path = tmp_path / "client-0.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "client", "--config",
+                                 str(site), "--partition", path, "--shard", "0"],
+                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def logged(text):
+        return text in log_path.read_text()
+
+    raw = RawPublisher(mosquitto_server.url)
+    publisher = mqtt(mosquitto_server.url, "aggregator-pub")
+    others = []
+    try:
+        wait_for(lambda: logged("waiting for a run"), what="client-0 up", timeout=30)
+        assert logged("checks aggregator messages against " + signing.fingerprint(agg_key))
+
+        # the aggregator's ONNX model is installed
+        good, bad = tmp_path / "good.onnx", tmp_path / "bad.onnx"
+        export_onnx(run.model, run.init_params, good, norm_mean=run.dataset.norm_mean,
+                    norm_std=run.dataset.norm_std)
+        export_onnx(run.model, run.init_params * 0 + 1, bad, norm_mean=run.dataset.norm_mean,
+                    norm_std=run.dataset.norm_std)
+        publisher.connect()
+        pub = publish_model(publisher, topics, good, round=1, sender="aggregator", run="r0",
+                            max_payload=2048, record_dir=str(tmp_path),
+                            signer=Signer(agg_key, "aggregator", fed))
+        installed = state / "model.onnx"
+        wait_for(lambda: installed.exists() and sha_of(installed) == pub.sha256,
+                 what="the signed ONNX model installed", timeout=20)
+
+        # a forged ONNX model: signed with another key, then unsigned; parts and manifest
+        from edgefl.export import model_payload
+        data, metadata = model_payload(bad)
+        for signer, why in ((Signer(rogue_key, "aggregator", fed), "not one of the trusted keys"),
+                            (None, "unsigned")):
+            forged = encode_publication(data, metadata, round=9, sender="aggregator",
+                                        run="r0", max_payload=2048, signer=signer)
+            for i, payload in enumerate(forged.parts):
+                raw.publish(part_topic(topics, i), payload, retain=True)
+            raw.publish(topics.onnx(), forged.manifest, retain=True)
+            wait_for(lambda why=why: logged("rejected ONNX model on") and logged(why),
+                     what=f"the forged ONNX model refused ({why})", timeout=20)
+        assert sha_of(installed) == pub.sha256             # still serving the good model
+
+        # a forged announcement: another key, then unsigned
+        doc = forged_announcement(run)
+        raw.publish(topics.round(), json.dumps(
+            Signer(rogue_key, "aggregator", fed).sign_doc(doc, "announce", "forged-run", 1)
+        ).encode(), retain=True)
+        wait_for(lambda: logged("rejected announcement: signed by 'aggregator' with key "
+                                + signing.fingerprint(rogue_key)), what="forged announcement "
+                 "refused", timeout=20)
+        raw.publish(topics.round(), json.dumps(forged_announcement(run)).encode(), retain=True)
+        wait_for(lambda: logged("rejected announcement: unsigned"),
+                 what="unsigned announcement refused", timeout=20)
+        from edgefl.roles.state import ClientProgress
+        assert ClientProgress.load(str(state)).run_id is None     # nothing of forged-run
+        assert sha_of(installed) == pub.sha256
+
+        # the real run: the board takes it, and the model is the in-process one
+        probe = mqtt(mosquitto_server.url, "probe")
+        probe.connect()
+        probe.subscribe(topics.round(), qos=1)
+        others.append(probe)
+        real = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key,
+                         {"client-0": c0_key, "client-1": c1_key}).start()
+        c1, t1 = board(tmp_path, run, mosquitto_server.url, fed, "client-1", c1_key, [agg_key])
+        result = real.finish()
+        t1.join(10)
+        assert [h["updates"] for h in result.history] == [2, 2]
+        from edgefl.checkpoint import model_sha256
+        assert model_sha256(result.params) == reference_sha(config)
+        assert real.aggregator.stats.get("bad_signatures", 0) == 0
+
+        # an announcement of that run replayed after it finished: refused by its age
+        seen = []
+        while (item := probe.receive(timeout=0.5)) is not None:
+            if getattr(item, "payload", b""):
+                seen.append(json.loads(item.payload))
+        first = next(d for d in seen if d.get("round") == 1 and d.get("run") == result.run_id)
+        raw.publish(topics.round(), json.dumps(first).encode(), retain=True)
+        wait_for(lambda: logged("a replay; the model this board has stays"),
+                 what="the replayed announcement refused", timeout=20)
+        assert sha_of(installed) == pub.sha256
+
+        # `edgefl status` shows each node's key fingerprint and whether it checks
+        capsys.readouterr()
+        assert main(["status", "--broker", mosquitto_server.url, "--federation", fed,
+                     "--wait", "2"]) == 0
+        table = capsys.readouterr().out
+        rows = {line.split()[0]: line.split() for line in table.splitlines()[1:-1]}
+        assert rows["client-0"][-2:] == [signing.fingerprint(c0_key), "on"], table
+        assert rows["aggregator"][-2:] == [signing.fingerprint(agg_key), "on"], table
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        raw.close()
+        for t in [publisher] + others:
+            t.close(timeout=1.0, announce_offline=False)
+    text = log_path.read_text()
+    assert "Traceback" not in text, text[-3000:]
