@@ -315,7 +315,8 @@ def board(tmp_path, run, url, fed, node, key, aggregator_keys, **options):
     c = int(node.rsplit("-", 1)[1])
     trust = Trust(fed, signer=Signer(key, node, fed) if key is not None else None,
                   downlink=Verifier(fed, {"*": [k.public_key() for k in aggregator_keys]}))
-    client = Client(ClientSettings(node, fed, exit_when_finished=True, trust=trust, **options),
+    options.setdefault("exit_when_finished", True)
+    client = Client(ClientSettings(node, fed, trust=trust, **options),
                     (run.clients[c % len(run.clients)].x, run.clients[c % len(run.clients)].y),
                     mqtt(url, node), tmp_path / node)
     thread = threading.Thread(target=client.run, daemon=True)
@@ -461,3 +462,182 @@ def test_a_running_edgefl_client_refuses_forged_announcements_and_onnx_and_keeps
             t.close(timeout=1.0, announce_offline=False)
     text = log_path.read_text()
     assert "Traceback" not in text, text[-3000:]
+
+
+def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_refused(
+        tmp_path, mosquitto_server):
+    config = load_run_config(write_config(tmp_path))
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key = signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False)
+
+    # run A: capture client-0's signed update of round 1 from the broker
+    probe = mqtt(mosquitto_server.url, "probe")
+    probe.connect()
+    probe.subscribe(topics.update("client-0"), qos=1)
+    first = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                      state="agg-a").start()
+    boards = [board(tmp_path / "a", run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+              for n in keys]
+    first.finish()
+    for _, t in boards:
+        t.join(10)
+    captured = []
+    while (item := probe.receive(timeout=0.5)) is not None:
+        if getattr(item, "payload", b"") and msg.peek_frame(item.payload)[0] == 1:
+            captured.append(item.payload)
+    probe.close(timeout=1.0, announce_offline=False)
+    assert captured, "no update of round 1 seen"
+
+    # run B (a new run id): client-0 is not up yet; its old update is replayed, and client-1
+    # (a rogue board) sends an update in client-0's name, signed with its own key
+    second = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                       state="agg-b").start()
+    agg = second.aggregator
+    assert agg.run_id != first.result.run_id
+    raw = RawPublisher(mosquitto_server.url)
+    try:
+        for payload in captured:
+            raw.publish(topics.update("client-0"), payload)
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 1, what="the replay refused")
+        table = run.model.table
+        w = np.zeros(run.model.n_params, dtype=np.float32)
+        posing = wire.encode("update", 1, "client-0", {"params": w},
+                             msg.update_scalars(_update(w), agg.run_id, 0.1), table,
+                             sign=Signer(keys["client-1"], "client-0", fed).frame_signer(
+                                 agg.run_id))
+        raw.publish(topics.update("client-0"), posing)
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 2, what="the forgery refused")
+        unsigned = wire.encode("update", 1, "client-0", {"params": w},
+                               msg.update_scalars(_update(w), agg.run_id, 0.1), table)
+        raw.publish(topics.update("client-0"), unsigned)
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 3, what="unsigned refused")
+        assert "client-0" not in agg.open.received and agg.open.round == 1
+    finally:
+        raw.close()
+    # the real boards: the run completes with the in-process model
+    boards = [board(tmp_path / "b", run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+              for n in keys]
+    result = second.finish()
+    for _, t in boards:
+        t.join(10)
+    assert [h["updates"] for h in result.history] == [2, 2]
+    from edgefl.checkpoint import model_sha256
+    assert model_sha256(result.params) == reference_sha(config)
+
+
+def _update(w):
+    from edgefl.strategies import Update
+    return Update({"params": w}, 10, 0.5, 1, {})
+
+
+def test_key_rotation_two_accepted_keys_during_the_change_over(tmp_path, mosquitto_server):
+    """Boards hold [old, new] aggregator keys while the aggregator moves from old to new:
+    they follow a run signed with either. A board that already dropped the old key (or was
+    set up with the new one only) refuses the old key's run."""
+    config = load_run_config(write_config(tmp_path, rounds=1))
+    fed = f"sig-{uid()}"
+    old, new = signing.generate_key(), signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False)
+    results = []
+    # a board outside the run (not tasked) holding only the new key: it still checks
+    # every announcement it sees
+    observer, observer_thread = board(tmp_path / "observer", run, mosquitto_server.url, fed,
+                                      "client-9", None, [new], exit_when_finished=False)
+    try:
+        for step, agg_key in enumerate((old, new)):
+            rejected_before = observer.stats["rejected"]
+            signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                               state=f"agg-{step}").start()
+            boards = [board(tmp_path / f"b{step}", run, mosquitto_server.url, fed, n, keys[n],
+                            [old, new]) for n in keys]
+            results.append(signed.finish())
+            for client, t in boards:
+                t.join(10)
+                assert client.stats["trained"] == 1 and client.stats["rejected"] == 0
+            wait_for(lambda: observer.ann is not None or observer.stats["rejected"]
+                     > rejected_before, what="the observer to see the run")
+            if agg_key is old:
+                wait_for(lambda: observer.stats["rejected"] > rejected_before,
+                         what="the old key refused by a board holding only the new one")
+                assert observer.ann is None
+            else:
+                wait_for(lambda: observer.ann is not None and observer.ann["run"]
+                         == results[-1].run_id, what="the new key's run followed")
+    finally:
+        observer.stop.set()
+        observer_thread.join(10)
+    assert [len(r.history) for r in results] == [1, 1]
+
+
+def test_commands_must_be_signed_and_a_replayed_one_is_refused_even_after_a_restart(
+        tmp_path, mosquitto_server):
+    from edgefl.roles.control import ControlClient
+    from edgefl.roles.daemon import Daemon, DaemonSettings
+
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    operator, intruder = signing.generate_key(), signing.generate_key()
+    trust = Trust(fed, operators=Verifier(fed, {"*": [operator.public_key()]}),
+                  command_window_s=60.0)
+    settings = DaemonSettings(AggregatorSettings(node_id="aggregator", federation=fed,
+                                                 trust=trust), idle_poll_s=0.1)
+
+    def start():
+        stop = threading.Event()
+        daemon = Daemon(settings, str(tmp_path / "agg"), lambda cid, **o: MqttTransport(
+            mosquitto_server.url, f"{cid}-{uid()}", reconnect_min=0.05, reconnect_max=0.5,
+            connect_timeout=5.0, **o), stop=stop)
+        thread = threading.Thread(target=daemon.run, daemon=True)
+        thread.start()
+        wait_for(daemon.ready.is_set, what="the control connection")
+        return stop, thread
+
+    requester = mqtt(mosquitto_server.url, "operator")
+    requester.connect()
+    stop, thread = start()
+    try:
+        signed = ControlClient(requester, topics, "alice",
+                               signer=Signer(operator, "alice", fed))
+        assert signed.request({"cmd": "status"}, timeout=20)["ok"]
+        for signer, why in ((None, "unsigned"),
+                            (Signer(intruder, "alice", fed), "not one of the trusted keys")):
+            reply = ControlClient(requester, topics, "bob", signer=signer).request(
+                {"cmd": "status"}, timeout=20)
+            assert not reply["ok"] and why in reply["error"], reply
+        too_long = ControlClient(requester, topics, "alice", expires_in=3600,
+                                 signer=Signer(operator, "alice", fed))
+        reply = too_long.request({"cmd": "status"}, timeout=20)
+        assert not reply["ok"] and "keys.command_window" in reply["error"], reply
+
+        # a signed command captured and replayed after the service restarted (its memory of
+        # answered commands is gone; the nonce file is not)
+        doc = Signer(operator, "alice", fed).sign_doc(
+            {"cmd": "status", "reply_to": topics.reply("eve"), "request_id": "1"}, "command",
+            "", 0, expires_in=30)
+        replies = mqtt(mosquitto_server.url, "eve")
+        replies.connect()
+        replies.subscribe(topics.reply("eve"), qos=1)
+
+        def next_reply():
+            def got():
+                item = replies.receive(timeout=0.2)
+                return json.loads(item.payload) if getattr(item, "payload", b"") else None
+            return wait_for(got, what="a reply", timeout=20)
+
+        requester.publish(topics.ctl(), json.dumps(doc).encode(), qos=1)
+        assert next_reply()["ok"]
+        stop.set()
+        thread.join(30)
+        stop, thread = start()
+        requester.publish(topics.ctl(), json.dumps(doc).encode(), qos=1)
+        reply = next_reply()
+        assert not reply["ok"] and "was used already (a replayed command)" in reply["error"]
+        replies.close(timeout=1.0, announce_offline=False)
+    finally:
+        stop.set()
+        thread.join(30)
+        requester.close(timeout=1.0, announce_offline=False)
