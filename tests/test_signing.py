@@ -641,3 +641,48 @@ def test_commands_must_be_signed_and_a_replayed_one_is_refused_even_after_a_rest
         stop.set()
         thread.join(30)
         requester.close(timeout=1.0, announce_offline=False)
+
+
+# ---------------------------------------------------------------------------------------
+# install-service
+# ---------------------------------------------------------------------------------------
+
+def test_install_service_places_the_key_0600_for_the_service_user_and_never_prints_it(
+        tmp_path, capsys):
+    from edgefl.service import install as inst
+
+    _, _, agg_pub = keypair(tmp_path, "aggregator")
+    stage = tmp_path / "stage"
+    args = ["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",
+            "--prefix", str(stage), "--python", "/opt/edgefl/venv/bin/python",
+            "--no-python-check", "--signing-key", "new", "--trust-key", agg_pub]
+    assert main(args + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "PRIVATE KEY" not in out
+    assert f"--- {stage}/etc/edgefl/keys/client-07.key\n(a private key, mode 0600, owned by " \
+        "edgefl:edgefl: not shown)" in out
+    assert "chown edgefl:edgefl /etc/edgefl/keys/client-07.key" in out
+    assert not stage.exists()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    key = stage / "etc/edgefl/keys/client-07.key"
+    assert os.stat(key).st_mode & 0o777 == 0o600 and "PRIVATE KEY" not in out
+    assert os.stat(str(key) + ".pub").st_mode & 0o777 == 0o644
+    # the printed commands: the user first, then the key becomes its, then the unit starts
+    lines = [line.strip() for line in out.splitlines()]
+    order = [lines.index(c) for c in ("systemd-sysusers /etc/sysusers.d/edgefl.conf",
+                                      "chown edgefl:edgefl /etc/edgefl/keys/client-07.key",
+                                      "systemctl enable --now edgefl-client@07.service")]
+    assert order == sorted(order)
+    # the site file names them, and the key loads as the node's signing key
+    site = yaml.safe_load((stage / "etc/edgefl/client-07.yaml").read_text())
+    assert site["keys"] == {"signing_key": "/etc/edgefl/keys/client-07.key",
+                            "aggregator": ["/etc/edgefl/keys/aggregator-0.pub"]}
+    assert signing.fingerprint(signing.load_private_key(key)) == \
+        signing.fingerprint(signing.load_public_key(str(key) + ".pub"))
+    assert (stage / "etc/edgefl/keys/aggregator-0.pub").read_text() == open(agg_pub).read()
+    with pytest.raises(inst.InstallError, match="--trust-key .*junk"):
+        (tmp_path / "junk").write_text("x")
+        inst.plan_install("client", "07", profile="rpi4", prefix=str(stage),
+                          python="/opt/edgefl/venv/bin/python", check_python=False,
+                          trusted_keys=(str(tmp_path / "junk"),))

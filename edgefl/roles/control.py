@@ -68,7 +68,8 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "status": ((), "the daemon's state: active run, round, clients online, queue"),
     "runs": ((), "every run the daemon knows, with its state"),
 }
-COMMON_FIELDS = ("cmd", "request_id", "reply_to", "sig")   # sig: the operator's signature
+COMMON_FIELDS = ("cmd", "request_id", "reply_to")
+SIGNATURE_FIELD = "sig"       # the operator's signature (transport/signing.py), when signed
 ROUND_FIELDS = ("deadline", "quorum", "min_updates")
 
 
@@ -171,7 +172,7 @@ def _check(doc: Mapping) -> tuple[str, dict]:
         raise CommandError(f"command: unknown cmd {name!r}; valid: {', '.join(COMMANDS)}")
     own, _ = COMMANDS[name]
     for key in doc:
-        if key not in own and key not in COMMON_FIELDS:
+        if key not in own and key not in COMMON_FIELDS and key != SIGNATURE_FIELD:
             valid = ", ".join(COMMON_FIELDS + own)
             raise CommandError(f"{name}: unknown field {key!r}; valid: {valid}")
     request_id = doc.get("request_id")
