@@ -9,8 +9,8 @@ sets `online` to false). The MQTT side collects them; this module only formats:
 `role` is optional. A missing field prints as "-", so a node running an older edgefl that
 does not send every field still gets its row. Nodes of an edgefl with signatures also send
 "key" (the fingerprint of the key they sign with, absent when they sign nothing) and
-"signatures" ("on": they check what they receive; "off"); the table then has the columns
-`key` and `checks`.
+"signatures" ("on": they check what they receive; "off"); when any node has a key or
+checks, the table has the columns `key` and `checks`.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def format_fleet(statuses: list[dict]) -> str:
         if not isinstance(status, dict):
             raise TypeError(f"format_fleet: status {i} is {type(status).__name__}, not a dict")
     has_role = any(s.get("role") for s in statuses)
-    has_keys = any("signatures" in s or s.get("key") for s in statuses)
+    # a fleet without keys keeps the table it always had
+    has_keys = any(s.get("signatures") == "on" or s.get("key") for s in statuses)
     header = ("node",) + (("role",) if has_role else ()) + FLEET_COLUMNS[1:] \
         + (("key", "checks") if has_keys else ())
     rows = []
