@@ -255,7 +255,7 @@ class Client:
         os.makedirs(self.state_dir, exist_ok=True)
         self.progress = ClientProgress.load(self.state_dir)
         self._signed_at = _load_signed_at(self.state_dir)
-        if self.settings.trust is not None:
+        if self.settings.trust is not None and self.settings.trust.active:
             log.info("%s: %s", self.node, self.settings.trust.describe())
         if self.downlink is None:
             log.info("%s: signatures off: announcements, models and ONNX files are taken "

@@ -226,7 +226,7 @@ class Daemon:
     def run(self) -> None:
         os.makedirs(self.store.root, exist_ok=True)
         trust = self.settings.aggregator.trust
-        log.info("%s", trust.describe() if trust is not None else
+        log.info("%s", trust.describe() if trust is not None and trust.active else
                  "signatures off: nothing signed, updates and commands not checked (set keys.* "
                  "in the site file; docs/security.md)")
         for record in self.store.load_all():

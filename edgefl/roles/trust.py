@@ -58,6 +58,12 @@ class Trust:
         """This node's own key's fingerprint (published in its status), or None."""
         return self.signer.fingerprint if self.signer is not None else None
 
+    @property
+    def active(self) -> bool:
+        """Whether this node signs or checks anything."""
+        return any(x is not None for x in (self.signer, self.downlink, self.uplink,
+                                           self.operators))
+
     def describe(self) -> str:
         """One log line: what this node signs and checks."""
         parts = [f"signs with key {self.signer.fingerprint}" if self.signer else
