@@ -284,7 +284,8 @@ class SignedRun:
         plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup, self.run.model,
                        config.clients_per_round, ids, description=config.to_dict())
         trust = Trust(fed, signer=Signer(agg_key, "aggregator", fed),
-                      uplink=Verifier(fed, {n: [k.public_key()] for n, k in board_keys.items()}))
+                      uplink=Verifier(fed, {n: [k.public_key()] for n, k in board_keys.items()})
+                      if board_keys is not None else None)
         self.aggregator = Aggregator(plan, mqtt(url, "aggregator"), tmp_path / state,
                                      AggregatorSettings(node_id="aggregator", federation=fed,
                                                         round_timeout_s=60.0, trust=trust))
@@ -686,3 +687,42 @@ def test_install_service_places_the_key_0600_for_the_service_user_and_never_prin
         inst.plan_install("client", "07", profile="rpi4", prefix=str(stage),
                           python="/opt/edgefl/venv/bin/python", check_python=False,
                           trusted_keys=(str(tmp_path / "junk"),))
+
+
+def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_off(
+        tmp_path, mosquitto_server, caplog, capsys):
+    """Backward compatible: the aggregator signs, the boards have no keys (an older site
+    file): they take the signed messages as before, log and publish that signatures are
+    off, and the run ends with the in-process model."""
+    import logging
+
+    caplog.set_level(logging.INFO, "edgefl.roles.client")
+    config = load_run_config(write_config(tmp_path))
+    fed = f"sig-{uid()}"
+    run = prepare_run(config, progress=False)
+    signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, signing.generate_key(),
+                       None).start()
+    boards = []
+    for node in ("client-0", "client-1"):
+        c = int(node[-1])
+        client = Client(ClientSettings(node, fed, exit_when_finished=True),
+                        (run.clients[c].x, run.clients[c].y), mqtt(mosquitto_server.url, node),
+                        tmp_path / node)
+        thread = threading.Thread(target=client.run, daemon=True)
+        thread.start()
+        boards.append((client, thread))
+    result = signed.finish()
+    for client, thread in boards:
+        thread.join(10)
+        assert client.stats["rejected"] == 0
+    from edgefl.checkpoint import model_sha256
+    assert model_sha256(result.params) == reference_sha(config)
+    assert "client-0: signatures off: announcements, models and ONNX files are taken " \
+        "unsigned" in caplog.text
+    capsys.readouterr()
+    assert main(["status", "--broker", mosquitto_server.url, "--federation", fed,
+                 "--wait", "2", "--json"]) == 0
+    statuses = {s["node"]: s for s in json.loads(capsys.readouterr().out)}
+    assert statuses["client-0"]["signatures"] == "off" and "key" not in statuses["client-0"]
+    assert statuses["aggregator"]["signatures"] == "off"      # it checks no updates
+    assert len(statuses["aggregator"]["key"]) == 16           # but signs

@@ -176,7 +176,7 @@ class OnnxReceiver:
     def _check_signature(self, frame, kind: str, where: str) -> float | None:
         if self.verifier is None:
             return None
-        env = self.verifier.verify_frame(frame, kind=kind, where=where)
+        env = self.verifier.verify_frame(frame, kind=kind, where=where, by=frame.sender)
         if env["at"] < self.installed_at:
             from ..transport.signing import SignatureError
 
