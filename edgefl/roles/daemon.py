@@ -685,6 +685,10 @@ class Daemon:
                                      f"{trust.command_window_s:g} s")
             if self._nonces is None:
                 self._nonces = NonceStore(os.path.join(self.state_dir, NONCES_FILE))
+                if self._nonces.error:
+                    log.warning("command nonces not read (%s): a command replayed within "
+                                "keys.command_window of this restart is not recognised; "
+                                "the file is replaced", self._nonces.error)
             self._nonces.check_and_add(env["nonce"], env["exp"], where)
         except SignatureError as exc:
             return str(exc)

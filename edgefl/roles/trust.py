@@ -18,8 +18,8 @@ import glob
 import os
 from dataclasses import dataclass
 
-from ..transport.signing import (KeyFileError, Signer, Verifier, fingerprint,
-                                 load_private_key, load_public_key)
+from ..transport.signing import (KeyFileError, Signer, Verifier, load_private_key,
+                                 load_public_key)
 
 __all__ = ["Trust", "fleet_key_files"]
 
@@ -102,7 +102,3 @@ class Trust:
                         operators=get("keys.operators") if role == "aggregator" else None,
                         command_window_s=get("keys.command_window") or 120.0)
 
-
-def key_fingerprint(path) -> str:
-    """The fingerprint of the key in file `path` (private or public)."""
-    return fingerprint(load_public_key(path))

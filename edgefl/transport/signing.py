@@ -45,7 +45,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (Ed25519PrivateKey
 
 __all__ = ["SignatureError", "KeyFileError", "Signer", "Verifier", "DOMAIN", "VERSION",
            "KINDS", "generate_key", "write_key_pair", "load_private_key", "load_public_key",
-           "fingerprint", "public_key_of", "canonical", "doc_digest", "NonceStore"]
+           "fingerprint", "canonical", "doc_digest", "NonceStore"]
 
 VERSION = 1
 DOMAIN = b"edgefl-signature-v1\n"
@@ -53,6 +53,7 @@ KINDS = ("announce", "finished", "model", "client_model", "onnx_manifest", "onnx
          "command")
 FIELDS = ("v", "kind", "fed", "run", "round", "by", "key", "nonce", "at", "exp", "hash", "sig")
 MAX_SKEW_S = 300.0           # how far in the future a signing time may be (clocks differ)
+MAX_TIME = 1e11              # Unix seconds: year 5138
 
 
 class SignatureError(ValueError):
@@ -81,10 +82,6 @@ def fingerprint(key) -> str:
     if isinstance(key, Ed25519PrivateKey):
         key = key.public_key()
     return hashlib.sha256(_raw_public(key)).hexdigest()[:16]
-
-
-def public_key_of(key: Ed25519PrivateKey) -> Ed25519PublicKey:
-    return key.public_key()
 
 
 def write_key_pair(path: str | os.PathLike, key: Ed25519PrivateKey | None = None, *,
@@ -198,14 +195,15 @@ class Signer:
         return out
 
     def frame_signer(self, run: str):
-        """The `sign` argument of wire.encode for a frame of run `run`: the frame's kind
-        (its ONNX manifest: kind "onnx_manifest" when it has no buffers is the caller's
-        choice, see sign_manifest), round and message id go into the envelope."""
+        """The `sign` argument of wire.encode for a frame of run `run`: the envelope takes
+        the frame's kind, round and message id (its nonce)."""
         def sign(digest: str, kind: str, round: int, message_id: int) -> dict:
             return self.envelope(kind, run, round, digest, nonce=f"{message_id:016x}")
         return sign
 
     def manifest_signer(self, run: str):
+        """frame_signer for an ONNX manifest: an `onnx` frame without buffers, signed as kind
+        "onnx_manifest" so that it cannot pass for the model frame, nor the model for it."""
         def sign(digest: str, kind: str, round: int, message_id: int) -> dict:
             return self.envelope("onnx_manifest", run, round, digest,
                                  nonce=f"{message_id:016x}")
@@ -239,8 +237,11 @@ def check_envelope_shape(env, where: str) -> dict:
     if not 0 <= round_ < 2 ** 32:
         raise SignatureError(f"{where}: signature round {round_} out of range")
     for key in ("at",) + (("exp",) if env.get("exp") is not None else ()):
-        if not math.isfinite(_field(env, key, (int, float), where)):
-            raise SignatureError(f"{where}: signature field {key!r} is not finite")
+        value = _field(env, key, (int, float), where)
+        # Unix seconds: a bound keeps every later subtraction within a float
+        if not (math.isfinite(value) and 0 <= value < MAX_TIME):
+            raise SignatureError(f"{where}: signature field {key!r} = {value!r} is not a "
+                                 "time (Unix seconds)")
     return dict(env)
 
 
@@ -309,7 +310,7 @@ class Verifier:
             raise SignatureError(f"{where}: signature expired {now - env['exp']:.0f} s ago")
         if env["at"] > now + MAX_SKEW_S:
             raise SignatureError(f"{where}: signed {env['at'] - now:.0f} s in the future "
-                                 "(clock skew beyond {MAX_SKEW_S:.0f} s?)")
+                                 f"(clock skew beyond {MAX_SKEW_S:.0f} s?)")
         return env
 
     def verify_doc(self, doc: Mapping, *, kind: str, where: str, **expect) -> dict:
@@ -331,6 +332,7 @@ class NonceStore:
     def __init__(self, path: str):
         self.path = path
         self.seen: dict = {}
+        self.error: str | None = None     # why the file could not be read (then replaced)
         try:
             with open(path, encoding="utf-8") as f:
                 doc = json.load(f)
