@@ -575,7 +575,7 @@ def test_key_rotation_two_accepted_keys_during_the_change_over(tmp_path, mosquit
 
 
 def test_commands_must_be_signed_and_a_replayed_one_is_refused_even_after_a_restart(
-        tmp_path, mosquitto_server):
+        tmp_path, mosquitto_server, capsys):
     from edgefl.roles.control import ControlClient
     from edgefl.roles.daemon import Daemon, DaemonSettings
 
@@ -638,6 +638,15 @@ def test_commands_must_be_signed_and_a_replayed_one_is_refused_even_after_a_rest
         reply = next_reply()
         assert not reply["ok"] and "was used already (a replayed command)" in reply["error"]
         replies.close(timeout=1.0, announce_offline=False)
+
+        # `edgefl ctl` signs with --operator-key; without it the service refuses
+        write_key_pair(tmp_path / "operator", operator)
+        base = ["ctl", "status", "--broker", mosquitto_server.url, "--federation", fed,
+                "--timeout", "20"]
+        assert main(base + ["--operator-key", str(tmp_path / "operator")]) == 0
+        assert main(base) == 1
+        assert "refused: command status: unsigned" in capsys.readouterr().err
+
     finally:
         stop.set()
         thread.join(30)
