@@ -735,3 +735,47 @@ def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_
     assert statuses["client-0"]["signatures"] == "off" and "key" not in statuses["client-0"]
     assert statuses["aggregator"]["signatures"] == "off"      # it checks no updates
     assert len(statuses["aggregator"]["key"]) == 16           # but signs
+
+
+def test_an_earlier_runs_announcement_replayed_to_a_restarted_board_is_refused(
+        tmp_path, mosquitto_server):
+    """The signing time a board follows is on disk: restarted after run B, it still refuses
+    run A's announcement (validly signed by the aggregator, for run A)."""
+    config = load_run_config(write_config(tmp_path, rounds=1))
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key = signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False)
+    probe = mqtt(mosquitto_server.url, "probe")
+    probe.connect()
+    probe.subscribe(topics.round(), qos=1)
+    results = []
+    for name in ("a", "b"):
+        signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                           state=f"agg-{name}").start()
+        boards = [board(tmp_path, run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+                  for n in keys]                    # the same state directories each run
+        results.append(signed.finish())
+        for _, t in boards:
+            t.join(10)
+    seen = []
+    while (item := probe.receive(timeout=0.5)) is not None:
+        if getattr(item, "payload", b""):
+            seen.append(json.loads(item.payload))
+    probe.close(timeout=1.0, announce_offline=False)
+    replay = next(d for d in seen if d["run"] == results[0].run_id and not d.get("finished"))
+
+    # nothing newer retained: what the restarted board knows of run B is on its disk only
+    raw = RawPublisher(mosquitto_server.url)
+    raw.publish(topics.round(), b"", retain=True)
+    client, thread = board(tmp_path, run, mosquitto_server.url, fed, "client-0",
+                           keys["client-0"], [agg_key], exit_when_finished=False)
+    try:
+        raw.publish(topics.round(), json.dumps(replay).encode(), retain=True)
+        wait_for(lambda: client.stats["rejected"] >= 1, what="the replay refused")
+        assert client.ann is None and client.progress.run_id == results[1].run_id
+    finally:
+        raw.close()
+        client.stop.set()
+        thread.join(10)

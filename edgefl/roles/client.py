@@ -245,6 +245,7 @@ class Client:
         self.signer = getattr(settings.trust, "signer", None)
         self.downlink = getattr(settings.trust, "downlink", None)
         self._signed_at = -math.inf             # signing time of the announcement followed
+        self._signed_run = None                 # the run of the signing time on disk
 
     # ------------------------------------------------------------------ public
     @property
@@ -254,7 +255,7 @@ class Client:
     def run(self) -> None:
         os.makedirs(self.state_dir, exist_ok=True)
         self.progress = ClientProgress.load(self.state_dir)
-        self._signed_at = _load_signed_at(self.state_dir)
+        self._signed_at, self._signed_run = _load_signed_at(self.state_dir)
         if self.settings.trust is not None and self.settings.trust.active:
             log.info("%s: %s", self.node, self.settings.trust.describe())
         if self.downlink is None:
@@ -433,7 +434,12 @@ class Client:
             return False
         if env["at"] > self._signed_at:
             self._signed_at = env["at"]
-            _save_signed_at(self.state_dir, env["at"])
+            # On disk only when the run changes: within a run, the progress file already
+            # refuses an older round after a restart (a round is never trained twice), so
+            # an fsync'ed write on every round's critical path would buy nothing.
+            if doc["run"] != self._signed_run:
+                self._signed_run = doc["run"]
+                _save_signed_at(self.state_dir, env["at"], doc["run"])
         return True
 
     def _prepare_run(self, doc: dict) -> None:
@@ -716,24 +722,28 @@ class Client:
                       "again", self.node, exc)
 
 
-SIGNED_AT_FILE = "downlink-signed.json"    # the signing time of the announcement followed
+SIGNED_AT_FILE = "downlink-signed.json"    # the signing time of the first announcement
+                                           # of the run followed, and that run
 
 
-def _load_signed_at(state_dir: str) -> float:
+def _load_signed_at(state_dir: str) -> tuple:
     try:
         with open(os.path.join(state_dir, SIGNED_AT_FILE), encoding="utf-8") as f:
-            at = json.load(f).get("at")
-        return float(at) if isinstance(at, (int, float)) and math.isfinite(at) else -math.inf
+            doc = json.load(f)
+        at = doc.get("at")
+        if isinstance(at, (int, float)) and math.isfinite(at):
+            return float(at), doc.get("run")
     except (OSError, ValueError, AttributeError):
-        return -math.inf
+        pass
+    return -math.inf, None
 
 
-def _save_signed_at(state_dir: str, at: float) -> None:
+def _save_signed_at(state_dir: str, at: float, run: str) -> None:
     from ..io import atomic_write
 
     try:
         atomic_write(os.path.join(state_dir, SIGNED_AT_FILE),
-                     json.dumps({"at": at}).encode())
+                     json.dumps({"at": at, "run": run}).encode())
     except OSError as exc:
         log.warning("the signing time of the followed announcement was not stored (%s): "
                     "after a restart, an older one replayed is refused only by its run and "
