@@ -166,8 +166,11 @@ class Generator:
         elif how == "flip" and isinstance(env[key], str) and env[key]:
             at = r.randrange(len(env[key]))
             env[key] = env[key][:at] + ("A" if env[key][at] != "A" else "B") + env[key][at + 1:]
-        else:
-            env[key] = r.choice([None, True, 0, -1, 2 ** 40, 1.5, "", "x" * 70, [], {"a": 1}])
+        else:   # a value that differs from the signed one (None for null "exp" would not)
+            old = env[key]
+            env[key] = r.choice([v for v in (None, True, 0, -1, 2 ** 40, 1.5, "", "x" * 70, [],
+                                             {"a": 1})
+                                 if not (type(v) is type(old) and v == old)])
         return wire.encode("update", self.round, sender, buffers, {**scalars, "sig": env},
                            TABLE, message_id=h.message_id)
 

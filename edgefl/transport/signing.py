@@ -228,7 +228,7 @@ def check_envelope_shape(env, where: str) -> dict:
     unknown = sorted(set(env) - set(FIELDS))
     if unknown:
         raise SignatureError(f"{where}: unknown signature field(s) {unknown}")
-    if env.get("v") != VERSION:
+    if env.get("v") != VERSION or isinstance(env.get("v"), bool):
         raise SignatureError(f"{where}: signature version {env.get('v')!r}, this node "
                              f"speaks {VERSION}")
     for key in ("kind", "fed", "run", "by", "key", "nonce", "hash", "sig"):
