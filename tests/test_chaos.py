@@ -213,6 +213,25 @@ def test_short_chaos_soak_loses_no_update_and_aggregates_each_round_once(tmp_pat
     assert report["final_accuracy"] > 0.8
 
 
+def test_signed_chaos_soak_loses_no_update(tmp_path):
+    """Every node keyed (docs/security.md): clients killed and restarted re-send their stored,
+    signed updates, a killed aggregator resumes and checks them, the proxy delays and
+    duplicates; no update is lost and the aggregator refuses none of the boards' own."""
+    _need_mosquitto()
+    cfg = chaos.SoakConfig(clients=3, rounds=6, seed=5, client_kills=2, aggregator_kills=1,
+                           broker_restarts=1, delay_rate=0.05, duplicate_rate=0.1,
+                           timeout_s=240, signed=True)
+    report = chaos.run_soak(cfg, tmp_path / "soak", say=lambda text: None)
+    logs = tmp_path / "soak" / "logs"
+    assert chaos.verdict(report) == [], f"{report}\nlogs in {logs}"
+    assert report["signed"] and report["updates_lost"] == []
+    assert report["signature_refusals"]["aggregator"] == 0, f"logs in {logs}"
+    assert report["updates_accepted"] >= 6 * 3 // 2
+    texts = [p.read_text() for p in logs.iterdir()]
+    assert any("checks updates against" in t for t in texts)
+    assert any("checks aggregator messages against" in t for t in texts)
+
+
 def test_the_soak_reports_updates_the_broker_acknowledged_and_lost(tmp_path):
     """The soak's check, checked: a proxy that acknowledges and drops every third update
     message (a broker losing what it acknowledged) makes lost updates, the report lists

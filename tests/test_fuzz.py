@@ -5,7 +5,10 @@ duplicates, any order, interleaved senders, sets that never complete, forged chu
 `Reassembler`. The properties: nothing but FrameError is ever raised, every refusal is logged
 with its code, corruption is always caught (every bit of a frame is under a CRC), what is
 delivered is what was sent and only once, and the reassembler's memory stays within its
-limits at every step.
+limits at every step. Signed frames and documents whose signature envelope is altered in
+any field (changed, removed, added, replaced by any JSON value, one character flipped), or
+whose content changes under a valid envelope, are refused with SignatureError, never
+accepted and never another exception.
 
 A few hundred examples per property in CI (profile "ci"); EDGEFL_FUZZ_PROFILE=long runs
 10,000 each. `python tools/fuzz.py` is the long run with a table of outcomes."""
@@ -22,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgefl.params import LayerTable
-from edgefl.transport import wire
+from edgefl.transport import signing, wire
 from edgefl.transport.wire import Expectation, FrameError
 
 settings.register_profile(
@@ -371,6 +374,87 @@ def test_a_chunk_flood_is_cut_off_once_and_then_ignored(caplog, n, budget):
     floods = [r for r in caplog.records if "floods round 1" in r.getMessage()]
     assert len(floods) == (1 if n > budget else 0)
     out.assert_every_reject_logged()
+
+
+# ---------------------------------------------------------------------------------------
+# signature fields (docs/security.md): a signed frame or document whose envelope is
+# altered in any field, or replaced by any JSON value, is refused with SignatureError --
+# never accepted, never another exception
+# ---------------------------------------------------------------------------------------
+
+_SIGNING_KEY = signing.generate_key()
+_SIGNER = signing.Signer(_SIGNING_KEY, "agg", "fed")
+_VERIFIER = signing.Verifier("fed", {"*": [_SIGNING_KEY.public_key()]})
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70)
+                     | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=90),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+
+
+@st.composite
+def altered_envelopes(draw, envelope: dict):
+    """`envelope` with one field changed, removed or added, or replaced as a whole."""
+    env = dict(envelope)
+    how = draw(st.sampled_from(["change", "change", "remove", "add", "whole", "flip"]))
+    if how == "whole":
+        return draw(_JSON)
+    key = draw(st.sampled_from(sorted(env)))
+    if how == "remove":
+        del env[key]
+    elif how == "add":
+        env[draw(st.text(min_size=1, max_size=6).filter(lambda k: k not in env))] = draw(_JSON)
+    elif how == "flip" and isinstance(env[key], str) and env[key]:
+        at = draw(st.integers(0, len(env[key]) - 1))
+        c = env[key][at]
+        env[key] = env[key][:at] + ("A" if c != "A" else "B") + env[key][at + 1:]
+    else:
+        value = draw(_JSON)
+        if value == env[key] and type(value) is type(env[key]):
+            value = [value]
+        env[key] = value
+    return env
+
+
+@FUZZ
+@given(data=st.data(), frame=frames())
+def test_altered_signature_fields_of_a_frame_are_refused(data, frame):
+    payload, expect = frame
+    f = wire.decode(payload, expect)
+    signed = wire.encode(f.kind, f.round, f.sender,
+                         {k: (v if f.kind == "onnx" else np.array(v)) for k, v in
+                          f.buffers.items()}, dict(f.scalars), None if f.kind == "onnx"
+                         else TABLE, "none", recipient=f.recipient,
+                         sign=_SIGNER.frame_signer("run-1"))
+    good = wire.decode(signed, expect)
+    _VERIFIER.verify_frame(good, where="fuzz", run="run-1")          # the unaltered one passes
+    env = dict(good.scalars)["sig"]
+    bad = data.draw(altered_envelopes(env))
+    resent = wire.encode(good.kind, good.round, good.sender,
+                         {k: (v if good.kind == "onnx" else np.array(v)) for k, v in
+                          good.buffers.items()}, {**dict(good.scalars), "sig": bad},
+                         None if good.kind == "onnx" else TABLE, "none",
+                         recipient=good.recipient, message_id=good.message_id)
+    with pytest.raises(signing.SignatureError):
+        _VERIFIER.verify_frame(wire.decode(resent, expect), where="fuzz", run="run-1")
+
+
+@FUZZ
+@given(data=st.data(), doc=st.dictionaries(st.text(max_size=8).filter(lambda k: k != "sig"),
+                                           _JSON, max_size=5),
+       kind=st.sampled_from(signing.KINDS), round_=st.integers(0, 2 ** 32 - 1))
+def test_altered_signature_fields_of_a_document_are_refused(data, doc, kind, round_):
+    signed = _SIGNER.sign_doc(doc, kind, "run-1", round_)
+    expect = dict(kind=kind, where="fuzz", run="run-1", round=round_, by="agg")
+    _VERIFIER.verify_doc(signed, **expect)
+    bad = {**signed, "sig": data.draw(altered_envelopes(signed["sig"]))}
+    with pytest.raises(signing.SignatureError):
+        _VERIFIER.verify_doc(bad, **expect)
+    # the content altered under a valid envelope
+    key = data.draw(st.text(min_size=1, max_size=8).filter(lambda k: k != "sig"))
+    value = data.draw(_JSON)
+    if doc.get(key, object()) != value:
+        with pytest.raises(signing.SignatureError):
+            _VERIFIER.verify_doc({**signed, key: value}, **expect)
 
 
 def test_the_ci_profile_runs_hundreds_of_examples():

@@ -73,6 +73,15 @@ memory: issue 4's memory target, "a client process training the MLP on Fashion-M
                  the C core, NumPy, OpenBLAS, paho-mqtt, PyYAML), without data: the floor
   Skipped with a note without Debian's dataset-fashion-mnist or mosquitto.
 
+signing: what Ed25519 signatures cost (docs/security.md "Cost"). A 4 MB frame (1M
+  parameters, f32): encode vs encode+sign and decode vs decode+verify (interleaved, with
+  the added seconds and the ratio), and their parts: sha256 of 4 MB, one Ed25519 signature,
+  one verification. Then whole rounds through Mosquitto, 10 `edgefl client` processes x 1M
+  parameters, 128 KiB chunks, signatures off and on (every node keyed: the aggregator signs
+  announcements and models and checks each update; each client checks the model and signs
+  its update), the runs alternating off/on (--quick: one pair, else two): median round time
+  of each, and the ratio on / off (target <= 1.05).
+
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are removed before NumPy loads, as in
 tools/bench_kernels.py (--keep-openblas-env keeps them).
 """
@@ -88,6 +97,7 @@ if "--keep-openblas-env" not in sys.argv:
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -374,17 +384,23 @@ def _raw_paho_processes(url: str, clients: int, payloads: list[bytes], repeats: 
             agg.loop_stop()
 
 
-def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> list[dict]:
+def _roles_rounds_processes(config_map: dict, url: str, max_payload: int,
+                            signed: bool = False) -> list[dict]:
     """_roles_rounds with a fleet's process layout: every client a real `edgefl client`
     process (its shard from the run config's partition, --partition/--shard), the
-    aggregator role in this process. Round 1 includes the clients' start-up."""
+    aggregator role in this process. Round 1 includes the clients' start-up. signed: every
+    node has a key (site files' keys.*): the aggregator signs its announcements and model
+    frames and checks every update's signature, each client checks the aggregator's and
+    signs its update."""
     import subprocess
     import tempfile
 
     import yaml
 
     from edgefl.roles import Aggregator, AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles.trust import Trust
     from edgefl.runconfig import run_config_from_mapping
+    from edgefl.transport.signing import write_key_pair
     from edgefl.runs.prepare import prepare_run
     from edgefl.transport.mqtt import MqttTransport
 
@@ -400,15 +416,27 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> lis
         with open(run_file, "w") as f:
             yaml.safe_dump(config_map, f)
         procs = []
+        trust = None
+        if signed:
+            keys = os.path.join(tmp, "keys")
+            os.makedirs(os.path.join(keys, "fleet"))
+            agg_key, agg_pub = write_key_pair(os.path.join(keys, "aggregator"))
+            for node in ids:
+                write_key_pair(os.path.join(keys, "fleet", node))
+            trust = Trust.load(fed=federation, node="aggregator", signing_key=agg_key,
+                               fleet=os.path.join(keys, "fleet"))
         try:
             for i, node in enumerate(ids):
                 site = os.path.join(tmp, f"{node}.yaml")
+                doc = {"node": {"id": node, "federation": federation},
+                       "broker": {"url": url}, "state_dir": os.path.join(tmp, node),
+                       "log": {"level": "warning"}, "profile": "generic-x86",
+                       "transport": {"chunk_size": max_payload, "compression": "none"}}
+                if signed:
+                    doc["keys"] = {"signing_key": os.path.join(keys, "fleet", node),
+                                   "aggregator": [agg_pub]}
                 with open(site, "w") as f:
-                    yaml.safe_dump({"node": {"id": node, "federation": federation},
-                                    "broker": {"url": url}, "state_dir": os.path.join(tmp, node),
-                                    "log": {"level": "warning"}, "profile": "generic-x86",
-                                    "transport": {"chunk_size": max_payload,
-                                                  "compression": "none"}}, f)
+                    yaml.safe_dump(doc, f)
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "edgefl.cli", "client", "--config", site,
                      "--partition", run_file, "--shard", str(i), "--exit-when-finished"],
@@ -418,7 +446,8 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int) -> lis
                            test=(run.dataset.x_test, run.dataset.y_test),
                            eval_every=config.eval_every, description=config.to_dict())
             settings = AggregatorSettings(federation=federation, round_timeout_s=600,
-                                          max_payload=max_payload, compression="none")
+                                          max_payload=max_payload, compression="none",
+                                          trust=trust)
             aggregator = Aggregator(
                 plan, MqttTransport(url, f"edgefl-{federation}-aggregator", clean_session=True),
                 os.path.join(tmp, "aggregator"), settings,
@@ -638,11 +667,98 @@ def bench_memory(args) -> Iterator[dict]:
 # registry: each entry yields row dicts; keep one function per benchmark
 # ---------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------
+# signing: what signatures cost (docs/security.md "Cost")
+# ---------------------------------------------------------------------------------------
+
+def bench_signing(args) -> Iterator[dict]:
+    """A 4 MB frame (1M float32 parameters) signed and verified, next to encoding and
+    decoding it unsigned; then whole rounds with signatures on and off through Mosquitto,
+    10 `edgefl client` processes x 1M parameters, runs interleaved (off, on, off, on...)."""
+    from edgefl.transport import signing
+    from edgefl.transport.broker import EmbeddedBroker, find_mosquitto, packet_bytes_for
+
+    keep_frames_in_heap()
+    repeats = 5 if args.quick else 11
+    p = 1_000_000
+    table = bench_table(p)
+    x = np.random.default_rng(0).standard_normal(p, dtype=np.float32)
+    key = signing.generate_key()
+    signer = signing.Signer(key, "pi-07", "bench")
+    verifier = signing.Verifier("bench", {"pi-07": [key.public_key()]})
+    scalars = {"run": "bench", "num_samples": 600, "train_loss": 0.4321}
+    expect = wire.Expectation(table, kinds="update", rounds=7, topic_sender="pi-07")
+    signed = wire.encode("update", 7, "pi-07", {"params": x}, scalars, table,
+                         sign=signer.frame_signer("bench"))
+    plain = wire.encode("update", 7, "pi-07", {"params": x}, scalars, table)
+
+    ops = [("encode", lambda: wire.encode("update", 7, "pi-07", {"params": x}, scalars,
+                                          table)),
+           ("encode+sign", lambda: wire.encode("update", 7, "pi-07", {"params": x}, scalars,
+                                               table, sign=signer.frame_signer("bench"))),
+           ("decode", lambda: wire.decode(plain, expect)),
+           ("decode+verify", lambda: verifier.verify_frame(
+               wire.decode(signed, expect), kind="update", where="bench", run="bench",
+               by="pi-07")),
+           ("sha256 4 MB", lambda: hashlib.sha256(memoryview(x).cast("B")).digest()),
+           ("ed25519 sign", lambda: key.sign(b"x" * 300)),
+           ("ed25519 verify", lambda k=key.public_key(), s=key.sign(b"x" * 300):
+               k.verify(s, b"x" * 300))]
+    medians = time_medians([fn for _, fn in ops], repeats)
+    base = dict(zip([o for o, _ in ops], medians))
+    for (op, _), t in zip(ops, medians):
+        row = {"bench": "signing", "impl": op, "P": p, "median_s": round(t, 6),
+               "repeats": repeats}
+        if op in ("encode+sign", "decode+verify"):
+            plain_t = base[op.split("+")[0]]
+            row["added_s"] = round(t - plain_t, 6)
+            row["vs_unsigned"] = round(t / plain_t, 2)
+        yield row
+
+    row = {"bench": "signing", "impl": "round roles/mosquitto", "topology": "processes",
+           "clients": ROUND_CLIENTS, "P": None, "chunk": AWS_IOT_MAX_PAYLOAD}
+    if find_mosquitto() is None:
+        row["note"] = "mosquitto not installed: skipped"
+        yield row
+        return
+    rounds = 4 if args.quick else 7
+    pairs = 1 if args.quick else 2
+    model, train = {"name": "mlp", "hidden": [ROUND_HIDDEN]}, {"lr": 0.01, "batch_size": 8,
+                                                                "steps": 1}
+    fleet_map = _run_mapping(ROUND_CLIENTS, rounds + 2, model, train)
+    cycles = {False: [], True: []}
+    with EmbeddedBroker(kind="mosquitto",
+                        max_packet_bytes=packet_bytes_for(AWS_IOT_MAX_PAYLOAD)) as broker:
+        for i in range(pairs):
+            # alternate which goes first, so a drifting machine favours neither
+            for signed_run in ((False, True) if i % 2 == 0 else (True, False)):
+                history = _roles_rounds_processes(fleet_map, broker.url, AWS_IOT_MAX_PAYLOAD,
+                                                  signed=signed_run)
+                middle = history[2:-1] or history        # round 1-2: processes starting
+                cycles[signed_run] += [(h["cycle_s"], h["cycle_s"] - h["train_wall_s"],
+                                        h["agg_cpu_s"]) for h in middle]
+    for signed_run in (False, True):
+        c = cycles[signed_run]
+        rounds_s = [r for r, _, _ in c]
+        yield dict(row, P=999_985,
+                   impl=f"round roles/mosquitto signatures {'on' if signed_run else 'off'}",
+                   round_s=round(statistics.median(rounds_s), 4),
+                   range_s=f"{min(rounds_s):.3f}-{max(rounds_s):.3f}",
+                   overhead_s=round(statistics.median(o for _, o, _ in c), 4),
+                   agg_cpu_s=round(statistics.median(a for _, _, a in c), 4),
+                   rounds=len(c), runs=pairs)
+    on = statistics.median(r for r, _, _ in cycles[True])
+    off = statistics.median(r for r, _, _ in cycles[False])
+    yield dict(row, P=999_985, impl="round: signatures on / off", ratio=round(on / off, 3),
+               added_s=round(on - off, 4), target="<= 1.05")
+
+
 BENCHMARKS: list[Callable[[argparse.Namespace], Iterator[dict]]] = [
     bench_frame,
     bench_round,
     bench_fleet,
     bench_memory,
+    bench_signing,
 ]
 
 

@@ -127,6 +127,9 @@ class SoakConfig:
     announce_hold_s: float = 0.25
     timeout_s: float = 900.0
     secure: float = 0.0                # > 0: privacy.secure_aggregation with this threshold
+    # every node keyed (docs/security.md): the aggregator signs and checks every update,
+    # each client checks the aggregator's messages and signs its updates
+    signed: bool = False
 
     def __post_init__(self):
         if self.clients < 2:
@@ -345,7 +348,21 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
         **({"privacy": {"secure_aggregation": {"threshold": cfg.secure}}} if cfg.secure else {})})
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
+    keys = {}
+    if cfg.signed:
+        from edgefl.transport.signing import write_key_pair
+
+        (workdir / "keys" / "fleet").mkdir(parents=True, exist_ok=True)
+        agg_key, agg_pub = write_key_pair(workdir / "keys" / AGGREGATOR_ID, force=True)
+        keys[AGGREGATOR_ID] = {"signing_key": agg_key,
+                               "fleet": str(workdir / "keys" / "fleet")}
+        for n in nodes[1:]:
+            private, _ = write_key_pair(workdir / "keys" / "fleet" / n, force=True)
+            keys[n] = {"signing_key": private, "aggregator": [agg_pub]}
+
     def site(node: str, **extra) -> str:
+        if node in keys:
+            extra["keys"] = keys[node]
         secret = workdir / f"{node}.password"
         secret.write_text(users[node] + "\n")
         secret.chmod(0o600)
@@ -491,6 +508,15 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
         "late_dropped": len(late_logged),
         "duplicates_ignored": sum(h.get("duplicates", 0) for h in history),
         "rejected": sum(h.get("rejected", 0) for h in history),
+        "signed": cfg.signed,
+        # refusals for a signature: none expected of the aggregator (every update is a
+        # board's own); a client may refuse an announcement the proxy delayed past a newer
+        # one ("a replay": signed earlier than the one it follows), which is correct
+        "signature_refusals": {
+            "aggregator": len(re.findall(r"rejected update from .*(?:signature|signed)",
+                                         agg_logs)),
+            "clients": sum(len(re.findall(r"rejected .*(?:signature|signed)", t))
+                           for t in client_logs.values())},
         "closed_by": dict(Counter(h["closed_by"] for h in history)),
         # secure rounds: clients whose contribution did not reach the sum (a client killed
         # after training holds its contribution in memory only: a dropout, by design)
@@ -610,6 +636,9 @@ def main(argv=None) -> int:
                    help="run with privacy.secure_aggregation at this threshold (updates then "
                         "travel masked on the secure topics: 'updates lost' counts update "
                         "frames, which a secure run does not send; see 'dropouts')")
+    p.add_argument("--signed", action="store_true",
+                   help="every node keyed: the aggregator signs and checks every update's "
+                        "signature, the clients check the aggregator's and sign theirs")
     p.add_argument("--no-clean", action="store_true", help="skip the fault-free run")
     p.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (logs, state)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -621,7 +650,8 @@ def main(argv=None) -> int:
                          broker_restarts=args.broker_restarts, delay_rate=args.delay_rate,
                          duplicate_rate=args.duplicate_rate, deadline_s=args.deadline,
                          drop_acked_rate=args.drop_acked_rate, timeout_s=args.timeout,
-                         secure=args.secure)
+                         secure=args.secure,
+                         signed=args.signed)
     except ValueError as exc:
         p.error(str(exc))
 

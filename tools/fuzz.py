@@ -21,10 +21,16 @@ the aggregator's update topic would feed it, with the sender taken from the topi
   storm       the chunks of several messages of several senders, with duplicates, drops
               (never completes), bit flips and resealed forgeries, shuffled together
   flood       one sender sending the same chunk 2..8 times its budget
+  signed      a valid update signed by its sender's key (must verify)
+  sigfield    a signed update whose signature envelope has a field changed, removed or
+              added, a character flipped, or is signed by another board's key, re-encoded
+              with valid CRCs (must be refused with SignatureError)
 
 A run fails (exit status 1) if anything but FrameError escapes, if a reject is not logged
 with its code, if the reassembler ever holds more than its limit, if a frame is delivered
-twice, or if a delivered frame holds a value that is not finite or has the wrong size.
+twice, or if a delivered frame holds a value that is not finite or has the wrong size;
+and if a `signed` frame does not verify, a `sigfield` frame does, or verifying raises
+anything but SignatureError (the aggregator's check of uplink signatures).
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ import numpy as np  # noqa: E402
 
 from _bench import markdown    # noqa: E402
 from edgefl.params import LayerTable    # noqa: E402
-from edgefl.transport import wire    # noqa: E402
+from edgefl.transport import signing, wire    # noqa: E402
 
 TABLE = LayerTable.from_shapes([("w", (16, 8)), ("b", (8,))])
 SENDERS = ("pi-01", "pi-02", "pi-03", "pi-04")
@@ -54,7 +60,11 @@ LIMITS = {"max_bytes": 8 << 10, "max_bytes_per_sender": 3 << 10, "max_chunks_per
 # generator -> weight: a storm yields ~10-60 payloads and a flood 128-512, so they are drawn
 # less often to leave room for the single-frame generators
 KINDS = {"random": 10, "truncated": 10, "bitflip": 10, "length": 10, "hash": 10, "crc": 10,
-         "nonfinite": 10, "resealed": 10, "valid": 10, "storm": 10, "flood": 0.5}
+         "nonfinite": 10, "resealed": 10, "valid": 10, "storm": 10, "flood": 0.5,
+         "signed": 5, "sigfield": 10}
+RUN_ID = "fuzz-run"
+BOARD_KEYS = {s: signing.generate_key() for s in SENDERS}
+UPLINK = signing.Verifier("fuzz", {s: [k.public_key()] for s, k in BOARD_KEYS.items()})
 
 
 def seal_header(data: bytes) -> bytes:
@@ -89,6 +99,8 @@ class Generator:
             return [(s, (wire.MAGIC + b"\x01" + body) if r.random() < 0.5 else body)]
         if kind == "storm":
             return self.storm()
+        if kind in ("signed", "sigfield"):
+            return [(s, self.signed(s, altered=kind == "sigfield"))]
         if kind == "flood":
             chunk = wire.split(self.frame(s), 256)[0]
             return [(s, chunk)] * (LIMITS["max_chunks_per_sender"] * r.randint(2, 8))
@@ -128,6 +140,39 @@ class Generator:
             b[r.randrange(len(b))] = r.randrange(256)
             return [(s, seal(bytes(b)))]
         raise ValueError(kind)
+
+    def signed(self, sender: str, altered: bool) -> bytes:
+        """An update signed by `sender`'s key; altered: its envelope then changed."""
+        r = self.rng
+        buffers = {"p": self.weights()}
+        scalars = {"num_samples": r.randint(1, 999)}
+        signer = signing.Signer(BOARD_KEYS[sender], sender, "fuzz")
+        if altered and r.random() < 0.2:      # another board's key in this board's name
+            other = r.choice([x for x in SENDERS if x != sender])
+            signer = signing.Signer(BOARD_KEYS[other], sender, "fuzz")
+            altered = False
+        data = wire.encode("update", self.round, sender, buffers, scalars, TABLE,
+                           sign=signer.frame_signer(RUN_ID))
+        if not altered:
+            return data
+        h = wire.read_header(data)
+        env = dict(wire.decode(data, wire.Expectation(TABLE)).scalars)["sig"]
+        key = r.choice(sorted(env))
+        how = r.choice(["change", "remove", "add", "flip"])
+        if how == "remove":
+            del env[key]
+        elif how == "add":
+            env["x" + key] = r.choice([None, 1, "a", [1], {}])
+        elif how == "flip" and isinstance(env[key], str) and env[key]:
+            at = r.randrange(len(env[key]))
+            env[key] = env[key][:at] + ("A" if env[key][at] != "A" else "B") + env[key][at + 1:]
+        else:   # a value that differs from the signed one (None for null "exp" would not)
+            old = env[key]
+            env[key] = r.choice([v for v in (None, True, 0, -1, 2 ** 40, 1.5, "", "x" * 70, [],
+                                             {"a": 1})
+                                 if not (type(v) is type(old) and v == old)])
+        return wire.encode("update", self.round, sender, buffers, {**scalars, "sig": env},
+                           TABLE, message_id=h.message_id)
 
     def storm(self) -> list:
         r, out = self.rng, []
@@ -177,7 +222,7 @@ def run(frames: int, seed: int) -> dict:
     by_kind: Counter = Counter()
     codes: Counter = Counter()
     failures: list[str] = []
-    accepted = ignored = generated = 0
+    accepted = ignored = generated = signature_refused = 0
     delivered: set = set()
     peak_buffered = 0
     t0 = time.perf_counter()
@@ -212,6 +257,19 @@ def run(frames: int, seed: int) -> dict:
                 for name, arr in frame.buffers.items():
                     if arr.size != TABLE.size or not np.isfinite(arr).all():
                         failures.append(f"{kind}: buffer {name} delivered with bad values")
+                if kind in ("signed", "sigfield"):
+                    try:
+                        UPLINK.verify_frame(frame, kind="update", where="fuzz", run=RUN_ID,
+                                            round=gen.round, by=sender)
+                        verified = True
+                    except signing.SignatureError:
+                        verified = False
+                        signature_refused += 1
+                    except Exception as exc:    # noqa: BLE001 -- the finding reported
+                        failures.append(f"{kind}: verify raised {type(exc).__name__}: {exc}")
+                        verified = None
+                    if verified is not None and verified != (kind == "signed"):
+                        failures.append(f"{kind}: signature {'accepted' if verified else 'refused'}")
         if gen.rng.random() < 0.02:
             gen.round += 1                    # a new round: new budgets
             clock[0] += LIMITS["timeout_s"]   # and what is incomplete expires
@@ -223,6 +281,7 @@ def run(frames: int, seed: int) -> dict:
                         f"{dict(codes)}")
     return {"seed": seed, "frames": generated, "accepted": accepted,
             "rejected": sum(codes.values()), "ignored_flood": ignored,
+            "signature_refused": signature_refused,
             "duplicates": r.stats["duplicates"], "expired": r.stats["expired"],
             "rejected_by_code": dict(sorted(codes.items())),
             "generated_by_kind": dict(sorted(by_kind.items())),
@@ -244,6 +303,7 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=1))
     else:
         summary = {k: result[k] for k in ("frames", "accepted", "rejected", "ignored_flood",
+                                          "signature_refused",
                                           "duplicates", "expired", "max_bytes_in_flight",
                                           "max_bytes_buffered", "limit_bytes", "seconds")}
         print(markdown([summary]))

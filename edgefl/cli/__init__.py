@@ -8,6 +8,7 @@ runs it), defined in the module of its family:
     ctl.py       ctl: the operator's commands to the aggregator service, and watch
     fleet.py     fleet: a fleet on one machine (up, status, down)
     dashboard.py dashboard: the live, read-only web page of a federation
+    keys.py      keys: signing keys (gen, show)
 
 `main` builds the parser from COMMANDS. To add a subcommand, define it in its family's module
 
@@ -27,7 +28,7 @@ import select
 import sys
 
 from .. import __version__
-from . import ctl, dashboard, fleet, runs, service
+from . import ctl, dashboard, fleet, keys, runs, service
 from .command import Command, UsageError
 
 __all__ = ["COMMANDS", "Command", "build_parser", "console_main", "main"]
@@ -46,7 +47,7 @@ def register(command: Command) -> Command:
 for _command in (runs.PARTITION, runs.SIMULATE, runs.DUW_TRAIN, runs.INFO, runs.EXPORT,
                  runs.PREDICT, service.BROKER, service.CONFIG, service.INSTALL_SERVICE,
                  runs.COMPARE, service.AGGREGATOR, service.CLIENT, service.SERVE,
-                 service.STATUS, ctl.CTL, dashboard.DASHBOARD, fleet.FLEET):
+                 service.STATUS, keys.KEYS, ctl.CTL, dashboard.DASHBOARD, fleet.FLEET):
     register(_command)
 del _command
 

@@ -54,6 +54,10 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_config", nargs="?", metavar="CONFIG",
                         help="with start: the run config (YAML file or built-in name)")
     add_operator_arguments(parser, "publish commands")
+    parser.add_argument("--operator-key", metavar="FILE",
+                        help="sign the command with this Ed25519 private key (edgefl keys "
+                             "gen); default: the aggregator site file's keys.operator_key. "
+                             "Needed when the aggregator sets keys.operators")
     parser.add_argument("--mqtt", choices=["5", "3.1.1"], default="5",
                         help="protocol: 5 (default) sends the reply address as response topic "
                              "+ correlation data, 3.1.1 in the payload (reply_to, request_id)")
@@ -103,6 +107,9 @@ def operator_settings(args: argparse.Namespace, tool: str,
                "password_file": args.password_file}
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
+    # the key ctl signs commands with (--operator-key, else the site file's)
+    args.signing_key = getattr(args, "operator_key", None) or (config.get("keys.operator_key") if config
+                                             else None)
     return url, {k: v for k, v in options.items() if v}, federation
 
 
@@ -146,6 +153,15 @@ def _ctl_command(args: argparse.Namespace) -> dict:
     return doc
 
 
+def _operator_signer(args: argparse.Namespace, topics):
+    """The operator's Signer when a key is given (--operator-key, keys.operator_key)."""
+    if not getattr(args, "signing_key", None):
+        return None
+    from ..transport.signing import Signer
+
+    return Signer.from_file(args.signing_key, args.username or "operator", topics.federation)
+
+
 def _ctl(args: argparse.Namespace) -> int:
     import json
 
@@ -156,7 +172,8 @@ def _ctl(args: argparse.Namespace) -> int:
     try:
         if args.action == "watch":
             return _ctl_watch(args, transport, topics, name)
-        client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
+        client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5",
+                               signer=_operator_signer(args, topics))
         try:
             reply = client.request(doc, timeout=args.timeout)
         except CommandRefused as exc:
@@ -248,7 +265,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
     # the clients online: from the status reply (the active run's aggregator knows them),
     # then kept up to date by client_joined / client_left
     online: set = set()
-    control = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5")
+    control = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5",
+                            signer=_operator_signer(args, topics))
     try:
         status = control.request({"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):

@@ -172,13 +172,22 @@ def _install_service_arguments(parser: argparse.ArgumentParser) -> None:
                              "interpreter's path, not that it exists here and imports edgefl")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the files and commands, write nothing")
+    parser.add_argument("--signing-key", metavar="FILE|new",
+                        help="install this Ed25519 private key (or a new one) as the node's "
+                             "keys.signing_key: /etc/edgefl/keys/<role>-<id>.key, mode 0600, "
+                             "owned by the service user")
+    parser.add_argument("--trust-key", action="append", default=[], metavar="FILE",
+                        help="a public key the node checks signatures with: a client's "
+                             "keys.aggregator, the aggregator's keys.operators (repeat it "
+                             "during a key change-over: old and new)")
 
 
 def _install_service(args: argparse.Namespace) -> int:
     from ..service.install import format_report, install, plan_install
 
     plan = plan_install(args.role, args.node_id, profile=args.profile, prefix=args.prefix,
-                        python=args.python, check_python=args.check_python)
+                        python=args.python, check_python=args.check_python,
+                        signing_key=args.signing_key, trusted_keys=tuple(args.trust_key))
     done = install(plan, dry_run=args.dry_run)
     print(format_report(plan, done, args.dry_run))
     return 0

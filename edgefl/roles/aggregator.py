@@ -62,6 +62,7 @@ from ..strategies import Setup, State, Strategy, StrategyError, Update
 from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
+from ..transport.signing import SignatureError
 from .messages import (MessageError, TopicCache, build_announcement, buffers_sha256,
                        finished_announcement, new_announce_id, parse_status,
                        parse_update_scalars, peek_frame, status_payload)
@@ -133,6 +134,8 @@ class AggregatorSettings:
     offline_grace_s: float = default("round.offline_grace")
     profile: str | None = None
     poll_s: float = 0.25
+    # signatures (roles/trust.py): what it signs with, whose updates it checks; None: neither
+    trust: object = field(default=None, compare=False)
 
     def __post_init__(self):
         validate_id(self.node_id, "aggregator node id")
@@ -153,6 +156,9 @@ class AggregatorSettings:
         values.update(node_id=config["node.id"], profile=config.profile,
                       reassembly_bytes=config.mib("limits.reassembly_mb"),
                       reassembly_bytes_per_sender=config.mib("limits.sender_reassembly_mb"))
+        if "trust" not in fields:
+            from .trust import Trust
+            values["trust"] = Trust.from_service_config(config, "aggregator")
         return cls(**{**values, **fields})
 
 
@@ -300,6 +306,9 @@ class Aggregator:
                                           plan.clients_per_round, eval_every=plan.eval_every,
                                           test=plan.test)
         self.members = {node: i for i, node in enumerate(plan.client_ids)}
+        # signatures (roles/trust.py): None each when the site file sets no keys
+        self.signer = getattr(settings.trust, "signer", None)
+        self.uplink = getattr(settings.trust, "uplink", None)
         self.fingerprint = run_fingerprint(plan, settings)
         # Limits (docs/limits.md). Unless configured: room for every uploader's chunked
         # update in flight at once (two buffers each, e.g. MFL's model and momentum, plus
@@ -428,7 +437,9 @@ class Aggregator:
                               last_round=self.ckpt.round if self.ckpt and not will else None,
                               run=self.run_id,
                               round=self.open.round if self.open and online else None,
-                              paused=True if online and self._paused() else None)
+                              paused=True if online and self._paused() else None,
+                              key=self.signer.fingerprint if self.signer else None,
+                              signatures="on" if self.uplink else "off")
 
     def _connect(self) -> None:
         t = self.transport
@@ -475,6 +486,8 @@ class Aggregator:
         rounds = self.rounds if self.stopped is None else self.ckpt.round
         doc = finished_announcement(run_id=self.ckpt.run_id, aggregator=self.settings.node_id,
                                     rounds=rounds, model_sha256=sha)
+        if self.signer is not None:
+            doc = self.signer.sign_doc(doc, "finished", self.ckpt.run_id, rounds)
         self.transport.publish(self.topics.round(), json.dumps(doc).encode(), qos=1,
                                retain=True)
         for topic in sorted(self._retained):     # no stale round's model for late joiners
@@ -513,7 +526,7 @@ class Aggregator:
         pub = publish_model(self.transport, self.topics, path, round=r,
                             sender=self.settings.node_id, run=self.ckpt.run_id,
                             max_payload=self.settings.max_payload,
-                            record_dir=record_dir or self.state_dir)
+                            record_dir=record_dir or self.state_dir, signer=self.signer)
         self._event("onnx_published", round=pub.round, sha256=pub.sha256, bytes=pub.nbytes,
                     parts=len(pub.parts))
         log.info("round %d: ONNX model published (%d bytes in %d retained part(s), sha256 "
@@ -630,6 +643,8 @@ class Aggregator:
                 # the aggregator sees only the sum, so the boards clip (and add their noise
                 # shares in distributed mode) themselves
                 doc["dp"] = self.plan.hooks.client_settings()
+        if self.signer is not None:
+            doc = self.signer.sign_doc(doc, "announce", self.ckpt.run_id, o.round)
         o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         for downlink in o.downlinks.values():
@@ -645,7 +660,9 @@ class Aggregator:
     def _frame(self, kind: str, buffers, recipient: str | None = None) -> _Downlink:
         o, s = self.open, self.settings
         data = wire.encode(kind, o.round, s.node_id, buffers, {"run": self.ckpt.run_id},
-                           self.table, s.compression, recipient=recipient)
+                           self.table, s.compression, recipient=recipient,
+                           sign=self.signer.frame_signer(self.ckpt.run_id) if self.signer
+                           else None)
         if s.compression != "none":      # the hash is of what the clients will decode
             buffers = wire.decode(data, wire.Expectation(self.table, kinds=kind)).buffers
         payloads = wire.split(data, s.max_payload)
@@ -911,6 +928,17 @@ class Aggregator:
         if frame is None:
             return
         where = f"update of {node} for round {o.round}"
+        if self.uplink is not None:
+            # the node's own key, this run and round: a board cannot pose as another, and
+            # an update of an earlier run or round, replayed, is refused; a refused one is
+            # not counted as the node's answer, so a forgery cannot stand in for it
+            try:
+                self.uplink.verify_frame(frame, kind="update", where=where,
+                                         run=self.ckpt.run_id, round=o.round, by=node)
+            except SignatureError as exc:
+                self.stats["bad_signatures"] = self.stats.get("bad_signatures", 0) + 1
+                self._reject(node, str(exc), key)
+                return
         try:
             scalars = parse_update_scalars(frame.scalars, where)
         except MessageError as exc:

@@ -32,12 +32,14 @@ and dropped, and the client keeps running.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +57,7 @@ from ..service.layered import check_setting, default
 from ..strategies import LocalData, StrategyError, get_strategy
 from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
+from ..transport.signing import SignatureError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from .messages import (MessageError, TopicCache, announced_frame_id, buffers_sha256,
                        parse_announcement, peek_frame, status_payload, task_from_announcement,
@@ -116,6 +119,8 @@ class ClientSettings:
     max_params: int | None = None
     max_batch_size: int | None = None
     memory_budget_mb: int | None = None
+    # signatures (roles/trust.py): None or a Trust without keys.aggregator: nothing checked
+    trust: object = field(default=None, compare=False)
 
     def __post_init__(self):
         validate_id(self.node_id, "client id")
@@ -137,6 +142,9 @@ class ClientSettings:
         values = {name: config[key] for name, key in CLIENT_KEYS.items()}
         values.update(node_id=config["node.id"], profile=config.profile,
                       reassembly_bytes=config.mib("limits.reassembly_mb"))
+        if "trust" not in fields:
+            from .trust import Trust
+            values["trust"] = Trust.from_service_config(config, "client")
         return cls(**{**values, **fields})
 
 
@@ -237,6 +245,11 @@ class Client:
         self._secure_tag = 0                    # the attempt's tag (its chunks' id prefix)
         self._secure_seq = 0
         self._secure_in = secagg.ChunkAssembler(64 << 20)
+        # signatures (roles/trust.py): None each when the site file sets no keys
+        self.signer = getattr(settings.trust, "signer", None)
+        self.downlink = getattr(settings.trust, "downlink", None)
+        self._signed_at = -math.inf             # signing time of the announcement followed
+        self._signed_run = None                 # the run of the signing time on disk
 
     # ------------------------------------------------------------------ public
     @property
@@ -246,6 +259,12 @@ class Client:
     def run(self) -> None:
         os.makedirs(self.state_dir, exist_ok=True)
         self.progress = ClientProgress.load(self.state_dir)
+        self._signed_at, self._signed_run = _load_signed_at(self.state_dir)
+        if self.settings.trust is not None and self.settings.trust.active:
+            log.info("%s: %s", self.node, self.settings.trust.describe())
+        if self.downlink is None:
+            log.info("%s: signatures off: announcements, models and ONNX files are taken "
+                     "unsigned (set keys.aggregator to require the aggregator's)", self.node)
         if self.progress.upload_missing:
             log.warning("%s: the update of round %d was not stored before the process ended "
                         "(%s missing): that round is not trained again and cannot be re-sent",
@@ -304,7 +323,9 @@ class Client:
                               last_round=None if will else (self.progress.trained or None),
                               run=self.progress.run_id,
                               onnx_sha256=onnx.installed_sha if onnx else None,
-                              onnx_round=onnx.installed_round if onnx else None, **extra)
+                              onnx_round=onnx.installed_round if onnx else None,
+                              key=self.signer.fingerprint if self.signer else None,
+                              signatures="on" if self.downlink else "off", **extra)
 
     def _publish_status(self, online: bool = True, **extra) -> None:
         try:
@@ -385,7 +406,7 @@ class Client:
         <state_dir>/model.onnx once complete and checked (roles/onnx_channel.py), where
         `edgefl serve` on this board picks it up."""
         if self.onnx is None:
-            self.onnx = OnnxReceiver(self.state_dir)
+            self.onnx = OnnxReceiver(self.state_dir, verifier=self.downlink)
             if self.onnx.installed_sha is not None:
                 self._publish_status()        # the model installed before a restart
         try:
@@ -400,7 +421,7 @@ class Client:
             if self.onnx.on_part(payload) is not None:
                 self.stats["onnx_installed"] = self.onnx.installs
                 self._publish_status()        # the status names the model installed
-        except (wire.FrameError, ModelFileError) as exc:
+        except (wire.FrameError, ModelFileError, SignatureError) as exc:
             self._reject(f"ONNX model on {topic}: {exc}")
 
     def _on_announcement(self, payload: bytes) -> None:
@@ -411,6 +432,8 @@ class Client:
         except MessageError as exc:
             self._reject(str(exc))                  # "announcement: <what is wrong>"
             return
+        if self.downlink is not None and not self._signed_announcement(doc):
+            return
         current = self.next_ann or self.ann
         if current is not None and current.get("announce") == doc["announce"]:
             return                                  # the same announcement again (QoS 1)
@@ -418,6 +441,33 @@ class Client:
             self.next_ann = doc                     # acted on once the training is done
             return
         self._adopt(doc)
+
+    def _signed_announcement(self, doc: dict) -> bool:
+        """Whether `doc` is the aggregator's, for this federation, its own run and round,
+        and not older than the announcement followed (a replay of an earlier run's or
+        round's, which the aggregator signed then, is refused by its signing time)."""
+        kind = "finished" if doc.get("finished") is True else "announce"
+        try:
+            env = self.downlink.verify_doc(doc, kind=kind, where="announcement",
+                                           run=doc["run"], round=doc["round"],
+                                           by=doc["aggregator"])
+        except SignatureError as exc:
+            self._reject(f"{exc}; the model this board has stays")
+            return False
+        if env["at"] < self._signed_at:
+            self._reject(f"announcement of run {doc['run']} round {doc['round']}: signed at "
+                         f"{env['at']:.3f}, before the announcement this board follows "
+                         f"({self._signed_at:.3f}): a replay; the model this board has stays")
+            return False
+        if env["at"] > self._signed_at:
+            self._signed_at = env["at"]
+            # On disk only when the run changes: within a run, the progress file already
+            # refuses an older round after a restart (a round is never trained twice), so
+            # an fsync'ed write on every round's critical path would buy nothing.
+            if doc["run"] != self._signed_run:
+                self._signed_run = doc["run"]
+                _save_signed_at(self.state_dir, env["at"], doc["run"])
+        return True
 
     def _prepare_run(self, doc: dict) -> None:
         """Build the model and the strategy's client half the announcement describes, and
@@ -578,6 +628,13 @@ class Client:
         if entry["source"] == "client" and kind == "model":
             return                                  # FedMR: the shared model is not ours
         expected = entry["model_sha256"] if entry["source"] == "client" else doc["model_sha256"]
+        if self.downlink is not None:
+            try:
+                self.downlink.verify_frame(frame, where=f"{kind} frame of round {frame.round}",
+                                           run=doc["run"], by=doc["aggregator"])
+            except SignatureError as exc:
+                self._reject(str(exc))
+                return
         # The frame the announcement names is its model: only the aggregator publishes
         # model frames, with a fresh random id each. Any other frame (an announcement
         # without "model_frame", a re-encoded model) is checked by content, which costs a
@@ -668,7 +725,9 @@ class Client:
             try:
                 frame = wire.encode("update", r, self.node, update.buffers,
                                     update_scalars(update, doc["run"], job.train_s),
-                                    self._model.table, self.settings.compression)
+                                    self._model.table, self.settings.compression,
+                                    sign=self.signer.frame_signer(doc["run"]) if self.signer
+                                    else None)
             except wire.EncodeError as exc:
                 log.error("%s: round %d: update not sent: %s", self.node, r, exc)
                 return
@@ -775,3 +834,31 @@ def _attempt_tag(announce_id: str) -> int:
     """The 32-bit tag of a round attempt (its announcement id): the high half of every
     secure chunk's message id, so messages of an earlier attempt are told apart."""
     return int.from_bytes(hashlib.sha256(announce_id.encode()).digest()[:4], "big")
+
+
+SIGNED_AT_FILE = "downlink-signed.json"    # the signing time of the first announcement
+                                           # of the run followed, and that run
+
+
+def _load_signed_at(state_dir: str) -> tuple:
+    try:
+        with open(os.path.join(state_dir, SIGNED_AT_FILE), encoding="utf-8") as f:
+            doc = json.load(f)
+        at = doc.get("at")
+        if isinstance(at, (int, float)) and math.isfinite(at):
+            return float(at), doc.get("run")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return -math.inf, None
+
+
+def _save_signed_at(state_dir: str, at: float, run: str) -> None:
+    from ..io import atomic_write
+
+    try:
+        atomic_write(os.path.join(state_dir, SIGNED_AT_FILE),
+                     json.dumps({"at": at, "run": run}).encode())
+    except OSError as exc:
+        log.warning("the signing time of the followed announcement was not stored (%s): "
+                    "after a restart, an older one replayed is refused only by its run and "
+                    "round", exc)

@@ -69,6 +69,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "runs": ((), "every run the daemon knows, with its state"),
 }
 COMMON_FIELDS = ("cmd", "request_id", "reply_to")
+SIGNATURE_FIELD = "sig"       # the operator's signature (transport/signing.py), when signed
 ROUND_FIELDS = ("deadline", "quorum", "min_updates")
 
 
@@ -92,6 +93,7 @@ class Command:
     name: str
     fields: Mapping[str, Any] = field(default_factory=dict)
     reply: ReplyAddress = ReplyAddress(None)
+    doc: Mapping[str, Any] = field(default_factory=dict)   # as received: its "sig" is checked
 
     @property
     def run(self) -> str | None:
@@ -149,7 +151,7 @@ def parse_command(message: Message, topics: Topics) -> Command:
         exc.reply = ReplyAddress(None)
         raise
     try:
-        return Command(*_check(doc), reply=reply)
+        return Command(*_check(doc), reply=reply, doc=doc)
     except CommandError as exc:
         exc.reply = reply
         raise
@@ -170,7 +172,7 @@ def _check(doc: Mapping) -> tuple[str, dict]:
         raise CommandError(f"command: unknown cmd {name!r}; valid: {', '.join(COMMANDS)}")
     own, _ = COMMANDS[name]
     for key in doc:
-        if key not in own and key not in COMMON_FIELDS:
+        if key not in own and key not in COMMON_FIELDS and key != SIGNATURE_FIELD:
             valid = ", ".join(COMMON_FIELDS + own)
             raise CommandError(f"{name}: unknown field {key!r}; valid: {valid}")
     request_id = doc.get("request_id")
@@ -302,13 +304,18 @@ class ControlClient:
     for the messages (default: read from an MqttTransport's settings)."""
 
     def __init__(self, transport, topics: Topics, name: str, mqtt5: bool = False,
-                 account: str | None = None):
+                 account: str | None = None, signer=None, expires_in: float = 60.0):
         self.transport = transport
         self.topics = topics
         self.reply_topic = topics.reply(validate_id(name, "reply name"))
         self.mqtt5 = mqtt5
         self.account = account if account is not None else _account_of(transport)
         self._subscribed = False
+        # an operator key (edgefl.transport.signing.Signer): every command is signed, with
+        # a fresh nonce and an expiry `expires_in` seconds on (the aggregator refuses a
+        # command whose nonce it has seen, or whose expiry has passed)
+        self.signer = signer
+        self.expires_in = expires_in
 
     resend_s = 3.0
 
@@ -346,6 +353,9 @@ class ControlClient:
         doc = dict(doc)
         if not self.mqtt5:
             doc.update(reply_to=self.reply_topic, request_id=request_id)
+        if self.signer is not None:
+            doc = self.signer.sign_doc(doc, "command", doc.get("run") or "", 0,
+                                       expires_in=self.expires_in)
         payload = json.dumps(doc).encode()
         seen = len(getattr(self.transport, "refused", ()))
         deadline = time.monotonic() + timeout

@@ -70,6 +70,7 @@ ACTIVE_STATES = ("running", "paused")
 DONE_STATES = ("finished", "stopped", "cancelled", "failed")
 RUN_STATES = ("queued",) + ACTIVE_STATES + DONE_STATES
 REMEMBERED_REPLIES = 256
+NONCES_FILE = "command-nonces.json"      # nonces of signed commands, until they expire
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class Daemon:
         self.topics = Topics(s.federation, s.prefix)
         self.store = RunStore(state_dir)
         self.state_dir = self.store.state_dir
+        self._nonces = None                  # NonceStore, loaded at the first signed command
         self.transport_factory = transport_factory
         self.stop = stop if stop is not None else threading.Event()
         self.notifier = notifier
@@ -223,6 +225,10 @@ class Daemon:
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
         os.makedirs(self.store.root, exist_ok=True)
+        trust = self.settings.aggregator.trust
+        log.info("%s", trust.describe() if trust is not None and trust.active else
+                 "signatures off: nothing signed, updates and commands not checked (set keys.* "
+                 "in the site file; docs/security.md)")
         for record in self.store.load_all():
             self.records[record["id"]] = record
         if self.site_run is not None:
@@ -420,7 +426,8 @@ class Daemon:
             pub = publish_model(self._ctl, self.topics, exported["model_onnx"],
                                 round=exported["round"], sender=self.settings.node_id,
                                 run=record["id"], max_payload=self.settings.aggregator.max_payload,
-                                record_dir=record_dir)
+                                record_dir=record_dir,
+                                signer=getattr(self.settings.aggregator.trust, "signer", None))
         except (TransportError, ExportError, OSError, ValueError) as exc:
             log.error("run %s: model.onnx of round %s exported but not published: %s",
                       record["id"], exported["round"], exc)
@@ -477,6 +484,9 @@ class Daemon:
         doc = finished_announcement(run_id=record["id"], aggregator=self.settings.node_id,
                                     rounds=rounds, model_sha256=sha)
         doc["stopped"] = True
+        signer = getattr(self.settings.aggregator.trust, "signer", None)
+        if signer is not None:
+            doc = signer.sign_doc(doc, "finished", record["id"], rounds)
         self._publish(self.topics.round(), doc, retain=True)
         for topic in [self.topics.model()] + [self.topics.client_model(c)
                                               for c in record.get("clients") or []]:
@@ -527,7 +537,11 @@ class Daemon:
         return status_payload(self.settings.node_id, "aggregator", online,
                               profile=self.settings.aggregator.profile,
                               service="waiting" if online else None,
-                              queued=None if will else len(self._records_in("queued")))
+                              queued=None if will else len(self._records_in("queued")),
+                              key=getattr(getattr(self.settings.aggregator.trust, "signer",
+                                                  None), "fingerprint", None),
+                              signatures="on" if getattr(self.settings.aggregator.trust,
+                                                         "uplink", None) else "off")
 
     def _publish_idle_status(self) -> None:
         self._own_status = True
@@ -632,6 +646,11 @@ class Daemon:
             else:
                 self._event("error", error=f"command refused: {exc}")
             return
+        refusal = self._signature_refusal(command)
+        if refusal is not None:
+            log.warning("command %s refused: %s", command.name, refusal)
+            self._reply(command.name, command.reply, error=refusal)
+            return
         handler = getattr(self, f"_cmd_{command.name}")
         try:
             result = handler(command)
@@ -645,6 +664,36 @@ class Daemon:
             return
         log.info("%s: done (%s)", command.name, command.reply.request_id)
         self._reply(command.name, command.reply, result=result)
+
+    def _signature_refusal(self, command) -> str | None:
+        """Why `command` is refused for its signature (keys.operators set), or None. It must
+        be an operator's, for this federation, unexpired, valid no longer than
+        keys.command_window, and its nonce unseen: nonces are kept on disk until their
+        command expires, so a command replayed even after a restart is refused."""
+        trust = self.settings.aggregator.trust
+        verifier = getattr(trust, "operators", None)
+        if verifier is None:
+            return None
+        from ..transport.signing import NonceStore, SignatureError
+
+        where = f"command {command.name}"
+        try:
+            env = verifier.verify_doc(command.doc, kind="command", where=where)
+            if env["exp"] is None or env["exp"] - env["at"] > trust.command_window_s:
+                raise SignatureError(f"{where}: valid for "
+                                     f"{'ever' if env['exp'] is None else env['exp'] - env['at']}"
+                                     f" s, more than keys.command_window = "
+                                     f"{trust.command_window_s:g} s")
+            if self._nonces is None:
+                self._nonces = NonceStore(os.path.join(self.state_dir, NONCES_FILE))
+                if self._nonces.error:
+                    log.warning("command nonces not read (%s): a command replayed within "
+                                "keys.command_window of this restart is not recognised; "
+                                "the file is replaced", self._nonces.error)
+            self._nonces.check_and_add(env["nonce"], env["exp"], where)
+        except SignatureError as exc:
+            return str(exc)
+        return None
 
     # ------------------------------------------------------------------ commands
     def _cmd_start(self, command) -> dict:

@@ -86,20 +86,24 @@ class OnnxPublication:
 
 
 def encode_publication(data: bytes, metadata: dict, *, round: int, sender: str, run: str,
-                       max_payload: int) -> OnnxPublication:
-    """The manifest and the part payloads of an exported model's bytes."""
+                       max_payload: int, signer=None) -> OnnxPublication:
+    """The manifest and the part payloads of an exported model's bytes; both signed by
+    `signer` (edgefl.transport.signing.Signer) when given: the frame the parts make up as
+    kind "onnx", the manifest as kind "onnx_manifest"."""
     sha = hashlib.sha256(data).hexdigest()
     scalars = {"run": run, "sha256": sha, "bytes": len(data),
                "metadata": {str(k): str(v) for k, v in metadata.items()}}
     message_id = wire.new_message_id()
     frame = wire.encode("onnx", round, sender, {BUFFER_NAME: data}, scalars,
-                        message_id=message_id)
+                        message_id=message_id,
+                        sign=signer.frame_signer(run) if signer else None)
     parts = wire.split(frame, max_payload)
     if len(parts) > MAX_PARTS:
         raise wire.EncodeError(f"onnx: {len(data)} bytes in chunks of {max_payload} make "
                                f"{len(parts)} parts, more than {MAX_PARTS}")
     manifest = wire.encode("onnx", round, sender, {},
-                           {**scalars, "parts": len(parts), "message_id": f"{message_id:016x}"})
+                           {**scalars, "parts": len(parts), "message_id": f"{message_id:016x}"},
+                           sign=signer.manifest_signer(run) if signer else None)
     return OnnxPublication(manifest, parts, sha, len(data), round)
 
 
@@ -124,7 +128,7 @@ _PUBLISHING = threading.Lock()     # one publication at a time: parts never inte
 
 
 def publish_model(transport, topics: Topics, path, *, round: int, sender: str, run: str,
-                  max_payload: int, record_dir: str) -> OnnxPublication:
+                  max_payload: int, record_dir: str, signer=None) -> OnnxPublication:
     """Publish the exported model at `path` retained for every client, present and future:
     each payload of its chunked frame on its own part topic `onnx/<i>`, the parts a longer
     earlier model left cleared (the part count of the last publication is kept in
@@ -134,7 +138,7 @@ def publish_model(transport, topics: Topics, path, *, round: int, sender: str, r
 
     data, metadata = model_payload(path)
     pub = encode_publication(data, metadata, round=round, sender=sender, run=run,
-                             max_payload=max_payload)
+                             max_payload=max_payload, signer=signer)
     with _PUBLISHING:
         before = published_parts(record_dir)
         for i, payload in enumerate(pub.parts):
@@ -153,7 +157,7 @@ class OnnxReceiver:
     installed model is never touched by one."""
 
     def __init__(self, state_dir: str, name: str = "model.onnx", *,
-                 timeout_s: float = 120.0, max_bytes: int = 512 << 20):
+                 timeout_s: float = 120.0, max_bytes: int = 512 << 20, verifier=None):
         self.state_dir = state_dir
         self.name = name
         self.path = os.path.join(state_dir, name)
@@ -163,12 +167,32 @@ class OnnxReceiver:
         self.installed_round: int | None = None     # unknown for a file installed earlier
         self.manifest: dict | None = None
         self.installs = 0
+        # signatures: with a verifier (the aggregator's keys) the manifest and the model must
+        # be signed by it, and signed no earlier than the installed model (an older one
+        # replayed would be a downgrade); the installed model's signing time is kept beside it
+        self.verifier = verifier
+        self.signed_path = self.path + ".signed.json"
+        self.installed_at = _signed_at(self.signed_path, self.installed_sha)
+
+    def _check_signature(self, frame, kind: str, where: str) -> float | None:
+        if self.verifier is None:
+            return None
+        env = self.verifier.verify_frame(frame, kind=kind, where=where, by=frame.sender)
+        if env["at"] < self.installed_at:
+            from ..transport.signing import SignatureError
+
+            raise SignatureError(f"{where}: signed at {env['at']:.3f}, before the installed "
+                                 f"model ({self.installed_at:.3f}): an older model replayed; "
+                                 "not installed")
+        return env["at"]
 
     def on_manifest(self, payload: bytes) -> dict | None:
         """Record the announced model (None for a cleared manifest)."""
         if not payload:
             return None
         frame = wire.decode(payload, self.expect)
+        self._check_signature(frame, "onnx_manifest",
+                              f"onnx manifest of round {frame.round} from {frame.sender!r}")
         scalars = dict(frame.scalars)
         if frame.buffers or not isinstance(scalars.get("sha256"), str) \
                 or not isinstance(scalars.get("parts"), int):
@@ -186,6 +210,7 @@ class OnnxReceiver:
         if frame is None:
             return None
         where = f"onnx model of round {frame.round} from {frame.sender!r}"
+        signed_at = self._check_signature(frame, "onnx", where)
         blob = frame.buffers.get(BUFFER_NAME)
         sha = frame.scalars.get("sha256")
         if blob is None or not isinstance(sha, str):
@@ -206,6 +231,9 @@ class OnnxReceiver:
             raise ModelFileError(f"{where}: {exc}") from None
         self.installed_sha = sha
         self.installed_round = frame.round
+        if signed_at is not None:
+            self.installed_at = signed_at
+            atomic_write(self.signed_path, json.dumps({"sha256": sha, "at": signed_at}).encode())
         self.installs += 1
         log.info("installed %s: %s (%d bytes, sha256 %s)", where, path, len(data), sha[:12])
         return path
@@ -217,3 +245,15 @@ def _file_sha256(path: str) -> str | None:
             return hashlib.sha256(f.read()).hexdigest()
     except OSError:
         return None
+
+
+def _signed_at(path: str, installed_sha: str | None) -> float:
+    """The signing time recorded for the installed model (-inf: none, or not this model)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc.get("sha256") == installed_sha and isinstance(doc.get("at"), (int, float)):
+            return float(doc["at"])
+    except (OSError, ValueError, AttributeError):
+        pass
+    return float("-inf")

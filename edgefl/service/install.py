@@ -190,6 +190,8 @@ class PlannedFile:
     content: str
     mode: int
     keep_existing: bool = False   # a site file the owner may have edited is never replaced
+    owner: str | None = None      # user:group to own it (a private key: the service user)
+    secret: bool = False          # a private key: never printed (--dry-run shows its path)
 
 
 @dataclass(frozen=True)
@@ -208,11 +210,17 @@ class InstallPlan:
 
 def plan_install(role: str, node_id: str | None = None, *, profile: str | None = None,
                  prefix: str = "/", python: str | None = None, check_python: bool = True,
-                 device_tree_model: str = profiles.DEVICE_TREE_MODEL) -> InstallPlan:
+                 device_tree_model: str = profiles.DEVICE_TREE_MODEL,
+                 signing_key: str | None = None, trusted_keys: tuple = ()) -> InstallPlan:
     """Validate the request and build the files and commands of an installation.
     check_python=False (--no-python-check) is for files staged under a `prefix` for another
     machine: the interpreter's path is checked, not whether it exists here and imports
-    edgefl (the plan warns)."""
+    edgefl (the plan warns).
+    signing_key: a private key file to install as the node's keys.signing_key, or "new" to
+    generate one: placed in /etc/edgefl/keys/ with mode 0600, owned by the service user (a
+    printed chown, as the user exists once systemd-sysusers has run), its public key beside
+    it. trusted_keys: public key files the node checks signatures with (a client: the
+    aggregator's, keys.aggregator; the aggregator: the operators', keys.operators)."""
     spec = _role(role)
     node_id = check_node_id(role, node_id)
     if not check_python and os.path.abspath(prefix) == "/":
@@ -241,14 +249,17 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
     site = spec.site_path(node_id)
     sysusers = _units_dir().joinpath("sysusers-edgefl.conf").read_text(encoding="utf-8")
     unit_path = os.path.join(UNIT_DIR, spec.template)
+    key_files, keys = _key_files(role, node_id, signing_key, trusted_keys, staged)
     files = (
         PlannedFile(unit_path, staged(unit_path), render_unit(role, python), 0o644),
-        PlannedFile(site, staged(site), site_skeleton(role, node_id, profile), 0o644,
+        PlannedFile(site, staged(site), site_skeleton(role, node_id, profile, keys), 0o644,
                     keep_existing=True),
         PlannedFile(SYSUSERS_FILE, staged(SYSUSERS_FILE), sysusers, 0o644),
-    )
-    commands = (("systemd-sysusers", SYSUSERS_FILE), ("systemctl", "daemon-reload"),
-                ("systemctl", "enable", "--now", unit))
+    ) + key_files
+    # the private key becomes the service user's once that user exists (systemd-sysusers)
+    chowns = tuple(("chown", f.owner, f.path) for f in key_files if f.owner)
+    commands = (("systemd-sysusers", SYSUSERS_FILE),) + chowns + (
+        ("systemctl", "daemon-reload"), ("systemctl", "enable", "--now", unit))
     warnings = []
     if not check_python:
         warnings.append(f"interpreter {python} not checked (--no-python-check): on the "
@@ -258,9 +269,58 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
                        tuple(warnings))
 
 
-def site_skeleton(role: str, node_id: str, profile: str) -> str:
+KEYS_DIR = f"{ETC_DIR}/keys"
+SERVICE_OWNER = "edgefl:edgefl"      # the units' User= and Group= (sysusers-edgefl.conf)
+
+
+def _key_files(role: str, node_id: str, signing_key, trusted_keys, staged):
+    """The key files of an installation and the keys.* settings naming them."""
+    from ..transport.signing import (KeyFileError, generate_key, load_private_key,
+                                     load_public_key, serialization)
+
+    files, keys = [], {}
+    if signing_key is not None:
+        if role == "infer":
+            raise InstallError("--signing-key: the inference service signs nothing")
+        try:
+            key = generate_key() if signing_key == "new" else load_private_key(signing_key)
+        except KeyFileError as exc:
+            raise InstallError(f"--signing-key: {exc}") from None
+        path = f"{KEYS_DIR}/{role}-{node_id}.key"
+        private = key.private_bytes(serialization.Encoding.PEM,
+                                    serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()).decode("ascii")
+        public = key.public_key().public_bytes(
+            serialization.Encoding.PEM,
+            serialization.PublicFormat.SubjectPublicKeyInfo).decode("ascii")
+        files += [PlannedFile(path, staged(path), private, 0o600, owner=SERVICE_OWNER,
+                              secret=True),
+                  PlannedFile(path + ".pub", staged(path + ".pub"), public, 0o644)]
+        keys["signing_key"] = path
+    if trusted_keys:
+        if role not in ("client", "aggregator"):
+            raise InstallError("--trust-key: only the client and the aggregator check "
+                               "signatures")
+        setting = "aggregator" if role == "client" else "operators"
+        paths = []
+        for i, source in enumerate(trusted_keys):
+            try:
+                load_public_key(source)
+                with open(source, encoding="ascii") as f:
+                    text = f.read()
+            except (KeyFileError, OSError, UnicodeDecodeError) as exc:
+                raise InstallError(f"--trust-key {source}: {exc}") from None
+            path = f"{KEYS_DIR}/{setting}-{i}.pub"
+            files.append(PlannedFile(path, staged(path), text, 0o644))
+            paths.append(path)
+        keys[setting] = paths
+    return tuple(files), keys
+
+
+def site_skeleton(role: str, node_id: str, profile: str, keys: dict | None = None) -> str:
     """The site file the installer writes: the settings only this site knows, and the
-    profile's values as comments to override."""
+    profile's values as comments to override. keys: the keys.* settings of the key files
+    installed with it."""
     site = _role(role).site_path(node_id)
     with open(profiles.profile_path(profile), encoding="utf-8") as f:
         board = yaml.safe_load(f) or {}
@@ -328,6 +388,8 @@ def site_skeleton(role: str, node_id: str, profile: str) -> str:
                   "($RUNTIME_DIRECTORY)",
                   "  # listen: 127.0.0.1:8080       # also TCP: remove PrivateNetwork=yes from "
                   "the unit first"]
+    if role in ("client", "aggregator"):
+        lines += _keys_section(role, keys or {})
     board_lines = []
     for section, values in board.items():
         if section in KEYS:          # a top-level key (suggested_model), not a section
@@ -346,6 +408,34 @@ def site_skeleton(role: str, node_id: str, profile: str) -> str:
                       "uncomment to override:"] + board_lines
     lines += ["# log:", "#   level: info"]
     return "\n".join(lines) + "\n"
+
+
+def _keys_section(role: str, keys: dict) -> list:
+    """The keys section: what install-service placed, and the rest commented
+    (docs/deployment.md "Keys"; docs/security.md)."""
+    lines = ["keys:                            # Ed25519 signatures (docs/security.md)"
+             if keys else "# keys:                          # Ed25519 signatures "
+             "(docs/security.md)"]
+    c = "" if keys else "# "
+    if "signing_key" in keys:
+        lines.append(f"  signing_key: {keys['signing_key']}   # mode 0600, the service user's")
+    else:
+        lines.append(f"{c}  # signing_key: {KEYS_DIR}/{role}-<id>.key   # edgefl keys gen, "
+                     "or install-service --signing-key new")
+    if role == "client":
+        if "aggregator" in keys:
+            lines.append(f"  aggregator: {_flow(keys['aggregator'])}")
+        else:
+            lines.append(f"{c}  # aggregator: [{KEYS_DIR}/aggregator.pub]   # refuse what "
+                         "the aggregator did not sign")
+    else:
+        lines.append(f"{c}  # fleet: {KEYS_DIR}/fleet        # <client id>.pub of every board")
+        if "operators" in keys:
+            lines.append(f"  operators: {_flow(keys['operators'])}")
+        else:
+            lines.append(f"{c}  # operators: [{KEYS_DIR}/operator.pub]   # commands must be "
+                         "signed")
+    return lines
 
 
 def _in_package(path: str) -> str:
@@ -392,6 +482,8 @@ def install(plan: InstallPlan, dry_run: bool = False) -> list[tuple[str, str]]:
             action = {"written": "would write", "replaced": "would replace"}.get(action, action)
         elif action in ("written", "replaced"):
             _write(f.target, f.content, f.mode)
+            if f.owner:
+                _own(f.target, f.owner, plan.prefix)
         done.append((f.target, action))
     return done
 
@@ -404,6 +496,20 @@ def _write(path: str, content: str, mode: int) -> None:
     except PermissionError as exc:
         raise InstallError(f"{directory}: permission denied ({exc.strerror}); run as root or "
                            f"stage the files with --prefix DIR") from None
+
+
+def _own(path: str, owner: str, prefix: str) -> None:
+    """chown to the service user now when that is possible (root, installing on this
+    machine, the user exists); otherwise the printed chown does it."""
+    import shutil
+
+    if prefix != "/" or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    user, group = owner.split(":")
+    try:
+        shutil.chown(path, user, group)
+    except (LookupError, OSError):
+        pass      # the user is made by systemd-sysusers, then the printed chown runs
 
 
 def format_commands(plan: InstallPlan) -> str:
@@ -419,7 +525,9 @@ def format_report(plan: InstallPlan, done, dry_run: bool) -> str:
     lines += [f"  {action:<{width}}  {path}" for path, action in done]
     if dry_run:
         for f in plan.files:
-            lines += ["", f"--- {f.target}", f.content.rstrip("\n")]
+            body = (f"(a private key, mode {f.mode:04o}, owned by {f.owner}: not shown)"
+                    if f.secret else f.content.rstrip("\n"))
+            lines += ["", f"--- {f.target}", body]
         lines.append("")
     for warning in plan.warnings:
         lines.append(f"warning: {warning}")

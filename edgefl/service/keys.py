@@ -38,8 +38,8 @@ MQTT_MAX_PAYLOAD = 268_435_455                     # the MQTT packet size limit
 class Key:
     """One setting: its dotted name, type and valid values, and the roles that read it."""
     name: str
-    kind: str               # str, id, ids, path, int, number, bool, choice, profile, model,
-                            # dataset, run, listen
+    kind: str               # str, id, ids, path, paths, keymap, int, number, bool, choice,
+                            # profile, model, dataset, run, listen
     help: str
     roles: tuple = ROLES
     choices: tuple = ()
@@ -69,6 +69,23 @@ KEYS = {k.name: k for k in (
         nullable=True),
     Key("broker.cert_file", "path", "client certificate (mutual TLS)", _MQTT, nullable=True),
     Key("broker.key_file", "path", "client certificate's private key", _MQTT, nullable=True),
+    # Signatures (docs/security.md): every key null (the default) leaves them off.
+    Key("keys.signing_key", "path", "this node's Ed25519 private key (edgefl keys gen): the "
+        "aggregator signs announcements, models and ONNX files with it, a board its updates "
+        "(null: sends unsigned)", _MQTT, nullable=True),
+    Key("keys.aggregator", "paths", "the aggregator's public key file(s): when set, the board "
+        "refuses announcements, models and ONNX files not signed by one of them; two during "
+        "a key change-over (null: signatures not checked)", ("client",), nullable=True),
+    Key("keys.fleet", "keymap", "the boards' public keys: a directory of <node id>.pub "
+        "files, or a mapping node id -> file: when set, an update must be signed by its "
+        "node's key (null: updates not checked)", ("aggregator",), nullable=True),
+    Key("keys.operators", "paths", "the operators' public key file(s): when set, a command "
+        "must be signed by one of them (null: commands not checked)", ("aggregator",),
+        nullable=True),
+    Key("keys.operator_key", "path", "the operator's private key `edgefl ctl` signs commands "
+        "with (it reads the aggregator's site file)", ("aggregator",), nullable=True),
+    Key("keys.command_window", "number", "seconds a signed command stays valid; its nonce is "
+        "remembered on disk that long", ("aggregator",), minimum=1, maximum=24 * 3600),
     Key("log.level", "choice", "logging level", choices=LOG_LEVELS),
     Key("compute.threads", "int", "C-core GEMM threads while training (0: all CPUs)", _MQTT,
         minimum=0, maximum=256),
@@ -179,6 +196,10 @@ def _check_value(key: Key, value, where: str, base_dir: str | None, raw: str | N
         return _check_ids(value, raw, fail)
     if kind == "listen":
         return _check_listen(value, fail)
+    if kind == "paths":
+        return _check_paths(value, base_dir, fail)
+    if kind == "keymap":
+        return _check_keymap(value, base_dir, fail)
     if kind in ("str", "path", "id", "run"):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and kind == "id":
             text = raw if raw is not None else str(value)
@@ -240,6 +261,41 @@ def _check_ids(value, raw, fail) -> list:
             fail(f"item {i}: {node!r} appears twice; client ids are distinct")
         seen.add(node)
     return list(value)
+
+
+def _absolute(path: str, base_dir: str | None) -> str:
+    path = os.path.expanduser(path)
+    return os.path.normpath(os.path.join(base_dir, path)) if base_dir and \
+        not os.path.isabs(path) else path
+
+
+def _check_paths(value, base_dir, fail) -> list:
+    """One file or a non-empty list of them (e.g. the aggregator's old and new public key
+    during a change-over), made absolute against the site file's directory."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",")] if "," in value else [value]
+    if not isinstance(value, list) or not value:
+        fail(f"must be a file or a non-empty list of files, got {value!r}")
+    for i, path in enumerate(value):
+        if not isinstance(path, str) or not path.strip():
+            fail(f"item {i}: {path!r} is not a file name")
+    return [_absolute(p, base_dir) for p in value]
+
+
+def _check_keymap(value, base_dir, fail):
+    """A directory (of <node id>.pub files) or a mapping node id -> public key file."""
+    if isinstance(value, str) and value.strip():
+        return _absolute(value, base_dir)
+    if not isinstance(value, Mapping) or not value:
+        fail(f"must be a directory of <node id>.pub files or a mapping node id -> public key "
+             f"file, got {value!r}")
+    out = {}
+    for node, path in value.items():
+        _check_id(str(node), lambda problem, node=node: fail(f"{node!r}: {problem}"))
+        if not isinstance(path, str) or not path.strip():
+            fail(f"{node!r}: {path!r} is not a file name")
+        out[str(node)] = _absolute(path, base_dir)
+    return out
 
 
 def _check_listen(value, fail) -> str:

@@ -7,7 +7,10 @@ sets `online` to false). The MQTT side collects them; this module only formats:
      "last_round": 12, "role": "client"}
 
 `role` is optional. A missing field prints as "-", so a node running an older edgefl that
-does not send every field still gets its row.
+does not send every field still gets its row. Nodes of an edgefl with signatures also send
+"key" (the fingerprint of the key they sign with, absent when they sign nothing) and
+"signatures" ("on": they check what they receive; "off"); when any node has a key or
+checks, the table has the columns `key` and `checks`.
 """
 from __future__ import annotations
 
@@ -52,7 +55,10 @@ def format_fleet(statuses: list[dict]) -> str:
         if not isinstance(status, dict):
             raise TypeError(f"format_fleet: status {i} is {type(status).__name__}, not a dict")
     has_role = any(s.get("role") for s in statuses)
-    header = ("node",) + (("role",) if has_role else ()) + FLEET_COLUMNS[1:]
+    # a fleet without keys keeps the table it always had
+    has_keys = any(s.get("signatures") == "on" or s.get("key") for s in statuses)
+    header = ("node",) + (("role",) if has_role else ()) + FLEET_COLUMNS[1:] \
+        + (("key", "checks") if has_keys else ())
     rows = []
     for s in sorted(statuses, key=lambda s: (s.get("online") is not True,
                                             _natural_key(_cell(s.get("node"))))):
@@ -61,6 +67,8 @@ def format_fleet(statuses: list[dict]) -> str:
             row.append(_cell(s.get("role")))
         row += [_online(s.get("online")), _cell(s.get("version")), _cell(s.get("profile")),
                 _cell(s.get("last_round"))]
+        if has_keys:
+            row += [_cell(s.get("key")), _cell(s.get("signatures"))]
         rows.append(row)
     widths = [max(len(r[i]) for r in [list(header)] + rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip()

@@ -9,10 +9,12 @@ received bytes, without a copy. _assemble() is also how split() writes each chun
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import types
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,16 @@ class Frame:
     table_hash: int
     message_id: int
     nbytes: int
+    # what content_sha256 reads: the buffer rows of the metadata and the payload's bytes
+    # as received (a view); a signature covers these, so a receiver checks the bytes it got
+    rows: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    payload: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def content_sha256(self) -> str:
+        """The sha256 a frame signature covers (content_digest), of this frame as received."""
+        return content_digest(self.kind, self.round, self.sender, self.recipient, self.dtype,
+                              self.table_hash, self.message_id, list(self.rows),
+                              dict(self.scalars), [self.payload])
 
     @property
     def compression(self) -> str:
@@ -123,7 +135,8 @@ def _decode_body(data, mv: memoryview, h: Header, expect: Expectation) -> Frame:
         arr.flags.writeable = False
         buffers[s.name] = arr
     return Frame(h.kind, h.round, sender, recipient, h.dtype, types.MappingProxyType(buffers),
-                 types.MappingProxyType(scalars), h.table_hash, h.message_id, len(mv))
+                 types.MappingProxyType(scalars), h.table_hash, h.message_id, len(mv),
+                 tuple(meta["buffers"]), mv[start:start + h.payload_len])
 
 
 # ---------------------------------------------------------------------------------------
@@ -135,6 +148,29 @@ _META_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allo
 
 def _dumps(meta: dict) -> bytes:
     return _META_ENCODER.encode(meta).encode("utf-8")
+
+
+SIGNATURE_SCALAR = "sig"       # the scalar a signed frame carries its signature in
+
+
+def content_digest(kind: str, round: int, sender: str, recipient: str | None, dtype: str,
+                   table_hash: int, message_id: int, rows: list, scalars: Mapping,
+                   pieces: list) -> str:
+    """sha256 (hex) of what a frame signature covers: the header's fields, the metadata
+    (sender, recipient, buffer rows with their int8 scales, scalars but the signature) as
+    canonical JSON, then the payload bytes as they travel (f32, f16 or int8 codes, blobs).
+    The sender hashes the pieces it encodes, the receiver the payload it received: one pass
+    over the bytes, no copy."""
+    core = {"kind": kind, "round": int(round), "sender": sender, "recipient": recipient,
+            "dtype": dtype, "table_hash": int(table_hash), "message_id": f"{message_id:016x}",
+            "buffers": rows,
+            "scalars": {k: v for k, v in scalars.items() if k != SIGNATURE_SCALAR}}
+    h = hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":"),
+                                  ensure_ascii=True, allow_nan=False).encode("ascii"))
+    h.update(b"\n")
+    for piece in pieces:
+        h.update(piece)
+    return h.hexdigest()
 
 
 def _assemble(kind: str, dtype: str, flags: int, round: int, chunk_index: int, chunk_count: int,
@@ -181,11 +217,13 @@ def _blob_view(name: str, value) -> memoryview:
 def encode(kind: str, round: int, sender: str, buffers: Mapping[str, Any],
            scalars: Mapping[str, Any] | None = None, table: LayerTable | None = None,
            compression: str = "none", *, recipient: str | None = None,
-           message_id: int | None = None) -> bytes:
+           message_id: int | None = None, sign=None) -> bytes:
     """One whole frame (chunk 0 of 1). Tensor kinds (model, client_model, update) take float32
     buffers of the table's size, all finite, sent as f32 ("none"), f16 or int8 with one scale
     per layer; blob kinds (onnx) take bytes-like buffers, compression "none". client_model
-    frames name their `recipient`. EncodeError names anything refused."""
+    frames name their `recipient`. EncodeError names anything refused.
+    sign(digest, kind, round, message_id) -> dict: when given, its result is carried as the
+    scalar "sig" (edgefl.transport.signing makes it); digest is content_digest's."""
     if kind not in KINDS:
         raise EncodeError(f"kind {kind!r}; valid: {sorted(KINDS)}")
     round = _check_u(round, 32, "round")
@@ -247,10 +285,15 @@ def encode(kind: str, round: int, sender: str, buffers: Mapping[str, Any],
         meta["recipient"] = recipient
     meta["buffers"] = rows
     meta["scalars"] = _json_value(dict(scalars or {}), "scalars")
+    table_hash = table.hash64 if table is not None else 0
+    if sign is not None:
+        digest = content_digest(kind, round, sender, recipient, dtype, table_hash, message_id,
+                                rows, meta["scalars"], pieces)
+        meta["scalars"][SIGNATURE_SCALAR] = _json_value(sign(digest, kind, round, message_id),
+                                                        "scalars.sig")
     meta_bytes = _dumps(meta)
     if len(meta_bytes) > MAX_META_BYTES:
         raise EncodeError(f"metadata is {len(meta_bytes)} bytes, the limit is {MAX_META_BYTES}")
-    table_hash = table.hash64 if table is not None else 0
     return _assemble(kind, dtype, 0, round, 0, 1, table_hash, message_id, meta_bytes, pieces)
 
 

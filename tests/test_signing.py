@@ -1,0 +1,781 @@
+"""Signatures (issue #16 items 2-5; docs/security.md): the keys and their files, the signed
+envelope and each of its bindings, and, through a real Mosquitto, what they stop:
+
+- a forged announcement and a forged ONNX model (signed with a key that is not the
+  aggregator's, or unsigned), published with a raw paho client, are refused by a running
+  `edgefl client`, which keeps its installed model and then trains the real run;
+- an update signed by another board, and one replayed from an earlier run, are refused by the
+  aggregator, which waits for the real one;
+- a command replayed is refused, also by a restarted aggregator service (nonces on disk);
+- a key rotation: boards holding the old and the new aggregator key follow runs signed with
+  either; a board holding only the new one refuses the old.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import paho.mqtt.client as paho
+import pytest
+import yaml
+from paho.mqtt.enums import CallbackAPIVersion
+
+pytest.register_assert_rewrite("brokers")
+from brokers import REPO    # noqa: E402
+from edgefl.cli import main    # noqa: E402
+from edgefl.config import ConfigError    # noqa: E402
+from edgefl.export import export_onnx    # noqa: E402
+from edgefl.models import build_model    # noqa: E402
+from edgefl.roles import (Aggregator, AggregatorSettings, Client, ClientSettings,  # noqa: E402
+                          RunPlan)
+from edgefl.roles import messages as msg    # noqa: E402
+from edgefl.roles.onnx_channel import encode_publication, part_topic, publish_model  # noqa: E402
+from edgefl.roles.trust import Trust    # noqa: E402
+from edgefl.runconfig import load_run_config    # noqa: E402
+from edgefl.runs.prepare import prepare_run    # noqa: E402
+from edgefl.service.layered import load_service_config    # noqa: E402
+from edgefl.sim import simulate    # noqa: E402
+from edgefl.transport import signing, wire    # noqa: E402
+from edgefl.transport.mqtt import MqttTransport    # noqa: E402
+from edgefl.transport.signing import (KeyFileError, NonceStore, SignatureError,  # noqa: E402
+                                      Signer, Verifier, write_key_pair)
+from edgefl.transport.topics import Topics    # noqa: E402
+from helpers import wait_for, write_run_yaml    # noqa: E402
+
+pytest_plugins = ["brokers"]
+
+BASE = {
+    "dataset": {"name": "digits", "limit_train": 300},
+    "partition": {"name": "iid", "clients": 2},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedavg"},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "rounds": 2,
+    "clients_per_round": 2,
+    "seed": 0,
+}
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def keypair(tmp_path, name):
+    private, public = write_key_pair(tmp_path / "keys" / name if (tmp_path / "keys").is_dir()
+                                     else _mkdir(tmp_path / "keys") / name)
+    return signing.load_private_key(private), private, public
+
+
+def _mkdir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# keys and files
+# ---------------------------------------------------------------------------------------
+
+def test_keys_gen_writes_0600_refuses_to_overwrite_and_show_prints_the_fingerprint(
+        tmp_path, capsys):
+    out = tmp_path / "node"
+    assert main(["keys", "gen", "--out", str(out), "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    assert os.stat(str(out) + ".pub").st_mode & 0o777 == 0o644
+    key = signing.load_private_key(out)
+    raw = key.public_key().public_bytes(signing.serialization.Encoding.Raw,
+                                        signing.serialization.PublicFormat.Raw)
+    assert made["fingerprint"] == hashlib.sha256(raw).hexdigest()[:16]
+    for path in (out, str(out) + ".pub"):
+        assert main(["keys", "show", str(path)]) == 0
+        assert capsys.readouterr().out.split()[0] == made["fingerprint"]
+    before = out.read_bytes()
+    assert main(["keys", "gen", "--out", str(out)]) == 1
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    assert main(["keys", "gen", "--out", str(out), "--force"]) == 0
+    assert out.read_bytes() != before
+    (tmp_path / "junk").write_text("not a key\n")
+    assert main(["keys", "show", str(tmp_path / "junk")]) == 1
+    assert "junk: not an Ed25519 public key" in capsys.readouterr().err
+
+
+def test_site_file_keys_are_resolved_and_a_bad_key_file_is_named(tmp_path):
+    _, agg, agg_pub = keypair(tmp_path, "aggregator")
+    _, _, new_pub = keypair(tmp_path, "aggregator-new")
+    _, _, c0_pub = keypair(tmp_path, "client-0")
+    site = tmp_path / "client.yaml"
+    site.write_text(yaml.safe_dump({"node": {"id": "client-0", "federation": "lab"},
+                                    "data": "digits",
+                                    "keys": {"aggregator": ["keys/aggregator.pub",
+                                                            "keys/aggregator-new.pub"],
+                                             "signing_key": "keys/client-0"}}))
+    config = load_service_config("client", str(site))
+    assert config["keys.aggregator"] == [agg_pub, new_pub]
+    trust = Trust.from_service_config(config, "client")
+    assert trust.signer.by == "client-0" and trust.uplink is None
+    assert len(trust.downlink.fingerprints) == 2
+
+    # the aggregator's fleet: a directory of <node>.pub, or a mapping
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({"node": {"id": "aggregator", "federation": "lab"},
+                                    "keys": {"fleet": "keys", "signing_key": "keys/aggregator",
+                                             "operators": "keys/client-0.pub"}}))
+    trust = Trust.from_service_config(load_service_config("aggregator", str(site)),
+                                      "aggregator")
+    assert set(trust.uplink.keys) == {"aggregator", "aggregator-new", "client-0"}
+    site.write_text(yaml.safe_dump({"node": {"id": "aggregator", "federation": "lab"},
+                                    "keys": {"fleet": {"client-0": c0_pub}}}))
+    trust = Trust.from_service_config(load_service_config("aggregator", str(site)),
+                                      "aggregator")
+    assert set(trust.uplink.keys) == {"client-0"} and trust.signer is None
+
+    site.write_text(yaml.safe_dump({"node": {"id": "aggregator", "federation": "lab"},
+                                    "keys": {"fleet": {"client/0": c0_pub}}}))
+    with pytest.raises(ConfigError, match="keys.fleet"):
+        load_service_config("aggregator", str(site))
+    site.write_text(yaml.safe_dump({"node": {"id": "client-0", "federation": "lab"},
+                                    "data": "digits",
+                                    "keys": {"aggregator": "keys/missing.pub"}}))
+    with pytest.raises(KeyFileError, match=r"keys.aggregator: .*missing.pub: cannot read"):
+        Trust.from_service_config(load_service_config("client", str(site)), "client")
+
+
+# ---------------------------------------------------------------------------------------
+# the envelope: every binding
+# ---------------------------------------------------------------------------------------
+
+def test_a_signature_binds_federation_run_round_kind_signer_content_and_expiry(tmp_path):
+    key, rogue = signing.generate_key(), signing.generate_key()
+    signer = Signer(key, "aggregator", "lab")
+    verifier = Verifier("lab", {"*": [key.public_key()]})
+    doc = signer.sign_doc({"v": 1, "run": "r1", "round": 3, "x": [1.5, "a"]}, "announce",
+                          "r1", 3)
+    doc = json.loads(json.dumps(doc, indent=2))      # spacing and key order do not matter
+    ok = dict(kind="announce", where="t", run="r1", round=3, by="aggregator")
+    assert verifier.verify_doc(doc, **ok)["by"] == "aggregator"
+    cases = [
+        (dict(ok, run="r2"), "signed for run 'r1', not 'r2'"),
+        (dict(ok, round=4), "signed for round 3, not 4"),
+        (dict(ok, kind="finished"), "signed as a 'announce', used as a 'finished'"),
+        (dict(ok, by="client-1"), "signed by 'aggregator', not 'client-1'"),
+    ]
+    for expect, reason in cases:
+        with pytest.raises(SignatureError, match=reason):
+            verifier.verify_doc(doc, **expect)
+    with pytest.raises(SignatureError, match="signed for federation 'lab', this is 'other'"):
+        Verifier("other", {"*": [key.public_key()]}).verify_doc(doc, **ok)
+    with pytest.raises(SignatureError, match="altered after signing"):
+        verifier.verify_doc({**doc, "x": [1.5, "b"]}, **ok)
+    with pytest.raises(SignatureError, match="unsigned"):
+        verifier.verify_doc({k: v for k, v in doc.items() if k != "sig"}, **ok)
+    with pytest.raises(SignatureError, match="bad signature"):
+        verifier.verify_doc({**doc, "sig": {**doc["sig"], "run": "r2"}}, **dict(ok, run="r2"))
+    forged = Signer(rogue, "aggregator", "lab").sign_doc(doc, "announce", "r1", 3)
+    with pytest.raises(SignatureError, match="not one of the trusted keys"):
+        verifier.verify_doc(forged, **ok)
+    # a board's key is its own: client-1's signature does not pass as client-0's
+    boards = Verifier("lab", {"client-0": [key.public_key()], "client-1": [rogue.public_key()]})
+    as_c0 = Signer(rogue, "client-0", "lab").sign_doc({"a": 1}, "update", "r1", 1)
+    with pytest.raises(SignatureError, match="not one of the trusted keys of 'client-0'"):
+        boards.verify_doc(as_c0, kind="update", where="t", by="client-0")
+    # expiry
+    cmd = Signer(key, "operator", "lab").sign_doc({"cmd": "status"}, "command", "", 0,
+                                                  expires_in=5)
+    verifier.verify_doc(cmd, kind="command", where="t")
+    with pytest.raises(SignatureError, match="expired"):
+        verifier.verify_doc(cmd, kind="command", where="t", now=time.time() + 60)
+
+
+def test_a_frame_signature_covers_its_payload_metadata_and_chunks(tmp_path):
+    model = build_model({"name": "softmax"}, (9,), 10)
+    table = model.table
+    key = signing.generate_key()
+    signer, verifier = Signer(key, "aggregator", "lab"), Verifier("lab", {"*": [key.public_key()]})
+    w = np.random.default_rng(0).standard_normal(model.n_params).astype(np.float32)
+    for compression in ("none", "f16", "int8"):
+        data = wire.encode("model", 2, "aggregator", {"params": w}, {"run": "r1"}, table,
+                           compression, sign=signer.frame_signer("r1"))
+        expect = wire.Expectation(table, kinds="model")
+        reassembler = wire.Reassembler(10)
+        for chunk in wire.split(data, 1024):
+            frame = reassembler.add(chunk, expect)
+        assert verifier.verify_frame(frame, where="t", run="r1")["kind"] == "model"
+        with pytest.raises(SignatureError, match="not 'r2'"):
+            verifier.verify_frame(frame, where="t", run="r2")
+        # the same signature on other values (a re-encoded frame, CRC valid) is refused
+        sig = dict(frame.scalars)["sig"]
+        other = wire.encode("model", 2, "aggregator", {"params": w * 0.5},
+                            {"run": "r1", "sig": sig}, table, compression,
+                            message_id=frame.message_id)
+        with pytest.raises(SignatureError, match="altered after signing"):
+            verifier.verify_frame(wire.decode(other, expect), where="t", run="r1")
+        moved = wire.encode("model", 3, "aggregator", {"params": w},
+                            {"run": "r1", "sig": sig}, table, compression,
+                            message_id=frame.message_id)
+        with pytest.raises(SignatureError):
+            verifier.verify_frame(wire.decode(moved, expect), where="t", run="r1")
+
+
+def test_nonces_are_remembered_on_disk_until_they_expire(tmp_path):
+    path = str(tmp_path / "nonces.json")
+    now = time.time()
+    NonceStore(path).check_and_add("n1", now + 60, "t", now=now)
+    store = NonceStore(path)                                # a restarted aggregator
+    with pytest.raises(SignatureError, match="nonce n1 was used already"):
+        store.check_and_add("n1", now + 60, "t", now=now)
+    store.check_and_add("n2", now + 60, "t", now=now + 61)  # n1 has expired: forgotten
+    assert set(json.loads(open(path).read())) == {"n2"}
+
+
+# ---------------------------------------------------------------------------------------
+# through a real Mosquitto
+# ---------------------------------------------------------------------------------------
+
+def write_config(tmp_path, **changes) -> str:
+    return write_run_yaml(tmp_path, BASE, "run.yaml", **changes)
+
+
+def reference_sha(config) -> str:
+    return simulate(config, None, workers=1, progress=False)["model_sha256"]
+
+
+class RawPublisher:
+    """A plain paho client, nothing of edgefl's transport: what an attacker with broker
+    access publishes."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("mqtt://").split(":")
+        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"raw-{uid()}")
+        self.client.connect(host, int(port))
+        self.client.loop_start()
+
+    def publish(self, topic, payload, retain=False):
+        self.client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+
+    def close(self):
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def mqtt(url, name):
+    return MqttTransport(url, f"{name}-{uid()}", reconnect_min=0.05, reconnect_max=0.5,
+                         connect_timeout=5.0)
+
+
+def sha_of(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+class SignedRun:
+    """An Aggregator (thread) signing with `agg_key`, checking the boards' keys, on `fed`."""
+
+    def __init__(self, tmp_path, config, url, fed, agg_key, board_keys, state="agg",
+                 ids=("client-0", "client-1")):
+        self.run = prepare_run(config, progress=False)
+        plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup, self.run.model,
+                       config.clients_per_round, ids, description=config.to_dict())
+        trust = Trust(fed, signer=Signer(agg_key, "aggregator", fed),
+                      uplink=Verifier(fed, {n: [k.public_key()] for n, k in board_keys.items()})
+                      if board_keys is not None else None)
+        self.aggregator = Aggregator(plan, mqtt(url, "aggregator"), tmp_path / state,
+                                     AggregatorSettings(node_id="aggregator", federation=fed,
+                                                        round_timeout_s=60.0, trust=trust))
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._body, daemon=True)
+
+    def _body(self):
+        try:
+            self.result = self.aggregator.run()
+        except BaseException as exc:      # noqa: BLE001 -- re-raised by finish()
+            self.error = exc
+
+    def start(self):
+        self.thread.start()
+        wait_for(lambda: self.aggregator.open is not None or self.error is not None,
+                 what="round 1 to open", timeout=20.0)
+        return self
+
+    def finish(self, timeout=60.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the aggregator did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def board(tmp_path, run, url, fed, node, key, aggregator_keys, **options):
+    c = int(node.rsplit("-", 1)[1])
+    trust = Trust(fed, signer=Signer(key, node, fed) if key is not None else None,
+                  downlink=Verifier(fed, {"*": [k.public_key() for k in aggregator_keys]}))
+    options.setdefault("exit_when_finished", True)
+    client = Client(ClientSettings(node, fed, trust=trust, **options),
+                    (run.clients[c % len(run.clients)].x, run.clients[c % len(run.clients)].y),
+                    mqtt(url, node), tmp_path / node)
+    thread = threading.Thread(target=client.run, daemon=True)
+    thread.start()
+    assert client.ready.wait(10)
+    return client, thread
+
+
+def forged_announcement(run, node="client-0", run_id="forged-run") -> dict:
+    now = time.time()
+    doc = {"v": 1, "run": run_id, "aggregator": "aggregator", "round": 1, "rounds": 1,
+           "announce": uid(), "opened": now, "deadline": now + 60,
+           "strategy": {"name": "fedavg", "params": {}},
+           "model": {"spec": json.loads(run.model.spec),
+                     "input_shape": list(run.model.input_shape),
+                     "num_classes": int(run.model.num_classes), "table": run.model.table.digest},
+           "compression": "none", "model_sha256": "0" * 64,
+           "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "scalars": {},
+           "tasks": {node: {"client": 0, "upload": True, "source": "global",
+                            "train": {"seed": "1"}, "scalars": {}}}}
+    msg.parse_announcement(json.dumps(doc).encode())     # well formed: only its signature fails
+    return doc
+
+
+def test_a_running_edgefl_client_refuses_forged_announcements_and_onnx_and_keeps_its_model(
+        tmp_path, mosquitto_server, capsys):
+    path = write_config(tmp_path)
+    config = load_run_config(path)
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key, _, agg_pub = keypair(tmp_path, "aggregator")
+    rogue_key = signing.generate_key()
+    c0_key, c0_private, _ = keypair(tmp_path, "client-0")
+    c1_key = signing.generate_key()
+    run = prepare_run(config, progress=False)
+    state = tmp_path / "client-0-state"
+    site = tmp_path / "client-0.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": "client-0", "federation": fed},
+        "state_dir": str(state), "broker": {"url": mosquitto_server.url},
+        "log": {"level": "info"},
+        "keys": {"aggregator": [agg_pub], "signing_key": c0_private}}))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    log_path = tmp_path / "client-0.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "client", "--config",
+                                 str(site), "--partition", path, "--shard", "0"],
+                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def logged(text):
+        return text in log_path.read_text()
+
+    raw = RawPublisher(mosquitto_server.url)
+    publisher = mqtt(mosquitto_server.url, "aggregator-pub")
+    others = []
+    try:
+        wait_for(lambda: logged("waiting for a run"), what="client-0 up", timeout=30)
+        assert logged("checks aggregator messages against " + signing.fingerprint(agg_key))
+
+        # the aggregator's ONNX model is installed
+        good, bad = tmp_path / "good.onnx", tmp_path / "bad.onnx"
+        export_onnx(run.model, run.init_params, good, norm_mean=run.dataset.norm_mean,
+                    norm_std=run.dataset.norm_std)
+        export_onnx(run.model, run.init_params * 0 + 1, bad, norm_mean=run.dataset.norm_mean,
+                    norm_std=run.dataset.norm_std)
+        publisher.connect()
+        pub = publish_model(publisher, topics, good, round=1, sender="aggregator", run="r0",
+                            max_payload=2048, record_dir=str(tmp_path),
+                            signer=Signer(agg_key, "aggregator", fed))
+        installed = state / "model.onnx"
+        wait_for(lambda: installed.exists() and sha_of(installed) == pub.sha256,
+                 what="the signed ONNX model installed", timeout=20)
+
+        # a forged ONNX model: signed with another key, then unsigned; parts and manifest
+        from edgefl.export import model_payload
+        data, metadata = model_payload(bad)
+        for signer, why in ((Signer(rogue_key, "aggregator", fed), "not one of the trusted keys"),
+                            (None, "unsigned")):
+            forged = encode_publication(data, metadata, round=9, sender="aggregator",
+                                        run="r0", max_payload=2048, signer=signer)
+            for i, payload in enumerate(forged.parts):
+                raw.publish(part_topic(topics, i), payload, retain=True)
+            raw.publish(topics.onnx(), forged.manifest, retain=True)
+            wait_for(lambda why=why: logged("rejected ONNX model on") and logged(why),
+                     what=f"the forged ONNX model refused ({why})", timeout=20)
+        assert sha_of(installed) == pub.sha256             # still serving the good model
+
+        # a forged announcement: another key, then unsigned
+        doc = forged_announcement(run)
+        raw.publish(topics.round(), json.dumps(
+            Signer(rogue_key, "aggregator", fed).sign_doc(doc, "announce", "forged-run", 1)
+        ).encode(), retain=True)
+        wait_for(lambda: logged("rejected announcement: signed by 'aggregator' with key "
+                                + signing.fingerprint(rogue_key)), what="forged announcement "
+                 "refused", timeout=20)
+        raw.publish(topics.round(), json.dumps(forged_announcement(run)).encode(), retain=True)
+        wait_for(lambda: logged("rejected announcement: unsigned"),
+                 what="unsigned announcement refused", timeout=20)
+        from edgefl.roles.state import ClientProgress
+        assert ClientProgress.load(str(state)).run_id is None     # nothing of forged-run
+        assert sha_of(installed) == pub.sha256
+
+        # the real run: the board takes it, and the model is the in-process one
+        probe = mqtt(mosquitto_server.url, "probe")
+        probe.connect()
+        probe.subscribe(topics.round(), qos=1)
+        others.append(probe)
+        real = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key,
+                         {"client-0": c0_key, "client-1": c1_key}).start()
+        c1, t1 = board(tmp_path, run, mosquitto_server.url, fed, "client-1", c1_key, [agg_key])
+        result = real.finish()
+        t1.join(10)
+        assert [h["updates"] for h in result.history] == [2, 2]
+        from edgefl.checkpoint import model_sha256
+        assert model_sha256(result.params) == reference_sha(config)
+        assert real.aggregator.stats.get("bad_signatures", 0) == 0
+
+        # an announcement of that run replayed after it finished: refused by its age
+        seen = []
+        while (item := probe.receive(timeout=0.5)) is not None:
+            if getattr(item, "payload", b""):
+                seen.append(json.loads(item.payload))
+        first = next(d for d in seen if d.get("round") == 1 and d.get("run") == result.run_id)
+        raw.publish(topics.round(), json.dumps(first).encode(), retain=True)
+        wait_for(lambda: logged("a replay; the model this board has stays"),
+                 what="the replayed announcement refused", timeout=20)
+        assert sha_of(installed) == pub.sha256
+
+        # `edgefl status` shows each node's key fingerprint and whether it checks
+        capsys.readouterr()
+        assert main(["status", "--broker", mosquitto_server.url, "--federation", fed,
+                     "--wait", "2"]) == 0
+        table = capsys.readouterr().out
+        rows = {line.split()[0]: line.split() for line in table.splitlines()[1:-1]}
+        assert rows["client-0"][-2:] == [signing.fingerprint(c0_key), "on"], table
+        assert rows["aggregator"][-2:] == [signing.fingerprint(agg_key), "on"], table
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        raw.close()
+        for t in [publisher] + others:
+            t.close(timeout=1.0, announce_offline=False)
+    text = log_path.read_text()
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_refused(
+        tmp_path, mosquitto_server):
+    config = load_run_config(write_config(tmp_path))
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key = signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False)
+
+    # run A: capture client-0's signed update of round 1 from the broker
+    probe = mqtt(mosquitto_server.url, "probe")
+    probe.connect()
+    probe.subscribe(topics.update("client-0"), qos=1)
+    first = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                      state="agg-a").start()
+    boards = [board(tmp_path / "a", run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+              for n in keys]
+    first.finish()
+    for _, t in boards:
+        t.join(10)
+    captured = []
+    while (item := probe.receive(timeout=0.5)) is not None:
+        if getattr(item, "payload", b"") and msg.peek_frame(item.payload)[0] == 1:
+            captured.append(item.payload)
+    probe.close(timeout=1.0, announce_offline=False)
+    assert captured, "no update of round 1 seen"
+
+    # run B (a new run id): client-0 is not up yet; its old update is replayed, and client-1
+    # (a rogue board) sends an update in client-0's name, signed with its own key
+    second = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                       state="agg-b").start()
+    agg = second.aggregator
+    assert agg.run_id != first.result.run_id
+    raw = RawPublisher(mosquitto_server.url)
+    try:
+        for payload in captured:
+            raw.publish(topics.update("client-0"), payload)
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 1, what="the replay refused")
+        table = run.model.table
+        w = np.zeros(run.model.n_params, dtype=np.float32)
+        posing = wire.encode("update", 1, "client-0", {"params": w},
+                             msg.update_scalars(_update(w), agg.run_id, 0.1), table,
+                             sign=Signer(keys["client-1"], "client-0", fed).frame_signer(
+                                 agg.run_id))
+        raw.publish(topics.update("client-0"), posing)
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 2, what="the forgery refused")
+        unsigned = wire.encode("update", 1, "client-0", {"params": w},
+                               msg.update_scalars(_update(w), agg.run_id, 0.1), table)
+        raw.publish(topics.update("client-0"), unsigned)
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 3, what="unsigned refused")
+        assert "client-0" not in agg.open.received and agg.open.round == 1
+    finally:
+        raw.close()
+    # the real boards: the run completes with the in-process model
+    boards = [board(tmp_path / "b", run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+              for n in keys]
+    result = second.finish()
+    for _, t in boards:
+        t.join(10)
+    assert [h["updates"] for h in result.history] == [2, 2]
+    from edgefl.checkpoint import model_sha256
+    assert model_sha256(result.params) == reference_sha(config)
+
+
+def _update(w):
+    from edgefl.strategies import Update
+    return Update({"params": w}, 10, 0.5, 1, {})
+
+
+def test_key_rotation_two_accepted_keys_during_the_change_over(tmp_path, mosquitto_server):
+    """Boards hold [old, new] aggregator keys while the aggregator moves from old to new:
+    they follow a run signed with either. A board that already dropped the old key (or was
+    set up with the new one only) refuses the old key's run."""
+    config = load_run_config(write_config(tmp_path, rounds=1))
+    fed = f"sig-{uid()}"
+    old, new = signing.generate_key(), signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False)
+    results = []
+    # a board outside the run (not tasked) holding only the new key: it still checks
+    # every announcement it sees
+    observer, observer_thread = board(tmp_path / "observer", run, mosquitto_server.url, fed,
+                                      "client-9", None, [new], exit_when_finished=False)
+    try:
+        for step, agg_key in enumerate((old, new)):
+            rejected_before = observer.stats["rejected"]
+            signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                               state=f"agg-{step}").start()
+            boards = [board(tmp_path / f"b{step}", run, mosquitto_server.url, fed, n, keys[n],
+                            [old, new]) for n in keys]
+            results.append(signed.finish())
+            for client, t in boards:
+                t.join(10)
+                assert client.stats["trained"] == 1 and client.stats["rejected"] == 0
+            wait_for(lambda: observer.ann is not None or observer.stats["rejected"]
+                     > rejected_before, what="the observer to see the run")
+            if agg_key is old:
+                wait_for(lambda: observer.stats["rejected"] > rejected_before,
+                         what="the old key refused by a board holding only the new one")
+                assert observer.ann is None
+            else:
+                wait_for(lambda: observer.ann is not None and observer.ann["run"]
+                         == results[-1].run_id, what="the new key's run followed")
+    finally:
+        observer.stop.set()
+        observer_thread.join(10)
+    assert [len(r.history) for r in results] == [1, 1]
+
+
+def test_commands_must_be_signed_and_a_replayed_one_is_refused_even_after_a_restart(
+        tmp_path, mosquitto_server, capsys):
+    from edgefl.roles.control import ControlClient
+    from edgefl.roles.daemon import Daemon, DaemonSettings
+
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    operator, intruder = signing.generate_key(), signing.generate_key()
+    trust = Trust(fed, operators=Verifier(fed, {"*": [operator.public_key()]}),
+                  command_window_s=60.0)
+    settings = DaemonSettings(AggregatorSettings(node_id="aggregator", federation=fed,
+                                                 trust=trust), idle_poll_s=0.1)
+
+    def start():
+        stop = threading.Event()
+        daemon = Daemon(settings, str(tmp_path / "agg"), lambda cid, **o: MqttTransport(
+            mosquitto_server.url, f"{cid}-{uid()}", reconnect_min=0.05, reconnect_max=0.5,
+            connect_timeout=5.0, **o), stop=stop)
+        thread = threading.Thread(target=daemon.run, daemon=True)
+        thread.start()
+        wait_for(daemon.ready.is_set, what="the control connection")
+        return stop, thread
+
+    requester = mqtt(mosquitto_server.url, "operator")
+    requester.connect()
+    stop, thread = start()
+    try:
+        signed = ControlClient(requester, topics, "alice",
+                               signer=Signer(operator, "alice", fed))
+        assert signed.request({"cmd": "status"}, timeout=20)["ok"]
+        for signer, why in ((None, "unsigned"),
+                            (Signer(intruder, "alice", fed), "not one of the trusted keys")):
+            reply = ControlClient(requester, topics, "bob", signer=signer).request(
+                {"cmd": "status"}, timeout=20)
+            assert not reply["ok"] and why in reply["error"], reply
+        too_long = ControlClient(requester, topics, "alice", expires_in=3600,
+                                 signer=Signer(operator, "alice", fed))
+        reply = too_long.request({"cmd": "status"}, timeout=20)
+        assert not reply["ok"] and "keys.command_window" in reply["error"], reply
+
+        # a signed command captured and replayed after the service restarted (its memory of
+        # answered commands is gone; the nonce file is not)
+        doc = Signer(operator, "alice", fed).sign_doc(
+            {"cmd": "status", "reply_to": topics.reply("eve"), "request_id": "1"}, "command",
+            "", 0, expires_in=30)
+        replies = mqtt(mosquitto_server.url, "eve")
+        replies.connect()
+        replies.subscribe(topics.reply("eve"), qos=1)
+
+        def next_reply():
+            def got():
+                item = replies.receive(timeout=0.2)
+                return json.loads(item.payload) if getattr(item, "payload", b"") else None
+            return wait_for(got, what="a reply", timeout=20)
+
+        requester.publish(topics.ctl(), json.dumps(doc).encode(), qos=1)
+        assert next_reply()["ok"]
+        stop.set()
+        thread.join(30)
+        stop, thread = start()
+        requester.publish(topics.ctl(), json.dumps(doc).encode(), qos=1)
+        reply = next_reply()
+        assert not reply["ok"] and "was used already (a replayed command)" in reply["error"]
+        replies.close(timeout=1.0, announce_offline=False)
+
+        # `edgefl ctl` signs with --operator-key; without it the service refuses
+        write_key_pair(tmp_path / "operator", operator)
+        base = ["ctl", "status", "--broker", mosquitto_server.url, "--federation", fed,
+                "--timeout", "20"]
+        assert main(base + ["--operator-key", str(tmp_path / "operator")]) == 0
+        assert main(base) == 1
+        assert "refused: command status: unsigned" in capsys.readouterr().err
+
+    finally:
+        stop.set()
+        thread.join(30)
+        requester.close(timeout=1.0, announce_offline=False)
+
+
+# ---------------------------------------------------------------------------------------
+# install-service
+# ---------------------------------------------------------------------------------------
+
+def test_install_service_places_the_key_0600_for_the_service_user_and_never_prints_it(
+        tmp_path, capsys):
+    from edgefl.service import install as inst
+
+    _, _, agg_pub = keypair(tmp_path, "aggregator")
+    stage = tmp_path / "stage"
+    args = ["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",
+            "--prefix", str(stage), "--python", "/opt/edgefl/venv/bin/python",
+            "--no-python-check", "--signing-key", "new", "--trust-key", agg_pub]
+    assert main(args + ["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "PRIVATE KEY" not in out
+    assert f"--- {stage}/etc/edgefl/keys/client-07.key\n(a private key, mode 0600, owned by " \
+        "edgefl:edgefl: not shown)" in out
+    assert "chown edgefl:edgefl /etc/edgefl/keys/client-07.key" in out
+    assert not stage.exists()
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    key = stage / "etc/edgefl/keys/client-07.key"
+    assert os.stat(key).st_mode & 0o777 == 0o600 and "PRIVATE KEY" not in out
+    assert os.stat(str(key) + ".pub").st_mode & 0o777 == 0o644
+    # the printed commands: the user first, then the key becomes its, then the unit starts
+    lines = [line.strip() for line in out.splitlines()]
+    order = [lines.index(c) for c in ("systemd-sysusers /etc/sysusers.d/edgefl.conf",
+                                      "chown edgefl:edgefl /etc/edgefl/keys/client-07.key",
+                                      "systemctl enable --now edgefl-client@07.service")]
+    assert order == sorted(order)
+    # the site file names them, and the key loads as the node's signing key
+    site = yaml.safe_load((stage / "etc/edgefl/client-07.yaml").read_text())
+    assert site["keys"] == {"signing_key": "/etc/edgefl/keys/client-07.key",
+                            "aggregator": ["/etc/edgefl/keys/aggregator-0.pub"]}
+    assert signing.fingerprint(signing.load_private_key(key)) == \
+        signing.fingerprint(signing.load_public_key(str(key) + ".pub"))
+    assert (stage / "etc/edgefl/keys/aggregator-0.pub").read_text() == open(agg_pub).read()
+    with pytest.raises(inst.InstallError, match="--trust-key .*junk"):
+        (tmp_path / "junk").write_text("x")
+        inst.plan_install("client", "07", profile="rpi4", prefix=str(stage),
+                          python="/opt/edgefl/venv/bin/python", check_python=False,
+                          trusted_keys=(str(tmp_path / "junk"),))
+
+
+def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_off(
+        tmp_path, mosquitto_server, caplog, capsys):
+    """Backward compatible: the aggregator signs, the boards have no keys (an older site
+    file): they take the signed messages as before, log and publish that signatures are
+    off, and the run ends with the in-process model."""
+    import logging
+
+    caplog.set_level(logging.INFO, "edgefl.roles.client")
+    config = load_run_config(write_config(tmp_path))
+    fed = f"sig-{uid()}"
+    run = prepare_run(config, progress=False)
+    signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, signing.generate_key(),
+                       None).start()
+    boards = []
+    for node in ("client-0", "client-1"):
+        c = int(node[-1])
+        client = Client(ClientSettings(node, fed, exit_when_finished=True),
+                        (run.clients[c].x, run.clients[c].y), mqtt(mosquitto_server.url, node),
+                        tmp_path / node)
+        thread = threading.Thread(target=client.run, daemon=True)
+        thread.start()
+        boards.append((client, thread))
+    result = signed.finish()
+    for client, thread in boards:
+        thread.join(10)
+        assert client.stats["rejected"] == 0
+    from edgefl.checkpoint import model_sha256
+    assert model_sha256(result.params) == reference_sha(config)
+    assert "client-0: signatures off: announcements, models and ONNX files are taken " \
+        "unsigned" in caplog.text
+    capsys.readouterr()
+    assert main(["status", "--broker", mosquitto_server.url, "--federation", fed,
+                 "--wait", "2", "--json"]) == 0
+    statuses = {s["node"]: s for s in json.loads(capsys.readouterr().out)}
+    assert statuses["client-0"]["signatures"] == "off" and "key" not in statuses["client-0"]
+    assert statuses["aggregator"]["signatures"] == "off"      # it checks no updates
+    assert len(statuses["aggregator"]["key"]) == 16           # but signs
+
+
+def test_an_earlier_runs_announcement_replayed_to_a_restarted_board_is_refused(
+        tmp_path, mosquitto_server):
+    """The signing time a board follows is on disk: restarted after run B, it still refuses
+    run A's announcement (validly signed by the aggregator, for run A)."""
+    config = load_run_config(write_config(tmp_path, rounds=1))
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key = signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False)
+    probe = mqtt(mosquitto_server.url, "probe")
+    probe.connect()
+    probe.subscribe(topics.round(), qos=1)
+    results = []
+    for name in ("a", "b"):
+        signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                           state=f"agg-{name}").start()
+        boards = [board(tmp_path, run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+                  for n in keys]                    # the same state directories each run
+        results.append(signed.finish())
+        for _, t in boards:
+            t.join(10)
+    seen = []
+    while (item := probe.receive(timeout=0.5)) is not None:
+        if getattr(item, "payload", b""):
+            seen.append(json.loads(item.payload))
+    probe.close(timeout=1.0, announce_offline=False)
+    replay = next(d for d in seen if d["run"] == results[0].run_id and not d.get("finished"))
+
+    # nothing newer retained: what the restarted board knows of run B is on its disk only
+    raw = RawPublisher(mosquitto_server.url)
+    raw.publish(topics.round(), b"", retain=True)
+    client, thread = board(tmp_path, run, mosquitto_server.url, fed, "client-0",
+                           keys["client-0"], [agg_key], exit_when_finished=False)
+    try:
+        raw.publish(topics.round(), json.dumps(replay).encode(), retain=True)
+        wait_for(lambda: client.stats["rejected"] >= 1, what="the replay refused")
+        assert client.ann is None and client.progress.run_id == results[1].run_id
+    finally:
+        raw.close()
+        client.stop.set()
+        thread.join(10)
