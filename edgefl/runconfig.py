@@ -284,12 +284,12 @@ def _privacy(v: "_Validator", section, per_round: int) -> Privacy | None:
                        f"{secagg.clip_range:g} would clip the noise: each client's value is "
                        f"up to privacy.dp.clip = {dp.clip:g} plus a noise share of std "
                        f"{share:.3g}; give clip_range >= {need:.3g} (clip + 8 stds)")
-        if dp.mode == "distributed" and dp.adaptive_clip is not None:
-            v.fail("privacy.dp.adaptive_clip", "adapts the clip in central mode only: with "
-                                               "distributed noise the clip would have to "
-                                               "reach the clients each round and their clip "
-                                               "bits go through the secure sum; use mode: "
-                                               "central or drop adaptive_clip")
+        if secagg is not None and dp.adaptive_clip is not None:
+            v.fail("privacy.dp.adaptive_clip", "adapts the clip without secure aggregation "
+                                               "only: under it the boards clip, so the clip "
+                                               "would have to reach them each round and "
+                                               "their clip bits go through the secure sum; "
+                                               "drop one of the two")
     return Privacy(secure_aggregation=secagg, dp=dp)
 
 

@@ -301,3 +301,65 @@ def test_a_resumed_aggregator_takes_the_adaptive_clip_up_from_its_records():
                   {"round": 2, "dp_clip": 0.8, "dp_next_clip": 0.7}])
     assert hooks.clip == 0.7
     DPHooks(replace(dp, adaptive_clip=None), 10, 5, seed=0).resume([{"round": 1}])
+
+
+@pytest.mark.parametrize("mode", ["distributed", "central"])
+def test_secure_dp_over_mosquitto_is_the_in_process_run(mosquitto_server, tmp_path, mode):
+    """Under secure aggregation the aggregator sees only the sum, so the boards clip (and in
+    distributed mode add their noise shares) themselves, from the announcement's `dp`: with
+    reproducible noise the model over a real broker is the in-process model bit for bit."""
+    config = secure_dp_config(f"privacy.dp.mode={mode}", "privacy.dp.clip=0.3")
+    inproc = simulate(config, tmp_path / "inproc", workers=2, progress=False)
+    over = simulate(config, tmp_path / "mqtt", workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url)
+    assert over["model_sha256"] == inproc["model_sha256"]
+    records = lines(tmp_path / "mqtt" / "metrics.jsonl")
+    assert [r["closed_by"] for r in records] == ["secure"] * 3
+    assert [r["dp_epsilon"] for r in records] == \
+        [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+    # and the boards did clip: without DP the same secure run ends elsewhere
+    plain = simulate(load_run_config("quickstart", [
+        "strategy.weighting=uniform", "rounds=3",
+        "privacy.secure_aggregation.threshold=0.8"]), None, progress=False)
+    assert plain["model_sha256"] != over["model_sha256"]
+
+
+def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
+    """`edgefl ctl start` and `edgefl ctl watch` as processes against the aggregator service:
+    watch prints each round's epsilon and ends with the budget's run_finished."""
+    import subprocess
+
+    import yaml
+
+    from test_orchestration import CLIENTS, Lines, _ctl_env, ctl_argv, run_config, run_ctl
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    ctl = ctl_argv(f, tmp_path)
+    run_file = tmp_path / "dp.yaml"
+    run_file.write_text(yaml.safe_dump(run_config(
+        rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
+        privacy={"dp": {"clip": 1.0, "noise_multiplier": 2.0, "target_epsilon": 8.0}})))
+    acc = PrivacyAccountant(DifferentialPrivacy(clip=1.0, noise_multiplier=2.0), 2, 2)
+    last = acc.rounds_within(8.0, 30)
+    watch = subprocess.Popen(ctl + ["watch"], env=_ctl_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    out = Lines(watch)
+    try:
+        out.wait(lambda x: "no active run" in x, "watch's status line")
+        started = run_ctl(ctl, "start", str(run_file), "--run", "dpw", "--clients",
+                          ",".join(CLIENTS))
+        assert started.returncode == 0, started.stderr
+        assert watch.wait(120) == 0, watch.stderr.read()
+        out.thread.join(5)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+    for r in range(1, last + 1):
+        line = next(x for x in out.lines if f" dpw round {r} closed " in x)
+        assert line.endswith(f", epsilon {acc.epsilon(r):.4g} at delta 1e-05"), line
+    assert not any(f" dpw round {last + 1} opened" in x for x in out.lines), out.lines
+    finished = next(x for x in out.lines if " dpw run_finished: " in x)
+    assert f"rounds {last}" in finished and "privacy budget" in finished, finished

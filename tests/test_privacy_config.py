@@ -13,14 +13,17 @@ def load(*sets):
 
 def test_defaults_and_round_trip():
     cfg = load("privacy.secure_aggregation.neighbours=4", "privacy.dp.clip=0.5",
-               "privacy.dp.mode=central", "privacy.dp.adaptive_clip.lr=0.1",
+               "privacy.dp.mode=distributed", "privacy.dp.noise_multiplier=0.5",
                "strategy.weighting=uniform")
     assert cfg.privacy.secure_aggregation.threshold == pytest.approx(0.67)
     assert cfg.privacy.secure_aggregation.neighbours == 4
-    assert cfg.privacy.dp.mode == "central" and cfg.privacy.dp.clip == 0.5
-    assert cfg.privacy.dp.adaptive_clip.target_quantile == 0.5
+    assert cfg.privacy.dp.mode == "distributed" and cfg.privacy.dp.clip == 0.5
     again = run_config_from_mapping(cfg.to_dict(), "again.yaml")
     assert again.privacy == cfg.privacy
+    adaptive = load("privacy.dp.adaptive_clip.lr=0.1", "strategy.weighting=uniform")
+    assert adaptive.privacy.dp.adaptive_clip.target_quantile == 0.5
+    assert run_config_from_mapping(adaptive.to_dict(), "again.yaml").privacy == \
+        adaptive.privacy
 
 
 def test_no_section_no_key():
@@ -51,7 +54,8 @@ def test_no_section_no_key():
      "privacy.dp.target_epsilon", "infinite"),
     (["privacy.dp.accountant=moments"], "privacy.dp.accountant", "rdp, pld"),
     (["privacy.dp.mode=distributed", "privacy.secure_aggregation.threshold=0.8",
-      "privacy.dp.adaptive_clip.lr=0.1"], "privacy.dp.adaptive_clip", "central mode only"),
+      "privacy.dp.adaptive_clip.lr=0.1"], "privacy.dp.adaptive_clip",
+     "without secure aggregation only"),
     (["privacy.dp.mode=distributed", "privacy.secure_aggregation.threshold=0.8",
       "privacy.dp.clip=1", "privacy.dp.noise_multiplier=3",
       "privacy.secure_aggregation.clip_range=8", "strategy.weighting=uniform"],

@@ -76,17 +76,15 @@ def test_runs_that_would_read_single_updates_are_refused(sets, words):
         load_run_config("quickstart", ["privacy.secure_aggregation.threshold=0.8", *sets])
 
 
-def test_secure_aggregation_with_dp_over_mqtt_is_refused_not_run_unclipped(tmp_path):
-    """Over MQTT the boards do not clip or noise their own contributions yet, and a secure
-    aggregator cannot clip what it never sees: the pair is refused before anything runs."""
-    cfg = load_run_config("quickstart", ["rounds=1", "strategy.weighting=uniform",
-                                         "privacy.secure_aggregation.threshold=0.8",
-                                         "privacy.dp.mode=central"])
-    with pytest.raises(ConfigError, match="privacy.dp with privacy.secure_aggregation: together "
-                                          "they run in process only"):
-        simulate(cfg, tmp_path, progress=False, transport="mqtt")
-    assert not (tmp_path / "metrics.jsonl").exists()
-    client_shard(load_run_config("quickstart", ["privacy.secure_aggregation.threshold=0.8"]), 0)
+def test_fleet_shards_of_secure_configs_are_plain_data():
+    """A fleet client's shard is data; what it takes part in (secure aggregation's setup,
+    DP's clip and noise share) comes with each round's announcement. (Secure aggregation
+    with DP over MQTT, the boards clipping themselves: tests/test_dp_runs.py.)"""
+    for sets in (["privacy.secure_aggregation.threshold=0.8"],
+                 ["privacy.secure_aggregation.threshold=0.8", "strategy.weighting=uniform",
+                  "privacy.dp.mode=distributed"]):
+        x, y = client_shard(load_run_config("quickstart", sets), 0)
+        assert len(x) == len(y) > 0
 
 
 def test_a_run_survives_dropouts_down_to_the_threshold_and_stops_cleanly_below(fed):

@@ -221,6 +221,36 @@ class DPHooks(PrivacyHooks):
         so no dp-accounting on the board."""
         return cls(dp, clients_per_round, clients_per_round, seed, server=False)
 
+    def client_settings(self) -> dict:
+        """What a board needs to run `client_delta` when it, not the aggregator, must clip
+        (under secure aggregation the aggregator sees only the sum): the round's
+        announcement carries this, and `from_client_settings` reads it back."""
+        return {"mode": self.dp.mode, "clip": self.clip,
+                "noise_multiplier": self.dp.noise_multiplier,
+                "reproducible": self.dp.reproducible,
+                "clients_per_round": self.clients_per_round}
+
+    @classmethod
+    def from_client_settings(cls, doc: Mapping) -> "DPHooks":
+        """A board's hooks from an announcement's `dp` object; ValueError naming the field
+        when it is not one `client_settings` wrote."""
+        try:
+            mode, clip = doc["mode"], float(doc["clip"])
+            z, m = float(doc["noise_multiplier"]), doc["clients_per_round"]
+            reproducible = doc["reproducible"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"announcement dp: missing or malformed field ({exc!r})") from None
+        if mode not in ("central", "distributed"):
+            raise ValueError(f"announcement dp.mode: {mode!r}")
+        if not (clip > 0 and math.isfinite(clip)) or not (z >= 0 and math.isfinite(z)):
+            raise ValueError(f"announcement dp: clip {clip!r}, noise_multiplier {z!r}")
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1 \
+                or not isinstance(reproducible, bool):
+            raise ValueError(f"announcement dp: clients_per_round {m!r}, reproducible "
+                             f"{reproducible!r}")
+        return cls.for_client(DifferentialPrivacy(mode=mode, clip=clip, noise_multiplier=z,
+                                                  reproducible=reproducible), m)
+
     # ------------------------------------------------------------------ client side
     def client_delta(self, delta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """The delta clipped to the round's C (and, distributed, plus the client's share of
@@ -239,9 +269,10 @@ class DPHooks(PrivacyHooks):
         return add_gaussian(clipped, std, rng)
 
     # ------------------------------------------------------------------ server side
-    def server_sum(self, total, round: int):
-        """The sum to step with: the budget check (BudgetExhausted past the target), the
-        noise, the fixed denominator m, and the next clip."""
+    def before_round(self, round: int) -> None:
+        """BudgetExhausted when round `round` would take epsilon past the target: epsilon
+        after a round depends only on its number, so the run ends before the round opens
+        and no board trains for a round that could not be released."""
         if self.accountant is None:
             raise RuntimeError("DPHooks.for_client hooks have no server side")
         epsilon = self.accountant.epsilon(round)
@@ -252,6 +283,12 @@ class DPHooks(PrivacyHooks):
                 f"(delta {self.dp.delta:g}), past privacy.dp.target_epsilon = {target:g}; "
                 f"the run ends with round {round - 1}'s model at epsilon "
                 f"{self.accountant.epsilon(round - 1):.4g}")
+
+    def server_sum(self, total, round: int):
+        """The sum to step with: the budget check again (`before_round`; a guard for a
+        caller that did not ask), the noise, the fixed denominator m, and the next clip."""
+        self.before_round(round)
+        epsilon = self.accountant.epsilon(round)
         if total.weight != total.count:
             raise StrategyError(   # refused before round 1 by the config; a guard here
                 f"round {round}: the sum's weights total {total.weight:g} for {total.count} "

@@ -32,6 +32,10 @@ class PrivacyHooks:
     round_metrics(round) -> {name: value}
         Fields for round `round`'s record (epsilon spent so far, the clip), added after the
         strategy's metrics.
+    before_round(round)
+        On the server, before round `round` opens: raise BudgetExhausted when the round
+        could not be applied anyway, so no client trains for nothing (a DP budget is
+        known in advance; `server_sum` keeps the same check as the guard).
     """
 
     def client_delta(self, delta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -42,6 +46,9 @@ class PrivacyHooks:
 
     def round_metrics(self, round: int) -> Mapping:
         return {}
+
+    def before_round(self, round: int) -> None:
+        return None
 
 
 NO_HOOKS = PrivacyHooks()

@@ -524,6 +524,12 @@ class Aggregator:
     # ------------------------------------------------------------------ one round
     def _run_round(self, r: int) -> bool:
         """Open, collect, aggregate and commit round r; False when stopped first."""
+        try:
+            self.plan.hooks.before_round(r)    # a spent DP budget: no board trains for nothing
+        except BudgetExhausted as exc:
+            self.stopped = f"round {r}: {exc}"
+            log.info("run %s ends: %s", self.run_id, exc)
+            return False
         state, ids = self.ckpt.state, self.plan.client_ids
         round_plan = self.engine.open_round(r, state)
         self.open = o = _OpenRound(round_plan,
@@ -620,6 +626,10 @@ class Aggregator:
             client_index=self.members, client_sha=client_sha, frame_ids=frame_ids)
         if self.plan.secure is not None:
             doc["secure"] = self._secure_setup().to_dict()
+            if hasattr(self.plan.hooks, "client_settings"):
+                # the aggregator sees only the sum, so the boards clip (and add their noise
+                # shares in distributed mode) themselves
+                doc["dp"] = self.plan.hooks.client_settings()
         o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         for downlink in o.downlinks.values():

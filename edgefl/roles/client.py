@@ -45,7 +45,9 @@ from ..config import check_number
 from ..errors import KernelError, NonFiniteError
 from ..infer import ModelFileError
 from ..models import build_model
-from ..privacy import secagg
+from ..privacy import NO_HOOKS, secagg
+from ..privacy.dp import DPHooks
+from ..privacy.hooks import task_generator
 from ..rounds import client_contribution
 from ..service.layered import check_setting, default
 from ..strategies import LocalData, StrategyError, get_strategy
@@ -630,7 +632,10 @@ class Client:
         secure = doc.get("secure") is not None and job.task.upload
         if secure:
             try:
-                contribution = client_contribution(self._strategy, job.task, update)
+                hooks = NO_HOOKS if doc.get("dp") is None else \
+                    DPHooks.from_client_settings(doc["dp"])
+                contribution = client_contribution(self._strategy, job.task, update, hooks,
+                                                   task_generator(job.task))
             except (StrategyError, ValueError) as exc:
                 log.error("%s: round %d: no contribution to the secure sum: %s", self.node, r,
                           exc)

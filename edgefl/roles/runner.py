@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..io import atomic_write, jsonable
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
-from ..runs.prepare import RunResult, prepare_run, refuse_privacy_over_broker
+from ..runs.prepare import RunResult, prepare_run
 from ..strategies import get_strategy
 from .aggregator import Aggregator, RunPlan, default_client_ids, secure_plan
 from .state import AggregatorCheckpoint
@@ -46,7 +46,6 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     strategy = None
     if ckpt is not None:      # the strategy as the run used it (DUW's table is not retrained)
         strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
-    refuse_privacy_over_broker(config)
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False, stream=stream,
                       strategy=strategy, privacy_rounds=("dp", "secure_aggregation"))
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))

@@ -24,7 +24,7 @@ from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run", "privacy_hooks", "refuse_privacy", "refuse_privacy_over_broker"]
+           "prepare_run", "privacy_hooks", "refuse_privacy"]
 
 
 @dataclass
@@ -169,25 +169,13 @@ def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
                           f"version yet")
 
 
-def refuse_privacy_over_broker(config: RunConfig) -> None:
-    """ConfigError for what a run over MQTT cannot honour yet: secure aggregation and DP
-    together (the boards do not clip or noise their own contributions, and a secure
-    aggregator never sees them to clip)."""
-    privacy = config.privacy
-    if privacy is not None and privacy.secure_aggregation is not None and privacy.dp is not None:
-        raise ConfigError(f"{config.path or '<config>'}: privacy.dp with "
-                          f"privacy.secure_aggregation: together they run in process only in "
-                          f"this version (edgefl simulate without --transport mqtt); over MQTT "
-                          f"the boards' own clipping and noise shares are not built yet")
-
-
 def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
-    # central DP needs nothing of a client: the aggregator clips what it receives
+    # a shard is data: the privacy a client takes part in comes with each round's
+    # announcement (secure aggregation's setup, DP's clip and noise share)
     refuse_privacy(config, ("dp", "secure_aggregation"))
-    refuse_privacy_over_broker(config)
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

@@ -32,7 +32,7 @@ from ..io import jsonable
 from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
-from ..runs.prepare import prepare_run, refuse_privacy_over_broker
+from ..runs.prepare import prepare_run
 from .loop import run_federation
 from .over_broker import run_over_broker
 from .progress import Progress
@@ -64,10 +64,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
-    # over a broker the central-DP aggregator clips what it receives, and secure rounds run
-    # their phases on the clients' secure topics (roles); the pair is in process only
-    if transport != "inproc":
-        refuse_privacy_over_broker(config)
+    # over a broker the central-DP aggregator clips what it receives, and under secure
+    # aggregation the boards clip and add their noise shares (roles.aggregator, roles.client)
     honoured = ("secure_aggregation", "dp")
     run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                       stream=stream, privacy_rounds=honoured)

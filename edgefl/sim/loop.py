@@ -54,7 +54,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     seeded from its task's seed, so a simulation is reproducible -- a board draws its own),
     and the round closes from their sum: `secure_sum(engine, plan, contributions)` ->
     (SumTotal, UploadTotals, extras) when given (secure aggregation), else the clear sum.
-    `hooks.server_sum` raising privacy.BudgetExhausted ends the run after the round before;
+    `hooks.before_round` (before a round opens) or `hooks.server_sum` raising
+    privacy.BudgetExhausted ends the run after the round before;
     the result's `stopped` says why.
     """
     rounds = setup.rounds if rounds is None else rounds
@@ -91,6 +92,11 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
 
     try:
         for r in range(1, rounds + 1):
+            try:
+                hooks.before_round(r)      # a spent DP budget ends the run before training
+            except BudgetExhausted as exc:
+                stopped = f"round {r}: {exc}"
+                break
             plan = engine.open_round(r, state)
             tasks = plan.tasks
             order = sorted(tasks)
