@@ -279,3 +279,21 @@ def test_chunks_reassemble_in_any_order_and_repeats_are_dropped():
             small.add("client-1", c)
     with pytest.raises(SecAggError, match="not a secure aggregation chunk"):
         inbox.add("client-2", b"XXXX" + bytes(40))
+
+
+def test_block_wise_masks_are_the_keystream_added_word_by_word():
+    """apply_masks adds each key's stream block by block; the result is the whole keystream
+    (mask_stream) added at once, words then scalars, with each mask's sign."""
+    rng = np.random.default_rng(5)
+    for dtype in (np.uint32, np.uint64):
+        n = (secagg.MASK_BLOCK // np.dtype(dtype).itemsize) * 2 + 37   # blocks and a tail
+        words = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(dtype)
+        scalars = rng.integers(0, 2 ** 63, 3, dtype=np.uint64)
+        masks = [(bytes([k]) * 32, k == 1) for k in range(3)]
+        want_w, want_s = words.copy(), scalars.copy()
+        for key, subtract in masks:
+            stream = secagg.mask_stream(key, words.nbytes + scalars.nbytes)
+            kernels.ring_add(want_w, np.frombuffer(stream, dtype, n), subtract)
+            kernels.ring_add(want_s, np.frombuffer(stream, np.uint64, 3, words.nbytes), subtract)
+        secagg.apply_masks(words, scalars, masks)
+        assert np.array_equal(words, want_w) and np.array_equal(scalars, want_s)

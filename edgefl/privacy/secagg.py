@@ -180,16 +180,20 @@ def _hkdf(secret: bytes, label: str, *parts) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
+def _prg(key: bytes):
+    """The PRG of every mask: AES-256-CTR under `key` (a key is used for one stream only,
+    so the counter starts at 0); its keystream is what it encrypts zeros to."""
+    return Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+
+
 def mask_stream(key: bytes, nbytes: int, out: bytearray | None = None) -> bytearray:
-    """nbytes of AES-256-CTR keystream under `key` (the PRG of every mask): cryptography
-    encrypts zeros; a key is used for one stream only, so the counter starts at 0."""
+    """The first nbytes of `key`'s mask keystream."""
     out = bytearray(nbytes) if out is None else out
-    Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor() \
-        .update_into(_zeros(nbytes), out)
+    _prg(key).update_into(_zeros(nbytes), out)
     return out
 
 
-_ZEROS = {"buf": b""}
+_ZEROS = {"buf": b""}     # one read-only buffer of zeros, grown on demand, for the PRG to encrypt
 
 
 def _zeros(n: int) -> memoryview:
@@ -653,8 +657,7 @@ def apply_masks(words: np.ndarray, scalars: np.ndarray, masks) -> None:
     machine the AES itself dominates; the measured gain is within the noise.)"""
     if not masks:
         return
-    streams = [(Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor(), subtract)
-               for key, subtract in masks]
+    streams = [(_prg(key), subtract) for key, subtract in masks]
     block = max(1, MASK_BLOCK // words.dtype.itemsize)
     scratch = _scratch(max(MASK_BLOCK, scalars.nbytes))
     for start in range(0, words.size, block):
