@@ -43,8 +43,8 @@ caller evaluates `closed.model` when it likes (`evaluate`) and fills the record 
 `add_evaluation` (simulate runs it as one more work item of the next round's thread pool).
 The model is a read-only State buffer, so the result is the same whenever it runs.
 
-Seams for the round variants to come (none is implemented yet), and why the engine is cut
-where it is:
+The round variants, and why the engine is cut where it is (edge aggregators, the last
+item, are not built yet):
 
 - A plan is a plain value between two calls, not a loop the engine owns: the caller decides
   when a round closes (all uploaders in, a quorum, a deadline -- the aggregator's rules) and
@@ -57,11 +57,10 @@ where it is:
 - Closing is two steps: `aggregate` (with `UploadTotals.of`, the only code that reads
   per-client updates) and `record_round`, which takes the new state, the strategy's metrics
   and the `UploadTotals` -- never the updates. Secure aggregation (the aggregator sees
-  masked vectors and learns only their weighted sum) replaces the first step: it unmasks the
-  sum, applies the strategy's server update to it, and calls `record_round` with the totals
-  of what came up (the masked vectors' bytes, the losses clients report in the clear). Selection, the upload check,
-  evaluation and the record stay as they are. (It cannot use `on_unusable`: a sum has no
-  per-client part to drop; the protocol's own dropout handling takes that place.)
+  masked vectors and learns only their weighted sum) replaces the first step, as below;
+  selection, the upload check, evaluation and the record stay as they are. (It cannot use
+  `on_unusable`: a sum has no per-client part to drop; the protocol's own dropout handling
+  takes that place.)
 - Rounds that sum (secure aggregation, DP; edgefl.privacy's docstring draws the whole
   path): each client turns its update into a `Contribution` (`client_contribution`, with
   DP's client hook), the server gets their sum -- in the clear (`sum_clear`, sorted client
