@@ -169,13 +169,14 @@ def _roles(fed: FederationAccounts) -> list:
          "textdescription": "the aggregator service's two connections",
          "acls": _writes(t.round(), t.model(), t.subscription("client_model"), t.onnx(),
                          f"{t.onnx()}/+", t.events(), t.subscription("reply"),
-                         t.subscription("runs"), t.status(agg), t.metrics(agg))
+                         t.subscription("runs"), t.status(agg), t.metrics(agg),
+                         t.subscription("secure_to"))
          + _reads(t.subscription("update"), t.subscription("status"),
-                  t.subscription("metrics"), t.ctl())},
+                  t.subscription("metrics"), t.ctl(), t.subscription("secure"))},
         *({"rolename": f"edgefl-board-{c}", "textdescription": f"board {c}",
-           "acls": _writes(t.update(c), t.status(c), t.metrics(c))
+           "acls": _writes(t.update(c), t.status(c), t.metrics(c), t.secure(c))
            + _reads(t.round(), t.model(), t.client_model(c), t.onnx(), f"{t.onnx()}/+",
-                    t.events())} for c in fed.clients),
+                    t.events(), t.secure_to(c))} for c in fed.clients),
         {"rolename": "edgefl-operator", "textdescription": "operators: commands, and read all",
          "acls": _writes(t.ctl()) + _reads(f"{t.base}/#")},
         {"rolename": "edgefl-admin", "textdescription": "the dynamic security plugin's API",
