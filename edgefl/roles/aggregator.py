@@ -404,7 +404,13 @@ class Aggregator:
         t.set_will(self.topics.status(self.settings.node_id), self._status(False, will=True))
         t.connect()
         t.subscribe(self.topics.subscription("update"), qos=1)
-        t.subscribe(self.topics.subscription("status"), qos=1)
+        # Statuses at QoS 0: all are retained, so the subscription (on every connect) brings
+        # one per known node at once, and at QoS 1 they filled this session's queue at the
+        # broker (Mosquitto's max_queued_messages, 1000 by default), which then silently
+        # dropped round 1's updates behind them (issue 19: 1,000 clients lost 82 of 100).
+        # Mosquitto neither queues nor limits QoS 0 to a connected session, and a status
+        # missed while disconnected comes back retained with the re-subscription.
+        t.subscribe(self.topics.subscription("status"), qos=0)
         self._publish_status()
 
     def _close(self) -> None:
