@@ -53,7 +53,7 @@ def config_file(where: str, args) -> str:
                    "model": {"name": "softmax"}, "strategy": {"name": "fedavg"},
                    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
                    "rounds": args.rounds, "clients_per_round": args.per_round, "seed": 0,
-                   "eval_every": args.rounds}, fh)      # JSON is YAML
+                   "eval_every": 1}, fh)      # JSON is YAML; evaluated every round, as simulate does by default
     return path
 
 
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
             a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
                                    args.per_round, workers=args.workers,
                                    test=(run.dataset.x_test, run.dataset.y_test),
-                                   eval_every=args.rounds)
+                                   eval_every=1)
             b, _info = sim.run_over_broker(run, broker.url, workers=args.workers)
             if a.model_sha256 != b.model_sha256:
                 raise SystemExit(f"the runs ended with different models: {a.model_sha256} "
