@@ -106,7 +106,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         def transport(node):
             return MqttTransport(url, f"edgefl-{federation}-{node}", clean_session=True,
                                  keepalive=keepalive,
-                                 connect_timeout=connect_timeout, reconnect_min=0.1,
+                                 connect_timeout=wait_s, reconnect_min=0.1,
                                  reconnect_max=2.0, network_loop=network)
 
         # An idle client role wakes every poll_s (messages and finished training wake it at
@@ -118,6 +118,9 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         # interpreter missing it (10,000 clients' pings, every 30 s, did), not against a
         # peer gone silently
         keepalive = max(30, len(ids) // 20)
+        # and a SUBACK, through a broker and a network loop each serving thousands, can take
+        # longer than a board's 30 s (10,000 clients: it did, past 5,000 connected)
+        wait_s = max(connect_timeout, len(ids) / 50)
         waiter = _ReadyWaiter(roles, errors, stop, connect_timeout, address)
         for c, node in enumerate(ids):
             data = run.clients[c]
