@@ -49,3 +49,21 @@ def test_every_round_closes_all_when_the_clients_outnumber_the_broker_queue(
     assert over["model_sha256"] == in_process["model_sha256"]
     # and the broker dropped nothing on the way (what it logs when it does)
     assert "Outgoing messages are being dropped" not in small_queue_broker.log_path.read_text()
+
+
+def test_a_few_tasked_of_many_get_their_own_copies_and_the_same_model(tmp_path,
+                                                                       small_queue_broker):
+    # 10 of 40 tasked: at most a quarter, so the aggregator sends each its own copy of the
+    # model instead of the broadcast every client receives
+    config = load_small_run(tmp_path, dataset={"name": "digits"},
+                            partition={"name": "iid", "clients": 40}, clients_per_round=10,
+                            rounds=2)
+    in_process = simulate(config, None, workers=2, progress=False)
+    over = simulate(config, tmp_path / "out", workers=2, progress=False, transport="mqtt",
+                    broker=small_queue_broker.url, mqtt={"round_timeout_s": 20.0})
+    history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [(h["closed_by"], h["updates"]) for h in history] == [("all", 10)] * 2
+    assert over["model_sha256"] == in_process["model_sha256"]
+    model_bytes = 4 * over["n_params"]
+    for h in history:      # ten copies went out, not one broadcast
+        assert 10 * model_bytes <= h["wire_down_bytes"] < 11 * model_bytes + 20_000
