@@ -50,11 +50,19 @@ def _blas_config():
         import scipy_openblas32 as ob
     except ImportError:
         return {}
+    # Run paths, so the core finds its BLAS without edgefl/__init__'s preload (a namespace
+    # package shadowing the install skips it): $ORIGIN-relative for an install into
+    # site-packages (edgefl/ next to scipy_openblas32/), and the build's own copy unless it is
+    # pip's temporary build environment, gone once the install ends (editable installs built
+    # with --no-build-isolation, `setup.py build_ext --inplace`).
+    rpath = ["$ORIGIN/../scipy_openblas32/lib"]
+    if "pip-build-env" not in ob.get_lib_dir():
+        rpath.append(ob.get_lib_dir())
     return dict(
         include_dirs=[ob.get_include_dir()],
         library_dirs=[ob.get_lib_dir()],
         libraries=[ob.get_library()],
-        runtime_library_dirs=[ob.get_lib_dir()],
+        runtime_library_dirs=rpath,
         define_macros=[("EF_HAVE_BLAS", "1"), ("BLAS_SYMBOL_PREFIX", "scipy_")],
     )
 

@@ -25,7 +25,11 @@ if _REQUESTED not in ("", "c", "numpy"):
 
 
 def _load_c():
-    from . import _core  # edgefl/__init__ has preloaded the BLAS it links
+    # Preload the BLAS the core links here, not only in edgefl/__init__: when a folder named
+    # `edgefl` in the working directory shadows an editable install, `edgefl` is a namespace
+    # package, its __init__ never runs, and the core would not find libscipy_openblas.
+    from . import _blas  # noqa: F401
+    from . import _core
 
     _core.blas_set_threads(1)  # one GEMM thread per caller: clients run in their own threads
     return _core
@@ -33,17 +37,42 @@ def _load_c():
 
 if _REQUESTED == "numpy":
     impl = reference
+    backend_reason = "EDGEFL_BACKEND=numpy"
 else:
     try:
         impl = _load_c()
+        backend_reason = "compiled core"
     except ImportError as exc:
         if _REQUESTED == "c":
             raise ImportError(f"EDGEFL_BACKEND=c but the compiled core did not load: {exc}") from exc
+        backend_reason = f"fallback: compiled core unavailable ({exc})"
         warnings.warn(f"edgefl: compiled core unavailable ({exc}); using the NumPy reference",
                       RuntimeWarning, stacklevel=2)
         impl = reference
 
 backend = "numpy" if impl is reference else "c"
+# the NumPy reference was not asked for: every run says so (check_run_backend)
+fallback = backend == "numpy" and _REQUESTED != "numpy"
+
+# A run that trains more client-rounds than this on an unrequested fallback is refused: at
+# ~4x the compiled core's time it is a mistake to find out about at the end.
+LONG_RUN_CLIENT_ROUNDS = 1000
+
+
+def check_run_backend(client_rounds: int, where: str, stream=None) -> None:
+    """Make an unrequested fallback to the NumPy reference visible to a run: a line on
+    `stream`, and a KernelError for a run of more than LONG_RUN_CLIENT_ROUNDS client-rounds
+    (rounds x clients per round), naming the cause and the two ways out."""
+    if not fallback:
+        return
+    if client_rounds > LONG_RUN_CLIENT_ROUNDS:
+        raise KernelError(f"{where}: {client_rounds} client-rounds on the NumPy reference, which "
+                          f"was not asked for ({backend_reason}); rebuild the core "
+                          f"(pip install -e .) and run from outside a folder holding an "
+                          f"'edgefl' directory, or set EDGEFL_BACKEND=numpy to accept it")
+    if stream is not None:
+        print(f"edgefl: backend numpy, not the compiled core ({backend_reason})", file=stream,
+              flush=True)
 
 
 # ---------------------------------------------------------------------------------------

@@ -386,6 +386,10 @@ def _client(args: argparse.Namespace) -> int:
         flags["data"] = (f"--partition {args.partition}",
                          _absolute_paths(run_config.dataset, run_config.path))
     config = _role_start("client", args, flags=flags)
+    from .. import kernels
+
+    # a board on the NumPy reference it did not ask for says so in its log (docs/limits.md)
+    kernels.check_run_backend(0, "edgefl client", sys.stderr)
     if run_config is not None:
         from ..runs.prepare import client_shard
 

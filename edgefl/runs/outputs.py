@@ -75,6 +75,7 @@ def run_summary(config: RunConfig, model: Model, result, workers: int) -> dict:
         "overhead_fraction": (wall - train) / wall if wall > 0 else 0.0,
         "workers": workers,
         "backend": kernels.backend,
+        "backend_reason": kernels.backend_reason,   # why: a fallback says so
         "edgefl_version": __version__,
         "config": config.to_dict(),
         **({"stopped": result.stopped} if getattr(result, "stopped", None) else {}),

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .. import kernels
 from ..checkpoint import model_sha256
 from ..config import dataset_from_config, partition_from_config
 from ..errors import ConfigError, KernelError
@@ -93,6 +94,9 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     offline phase and of the run stop within one step once it is set."""
     refuse_privacy(config, privacy_rounds)
     hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
+    # before the data loads: a long run on an unrequested NumPy fallback stops here
+    kernels.check_run_backend(config.rounds * config.clients_per_round,
+                              config.path or "<config>", stream or sys.stderr)
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     model = build_run_model(config, dataset)

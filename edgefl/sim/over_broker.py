@@ -16,6 +16,42 @@ from ..runs.prepare import PreparedRun, RunResult
 
 __all__ = ["run_over_broker"]
 
+CONNECTING = 64        # clients connecting and subscribing at once (run_over_broker)
+
+
+class _ReadyWaiter:
+    """Waits until fewer than n of the client roles started so far are not yet ready
+    (connected and subscribed). Fails when one raised, or when none became ready for
+    `stall_s` seconds: a fleet of any size connects as long as it keeps making progress."""
+
+    def __init__(self, roles: list, errors: list, stop, stall_s: float, address):
+        self.roles, self.errors, self.stop = roles, errors, stop
+        self.stall_s, self.address = stall_s, address
+        self.ready = 0                 # roles[:ready] are all ready
+        self.progress_at = time.monotonic()
+        self.last_waiting = 0
+
+    def wait_below(self, n: int) -> None:
+        while True:
+            while self.ready < len(self.roles) and self.roles[self.ready].ready.is_set():
+                self.ready += 1
+                self.progress_at = time.monotonic()
+            waiting = [r for r in self.roles[self.ready:] if not r.ready.is_set()]
+            if len(waiting) < self.last_waiting:
+                self.progress_at = time.monotonic()
+            self.last_waiting = len(waiting)
+            if len(waiting) < n:
+                return
+            if self.errors:
+                self.stop.set()
+                raise self.errors[0]
+            if time.monotonic() - self.progress_at > self.stall_s:
+                self.stop.set()
+                raise TimeoutError(f"simulation clients did not connect to {self.address}: "
+                                   f"none became ready for {self.stall_s:g} s "
+                                   f"({self.ready} of {len(self.roles)} started were)")
+            waiting[0].ready.wait(0.05)
+
 
 def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: str = "auto",
                     workers: int | None = None, on_round: Callable[[dict], None] | None = None,
@@ -68,19 +104,39 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             url = broker.url
         address = parse_broker_url(url)
         if state_dir is None:
-            scratch = tempfile.TemporaryDirectory(prefix="edgefl-sim-")
+            # The roles' state (client progress, checkpoints, journal) is thrown away with
+            # the run, so its fsyncs protect nothing: in memory when the machine has a
+            # tmpfs, where an fsync returns at once (on this machine's virtual disk each
+            # was a cache flush, and every tasked client makes one a round).
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+                else None
+            scratch = tempfile.TemporaryDirectory(prefix="edgefl-sim-", dir=shm)
         root = scratch.name if scratch is not None else state_dir
 
         def transport(node):
             return MqttTransport(url, f"edgefl-{federation}-{node}", clean_session=True,
-                                 connect_timeout=connect_timeout, reconnect_min=0.1,
+                                 keepalive=keepalive,
+                                 connect_timeout=wait_s, reconnect_min=0.1,
                                  reconnect_max=2.0, network_loop=network)
 
+        # An idle client role wakes every poll_s (messages and finished training wake it at
+        # once; the poll only bounds how soon it sees `stop`). 10,000 of them at 0.25 s were
+        # 40,000 wake-ups a second, which starved the network loop until the broker dropped
+        # every connection for a missed keepalive: the fleet's wake-ups are kept near 400/s.
+        poll_s = min(5.0, max(0.25, len(ids) / 400))
+        # Every role is a thread of this process: a keepalive only guards against a busy
+        # interpreter missing it (10,000 clients' pings, every 30 s, did), not against a
+        # peer gone silently
+        keepalive = max(30, len(ids) // 20)
+        # and a SUBACK, through a broker and a network loop each serving thousands, can take
+        # longer than a board's 30 s (10,000 clients: it did, past 5,000 connected)
+        wait_s = max(connect_timeout, len(ids) / 50)
+        waiter = _ReadyWaiter(roles, errors, stop, connect_timeout, address)
         for c, node in enumerate(ids):
             data = run.clients[c]
             role = Client(ClientSettings(node, federation, max_payload=max_payload,
                                          compression=compression, exit_when_finished=True,
-                                         raise_on_error=True),
+                                         raise_on_error=True, poll_s=poll_s),
                           (data.x, data.y), transport(node), os.path.join(root, node),
                           stop=stop, train_slots=slots)
 
@@ -92,18 +148,15 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                     stop.set()
 
             thread = threading.Thread(target=body, name=f"edgefl-{node}", daemon=True)
+            # In waves: at most CONNECTING clients between start and subscribed. Thousands
+            # of threads connecting at once starve each other and the network loop of the
+            # interpreter lock (10,000 at once: 50 s only to start the threads, keepalives
+            # missed) and overflow the broker's listen backlog.
+            waiter.wait_below(CONNECTING)
             thread.start()
             roles.append(role)
             threads.append(thread)
-        deadline = time.monotonic() + connect_timeout
-        for role in roles:
-            while not role.ready.wait(0.05):
-                if errors or time.monotonic() > deadline:
-                    stop.set()
-                    if errors:
-                        raise errors[0]
-                    raise TimeoutError(f"simulation clients did not connect to {address} "
-                                       f"within {connect_timeout:g} s")
+        waiter.wait_below(1)
         plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
                        config.clients_per_round, ids,
                        test=(run.dataset.x_test, run.dataset.y_test),

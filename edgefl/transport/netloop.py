@@ -16,10 +16,14 @@ clients' network threads alone spent 104 ms of CPU per round of a 1M-parameter m
 of it in the kernel waking threads; with one loop for all of them the round's overhead fell
 by a quarter.
 
-The loop drives paho through its external-loop API: select() over every registered
-client's socket, then `loop_read` / `loop_write` for the ready ones and `loop_misc`
+The loop drives paho through its external-loop API: an epoll (`selectors`) registration of
+every client's socket, `loop_read` / `loop_write` for the ready ones and `loop_misc`
 (keepalive) twice a second. Publishes from other threads are queued by paho, which tells
-the loop through `on_socket_register_write` (one wake-up per burst, not per message).
+the loop through `on_socket_register_write` (one wake-up per burst, not per message); the
+loop then adds write interest for that socket until paho has written everything. A pass
+costs in proportion to the sockets that are ready, not to the clients served: at 10,000
+connections (issue 19) a scan of every client per pass, and select() itself (no file
+descriptor above 1023), were what stopped the loop.
 Callbacks still run on a network thread and still only enqueue (MqttTransport's; a full
 receive queue's short wait for room then holds up every client of the loop). What
 paho's own thread did besides, the loop does too: when a connection is lost and its
@@ -29,7 +33,7 @@ thread, so that a broker slow to answer one client's TCP connect does not stall 
 from __future__ import annotations
 
 import logging
-import select
+import selectors
 import socket
 import threading
 import time
@@ -43,10 +47,11 @@ __all__ = ["NetworkLoop"]
 log = logging.getLogger("edgefl.transport")
 
 _MISC_EVERY_S = 0.5          # loop_misc: keepalive pings and timeouts, as paho's loop does
-_IDLE_WAIT_S = 0.5           # the longest select() when nothing is due
+_IDLE_WAIT_S = 0.5           # the longest wait when nothing is due
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
-@dataclass
+@dataclass(eq=False)                      # identity hash: entries are kept in sets
 class _Entry:
     client: paho.Client
     name: str                             # for the log: the client id
@@ -57,6 +62,8 @@ class _Entry:
     retry_at: float = 0.0                 # time.monotonic() of the next reconnect attempt
     reconnecting: bool = False            # a helper thread is in client.reconnect()
     removed: bool = False                 # remove() was called: never connect it again
+    sock: object = None                   # the socket registered with the selector (loop thread)
+    events: int = 0                       # its registered events
 
 
 class NetworkLoop:
@@ -66,11 +73,17 @@ class NetworkLoop:
 
     def __init__(self, name: str = "edgefl-netloop"):
         self._entries: dict[int, _Entry] = {}
-        self._lock = threading.Lock()         # guards _entries
+        self._lock = threading.Lock()         # guards _entries and _dirty
         self._busy = threading.Lock()         # held while the loop calls into paho clients
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, _READ, None)
+        # entries whose socket or write interest may have changed, told by any thread; the
+        # loop thread brings the selector in line (_sync) before it waits
+        self._dirty: set[_Entry] = set()
+        self._offline: set[_Entry] = set()    # no socket: reconnected when due (loop thread)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -84,9 +97,10 @@ class NetworkLoop:
         lost, whether to connect it again (False once its transport is closing)."""
         if self._closed:
             raise RuntimeError("NetworkLoop.add: the loop is closed")
+        entry = _Entry(client, name, wants_reconnect, reconnect_min, reconnect_max)
         with self._lock:
-            self._entries[id(client)] = _Entry(client, name, wants_reconnect, reconnect_min,
-                                               reconnect_max)
+            self._entries[id(client)] = entry
+            self._dirty.add(entry)
         self.wake()
 
     def prepare(self, client: paho.Client) -> None:
@@ -103,12 +117,13 @@ class NetworkLoop:
             deadline = time.monotonic() + flush_timeout
             while client.socket() is not None and client.want_write() \
                     and time.monotonic() < deadline:
-                self.wake()
+                self._mark(client)
                 time.sleep(0.005)
         with self._lock:
             entry = self._entries.pop(id(client), None)
-        if entry is not None:
-            entry.removed = True
+            if entry is not None:
+                entry.removed = True
+                self._dirty.add(entry)        # the loop unregisters its socket
         self.wake()
         if threading.current_thread() is not self._thread:
             with self._busy:                  # let a pass already inside it finish
@@ -120,8 +135,17 @@ class NetworkLoop:
         except (BlockingIOError, OSError):
             pass                              # a wake-up is already pending, or closed
 
+    def _mark(self, client) -> None:
+        """`client` has something to write (or its socket changed): the loop looks at it."""
+        with self._lock:
+            entry = self._entries.get(id(client))
+            if entry is not None:
+                self._dirty.add(entry)
+        if threading.current_thread() is not self._thread:
+            self.wake()
+
     def _on_register_write(self, client, userdata, sock) -> None:
-        self.wake()
+        self._mark(client)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closed:
@@ -135,6 +159,10 @@ class NetworkLoop:
                 s.close()
             except OSError:
                 pass
+        try:
+            self._selector.close()
+        except OSError:
+            pass
 
     @property
     def clients(self) -> int:
@@ -142,54 +170,108 @@ class NetworkLoop:
 
     # -- the loop ------------------------------------------------------------------------
 
+    def _sync(self, e: _Entry) -> None:
+        """Loop thread: register e's current socket for reading, and for writing while paho
+        has something to write; unregister a socket that closed or an entry removed."""
+        sock = None
+        if not e.removed and not e.reconnecting:
+            sock = e.client.socket()
+        events = 0
+        if sock is not None:
+            events = _READ | (_WRITE if e.client.want_write() else 0)
+        if sock is not e.sock and e.sock is not None:
+            self._unregister(e)
+        if sock is None:
+            if not e.removed:
+                self._offline.add(e)
+            else:
+                self._offline.discard(e)
+            return
+        self._offline.discard(e)
+        if e.sock is None:
+            try:
+                self._selector.register(sock, events, e)
+            except KeyError:
+                # the file descriptor of a socket another entry had, closed since and reused
+                # by this one before that entry was brought in line
+                stale = self._selector.get_map().get(sock.fileno())
+                if stale is None or stale.data is None:
+                    return
+                self._unregister(stale.data)
+                self._selector.register(sock, events, e)
+            except (ValueError, OSError):
+                return                        # closed under us: the next look sees it gone
+            e.sock, e.events = sock, events
+        elif events != e.events:
+            try:
+                self._selector.modify(sock, events, e)
+                e.events = events
+            except (KeyError, ValueError, OSError):
+                self._unregister(e)
+
+    def _unregister(self, e: _Entry) -> None:
+        try:
+            self._selector.unregister(e.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        e.sock, e.events = None, 0
+
     def _run(self) -> None:
         last_misc = 0.0
+        pending: set = set()                  # TLS sockets with decrypted bytes unread
         while not self._closed:
             with self._lock:
-                entries = list(self._entries.values())
+                dirty, self._dirty = self._dirty, set()
+            for e in dirty:
+                self._sync(e)
             now = time.monotonic()
-            readers: dict = {}
-            writers: dict = {}
-            pending = False
-            wait = _IDLE_WAIT_S
-            for e in entries:
-                if e.reconnecting:
-                    continue
-                sock = e.client.socket()
-                if sock is None:
-                    wait = min(wait, self._maybe_reconnect(e, now))
-                    continue
-                readers[sock] = e
-                if e.client.want_write():
-                    writers[sock] = e
-                pending = pending or _pending(sock)
+            wait = max(0.0, min(_IDLE_WAIT_S, last_misc + _MISC_EVERY_S - now))
+            for e in list(self._offline):
+                wait = min(wait, self._maybe_reconnect(e, now))
             try:
-                ready_r, ready_w, _ = select.select([self._wake_r, *readers], list(writers),
-                                                    [], 0.0 if pending else wait)
+                ready = self._selector.select(0.0 if pending else wait)
             except (OSError, ValueError):
                 continue          # a socket closed under us: the next pass sees it gone
-            if self._wake_r in ready_r:
-                try:
-                    self._wake_r.recv(65536)
-                except OSError:
-                    pass
             with self._busy:
-                with self._lock:
-                    live = set(self._entries)
-                for sock, e in readers.items():
-                    if id(e.client) in live and (sock in ready_r or _pending(sock)):
+                served = []
+                for key, mask in ready:
+                    e = key.data
+                    if e is None:
+                        try:
+                            self._wake_r.recv(65536)
+                        except OSError:
+                            pass
+                        continue
+                    if e.removed or e.sock is not key.fileobj:
+                        continue
+                    if mask & _READ:
                         self._call(e, e.client.loop_read)
-                for sock, e in writers.items():
-                    if id(e.client) in live and sock in ready_w and e.client.socket() is sock:
+                    if mask & _WRITE and e.client.socket() is key.fileobj:
                         self._call(e, e.client.loop_write)
+                    served.append(e)
+                for e in pending:
+                    if not e.removed and e not in served and e.client.socket() is not None:
+                        self._call(e, e.client.loop_read)
+                        served.append(e)
+                pending = set()
+                for e in served:
+                    if _pending(e.client.socket()):
+                        pending.add(e)
+                    self._sync(e)             # the socket closed, or paho wrote everything
                 now = time.monotonic()
-                if now - last_misc >= _MISC_EVERY_S:
+                # every client, twice a second up to 1,000 of them; beyond, less often (a
+                # pass over 10,000 clients is ~0.1 s of the interpreter lock): keepalives
+                # are tens of seconds
+                if now - last_misc >= max(_MISC_EVERY_S, len(self._entries) / 2000):
                     last_misc = now
+                    with self._lock:
+                        entries = list(self._entries.values())
                     for e in entries:
-                        if id(e.client) in live and not e.reconnecting:
+                        if not e.removed and not e.reconnecting:
                             self._call(e, e.client.loop_misc)
                             if e.client.is_connected():
                                 e.delay = None           # connected again: backoff reset
+                            self._sync(e)
 
     def _call(self, e: _Entry, method) -> None:
         try:
@@ -200,7 +282,10 @@ class NetworkLoop:
     def _maybe_reconnect(self, e: _Entry, now: float) -> float:
         """For a client without a socket: start a reconnect when it is due; how long until
         the loop should look again."""
+        if e.removed or e.reconnecting:
+            return _IDLE_WAIT_S
         if not e.wants_reconnect():
+            self._offline.discard(e)
             return _IDLE_WAIT_S
         if e.delay is None:                                   # just lost: first delay
             e.delay = e.reconnect_min
@@ -208,6 +293,7 @@ class NetworkLoop:
         if now < e.retry_at:
             return e.retry_at - now
         e.reconnecting = True
+        self._offline.discard(e)
         threading.Thread(target=self._reconnect, args=(e,), daemon=True,
                          name="edgefl-netloop-reconnect").start()
         return _IDLE_WAIT_S
@@ -230,11 +316,15 @@ class NetworkLoop:
             e.delay = min((e.delay or e.reconnect_min) * 2, e.reconnect_max)
             e.retry_at = time.monotonic() + e.delay
             e.reconnecting = False
+            with self._lock:
+                self._dirty.add(e)
             self.wake()
 
 
 def _pending(sock) -> bool:
     """TLS: bytes already decrypted and not yet read, which select() does not see."""
+    if sock is None:
+        return False
     has_pending = getattr(sock, "pending", None)
     return has_pending is not None and has_pending() > 0
 

@@ -1,0 +1,69 @@
+"""Many clients through one Mosquitto (issue 19, item 3).
+
+At 1,000 clients, 100 a round, through a Mosquitto with its default per-session queue
+(`max_queued_messages 1000`), round 1 lost most of its updates: the aggregator subscribed to
+every node's retained status at QoS 1, the broker queued one per client at once in the
+aggregator's session, and the updates that came in behind them found the queue full and were
+dropped without a word to anyone (the broker's log: "Outgoing messages are being dropped").
+The same happens at any size once the clients outnumber the queue; here the queue is scaled
+down with the fleet so that a small run shows it.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from brokers import MosquittoProcess, _require_mosquitto
+from helpers import load_small_run
+
+from edgefl.sim import simulate
+
+CLIENTS = 120
+PER_ROUND = 40
+QUEUE = 40            # Mosquitto's default is 1000: the clients outnumber it, as at 1,000
+
+
+@pytest.fixture
+def small_queue_broker(tmp_path):
+    """The repo's broker/mosquitto.conf with the session queue cut to QUEUE messages."""
+    _require_mosquitto()
+    server = MosquittoProcess(tmp_path)
+    with open(server.conf_path, "a", encoding="utf-8") as conf:
+        conf.write(f"max_queued_messages {QUEUE}\n")     # the last setting wins
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_every_round_closes_all_when_the_clients_outnumber_the_broker_queue(
+        tmp_path, small_queue_broker):
+    config = load_small_run(tmp_path, dataset={"name": "digits"},
+                            partition={"name": "iid", "clients": CLIENTS},
+                            clients_per_round=PER_ROUND, rounds=2)
+    in_process = simulate(config, None, workers=2, progress=False)
+    over = simulate(config, tmp_path / "out", workers=2, progress=False, transport="mqtt",
+                    broker=small_queue_broker.url, mqtt={"round_timeout_s": 20.0})
+    history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [(h["round"], h["closed_by"], h["updates"]) for h in history] == \
+        [(r, "all", PER_ROUND) for r in (1, 2)]
+    assert over["model_sha256"] == in_process["model_sha256"]
+    # and the broker dropped nothing on the way (what it logs when it does)
+    assert "Outgoing messages are being dropped" not in small_queue_broker.log_path.read_text()
+
+
+def test_a_few_tasked_of_many_get_their_own_copies_and_the_same_model(tmp_path,
+                                                                       small_queue_broker):
+    # 10 of 40 tasked: at most a quarter, so the aggregator sends each its own copy of the
+    # model instead of the broadcast every client receives
+    config = load_small_run(tmp_path, dataset={"name": "digits"},
+                            partition={"name": "iid", "clients": 40}, clients_per_round=10,
+                            rounds=2)
+    in_process = simulate(config, None, workers=2, progress=False)
+    over = simulate(config, tmp_path / "out", workers=2, progress=False, transport="mqtt",
+                    broker=small_queue_broker.url, mqtt={"round_timeout_s": 20.0})
+    history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [(h["closed_by"], h["updates"]) for h in history] == [("all", 10)] * 2
+    assert over["model_sha256"] == in_process["model_sha256"]
+    model_bytes = 4 * over["n_params"]
+    for h in history:      # ten copies went out, not one broadcast
+        assert 10 * model_bytes <= h["wire_down_bytes"] < 11 * model_bytes + 20_000

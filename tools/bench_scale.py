@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""A round through a broker against the same round in process (issue 19, item 3).
+
+Run from a checkout with the extension built in place (or edgefl installed):
+    python tools/bench_scale.py [--clients 100] [--per-round 10] [--rounds 10]
+                                [--repeats 5] [--dataset fashion-mnist] [--json]
+
+Workload (issue 19's): softmax regression, IID over `--clients` clients, `--per-round` of
+them a round, lr 0.1, batch 32, one local epoch. The data set is loaded and partitioned once;
+each repeat then runs the whole federation twice, taking turns: in process
+(`sim.run_federation`, what `edgefl simulate` runs) and through a Mosquitto this tool starts
+on a free port with the repo's broker/mosquitto.conf (`sim.run_over_broker`, what
+`edgefl simulate --transport mqtt` runs: the aggregator and every client as threads of this
+process, each with its own connection). A run's round time is the median of its rounds'
+`wall_s` after the first (which opens the connections' sessions); the table gives, over the
+repeats, the median and range of each layout's round time and of the same-repeat ratio.
+Both runs must end with the same model (checked).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: one GEMM thread a client
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))                          # a source checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import markdown    # noqa: E402
+
+from edgefl import kernels, sim    # noqa: E402
+from edgefl.runconfig import load_run_config    # noqa: E402
+from edgefl.runs.prepare import prepare_run    # noqa: E402
+from edgefl.transport.broker import (adapt_mosquitto_conf, find_mosquitto, free_port,    # noqa: E402
+                                     probe)
+
+
+def config_file(where: str, args) -> str:
+    path = os.path.join(where, "run.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"dataset": {"name": args.dataset},
+                   "partition": {"name": "iid", "clients": args.clients},
+                   "model": {"name": "softmax"}, "strategy": {"name": "fedavg"},
+                   "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+                   "rounds": args.rounds, "clients_per_round": args.per_round, "seed": 0,
+                   "eval_every": 1}, fh)      # JSON is YAML; evaluated every round, as simulate does by default
+    return path
+
+
+class Mosquitto:
+    """The repo's broker/mosquitto.conf on a free port, in a scratch directory."""
+
+    def __init__(self, workdir: str):
+        self.port = free_port()
+        conf = os.path.join(workdir, "mosquitto.conf")
+        with open(conf, "w", encoding="utf-8") as fh:
+            fh.write(adapt_mosquitto_conf((REPO / "broker" / "mosquitto.conf").read_text(),
+                                          self.port, workdir))
+        self.log = open(os.path.join(workdir, "mosquitto.log"), "wb")
+        self.proc = subprocess.Popen([find_mosquitto(), "-c", conf], stdin=subprocess.DEVNULL,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while not probe("127.0.0.1", self.port, timeout=0.5, any_answer=True):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mosquitto on port {self.port} did not start")
+            time.sleep(0.02)
+        self.url = f"mqtt://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def round_s(history: list) -> float:
+    rest = history[1:] or history
+    return statistics.median(h["wall_s"] for h in rest)
+
+
+def span(values: list, digits: int = 4) -> dict:
+    return {"median": round(statistics.median(values), digits),
+            "min": round(min(values), digits), "max": round(max(values), digits)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--per-round", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    if find_mosquitto() is None:
+        parser.error("needs the mosquitto binary (apt-get install mosquitto)")
+
+    scratch = tempfile.TemporaryDirectory(prefix="edgefl-bench-scale-")
+    run = prepare_run(load_run_config(config_file(scratch.name, args)), workers=args.workers,
+                      progress=False)
+    broker = Mosquitto(scratch.name)
+    inproc, mqtt, ratios = [], [], []
+    try:
+        for _ in range(args.repeats):
+            a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
+                                   args.per_round, workers=args.workers,
+                                   test=(run.dataset.x_test, run.dataset.y_test),
+                                   eval_every=1)
+            b, _info = sim.run_over_broker(run, broker.url, workers=args.workers)
+            if a.model_sha256 != b.model_sha256:
+                raise SystemExit(f"the runs ended with different models: {a.model_sha256} "
+                                 f"in process, {b.model_sha256} over the broker")
+            inproc.append(round_s(a.history))
+            mqtt.append(round_s(b.history))
+            ratios.append(mqtt[-1] / inproc[-1])
+    finally:
+        broker.stop()
+        scratch.cleanup()
+    rows = [{"layout": "in process", **{f"round_ms_{k}": round(v * 1e3, 2)
+                                         for k, v in span(inproc).items()}},
+            {"layout": "over Mosquitto", **{f"round_ms_{k}": round(v * 1e3, 2)
+                                             for k, v in span(mqtt).items()},
+             **{f"ratio_{k}": v for k, v in span(ratios, 2).items()}}]
+    meta = {"backend": kernels.backend, "dataset": args.dataset, "clients": args.clients,
+            "per_round": args.per_round, "rounds": args.rounds, "repeats": args.repeats,
+            "workers": args.workers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "target_ratio": 2.0}
+    if args.json:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    else:
+        print(f"# a round over Mosquitto vs in process ({args.dataset}, softmax, "
+              f"{args.clients} clients, {args.per_round} a round, {args.rounds} rounds; "
+              f"{args.repeats} interleaved repeats; backend {kernels.backend}; {meta['date']})\n")
+        print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
