@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from .command import Command
+from .command import Command, UsageError
 from .destinations import FORCE_HELP, check_new_file, check_out_dir
 
 
@@ -71,7 +71,13 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "name, and runs/NAME links to the latest finished run)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty --out DIR (files of the same names are "
-                             "replaced; nothing is deleted)")
+                             "replaced; nothing is deleted); only with --out")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="do not draw curves.png (saves importing matplotlib, about "
+                             "0.6 s)")
+    parser.add_argument("--no-export", action="store_true",
+                        help="do not export model.onnx (`edgefl export RUN_DIR` can make it "
+                             "later from model.npz)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="client training threads (default: the number of CPUs)")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
@@ -110,6 +116,15 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         check_out_dir(args.out, args.force)
+    elif args.force:
+        # without --out every run gets a new directory: nothing would be forced, and a
+        # user who typed it probably meant to replace a run that is in fact kept
+        raise UsageError("--force only applies to --out DIR (a non-empty directory to write "
+                         "into); without --out each run gets a new directory under "
+                         "runs/, so there is nothing to replace")
+    if args.no_export and args.export_every:
+        raise UsageError(f"--no-export and --export-every {args.export_every} contradict "
+                         f"each other; drop one")
     config = load_run_config(args.config, args.overrides)
     name = os.path.splitext(os.path.basename(config.path or "run"))[0]
     if args.workers is not None and args.workers < 1:
@@ -128,7 +143,8 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
                            transport=args.transport, broker=args.broker, mqtt=mqtt,
-                           export=export)
+                           export=None if args.no_export else export, onnx=not args.no_export,
+                           plot=not args.no_plot)
     except NonFiniteError as exc:
         print(f"edgefl simulate: training diverged: {exc} (the rounds before it are in "
               f"{out})", file=sys.stderr)
@@ -405,7 +421,10 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
                              "accuracy is >= ACC (a fraction, e.g. 0.9); * = not reached")
     parser.add_argument("--out", default="compare.png", metavar="PNG",
                         help="overlay plot of accuracy and loss by round (default: compare.png "
-                             "in the current directory)")
+                             "in the current directory); an existing file is refused without "
+                             "--force")
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
+    parser.add_argument("--no-plot", action="store_true", help="print the table only")
     parser.add_argument("--json", action="store_true",
                         help="print the rows as JSON instead of a Markdown table")
 
@@ -415,15 +434,20 @@ def _compare(args: argparse.Namespace) -> int:
 
     from ..compare import check_target, comparison_rows, load_runs, markdown_table, plot_overlay
 
+    if not args.no_plot:
+        check_new_file(args.out, args.force)
     target = None if args.target is None else check_target(args.target)
     runs = load_runs(args.dirs)
     rows = comparison_rows(runs, target)
-    plot_overlay(runs, args.out, target)
+    plot = None if args.no_plot else args.out
+    if plot is not None:
+        plot_overlay(runs, plot, target)
     if args.json:
-        print(json.dumps({"target": target, "plot": args.out, "runs": rows}, indent=1))
+        print(json.dumps({"target": target, "plot": plot, "runs": rows}, indent=1))
     else:
         print(markdown_table(rows, target))
-        print(f"\noverlay plot: {args.out}")
+        if plot is not None:
+            print(f"\noverlay plot: {plot}")
     return 0
 
 

@@ -21,6 +21,7 @@ from ..errors import ConfigError, KernelError
 from ..models import Model, build_model
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
+from .phases import phase
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
            "prepare_run"]
@@ -81,8 +82,11 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
     What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out)."""
-    dataset = dataset_from_config(config.as_config())
-    split = partition_from_config(config.as_config(), dataset)
+    with phase(None if progress is False else (stream or sys.stderr), "data") as note:
+        dataset = dataset_from_config(config.as_config())
+        split = partition_from_config(config.as_config(), dataset)
+        note.append(f"{dataset.name}, {len(dataset.y_train)} train / {len(dataset.y_test)} "
+                    f"test samples, {len(split.indices)} clients")
     model = build_run_model(config, dataset)
     init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
     setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),

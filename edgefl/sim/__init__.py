@@ -44,7 +44,8 @@ TRANSPORTS = ("inproc", "mqtt")
 def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: int | None = None,
              progress: bool | None = None, stream=None, transport: str = "inproc",
              broker: str | None = None, broker_kind: str = "auto",
-             mqtt: Mapping | None = None, export=None) -> dict:
+             mqtt: Mapping | None = None, export=None, onnx: bool = True,
+             plot: bool = True) -> dict:
     """Run the configured federation and write metrics.jsonl, summary.json, model.npz and
     curves.png into `out_dir` (None: write nothing). progress: None = show a progress bar on
     stderr (a bar on a TTY, one line per round otherwise), False = silent. Returns the
@@ -56,7 +57,10 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     (`run_over_broker`; `mqtt`: its keyword options). Both give the same final model.
 
     export: an edgefl.export.ExportPolicy; out_dir/model.onnx is the final model, replaced
-    atomically after every `export.every`-th round too (None: the final model only)."""
+    atomically after every `export.every`-th round too (None: the final model only).
+    onnx=False: no model.onnx at all; plot=False: no curves.png (`--no-export`,
+    `--no-plot`). With progress shown, loading the data, the export and the plot each say
+    what they did and how long it took (edgefl.runs.phases)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
@@ -73,8 +77,10 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         os.makedirs(out_dir, exist_ok=True)
         metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w", encoding="utf-8")
     bar = Progress(config.rounds, stream or sys.stderr, enabled=progress is not False)
-    exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate") \
-        if out_dir is not None else None
+    exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate",
+                             lines=bar.stream if bar.enabled else None,
+                             before_line=bar.close) \
+        if out_dir is not None and onnx else None
 
     def on_round(record):
         if metrics_file is not None:
@@ -107,6 +113,7 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     if out_dir is not None:
         write_outputs(out_dir, config, model, strategy, result, dataset, summary,
                       stream or sys.stderr, "edgefl simulate",
-                      onnx_exported=exporter.last_round == config.rounds,
-                      export=exporter.policy)
+                      onnx_exported=exporter is not None and exporter.last_round == config.rounds,
+                      export=exporter.policy if exporter is not None else None, onnx=onnx,
+                      plot=plot, progress=progress is not False)
     return summary
