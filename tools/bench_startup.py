@@ -1,6 +1,6 @@
 """How long the `edgefl` command takes as a user meets it: whole processes, start-up included.
 
-    python tools/bench_startup.py [--repeats N] [--json]
+    python tools/bench_startup.py [--repeats N] [--against CHECKOUT] [--json]
 
 Each row is a command run as a subprocess, in a temporary working directory, `--repeats`
 times (default 7) after one untimed warm-up; the commands take turns within each repeat, so
@@ -10,6 +10,11 @@ run directory each time) with the decoded data set cached, as every run after a 
 is; `cold cache` is that first run (an empty EDGEFL_CACHE_DIR each time: scikit-learn is
 imported to decode the digits). Two floors put the numbers in proportion: the interpreter
 alone and `import numpy`, which edgefl cannot start without.
+
+`--against CHECKOUT` runs every edgefl command a second time with that checkout's code (its
+directory first on PYTHONPATH; it needs its extension built) within the same repeats, and
+gives this tree's median over the other's: a ratio that holds when the machine is busy, where
+the absolute figures do not.
 
 Targets (issue 18): `edgefl --help` and `edgefl info` under 0.5 s, the quickstart under 2 s.
 """
@@ -54,12 +59,24 @@ def cases(edgefl: list[str], cache: str, cold_root: str) -> list[tuple[str, list
     ]
 
 
-def run_once(argv: list[str], env: dict, cwd: str) -> float:
+def with_tree(table: list, checkout: str, label: str) -> list:
+    """The edgefl rows of `table` again, running `checkout`'s code."""
+    path = os.pathsep.join([os.path.abspath(checkout)] +
+                           [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return [(f"{name} [{label}]", argv, {**env, "PYTHONPATH": path})
+            for name, argv, env in table if name.startswith("edgefl")]
+
+
+def run_once(argv: list[str], env: dict, cwd: str, may_fail: bool = False) -> float | None:
+    """Wall time of one run; None when it failed and may_fail (the other checkout lacks
+    the option), else the failure ends the benchmark."""
     start = time.perf_counter()
     done = subprocess.run(argv, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE)
     elapsed = time.perf_counter() - start
     if done.returncode != 0:
+        if may_fail:
+            return None
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}): "
                          f"{done.stderr.decode(errors='replace')[-2000:]}")
     return elapsed
@@ -68,29 +85,44 @@ def run_once(argv: list[str], env: dict, cwd: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--against", metavar="CHECKOUT",
+                        help="also run the edgefl commands with this checkout's code and "
+                             "report this tree's median over its")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args()
     edgefl = edgefl_command()
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as work:
         cache, cold = os.path.join(work, "cache"), os.path.join(work, "cold-cache")
         table = cases(edgefl, cache, cold)
+        if args.against:
+            table += with_tree(table, args.against, "against")
         times: list[list[float]] = [[] for _ in table]
+        failed: set = set()
         for repeat in range(args.repeats + 1):           # repeat 0: the warm-up
             for (name, argv, env), ts in zip(table, times):
+                if name in failed:
+                    continue
                 shutil.rmtree(cold, ignore_errors=True)
-                elapsed = run_once(argv, env, work)
-                if repeat:
+                elapsed = run_once(argv, env, work, may_fail=name.endswith("[against]"))
+                if elapsed is None:
+                    failed.add(name)
+                elif repeat:
                     ts.append(elapsed)
+        table, times = zip(*[(row, ts) for row, ts in zip(table, times) if row[0] not in failed])
+    medians = {name: statistics.median(ts) for (name, _, _), ts in zip(table, times)}
     rows = []
     for (name, argv, env), ts in zip(table, times):
         target = TARGETS.get(name)
-        median = statistics.median(ts)
+        median = medians[name]
+        other = medians.get(f"{name} [against]")
         rows.append({"command": name, "median_s": round(median, 3),
                      "range_s": f"{min(ts):.3f}-{max(ts):.3f}", "repeats": len(ts),
                      "target_s": target,
-                     "met": None if target is None else ("yes" if median < target else "NO")})
+                     "met": None if target is None else ("yes" if median < target else "NO"),
+                     **({"vs_against": round(median / other, 2) if other else None}
+                        if args.against else {})})
     if args.json:
-        print(json.dumps({"edgefl": edgefl, "python": sys.version.split()[0],
+        print(json.dumps({"edgefl": edgefl, "against": args.against, "python": sys.version.split()[0],
                           "cpus": os.cpu_count(), "load_average": os.getloadavg(),
                           "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                           "rows": rows}, indent=1))
