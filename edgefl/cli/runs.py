@@ -228,6 +228,7 @@ def _info(args: argparse.Namespace) -> int:
 
     from .. import backend, kernels
     from ..data import dataset_status
+    from ..data.cache import cache_dir
 
     have_blas = getattr(kernels.impl, "have_blas", None)
     blas = ("yes" if have_blas() else "no") if have_blas else "n/a (no BLAS in this backend)"
@@ -236,6 +237,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"blas     {blas}")
     print(f"numpy    {np.__version__}")
     print(f"python   {sys.version.split()[0]}")
+    print(f"cache    {cache_dir() or 'off (EDGEFL_CACHE_DIR)'}  (decoded data sets)")
     print("datasets")
     for name, status in dataset_status().items():
         print(f"  {name:<14} {status}")
