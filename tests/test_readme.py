@@ -29,8 +29,9 @@ between) changes how the block runs; readers of the rendered page do not see it:
     <!-- readme-test: needs-root -->         not run: needs root (writes /etc, ...)
     <!-- readme-test: needs-systemd -->      not run: needs systemd as PID 1
     <!-- readme-test: run -->                run a block that has no shell language
-    <!-- readme-test: background -->         start each command and go on; the process must
-                                             still be running at the end of the document,
+    <!-- readme-test: background -->         start each command and go on (after `ready`, or
+                                             0.5 s); the process must still be running then
+                                             and at the end of the document,
                                              where it gets SIGINT (Ctrl-C) and must exit
                                              cleanly within 15 s
     <!-- readme-test: ready TEXT -->         with background: wait (30 s at most) until the
@@ -342,6 +343,11 @@ class DocumentRun:
                                      f"{ready!r} (exit status {proc.poll()}):\n"
                                      f"{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.05)
+        if not ready:                    # a command that fails at once fails its block
+            try:
+                proc.wait(0.5)
+            except subprocess.TimeoutExpired:
+                pass
         if proc.poll() is not None:
             raise AssertionError(f"{block.id}: background `{text}` ended at once "
                                  f"({proc.returncode}):\n{log.read_text(errors='replace')}")
@@ -495,3 +501,41 @@ def test_commands_see_earlier_assignments_and_fail_loudly(tmp_path):
     run.run(failing, Command("false"))
     with pytest.raises(AssertionError, match="should fail"):
         run.run(failing, Command("true && echo false"))
+
+
+def test_background_blocks_run_until_the_end_and_stop_on_ctrl_c(tmp_path):
+    run = DocumentRun("doc.md", tmp_path / "w")
+    block = Block("doc.md", 1, "sh", [("background", ""), ("ready", "listening on")],
+                  [("1883", "{port:b}")], [])
+    run.run(block, Command("echo listening on 1883; exec sleep 60"))
+    (text, proc, log), = run.background
+    assert text == f"echo listening on {run.ports['b']}; exec sleep 60" and run.ports["b"] != 1883
+    assert proc.poll() is None                      # still running after its block
+    assert run.finish() == [] and proc.returncode == -signal.SIGINT
+    # a background command that has died by the end of the document is a failure
+    quick = Block("doc.md", 2, "sh", [("background", "")], [], [])
+    with pytest.raises(AssertionError, match="ended at once"):
+        run.run(quick, Command("exit 4"))
+    problems = run.finish()
+    assert len(problems) == 1 and "had ended by the end of the document (status 4)" in \
+        problems[0]
+    never = Block("doc.md", 3, "sh", [("background", ""), ("ready", "never said")], [], [])
+    with pytest.raises(AssertionError, match="never printed 'never said'"):
+        run.run(never, Command("echo something else"))
+    run.finish()
+
+
+def test_a_broker_placeholder_starts_a_fresh_broker(tmp_path):
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    from edgefl.transport.broker import probe
+
+    run = DocumentRun("doc.md", tmp_path / "w")
+    try:
+        url = run.expand("{broker_url}")
+        port = int(run.expand("{broker_port}"))
+        assert url == f"mqtt://127.0.0.1:{port}" and port != 1883
+        assert probe("127.0.0.1", port, timeout=2, any_answer=True)
+    finally:
+        run.finish()
+    assert run.broker is None
