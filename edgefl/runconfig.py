@@ -12,6 +12,7 @@ overrides, parsed by edgefl.config) validated into frozen dataclasses, with defa
     seed: 0
     eval_every: 1                             # evaluate every k rounds (and after the last)
     attack: {kind: sign_flip, fraction: 0.2}  # optional: malicious clients (edgefl.attacks)
+    privacy: {secure_aggregation: {...}, dp: {...}}   # optional (edgefl.privacy.settings)
 
 Every error names the file, the dotted key (and says when it came from --set) and the valid
 choices. A config may also be named by the stem of a file shipped in edgefl/configs
@@ -31,13 +32,15 @@ from .attacks import AttackError, attack_section
 from .config import Config, ConfigError, check_number, load_config
 from .data import dataset_options, partition_options
 from .models import model_names
+from .privacy import settings as privacy_settings
+from .privacy.settings import AdaptiveClip, DifferentialPrivacy, Privacy, SecureAggregation
 from .strategies import StrategyError, get_strategy, strategy_names, strategy_params
 
 __all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mapping",
            "builtin_configs", "resolve_config_path", "ConfigError"]
 
 TOP_KEYS = ("dataset", "partition", "model", "strategy", "train", "rounds", "clients_per_round",
-            "fraction", "seed", "eval_every", "attack")
+            "fraction", "seed", "eval_every", "attack", "privacy")
 # model.init: "uniform" is Model.init's seeded default; "zeros" is w(0) = 0 for the convex
 # models (what the MFL reproduction uses; the paper only asks for equal initial values).
 # The other model keys are the model's options.
@@ -86,6 +89,7 @@ class RunConfig:
     eval_every: int = 1
     path: str | None = None        # the file it came from (relative dataset paths use it)
     attack: Mapping[str, Any] | None = None   # the `attack:` section (edgefl.attacks), resolved
+    privacy: Privacy | None = None            # the `privacy:` section (edgefl.privacy.settings)
 
     @property
     def clients(self) -> int:
@@ -107,6 +111,8 @@ class RunConfig:
         }
         if self.attack is not None:       # absent when unset: plain runs keep their config
             out["attack"] = dict(self.attack)
+        if self.privacy is not None:
+            out["privacy"] = self.privacy.to_dict()
         return out
 
     def as_config(self) -> Config:
@@ -197,10 +203,15 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
         attack = attack_section(data.get("attack"), clients)
     except AttackError as exc:
         v.fail(exc.key, exc.problem)
+    privacy = _privacy(v, data.get("privacy"), m)
+    if privacy is not None:
+        refused = privacy_settings.refusal(privacy, instance, params.get("robust"), attack)
+        if refused:
+            v.fail(*refused)
     return RunConfig(dataset=_frozen(dataset), partition=_frozen(partition), model=_frozen(model),
                      strategy=name, strategy_params=_frozen(params), train=train, rounds=rounds,
                      clients_per_round=m, seed=seed, eval_every=eval_every, path=path,
-                     attack=None if attack is None else _frozen(attack))
+                     attack=None if attack is None else _frozen(attack), privacy=privacy)
 
 
 def _strategy_key(message: str, params: Mapping) -> str:
@@ -243,6 +254,120 @@ def _train(v: "_Validator", section) -> TrainConfig:
         key = next((k for k in values if str(exc).startswith(f"train config: {k} ")), None)
         v.fail(f"train.{key}" if key else "train", str(exc).replace("train config: ", ""))
     return TrainConfig(**values)
+
+
+def _privacy(v: "_Validator", section, per_round: int) -> Privacy | None:
+    """The `privacy:` section (keys and meaning: edgefl/privacy/settings.py), or None."""
+    if section is None:
+        return None
+    _keys(v, "privacy", section, ("secure_aggregation", "dp"))
+    if not section:
+        v.fail("privacy", "is empty; give secure_aggregation, dp or both (or drop the section)")
+    secagg = dp = None
+    if section.get("secure_aggregation") is not None:
+        secagg = _secure_aggregation(v, section["secure_aggregation"], per_round)
+    if section.get("dp") is not None:
+        dp = _dp(v, section["dp"])
+        if dp.mode == "distributed" and secagg is None:
+            v.fail("privacy.dp.mode", "distributed noise protects a client only when the "
+                                      "aggregator sees nothing but the sum; add "
+                                      "privacy.secure_aggregation or use mode: central")
+    return Privacy(secure_aggregation=secagg, dp=dp)
+
+
+def _keys(v: "_Validator", where: str, section, valid) -> None:
+    if not isinstance(section, Mapping):
+        v.fail(where, f"must be a mapping of {', '.join(valid)}, got {section!r}")
+    for key in section:
+        if key not in valid:
+            v.fail(f"{where}.{key}", f"unknown key; valid keys: {', '.join(valid)}")
+
+
+def _secure_aggregation(v: "_Validator", section, per_round: int) -> SecureAggregation:
+    where = "privacy.secure_aggregation"
+    _keys(v, where, section, privacy_settings.SECAGG_KEYS)
+    d = SecureAggregation()
+    threshold = v.number(f"{where}.threshold", section.get("threshold", d.threshold))
+    if threshold > 1:
+        if threshold != int(threshold):
+            v.fail(f"{where}.threshold", f"{threshold}: a count (> 1) must be whole; a "
+                                         f"fraction of the round's clients is in (0.5, 1]")
+        if not 2 <= threshold <= per_round:
+            v.fail(f"{where}.threshold", f"{int(threshold)} clients: must be between 2 and "
+                                         f"the {per_round} clients of a round")
+    elif not 0.5 < threshold <= 1:
+        v.fail(f"{where}.threshold", f"{threshold}: a fraction of the round's clients must be "
+                                     f"in (0.5, 1] (at most half would let two disjoint halves "
+                                     f"each unmask), or give a count > 1")
+    neighbours = v.integer(f"{where}.neighbours", section.get("neighbours", d.neighbours), lo=0)
+    if neighbours == 1:
+        v.fail(f"{where}.neighbours", "1 neighbour masks with one peer only; give >= 2, or 0 "
+                                      "for all")
+    ring_bits = v.integer(f"{where}.ring_bits", section.get("ring_bits", d.ring_bits))
+    if ring_bits not in privacy_settings.RING_BITS:
+        v.fail(f"{where}.ring_bits", f"{ring_bits}; valid: "
+                                     f"{', '.join(map(str, privacy_settings.RING_BITS))}")
+    clip_range = v.number(f"{where}.clip_range", section.get("clip_range", d.clip_range))
+    if not clip_range > 0:
+        v.fail(f"{where}.clip_range", f"{clip_range} must be > 0")
+    if per_round < 2:
+        v.fail(where, f"needs at least 2 clients a round (clients_per_round is {per_round}): "
+                      f"the sum of one update is that update")
+    return SecureAggregation(threshold=threshold, neighbours=neighbours, ring_bits=ring_bits,
+                             clip_range=clip_range)
+
+
+def _dp(v: "_Validator", section) -> DifferentialPrivacy:
+    where = "privacy.dp"
+    _keys(v, where, section, privacy_settings.DP_KEYS)
+    d = DifferentialPrivacy()
+    mode = section.get("mode", d.mode)
+    if mode not in privacy_settings.DP_MODES:
+        v.fail(f"{where}.mode", f"{mode!r}; valid: {', '.join(privacy_settings.DP_MODES)}")
+    clip = v.number(f"{where}.clip", section.get("clip", d.clip))
+    if not clip > 0:
+        v.fail(f"{where}.clip", f"{clip} must be > 0")
+    noise = v.number(f"{where}.noise_multiplier",
+                     section.get("noise_multiplier", d.noise_multiplier))
+    if noise < 0:
+        v.fail(f"{where}.noise_multiplier", f"{noise} must be >= 0")
+    delta = v.number(f"{where}.delta", section.get("delta", d.delta))
+    if not 0 < delta < 1:
+        v.fail(f"{where}.delta", f"{delta} must be in (0, 1)")
+    target = section.get("target_epsilon")
+    if target is not None:
+        target = v.number(f"{where}.target_epsilon", target)
+        if not target > 0:
+            v.fail(f"{where}.target_epsilon", f"{target} must be > 0")
+        if noise == 0:
+            v.fail(f"{where}.target_epsilon", "a budget needs noise: noise_multiplier is 0, "
+                                              "so epsilon is infinite from the first round")
+    accountant = section.get("accountant", d.accountant)
+    if accountant not in privacy_settings.ACCOUNTANTS:
+        v.fail(f"{where}.accountant", f"{accountant!r}; valid: "
+                                      f"{', '.join(privacy_settings.ACCOUNTANTS)}")
+    adaptive = None
+    if section.get("adaptive_clip") is not None:
+        a_where = f"{where}.adaptive_clip"
+        raw = section["adaptive_clip"]
+        _keys(v, a_where, raw, privacy_settings.ADAPTIVE_KEYS)
+        a = AdaptiveClip()
+        quantile = v.number(f"{a_where}.target_quantile",
+                            raw.get("target_quantile", a.target_quantile))
+        if not 0 < quantile < 1:
+            v.fail(f"{a_where}.target_quantile", f"{quantile} must be in (0, 1)")
+        lr = v.number(f"{a_where}.lr", raw.get("lr", a.lr))
+        if not lr > 0:
+            v.fail(f"{a_where}.lr", f"{lr} must be > 0")
+        count_noise = raw.get("count_noise")
+        if count_noise is not None:
+            count_noise = v.number(f"{a_where}.count_noise", count_noise)
+            if count_noise < 0:
+                v.fail(f"{a_where}.count_noise", f"{count_noise} must be >= 0")
+        adaptive = AdaptiveClip(target_quantile=quantile, lr=lr, count_noise=count_noise)
+    return DifferentialPrivacy(mode=mode, clip=clip, noise_multiplier=noise, delta=delta,
+                               target_epsilon=target, accountant=accountant,
+                               adaptive_clip=adaptive)
 
 
 def _clients_per_round(v: "_Validator", data: Mapping, clients: int) -> int:

@@ -6,6 +6,7 @@ runs it), defined in the module of its family:
     service.py   broker, config, install-service, aggregator, client, serve, status: a node's
                  services and their setup
     ctl.py       ctl: the operator's commands to the aggregator service, and watch
+    dashboard.py dashboard: the live, read-only web page of a federation
 
 `main` builds the parser from COMMANDS. To add a subcommand, define it in its family's module
 
@@ -27,7 +28,7 @@ import sys
 import traceback
 
 from .. import __version__
-from . import ctl, runs, service
+from . import ctl, dashboard, runs, service
 from .command import Command, UsageError
 
 __all__ = ["COMMANDS", "Command", "build_parser", "console_main", "main"]
@@ -46,7 +47,7 @@ def register(command: Command) -> Command:
 for _command in (runs.PARTITION, runs.SIMULATE, runs.DUW_TRAIN, runs.INFO, runs.EXPORT,
                  runs.PREDICT, service.BROKER, service.CONFIG, service.INSTALL_SERVICE,
                  runs.COMPARE, service.AGGREGATOR, service.CLIENT, service.SERVE,
-                 service.STATUS, ctl.CTL):
+                 service.STATUS, ctl.CTL, dashboard.DASHBOARD):
     register(_command)
 del _command
 

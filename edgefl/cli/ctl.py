@@ -15,25 +15,22 @@ from .command import Command
 CTL_ACTIONS = ("start", "pause", "resume", "stop", "export", "status", "runs", "watch")
 
 
-def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
+def add_operator_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """The options of a tool of the operator's account (`ctl`, `dashboard`): the site file
+    (its broker URL, CA file and federation), the broker, the account and TLS files.
+    `what`: what only the operator may, in the help ("publish commands")."""
     from ..service.layered import add_service_config_arguments
 
-    parser.add_argument("action", choices=CTL_ACTIONS,
-                        help="start CONFIG: queue a run; pause / resume / stop / export: the "
-                             "active run (or --run ID); status; runs; watch: follow the "
-                             "events until the run ends (Ctrl-C to leave)")
-    parser.add_argument("run_config", nargs="?", metavar="CONFIG",
-                        help="with start: the run config (YAML file or built-in name)")
     add_service_config_arguments(parser)
     parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
                         help="whose site file --config is (its broker URL, CA file and "
                              "federation are used, never its account; default aggregator)")
     parser.add_argument("--broker", metavar="URL",
-                        help="mqtt://host[:port] or mqtts://... (default: the site file's, "
-                             "else mqtt://localhost:1883)")
+                        help="mqtt://host[:port], mqtts://... or host:port (default: the "
+                             "site file's, else mqtt://localhost:1883)")
     parser.add_argument("--username", metavar="USER",
-                        help="MQTT user: the operator's account (the broker's ACL lets only "
-                             "the operator publish commands); never taken from --config, "
+                        help=f"MQTT user: the operator's account (the broker's ACL lets only "
+                             f"the operator {what}); never taken from --config, "
                              "whose account is the node's own")
     parser.add_argument("--password-file", metavar="FILE",
                         help="file whose first line is the MQTT password of --username")
@@ -45,6 +42,16 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--federation", metavar="ID",
                         help="federation id (default: the site file's node.federation, else "
                              "'default')")
+
+
+def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=CTL_ACTIONS,
+                        help="start CONFIG: queue a run; pause / resume / stop / export: the "
+                             "active run (or --run ID); status; runs; watch: follow the "
+                             "events until the run ends (Ctrl-C to leave)")
+    parser.add_argument("run_config", nargs="?", metavar="CONFIG",
+                        help="with start: the run config (YAML file or built-in name)")
+    add_operator_arguments(parser, "publish commands")
     parser.add_argument("--mqtt", choices=["5", "3.1.1"], default="5",
                         help="protocol: 5 (default) sends the reply address as response topic "
                              "+ correlation data, 3.1.1 in the payload (reply_to, request_id)")
@@ -64,18 +71,16 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the reply (watch: each event) as JSON")
 
 
-def _ctl_connect(args: argparse.Namespace):
-    """The connection of `edgefl ctl`. A site file (--config) gives the broker URL, its CA
-    file and the federation, never its account: that is the node's own login (the
-    aggregator's, a board's), which the broker's ACL does not let publish commands. The
-    account is the command line's (--username / --password-file, or --cert-file /
-    --key-file); with a site file that names an account and none given, ctl refuses
-    before connecting rather than have the broker drop every command."""
-    import os
-
-    from ..transport.requester import RequesterTransport
+def operator_settings(args: argparse.Namespace, tool: str,
+                      why: str) -> tuple[str, dict, str]:
+    """(broker URL, MqttTransport options, federation) of a tool of the operator's account
+    (add_operator_arguments). A site file (--config) gives the broker URL, its CA file and
+    the federation, never its account: that is the node's own login (the aggregator's, a
+    board's), which the broker's ACL does not let do what the operator does (`why`, e.g.
+    "publish commands"; `tool` names the command, "ctl"). The account is the command line's (--username / --password-file,
+    or --cert-file / --key-file); with a site file that names an account and none given,
+    ValueError before connecting, saying so."""
     from ..service.layered import default, load_service_config
-    from ..transport.topics import Topics
 
     config = None
     if args.site is not None or args.overrides or args.profile is not None:
@@ -87,19 +92,29 @@ def _ctl_connect(args: argparse.Namespace):
         raise ValueError(
             f"the {args.role}'s site file {args.site or '(default)'} logs in as its own "
             f"account ({', '.join(own)}), and the broker's ACL lets only the operator account "
-            f"publish commands (broker/acl), so ctl does not use it: give the operator's "
+            f"{why} (broker/acl), so {tool} does not use it: give the operator's "
             f"credentials with --username operator --password-file FILE (or --cert-file / "
             f"--key-file); the site file still gives the broker URL, CA file and federation")
     url = args.broker or broker.get("url") or default("broker.url")
     options = {"ca_file": args.ca_file or broker.get("ca_file"), "cert_file": args.cert_file,
-               "key_file": args.key_file}
-    name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
-    transport = RequesterTransport(url, f"edgefl-{name}", clean_session=True,
-                                   protocol=args.mqtt, username=args.username,
-                                   password_file=args.password_file,
-                                   **{k: v for k, v in options.items() if v})
+               "key_file": args.key_file, "username": args.username,
+               "password_file": args.password_file}
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
+    return url, {k: v for k, v in options.items() if v}, federation
+
+
+def _ctl_connect(args: argparse.Namespace):
+    """The connection of `edgefl ctl` (operator_settings says where and as whom)."""
+    import os
+
+    from ..transport.requester import RequesterTransport
+    from ..transport.topics import Topics
+
+    url, options, federation = operator_settings(args, "ctl", "publish commands")
+    name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
+    transport = RequesterTransport(url, f"edgefl-{name}", clean_session=True,
+                                   protocol=args.mqtt, **options)
     transport.connect()
     return transport, Topics(federation), name
 

@@ -931,9 +931,12 @@ class Aggregator:
                                    json.dumps(jsonable(record)).encode(), qos=0)
         except TransportError:
             pass
+        # the losses too, so a watcher (the dashboard) draws the curves from the events
+        # alone: they are QoS 1, the metrics topic is QoS 0
         self._event("round_closed", round=r, closed_by=record["closed_by"],
                     updates=record["updates"], missing=record["missing"],
-                    test_accuracy=record["test_accuracy"])
+                    test_accuracy=record["test_accuracy"], test_loss=record["test_loss"],
+                    train_loss=record["train_loss"])
         self._publish_status()
         if self.on_round is not None:
             self.on_round(record, list(new.history))

@@ -281,9 +281,13 @@ class Client:
     # ------------------------------------------------------------------ connection
     def _status(self, online: bool, will: bool = False, **extra) -> bytes:
         # The will is fixed at connect time: it carries no last round (it would be stale).
+        # onnx_*: the exported model installed for `edgefl serve` (the dashboard shows it)
+        onnx = self.onnx if not will else None
         return status_payload(self.node, "client", online, profile=self.settings.profile,
                               last_round=None if will else (self.progress.trained or None),
-                              run=self.progress.run_id, **extra)
+                              run=self.progress.run_id,
+                              onnx_sha256=onnx.installed_sha if onnx else None,
+                              onnx_round=onnx.installed_round if onnx else None, **extra)
 
     def _publish_status(self, online: bool = True, **extra) -> None:
         try:
@@ -362,6 +366,8 @@ class Client:
         `edgefl serve` on this board picks it up."""
         if self.onnx is None:
             self.onnx = OnnxReceiver(self.state_dir)
+            if self.onnx.installed_sha is not None:
+                self._publish_status()        # the model installed before a restart
         try:
             if not part:
                 doc = self.onnx.on_manifest(payload)
@@ -373,6 +379,7 @@ class Client:
                 return
             if self.onnx.on_part(payload) is not None:
                 self.stats["onnx_installed"] = self.onnx.installs
+                self._publish_status()        # the status names the model installed
         except (wire.FrameError, ModelFileError) as exc:
             self._reject(f"ONNX model on {topic}: {exc}")
 

@@ -160,6 +160,7 @@ class OnnxReceiver:
         self.reassembler = wire.Reassembler(timeout_s, max_bytes=max_bytes)
         self.expect = wire.Expectation(None, kinds="onnx")
         self.installed_sha = _file_sha256(self.path)
+        self.installed_round: int | None = None     # unknown for a file installed earlier
         self.manifest: dict | None = None
         self.installs = 0
 
@@ -204,6 +205,7 @@ class OnnxReceiver:
         except ModelFileError as exc:
             raise ModelFileError(f"{where}: {exc}") from None
         self.installed_sha = sha
+        self.installed_round = frame.round
         self.installs += 1
         log.info("installed %s: %s (%d bytes, sha256 %s)", where, path, len(data), sha[:12])
         return path

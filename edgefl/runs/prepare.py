@@ -82,6 +82,11 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
     What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out)."""
+    if config.privacy is not None:
+        # the section is read and checked (edgefl.runconfig); the rounds that honour it are
+        # being built, and a run must never pretend to be private
+        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation and DP "
+                          f"are not available in this version yet")
     with phase(None if progress is False else (stream or sys.stderr), "data") as note:
         dataset = dataset_from_config(config.as_config())
         split = partition_from_config(config.as_config(), dataset)
@@ -113,6 +118,11 @@ def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
+    if config.privacy is not None:
+        # the section is read and checked (edgefl.runconfig); the rounds that honour it are
+        # being built, and a run must never pretend to be private
+        raise ConfigError(f"{config.path or '<config>'}: privacy: secure aggregation and DP "
+                          f"are not available in this version yet")
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

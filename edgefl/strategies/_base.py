@@ -25,6 +25,10 @@ class Strategy:
     """
     name: ClassVar[str] = ""
     listed: ClassVar[bool] = True    # False: a wrapper, not offered by strategy_names()
+    # Whether the server step needs only the weighted sum of the clients' updates, so it can
+    # run on what secure aggregation or DP hand it (edgefl.privacy); when not, the reason.
+    secure_sum: ClassVar[bool] = False
+    secure_sum_refusal: ClassVar[str] = ""
 
     # ---------------------------------------------------------------- offline phase
     def prepare(self, init_params: np.ndarray, clients: Mapping[int, "LocalData"],

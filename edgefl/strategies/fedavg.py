@@ -27,6 +27,7 @@ from .robust import aggregate_robustly, robust_params
 @register("fedavg")
 @dataclass(frozen=True)
 class FedAvg(Strategy):
+    secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
     weighting: str = "samples"
     robust: dict | None = extension_field()
 

@@ -41,6 +41,7 @@ from .fedavg import FedAvg
 @register("fedavgm")
 @dataclass(frozen=True)
 class FedAvgM(Strategy):
+    secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
     eta: float = 1.0
     beta: float = 0.9
     weighting: str = "samples"

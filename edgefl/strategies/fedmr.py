@@ -151,6 +151,8 @@ def recombine(models: Sequence[np.ndarray], units, perms: np.ndarray) -> np.ndar
 @register("fedmr")
 @dataclass(frozen=True)
 class FedMR(Strategy):
+    secure_sum = False
+    secure_sum_refusal = "it recombines the clients' models layer by layer, so it needs each model"
     stage1_rounds: int = 0
     granularity: str = "tensor"
     seg_x: float = 0.0

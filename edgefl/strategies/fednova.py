@@ -67,6 +67,7 @@ def nova_coefficients(weights, norms):
 @register("fednova")
 @dataclass(frozen=True)
 class FedNova(Strategy):
+    secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
     weighting: str = "samples"
     robust: dict | None = extension_field()
 

@@ -44,6 +44,7 @@ from .fedavg import FedAvg
 @dataclass(frozen=True)
 class _FedOpt(Strategy):
     """FedOpt with an adaptive server optimiser; subclasses say how v is updated."""
+    secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
     eta: float = 0.03
     beta1: float = 0.9
     beta2: float = 0.99

@@ -49,6 +49,7 @@ from . import (WEIGHTINGS, State, Strategy, StrategyError, Task, Update, aggrega
 @register("fedumf")
 @dataclass(frozen=True)
 class FedUmf(Strategy):
+    secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
     alpha: float = 1.0
     weighting: str = "uniform"
 

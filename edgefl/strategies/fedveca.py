@@ -209,6 +209,8 @@ def baseline_steps(tau_all: int, rounds: int, sizes) -> list:
 @register("fedveca")
 @dataclass(frozen=True)
 class FedVeca(Strategy):
+    secure_sum = False
+    secure_sum_refusal = "its step sizes come from each client's gradient and the angles between the clients' updates"
     alpha: float = 0.95
     tau_init: int = 10
     tau_min: int = 2

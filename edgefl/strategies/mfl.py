@@ -48,6 +48,7 @@ from .robust import aggregate_robustly, robust_params
 @register("mfl")
 @dataclass(frozen=True)
 class MFL(Strategy):
+    secure_sum = True   # its server step needs only the weighted sum (edgefl.privacy)
     gamma: float = 0.5
     weighting: str = "samples"
     robust: dict | None = extension_field()

@@ -119,6 +119,8 @@ class DUW(Strategy):
     num_samples:     N_k per client, filled with the table (DUW-FedNova's tau_eff needs it
                      before the round starts).
     """
+    secure_sum = False
+    secure_sum_refusal = "it learns a weight for each client's update from the updates themselves"
     base: str = "fedavg"
     weights: str | None = None
     meta_iterations: int = 400

@@ -1,0 +1,429 @@
+"""`edgefl dashboard` (edgefl/dashboard/, edgefl/cli/dashboard.py): a live fleet on a real
+Mosquitto with the repo's ACL (the aggregator service and two clients as `edgefl` processes,
+each with its own account; the dashboard as the operator), watched in headless Chromium
+(tests/browser.py); the folding of the topics into the view; the server's refusals; the
+command's errors. Nothing waits for a fixed time: every wait polls for what it needs, with a
+generous timeout.
+"""
+from __future__ import annotations
+
+import errno
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest_plugins = ["brokers"]
+
+from browser import Browser, find_chromium    # noqa: E402
+from edgefl.cli import main           # noqa: E402
+from edgefl.dashboard import DashboardServer, FleetView, is_loopback    # noqa: E402
+from edgefl.transport.base import Message    # noqa: E402
+from edgefl.transport.broker import free_port    # noqa: E402
+from edgefl.transport.topics import Topics    # noqa: E402
+from helpers import wait_for          # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ROUNDS, EVAL_EVERY = 5, 2           # evaluated: rounds 2, 4 and 5 (every 2nd and the last)
+RUN = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
+       "model": {"name": "softmax"}, "strategy": {"name": "fedavg"},
+       "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": ROUNDS,
+       "eval_every": EVAL_EVERY, "seed": 3}
+CLIENTS = ("client-1", "client-2")          # accounts of the mosquitto_acl_server fixture
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+class Processes:
+    """edgefl commands as real processes, each logging to tmp_path/<name>.log; stopped with
+    SIGTERM (then killed) at the end."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp, self.procs = tmp_path, {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        with open(self.tmp / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=self.tmp,
+                                    env=_env(), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+# ---------------------------------------------------------------------------------------
+# the page in a real browser, against a live fleet
+# ---------------------------------------------------------------------------------------
+
+DOM = {
+    "nodes": """[...document.querySelectorAll('#fleet tbody tr')].map(r => ({
+        node: r.dataset.node, online: r.dataset.online,
+        model: r.querySelector('.model').textContent}))""",
+    "runs": """Object.fromEntries([...document.querySelectorAll('#runs tbody tr')].map(
+        r => [r.dataset.run, r.querySelector('.state').textContent]))""",
+    "accuracy": "document.querySelectorAll('#chart-accuracy circle.point.accuracy').length",
+    "accuracy_rounds": """[...document.querySelectorAll('#chart-accuracy circle.point')]
+        .map(c => Number(c.dataset.round))""",
+    "train_loss": "document.querySelectorAll('#chart-loss circle.point.train-loss').length",
+    "test_loss": "document.querySelectorAll('#chart-loss circle.point.test-loss').length",
+    "events": "[...document.querySelectorAll('#events li')].map(li => li.dataset.event)",
+    "link": "document.getElementById('link').dataset.state",
+    "curve_run": "document.getElementById('curves-section').dataset.run",
+}
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
+                    "package chromium): the dashboard's browser test needs a real browser")
+def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_server):
+    server = mosquitto_acl_server
+    fed = f"dash-{os.urandom(4).hex()}"
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(RUN))
+    run2_file = tmp_path / "run2.yaml"            # 3 rounds, every one evaluated
+    run2_file.write_text(yaml.safe_dump({**RUN, "rounds": 3, "eval_every": 1}))
+
+    def account(user: str) -> dict:
+        path = tmp_path / f"{user}.pw"
+        path.write_text(server.users[user] + "\n")
+        return {"url": server.url, "username": user, "password_file": str(path)}
+
+    def site(name: str, doc: dict) -> str:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
+                                        "broker": account(name), **doc}))
+        return str(path)
+
+    agg_site = site("aggregator", {"node": {"id": "aggregator", "federation": fed},
+                                   "state_dir": str(tmp_path / "agg-state"),
+                                   # a round waits for every client: the run stays running
+                                   # until the test starts the second one
+                                   "round": {"deadline": 600.0, "quorum": 1.0},
+                                   "clients": list(CLIENTS)})
+    client_sites = {c: site(c, {"node": {"id": c, "federation": fed},
+                                "state_dir": str(tmp_path / f"{c}-state")}) for c in CLIENTS}
+    operator = ["--username", "operator", "--password-file", account("operator")["password_file"],
+                "--federation", fed]
+    procs = Processes(tmp_path)
+    try:
+        procs.start("aggregator", "aggregator", "--config", agg_site)
+        procs.start("client-1", "client", "--config", client_sites["client-1"],
+                    "--partition", str(run_file), "--shard", "0")
+        procs.start("dashboard", "dashboard", "--broker", server.url.split("://")[1],
+                    "--port", "0", *operator)
+        line = wait_for(lambda: next((ln for ln in procs.log("dashboard").splitlines()
+                                      if "(read-only)" in ln), None), 60, "the dashboard's URL")
+        url = line.split()[2]
+        assert url.startswith("http://127.0.0.1:"), line
+
+        with Browser(tmp_path) as browser:
+            page = browser.open(url)
+
+            def dom(key):
+                return page.evaluate(DOM[key])
+
+            # the fleet: the aggregator service and the first board, online
+            def online():
+                nodes = {n["node"]: n for n in dom("nodes")}
+                return {"aggregator", "client-1"} <= {k for k, n in nodes.items()
+                                                      if n["online"] == "true"} and nodes
+            nodes = wait_for(online, 60, "aggregator and client-1 online in the fleet table")
+            assert "client-2" not in nodes, nodes
+            assert dom("link") == "live"
+
+            # a run started by the operator: round 1 waits for client-2, so it is running
+            def ctl(*args):
+                done = subprocess.run([sys.executable, "-m", "edgefl.cli", "ctl", *args,
+                                       "--broker", server.url, *operator], cwd=tmp_path,
+                                      env=_env(), capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0, done.stderr
+
+            def state_of(run, state):
+                return lambda: dom("runs").get(run) == state
+
+            # a run started by the operator: round 1 waits for client-2, so it stays running
+            ctl("start", str(run_file), "--run", "dash-run")
+            wait_for(state_of("dash-run", "running"), 60, "run dash-run shown as running")
+            wait_for(lambda: "round_opened" in dom("events"), 60, "round 1 opened in the events")
+            assert dom("accuracy") == 0 and dom("train_loss") == 0   # no round has closed
+            assert dom("curve_run") == "dash-run"
+            ctl("pause")
+            wait_for(state_of("dash-run", "paused"), 60, "run dash-run shown as paused")
+            ctl("resume")
+            wait_for(state_of("dash-run", "running"), 60, "run dash-run running again")
+            # a second run waits in the queue behind the active one
+            ctl("start", str(run2_file), "--run", "dash-run-2")
+            wait_for(state_of("dash-run-2", "queued"), 60, "run dash-run-2 shown as queued")
+            assert dom("curve_run") == "dash-run"            # the active run's curves
+            page.screenshot(tmp_path / "dashboard-running.png")
+
+            # the second board comes: both runs go through their rounds and finish
+            procs.start("client-2", "client", "--config", client_sites["client-2"],
+                        "--partition", str(run_file), "--shard", "1")
+            for run in ("dash-run", "dash-run-2"):
+                wait_for(state_of(run, "finished"), 180, f"run {run} shown as finished")
+
+            def evaluated(run):
+                metrics = tmp_path / "agg-state" / "runs" / run / "metrics.jsonl"
+                rounds = [json.loads(line) for line in metrics.read_text().splitlines()]
+                return len(rounds), [r["round"] for r in rounds
+                                     if r["test_accuracy"] is not None]
+
+            # by default the curves of the run that ended last; a click on a run's row
+            # shows its own. One point per evaluated round on the accuracy and test loss
+            # curves, one per round on the train loss curve.
+            for run, click in (("dash-run-2", False), ("dash-run", True)):
+                if click:
+                    page.evaluate(f"document.querySelector('#runs tr[data-run=\"{run}\"]')"
+                                  ".click()")
+                rounds, points = evaluated(run)
+                assert (rounds, points) == {"dash-run": (ROUNDS, [2, 4, 5]),
+                                            "dash-run-2": (3, [1, 2, 3])}[run]
+                wait_for(lambda: dom("curve_run") == run and dom("accuracy") == len(points),
+                         30, f"{len(points)} accuracy points of {run} (got {dom('accuracy')} "
+                         f"of {dom('curve_run')})")
+                assert sorted(dom("accuracy_rounds")) == points
+                assert dom("test_loss") == len(points) and dom("train_loss") == rounds
+            assert {"run_queued", "run_started", "run_paused", "run_continued", "round_closed",
+                    "run_finished"} <= set(dom("events"))
+            # every board installed the last run's final ONNX model, and its status says so
+            wait_for(lambda: {n["node"] for n in dom("nodes")} >= set(CLIENTS)
+                     and all("round 3" in n["model"] for n in dom("nodes")
+                             if n["node"] in CLIENTS), 60,
+                     "both clients showing the model of round 3 installed")
+            assert page.errors == [], page.errors
+            shot = page.screenshot(tmp_path / "dashboard.png")
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20000
+    finally:
+        procs.stop_all()
+    assert "edgefl dashboard: stopped" in procs.log("dashboard"), procs.log("dashboard")[-2000:]
+
+
+# ---------------------------------------------------------------------------------------
+# the command's errors
+# ---------------------------------------------------------------------------------------
+
+def test_unreachable_broker_is_named(capsys):
+    port = free_port()                  # nothing listens there
+    assert main(["dashboard", "--broker", f"127.0.0.1:{port}", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach MQTT broker 127.0.0.1:{port}" in err, err
+
+
+def test_port_in_use_is_named(capsys, mosquitto_server):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        assert main(["dashboard", "--broker", mosquitto_server.url, "--port", str(port)]) == 1
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--port" in err, err
+
+
+def test_a_non_loopback_host_warns(capsys):
+    # the warning comes before the broker is tried (here: unreachable)
+    assert main(["dashboard", "--host", "0.0.0.0", "--port", "0",
+                 "--broker", f"127.0.0.1:{free_port()}"]) == 1
+    err = capsys.readouterr().err
+    assert "warning: serving on 0.0.0.0" in err and "ssh -L" in err, err
+    assert "cannot reach MQTT broker" in err
+
+
+def test_a_site_files_own_account_is_not_used(tmp_path, capsys):
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({"node": {"id": "aggregator"},
+                                    "broker": {"url": "mqtt://127.0.0.1:1",
+                                               "username": "aggregator"}}))
+    assert main(["dashboard", "--config", str(site), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "read the run records" in err and "--username operator" in err, err
+
+
+# ---------------------------------------------------------------------------------------
+# the server: read-only, loopback names only, its assets
+# ---------------------------------------------------------------------------------------
+
+def _request(port, method="GET", path="/", host=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Host": host} if host else {}
+    conn.request(method, path, headers=headers)
+    response = conn.getresponse()
+    body = response.read()
+    conn.close()
+    return response, body
+
+
+def test_server_is_read_only_and_answers_only_to_loopback_names():
+    view = FleetView(Topics("lab"), broker="127.0.0.1:1883")
+    with DashboardServer(view, "127.0.0.1", 0) as server:
+        response, body = _request(server.port)
+        assert response.status == 200 and b"/dashboard.js" in body
+        assert "default-src 'self'" in response.getheader("Content-Security-Policy")
+        for path, kind in (("/dashboard.js", "javascript"), ("/dashboard.css", "css"),
+                           ("/state", "json")):
+            response, body = _request(server.port, path=path)
+            assert response.status == 200 and kind in response.getheader("Content-Type")
+        assert json.loads(_request(server.port, path="/state")[1])["broker"]["federation"] \
+            == "lab"
+        for method in ("POST", "PUT", "DELETE"):
+            response, body = _request(server.port, method, "/state")
+            assert response.status == 405 and b"read-only" in body
+        response, body = _request(server.port, host="attacker.example:8765")
+        assert response.status == 421 and b"attacker.example" in body
+        for host in ("localhost:8765", "127.0.0.1", "[::1]:8765"):
+            assert _request(server.port, host=host)[0].status == 200, host
+        assert _request(server.port, path="/../../etc/passwd")[0].status == 404
+
+
+def test_port_in_use_error_from_the_server():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError) as exc:
+            DashboardServer(FleetView(Topics("lab")), "127.0.0.1", port)
+    assert exc.value.errno == errno.EADDRINUSE and f"port {port}" in str(exc.value)
+
+
+def test_loopback_names():
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.com", "localhost.example.com"):
+        assert not is_loopback(host), host
+
+
+# ---------------------------------------------------------------------------------------
+# the view: what the topics become
+# ---------------------------------------------------------------------------------------
+
+def _message(topics, kind, node=None, doc=None, retain=False, raw=None):
+    topic = topics.topic(kind, node) if node is not None else topics.topic(kind)
+    payload = raw if raw is not None else json.dumps(doc).encode()
+    return Message(topic, payload, retain=retain, received_at=time.time())
+
+
+def test_view_folds_status_records_and_events():
+    topics = Topics("lab")
+    view = FleetView(topics)
+    listener, first = view.listen()
+    assert first["nodes"] == [] and first["runs"] == []
+    view.apply(_message(topics, "status", "pi-1", {"node": "pi-1", "online": True,
+                                                   "role": "client", "at": 100.0,
+                                                   "onnx_sha256": "ab" * 32, "onnx_round": 3},
+                        retain=True))
+    assert view.nodes["pi-1"]["seen"] == 100.0       # retained: when it was published
+    # a status naming another node, a payload that is not JSON: ignored and counted
+    view.apply(_message(topics, "status", "pi-2", {"node": "pi-9", "online": True}))
+    view.apply(_message(topics, "events", raw=b"{not json"))
+    assert set(view.nodes) == {"pi-1"} and view.ignored == 2
+
+    # a run seen only in its events (no service record) takes its state from them
+    view.apply(_message(topics, "events", doc={"event": "run_started", "run": "r1",
+                                               "at": 5.0}))
+    for r, acc in ((1, None), (2, 0.8)):
+        view.apply(_message(topics, "events", doc={
+            "event": "round_closed", "run": "r1", "round": r, "test_accuracy": acc,
+            "test_loss": None if acc is None else 0.5, "train_loss": 1.0 / r}))
+    assert view.runs["r1"]["state"] == "running" and view.runs["r1"]["rounds_done"] == 2
+    assert [p["test_accuracy"] for p in view.snapshot()["points"]["r1"]] == [None, 0.8]
+    view.apply(_message(topics, "events", doc={"event": "run_finished", "run": "r1",
+                                               "rounds": 2}))
+    assert view.runs["r1"]["state"] == "finished"
+    # a late event from another connection does not restart an ended run
+    view.apply(_message(topics, "events", doc={"event": "run_resumed", "run": "r1"}))
+    assert view.runs["r1"]["state"] == "finished"
+
+    # the service's record is the word on the state
+    view.apply(_message(topics, "runs", "r2", {"id": "r2", "state": "queued", "rounds": 4},
+                        retain=True))
+    view.apply(_message(topics, "events", doc={"event": "run_started", "run": "r2"}))
+    assert view.runs["r2"]["state"] == "queued"
+    view.apply(_message(topics, "runs", "r2", {"id": "r2", "state": "running", "rounds": 4}))
+    assert view.runs["r2"]["state"] == "running"
+    view.apply(_message(topics, "runs", "r3", {"id": "other", "state": "running"}))
+    assert "r3" not in view.runs and view.ignored == 3
+
+    # cleared retained topics remove their row
+    view.apply(_message(topics, "status", "pi-1", raw=b""))
+    view.apply(_message(topics, "runs", "r2", raw=b""))
+    assert "pi-1" not in view.nodes and "r2" not in view.runs
+
+    changes = []
+    while not listener.queue.empty():
+        changes.append(listener.queue.get_nowait()[0])
+    assert changes.count("point") == 2 and "node_gone" in changes and "run_gone" in changes
+    view.unlisten(listener)
+
+
+def test_event_stream_starts_with_a_snapshot_then_sends_each_change():
+    topics = Topics("lab")
+    view = FleetView(topics, broker="127.0.0.1:1883")
+    with DashboardServer(view, "127.0.0.1", 0) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/events")
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.getheader("Content-Type") == "text/event-stream"
+
+        def next_event():
+            fields = {}
+            while True:
+                line = response.fp.readline().decode().rstrip("\n")
+                if not line:
+                    if "event" in fields:
+                        return fields["event"], json.loads(fields["data"])
+                    continue
+                key, _, value = line.partition(": ")
+                fields[key] = value
+
+        kind, snapshot = next_event()
+        assert kind == "snapshot" and snapshot["nodes"] == [] and not snapshot["broker"][
+            "connected"]
+        view.apply(_message(topics, "status", "pi-1", {"node": "pi-1", "online": True}))
+        kind, doc = next_event()
+        assert kind == "node" and doc["node"] == "pi-1" and doc["online"] is True
+        from edgefl.transport.base import ConnectionEvent
+        view.apply(ConnectionEvent("disconnected", "broker restarted"))
+        kind, doc = next_event()
+        assert kind == "broker" and doc["connected"] is False and doc["reason"] == \
+            "broker restarted"
+        conn.close()
+
+
+def test_server_on_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    try:
+        server = DashboardServer(FleetView(Topics("lab")), "::1", 0)
+    except OSError as exc:
+        pytest.skip(f"cannot listen on ::1 here: {exc}")
+    with server:
+        assert server.url.startswith("http://[::1]:")
+        conn = http.client.HTTPConnection("::1", server.port, timeout=10)
+        conn.request("GET", "/state")
+        assert conn.getresponse().status == 200
+        conn.close()
