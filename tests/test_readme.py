@@ -539,3 +539,17 @@ def test_a_broker_placeholder_starts_a_fresh_broker(tmp_path):
     finally:
         run.finish()
     assert run.broker is None
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_repository_path_the_document_names_exists(document):
+    """Links and `code` paths into the repository (docs/..., tools/..., edgefl/..., ...:
+    a file name with an extension, or a directory with its slash; `edgefl/lab/ctl` is an
+    MQTT topic) name files that are there; a file a command creates is in a shell block."""
+    text = (REPO / document).read_text(encoding="utf-8")
+    base = (REPO / document).parent
+    named = {(base / m).resolve() for m in re.findall(r"\]\(([^)#\s:]+)", text)}
+    named |= {(REPO / m).resolve() for m in re.findall(
+        r"`((?:docs|tools|edgefl|tests|broker|devices|csrc)/[^`\s*<>]*(?:\.\w+|/))`", text)}
+    missing = sorted(str(p.relative_to(REPO)) for p in named if not p.exists())
+    assert not missing, f"{document} names paths that do not exist: {missing}"
