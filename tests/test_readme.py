@@ -40,6 +40,11 @@ between) changes how the block runs; readers of the rendered page do not see it:
                                              exit non-zero (a documented refusal)
     <!-- readme-test: output any -->         do not compare the shown output
     <!-- readme-test: timeout SECONDS -->    per command (default 120)
+    <!-- readme-test: cleanup COMMAND -->     run COMMAND at the end of the document, whatever
+                                             happened (best effort, status ignored): stops
+                                             what a block started in the background of its
+                                             own, e.g. `cleanup edgefl fleet down --dir fleet`
+                                             even when a command between failed
     <!-- readme-test: sub OLD => NEW -->     from here to the end of the document, OLD is
                                              replaced by NEW in commands and shown output;
                                              NEW may name {port:NAME} (a free TCP port,
@@ -124,7 +129,8 @@ class Block:
         return [value for key, value in self.directives if key == name]
 
 
-KNOWN = {"skip", "run", "background", "ready", "fails", "output", "timeout", "sub", *SKIPS}
+KNOWN = {"skip", "run", "background", "ready", "fails", "output", "timeout", "sub", "cleanup",
+         *SKIPS}
 
 
 def parse_markers(text: str, where: str) -> list:
@@ -261,6 +267,7 @@ class DocumentRun:
         self.ports: dict[str, int] = {}
         self.broker = None
         self.background: list[tuple[str, subprocess.Popen, Path]] = []
+        self.cleanups: list[str] = []
 
     def substitute(self, text: str, subs: list) -> str:
         for old, new in subs:
@@ -353,7 +360,17 @@ class DocumentRun:
                                  f"({proc.returncode}):\n{log.read_text(errors='replace')}")
 
     def finish(self) -> list[str]:
-        """Stop the background processes as a user would (Ctrl-C); the problems found."""
+        """Run the cleanups, stop the background processes as a user would (Ctrl-C); the
+        problems found."""
+        for command in reversed(self.cleanups):
+            try:
+                subprocess.run(["bash", "-c", self.script(command)], cwd=self.workdir,
+                               env=self.env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               timeout=DEFAULT_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pass
+        self.cleanups = []
         problems = []
         for text, proc, log in self.background:
             if proc.poll() is not None:
@@ -424,6 +441,7 @@ def test_block(item, runs):
     if block.directive("skip") is not None:
         pytest.skip(f"{block.id}: {block.directive('skip') or 'marked skip'}")
     run = runs(block.document)
+    run.cleanups += [run.substitute(c, block.subs) for c in block.all("cleanup")]
     for command in block.commands:
         run.run(block, command)
 
@@ -553,3 +571,10 @@ def test_every_repository_path_the_document_names_exists(document):
         r"`((?:docs|tools|edgefl|tests|broker|devices|csrc)/[^`\s*<>]*(?:\.\w+|/))`", text)}
     missing = sorted(str(p.relative_to(REPO)) for p in named if not p.exists())
     assert not missing, f"{document} names paths that do not exist: {missing}"
+
+
+def test_cleanups_run_at_the_end_of_the_document(tmp_path):
+    run = DocumentRun("doc.md", tmp_path / "w")
+    run.cleanups.append("touch cleaned")
+    run.cleanups.append("exit 5")                  # best effort: a failing one is no problem
+    assert run.finish() == [] and (tmp_path / "w" / "cleaned").exists()
