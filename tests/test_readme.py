@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -259,7 +260,17 @@ class DocumentRun:
                 continue
             (workdir / entry.name).symlink_to(entry)
         bindir = os.path.dirname(sys.executable)
-        self.env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        if not os.access(os.path.join(bindir, "edgefl"), os.X_OK):
+            # no console script beside this interpreter (pytest run from elsewhere): the
+            # same entry point through -m
+            bindir = str(workdir.parent / f"{workdir.name}-bin")
+            os.makedirs(bindir, exist_ok=True)
+            shim = os.path.join(bindir, "edgefl")
+            with open(shim, "w") as f:
+                f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m edgefl.cli "$@"\n')
+            os.chmod(shim, 0o755)
+        self.env = {**os.environ, "PATH": bindir + os.pathsep + os.path.dirname(sys.executable)
+                    + os.pathsep + os.environ.get("PATH", ""),
                     "PYTHONPATH": os.pathsep.join(
                         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                     "COLUMNS": "100"}
