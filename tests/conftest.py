@@ -38,3 +38,16 @@ def fsynced(monkeypatch):
 
     monkeypatch.setattr(os, "fsync", record)
     return paths
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _data_cache(tmp_path_factory):
+    """Decoded data sets (edgefl.data.cache) go to this session's own directory, inherited
+    by the commands the tests start, never to the user's ~/.cache."""
+    saved = os.environ.get("EDGEFL_CACHE_DIR")
+    os.environ["EDGEFL_CACHE_DIR"] = str(tmp_path_factory.mktemp("data-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("EDGEFL_CACHE_DIR", None)
+    else:
+        os.environ["EDGEFL_CACHE_DIR"] = saved

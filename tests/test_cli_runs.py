@@ -188,3 +188,55 @@ def test_duw_train_refuses_an_existing_weight_file_and_force_replaces_it(cwd, ca
     assert main([*argv, "--force"]) == 0
     doc = json.loads((cwd / "w.json").read_text())
     assert doc["format"] == "edgefl-duw-weights" and doc["rounds"] == 2
+
+
+def test_compare_refuses_an_existing_plot_and_force_replaces_it(run_dir, cwd, capsys):
+    (cwd / "compare.png").write_bytes(b"keep me")
+    assert main(["compare", "run"]) == 2            # the default file too
+    assert "--out compare.png: file exists; pass --force" in one_line_error(capsys, "compare")
+    assert (cwd / "compare.png").read_bytes() == b"keep me"
+    assert capsys.readouterr().out == ""             # refused before the table
+    assert main(["compare", "run", "--no-plot"]) == 0
+    assert "overlay plot" not in capsys.readouterr().out
+    assert (cwd / "compare.png").read_bytes() == b"keep me"
+    assert main(["compare", "run", "--force"]) == 0
+    assert (cwd / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------
+# simulate: --force needs --out; --no-plot, --no-export; the lines around the rounds
+# ---------------------------------------------------------------------------------------
+
+def test_force_without_out_is_an_error_that_says_why(cwd, capsys):
+    assert simulate("--force") == 2
+    err = one_line_error(capsys, "simulate")
+    assert "--force only applies to --out DIR" in err and "new directory under runs/" in err
+    assert not (cwd / "runs").exists()
+
+
+def test_no_plot_and_no_export_leave_those_files_out(cwd, capsys):
+    assert simulate("--out", "bare", "--no-plot", "--no-export") == 0
+    assert sorted(os.listdir(cwd / "bare")) == ["metrics.jsonl", "model.npz", "summary.json"]
+    assert main(["simulate", "tiny.yaml", "--no-export", "--export-every", "1"]) == 2
+    assert "--no-export and --export-every 1 contradict" in one_line_error(capsys, "simulate")
+    assert main(["export", "bare"]) == 0                 # what --no-export's help promises
+    assert (cwd / "bare" / "model.onnx").is_file()
+
+
+def test_loading_export_and_plot_each_say_what_they_did(cwd, capsys):
+    assert main(["simulate", "tiny.yaml", "--workers", "1", "--out", "o"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    data = [i for i, line in enumerate(err) if line.startswith("data: ")]
+    export = [i for i, line in enumerate(err) if line.startswith("export: ")]
+    plot = [i for i, line in enumerate(err) if line.startswith("plot: ")]
+    rounds = [i for i, line in enumerate(err) if line.startswith("round ")]
+    assert len(data) == len(export) == len(plot) == 1, err
+    assert data[0] < rounds[0] and export[0] > rounds[0] and plot[0] > rounds[-1], err
+    assert re.fullmatch(r"data: digits, \d+ train / \d+ test samples, 3 clients \(\d+\.\d\d s\)",
+                        err[data[0]]), err
+    size = os.path.getsize(cwd / "o" / "model.onnx")
+    assert err[export[0]].startswith(f"export: {os.path.join('o', 'model.onnx')}, {size:,} bytes (")
+    assert err[plot[0]].startswith(f"plot: {os.path.join('o', 'curves.png')} (")
+    # --quiet: none of them
+    assert main(["simulate", "tiny.yaml", "--workers", "1", "--out", "q", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""

@@ -1,5 +1,7 @@
 """Partitioners (disjoint, complete, seeded, and each one's defining property), the config
 sections that describe a run's data, and `edgefl partition`."""
+import os
+
 import numpy as np
 import pytest
 
@@ -350,6 +352,7 @@ def test_cli_info_reports_backend_and_datasets(capsys):
     out = capsys.readouterr().out
     assert f"backend  {edgefl.backend}" in out and f"numpy    {np.__version__}" in out
     assert "digits         available" in out and "synthetic      available" in out
+    assert f"cache    {os.environ['EDGEFL_CACHE_DIR']}  (decoded data sets)" in out
 
 
 def test_cli_without_a_command_prints_help_and_exits_2(capsys):

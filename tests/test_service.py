@@ -691,6 +691,38 @@ def test_interpreter_hidden_by_the_sandbox_is_refused(tmp_path):
         inst.check_interpreter("/opt/my venv/bin/python")
 
 
+def test_a_dry_run_from_a_development_venv_shows_the_files_and_why_a_real_install_stops(
+        tmp_path, capsys):
+    """The README's `edgefl install-service ... --dry-run` works from a venv under /home or
+    /tmp: the files and commands are shown, the interpreter's problem is a warning naming the
+    recipe; without --dry-run the same command fails with that message and writes nothing."""
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(sys.executable)
+    stage = tmp_path / "stage"
+    argv = ["install-service", "--role", "client", "--id", "pi-01", "--profile", "rpi4",
+            "--python", str(venv_python), "--prefix", str(stage)]
+    assert main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"would write  {stage}/etc/systemd/system/edgefl-client@.service" in out
+    assert f"ExecStart={venv_python} -m edgefl.cli client" in out
+    warning = [line for line in out.splitlines() if line.startswith("warning: ")]
+    assert len(warning) == 1 and "a real install stops here: interpreter" in warning[0]
+    assert "is under /tmp, which the units' sandbox hides" in warning[0]
+    assert '"From a development checkout"' in warning[0]
+    assert not stage.exists()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"edgefl install-service: error: interpreter {venv_python} is under "
+                          f"/tmp") and '"From a development checkout"' in err
+    assert not stage.exists()
+    plan = inst.plan_install("client", "pi-01", profile="rpi4", python=str(venv_python),
+                             prefix=str(stage), dry_run=True)
+    with pytest.raises(inst.InstallError, match="is under /tmp"):
+        inst.install(plan)                   # a dry run's plan is never written
+    assert not stage.exists()
+
+
 def test_config_show_finds_the_client_site_file_install_service_wrote(tmp_path, capsys):
     # install-service writes /etc/edgefl/client-<id>.yaml; /etc/edgefl/client.yaml, the
     # default site file, is not what an installed client reads

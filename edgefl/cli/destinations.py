@@ -3,8 +3,9 @@ unless told to with --force.
 
 `edgefl simulate --out DIR` refuses a DIR that is not empty; without --out each run gets a
 directory of its own, runs/NAME-YYYYmmdd-HHMMSS, and runs/NAME is a symbolic link to the
-latest run that finished. `edgefl export --out`, `edgefl partition` and `edgefl duw-train
---out` refuse a file that exists. A refusal is a UsageError (exit status 2), raised before
+latest run that finished; --force without --out is refused, as it would force nothing.
+`edgefl export --out`, `edgefl partition`, `edgefl compare` and `edgefl duw-train --out`
+refuse a file that exists. A refusal is a UsageError (exit status 2), raised before
 the command writes anything.
 
 This is the command line's policy, not the library's: edgefl.sim.simulate(config, out_dir)

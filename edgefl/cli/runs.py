@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from .command import Command
+from .command import Command, UsageError
 from .destinations import FORCE_HELP, check_new_file, check_out_dir
 
 
@@ -71,7 +71,13 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "name, and runs/NAME links to the latest finished run)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty --out DIR (files of the same names are "
-                             "replaced; nothing is deleted)")
+                             "replaced; nothing is deleted); only with --out")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="do not draw curves.png (saves importing matplotlib, about "
+                             "0.6 s)")
+    parser.add_argument("--no-export", action="store_true",
+                        help="do not export model.onnx (`edgefl export RUN_DIR` can make it "
+                             "later from model.npz)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="client training threads (default: the number of CPUs)")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
@@ -111,6 +117,15 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         check_out_dir(args.out, args.force)
+    elif args.force:
+        # without --out every run gets a new directory: nothing would be forced, and a
+        # user who typed it probably meant to replace a run that is in fact kept
+        raise UsageError("--force only applies to --out DIR (a non-empty directory to write "
+                         "into); without --out each run gets a new directory under "
+                         "runs/, so there is nothing to replace")
+    if args.no_export and args.export_every:
+        raise UsageError(f"--no-export and --export-every {args.export_every} contradict "
+                         f"each other; drop one")
     config = load_run_config(args.config, args.overrides)
     name = os.path.splitext(os.path.basename(config.path or "run"))[0]
     if args.workers is not None and args.workers < 1:
@@ -132,7 +147,8 @@ def _simulate(args: argparse.Namespace) -> int:
         with install_stop_handlers() as stop:
             summary = simulate(config, out, workers=args.workers, progress=not args.quiet,
                                transport=args.transport, broker=args.broker, mqtt=mqtt,
-                               export=export, stop=stop)
+                               export=None if args.no_export else export,
+                               onnx=not args.no_export, plot=not args.no_plot, stop=stop)
     except RunStopped as exc:
         if args.out is None:            # stopped before writing: no empty run directory left
             discard_if_empty(out)
@@ -230,6 +246,7 @@ def _info(args: argparse.Namespace) -> int:
 
     from .. import backend, kernels
     from ..data import dataset_status
+    from ..data.cache import cache_dir
 
     have_blas = getattr(kernels.impl, "have_blas", None)
     blas = ("yes" if have_blas() else "no") if have_blas else "n/a (no BLAS in this backend)"
@@ -238,6 +255,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"blas     {blas}")
     print(f"numpy    {np.__version__}")
     print(f"python   {sys.version.split()[0]}")
+    print(f"cache    {cache_dir() or 'off (EDGEFL_CACHE_DIR)'}  (decoded data sets)")
     print("datasets")
     for name, status in dataset_status().items():
         print(f"  {name:<14} {status}")
@@ -423,7 +441,10 @@ def _compare_arguments(parser: argparse.ArgumentParser) -> None:
                              "accuracy is >= ACC (a fraction, e.g. 0.9); * = not reached")
     parser.add_argument("--out", default="compare.png", metavar="PNG",
                         help="overlay plot of accuracy and loss by round (default: compare.png "
-                             "in the current directory)")
+                             "in the current directory); an existing file is refused without "
+                             "--force")
+    parser.add_argument("--force", action="store_true", help=FORCE_HELP)
+    parser.add_argument("--no-plot", action="store_true", help="print the table only")
     parser.add_argument("--json", action="store_true",
                         help="print the rows as JSON instead of a Markdown table")
 
@@ -433,15 +454,20 @@ def _compare(args: argparse.Namespace) -> int:
 
     from ..compare import check_target, comparison_rows, load_runs, markdown_table, plot_overlay
 
+    if not args.no_plot:
+        check_new_file(args.out, args.force)
     target = None if args.target is None else check_target(args.target)
     runs = load_runs(args.dirs)
     rows = comparison_rows(runs, target)
-    plot_overlay(runs, args.out, target)
+    plot = None if args.no_plot else args.out
+    if plot is not None:
+        plot_overlay(runs, plot, target)
     if args.json:
-        print(json.dumps({"target": target, "plot": args.out, "runs": rows}, indent=1))
+        print(json.dumps({"target": target, "plot": plot, "runs": rows}, indent=1))
     else:
         print(markdown_table(rows, target))
-        print(f"\noverlay plot: {args.out}")
+        if plot is not None:
+            print(f"\noverlay plot: {plot}")
     return 0
 
 

@@ -171,7 +171,9 @@ def _install_service_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --prefix, staging for another machine: check only the "
                              "interpreter's path, not that it exists here and imports edgefl")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the files and commands, write nothing")
+                        help="print the files and commands, write nothing; an interpreter "
+                             "the unit could not run (a development venv under /home or "
+                             "/tmp) is a warning here, not an error")
     parser.add_argument("--signing-key", metavar="FILE|new",
                         help="install this Ed25519 private key (or a new one) as the node's "
                              "keys.signing_key: /etc/edgefl/keys/<role>-<id>.key, mode 0600, "
@@ -187,7 +189,8 @@ def _install_service(args: argparse.Namespace) -> int:
 
     plan = plan_install(args.role, args.node_id, profile=args.profile, prefix=args.prefix,
                         python=args.python, check_python=args.check_python,
-                        signing_key=args.signing_key, trusted_keys=tuple(args.trust_key))
+                        signing_key=args.signing_key, trusted_keys=tuple(args.trust_key),
+                        dry_run=args.dry_run)
     done = install(plan, dry_run=args.dry_run)
     print(format_report(plan, done, args.dry_run))
     return 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cache import cached_raw, register_kind
 from .idx import find_idx, read_idx
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
@@ -56,6 +57,7 @@ class Dataset:
     y_train_original: np.ndarray | None = None
 
 
+@register_kind
 @dataclass(frozen=True)
 class Raw:
     """One source's arrays in stored units, plus how to normalise them (see `finish`)."""
@@ -216,7 +218,32 @@ def load_digits() -> Raw:
     Test split: round(20%) of each class, drawn with the fixed seed DIGITS_SPLIT_SEED = 0
     (1438 train / 359 test).
     Normalised with the training split's scalar pixel mean and std.
+    Kept in the data cache (edgefl.data.cache) after the first load, keyed by scikit-learn's
+    bundled data file, so later runs do not import scikit-learn at all.
     """
+    source = _sklearn_digits_file()
+    if source is None:           # scikit-learn missing, or its files laid out otherwise
+        return _decode_digits()
+    return cached_raw("digits", [source], _decode_digits,
+                      {"seed": DIGITS_SPLIT_SEED, "test_fraction": DIGITS_TEST_FRACTION})
+
+
+def _sklearn_digits_file() -> str | None:
+    """scikit-learn's bundled digits file, found without importing scikit-learn."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("sklearn")
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _decode_digits() -> Raw:
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError as exc:
@@ -253,17 +280,26 @@ def load_mnist(*, path: str = MNIST_DIR) -> Raw:
 
 
 def _load_idx_dataset(name, directory, class_names, mean, std, how_to_get) -> Raw:
+    """The four IDX files of `directory`, decoded once and then kept in the data cache
+    (edgefl.data.cache) under the files' size and modification time."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(
             f"{name}: dataset directory {directory} does not exist; {how_to_get}, or set the "
             f"dataset option path to a directory holding {', '.join(_IDX_FILES)} "
             f"(each may end in .gz)")
-    arrays = []
+    files = []
     for stem in _IDX_FILES:
         found = find_idx(directory, stem)
         if found is None:
             raise FileNotFoundError(f"{name}: no {stem} or {stem}.gz in {directory}")
-        arrays.append((found, read_idx(found)))
+        files.append(found)
+    return cached_raw(name, files,
+                      lambda: _decode_idx_dataset(name, files, class_names, mean, std),
+                      {"mean": mean, "std": std, "class_names": list(class_names)})
+
+
+def _decode_idx_dataset(name, files, class_names, mean, std) -> Raw:
+    arrays = [(found, read_idx(found)) for found in files]
     (xtr_f, x_train), (ytr_f, y_train), (xte_f, x_test), (yte_f, y_test) = arrays
     for (x_file, x), (y_file, y) in ((arrays[0], arrays[1]), (arrays[2], arrays[3])):
         if x.ndim != 3 or x.dtype != np.uint8:

@@ -26,6 +26,7 @@ from ..io import atomic_write, write_json
 from ..models import Model
 from ..runconfig import RunConfig
 from ..strategies import Strategy
+from .phases import phase
 
 log = logging.getLogger("edgefl.runs.outputs")
 
@@ -35,20 +36,38 @@ __all__ = ["RoundExporter", "absolute_dataset_paths", "dp_summary", "export_fina
 
 def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strategy,
                   result, dataset, summary: dict, stream, who: str, *,
-                  onnx_exported: bool = False, export=None) -> None:
+                  onnx_exported: bool = False, export=None, onnx: bool = True,
+                  plot: bool = True, progress: bool = False) -> None:
     """summary.json, model.npz, model.onnx (with the export extra; unless a RoundExporter
-    exported the final round already; `export`, the run's ExportPolicy, says how) and
-    curves.png."""
+    exported the final round already; `export`, the run's ExportPolicy, says how; not with
+    onnx=False) and curves.png (not with plot=False). progress: a line on `stream` for the
+    export and the plot, each of which takes a noticeable time (edgefl.runs.phases)."""
     write_json(os.path.join(out_dir, "summary.json"), summary, indent=2)
     save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy, result, dataset,
                     dataset_config=absolute_dataset_paths(config.dataset, config.path))
-    if not onnx_exported:
-        export_final_onnx(out_dir, stream, export)
+    lines = stream if progress else None
+    if onnx and not onnx_exported:
+        with phase(lines, "export") as note:
+            path = os.path.join(out_dir, "model.onnx")
+            before = _mtime(path)
+            export_final_onnx(out_dir, stream, export)
+            note.append(f"{path}, {os.path.getsize(path):,} bytes"
+                        if _mtime(path) != before else "model.onnx not written")
+    if plot:
+        try:
+            with phase(lines, "plot") as note:
+                plot_curves(result.history, os.path.join(out_dir, "curves.png"),
+                            f"{config.strategy} on {dataset.name}, {config.clients} clients")
+                note.append(os.path.join(out_dir, "curves.png"))
+        except ImportError as exc:   # matplotlib is an optional extra
+            print(f"{who}: curves.png skipped: {exc}", file=stream)
+
+
+def _mtime(path: str):
     try:
-        plot_curves(result.history, os.path.join(out_dir, "curves.png"),
-                    f"{config.strategy} on {dataset.name}, {config.clients} clients")
-    except ImportError as exc:   # matplotlib is an optional extra
-        print(f"{who}: curves.png skipped: {exc}", file=stream)
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 def run_summary(config: RunConfig, model: Model, result, workers: int) -> dict:
@@ -142,7 +161,10 @@ class RoundExporter:
     so once and exports nothing; an export that fails is reported and the run goes on (its
     state is not at stake)."""
 
-    def __init__(self, run, out_dir: str, policy, stream, who: str):
+    def __init__(self, run, out_dir: str, policy, stream, who: str, *, lines=None,
+                 before_line=None):
+        """lines: a stream for the progress line of the final round's export (none: no
+        line); before_line(): called first, to end a progress bar drawn on that line."""
         from ..export import ExportPolicy
 
         self.run = run
@@ -153,8 +175,21 @@ class RoundExporter:
         self.exported: list = []             # [{round, bytes, accuracy}] of this process
         self.last_round: int | None = None
         self._unavailable = False
+        self.lines, self.before_line = lines, before_line
 
     def __call__(self, round: int, params) -> str | None:
+        if self.lines is None or round != self.run.config.rounds or \
+                not self.policy.due(round, self.run.config.rounds):
+            return self._export(round, params)
+        if self.before_line is not None:
+            self.before_line()
+        with phase(self.lines, "export") as note:
+            path = self._export(round, params)
+            note.append(f"{path}, {self.exported[-1]['bytes']:,} bytes" if path else
+                        "model.onnx not written")
+        return path
+
+    def _export(self, round: int, params) -> str | None:
         if self._unavailable or not self.policy.due(round, self.run.config.rounds):
             return None
         try:

@@ -23,6 +23,7 @@ from ..models import Model, build_model
 from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
+from .phases import phase
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
            "prepare_run", "privacy_hooks", "refuse_privacy"]
@@ -97,8 +98,11 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     # before the data loads: a long run on an unrequested NumPy fallback stops here
     kernels.check_run_backend(config.rounds * config.clients_per_round,
                               config.path or "<config>", stream or sys.stderr)
-    dataset = dataset_from_config(config.as_config())
-    split = partition_from_config(config.as_config(), dataset)
+    with phase(None if progress is False else (stream or sys.stderr), "data") as note:
+        dataset = dataset_from_config(config.as_config())
+        split = partition_from_config(config.as_config(), dataset)
+        note.append(f"{dataset.name}, {len(dataset.y_train)} train / {len(dataset.y_test)} "
+                    f"test samples, {len(split.indices)} clients")
     model = build_run_model(config, dataset)
     init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
     setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),

@@ -125,7 +125,9 @@ def _check_not_hidden(python: str, path: str) -> None:
                 f"edgefl in a venv outside {', '.join(HIDDEN_FROM_SERVICE)} made with a Python "
                 f"that is outside them too (docs/deployment.md uses "
                 f"{os.path.dirname(os.path.dirname(PYTHON_PLACEHOLDER))} and the system's "
-                f"python3) and run that venv's edgefl, or pass --python")
+                f"python3) and run that venv's edgefl, or pass --python; from a development "
+                f"checkout, docs/deployment.md \"From a development checkout\" has the recipe, "
+                f"and --dry-run shows the files anyway")
 
 
 def check_imports_edgefl(python: str, timeout: float = IMPORT_CHECK_TIMEOUT_S) -> None:
@@ -211,7 +213,8 @@ class InstallPlan:
 def plan_install(role: str, node_id: str | None = None, *, profile: str | None = None,
                  prefix: str = "/", python: str | None = None, check_python: bool = True,
                  device_tree_model: str = profiles.DEVICE_TREE_MODEL,
-                 signing_key: str | None = None, trusted_keys: tuple = ()) -> InstallPlan:
+                 signing_key: str | None = None, trusted_keys: tuple = (),
+                 dry_run: bool = False) -> InstallPlan:
     """Validate the request and build the files and commands of an installation.
     check_python=False (--no-python-check) is for files staged under a `prefix` for another
     machine: the interpreter's path is checked, not whether it exists here and imports
@@ -220,14 +223,24 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
     generate one: placed in /etc/edgefl/keys/ with mode 0600, owned by the service user (a
     printed chown, as the user exists once systemd-sysusers has run), its public key beside
     it. trusted_keys: public key files the node checks signatures with (a client: the
-    aggregator's, keys.aggregator; the aggregator: the operators', keys.operators)."""
+    aggregator's, keys.aggregator; the aggregator: the operators', keys.operators).
+    dry_run: an interpreter the unit could not run (a development venv under /home or
+    /tmp) is a warning, not an error, so that anyone can see what install-service would
+    write; install() of such a plan refuses to write it."""
     spec = _role(role)
     node_id = check_node_id(role, node_id)
     if not check_python and os.path.abspath(prefix) == "/":
         raise InstallError("--no-python-check is for staging files with --prefix for another "
                            "machine; a unit installed here runs this machine's interpreter, "
                            "which must import edgefl")
-    python = check_interpreter(python or sys.executable, here=check_python)
+    warnings = []
+    try:
+        python = check_interpreter(python or sys.executable, here=check_python)
+    except InstallError as exc:
+        if not dry_run:
+            raise
+        python = python or sys.executable
+        warnings.append(f"a real install stops here: {exc}")
     if profile is None:
         profile, how = profiles.detect_profile(device_tree_model)
         if profile is None:
@@ -260,7 +273,6 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
     chowns = tuple(("chown", f.owner, f.path) for f in key_files if f.owner)
     commands = (("systemd-sysusers", SYSUSERS_FILE),) + chowns + (
         ("systemctl", "daemon-reload"), ("systemctl", "enable", "--now", unit))
-    warnings = []
     if not check_python:
         warnings.append(f"interpreter {python} not checked (--no-python-check): on the "
                         f"machine the files are for, it must exist and `{python} -c "
@@ -465,6 +477,9 @@ def install(plan: InstallPlan, dry_run: bool = False) -> list[tuple[str, str]]:
     """Write the plan's files (nothing with dry_run). Returns (path, action) pairs, action one
     of "written", "replaced", "unchanged", "kept (exists)", or "would write" and so on with
     dry_run."""
+    refused = [w for w in plan.warnings if w.startswith("a real install stops here: ")]
+    if refused and not dry_run:      # a dry run's plan: its interpreter failed the checks
+        raise InstallError(refused[0][len("a real install stops here: "):])
     if not dry_run and plan.prefix == "/" and hasattr(os, "geteuid") and os.geteuid() != 0:
         raise InstallError(f"writing {UNIT_DIR} and {ETC_DIR} needs root: run it with sudo, "
                            f"e.g. sudo {os.path.dirname(plan.python)}/edgefl install-service ...")

@@ -57,7 +57,8 @@ TRANSPORTS = ("inproc", "mqtt")
 def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: int | None = None,
              progress: bool | None = None, stream=None, transport: str = "inproc",
              broker: str | None = None, broker_kind: str = "auto",
-             mqtt: Mapping | None = None, export=None, stop=None) -> dict:
+             mqtt: Mapping | None = None, export=None, stop=None, onnx: bool = True,
+             plot: bool = True) -> dict:
     """Run the configured federation and write metrics.jsonl, summary.json, model.npz and
     curves.png into `out_dir` (None: write nothing). progress: None = show a progress bar on
     stderr (a bar on a TTY, one line per round otherwise), False = silent. Returns the
@@ -75,7 +76,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     it is set, every local round stops before its next step and RunStopped is raised; by
     then out_dir holds the rounds done: metrics.jsonl (whole lines), summary.json with a
     `stopped` entry, and model.npz of the last round done (none if no round was done); no
-    ONNX export or plot, and runs/NAME is not pointed at it."""
+    ONNX export or plot, and runs/NAME is not pointed at it.
+
+    onnx=False: no model.onnx at all; plot=False: no curves.png (`--no-export`,
+    `--no-plot`). With progress shown, loading the data, the export and the plot each say
+    what they did and how long it took (edgefl.runs.phases)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
@@ -103,8 +108,10 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         os.makedirs(out_dir, exist_ok=True)
         metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w", encoding="utf-8")
     bar = Progress(config.rounds, stream or sys.stderr, enabled=progress is not False)
-    exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate") \
-        if out_dir is not None else None
+    exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate",
+                             lines=bar.stream if bar.enabled else None,
+                             before_line=bar.close) \
+        if out_dir is not None and onnx else None
 
     def on_round(record):
         if metrics_file is not None:
@@ -167,8 +174,9 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     if out_dir is not None:
         write_outputs(out_dir, config, model, strategy, result, dataset, summary,
                       stream or sys.stderr, "edgefl simulate",
-                      onnx_exported=exporter.last_round == config.rounds,
-                      export=exporter.policy)
+                      onnx_exported=exporter is not None and exporter.last_round == config.rounds,
+                      export=exporter.policy if exporter is not None else None, onnx=onnx,
+                      plot=plot, progress=progress is not False)
     return summary
 
 

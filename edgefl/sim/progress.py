@@ -1,4 +1,6 @@
-"""A run's progress on stderr: a redrawn bar on a terminal, one line per round otherwise."""
+"""A run's progress on stderr: a redrawn bar on a terminal, one line per round otherwise.
+The lines before the first round and after the last (data, export, plot) are
+edgefl.runs.phases'."""
 from __future__ import annotations
 
 import math

@@ -1,0 +1,133 @@
+"""The decoded-data cache (edgefl.data.cache): a cached load gives the arrays a fresh decode
+gives, a changed source is decoded again, and a cache file that cannot be read -- truncated,
+garbage, another format -- is rebuilt with a warning, never an error."""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from edgefl.data import load_dataset
+from edgefl.data.cache import cache_dir
+from edgefl.data.datasets import _sklearn_digits_file
+
+from test_data import idx_bytes, write_mnist_dir
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("EDGEFL_CACHE_DIR", str(directory))
+    return directory
+
+
+def same(a, b):
+    for key in ("x_train", "y_train", "x_test", "y_test", "norm_mean", "norm_std"):
+        np.testing.assert_array_equal(getattr(a, key), getattr(b, key), err_msg=key)
+    assert (a.name, a.num_classes, a.class_names, a.raw_range, a.input_shape) == \
+        (b.name, b.num_classes, b.class_names, b.raw_range, b.input_shape)
+
+
+def uncached(name, monkeypatch, **options):
+    with monkeypatch.context() as m:
+        m.setenv("EDGEFL_CACHE_DIR", "off")
+        return load_dataset(name, **options)
+
+
+def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("EDGEFL_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == str(tmp_path / "xdg" / "edgefl")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == str(tmp_path / "home" / ".cache" / "edgefl")
+    monkeypatch.setenv("EDGEFL_CACHE_DIR", "off")
+    assert cache_dir() is None
+
+
+def test_digits_from_the_cache_equal_a_fresh_decode(cache, monkeypatch):
+    pytest.importorskip("sklearn")
+    if _sklearn_digits_file() is None:
+        pytest.skip("scikit-learn's digits file is not where the cache looks for it")
+    fresh = uncached("digits", monkeypatch)
+    assert not cache.exists()                      # off means off
+    first = load_dataset("digits")                 # decodes and writes the cache
+    files = os.listdir(cache)
+    assert len(files) == 1 and files[0].startswith("digits-") and files[0].endswith(".npz")
+    second = load_dataset("digits")                # reads it
+    same(fresh, first)
+    same(fresh, second)
+    assert os.listdir(cache) == files
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "other-arrays"])
+def test_an_unreadable_cache_file_is_rebuilt_not_fatal(cache, monkeypatch, tmp_path, caplog,
+                                                       damage):
+    arrays = write_mnist_dir(tmp_path / "mnist")
+    fresh = uncached("mnist", monkeypatch, path=str(tmp_path / "mnist"))
+    load_dataset("mnist", path=str(tmp_path / "mnist"))
+    (name,) = os.listdir(cache)
+    path = str(cache / name)
+    good = open(path, "rb").read()
+    if damage == "truncated":
+        bad = good[:len(good) // 2]
+    elif damage == "garbage":
+        bad = b"\x00not a zip file" * 100
+    elif damage == "empty":
+        bad = b""
+    else:                                           # a valid npz, but not a cache file
+        import io
+        buf = io.BytesIO()
+        np.savez(buf, x=np.zeros(3))
+        bad = buf.getvalue()
+    with open(path, "wb") as f:
+        f.write(bad)
+    with caplog.at_level(logging.WARNING, logger="edgefl.data.cache"):
+        again = load_dataset("mnist", path=str(tmp_path / "mnist"))
+    same(fresh, again)
+    np.testing.assert_array_equal(again.y_train, arrays["train-labels-idx1-ubyte"])
+    assert any("unreadable" in r.getMessage() and path in r.getMessage() and
+               "decoding mnist again" in r.getMessage() for r in caplog.records)
+    assert open(path, "rb").read() == good           # rewritten whole
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgefl.data.cache"):
+        same(fresh, load_dataset("mnist", path=str(tmp_path / "mnist")))
+    assert not caplog.records
+
+
+def test_a_changed_source_file_is_decoded_again(cache, tmp_path):
+    directory = tmp_path / "mnist"
+    write_mnist_dir(directory)
+    before = load_dataset("mnist", path=str(directory))
+    # the same size, rewritten in place at once: only the content tells it apart
+    labels = os.path.join(directory, "train-labels-idx1-ubyte")
+    changed = (np.arange(12)[::-1] % 10).astype(np.uint8)
+    with open(labels, "wb") as f:
+        f.write(idx_bytes(changed, 0x08))
+    after = load_dataset("mnist", path=str(directory))
+    np.testing.assert_array_equal(after.y_train, changed)
+    assert not np.array_equal(before.y_train, after.y_train)
+    assert len(os.listdir(cache)) == 2
+
+
+def test_a_cache_directory_that_cannot_be_written_only_costs_speed(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("EDGEFL_CACHE_DIR", str(blocker / "edgefl"))
+    arrays = write_mnist_dir(tmp_path / "mnist")
+    ds = load_dataset("mnist", path=str(tmp_path / "mnist"))
+    np.testing.assert_array_equal(ds.y_test, arrays["t10k-labels-idx1-ubyte"])
+
+
+def test_a_bad_source_is_reported_as_before_and_nothing_is_cached(cache, tmp_path):
+    write_mnist_dir(tmp_path / "mnist")
+    with open(tmp_path / "mnist" / "train-labels-idx1-ubyte", "wb") as f:
+        f.write(b"\x00\x00\x08")
+    with pytest.raises(ValueError, match="train-labels-idx1-ubyte: .*too short"):
+        load_dataset("mnist", path=str(tmp_path / "mnist"))
+    assert not cache.exists() or not os.listdir(cache)
