@@ -40,6 +40,7 @@ update is ignored), so a board that died does not hold a slot for ever.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import json
@@ -179,6 +180,7 @@ class AsynchronousAggregator(Aggregator):
             self.transport.clear_retained(self.topics.round())
             for node in sorted(self.book["flight"]):
                 self._publish_task(node, again=True)
+            drained = True
             while self.ckpt.round < self.rounds and not self.stop.is_set():
                 if self.notifier is not None:
                     self.notifier.beat()
@@ -187,10 +189,14 @@ class AsynchronousAggregator(Aggregator):
                     continue
                 if len(self.buffer) >= self.buffer_size:
                     self._step()
+                    drained = self._service(0.0)
                     continue
-                self._give_up_overdue()
-                self._refill()
-                self._service(self.settings.poll_s)
+                if drained:
+                    # what arrived together is handled before idle boards are tasked, as
+                    # the in-process driver handles one simulated instant's arrivals
+                    self._give_up_overdue()
+                    self._refill()
+                drained = self._service(self.settings.poll_s)
             finished = self.ckpt.round >= self.rounds
             if finished:
                 for node in sorted(self.book["flight"]):
@@ -204,13 +210,17 @@ class AsynchronousAggregator(Aggregator):
                                 list(self.ckpt.history), list(self.ckpt.aggregated),
                                 self.ckpt.round >= self.rounds, dict(self.stats), None)
 
-    def _service(self, timeout: float) -> None:
+    def _service(self, timeout: float) -> bool:
+        """Handle what arrives within `timeout` and whatever is queued behind it; True once
+        the queue is empty, False when a full buffer stopped it (the step comes first:
+        later arrivals are checked against the new version)."""
         item = self.transport.receive(timeout=timeout)
         while item is not None:
             self._handle(item)
             if len(self.buffer) >= self.buffer_size:
-                break                  # the step first: later arrivals count toward the next
+                return False
             item = self.transport.receive(timeout=0)
+        return True
 
     # ------------------------------------------------------------------ tasks
     def _refill(self) -> None:
@@ -274,40 +284,39 @@ class AsynchronousAggregator(Aggregator):
 
     def _publish_task(self, node: str, frame=None, again: bool = False) -> None:
         """The task in flight for `node` on task/<node>, then its model on model/<node>
-        (retained when one frame; re-encoded from the state's window after a restart)."""
+        (retained when one frame). again: published once more (a restart, a lost broker
+        session, the board asked): a new announcement id, so a board that trained the task
+        re-sends its stored update, and the model encoded anew from the state's window (a
+        version out of the window is given up: its update would be dropped as too stale)."""
         entry = self.book["flight"][node]
-        doc = dict(entry["doc"])
-        if again:     # a new announcement id: a board that trained it re-sends its update
+        doc = copy.deepcopy(entry["doc"])
+        if frame is None:
+            params = self._model_of(entry["version"])
+            if params is not None:
+                frame = self._model_frame(entry["task"], node, {"params": params})
+                doc["tasks"][node]["model_frame"] = f"{frame[2]:016x}"
+                entry["frame_id"] = frame[2]
+        if again:
             doc["announce"] = new_announce_id()
             entry["opened"] = time.time()
+        entry["doc"] = doc
         try:
             self.transport.publish(self.topics.topic("task", node),
                                    json.dumps(doc, separators=(",", ":")).encode(), qos=1,
                                    retain=True)
             self.counts["announcements"] += 1
             if frame is None:
-                params = self._model_of(entry["version"])
-                if params is None:
-                    return          # out of the window: the board's retained model serves
-                frame = self._model_frame(entry["task"], node, {"params": params})
-                if frame[2] != entry["frame_id"]:      # the task names the frame it sent
-                    doc["tasks"][node]["model_frame"] = f"{frame[2]:016x}"
-                    entry["frame_id"] = frame[2]
-                    doc["announce"] = new_announce_id()
-                    entry["doc"] = doc
-                    self.transport.publish(self.topics.topic("task", node),
-                                           json.dumps(doc, separators=(",", ":")).encode(),
-                                           qos=1, retain=True)
+                return
             topic = self.topics.client_model(node)
             payloads = frame[0]
-            if len(payloads) > 1:
+            if len(payloads) > 1:     # chunks are not retained: clear a stale whole frame
                 self.transport.publish(topic, b"", qos=1, retain=True)
             for payload in payloads:
                 self.transport.publish(topic, payload, qos=1, retain=len(payloads) == 1)
                 self.counts["wire_down_bytes"] += len(payload)
         except TransportError as exc:
-            log.warning("task %d for %s not published: %s (it is published again after a "
-                        "reconnect or when it times out)", entry["task"], node, exc)
+            log.warning("task %d for %s not published: %s (published again after a "
+                        "reconnect, or given up at its timeout)", entry["task"], node, exc)
 
     def _give_up_overdue(self) -> None:
         """A task unanswered for round_timeout_s frees its slot (the board may be gone)."""
