@@ -206,3 +206,159 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
     resent = sum(clients[int(n.split("-")[1])].stats["resent"] for n in in_flight)
     answered_in_flight = [e["task"] for e in in_flight.values() if e["task"] in applied]
     assert resent >= 1 or not answered_in_flight
+
+
+# ---------------------------------------------------------------------------------------
+# agreement: the MQTT run driven by the virtual clock's arrival order is the in-process run
+# ---------------------------------------------------------------------------------------
+
+MIXED = {"rpi-zero2w": 0.3, "rpi4": 0.5, "rpi5": 0.2}
+
+
+@pytest.mark.parametrize("fleet", [None, {"mix": MIXED}], ids=["lockstep", "mixed-fleet"])
+def test_loopback_run_released_in_the_clocks_order_gives_the_in_process_model(tmp_path, fleet):
+    """The boards' uploads are held and released in the order the virtual clock of the
+    in-process run gives (its Clock and EventQueue, each task's seconds from its task
+    message): the asynchronous aggregator then takes the same steps and ends with the
+    in-process run's model_sha256.
+
+    One instant's arrivals reach the aggregator together: its transport's receive waits
+    while a batch is being released, so it never tasks idle boards between two updates of
+    one instant (the in-process driver refills after the instant); the next instant is
+    released once the aggregator has tasked as many boards as came back (or finished).
+    Lockstep: every task takes one simulated second, so C updates arrive at each instant
+    and two steps are taken in it; the mixed fleet: arrivals one by one, some too stale."""
+    import numpy as np
+    from edgefl.checkpoint import model_sha256
+    from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles.asynchronous import AsynchronousAggregator
+    from edgefl.roles.messages import task_from_announcement
+    from edgefl.sim import simulate
+    from edgefl.sim.clock import Clock, EventQueue
+    from edgefl.transport.loopback import LoopbackBroker
+    from edgefl.transport.topics import Topics
+
+    changes = dict(rounds=10, strategy={"name": "fedbuff", "concurrency": 4,
+                                        "buffer_size": 2, "max_staleness": 2})
+    in_process = load_run_config(write_run_yaml(
+        tmp_path, BASE, "clocked.yaml", **changes, **({"fleet": fleet} if fleet else {})))
+    reference = simulate(in_process, tmp_path / "ref", workers=1, progress=False)
+    reference_rows = [json.loads(line) for line in
+                      (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    config = load_run_config(write_run_yaml(tmp_path, BASE, "run.yaml", **changes))
+    run = prepare_run(config, workers=1, progress=False)
+    clock = Clock.lockstep() if fleet is None else \
+        Clock.for_fleet(in_process.fleet, run.setup.clients, config.seed, run.model.n_params)
+    ids = default_client_ids(len(run.setup.clients))
+    topics = Topics("fed")
+    broker = LoopbackBroker()
+
+    gate = threading.Lock()                  # held while one instant's uploads go out
+    held: dict = {}                          # node -> [(publish, args)] of its upload
+    held_lock = threading.Lock()
+
+    def holding(transport, node):
+        publish = transport.publish
+
+        def hold(topic, payload, qos=1, retain=False, **kw):
+            if topic == topics.update(node):
+                with held_lock:
+                    held.setdefault(node, []).append((topic, payload, qos, retain, kw))
+                return None
+            return publish(topic, payload, qos, retain, **kw)
+        transport.publish = hold
+        return publish
+
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, ids, test=(run.dataset.x_test, run.dataset.y_test),
+                   description=config.to_dict())
+    agg_transport = broker.transport("aggregator")
+    receive = agg_transport.receive
+
+    def gated_receive(timeout=None):
+        item = receive(timeout)
+        with gate:                # a batch under way is queued whole before we go on
+            pass
+        return item
+    agg_transport.receive = gated_receive
+    aggregator = AsynchronousAggregator(plan, agg_transport, tmp_path / "agg",
+                                        AggregatorSettings(federation="fed",
+                                                           round_timeout_s=600))
+    publishers, threads, errors = {}, [], []
+    for c, node in enumerate(ids):
+        t = broker.transport(node)
+        publishers[node] = holding(t, node)
+        client = Client(ClientSettings(node, "fed", exit_when_finished=True,
+                                       raise_on_error=True),
+                        (run.clients[c].x, run.clients[c].y), t, tmp_path / node)
+        threads.append(threading.Thread(target=client.run, daemon=True))
+    observer = broker.transport("observer")
+    observer.connect()
+    observer.subscribe(topics.subscription("task"), qos=1)
+    result = []
+
+    def aggregate():
+        try:
+            result.append(aggregator.run())
+        except BaseException as exc:      # noqa: BLE001 -- re-raised below
+            errors.append(exc)
+    agg_thread = threading.Thread(target=aggregate, daemon=True)
+    for t in threads:
+        t.start()
+    agg_thread.start()
+
+    events, seen, now = EventQueue(), set(), 0.0
+    zeros = {"params": np.zeros(run.model.n_params, np.float32)}   # a task's downlink size
+
+    def new_tasks(count):
+        """The next `count` task messages (fewer once the run is over), pushed as arrivals
+        in task id order: the in-process driver's push order (sorted selection)."""
+        got = []
+
+        def enough():
+            while True:
+                msg = observer.receive(timeout=0)
+                if msg is None:
+                    break
+                if not getattr(msg, "payload", None):
+                    continue
+                doc = json.loads(msg.payload)
+                if doc["round"] not in seen:
+                    seen.add(doc["round"])
+                    got.append(doc)
+            return len(got) >= count or not agg_thread.is_alive()
+        wait_for(enough, timeout=60, what=f"{count} new task(s)")
+        for doc in sorted(got, key=lambda d: d["round"]):
+            (node, entry), = doc["tasks"].items()
+            task = task_from_announcement(doc, node, zeros)
+            c = int(entry["client"])
+            events.push(now + clock.task_seconds(c, task, run.clients[c].num_samples),
+                        (node, doc["round"]))
+        return len(got)
+
+    try:
+        new_tasks(4)                                  # C boards tasked at version 0
+        while agg_thread.is_alive():
+            now, arrivals = events.pop_simultaneous()
+            for node, _ in arrivals:      # each board's upload, trained and held
+                wait_for(lambda: node in held, timeout=60, what=f"the upload of {node}")
+            with gate:
+                for node, _ in arrivals:
+                    with held_lock:
+                        chunks = held.pop(node)
+                    for topic, payload, qos, retain, kw in chunks:
+                        publishers[node](topic, payload, qos, retain, **kw)
+            new_tasks(len(arrivals))
+        agg_thread.join(30)
+    finally:
+        aggregator.stop.set()
+        for t in threads:
+            t.join(30)
+    if errors:
+        raise errors[0]
+    over_mqtt = result[0]
+    assert over_mqtt.finished and len(over_mqtt.history) == 10
+    assert model_sha256(over_mqtt.params) == reference["model_sha256"]
+    assert [r["tasks"] and len(r["tasks"]) for r in over_mqtt.history] == [2] * 10
+    for key in ("staleness_mean", "staleness_max", "dropped_stale", "selected"):
+        assert [r[key] for r in over_mqtt.history] == [r[key] for r in reference_rows], key
