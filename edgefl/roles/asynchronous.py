@@ -185,7 +185,12 @@ class AsynchronousAggregator(Aggregator):
                 if self.notifier is not None:
                     self.notifier.beat()
                 if self._paused():
-                    self._service(self.settings.poll_s)
+                    # no step, no task; updates come in only while the buffer has room (a
+                    # buffer file names its step: one more than K would be misfiled)
+                    if len(self.buffer) >= self.buffer_size:
+                        self.stop.wait(self.settings.poll_s)
+                    else:
+                        self._service(self.settings.poll_s)
                     continue
                 if len(self.buffer) >= self.buffer_size:
                     self._step()
