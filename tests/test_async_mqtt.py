@@ -362,3 +362,51 @@ def test_loopback_run_released_in_the_clocks_order_gives_the_in_process_model(tm
     assert [r["tasks"] and len(r["tasks"]) for r in over_mqtt.history] == [2] * 10
     for key in ("staleness_mean", "staleness_max", "dropped_stale", "selected"):
         assert [r[key] for r in over_mqtt.history] == [r[key] for r in reference_rows], key
+
+
+def test_an_update_is_counted_once_and_only_for_the_task_in_flight(tmp_path, caplog):
+    """Straight to the aggregator's update handler over the loopback broker: an update that
+    names another version than its task's is refused naming both (the task stays in
+    flight); the right one is written to its buffer file and counted; a re-sent copy, or
+    an update for a task not in flight, is ignored."""
+    import logging
+    import numpy as np
+    from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles.asynchronous import AsynchronousAggregator
+    from edgefl.roles.messages import update_scalars
+    from edgefl.strategies import Update
+    from edgefl.transport import wire
+    from edgefl.transport.loopback import LoopbackBroker
+
+    config = load_run_config(write_run_yaml(tmp_path, BASE))
+    run = prepare_run(config, workers=1, progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, default_client_ids(6))
+    agg = AsynchronousAggregator(plan, LoopbackBroker().transport("aggregator"),
+                                 tmp_path / "agg", AggregatorSettings(federation="fed"))
+    agg.ckpt = agg._load_or_start()
+    agg._load_book()
+    agg._connect()
+    agg._refill()
+    node, entry = sorted(agg.book["flight"].items())[0]
+
+    def frame(task, version):
+        update = Update({"params": np.zeros(run.model.n_params, np.float32)}, 10, 0.5, 3,
+                        {"version": version})
+        return wire.encode("update", task, node, update.buffers,
+                           update_scalars(update, agg.ckpt.run_id, 0.01), run.model.table,
+                           "none")
+
+    caplog.set_level(logging.INFO, "edgefl.roles")
+    agg._on_async_update(node, frame(entry["task"], 5))
+    assert "it says it started from version 5, the task was of version 0" in caplog.text
+    assert agg.stats["rejected"] == 1 and node in agg.book["flight"] and not agg.buffer
+    agg._on_async_update(node, frame(entry["task"], 0))
+    assert [t for t, *_ in agg.buffer] == [entry["task"]] and node not in agg.book["flight"]
+    assert (tmp_path / "agg" / BUFFER_DIR / f"{entry['task']}.npz").exists()
+    assert json.loads((tmp_path / "agg" / BOOK_FILE).read_text())["flight"].get(node) is None
+    agg._on_async_update(node, frame(entry["task"], 0))          # re-sent
+    agg._on_async_update(node, frame(entry["task"] + 100, 0))    # never tasked
+    assert len(agg.buffer) == 1 and agg.stats["duplicates"] == 2
+    assert "not the task in flight for it" in caplog.text
+    agg._close()
