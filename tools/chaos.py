@@ -21,7 +21,10 @@ The set-up (all in a temporary directory, removed afterwards unless --keep):
 - The run: FedAvg, softmax regression on the built-in `digits` dataset (stored once as an
   .npz: process starts stay fast), iid over N clients, every client selected every round,
   quorum 1.0 (a round closes when every selected client sent its update, when those missing
-  are offline by their Last Will, or at the deadline).
+  are offline by their Last Will, or at the deadline). With `--buffer-size K`: FedBuff
+  instead, asynchronous (roles/asynchronous.py), every client busy and a step per K
+  updates; "rounds" are then steps, updates are counted by task id, and the proxy holds
+  each task message (not the round announcement) for the same 0.25 s.
 
 The fault schedule is drawn from --seed before the run and is triggered by progress (after
 round k is aggregated, plus a small delay), so it hits the same rounds on a fast or a loaded
@@ -632,7 +635,8 @@ def table(cfg: SoakConfig, chaos: dict, clean: dict | None) -> str:
     ]
     width = max(len(r[0]) for r in rows)
     lines = [f"chaos soak: {cfg.clients} clients, {cfg.rounds} rounds, seed {cfg.seed} "
-             f"(FedAvg, softmax on digits, {cfg.chunk_size}-byte chunks"
+             f"({f'FedBuff C={cfg.clients} K={cfg.buffer_size}, rounds are steps' if cfg.buffer_size else 'FedAvg'}"
+             f", softmax on digits, {cfg.chunk_size}-byte chunks"
              f"{f', secure aggregation t={cfg.secure:g}' if cfg.secure else ''})", "",
              f"| {'':{width}} | chaos | fault-free |", f"|{'-' * (width + 2)}|---|---|"]
     lines += [f"| {a:{width}} | {b} | {c} |" for a, b, c in rows]
