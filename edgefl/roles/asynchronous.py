@@ -126,7 +126,8 @@ class AsynchronousAggregator(Aggregator):
         entries = []
         for path in glob.glob(os.path.join(self.buffer_dir, "*.npz")):
             arrays, meta = load_arrays(path)
-            if int(meta["step"]) <= v:          # applied: the checkpoint holds its step
+            if meta.get("run") != self.ckpt.run_id or int(meta["step"]) <= v:
+                # another run's, or applied (the checkpoint holds its step)
                 os.remove(path)
                 continue
             entries.append((int(meta["arrival"]), meta, arrays))
@@ -204,8 +205,11 @@ class AsynchronousAggregator(Aggregator):
                 drained = self._service(self.settings.poll_s)
             finished = self.ckpt.round >= self.rounds
             if finished:
-                for node in sorted(self.book["flight"]):
+                # no board meets a task or a model of this run after it (a later run's
+                # client would otherwise train it)
+                for node in self.plan.client_ids:
                     self.transport.clear_retained(self.topics.topic("task", node))
+                    self.transport.clear_retained(self.topics.client_model(node))
                 self._finish()
         finally:
             self._close()
@@ -401,7 +405,8 @@ class AsynchronousAggregator(Aggregator):
             return
         step = self.ckpt.round + 1
         save_arrays(os.path.join(self.buffer_dir, f"{task_id}.npz"), update.buffers,
-                    {"task": task_id, "node": node, "step": step, "arrival": len(self.buffer),
+                    {"run": self.ckpt.run_id, "task": task_id, "node": node, "step": step,
+                     "arrival": len(self.buffer),
                      "num_samples": update.num_samples, "train_loss": update.train_loss,
                      "steps": update.steps, "scalars": update.scalars,
                      "train_s": scalars["train_s"], "entry": entry})
