@@ -410,3 +410,96 @@ def test_an_update_is_counted_once_and_only_for_the_task_in_flight(tmp_path, cap
     assert len(agg.buffer) == 1 and agg.stats["duplicates"] == 2
     assert "not the task in flight for it" in caplog.text
     agg._close()
+
+
+class _Crash(BaseException):
+    """The process dies here (raised by a patched file operation)."""
+
+
+@pytest.mark.parametrize("where", ["before the checkpoint", "after the checkpoint"])
+def test_a_step_cut_short_is_taken_once_after_a_restart(tmp_path, monkeypatch, where):
+    """A crash inside a step, before the checkpoint is written or after it and before the
+    buffer files are deleted: a new aggregator on the same state directory ends at the same
+    version-1 model as an uncut step, applies each buffered update once, and ignores the
+    boards' re-sent copies."""
+    import numpy as np
+    from edgefl.checkpoint import model_sha256
+    from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles import asynchronous as amod
+    from edgefl.roles.messages import update_scalars
+    from edgefl.roles.state import AggregatorCheckpoint as Ckpt
+    from edgefl.strategies import Update
+    from edgefl.transport import wire
+    from edgefl.transport.loopback import LoopbackBroker
+
+    config = load_run_config(write_run_yaml(tmp_path, BASE))
+    run = prepare_run(config, workers=1, progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, default_client_ids(6),
+                   description=config.to_dict())
+    broker = LoopbackBroker()
+
+    def aggregator(state):
+        agg = amod.AsynchronousAggregator(plan, broker.transport("aggregator"), state,
+                                          AggregatorSettings(federation="fed"))
+        agg.ckpt = agg._load_or_start()
+        agg._load_book()
+        agg._connect()
+        return agg
+
+    def frame(agg, node, task, seed):
+        params = np.random.default_rng(seed).normal(size=run.model.n_params)
+        update = Update({"params": params.astype(np.float32)}, 10 + seed, 0.5, 3,
+                        {"version": 0})
+        return wire.encode("update", task, node, update.buffers,
+                           update_scalars(update, agg.ckpt.run_id, 0.01), run.model.table,
+                           "none")
+
+    def fill(agg):
+        agg._refill()
+        sent = []
+        for i, (node, entry) in enumerate(sorted(agg.book["flight"].items())[:2]):
+            sent.append((node, frame(agg, node, entry["task"], i)))
+            agg._on_async_update(*sent[-1])
+        assert len(agg.buffer) == 2
+        return sent
+
+    uncut = aggregator(tmp_path / "uncut")
+    fill(uncut)
+    uncut._step()
+    expected = model_sha256(plan.strategy.global_model(uncut.ckpt.state))
+    uncut._close()
+
+    state = tmp_path / "cut"
+    first = aggregator(state)
+    sent = fill(first)
+    if where == "before the checkpoint":
+        def crash(*args, **kwargs):
+            raise _Crash()
+        monkeypatch.setattr(Ckpt, "save", crash)
+    else:
+        def crash(path):
+            raise _Crash()
+        monkeypatch.setattr(amod.os, "remove", crash)
+    with pytest.raises(_Crash):
+        first._step()
+    monkeypatch.undo()
+    files = sorted(p.name for p in (state / BUFFER_DIR).glob("*.npz"))
+    assert len(files) == 2, files                     # the crash left both buffer files
+
+    again = aggregator(state)
+    if where == "before the checkpoint":
+        assert again.ckpt.round == 0 and len(again.buffer) == 2
+        again._step()                                 # the same step, taken once
+    else:
+        assert again.ckpt.round == 1 and again.buffer == []
+        assert not list((state / BUFFER_DIR).glob("*.npz"))
+    for node, data in sent:                           # the boards re-send: ignored
+        again._on_async_update(node, data)
+    assert again.buffer == [] and again.stats["duplicates"] == 2
+    assert again.ckpt.round == 1 and again.ckpt.aggregated == [1]
+    assert model_sha256(plan.strategy.global_model(again.ckpt.state)) == expected
+    aggregated = [r["round"] for r in read_journal(state / JOURNAL_FILE)
+                  if r.get("event") == "aggregated"]
+    assert aggregated == [1]
+    again._close()
