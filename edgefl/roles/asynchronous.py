@@ -51,8 +51,9 @@ import time
 from ..rounds import RoundPlan
 from ..strategies import StrategyError, Update
 from ..transport import wire
-from ..transport.base import TransportError
-from .aggregator import Aggregator
+from ..transport.base import ConnectionEvent, Message, TransportError
+from ..transport.topics import TopicError
+from .aggregator import Aggregator, AggregatorResult
 from .messages import (MessageError, build_announcement, buffers_sha256, new_announce_id,
                        parse_status, parse_update_scalars, task_from_announcement)
 from .state import load_arrays, read_json, save_arrays, write_json
@@ -213,7 +214,6 @@ class AsynchronousAggregator(Aggregator):
                 self._finish()
         finally:
             self._close()
-        from .aggregator import AggregatorResult
         return AggregatorResult(self.ckpt.run_id, self.ckpt.state,
                                 self.plan.strategy.global_model(self.ckpt.state),
                                 list(self.ckpt.history), list(self.ckpt.aggregated),
@@ -342,12 +342,11 @@ class AsynchronousAggregator(Aggregator):
 
     # ------------------------------------------------------------------ updates
     def _handle(self, item) -> None:
-        from ..transport.base import ConnectionEvent, Message
         if isinstance(item, Message):
             try:
                 kind, node = self._topic_cache.parse(item.topic)
-            except Exception:           # noqa: BLE001 -- the base class logs it
-                kind = None
+            except TopicError:
+                kind = None             # the base class logs it
             if kind == "update":
                 self._on_async_update(node, item.payload)
                 return
