@@ -232,6 +232,23 @@ def test_signed_chaos_soak_loses_no_update(tmp_path):
     assert any("checks aggregator messages against" in t for t in texts)
 
 
+def test_short_asynchronous_chaos_soak_loses_no_update_and_applies_each_step_once(tmp_path):
+    """FedBuff (every client busy, a step per 2 updates) under the same faults: every
+    step applied once, no update the broker acknowledged lost (applied, or waiting in the
+    unfilled last buffer, or in flight at the end), the boards' stored updates re-sent."""
+    _need_mosquitto()
+    cfg = chaos.SoakConfig(clients=4, rounds=8, seed=3, client_kills=3, aggregator_kills=1,
+                           broker_restarts=1, delay_rate=0.05, duplicate_rate=0.1,
+                           timeout_s=240, buffer_size=2)
+    report = chaos.run_soak(cfg, tmp_path / "soak", say=lambda text: None)
+    logs = tmp_path / "soak" / "logs"
+    assert chaos.verdict(report) == [], f"{report}\nlogs in {logs}"
+    assert report["rounds_completed"] == 8 and report["aggregated_twice"] == []
+    assert report["updates_lost"] == [] and report["closed_by"] == {"buffer": 8}
+    assert report["updates_accepted"] == 16
+    assert report["faults_injected"]["aggregator_kill"] == 1
+
+
 def test_the_soak_reports_updates_the_broker_acknowledged_and_lost(tmp_path):
     """The soak's check, checked: a proxy that acknowledges and drops every third update
     message (a broker losing what it acknowledged) makes lost updates, the report lists
@@ -240,6 +257,20 @@ def test_the_soak_reports_updates_the_broker_acknowledged_and_lost(tmp_path):
     cfg = chaos.SoakConfig(clients=2, rounds=3, seed=1, client_kills=0, aggregator_kills=0,
                            broker_restarts=0, delay_rate=0.0, duplicate_rate=0.0,
                            drop_acked_rate=0.34, deadline_s=1.5, timeout_s=120)
+    report = chaos.run_soak(cfg, tmp_path / "lossy", say=lambda text: None)
+    assert report["faults_injected"]["dropped_acked"] > 0
+    assert report["updates_lost"], report
+    assert any(p.startswith("updates lost") for p in chaos.verdict(report))
+
+
+def test_the_asynchronous_soak_reports_updates_the_broker_acknowledged_and_lost(tmp_path):
+    """The same check for the asynchronous mode: updates acknowledged and dropped by the
+    proxy are never read, their tasks given up at the deadline: listed as lost."""
+    _need_mosquitto()
+    cfg = chaos.SoakConfig(clients=3, rounds=4, seed=1, client_kills=0, aggregator_kills=0,
+                           broker_restarts=0, delay_rate=0.0, duplicate_rate=0.0,
+                           drop_acked_rate=0.34, deadline_s=1.5, timeout_s=120,
+                           buffer_size=1)
     report = chaos.run_soak(cfg, tmp_path / "lossy", say=lambda text: None)
     assert report["faults_injected"]["dropped_acked"] > 0
     assert report["updates_lost"], report

@@ -301,6 +301,26 @@ def test_run_started_paused_mid_round_resumed_finished_and_next_run_queued(fleet
 # stop: a valid checkpoint and an exported model
 # ---------------------------------------------------------------------------------------
 
+def test_an_asynchronous_fedbuff_run_started_with_ctl_finishes_through_the_acl(fleet):
+    """FedBuff with K < C (roles/asynchronous.py) started with `edgefl ctl` on the service,
+    through the repo's ACL: the boards read their own task topics, every step is recorded."""
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    config = run_config(rounds=4, strategy={"name": "fedbuff", "concurrency": 2,
+                                            "buffer_size": 1})
+    f.ok({"cmd": "start", "config": config, "run": "async"})
+    wait_state(f, "async", "finished")
+    run_dir = f.state_dir / "runs" / "async"
+    ckpt = AggregatorCheckpoint.load(run_dir / "state")
+    assert ckpt.round == 4 and [h["closed_by"] for h in ckpt.history] == ["buffer"] * 4
+    tasks = [t for h in ckpt.history for t in h["tasks"]]
+    assert len(tasks) == len(set(tasks)) == 4
+    assert sum(f.clients[n].stats["trained"] for n in CLIENTS) >= 4
+    assert sum(f.clients[n].stats["rejected"] for n in CLIENTS) == 0
+
+
 def test_stop_leaves_a_valid_checkpoint_and_an_exported_model(fleet):
     from edgefl.infer import Predictor
 

@@ -862,7 +862,8 @@ def test_topics_build_every_kind_under_prefix_and_federation():
 def test_topic_table_matches_the_design():
     assert {k: (s.retained, s.qos, s.payload) for k, s in TOPIC_TABLE.items()} == {
         "round": (True, 1, "json"), "model": (True, 1, "frame"),
-        "client_model": (True, 1, "frame"), "update": (False, 1, "frame"),
+        "client_model": (True, 1, "frame"), "task": (True, 1, "json"),
+        "update": (False, 1, "frame"),
         "status": (True, 1, "json"), "metrics": (False, 0, "json"),
         "onnx": (True, 1, "frame"), "ctl": (False, 1, "json"), "events": (False, 1, "json"),
         "reply": (False, 1, "json"), "runs": (True, 1, "json"),

@@ -21,7 +21,10 @@ The set-up (all in a temporary directory, removed afterwards unless --keep):
 - The run: FedAvg, softmax regression on the built-in `digits` dataset (stored once as an
   .npz: process starts stay fast), iid over N clients, every client selected every round,
   quorum 1.0 (a round closes when every selected client sent its update, when those missing
-  are offline by their Last Will, or at the deadline).
+  are offline by their Last Will, or at the deadline). With `--buffer-size K`: FedBuff
+  instead, asynchronous (roles/asynchronous.py), every client busy and a step per K
+  updates; "rounds" are then steps, updates are counted by task id, and the proxy holds
+  each task message (not the round announcement) for the same 0.25 s.
 
 The fault schedule is drawn from --seed before the run and is triggered by progress (after
 round k is aggregated, plus a small delay), so it hits the same rounds on a fast or a loaded
@@ -130,6 +133,8 @@ class SoakConfig:
     # every node keyed (docs/security.md): the aggregator signs and checks every update,
     # each client checks the aggregator's messages and signs its updates
     signed: bool = False
+    buffer_size: int = 0               # > 0: FedBuff, asynchronous (roles/asynchronous.py):
+                                       # every client busy (C = clients), a step per K updates
 
     def __post_init__(self):
         if self.clients < 2:
@@ -142,6 +147,11 @@ class SoakConfig:
         for name in ("delay_rate", "duplicate_rate", "drop_acked_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} = {getattr(self, name)}: a probability in [0, 1]")
+        if self.buffer_size and not (0 < self.buffer_size < self.clients):
+            raise ValueError(f"buffer_size = {self.buffer_size}: an asynchronous soak needs "
+                             f"0 < K < clients = {self.clients}")
+        if self.buffer_size and self.secure:
+            raise ValueError("buffer_size and secure: FedBuff does not run secure rounds")
         for name in ("deadline_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: need > 0 seconds")
@@ -338,11 +348,16 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
                            # the self-test loses updates only, so the run still moves
                            faults_on=(lambda t: "/update/" in t) if cfg.drop_acked_rate
                            else None, on_acked=acked.on_acked,
-                           hold_s={("up", "round"): cfg.announce_hold_s})
+                           hold_s={("up", "task" if cfg.buffer_size else "round"):
+                                   cfg.announce_hold_s})
     federation = f"chaos-{cfg.seed}"
     run_path = _write(workdir / "run.yaml", {
         "dataset": digits_npz(workdir), "partition": {"name": "iid", "clients": cfg.clients},
-        "model": {"name": "softmax"}, "strategy": {"name": "fedavg"},
+        "model": {"name": "softmax"},
+        # asynchronous: nothing is dropped as too stale, so every update counts or is lost
+        "strategy": {"name": "fedbuff", "concurrency": cfg.clients,
+                     "buffer_size": cfg.buffer_size, "max_staleness": cfg.rounds}
+        if cfg.buffer_size else {"name": "fedavg"},
         "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": cfg.rounds,
         "clients_per_round": cfg.clients, "seed": cfg.seed,
         **({"privacy": {"secure_aggregation": {"threshold": cfg.secure}}} if cfg.secure else {})})
@@ -486,7 +501,11 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
         aggregated_from[record["round"]] = {ids[c] for c in record["selected"]} - set(
             record["missing"])
     lost, late = [], []
-    for (node, r), at in sorted(acked.complete.items()):
+    if cfg.buffer_size:
+        lost, late = _asynchronous_losses(acked, records, ckpt, agg_logs,
+                                          workdir / "state" / AGGREGATOR_ID)
+        late_logged = set()
+    for (node, r), at in sorted(acked.complete.items()) if not cfg.buffer_size else ():
         if r not in closed_at or at >= closed_at[r]:
             late.append((node, r))
         elif node not in aggregated_from.get(r, set()) and (node, r) not in late_logged:
@@ -543,6 +562,45 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
 # ---------------------------------------------------------------------------------------
 # the command
 # ---------------------------------------------------------------------------------------
+
+def _asynchronous_losses(acked, records, ckpt, agg_logs: str, state: Path) -> tuple:
+    """(lost, late) of an asynchronous run, as (node, task id) pairs (the frame's round is
+    the task id). Acknowledged by the broker (every chunk) after the last step: late (the
+    run was over). Otherwise lost unless a step applied its task (the records' `tasks`),
+    it waits in a buffer file of the unfilled last step, an aggregator process logged it
+    as dropped too stale, it was acknowledged after its task was given up at the deadline
+    (the board was gone that long), or its task was still in flight at the end and it was
+    acknowledged during the last step (the run ended before it was read)."""
+    from edgefl.roles.asynchronous import BOOK_FILE, BUFFER_DIR
+    from edgefl.roles.state import load_arrays
+    applied = {t for h in (ckpt.history if ckpt else []) for t in h.get("tasks", [])}
+    leftover = {int(load_arrays(p)[1]["task"]) for p in (state / BUFFER_DIR).glob("*.npz")}
+    book = json.loads((state / BOOK_FILE).read_text()) if (state / BOOK_FILE).exists() else {}
+    in_flight = {int(e["task"]) for e in book.get("flight", {}).values()}
+    given_up = {}
+    for m in re.finditer(r"^(\S+ \S+) \S+\s+\S+ task (\d+) of \S+ \(version \d+\) "
+                         r"unanswered", agg_logs, re.M):
+        stamp, frac = m.group(1).split(",")
+        given_up[int(m.group(2))] = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) \
+            + int(frac) / 1000
+    stale = {int(t) for t in re.findall(r"for task (\d+) dropped", agg_logs)}
+    ends = sorted(r["at"] for r in records if r.get("event") == "aggregated")
+    end = ends[-1] if ends else float("inf")
+    last_step_from = ends[-2] if len(ends) > 1 else float("-inf")
+    lost, late = [], []
+    for (node, t), at in sorted(acked.complete.items()):
+        if at >= end:
+            late.append((node, t))
+        elif t in applied or t in leftover or t in stale:
+            continue
+        elif t in given_up and at >= given_up[t]:
+            continue
+        elif t in in_flight and at >= last_step_from:
+            continue
+        else:
+            lost.append((node, t))
+    return lost, late
+
 
 def verdict(chaos: dict) -> list[str]:
     """What is wrong with a chaos run's report ([] when nothing)."""
@@ -603,7 +661,8 @@ def table(cfg: SoakConfig, chaos: dict, clean: dict | None) -> str:
     ]
     width = max(len(r[0]) for r in rows)
     lines = [f"chaos soak: {cfg.clients} clients, {cfg.rounds} rounds, seed {cfg.seed} "
-             f"(FedAvg, softmax on digits, {cfg.chunk_size}-byte chunks"
+             f"({f'FedBuff C={cfg.clients} K={cfg.buffer_size}, rounds are steps' if cfg.buffer_size else 'FedAvg'}"
+             f", softmax on digits, {cfg.chunk_size}-byte chunks"
              f"{f', secure aggregation t={cfg.secure:g}' if cfg.secure else ''})", "",
              f"| {'':{width}} | chaos | fault-free |", f"|{'-' * (width + 2)}|---|---|"]
     lines += [f"| {a:{width}} | {b} | {c} |" for a, b, c in rows]
@@ -639,6 +698,11 @@ def main(argv=None) -> int:
     p.add_argument("--signed", action="store_true",
                    help="every node keyed: the aggregator signs and checks every update's "
                         "signature, the clients check the aggregator's and sign theirs")
+    p.add_argument("--buffer-size", type=int, default=0, metavar="K",
+                   help="asynchronous: FedBuff with every client busy and a step per K "
+                        "updates (0 < K < --clients); 'rounds' are then steps, and an update "
+                        "counts as lost unless applied, left in the last buffer, in flight at "
+                        "the end, given up at its deadline or dropped as too stale")
     p.add_argument("--no-clean", action="store_true", help="skip the fault-free run")
     p.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (logs, state)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -650,8 +714,8 @@ def main(argv=None) -> int:
                          broker_restarts=args.broker_restarts, delay_rate=args.delay_rate,
                          duplicate_rate=args.duplicate_rate, deadline_s=args.deadline,
                          drop_acked_rate=args.drop_acked_rate, timeout_s=args.timeout,
-                         secure=args.secure,
-                         signed=args.signed)
+                         secure=args.secure, signed=args.signed,
+                         buffer_size=args.buffer_size)
     except ValueError as exc:
         p.error(str(exc))
 

@@ -341,6 +341,7 @@ class Client:
         t.subscribe(self.topics.round(), qos=1)
         t.subscribe(self.topics.model(), qos=1)
         t.subscribe(self.topics.client_model(self.node), qos=1)
+        t.subscribe(self.topics.topic("task", self.node), qos=1)   # asynchronous runs
         # the latest exported ONNX model, retained: its manifest and its parts
         t.subscribe(self.topics.onnx(), qos=1)
         t.subscribe(parts_filter(self.topics), qos=1)
@@ -388,7 +389,8 @@ class Client:
             return
         if kind == "onnx":
             self._on_onnx(item.topic, item.payload, part=False)
-        elif kind == "round":
+        elif kind == "round" or (kind == "task" and node == self.node):
+            # an asynchronous run's task is an announcement tasking this board alone
             self._on_announcement(item.payload)
         elif kind == "model" or (kind == "client_model" and node == self.node):
             self._on_model(kind, item.payload)

@@ -17,7 +17,8 @@ from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import RunResult, prepare_run
 from ..strategies import get_strategy
-from .aggregator import Aggregator, RunPlan, default_client_ids, secure_plan
+from .aggregator import RunPlan, default_client_ids, secure_plan
+from .asynchronous import aggregator_class
 from .state import AggregatorCheckpoint
 
 log = logging.getLogger("edgefl.roles.runner")
@@ -58,7 +59,7 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     except TrainingStopped:
         log.info("stopped while the run was being prepared")
         return None
-    _refuse_asynchronous(config, run.strategy)
+    _refuse_fleet(config)
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
@@ -88,7 +89,7 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                 log.error("round %d: the exported model was not published: %s",
                           record["round"], exc)
 
-    aggregator = Aggregator(plan, transport, state_dir, settings, on_round=on_round, stop=stop,
+    aggregator = aggregator_class(plan)(plan, transport, state_dir, settings, on_round=on_round, stop=stop,
                             notifier=notifier, control=control)   # control: roles/daemon.py
     result = aggregator.run()
     if not result.finished:
@@ -107,18 +108,9 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     return summary
 
 
-def _refuse_asynchronous(config: RunConfig, strategy) -> None:
-    """The aggregator runs synchronous rounds: an asynchronous strategy runs here only as its
-    synchronous case (FedBuff with K = C = clients_per_round), and a simulated fleet means
-    nothing to real boards. Anything else is refused rather than silently run otherwise."""
-    where = config.path or "<config>"
+def _refuse_fleet(config: RunConfig) -> None:
+    """A simulated fleet (the virtual clock) means nothing to real boards: refused rather
+    than ignored. Asynchronous strategies run as such (roles/asynchronous.py)."""
     if config.fleet is not None:
-        raise ConfigError(f"{where}: fleet: a simulated fleet is for edgefl simulate; the "
-                          f"aggregator's boards are real")
-    if getattr(strategy, "asynchronous", False):
-        m = config.clients_per_round
-        if strategy.resolved(m) != (m, m):
-            raise ConfigError(f"{where}: strategy.concurrency / strategy.buffer_size: "
-                              f"asynchronous rounds run in edgefl simulate only for now; over "
-                              f"MQTT {strategy.name} runs synchronously, K = C = "
-                              f"clients_per_round = {m} (leave both 0)")
+        raise ConfigError(f"{config.path or '<config>'}: fleet: a simulated fleet is for "
+                          f"edgefl simulate; the aggregator's boards are real")

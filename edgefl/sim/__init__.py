@@ -94,10 +94,9 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     except TrainingStopped:             # in a strategy's offline phase (DUW's)
         raise RunStopped(1, None, config.rounds) from None
     asynchronous = getattr(run.strategy, "asynchronous", False)
-    if transport != "inproc" and (asynchronous or config.fleet is not None):
-        raise ValueError(f"{'strategy ' + config.strategy if asynchronous else 'fleet:'}: "
-                         f"asynchronous rounds and the virtual clock run in process only "
-                         f"(--transport inproc)")
+    if transport != "inproc" and config.fleet is not None:
+        raise ValueError("fleet: the virtual clock runs in process only (--transport "
+                         "inproc); over a broker the boards' own speeds order the updates")
     dataset, model, strategy = run.dataset, run.model, run.strategy
     init_params, clients, setup = run.init_params, run.clients, run.setup
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
@@ -123,7 +122,7 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     clock = None if config.fleet is None else \
         Clock.for_fleet(config.fleet, setup.clients, config.seed, model.n_params)
     try:
-        if asynchronous:
+        if asynchronous and transport == "inproc":
             try:
                 result = run_asynchronous(strategy, init_params, clients, setup,
                                           config.clients_per_round, clock=clock,

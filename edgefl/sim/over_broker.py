@@ -74,7 +74,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     import tempfile
     import threading
 
-    from ..roles import (Aggregator, AggregatorSettings, Client, ClientSettings, RunPlan,
+    from ..roles.asynchronous import aggregator_class
+    from ..roles import (AggregatorSettings, Client, ClientSettings, RunPlan,
                         default_client_ids)
     from ..roles.aggregator import secure_plan
     from ..transport.broker import EmbeddedBroker, packet_bytes_for
@@ -171,7 +172,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                 on_model(record["round"], aggregator.plan.strategy.global_model(
                     aggregator.ckpt.state))
 
-        aggregator = Aggregator(plan, transport("aggregator"), os.path.join(root, "aggregator"),
+        aggregator = aggregator_class(plan)(plan, transport("aggregator"), os.path.join(root, "aggregator"),
                                 settings, stop=stop, on_round=after_round)
         result = aggregator.run()
         for thread in threads:

@@ -48,6 +48,9 @@ TOPIC_TABLE = {spec.kind: spec for spec in (
               "global model (+ extra buffers, e.g. MFL momentum)"),
     TopicSpec("client_model", "model/{node}", True, 1, "frame",
               "per-client model (FedMR)"),
+    TopicSpec("task", "task/{node}", True, 1, "json",
+              "an asynchronous run's task for one board (an announcement tasking it alone; "
+              "round = task id)"),
     TopicSpec("update", "update/{node}", False, 1, "frame", "a client's update"),
     TopicSpec("status", "status/{node}", True, 1, "json",
               "online/offline (Last Will), version, device profile"),

@@ -1,0 +1,505 @@
+"""Asynchronous FedBuff runs over MQTT (edgefl/roles/asynchronous.py) through a real
+Mosquitto started by the test:
+
+- `edgefl simulate --transport mqtt` runs FedBuff with K < C: every step is recorded with K
+  updates, each task applied at most once, some updates stale (the run is asynchronous);
+- the aggregator process killed with SIGKILL while updates sit in its buffer files (frozen
+  with SIGSTOP when the state directory shows them, checked, then killed), restarted: it
+  resumes at its last applied version, the buffered updates are applied once, the boards
+  re-send their stored updates instead of retraining, and the count of applied updates is
+  the count of updates accepted by the two processes.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+import yaml
+
+pytest.register_assert_rewrite("brokers")
+from brokers import REPO    # noqa: E402
+from edgefl.cli import main    # noqa: E402
+from edgefl.roles import AggregatorCheckpoint, Client, ClientSettings    # noqa: E402
+from edgefl.roles.asynchronous import BOOK_FILE, BUFFER_DIR    # noqa: E402
+from edgefl.roles.state import JOURNAL_FILE, load_arrays, read_journal    # noqa: E402
+from edgefl.runconfig import load_run_config    # noqa: E402
+from edgefl.runs.prepare import prepare_run    # noqa: E402
+from edgefl.transport.mqtt import MqttTransport    # noqa: E402
+from helpers import wait_for, write_run_yaml    # noqa: E402
+
+pytest_plugins = ["brokers"]
+
+BASE = {
+    "dataset": {"name": "digits", "limit_train": 400},
+    "partition": {"name": "iid", "clients": 6},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedbuff", "concurrency": 4, "buffer_size": 2, "max_staleness": 4},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "rounds": 8,
+    "clients_per_round": 4,
+    "seed": 0,
+}
+
+
+def test_fedbuff_with_k_below_c_runs_over_mosquitto_and_records_every_step(
+        tmp_path, mosquitto_server):
+    path = write_run_yaml(tmp_path, BASE)
+    out = tmp_path / "out"
+    assert main(["simulate", path, "--transport", "mqtt", "--broker", mosquitto_server.url,
+                 "--out", str(out), "--quiet"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(1, 9))
+    assert all(r["closed_by"] == "buffer" and r["updates"] == 2 for r in rows)
+    tasks = [t for r in rows for t in r["tasks"]]
+    assert len(tasks) == len(set(tasks)) == 16           # no task applied twice
+    assert max(r["staleness_max"] for r in rows) >= 1    # boards trained older versions
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["transport"]["rejected"] == 0 and summary["rounds"] == 8
+
+
+def test_the_virtual_fleet_stays_in_process(tmp_path):
+    config = load_run_config(write_run_yaml(
+        tmp_path, BASE, fleet={"profile": "rpi4"}))
+    from edgefl.sim import simulate
+    with pytest.raises(ValueError, match="fleet: the virtual clock runs in process only"):
+        simulate(config, None, progress=False, transport="mqtt")
+
+
+def _pending(state) -> list:
+    """The buffer files of steps the checkpoint does not hold yet."""
+    ckpt = AggregatorCheckpoint.load(state)
+    done = ckpt.round if ckpt is not None else 0
+    return sorted(int(load_arrays(p)[1]["task"])
+                  for p in glob.glob(os.path.join(state, BUFFER_DIR, "*.npz"))
+                  if int(load_arrays(p)[1]["step"]) > done)
+
+
+def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_nothing(
+        tmp_path, mosquitto_server):
+    rounds = BASE["rounds"]
+    path = write_run_yaml(tmp_path, BASE)
+    config = load_run_config(path)
+    tag = uuid.uuid4().hex[:8]
+    fed, agg_id = f"async-{tag}", f"agg-{tag}"
+    state, out = tmp_path / "agg-state", tmp_path / "out"
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": agg_id, "federation": fed},
+        "state_dir": str(state), "broker": {"url": mosquitto_server.url}, "run": path,
+        "log": {"level": "info"}}))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config", str(site),
+               "--deadline", "60", "--out", str(out), "--once"]
+    procs = []
+
+    def spawn(log_name):
+        log = open(tmp_path / log_name, "wb")
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        procs.append(proc)
+        return proc
+
+    run = prepare_run(config, progress=False)
+    clients, threads = {}, []
+    journal = state / JOURNAL_FILE
+
+    def aggregated():
+        return [r["round"] for r in read_journal(journal) if r.get("event") == "aggregated"]
+
+    try:
+        first = spawn("aggregator-1.log")
+        for c in range(6):
+            node = f"client-{c}"
+            t = MqttTransport(mosquitto_server.url, f"{node}-{tag}", connect_timeout=5,
+                              reconnect_min=0.05, reconnect_max=0.5)
+            clients[c] = Client(ClientSettings(node, fed, exit_when_finished=True),
+                                (run.clients[c].x, run.clients[c].y), t, tmp_path / node)
+            threads.append(threading.Thread(target=clients[c].run, daemon=True))
+            threads[-1].start()
+
+        # Freeze the aggregator once a version is applied and an update of the next sits
+        # in a buffer file; thawed to go on when the frozen state shows none.
+        pending = []
+
+        def frozen_with_a_buffered_update() -> bool:
+            if len(aggregated()) < 2 or not os.path.isdir(state / BUFFER_DIR) \
+                    or not glob.glob(str(state / BUFFER_DIR / "*.npz")):
+                return False
+            first.send_signal(signal.SIGSTOP)
+            try:
+                pending[:] = _pending(str(state))
+            except (OSError, ValueError, KeyError):     # a file caught mid-rename
+                pending[:] = []
+            if pending and len(aggregated()) < rounds:
+                return True
+            first.send_signal(signal.SIGCONT)
+            return False
+
+        wait_for(frozen_with_a_buffered_update, timeout=60,
+                 what="an update buffered and not yet applied", poll=0.005)
+        applied_before = AggregatorCheckpoint.load(str(state)).round
+        first.send_signal(signal.SIGKILL)
+        assert first.wait(10) == -signal.SIGKILL
+        assert aggregated() == list(range(1, applied_before + 1))
+        in_flight = json.loads((state / BOOK_FILE).read_text())["flight"]
+
+        second = spawn("aggregator-2.log")
+        assert second.wait(90) == 0, (tmp_path / "aggregator-2.log").read_text()[-3000:]
+        for t in threads:
+            t.join(20)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for client in clients.values():
+            client.stop.set()
+        for t in threads:
+            t.join(5)
+
+    # every version applied exactly once, in order, across the two processes
+    assert aggregated() == list(range(1, rounds + 1))
+    ckpt = AggregatorCheckpoint.load(str(state))
+    assert ckpt.aggregated == list(range(1, rounds + 1))
+    logs = [(tmp_path / f"aggregator-{i}.log").read_text() for i in (1, 2)]
+    done = [[int(r) for r in re.findall(r"round (\d+) aggregated", text)] for text in logs]
+    assert done == [list(range(1, applied_before + 1)),
+                    list(range(applied_before + 1, rounds + 1))], done
+    assert f"{applied_before} of {rounds} rounds aggregated" in logs[1]
+    assert f"{len(pending)} update(s) in the buffer" in logs[1]
+
+    # applied = accepted: the records' tasks are exactly the tasks the two processes
+    # buffered (each once: a re-sent copy of a buffered task is ignored), none lost. The
+    # first process may have been frozen after a buffer file and before its log line: the
+    # files it left are counted; those left at the end are the unfilled last buffer.
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    applied = [t for r in rows for t in r["tasks"]]
+    assert sum(r["updates"] for r in rows) == len(applied) == len(set(applied)) == 2 * rounds
+    logged = [[int(t) for t in re.findall(r"update of client-\d+ for task (\d+) buffered",
+                                          text)] for text in logs]
+    assert not set(logged[0]) & set(logged[1]), "a task was buffered by both processes"
+    buffered = logged[0] + logged[1]
+    assert len(buffered) == len(set(buffered)), "a task was buffered twice"
+    leftover = _pending(str(state))
+    assert len(leftover) < 2
+    assert sorted(applied + leftover) == sorted(set(buffered) | set(pending)), \
+        (applied, leftover, buffered, pending)
+    assert set(pending) <= set(applied), "an update buffered before the kill was lost"
+
+    # the boards re-sent their stored updates for tasks in flight, and trained no task twice
+    tasked = {}
+    for text in logs:
+        for node, t in re.findall(r"(client-\d+) \(task (\d+)\)", text):
+            tasked.setdefault(node, set()).add(int(t))
+    for c, client in clients.items():
+        node = f"client-{c}"
+        assert client.stats["trained"] <= len(tasked.get(node, ())), (node, client.stats)
+    resent = sum(clients[int(n.split("-")[1])].stats["resent"] for n in in_flight)
+    answered_in_flight = [e["task"] for e in in_flight.values() if e["task"] in applied]
+    assert resent >= 1 or not answered_in_flight
+
+
+# ---------------------------------------------------------------------------------------
+# agreement: the MQTT run driven by the virtual clock's arrival order is the in-process run
+# ---------------------------------------------------------------------------------------
+
+MIXED = {"rpi-zero2w": 0.3, "rpi4": 0.5, "rpi5": 0.2}
+
+
+@pytest.mark.parametrize("fleet", [None, {"mix": MIXED}], ids=["lockstep", "mixed-fleet"])
+def test_loopback_run_released_in_the_clocks_order_gives_the_in_process_model(tmp_path, fleet):
+    """The boards' uploads are held and released in the order the virtual clock of the
+    in-process run gives (its Clock and EventQueue, each task's seconds from its task
+    message): the asynchronous aggregator then takes the same steps and ends with the
+    in-process run's model_sha256.
+
+    One instant's arrivals reach the aggregator together: its transport's receive waits
+    while a batch is being released, so it never tasks idle boards between two updates of
+    one instant (the in-process driver refills after the instant); the next instant is
+    released once the aggregator has tasked as many boards as came back (or finished).
+    Lockstep: every task takes one simulated second, so C updates arrive at each instant
+    and two steps are taken in it; the mixed fleet: arrivals one by one, some too stale."""
+    import numpy as np
+    from edgefl.checkpoint import model_sha256
+    from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles.asynchronous import AsynchronousAggregator
+    from edgefl.roles.messages import task_from_announcement
+    from edgefl.sim import simulate
+    from edgefl.sim.clock import Clock, EventQueue
+    from edgefl.transport.loopback import LoopbackBroker
+    from edgefl.transport.topics import Topics
+
+    changes = dict(rounds=10, strategy={"name": "fedbuff", "concurrency": 4,
+                                        "buffer_size": 2, "max_staleness": 2})
+    in_process = load_run_config(write_run_yaml(
+        tmp_path, BASE, "clocked.yaml", **changes, **({"fleet": fleet} if fleet else {})))
+    reference = simulate(in_process, tmp_path / "ref", workers=1, progress=False)
+    reference_rows = [json.loads(line) for line in
+                      (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    config = load_run_config(write_run_yaml(tmp_path, BASE, "run.yaml", **changes))
+    run = prepare_run(config, workers=1, progress=False)
+    clock = Clock.lockstep() if fleet is None else \
+        Clock.for_fleet(in_process.fleet, run.setup.clients, config.seed, run.model.n_params)
+    ids = default_client_ids(len(run.setup.clients))
+    topics = Topics("fed")
+    broker = LoopbackBroker()
+
+    gate = threading.Lock()                  # held while one instant's uploads go out
+    held: dict = {}                          # node -> [(publish, args)] of its upload
+    held_lock = threading.Lock()
+
+    def holding(transport, node):
+        publish = transport.publish
+
+        def hold(topic, payload, qos=1, retain=False, **kw):
+            if topic == topics.update(node):
+                with held_lock:
+                    held.setdefault(node, []).append((topic, payload, qos, retain, kw))
+                return None
+            return publish(topic, payload, qos, retain, **kw)
+        transport.publish = hold
+        return publish
+
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, ids, test=(run.dataset.x_test, run.dataset.y_test),
+                   description=config.to_dict())
+    agg_transport = broker.transport("aggregator")
+    receive = agg_transport.receive
+
+    def gated_receive(timeout=None):
+        item = receive(timeout)
+        with gate:                # a batch under way is queued whole before we go on
+            pass
+        return item
+    agg_transport.receive = gated_receive
+    aggregator = AsynchronousAggregator(plan, agg_transport, tmp_path / "agg",
+                                        AggregatorSettings(federation="fed",
+                                                           round_timeout_s=600))
+    publishers, threads, errors = {}, [], []
+    for c, node in enumerate(ids):
+        t = broker.transport(node)
+        publishers[node] = holding(t, node)
+        client = Client(ClientSettings(node, "fed", exit_when_finished=True,
+                                       raise_on_error=True),
+                        (run.clients[c].x, run.clients[c].y), t, tmp_path / node)
+        threads.append(threading.Thread(target=client.run, daemon=True))
+    observer = broker.transport("observer")
+    observer.connect()
+    observer.subscribe(topics.subscription("task"), qos=1)
+    result = []
+
+    def aggregate():
+        try:
+            result.append(aggregator.run())
+        except BaseException as exc:      # noqa: BLE001 -- re-raised below
+            errors.append(exc)
+    agg_thread = threading.Thread(target=aggregate, daemon=True)
+    for t in threads:
+        t.start()
+    agg_thread.start()
+
+    events, seen, now = EventQueue(), set(), 0.0
+    zeros = {"params": np.zeros(run.model.n_params, np.float32)}   # a task's downlink size
+
+    def new_tasks(count):
+        """The next `count` task messages (fewer once the run is over), pushed as arrivals
+        in task id order: the in-process driver's push order (sorted selection)."""
+        got = []
+
+        def enough():
+            while True:
+                msg = observer.receive(timeout=0)
+                if msg is None:
+                    break
+                if not getattr(msg, "payload", None):
+                    continue
+                doc = json.loads(msg.payload)
+                if doc["round"] not in seen:
+                    seen.add(doc["round"])
+                    got.append(doc)
+            return len(got) >= count or not agg_thread.is_alive()
+        wait_for(enough, timeout=60, what=f"{count} new task(s)")
+        for doc in sorted(got, key=lambda d: d["round"]):
+            (node, entry), = doc["tasks"].items()
+            task = task_from_announcement(doc, node, zeros)
+            c = int(entry["client"])
+            events.push(now + clock.task_seconds(c, task, run.clients[c].num_samples),
+                        (node, doc["round"]))
+        return len(got)
+
+    try:
+        new_tasks(4)                                  # C boards tasked at version 0
+        while agg_thread.is_alive():
+            now, arrivals = events.pop_simultaneous()
+            for node, _ in arrivals:      # each board's upload, trained and held
+                wait_for(lambda: node in held, timeout=60, what=f"the upload of {node}")
+            with gate:
+                for node, _ in arrivals:
+                    with held_lock:
+                        chunks = held.pop(node)
+                    for topic, payload, qos, retain, kw in chunks:
+                        publishers[node](topic, payload, qos, retain, **kw)
+            new_tasks(len(arrivals))
+        agg_thread.join(30)
+    finally:
+        aggregator.stop.set()
+        for t in threads:
+            t.join(30)
+    if errors:
+        raise errors[0]
+    over_mqtt = result[0]
+    assert over_mqtt.finished and len(over_mqtt.history) == 10
+    assert model_sha256(over_mqtt.params) == reference["model_sha256"]
+    assert [r["tasks"] and len(r["tasks"]) for r in over_mqtt.history] == [2] * 10
+    for key in ("staleness_mean", "staleness_max", "dropped_stale", "selected"):
+        assert [r[key] for r in over_mqtt.history] == [r[key] for r in reference_rows], key
+
+
+def test_an_update_is_counted_once_and_only_for_the_task_in_flight(tmp_path, caplog):
+    """Straight to the aggregator's update handler over the loopback broker: an update that
+    names another version than its task's is refused naming both (the task stays in
+    flight); the right one is written to its buffer file and counted; a re-sent copy, or
+    an update for a task not in flight, is ignored."""
+    import logging
+    import numpy as np
+    from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles.asynchronous import AsynchronousAggregator
+    from edgefl.roles.messages import update_scalars
+    from edgefl.strategies import Update
+    from edgefl.transport import wire
+    from edgefl.transport.loopback import LoopbackBroker
+
+    config = load_run_config(write_run_yaml(tmp_path, BASE))
+    run = prepare_run(config, workers=1, progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, default_client_ids(6))
+    agg = AsynchronousAggregator(plan, LoopbackBroker().transport("aggregator"),
+                                 tmp_path / "agg", AggregatorSettings(federation="fed"))
+    agg.ckpt = agg._load_or_start()
+    agg._load_book()
+    agg._connect()
+    agg._refill()
+    node, entry = sorted(agg.book["flight"].items())[0]
+
+    def frame(task, version):
+        update = Update({"params": np.zeros(run.model.n_params, np.float32)}, 10, 0.5, 3,
+                        {"version": version})
+        return wire.encode("update", task, node, update.buffers,
+                           update_scalars(update, agg.ckpt.run_id, 0.01), run.model.table,
+                           "none")
+
+    caplog.set_level(logging.INFO, "edgefl.roles")
+    agg._on_async_update(node, frame(entry["task"], 5))
+    assert "it says it started from version 5, the task was of version 0" in caplog.text
+    assert agg.stats["rejected"] == 1 and node in agg.book["flight"] and not agg.buffer
+    agg._on_async_update(node, frame(entry["task"], 0))
+    assert [t for t, *_ in agg.buffer] == [entry["task"]] and node not in agg.book["flight"]
+    assert (tmp_path / "agg" / BUFFER_DIR / f"{entry['task']}.npz").exists()
+    assert json.loads((tmp_path / "agg" / BOOK_FILE).read_text())["flight"].get(node) is None
+    agg._on_async_update(node, frame(entry["task"], 0))          # re-sent
+    agg._on_async_update(node, frame(entry["task"] + 100, 0))    # never tasked
+    assert len(agg.buffer) == 1 and agg.stats["duplicates"] == 2
+    assert "not the task in flight for it" in caplog.text
+    agg._close()
+
+
+class _Crash(BaseException):
+    """The process dies here (raised by a patched file operation)."""
+
+
+@pytest.mark.parametrize("where", ["before the checkpoint", "after the checkpoint"])
+def test_a_step_cut_short_is_taken_once_after_a_restart(tmp_path, monkeypatch, where):
+    """A crash inside a step, before the checkpoint is written or after it and before the
+    buffer files are deleted: a new aggregator on the same state directory ends at the same
+    version-1 model as an uncut step, applies each buffered update once, and ignores the
+    boards' re-sent copies."""
+    import numpy as np
+    from edgefl.checkpoint import model_sha256
+    from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles import asynchronous as amod
+    from edgefl.roles.messages import update_scalars
+    from edgefl.roles.state import AggregatorCheckpoint as Ckpt
+    from edgefl.strategies import Update
+    from edgefl.transport import wire
+    from edgefl.transport.loopback import LoopbackBroker
+
+    config = load_run_config(write_run_yaml(tmp_path, BASE))
+    run = prepare_run(config, workers=1, progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, default_client_ids(6),
+                   description=config.to_dict())
+    broker = LoopbackBroker()
+
+    def aggregator(state):
+        agg = amod.AsynchronousAggregator(plan, broker.transport("aggregator"), state,
+                                          AggregatorSettings(federation="fed"))
+        agg.ckpt = agg._load_or_start()
+        agg._load_book()
+        agg._connect()
+        return agg
+
+    def frame(agg, node, task, seed):
+        params = np.random.default_rng(seed).normal(size=run.model.n_params)
+        update = Update({"params": params.astype(np.float32)}, 10 + seed, 0.5, 3,
+                        {"version": 0})
+        return wire.encode("update", task, node, update.buffers,
+                           update_scalars(update, agg.ckpt.run_id, 0.01), run.model.table,
+                           "none")
+
+    def fill(agg):
+        agg._refill()
+        sent = []
+        for i, (node, entry) in enumerate(sorted(agg.book["flight"].items())[:2]):
+            sent.append((node, frame(agg, node, entry["task"], i)))
+            agg._on_async_update(*sent[-1])
+        assert len(agg.buffer) == 2
+        return sent
+
+    uncut = aggregator(tmp_path / "uncut")
+    fill(uncut)
+    uncut._step()
+    expected = model_sha256(plan.strategy.global_model(uncut.ckpt.state))
+    uncut._close()
+
+    state = tmp_path / "cut"
+    first = aggregator(state)
+    sent = fill(first)
+    if where == "before the checkpoint":
+        def crash(*args, **kwargs):
+            raise _Crash()
+        monkeypatch.setattr(Ckpt, "save", crash)
+    else:
+        def crash(path):
+            raise _Crash()
+        monkeypatch.setattr(amod.os, "remove", crash)
+    with pytest.raises(_Crash):
+        first._step()
+    monkeypatch.undo()
+    files = sorted(p.name for p in (state / BUFFER_DIR).glob("*.npz"))
+    assert len(files) == 2, files                     # the crash left both buffer files
+
+    again = aggregator(state)
+    if where == "before the checkpoint":
+        assert again.ckpt.round == 0 and len(again.buffer) == 2
+        again._step()                                 # the same step, taken once
+    else:
+        assert again.ckpt.round == 1 and again.buffer == []
+        assert not list((state / BUFFER_DIR).glob("*.npz"))
+    for node, data in sent:                           # the boards re-send: ignored
+        again._on_async_update(node, data)
+    assert again.buffer == [] and again.stats["duplicates"] == 2
+    assert again.ckpt.round == 1 and again.ckpt.aggregated == [1]
+    assert model_sha256(plan.strategy.global_model(again.ckpt.state)) == expected
+    aggregated = [r["round"] for r in read_journal(state / JOURNAL_FILE)
+                  if r.get("event") == "aggregated"]
+    assert aggregated == [1]
+    again._close()
