@@ -170,13 +170,13 @@ def _roles(fed: FederationAccounts) -> list:
          "acls": _writes(t.round(), t.model(), t.subscription("client_model"), t.onnx(),
                          f"{t.onnx()}/+", t.events(), t.subscription("reply"),
                          t.subscription("runs"), t.status(agg), t.metrics(agg),
-                         t.subscription("secure_to"))
+                         t.subscription("secure_to"), t.subscription("task"))
          + _reads(t.subscription("update"), t.subscription("status"),
                   t.subscription("metrics"), t.ctl(), t.subscription("secure"))},
         *({"rolename": f"edgefl-board-{c}", "textdescription": f"board {c}",
            "acls": _writes(t.update(c), t.status(c), t.metrics(c), t.secure(c))
            + _reads(t.round(), t.model(), t.client_model(c), t.onnx(), f"{t.onnx()}/+",
-                    t.events(), t.secure_to(c))} for c in fed.clients),
+                    t.events(), t.secure_to(c), t.topic("task", c))} for c in fed.clients),
         {"rolename": "edgefl-operator", "textdescription": "operators: commands, and read all",
          "acls": _writes(t.ctl()) + _reads(f"{t.base}/#")},
         {"rolename": "edgefl-admin", "textdescription": "the dynamic security plugin's API",
