@@ -344,3 +344,45 @@ def test_an_aggregator_without_its_control_account_is_told_what_to_set(broker, t
     done = subprocess.run([sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
                            str(site), "--once"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def _broker_acl_grants() -> dict:
+    """{user or "%pattern": {(access, topic)}} of the shipped broker/acl."""
+    grants: dict = {"%pattern": set()}
+    user = None
+    acl = Path(__file__).resolve().parent.parent / "broker" / "acl"
+    for line in acl.read_text().splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "user":
+            user = words[1]
+            grants.setdefault(user, set())
+        elif words[0] == "pattern":
+            grants["%pattern"].add((words[1], words[2]))
+        elif words[0] == "topic":
+            grants[user].add((words[1], words[2]))
+    return grants
+
+
+def test_the_generated_roles_grant_what_broker_acl_grants():
+    """The dynamic-security roles are broker/acl spelled out per account: a topic a new
+    feature adds to broker/acl (secure aggregation, asynchronous tasks) and forgets here
+    would fail on every fleet that `fleet up` / `broker accounts` made."""
+    fed = federation_accounts("lab", ["client-1", "client-2"])
+    roles = {r["rolename"]: r["acls"] for r in dynsec_state(fed)["roles"]}
+
+    def granted(role: str) -> set:
+        kinds = {"publishClientSend": "write", "subscribePattern": "read"}
+        return {(kinds[a["acltype"]], a["topic"]) for a in roles[role]
+                if a["acltype"] in kinds and a["allow"]}
+
+    acl = _broker_acl_grants()
+    # the generated files are one federation's: its name where broker/acl has a wildcard
+    lab = lambda topic: topic.replace("edgefl/+/", "edgefl/lab/", 1).replace(  # noqa: E731
+        "edgefl/#", "edgefl/lab/#")
+    board = {(access, lab(topic).replace("%u", "client-1")) for access, topic in acl["%pattern"]}
+    assert board <= granted("edgefl-board-client-1"), board - granted("edgefl-board-client-1")
+    for user, role in (("aggregator", "edgefl-aggregator"), ("operator", "edgefl-operator")):
+        wanted = {(access, lab(topic)) for access, topic in acl[user]}
+        assert wanted <= granted(role), (user, wanted - granted(role))
