@@ -143,12 +143,20 @@ cc_env() {
             # Debian's cross gcc from the host (bound at /run/host-cross), run through the
             # host's own dynamic loader; --sysroot=/ makes it use the board's headers and libs
             local wrap=/usr/local/bin/edgefl-cross-gcc
+            mkdir -p "$BOX/usr/local/bin"
+            # the driver's cc1, as and ld are x86-64 programs: the kernel looks for their
+            # loader at /lib64 in the chroot, which an arm64 userland does not have
+            ln -sfn /run/host-cross/usr/lib/x86_64-linux-gnu "$BOX/lib64"
+            # the cross gcc finds its own libc.so (a linker script naming
+            # /usr/aarch64-linux-gnu/lib/...) before the board's: the same glibc (2.36, both
+            # bookworm), so give it that path; the headers are the board's (/usr/include)
+            ln -sfn /run/host-cross/usr/aarch64-linux-gnu "$BOX/usr/aarch64-linux-gnu"
             cat >"$BOX$wrap" <<'EOF'
 #!/bin/sh
 # the host's x86-64 aarch64-linux-gnu-gcc, natively, with the board's / as its sysroot
 H=/run/host-cross
 export LD_LIBRARY_PATH=$H/usr/lib/x86_64-linux-gnu:$H/lib/x86_64-linux-gnu
-exec $H/lib64/ld-linux-x86-64.so.2 $H/usr/bin/aarch64-linux-gnu-gcc-12 --sysroot=/ \
+exec $H/usr/bin/aarch64-linux-gnu-gcc-12 --sysroot=/ \
     -B$H/usr/libexec/gcc-cross/aarch64-linux-gnu/12/ -B$H/usr/lib/gcc-cross/aarch64-linux-gnu/12/ \
     -B$H/usr/aarch64-linux-gnu/bin/ "$@"
 EOF
