@@ -46,7 +46,7 @@ RUN = {
     "partition": {"name": "iid", "clients": 3},
     "model": {"name": "mlp", "hidden": [32]},
     "strategy": {"name": "fedavg"},
-    "train": {"lr": 0.05, "batch_size": 32, "epochs": 2 if FULL else 1},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 2 if FULL else 1},
     "rounds": 10 if FULL else 3,
     "clients_per_round": 3,
     "seed": 0,
@@ -172,19 +172,24 @@ def test_a_fleet_with_two_emulated_boards_finishes_and_the_boards_serve_its_mode
             exe = os.readlink(f"/proc/{procs[c].pid}/exe")
             assert exe.endswith("qemu-aarch64-static"), (c, exe)
         assert not os.readlink(f"/proc/{procs['host-2'].pid}/exe").endswith("-static")
-        wait_for(lambda: all(f"{c}: waiting for a round" in log_of(c) or
-                             "waiting for a round" in log_of(c) for c in CLIENT_IDS),
+        wait_for(lambda: all(f"federation '{fed}': waiting for a run" in log_of(c)
+                             for c in CLIENT_IDS),
                  timeout=300, poll=0.5, what="every client connected")
+        # the operator follows the run from before its start, so no event is missed
+        watch = subprocess.Popen(ctl + ["watch"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        procs["watch"] = watch
         started = subprocess.run(ctl + ["start", str(run_file), "--run", "arm", "--clients",
                                         ",".join(CLIENT_IDS), "--json"], env=env,
                                  capture_output=True, text=True, timeout=120)
         assert started.returncode == 0, started.stderr
-        watch = subprocess.run(ctl + ["watch"], env=env, capture_output=True, text=True,
-                               timeout=900 if FULL else 400)
-        assert watch.returncode == 0, watch.stdout[-3000:] + watch.stderr[-3000:] + \
+        watched, watch_err = watch.communicate(timeout=900 if FULL else 400)
+        assert watch.returncode == 0, watched[-3000:] + watch_err[-3000:] + \
             log_of("aggregator")[-3000:]
+        assert "run_finished" in watched, watched
         for c in CLIENT_IDS:
             assert procs[c].wait(120) == 0, log_of(c)[-3000:]
+            assert f"finished after round {RUN['rounds']}" in log_of(c), log_of(c)[-3000:]
     finally:
         for name, proc in procs.items():
             if proc.poll() is None:

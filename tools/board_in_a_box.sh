@@ -76,6 +76,7 @@ box_run() {
         esac
     done
     [ -e "$BOX/.userland-ok" ] || die "no userland at $BOX: run tools/board_in_a_box.sh userland"
+    [ -e "$BOX/.cpuinfo" ] || write_cpuinfo
     local inner='
 set -e
 box=$1; shift
@@ -84,6 +85,7 @@ printf "%s" "$BOARD_BINFMT" > /proc/sys/fs/binfmt_misc/register
 mount --rbind /dev "$box/dev"
 mount --rbind /proc "$box/proc"
 mount --rbind /sys "$box/sys"
+mount --bind "$box/.cpuinfo" "$box/proc/cpuinfo"
 mount -t tmpfs -o mode=1777 tmpfs "$box/tmp"
 mkdir -p "$box/run/host-cross"
 [ -d /usr/lib/gcc-cross ] && mount --rbind / "$box/run/host-cross"
@@ -99,6 +101,20 @@ exec chroot "$box" /usr/bin/env -i "$@"'
         PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8 \
         PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 \
         PIP_DEFAULT_TIMEOUT=180 "${envs[@]}" "$@"
+}
+
+# qemu-user 7.2 shows an aarch64 program the host's x86 /proc/cpuinfo, and onnxruntime's
+# CPU detection (cpuinfo) dies of SIGSEGV parsing it, in `import onnxruntime`. The box shows
+# a Raspberry Pi 4's instead (Cortex-A72: implementer 0x41, part 0xd08), one entry per host
+# CPU so thread counts stay the host's.
+write_cpuinfo() {
+    local n i
+    n=$(nproc)
+    for ((i = 0; i < n; i++)); do
+        printf 'processor\t: %d\nBogoMIPS\t: 108.00\nFeatures\t: fp asimd evtstrm crc32 cpuid\n' "$i"
+        printf 'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd08\nCPU revision\t: 3\n\n'
+    done >"$BOX/.cpuinfo"
+    printf 'Hardware\t: BCM2835\nRevision\t: c03111\nModel\t\t: Raspberry Pi 4 Model B Rev 1.1\n' >>"$BOX/.cpuinfo"
 }
 
 build_userland() {
