@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 BOX_SCRIPT = REPO / "tools" / "board_in_a_box.sh"
 VENV = "/opt/edgefl/venv"
 FULL = os.environ.get("EDGEFL_BOARD_FULL") == "1"
-# measured: see docs/deployment.md "A board in a box" (the largest parameter difference
-# after 10 rounds was ~1e-7 of the parameters' scale; the bound leaves room for longer runs)
-ARM_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+# measured (docs/deployment.md "A board in a box"): the largest parameter difference was
+# 6e-8 after the short run and 1.8e-7 after the long one; the bound leaves 50x room
+ARM_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 RUN = {
     "partition": {"name": "iid", "clients": 3},
     "model": {"name": "mlp", "hidden": [32]},
@@ -91,6 +91,9 @@ def host_env() -> dict:
 
 @pytest.fixture(scope="module")
 def box():
+    if os.environ.get("EDGEFL_BACKEND") == "numpy":
+        pytest.skip("the boards build the C core: this test runs in the compiled backend's "
+                    "pass only (its x86-64 reference would be NumPy's here)")
     reason = box_skip_reason()
     if reason:
         pytest.skip(reason)

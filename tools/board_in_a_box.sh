@@ -195,7 +195,8 @@ install_edgefl() {
     local t0=$SECONDS src=/opt/src/edgefl
     say "copying this checkout to $src in the box"
     rm -rf "$BOX$src" && mkdir -p "$BOX$src"
-    (cd "$REPO" && git ls-files -z --cached --others --exclude-standard |
+    # the files a clone has, as they are now, and new ones not ignored (but not CI's venv)
+    (cd "$REPO" && git ls-files -z --cached --others --exclude-standard | grep -zv '^\.ci/venv/' |
         xargs -0 tar -c --ignore-failed-read 2>/dev/null) | tar -x -C "$BOX$src"
     rm -rf "$BOX/opt/edgefl"
     say "python3 -m venv $VENV (Debian's python3.11, under qemu)"
