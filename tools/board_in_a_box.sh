@@ -72,11 +72,12 @@ need_tools() {
 # box_run [-b DIR]... [-e VAR=VALUE]... -- CMD ARGS: CMD in the chrooted userland, as pid of
 # this process (exec all the way down: a signal sent to it reaches CMD)
 box_run() {
-    local binds=() envs=()
+    local binds=() envs=() cross=
     while [ $# -gt 0 ]; do
         case "$1" in
             -b) binds+=("$2"); shift 2 ;;
             -e) envs+=("$2"); shift 2 ;;
+            -x) cross=1; shift ;;
             --) shift; break ;;
             *) break ;;
         esac
@@ -94,7 +95,17 @@ mount --rbind /sys "$box/sys"
 mount --bind "$box/.cpuinfo" "$box/proc/cpuinfo"
 mount -t tmpfs -o mode=1777 tmpfs "$box/tmp"
 mkdir -p "$box/run/host-cross"
-[ -d /usr/lib/gcc-cross ] && mount --rbind / "$box/run/host-cross"
+if [ -n "$BOARD_CROSS" ]; then
+    # the host root for the cross gcc (tools/board_in_a_box.sh cc_env); its cc1, as and ld
+    # are x86-64 programs whose loader the kernel looks for at /lib64 in the chroot; and
+    # it finds its own libc.so first, a linker script naming /usr/aarch64-linux-gnu/lib/...
+    # (the same glibc 2.36 as the board). Mounted for this namespace only: the board
+    # must not see an /usr/aarch64-linux-gnu/bin/as with its own gcc
+    mount --rbind / "$box/run/host-cross"
+    mkdir -p "$box/lib64" "$box/usr/aarch64-linux-gnu"
+    mount --bind /usr/lib/x86_64-linux-gnu "$box/lib64"
+    mount --bind /usr/aarch64-linux-gnu "$box/usr/aarch64-linux-gnu"
+fi
 while [ "$1" != "--" ]; do
     mkdir -p "$box$1"; mount --bind "$1" "$box$1"; shift
 done
@@ -102,7 +113,7 @@ shift
 exec chroot "$box" /usr/bin/env -i "$@"'
     local bind_args=()
     for b in "${binds[@]}"; do bind_args+=("$(cd "$b" && pwd -P)"); done
-    BOARD_BINFMT=$BINFMT exec unshare --user --map-root-user --mount --propagation private \
+    BOARD_BINFMT=$BINFMT BOARD_CROSS=$cross exec unshare --user --map-root-user --mount --propagation private \
         /bin/sh -c "$inner" box "$BOX" "${bind_args[@]}" -- \
         PATH=/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8 QEMU_CPU="$QEMU_CPU" \
         PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -166,13 +177,7 @@ cc_env() {
             # host's own dynamic loader; --sysroot=/ makes it use the board's headers and libs
             local wrap=/usr/local/bin/edgefl-cross-gcc
             mkdir -p "$BOX/usr/local/bin"
-            # the driver's cc1, as and ld are x86-64 programs: the kernel looks for their
-            # loader at /lib64 in the chroot, which an arm64 userland does not have
-            ln -sfn /run/host-cross/usr/lib/x86_64-linux-gnu "$BOX/lib64"
-            # the cross gcc finds its own libc.so (a linker script naming
-            # /usr/aarch64-linux-gnu/lib/...) before the board's: the same glibc (2.36, both
-            # bookworm), so give it that path; the headers are the board's (/usr/include)
-            ln -sfn /run/host-cross/usr/aarch64-linux-gnu "$BOX/usr/aarch64-linux-gnu"
+            rm -f "$BOX/lib64" "$BOX/usr/aarch64-linux-gnu"   # links of an earlier version
             cat >"$BOX$wrap" <<'EOF'
 #!/bin/sh
 # the host's x86-64 aarch64-linux-gnu-gcc, natively, with the board's / as its sysroot
@@ -183,7 +188,7 @@ exec $H/usr/bin/aarch64-linux-gnu-gcc-12 --sysroot=/ \
     -B$H/usr/aarch64-linux-gnu/bin/ "$@"
 EOF
             chmod +x "$BOX$wrap"
-            CC_ARGS=(-e "CC=$wrap" -e "LDSHARED=$wrap -shared")
+            CC_ARGS=(-x -e "CC=$wrap" -e "LDSHARED=$wrap -shared")
             ;;
         *) die "EDGEFL_BOARD_CC must be board or cross, not '$CC_MODE'" ;;
     esac
