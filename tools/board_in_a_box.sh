@@ -177,7 +177,10 @@ cc_env() {
             # host's own dynamic loader; --sysroot=/ makes it use the board's headers and libs
             local wrap=/usr/local/bin/edgefl-cross-gcc
             mkdir -p "$BOX/usr/local/bin"
-            rm -f "$BOX/lib64" "$BOX/usr/aarch64-linux-gnu"   # links of an earlier version
+            local old
+            for old in "$BOX/lib64" "$BOX/usr/aarch64-linux-gnu"; do   # an earlier version's links
+                if [ -L "$old" ]; then rm -f "$old"; fi
+            done
             cat >"$BOX$wrap" <<'EOF'
 #!/bin/sh
 # the host's x86-64 aarch64-linux-gnu-gcc, natively, with the board's / as its sysroot
@@ -228,8 +231,11 @@ main() {
         path) echo "$BOX" ;;
         run) box_run "$@" ;;
         fleet)
+            # the host's side (aggregator, native client, the x86 reference) from this
+            # checkout, with its dev install (pip install -e '.[dev]')
             cd "$REPO"
-            EDGEFL_BOARD_FULL=1 python3 -m pytest -q -m board tests/test_board.py "$@" ;;
+            PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" EDGEFL_BOARD_FULL=1 \
+                python3 -m pytest -q -s -m board tests/test_board.py "$@" ;;
         all)
             local t0=$SECONDS
             build_userland; local t1=$SECONDS
