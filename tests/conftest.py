@@ -15,6 +15,32 @@ import os
 import pytest
 
 
+# Modules whose subject is how processes, brokers, files and browsers behave: the transport
+# and its wire format, the broker's accounts and ACL, signatures, the services and their
+# signals, the fleet, the dashboard, chaos, the README's commands, the board in a box. They
+# train through whichever backend is active, but nothing they check depends on it, and the
+# numerics of both backends are covered by the in-process tests (the C/NumPy parity tests,
+# every strategy's contract, the simulations). CI's second pass (EDGEFL_BACKEND=numpy, see
+# .ci/run) skips them to stay within its time; EDGEFL_TEST_ALL_BACKENDS=1 runs them anyway.
+PROCESS_LEVEL = {
+    "test_access", "test_accounts", "test_async_mqtt", "test_board", "test_chaos",
+    "test_dashboard", "test_fleet", "test_fuzz", "test_limits", "test_orchestration",
+    "test_readme", "test_scale_broker", "test_service", "test_signals_e2e", "test_signing",
+    "test_startup", "test_transport", "test_wire", "test_layers", "test_docs_standalone",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("EDGEFL_BACKEND") != "numpy" or os.environ.get("EDGEFL_TEST_ALL_BACKENDS"):
+        return
+    skip = pytest.mark.skip(reason="process-level test, backend-independent: run in the "
+                                   "compiled-backend pass (EDGEFL_TEST_ALL_BACKENDS=1 runs it "
+                                   "here too)")
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in PROCESS_LEVEL:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _restore_logging():
     loggers = [logging.getLogger()] + [logging.getLogger(name) for name in ("edgefl",)]
