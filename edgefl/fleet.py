@@ -176,9 +176,16 @@ def _write_files(directory: str, federation: str, clients: list, port: int,
     """Every file of a new fleet (the accounts first: they refuse to replace old ones)."""
     accounts = federation_accounts(federation, clients, aggregator=AGGREGATOR)
     write_accounts(accounts, directory)
+    for name, text in run_configs(len(clients)).items():
+        _write_text(os.path.join(directory, name), text)
+    _write_port_files(directory, federation, clients, port, plugin, as_root)
+
+
+def _write_port_files(directory: str, federation: str, clients: list, port: int,
+                      plugin: str | None, as_root: bool) -> None:
+    """The files that name the broker's port: the site files and Mosquitto's config."""
     url = f"mqtt://127.0.0.1:{port}"
-    for name, text in {**site_files(federation, clients, url),
-                       **run_configs(len(clients))}.items():
+    for name, text in site_files(federation, clients, url).items():
         _write_text(os.path.join(directory, name), text)
     if plugin is not None:
         _write_text(os.path.join(directory, "broker", "mosquitto.conf"),
@@ -371,7 +378,8 @@ def up(directory: str, clients: int | None = None, federation: str | None = None
     extra_services: more FleetService's started after the nodes (a dashboard)."""
     directory = os.path.abspath(directory)
     record = os.path.join(directory, FLEET_RECORD)
-    if os.path.exists(record):
+    restarting = os.path.exists(record)
+    if restarting:
         fleet = Fleet.load(directory)
         alive = running(fleet)
         if alive:
@@ -411,7 +419,21 @@ def up(directory: str, clients: int | None = None, federation: str | None = None
             "takes any login, so the accounts in broker/ are written but not enforced")
     fleet.processes = {}
     try:
-        _start_broker(fleet)
+        for attempt in range(3):
+            try:
+                _start_broker(fleet)
+                break
+            except FleetError as exc:
+                # a new fleet's free port can be taken between free_port() and the broker's
+                # bind (another program on this machine); its files are ours to rewrite
+                if restarting or attempt == 2 or "in use" not in str(exc):
+                    raise
+                _stop_all(fleet, say=lambda text: None)
+                fleet.processes = {}
+                fleet.port = free_port()
+                _write_port_files(directory, fleet.federation, fleet.clients, fleet.port,
+                                  plugin, as_root=hasattr(os, "geteuid") and os.geteuid() == 0)
+                fleet.save()
         for service in _services(fleet):
             _spawn(fleet, service)
         _wait_online(fleet, ready_timeout)

@@ -291,3 +291,32 @@ def test_a_board_cannot_take_over_the_running_aggregator(tmp_path):
     broker_log = (fleet_dir / "logs" / "broker.log").read_text()
     assert "closing old connection" not in broker_log
     assert broker_log.count("disconnected, not authorised") >= 2
+
+
+def test_a_new_fleet_whose_port_is_taken_before_the_broker_binds_moves_to_another(
+        tmp_path, monkeypatch):
+    """free_port() and the broker's bind are two steps; another program may take the port in
+    between (seen once under a loaded machine). A new fleet rewrites its files for another
+    port and comes up there; nothing is left running on failure either way."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    busy = taken.getsockname()[1]
+    ports = iter([busy])
+    real_free_port = fleet_module.free_port
+    monkeypatch.setattr(fleet_module, "free_port", lambda: next(ports, None) or real_free_port())
+    directory = tmp_path / "fleet"
+    try:
+        fleet = fleet_module.up(str(directory), clients=1, say=lambda text: None)
+        try:
+            assert fleet.port != busy
+            recorded = json.loads((directory / fleet_module.FLEET_RECORD).read_text())
+            assert recorded["port"] == fleet.port
+            assert f":{fleet.port}" in (directory / "client-1.yaml").read_text()
+            assert str(busy) not in (directory / "aggregator.yaml").read_text()
+        finally:
+            fleet_module.down(str(directory), say=lambda text: None)
+    finally:
+        taken.close()
