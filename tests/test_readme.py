@@ -78,8 +78,8 @@ import pytest
 from edgefl.transport.broker import find_mosquitto, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-# the documents whose shell blocks run, in this order; docs/orchestration.md's transcripts
-# are bare ``` blocks from a fleet's machines, shown and not run unless marked
+# the documents whose shell blocks run, in this order; docs/orchestration.md's run on the
+# one-machine fleet that `edgefl fleet up` starts in its temporary directory
 DOCUMENTS = ["README.md", "docs/orchestration.md"]
 RUNNABLE = {"sh", "bash", "shell", "console"}
 SKIPS = {"needs-board": "needs a Raspberry Pi-class board",
