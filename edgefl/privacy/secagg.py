@@ -702,7 +702,8 @@ class SecAggServer:
         self.neighbourhoods = setup.neighbourhoods()
         self.keys: dict = {}
         self.shares: dict = {}
-        self.masked: dict = {}
+        self.masked: dict = {}         # {client: _Received}: the words are summed on arrival
+        self._sum = None               # (words, scalars): the ring sum of the masked inputs
         self.revealed: dict = {}
         self.survivors: tuple = ()
         self.dropped: tuple = ()
@@ -745,7 +746,7 @@ class SecAggServer:
             size, names = self.vector_size, self.scalar_names
             if size is None and self.masked:       # learnt from the first masked input
                 first = self.masked[min(self.masked)]
-                size, names = first.words.size, first.scalar_names
+                size, names = first.size, first.scalar_names
             if msg.words.dtype != q.dtype or (size is not None and msg.words.size != size) \
                     or (names is not None and tuple(msg.scalar_names) != tuple(names)) \
                     or msg.scalars.size != 1 + len(msg.scalar_names):
@@ -753,6 +754,16 @@ class SecAggServer:
                                   f"has {msg.words.size} {msg.words.dtype} words and scalars "
                                   f"{list(msg.scalar_names)} ({msg.scalars.size} words), "
                                   f"expected {size} {q.dtype} and {names}")
+            # Summed now rather than held: every masked input accepted is a survivor's (a late
+            # one is refused above), and ring addition is order-free, so the sum is the same
+            # as summing at unmask time -- without keeping n vectors alive until then (fresh
+            # pages for each of them cost as much as quantising it).
+            if self._sum is None:
+                self._sum = (msg.words.copy(), msg.scalars.copy())
+            else:
+                kernels.ring_add(self._sum[0], msg.words)
+                kernels.ring_add(self._sum[1], msg.scalars)
+            msg = _Received(msg.client, msg.words.size, tuple(msg.scalar_names), msg.nbytes)
         book[msg.client] = msg
 
     def advance(self) -> dict:
@@ -813,13 +824,8 @@ class SecAggServer:
                                     f"{'self-mask seed' if which == 'seed' else 'mask key'} "
                                     f"came back, {t_n} needed; nothing is unmasked")
             pieces[(c, which)] = got
-        first = self.masked[self.survivors[0]]
-        names = tuple(first.scalar_names)
-        words = np.zeros(first.words.size, q.dtype)
-        scalars = np.zeros(1 + len(names), np.uint64)
-        for c in self.survivors:
-            kernels.ring_add(words, self.masked[c].words)
-            kernels.ring_add(scalars, self.masked[c].scalars)
+        names = self.masked[self.survivors[0]].scalar_names
+        words, scalars = self._sum
         masks = []
         for c in self.survivors:
             seed = shamir.combine(pieces[(c, "seed")], _neighbour_threshold(
@@ -837,7 +843,7 @@ class SecAggServer:
                     # j added sign(j, d) PRG: + when j < d; take it away
                     masks.append((key, j < d))
         apply_masks(words, scalars, masks)
-        self.ring_words, self.ring_scalars = words.copy(), scalars.copy()
+        self.ring_words, self.ring_scalars = words, scalars
         values = decode_scalars(scalars)
         return SumTotal(q.decode(words), values[0], dict(zip(names, values[1:])),
                         len(self.survivors))
@@ -849,6 +855,15 @@ class SecAggServer:
     def uplink_bytes(self) -> int:
         """Bytes of the masked inputs summed (the record's uplink_bytes)."""
         return sum(self.masked[c].nbytes for c in self.survivors)
+
+
+@dataclass(frozen=True)
+class _Received:
+    """What the server keeps of a masked input once its words are in the running sum."""
+    client: int
+    size: int
+    scalar_names: tuple
+    nbytes: int
 
 
 # ======================================================================== in process
