@@ -16,11 +16,21 @@
  * All arithmetic is in double then int64 (no contraction under -std=c99), then unsigned,
  * where wrap-around is defined behaviour.
  * ---------------------------------------------------------------------------------------- */
-#include <math.h>
-
 #include "edgefl.h"
 
 #define EF_GOLDEN64 0x9E3779B97F4A7C15ULL
+
+/* The quantiser is per-coordinate 64-bit integer work (mix64's multiplies, double <-> int64
+ * conversions) that AVX2 cannot vectorise and AVX-512 (x86-64-v4: vpmullq, vcvttpd2qq) can:
+ * about 3x faster again than the AVX2 clone where the CPU has it. Results are bit-identical
+ * across clones (-std=c99 forbids contracting into FMAs, and every step is exact or one
+ * correctly rounded IEEE operation). GCC 12 is the first to accept the arch level here. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && \
+    defined(__GLIBC__) && !defined(EF_NO_MULTIVERSION)
+#define EF_QUANTIZE_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define EF_QUANTIZE_CLONES EF_MULTIVERSION
+#endif
 
 static inline uint64_t mix64(uint64_t z)
 {
@@ -41,9 +51,15 @@ static inline int64_t quantum(float xf, double clip, double scale, int64_t i, ui
     const double u = stochastic
         ? (double)(mix64(seed + (uint64_t)(i + 1) * EF_GOLDEN64) >> 11) * 0x1.0p-53
         : 0.5;
-    return (int64_t)floor(s + u);
+    /* floor without libm's call (the baseline x86-64 target has no rounding instruction, so
+     * floor() is an out-of-line call per coordinate): truncate, then step down when the
+     * truncation went up. Exact for |s + u| < 2^63, and |s + u| <= levels + 1 <= 2^40 + 1. */
+    const double d = s + u;
+    const int64_t t = (int64_t)d;
+    return t - ((double)t > d);
 }
 
+EF_QUANTIZE_CLONES
 void ef_quantize_u32(uint32_t *out, const float *x, int64_t n, double clip, double scale,
                      int64_t weight, uint64_t seed, int stochastic)
 {
@@ -52,6 +68,7 @@ void ef_quantize_u32(uint32_t *out, const float *x, int64_t n, double clip, doub
         out[i] = (uint32_t)((uint64_t)quantum(x[i], clip, scale, i, seed, stochastic) * w);
 }
 
+EF_QUANTIZE_CLONES
 void ef_quantize_u64(uint64_t *out, const float *x, int64_t n, double clip, double scale,
                      int64_t weight, uint64_t seed, int stochastic)
 {

@@ -55,6 +55,26 @@ def test_quantize_parity(bits, stochastic, n):
 
 @needs_core
 @pytest.mark.parametrize("bits", [32, 64])
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_quantize_parity_at_the_rounding_edges(bits, stochastic):
+    """The C floor is a truncation stepped down for negative fractions (and an AVX-512 clone
+    on CPUs that have it): exact integers, halves and negative values on both sides of
+    them, and the largest level counts, must round as numpy's floor does."""
+    k = np.arange(-3000, 3000, dtype=np.float64)
+    grid = np.concatenate([k, k + 0.5, k - 0.5, k + 0.25, k + 1e-9, k - 1e-9]) / 128.0
+    x = np.concatenate([grid, [0.0, -0.0], values(20001, seed=3)]).astype(np.float32)
+    for clip, levels in ((8.0, 1024), (1.0, 2 ** 30 - 1 if bits == 32 else 2 ** 40)):
+        outs = []
+        for impl in (_core, reference):
+            out = np.zeros(x.size, kernels.RING_DTYPES[bits])
+            with backend(impl):
+                kernels.quantize(out, x, clip, levels, weight=1, seed=99, stochastic=stochastic)
+            outs.append(out)
+        assert outs[0].tobytes() == outs[1].tobytes(), (clip, levels)
+
+
+@needs_core
+@pytest.mark.parametrize("bits", [32, 64])
 @pytest.mark.parametrize("subtract", [False, True])
 @pytest.mark.parametrize("n", SIZES)
 def test_ring_add_and_dequantize_parity(bits, subtract, n):
