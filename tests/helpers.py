@@ -22,7 +22,13 @@ import yaml
 from edgefl.runconfig import load_run_config
 
 __all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
-           "load_small_run"]
+           "load_small_run", "read_jsonl"]
+
+
+def read_jsonl(path) -> list:
+    """The records of a JSON-lines file (metrics.jsonl, a journal), in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):

@@ -26,6 +26,12 @@ from edgefl.runconfig import load_run_config, run_config_from_mapping  # noqa: E
 from edgefl.runs.prepare import prepare_run  # noqa: E402
 from edgefl.sim import simulate  # noqa: E402
 from edgefl.strategies import Update  # noqa: E402
+from helpers import read_jsonl  # noqa: E402
+
+pytest.register_assert_rewrite("brokers")     # imported by test_orchestration
+import test_orchestration as orchestration  # noqa: E402
+
+fleet = orchestration.fleet         # the aggregator service and its boards on the ACL broker
 
 
 def dp_config(*sets, rounds=6):
@@ -35,15 +41,11 @@ def dp_config(*sets, rounds=6):
                                           "privacy.dp.reproducible=true", *sets])
 
 
-def lines(path):
-    return [json.loads(x) for x in open(path)]
-
-
 def test_epsilon_after_each_round_in_metrics_and_summary(tmp_path):
     config = dp_config(rounds=5)
     summary = simulate(config, tmp_path, workers=2, progress=False)
     acc = PrivacyAccountant(config.privacy.dp, config.clients, config.clients_per_round)
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["round"] for r in records] == [1, 2, 3, 4, 5]
     for r in records:
         assert r["dp_epsilon"] == pytest.approx(acc.epsilon(r["round"]), rel=1e-12)
@@ -78,7 +80,7 @@ def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path)
     last = acc.rounds_within(target, 20)
     assert 1 < last < 20
     summary = simulate(config, tmp_path, workers=2, progress=False)
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(records) == summary["rounds"] == last
     assert records[-1]["dp_epsilon"] <= target < acc.epsilon(last + 1)
     assert records[-1]["test_accuracy"] is not None        # the last round run is evaluated
@@ -142,7 +144,7 @@ def test_adaptive_clip_moves_in_a_run_and_is_reported(tmp_path):
     assert history[0] == 0.01 and len(history) == 6
     assert all(b > a for a, b in zip(history, history[1:])), history
     assert summary["privacy"]["clip"] > history[-1]
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["dp_clip"] for r in records] == history
     assert all("dp_unclipped_fraction" in r for r in records)
 
@@ -169,8 +171,8 @@ def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
     assert over["rounds"] == inproc["rounds"] < 20
     assert over["privacy"]["epsilon"] == inproc["privacy"]["epsilon"]
     assert "privacy budget" in over["stopped"]
-    eps = [r["dp_epsilon"] for r in lines(tmp_path / "mqtt" / "metrics.jsonl")]
-    assert eps == [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+    eps = [r["dp_epsilon"] for r in read_jsonl(tmp_path / "mqtt" / "metrics.jsonl")]
+    assert eps == [r["dp_epsilon"] for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")]
 
 
 def test_watch_prints_epsilon_of_a_closed_round():
@@ -184,44 +186,23 @@ def test_watch_prints_epsilon_of_a_closed_round():
 def test_a_dp_run_through_the_aggregator_service(fleet):
     """`ctl start` of a DP config: each round_closed event carries epsilon, the budget ends
     the run as finished, and its summary.json says why."""
-    from test_orchestration import CLIENTS, run_config, wait_state
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
-    doc = run_config(rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
+    f.start_all()
+    doc = orchestration.run_config(rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
                      privacy={"dp": {"clip": 1.0, "noise_multiplier": 2.0,
                                      "target_epsilon": 8.0}})
     config = run_config_from_mapping(doc)
     acc = PrivacyAccountant(config.privacy.dp, 2, 2)
     last = acc.rounds_within(8.0, 30)
     assert 1 < last < 30
-    f.ok({"cmd": "start", "config": doc, "run": "dp"})
-    finished = f.events.wait("run_finished", timeout=120, run="dp")
+    finished, closed, summary = f.run_to_end(doc, "dp")
     assert finished["rounds"] == last and "privacy budget" in finished["stopped"]
-    closed = sorted(f.events.of("round_closed", run="dp"), key=lambda e: e["round"])
     assert [e["round"] for e in closed] == list(range(1, last + 1))
     for e in closed:
         assert e["dp_epsilon"] == pytest.approx(acc.epsilon(e["round"]))
-    wait_state(f, "dp", "finished")
-    summary = json.loads((f.state_dir / "runs" / "dp" / "summary.json").read_text())
     assert summary["rounds"] == last and summary["privacy"]["epsilon"] == \
         pytest.approx(acc.epsilon(last))
     assert "privacy budget" in summary["stopped"]
-
-
-@pytest.fixture
-def fleet(mosquitto_acl_server, tmp_path):
-    from test_orchestration import Fleet
-    made = []
-
-    def make(**options):
-        made.append(Fleet(mosquitto_acl_server, tmp_path, **options))
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.close()
 
 
 def test_every_client_every_round_is_accounted_without_sampling():
@@ -245,7 +226,7 @@ def secure_dp_config(*sets, rounds=3):
 
 def test_a_run_with_secure_aggregation_and_distributed_noise(tmp_path):
     summary = simulate(secure_dp_config(), tmp_path, workers=2, progress=False)
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(records) == 3
     for r in records:
         assert r["secure"]["survivors"] == 5 and r["dp_noise_shortfall"] == 0
@@ -313,10 +294,10 @@ def test_secure_dp_over_mosquitto_is_the_in_process_run(mosquitto_server, tmp_pa
     over = simulate(config, tmp_path / "mqtt", workers=2, progress=False, transport="mqtt",
                     broker=mosquitto_server.url)
     assert over["model_sha256"] == inproc["model_sha256"]
-    records = lines(tmp_path / "mqtt" / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "mqtt" / "metrics.jsonl")
     assert [r["closed_by"] for r in records] == ["secure"] * 3
     assert [r["dp_epsilon"] for r in records] == \
-        [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+        [r["dp_epsilon"] for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")]
     # and the boards did clip: without DP the same secure run ends elsewhere
     plain = simulate(load_run_config("quickstart", [
         "strategy.weighting=uniform", "rounds=3",
@@ -333,9 +314,7 @@ def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
 
     from test_orchestration import CLIENTS, Lines, _ctl_env, ctl_argv, run_config, run_ctl
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     ctl = ctl_argv(f, tmp_path)
     run_file = tmp_path / "dp.yaml"
     run_file.write_text(yaml.safe_dump(run_config(
