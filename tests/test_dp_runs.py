@@ -3,6 +3,7 @@ to the accountant's, budget mode ending the run before the round that would pass
 target (outputs written, the reason stated), clipping bounding a client's effect on the
 round's sum through the engine, the adaptive clip moving in a run, the same model over a
 real Mosquitto as in process, and a DP run started through the aggregator service."""
+import io
 import json
 import math
 from dataclasses import replace
@@ -15,7 +16,8 @@ pytest.importorskip("dp_accounting")
 pytest_plugins = ["brokers"]
 
 from edgefl.cli.ctl import _event_text  # noqa: E402
-from edgefl.errors import ConfigError  # noqa: E402
+from edgefl.errors import ConfigError, RunStopped  # noqa: E402
+from edgefl.kernels import StopFlag  # noqa: E402
 from edgefl.privacy import NO_HOOKS  # noqa: E402
 from edgefl.privacy.accountant import PrivacyAccountant  # noqa: E402
 from edgefl.privacy.dp import DPHooks  # noqa: E402
@@ -84,9 +86,12 @@ def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path)
     assert len(records) == summary["rounds"] == last
     assert records[-1]["dp_epsilon"] <= target < acc.epsilon(last + 1)
     assert records[-1]["test_accuracy"] is not None        # the last round run is evaluated
-    assert summary["stopped"].startswith(f"round {last + 1}: privacy budget")
-    assert f"target_epsilon = {target:g}" in summary["stopped"]
-    assert summary["privacy"]["stopped"] == summary["stopped"]
+    stopped = summary["stopped"]
+    assert stopped["message"].startswith(f"round {last + 1}: privacy budget")
+    assert f"target_epsilon = {target:g}" in stopped["message"]
+    assert stopped == {"reason": "privacy_budget", "in_round": last + 1, "rounds_done": last,
+                       "rounds_planned": 20, "message": stopped["message"]}
+    assert summary["privacy"]["stopped"] == stopped
     assert summary["privacy"]["epsilon"] == pytest.approx(acc.epsilon(last))
     for name in ("summary.json", "model.npz", "metrics.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
@@ -170,9 +175,45 @@ def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
     assert over["model_sha256"] == inproc["model_sha256"]
     assert over["rounds"] == inproc["rounds"] < 20
     assert over["privacy"]["epsilon"] == inproc["privacy"]["epsilon"]
-    assert "privacy budget" in over["stopped"]
+    assert over["stopped"] == inproc["stopped"]
+    assert over["stopped"]["reason"] == "privacy_budget"
     eps = [r["dp_epsilon"] for r in read_jsonl(tmp_path / "mqtt" / "metrics.jsonl")]
     assert eps == [r["dp_epsilon"] for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")]
+
+
+class _StopAfterRoundOne(io.StringIO):
+    """simulate's progress stream (one line per round): sets `stop` at round 1's line, as a
+    SIGTERM would after round 1 (edgefl simulate's StopSignal is a StopFlag too)."""
+
+    def __init__(self, stop):
+        super().__init__()
+        self.stop = stop
+
+    def write(self, text):
+        if "round 1/" in text:
+            self.stop.set()
+        return super().write(text)
+
+
+def test_stopped_has_one_shape_whether_the_budget_or_a_stop_request_ends_the_run(tmp_path):
+    """summary.json's `stopped` is the same object (errors.stop_record) for the two ways a
+    run ends early; only the reason and the words differ."""
+    budget_run = simulate(dp_config("privacy.dp.target_epsilon=11", rounds=20),
+                          tmp_path / "budget", workers=1, progress=False)
+    budget = json.loads((tmp_path / "budget" / "summary.json").read_text())["stopped"]
+    assert budget == budget_run["stopped"]
+    stop = StopFlag()
+    with pytest.raises(RunStopped) as info:
+        simulate(dp_config(rounds=3), tmp_path / "stop", workers=1, progress=None,
+                 stream=_StopAfterRoundOne(stop), stop=stop)
+    requested = json.loads((tmp_path / "stop" / "summary.json").read_text())["stopped"]
+    assert requested == info.value.summary["stopped"]
+    assert list(budget) == list(requested) == ["reason", "in_round", "rounds_done",
+                                               "rounds_planned", "message"]
+    assert budget["reason"] == "privacy_budget"
+    assert budget["rounds_done"] == budget["in_round"] - 1 == budget_run["rounds"]
+    assert requested == {"reason": "stop_requested", "in_round": 2, "rounds_done": 1,
+                         "rounds_planned": 3, "message": "stopped in round 2 of 3; 1 round done"}
 
 
 def test_watch_prints_epsilon_of_a_closed_round():
@@ -181,6 +222,15 @@ def test_watch_prints_epsilon_of_a_closed_round():
                         "dp_delta": 1e-5, "at": 0}, set())
     assert text.endswith("r1 round 3 closed (all): 2 update(s), test accuracy 0.5000, "
                          "epsilon 2.346 at delta 1e-05")
+
+
+def test_watch_tells_why_a_run_finished_early_in_words():
+    from edgefl.errors import budget_stop
+    stopped = budget_stop(RuntimeError("privacy budget: past the target"), 4, 10)
+    text = _event_text({"event": "run_finished", "run": "r1", "rounds": 3,
+                        "model_sha256": "ab12", "stopped": stopped, "at": 0}, set())
+    assert text.endswith("r1 run_finished: rounds 3, model_sha256 ab12, stopped round 4: "
+                         "privacy budget: past the target")
 
 
 def test_a_dp_run_through_the_aggregator_service(fleet):
@@ -196,13 +246,14 @@ def test_a_dp_run_through_the_aggregator_service(fleet):
     last = acc.rounds_within(8.0, 30)
     assert 1 < last < 30
     finished, closed, summary = f.run_to_end(doc, "dp")
-    assert finished["rounds"] == last and "privacy budget" in finished["stopped"]
+    assert finished["rounds"] == last and "privacy budget" in finished["stopped"]["message"]
     assert [e["round"] for e in closed] == list(range(1, last + 1))
     for e in closed:
         assert e["dp_epsilon"] == pytest.approx(acc.epsilon(e["round"]))
     assert summary["rounds"] == last and summary["privacy"]["epsilon"] == \
         pytest.approx(acc.epsilon(last))
-    assert "privacy budget" in summary["stopped"]
+    assert summary["stopped"] == finished["stopped"]
+    assert summary["stopped"]["reason"] == "privacy_budget"
 
 
 def test_every_client_every_round_is_accounted_without_sampling():

@@ -36,7 +36,7 @@ class RunResult:
     client_states: dict               # {client: State | None}
     history: list = field(default_factory=list)   # one metrics dict per round
     params: np.ndarray | None = None  # strategy.global_model(state)
-    stopped: str | None = None        # why the run ended before its last round (privacy budget)
+    stopped: dict | None = None       # why the run ended before its last round (errors.stop_record)
 
     @property
     def model_sha256(self) -> str:
