@@ -100,15 +100,14 @@ def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path)
 def test_a_target_the_first_round_passes_is_a_config_error():
     with pytest.raises(ConfigError, match=r"privacy.dp.target_epsilon: 0.5 is spent by the "
                                           r"first round"):
-        prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False,
-                    privacy_rounds=("dp",))
+        prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False)
 
 
 def test_a_huge_update_moves_the_sum_by_at_most_the_clip():
     """Through the engine: the round's sum with one client's update blown up differs from
     the sum without that client by at most C (noise off, so the difference is the clip)."""
     config = dp_config("privacy.dp.noise_multiplier=0.0", "privacy.dp.clip=0.3")
-    run = prepare_run(config, progress=False, privacy_rounds=("dp",))
+    run = prepare_run(config, progress=False)
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
     state = run.strategy.init(run.init_params, run.setup)
     plan = engine.open_round(1, state)
@@ -163,7 +162,7 @@ def test_missing_dp_accounting_fails_before_the_run(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "dp_accounting", None)
     with pytest.raises(ConfigError, match=r"pip install 'edgefl\[privacy\]'"):
-        prepare_run(dp_config(), progress=False, privacy_rounds=("dp",))
+        prepare_run(dp_config(), progress=False)
 
 
 def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
@@ -292,7 +291,7 @@ def test_the_unmasked_sum_carries_the_full_noise():
     from edgefl.sim.secure import in_process_secure_sum
 
     config = secure_dp_config()
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp"))
+    run = prepare_run(config, progress=False)
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
     state = run.strategy.init(run.init_params, run.setup)
     plan = engine.open_round(1, state)
@@ -322,7 +321,7 @@ def test_count_noise_too_small_is_named_before_the_run():
     with pytest.raises(ConfigError, match=r"quickstart.yaml: privacy.dp.adaptive_clip."
                                           r"count_noise: 0.25 is too small for "
                                           r"noise_multiplier 0.9"):
-        prepare_run(config, progress=False, privacy_rounds=("dp",))
+        prepare_run(config, progress=False)
 
 
 def test_a_resumed_aggregator_takes_the_adaptive_clip_up_from_its_records():

@@ -115,7 +115,7 @@ def test_a_client_that_stops_answering_is_a_dropout_and_the_model_matches(mosqui
     config = load_run_config("quickstart", ["rounds=3", "privacy.secure_aggregation.threshold=0.8"])
     over = simulate(config, None, workers=2, progress=False, transport="mqtt",
                     broker=mosquitto_server.url, mqtt={"round_timeout_s": 3.0})
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+    run = prepare_run(config, progress=False)
     dropped = []
     inproc = run_federation(
         run.strategy, run.init_params, run.clients, run.setup, config.clients_per_round,

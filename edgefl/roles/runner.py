@@ -54,8 +54,7 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                         if isinstance(e, StopFlag)), None)
     try:
         run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False,
-                          stream=stream, strategy=strategy, stop=kernel_stop,
-                          privacy_rounds=("dp", "secure_aggregation"))
+                          stream=stream, strategy=strategy, stop=kernel_stop)
     except TrainingStopped:
         log.info("stopped while the run was being prepared")
         return None

@@ -85,12 +85,12 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
-    # over a broker the central-DP aggregator clips what it receives, and under secure
-    # aggregation the boards clip and add their noise shares (roles.aggregator, roles.client)
-    honoured = ("secure_aggregation", "dp")
+    # privacy: in process (_privacy_rounds) and over a broker alike: the central-DP
+    # aggregator clips what it receives, and under secure aggregation the boards clip and
+    # add their noise shares (roles.aggregator, roles.client)
     try:
         run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
-                          stream=stream, privacy_rounds=honoured, stop=stop)
+                          stream=stream, stop=stop)
     except TrainingStopped:             # in a strategy's offline phase (DUW's)
         raise RunStopped(1, None, config.rounds) from None
     asynchronous = getattr(run.strategy, "asynchronous", False)
