@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .service import profiles
 
 __all__ = ["BOARDS", "Board", "COMPRESSION_RATIO", "FLEET_KEYS", "fleet_section", "boards_of",
-           "assign_profiles"]
+           "assign_profiles", "refuse_over_broker"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,18 @@ def fleet_section(section, fail: Callable[[str, str], None]) -> dict | None:
     out["jitter"] = check_number(section.get("jitter", 0), lambda p: fail("fleet.jitter", p),
                                  minimum=0, maximum=2)
     return out
+
+
+def refuse_over_broker(config) -> None:
+    """ConfigError when the run config `config` (a RunConfig) has a simulated fleet and its
+    rounds go through a broker (`edgefl simulate --transport mqtt`, `edgefl aggregator`, the
+    aggregator service): the boards there are real and their own speeds order the updates,
+    so the virtual clock is refused rather than ignored. The one home of that refusal."""
+    if config.fleet is not None:
+        raise ConfigError(f"{config.path or '<config>'}: fleet: a simulated fleet (the virtual "
+                          f"clock) runs in edgefl simulate in process only (--transport "
+                          f"inproc); over a broker the boards are real and their own speeds "
+                          f"order the updates")
 
 
 def compression_ratio(profile: str) -> float:

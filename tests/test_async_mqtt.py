@@ -23,6 +23,7 @@ import pytest
 
 pytest.register_assert_rewrite("brokers")
 from edgefl.cli import main    # noqa: E402
+from edgefl.errors import ConfigError    # noqa: E402
 from edgefl.roles import AggregatorCheckpoint, Client, ClientSettings    # noqa: E402
 from edgefl.roles.asynchronous import BOOK_FILE, BUFFER_DIR    # noqa: E402
 from edgefl.roles.state import JOURNAL_FILE, load_arrays, read_journal    # noqa: E402
@@ -65,7 +66,8 @@ def test_the_virtual_fleet_stays_in_process(tmp_path):
     config = load_run_config(write_run_yaml(
         tmp_path, BASE, fleet={"profile": "rpi4"}))
     from edgefl.sim import simulate
-    with pytest.raises(ValueError, match="fleet: the virtual clock runs in process only"):
+    with pytest.raises(ConfigError, match=r"run.yaml: fleet: a simulated fleet \(the virtual "
+                                          r"clock\) runs in edgefl simulate in process only"):
         simulate(config, None, progress=False, transport="mqtt")
 
 

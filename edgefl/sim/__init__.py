@@ -40,6 +40,7 @@ from ..runconfig import RunConfig
 from ..runs.outputs import (RoundExporter, absolute_dataset_paths, run_summary,
                             stopped_summary, write_outputs)
 from ..runs.prepare import prepare_run
+from ..virtual_fleet import refuse_over_broker
 from .asynchronous import run_asynchronous
 from .clock import Clock
 from .loop import run_federation
@@ -88,15 +89,14 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     # privacy: in process (_privacy_rounds) and over a broker alike: the central-DP
     # aggregator clips what it receives, and under secure aggregation the boards clip and
     # add their noise shares (roles.aggregator, roles.client)
+    if transport != "inproc":
+        refuse_over_broker(config)
     try:
         run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                           stream=stream, stop=stop)
     except TrainingStopped:             # in a strategy's offline phase (DUW's)
         raise RunStopped(1, None, config.rounds) from None
     asynchronous = getattr(run.strategy, "asynchronous", False)
-    if transport != "inproc" and config.fleet is not None:
-        raise ValueError("fleet: the virtual clock runs in process only (--transport "
-                         "inproc); over a broker the boards' own speeds order the updates")
     dataset, model, strategy = run.dataset, run.model, run.strategy
     init_params, clients, setup = run.init_params, run.clients, run.setup
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
