@@ -9,6 +9,7 @@ tests/brokers.py.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
@@ -26,13 +27,28 @@ from edgefl.runconfig import load_run_config
 
 __all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
            "load_small_run", "read_jsonl", "AggregatorProcesses", "start_mqtt_clients",
-           "stop_clients", "aggregated_rounds"]
+           "stop_clients", "aggregated_rounds", "StopAtLine"]
 
 
 def read_jsonl(path) -> list:
     """The records of a JSON-lines file (metrics.jsonl, a journal), in order."""
     with open(path) as f:
         return [json.loads(line) for line in f]
+
+
+class StopAtLine(io.StringIO):
+    """A progress stream for simulate (one line per round when it is not a TTY) that sets
+    `stop` (a kernels.StopFlag) when a line containing `text` is written: a SIGTERM after
+    that round, at a point the test chooses (edgefl simulate's StopSignal is a StopFlag)."""
+
+    def __init__(self, stop, text: str):
+        super().__init__()
+        self.stop, self.text = stop, text
+
+    def write(self, chunk):
+        if self.text in chunk:
+            self.stop.set()
+        return super().write(chunk)
 
 
 def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):

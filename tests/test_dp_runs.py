@@ -3,7 +3,6 @@ to the accountant's, budget mode ending the run before the round that would pass
 target (outputs written, the reason stated), clipping bounding a client's effect on the
 round's sum through the engine, the adaptive clip moving in a run, the same model over a
 real Mosquitto as in process, and a DP run started through the aggregator service."""
-import io
 import json
 import math
 from dataclasses import replace
@@ -28,7 +27,7 @@ from edgefl.runconfig import load_run_config, run_config_from_mapping  # noqa: E
 from edgefl.runs.prepare import prepare_run  # noqa: E402
 from edgefl.sim import simulate  # noqa: E402
 from edgefl.strategies import Update  # noqa: E402
-from helpers import read_jsonl  # noqa: E402
+from helpers import StopAtLine, read_jsonl  # noqa: E402
 
 pytest.register_assert_rewrite("brokers")     # imported by test_orchestration
 import test_orchestration as orchestration  # noqa: E402
@@ -180,20 +179,6 @@ def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
     assert eps == [r["dp_epsilon"] for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")]
 
 
-class _StopAfterRoundOne(io.StringIO):
-    """simulate's progress stream (one line per round): sets `stop` at round 1's line, as a
-    SIGTERM would after round 1 (edgefl simulate's StopSignal is a StopFlag too)."""
-
-    def __init__(self, stop):
-        super().__init__()
-        self.stop = stop
-
-    def write(self, text):
-        if "round 1/" in text:
-            self.stop.set()
-        return super().write(text)
-
-
 def test_stopped_has_one_shape_whether_the_budget_or_a_stop_request_ends_the_run(tmp_path):
     """summary.json's `stopped` is the same object (errors.stop_record) for the two ways a
     run ends early; only the reason and the words differ."""
@@ -204,7 +189,7 @@ def test_stopped_has_one_shape_whether_the_budget_or_a_stop_request_ends_the_run
     stop = StopFlag()
     with pytest.raises(RunStopped) as info:
         simulate(dp_config(rounds=3), tmp_path / "stop", workers=1, progress=None,
-                 stream=_StopAfterRoundOne(stop), stop=stop)
+                 stream=StopAtLine(stop, "round 1/"), stop=stop)
     requested = json.loads((tmp_path / "stop" / "summary.json").read_text())["stopped"]
     assert requested == info.value.summary["stopped"]
     assert list(budget) == list(requested) == ["reason", "in_round", "rounds_done",

@@ -21,7 +21,7 @@ from edgefl.service import profiles
 from edgefl.sim import Clock, simulate
 from edgefl.sim.clock import EventQueue
 from edgefl.strategies import Setup, StrategyError, Update, get_strategy
-from helpers import load_small_run
+from helpers import StopAtLine, load_small_run
 
 MIXED = {"rpi-zero2w": 0.3, "rpi4": 0.5, "rpi5": 0.2}
 
@@ -308,6 +308,41 @@ def test_the_virtual_fleet_is_refused_over_mqtt(tmp_path):
                                           r"in edgefl simulate in process only"):
         simulate(config(tmp_path, strategy="fedbuff", fleet=MIXED), None, progress=False,
                  transport="mqtt")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stopped_asynchronous_run_keeps_the_steps_done_and_their_model(tmp_path, workers):
+    """simulate of FedBuff (K < C) stopped once step 1 is recorded, as a SIGTERM to edgefl
+    simulate would: RunStopped in step 2, which is dropped; out/ holds step 1 as a stopped
+    synchronous run holds its rounds done: metrics.jsonl, summary.json with `stopped`, and
+    model.npz of step 1, the model an unstopped run has after step 1."""
+    from edgefl.checkpoint import load_checkpoint, model_sha256
+    from edgefl.errors import RunStopped
+    from edgefl.kernels import StopFlag
+    from edgefl.sim import run_asynchronous
+
+    cfg = config(tmp_path, strategy={"name": "fedbuff", "concurrency": 4, "buffer_size": 2})
+    prepared = prepare_run(cfg, progress=False)
+    models = {}
+    run_asynchronous(prepared.strategy, prepared.init_params, prepared.clients, prepared.setup,
+                     cfg.clients_per_round, test=(prepared.dataset.x_test,
+                                                  prepared.dataset.y_test),
+                     workers=workers, on_model=lambda r, m: models.__setitem__(r, m.copy()))
+    stop, out = StopFlag(), tmp_path / "out"
+    with pytest.raises(RunStopped) as info:
+        simulate(cfg, out, workers=workers, progress=None, stream=StopAtLine(stop, "round 1/"),
+                 stop=stop)
+    assert info.value.round == 2 and [r["round"] for r in info.value.result.history] == [1]
+    assert [r["round"] for r in records(out)] == [1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == {"reason": "stop_requested", "in_round": 2, "rounds_done": 1,
+                                  "rounds_planned": RUN["rounds"],
+                                  "message": f"stopped in round 2 of {RUN['rounds']}; 1 round "
+                                             f"done"}
+    ckpt = load_checkpoint(str(out / "model.npz"))
+    assert ckpt["round"] == 1 and model_sha256(ckpt["params"]) == summary["model_sha256"] \
+        == model_sha256(models[1])
+    assert not (out / "model.onnx").exists()
 
 
 def test_events_at_the_same_time_come_out_in_push_order():

@@ -123,17 +123,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         Clock.for_fleet(config.fleet, setup.clients, config.seed, model.n_params)
     try:
         if asynchronous and transport == "inproc":
-            try:
-                result = run_asynchronous(strategy, init_params, clients, setup,
-                                          config.clients_per_round, clock=clock,
-                                          test=(dataset.x_test, dataset.y_test),
-                                          eval_every=config.eval_every, workers=workers,
-                                          on_round=on_round, on_model=exporter)
-            except TrainingStopped:
-                # the clients' LocalData carry the stop flag; the asynchronous driver keeps
-                # no per-step result to hand back, so the steps applied so far are in
-                # metrics.jsonl and no model.npz is written
-                raise RunStopped(1, None, config.rounds) from None
+            result = run_asynchronous(strategy, init_params, clients, setup,
+                                      config.clients_per_round, clock=clock,
+                                      test=(dataset.x_test, dataset.y_test),
+                                      eval_every=config.eval_every, workers=workers,
+                                      on_round=on_round, on_model=exporter, stop=stop)
         elif transport == "inproc":
             result = run_federation(strategy, init_params, clients, setup,
                                     config.clients_per_round,
