@@ -64,9 +64,9 @@ def test_fedbuff_with_k_below_c_runs_over_mosquitto_and_records_every_step(
 
 def test_the_virtual_fleet_stays_in_process(tmp_path):
     config = load_run_config(write_run_yaml(
-        tmp_path, BASE, fleet={"profile": "rpi4"}))
+        tmp_path, BASE, sim_fleet={"profile": "rpi4"}))
     from edgefl.sim import simulate
-    with pytest.raises(ConfigError, match=r"run.yaml: fleet: a simulated fleet \(the virtual "
+    with pytest.raises(ConfigError, match=r"run.yaml: sim_fleet: a simulated fleet \(the virtual "
                                           r"clock\) runs in edgefl simulate in process only"):
         simulate(config, None, progress=False, transport="mqtt")
 
@@ -209,7 +209,7 @@ def test_loopback_run_released_in_the_clocks_order_gives_the_in_process_model(tm
     changes = dict(rounds=10, strategy={"name": "fedbuff", "concurrency": 4,
                                         "buffer_size": 2, "max_staleness": 2})
     in_process = load_run_config(write_run_yaml(
-        tmp_path, BASE, "clocked.yaml", **changes, **({"fleet": fleet} if fleet else {})))
+        tmp_path, BASE, "clocked.yaml", **changes, **({"sim_fleet": fleet} if fleet else {})))
     reference = simulate(in_process, tmp_path / "ref", workers=1, progress=False)
     reference_rows = [json.loads(line) for line in
                       (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]

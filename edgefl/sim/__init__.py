@@ -5,7 +5,7 @@ process, for trying an algorithm or a config on one machine before a fleet runs 
                     in a thread pool
     asynchronous.py run_asynchronous: buffered asynchronous steps (FedBuff) on the virtual
                     clock, the engine's asynchronous caller
-    clock.py        the virtual clock: each task's simulated seconds on the `fleet:`, the
+    clock.py        the virtual clock: each task's simulated seconds on the `sim_fleet:`, the
                     event queue
     over_broker.py  run_over_broker: the same rounds through an MQTT broker with the real
                     roles as threads of this process (`--transport mqtt`)

@@ -17,7 +17,7 @@ Selection, tasks, the upload check, aggregation, the record and the evaluation s
 the engine's; the order of events is the clock's alone. A task is trained on the thread pool
 as soon as it is dispatched and its result waited for when its arrival comes up, so the
 threads only change when the arithmetic happens, never what it is: the model is the same for
-any number of workers (tests/test_fedbuff.py). With every task equally long (no `fleet:`) and
+any number of workers (tests/test_fedbuff.py). With every task equally long (no `sim_fleet:`) and
 K = C every buffer is one cohort of fresh updates, a synchronous round.
 
 Each record has the engine's keys plus sim_time_s (the simulated time of the step),

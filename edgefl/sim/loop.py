@@ -59,7 +59,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     privacy.BudgetExhausted ends the run after the round before;
     the result's `stopped` says why.
 
-    clock: a sim.clock.Clock of the run's `fleet:`, or None. Given, each round lasts as long
+    clock: a sim.clock.Clock of the run's `sim_fleet:`, or None. Given, each round lasts as long
     as its slowest uploader (or the fleet's deadline: an uploader not done by then is not
     trained and its update is lost), and each record gains sim_time_s (the simulated time
     at the round's end) and late (how many uploaders missed the deadline).
