@@ -7,7 +7,7 @@ them). `compare_table` gives one Markdown row per run
     up+down bytes | wall
 
 where "rounds to >= ACC" is the first round whose test accuracy reached ACC ("*" when no
-evaluated round did) -- followed, when a run has a virtual clock (`fleet:`, FedBuff), by
+evaluated round did) -- followed, when a run has a virtual clock (`sim_fleet:`, FedBuff), by
 "sim s to >= ACC", the simulated seconds of that round ("–" for a run without a clock) -- bytes are the float32 model bytes the run moved (uplink plus downlink
 summed over rounds, binary units), and wall is the round loop's wall time from summary.json,
 plus, shown separately, an offline phase that ran before round 1 (DUW's weight training,

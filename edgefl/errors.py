@@ -1,6 +1,6 @@
 """Exceptions raised in one layer and caught in others: by both kernel backends and the
 layers above them, by configuration readers and every command, by the ONNX export and the
-runs that export."""
+runs that export; and the one shape of "why a run ended early" (`stop_record`)."""
 
 
 class ConfigError(ValueError):
@@ -53,6 +53,36 @@ class RunStopped(Exception):
         self.result = result
         self.rounds_planned = rounds_planned
         self.summary: dict | None = None
+
+    @property
+    def record(self) -> dict:
+        """summary.json's `stopped` for this stop (stop_record, reason "stop_requested")."""
+        done = len(self.result.history) if self.result is not None else 0
+        return stop_record("stop_requested", self.round, done, self.rounds_planned, str(self))
+
+
+STOP_REASONS = ("privacy_budget", "stop_requested")
+
+
+def stop_record(reason: str, in_round: int, rounds_done: int, rounds_planned: int | None,
+                message: str) -> dict:
+    """Why a run ended before its last round, in one shape whatever the reason: summary.json's
+    `stopped` (and `privacy.stopped`) and the run_finished event's. `reason`: "privacy_budget"
+    (the next round would pass the DP target: the run ends finished, every output written) or
+    "stop_requested" (SIGINT/SIGTERM, or the caller's stop flag: the rounds done are written);
+    `in_round`: the round it ended in, which is not recorded; `rounds_done`, `rounds_planned`;
+    `message`: the same in words."""
+    if reason not in STOP_REASONS:
+        raise ValueError(f"stop reason {reason!r}; valid: {', '.join(STOP_REASONS)}")
+    return {"reason": reason, "in_round": int(in_round), "rounds_done": int(rounds_done),
+            "rounds_planned": rounds_planned, "message": message}
+
+
+def budget_stop(exc: Exception, round: int, rounds_planned: int | None) -> dict:
+    """The stop record of a run whose DP budget (privacy.BudgetExhausted `exc`) ends it
+    before `round`: rounds 1 to round - 1 are done."""
+    return stop_record("privacy_budget", round, round - 1, rounds_planned,
+                       f"round {round}: {exc}")
 
 
 class ExportError(ValueError):

@@ -12,7 +12,8 @@ overrides, parsed by edgefl.config) validated into frozen dataclasses, with defa
     seed: 0
     eval_every: 1                             # evaluate every k rounds (and after the last)
     attack: {kind: sign_flip, fraction: 0.2}  # optional: malicious clients (edgefl.attacks)
-    fleet: {rpi-zero2w: 0.3, rpi4: 0.7}       # optional: simulated boards (edgefl.virtual_fleet)
+    sim_fleet: {rpi-zero2w: 0.3, rpi4: 0.7}   # optional: simulated boards (edgefl.virtual_fleet;
+                                              #   `fleet:` is its deprecated old name)
     privacy: {secure_aggregation: {...}, dp: {...}}   # optional (edgefl.privacy.settings)
 
 Every error names the file, the dotted key (and says when it came from --set) and the valid
@@ -32,7 +33,7 @@ from typing import Any, Mapping
 from . import kernels
 from .attacks import AttackError, attack_section
 from .config import Config, ConfigError, check_number, load_config
-from .virtual_fleet import fleet_section
+from .virtual_fleet import FLEET_KEY, OLD_FLEET_KEY, fleet_in, fleet_section
 from .data import dataset_options, partition_options
 from .models import model_names
 from .privacy import settings as privacy_settings
@@ -43,7 +44,7 @@ __all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mappi
            "builtin_configs", "resolve_config_path", "ConfigError"]
 
 TOP_KEYS = ("dataset", "partition", "model", "strategy", "train", "rounds", "clients_per_round",
-            "fraction", "seed", "eval_every", "attack", "privacy", "fleet")
+            "fraction", "seed", "eval_every", "attack", "privacy", "sim_fleet", "fleet")
 # model.init: "uniform" is Model.init's seeded default; "zeros" is w(0) = 0 for the convex
 # models (what the MFL reproduction uses; the paper only asks for equal initial values).
 # The other model keys are the model's options.
@@ -92,7 +93,7 @@ class RunConfig:
     eval_every: int = 1
     path: str | None = None        # the file it came from (relative dataset paths use it)
     attack: Mapping[str, Any] | None = None   # the `attack:` section (edgefl.attacks), resolved
-    fleet: Mapping[str, Any] | None = None    # `fleet:` (edgefl.virtual_fleet), resolved
+    fleet: Mapping[str, Any] | None = None    # `sim_fleet:` (edgefl.virtual_fleet), resolved
     privacy: Privacy | None = None            # the `privacy:` section (edgefl.privacy.settings)
 
     @property
@@ -116,7 +117,7 @@ class RunConfig:
         if self.attack is not None:       # absent when unset: plain runs keep their config
             out["attack"] = dict(self.attack)
         if self.fleet is not None:        # absent when unset, as attack
-            out["fleet"] = {k: dict(v) if isinstance(v, Mapping) else v
+            out[FLEET_KEY] = {k: dict(v) if isinstance(v, Mapping) else v
                             for k, v in self.fleet.items()}
         if self.privacy is not None:
             out["privacy"] = self.privacy.to_dict()
@@ -172,7 +173,8 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
     data = dict(data)
     for key in data:
         if key not in TOP_KEYS:
-            v.fail(key, f"unknown key; valid keys: {', '.join(TOP_KEYS)}")
+            v.fail(key, f"unknown key; valid keys: "
+                        f"{', '.join(k for k in TOP_KEYS if k != OLD_FLEET_KEY)}")
 
     dataset = v.section(data, "dataset")
     v.options(dataset, "dataset", dataset_options)
@@ -215,9 +217,9 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
         refused = privacy_settings.refusal(privacy, instance, params.get("robust"), attack)
         if refused:
             v.fail(*refused)
-    fleet = fleet_section(data.get("fleet"), v.fail)
+    fleet = fleet_section(fleet_in(data, v.fail, path or "<config>"), v.fail)
     if fleet is not None and fleet["deadline_s"] and getattr(instance, "asynchronous", False):
-        v.fail("fleet.deadline_s", f"a deadline closes synchronous rounds; {name} is "
+        v.fail(f"{FLEET_KEY}.deadline_s", f"a deadline closes synchronous rounds; {name} is "
                                    f"asynchronous (its buffer closes a step)")
     return RunConfig(dataset=_frozen(dataset), partition=_frozen(partition), model=_frozen(model),
                      strategy=name, strategy_params=_frozen(params), train=train, rounds=rounds,

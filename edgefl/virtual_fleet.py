@@ -1,9 +1,10 @@
-"""The simulated fleet of a run config's `fleet:` section: which device profile each client is,
-and how fast it computes and talks. `edgefl simulate` turns it into a virtual clock
-(`edgefl/sim/clock.py`) that times every local round, so synchronous and asynchronous runs
+"""The simulated fleet of a run config's `sim_fleet:` section (`fleet:` before, still read with
+a warning): which device profile each client is, and how fast it computes and talks.
+`edgefl simulate` turns it into a virtual clock (`edgefl/sim/clock.py`) that times every
+local round, so synchronous and asynchronous runs
 report simulated seconds of the fleet they model.
 
-    fleet:
+    sim_fleet:
       mix: {rpi-zero2w: 0.3, rpi4: 0.5, rpi5: 0.2}   # shares of the clients, by profile
       gflops: {rpi4: 8}          # optional: a board's training rate (GFLOP/s), over BOARDS
       bandwidth_mbps: 50         # optional: every link's rate, or {profile: Mbit/s}
@@ -11,8 +12,8 @@ report simulated seconds of the fleet they model.
                                  # latest, and a client not done by then is stopped
       jitter: 0.3                # optional: each task's time times a log-normal factor of
                                  # mean 1 and this sigma, drawn per task (0: constant speeds)
-    fleet: {rpi-zero2w: 0.3, rpi4: 0.5, rpi5: 0.2}   # shorthand: shares beside the keys
-    fleet: {profile: rpi4}                           # every client the same board
+    sim_fleet: {rpi-zero2w: 0.3, rpi4: 0.5, rpi5: 0.2}   # shorthand: shares beside the keys
+    sim_fleet: {profile: rpi4}                           # every client the same board
 
 The profile names are the device profiles of edgefl/profiles/ (`service.profiles`); a
 profile's `transport.compression` sets how many bytes a float32 buffer takes on its link
@@ -25,6 +26,7 @@ override them with `gflops` and `bandwidth_mbps` when a board's own measurement 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -34,8 +36,8 @@ from .config import check_number
 from .errors import ConfigError
 from .service import profiles
 
-__all__ = ["BOARDS", "Board", "COMPRESSION_RATIO", "FLEET_KEYS", "fleet_section", "boards_of",
-           "assign_profiles"]
+__all__ = ["BOARDS", "Board", "COMPRESSION_RATIO", "FLEET_KEYS", "FLEET_KEY", "OLD_FLEET_KEY",
+           "fleet_in", "fleet_section", "boards_of", "assign_profiles", "refuse_over_broker"]
 
 
 @dataclass(frozen=True)
@@ -63,55 +65,71 @@ BOARDS = {
 
 COMPRESSION_RATIO = {"none": 1.0, "f16": 0.5, "int8": 0.25}
 FLEET_KEYS = ("mix", "profile", "gflops", "bandwidth_mbps", "deadline_s", "jitter")
+FLEET_KEY, OLD_FLEET_KEY = "sim_fleet", "fleet"   # the run config's key, and its old name
+
+
+def fleet_in(data: Mapping, fail: Callable[[str, str], None], where: str):
+    """The simulated fleet section of the run config mapping `data`: `sim_fleet:`, or its
+    old name `fleet:` (it read like the `edgefl fleet` command, which runs real processes),
+    still accepted with a FutureWarning naming the new one; both at once is refused."""
+    if OLD_FLEET_KEY in data:
+        if FLEET_KEY in data:
+            fail(OLD_FLEET_KEY, f"give {FLEET_KEY} only ({OLD_FLEET_KEY} is its old name)")
+        warnings.warn(f"{where}: {OLD_FLEET_KEY}: is deprecated, rename it {FLEET_KEY}: (the "
+                      f"simulated fleet of the virtual clock; `edgefl fleet` is another "
+                      f"thing)", FutureWarning, stacklevel=3)
+        return data[OLD_FLEET_KEY]
+    return data.get(FLEET_KEY)
 
 
 def fleet_section(section, fail: Callable[[str, str], None]) -> dict | None:
-    """The `fleet:` section checked and resolved to {mix: {profile: share}, gflops: {profile:
+    """The `sim_fleet:` section checked and resolved to {mix: {profile: share}, gflops: {profile:
     rate}, bandwidth_mbps: {profile: rate}, deadline_s, jitter} (None when absent). fail(key,
     problem) raises the caller's ConfigError naming the dotted key."""
     if section is None:
         return None
     if not isinstance(section, Mapping):
-        fail("fleet", f"must be a mapping (mix, profile, gflops, bandwidth_mbps, deadline_s) "
+        fail("sim_fleet", f"must be a mapping (mix, profile, gflops, bandwidth_mbps, deadline_s) "
                       f"or {{profile: share}}, got {section!r}")
     names = profiles.profile_names()
     section = dict(section)
     shares = {k: section.pop(k) for k in list(section) if k in names}
     if shares:                          # the shorthand: profiles' shares beside the keys
         if "mix" in section:
-            fail("fleet.mix", f"give the shares in fleet.mix or beside it, not both "
+            fail("sim_fleet.mix", f"give the shares in sim_fleet.mix or beside it, not both "
                               f"({', '.join(shares)} are beside it)")
         section["mix"] = shares
     for key in section:
         if key not in FLEET_KEYS:
-            fail(f"fleet.{key}", f"unknown key; valid keys: {', '.join(FLEET_KEYS)} (or a "
+            fail(f"sim_fleet.{key}", f"unknown key; valid keys: {', '.join(FLEET_KEYS)} (or a "
                                  f"mapping of profiles: {', '.join(names)})")
     if ("mix" in section) == ("profile" in section):
-        fail("fleet", "give fleet.mix (shares by profile) or fleet.profile, one of them")
+        fail("sim_fleet", "give sim_fleet.mix (shares by profile) or sim_fleet.profile, one "
+                          "of them")
     if "profile" in section:
         name = section["profile"]
         if name not in names:
-            fail("fleet.profile", f"unknown profile {name!r}; valid: {', '.join(names)}")
+            fail("sim_fleet.profile", f"unknown profile {name!r}; valid: {', '.join(names)}")
         mix = {name: 1.0}
     else:
         raw = section["mix"]
         if not isinstance(raw, Mapping) or not raw:
-            fail("fleet.mix", f"must be a mapping of profile: share, got {raw!r}")
+            fail("sim_fleet.mix", f"must be a mapping of profile: share, got {raw!r}")
         mix = {}
         for name, share in raw.items():
             if name not in names:
-                fail(f"fleet.mix.{name}", f"unknown profile; valid: {', '.join(names)}")
-            mix[name] = check_number(share, lambda p, n=name: fail(f"fleet.mix.{n}", p),
+                fail(f"sim_fleet.mix.{name}", f"unknown profile; valid: {', '.join(names)}")
+            mix[name] = check_number(share, lambda p, n=name: fail(f"sim_fleet.mix.{n}", p),
                                      minimum=0)
         if not math.isclose(sum(mix.values()), 1.0, abs_tol=1e-6):
-            fail("fleet.mix", f"the shares add up to {sum(mix.values()):g}, not 1")
+            fail("sim_fleet.mix", f"the shares add up to {sum(mix.values()):g}, not 1")
     out = {"mix": mix}
     for key, unit in (("gflops", "GFLOP/s"), ("bandwidth_mbps", "Mbit/s")):
         given = section.get(key, {})
         one = not isinstance(given, Mapping)      # one rate for every board
         rates = {}
         for name, value in ({"": given} if one else given).items():
-            where = f"fleet.{key}" if one else f"fleet.{key}.{name}"
+            where = f"sim_fleet.{key}" if one else f"sim_fleet.{key}.{name}"
             if not one and name not in names:
                 fail(where, f"unknown profile; valid: {', '.join(names)}")
             rate = check_number(value, lambda p, w=where: fail(w, p))
@@ -121,12 +139,24 @@ def fleet_section(section, fail: Callable[[str, str], None]) -> dict | None:
         if one:
             rates = {name: rates[""] for name in mix}
         out[key] = {name: rates.get(name, getattr(BOARDS[name], key)) for name in mix}
-    deadline = check_number(section.get("deadline_s", 0), lambda p: fail("fleet.deadline_s", p),
-                            minimum=0)
+    deadline = check_number(section.get("deadline_s", 0),
+                            lambda p: fail("sim_fleet.deadline_s", p), minimum=0)
     out["deadline_s"] = deadline
-    out["jitter"] = check_number(section.get("jitter", 0), lambda p: fail("fleet.jitter", p),
+    out["jitter"] = check_number(section.get("jitter", 0), lambda p: fail("sim_fleet.jitter", p),
                                  minimum=0, maximum=2)
     return out
+
+
+def refuse_over_broker(config) -> None:
+    """ConfigError when the run config `config` (a RunConfig) has a simulated fleet and its
+    rounds go through a broker (`edgefl simulate --transport mqtt`, `edgefl aggregator`, the
+    aggregator service): the boards there are real and their own speeds order the updates,
+    so the virtual clock is refused rather than ignored. The one home of that refusal."""
+    if config.fleet is not None:
+        raise ConfigError(f"{config.path or '<config>'}: sim_fleet: a simulated fleet (the "
+                          f"virtual clock) runs in edgefl simulate in process only "
+                          f"(--transport inproc); over a broker the boards are real and their "
+                          f"own speeds order the updates")
 
 
 def compression_ratio(profile: str) -> float:

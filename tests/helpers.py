@@ -9,20 +9,46 @@ tests/brokers.py.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import yaml
 
+from edgefl.roles.state import JOURNAL_FILE, read_journal
 from edgefl.runconfig import load_run_config
 
 __all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
-           "load_small_run"]
+           "load_small_run", "read_jsonl", "AggregatorProcesses", "start_mqtt_clients",
+           "stop_clients", "aggregated_rounds", "StopAtLine"]
+
+
+def read_jsonl(path) -> list:
+    """The records of a JSON-lines file (metrics.jsonl, a journal), in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+class StopAtLine(io.StringIO):
+    """A progress stream for simulate (one line per round when it is not a TTY) that sets
+    `stop` (a kernels.StopFlag) when a line containing `text` is written: a SIGTERM after
+    that round, at a point the test chooses (edgefl simulate's StopSignal is a StopFlag)."""
+
+    def __init__(self, stop, text: str):
+        super().__init__()
+        self.stop, self.text = stop, text
+
+    def write(self, chunk):
+        if self.text in chunk:
+            self.stop.set()
+        return super().write(chunk)
 
 
 def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):
@@ -187,3 +213,79 @@ def write_run_yaml(tmp_path, base: dict, name: str = "run.yaml", **changes) -> s
 def load_small_run(tmp_path, name: str = "run.yaml", **changes):
     """SMALL_RUN with `changes`, written to tmp_path/name and loaded as the roles load it."""
     return load_run_config(write_run_yaml(tmp_path, SMALL_RUN, name, **changes))
+
+
+# ---------------------------------------------------------------------------------------
+# an aggregator process killed and restarted, its boards as threads on a real broker
+# ---------------------------------------------------------------------------------------
+
+def aggregated_rounds(journal) -> list:
+    """The rounds (versions) the aggregator's journal records as aggregated, in order."""
+    return [r["round"] for r in read_journal(journal) if r.get("event") == "aggregated"]
+
+
+class AggregatorProcesses:
+    """`edgefl aggregator --once` as child processes of the test, started from one site file
+    (node `node_id` of `federation`, run `run_path`, state in tmp_path/agg-state, outputs in
+    tmp_path/out), each child logging to its own file in tmp_path; close() kills any child
+    still running. spawn() also starts other commands (an `edgefl client`) the same way."""
+
+    def __init__(self, tmp_path, broker_url, run_path, node_id, federation, deadline=60):
+        from brokers import REPO
+        self.tmp = tmp_path
+        self.state, self.out = tmp_path / "agg-state", tmp_path / "out"
+        self.journal = self.state / JOURNAL_FILE
+        site = tmp_path / "aggregator.yaml"
+        site.write_text(yaml.safe_dump({
+            "profile": "generic-x86", "node": {"id": node_id, "federation": federation},
+            "state_dir": str(self.state), "broker": {"url": broker_url}, "run": str(run_path),
+            "log": {"level": "info"}}))
+        self.env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep +
+                        os.environ.get("PYTHONPATH", ""))
+        self.command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                        str(site), "--deadline", str(deadline), "--out", str(self.out),
+                        "--once"]
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(self, log_name, args=None) -> subprocess.Popen:
+        """Start the aggregator (or `args`), its output going to tmp_path/log_name."""
+        with open(self.tmp / log_name, "wb") as log:
+            proc = subprocess.Popen(args or self.command, cwd=self.tmp, env=self.env,
+                                    stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, log_name) -> str:
+        return (self.tmp / log_name).read_text()
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def start_mqtt_clients(broker_url, federation, tag, run, tmp_path, shards):
+    """A Client thread for each shard c of the prepared `run` (node client-<c>, exiting when
+    the run is finished, its own MQTT connection and state directory tmp_path/client-<c>),
+    started: returns ({c: Client}, [thread])."""
+    from edgefl.roles import Client, ClientSettings
+    from edgefl.transport.mqtt import MqttTransport
+    clients, threads = {}, []
+    for c in shards:
+        node = f"client-{c}"
+        t = MqttTransport(broker_url, f"{node}-{tag}", connect_timeout=5,
+                          reconnect_min=0.05, reconnect_max=0.5)
+        clients[c] = Client(ClientSettings(node, federation, exit_when_finished=True),
+                            (run.clients[c].x, run.clients[c].y), t, tmp_path / node)
+        threads.append(threading.Thread(target=clients[c].run, daemon=True))
+        threads[-1].start()
+    return clients, threads
+
+
+def stop_clients(clients, threads, timeout=5.0) -> None:
+    for client in clients.values():
+        client.stop.set()
+    for t in threads:
+        t.join(timeout)

@@ -16,24 +16,21 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import uuid
 
 import pytest
-import yaml
 
 pytest.register_assert_rewrite("brokers")
-from brokers import REPO    # noqa: E402
 from edgefl.cli import main    # noqa: E402
+from edgefl.errors import ConfigError    # noqa: E402
 from edgefl.roles import AggregatorCheckpoint, Client, ClientSettings    # noqa: E402
 from edgefl.roles.asynchronous import BOOK_FILE, BUFFER_DIR    # noqa: E402
 from edgefl.roles.state import JOURNAL_FILE, load_arrays, read_journal    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
 from edgefl.runs.prepare import prepare_run    # noqa: E402
-from edgefl.transport.mqtt import MqttTransport    # noqa: E402
-from helpers import wait_for, write_run_yaml    # noqa: E402
+from helpers import (AggregatorProcesses, aggregated_rounds, read_jsonl,  # noqa: E402
+                     start_mqtt_clients, stop_clients, wait_for, write_run_yaml)
 
 pytest_plugins = ["brokers"]
 
@@ -55,7 +52,7 @@ def test_fedbuff_with_k_below_c_runs_over_mosquitto_and_records_every_step(
     out = tmp_path / "out"
     assert main(["simulate", path, "--transport", "mqtt", "--broker", mosquitto_server.url,
                  "--out", str(out), "--quiet"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rows] == list(range(1, 9))
     assert all(r["closed_by"] == "buffer" and r["updates"] == 2 for r in rows)
     tasks = [t for r in rows for t in r["tasks"]]
@@ -67,9 +64,10 @@ def test_fedbuff_with_k_below_c_runs_over_mosquitto_and_records_every_step(
 
 def test_the_virtual_fleet_stays_in_process(tmp_path):
     config = load_run_config(write_run_yaml(
-        tmp_path, BASE, fleet={"profile": "rpi4"}))
+        tmp_path, BASE, sim_fleet={"profile": "rpi4"}))
     from edgefl.sim import simulate
-    with pytest.raises(ValueError, match="fleet: the virtual clock runs in process only"):
+    with pytest.raises(ConfigError, match=r"run.yaml: sim_fleet: a simulated fleet \(the virtual "
+                                          r"clock\) runs in edgefl simulate in process only"):
         simulate(config, None, progress=False, transport="mqtt")
 
 
@@ -88,43 +86,19 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
     path = write_run_yaml(tmp_path, BASE)
     config = load_run_config(path)
     tag = uuid.uuid4().hex[:8]
-    fed, agg_id = f"async-{tag}", f"agg-{tag}"
-    state, out = tmp_path / "agg-state", tmp_path / "out"
-    site = tmp_path / "aggregator.yaml"
-    site.write_text(yaml.safe_dump({
-        "profile": "generic-x86", "node": {"id": agg_id, "federation": fed},
-        "state_dir": str(state), "broker": {"url": mosquitto_server.url}, "run": path,
-        "log": {"level": "info"}}))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config", str(site),
-               "--deadline", "60", "--out", str(out), "--once"]
-    procs = []
-
-    def spawn(log_name):
-        log = open(tmp_path / log_name, "wb")
-        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        procs.append(proc)
-        return proc
-
+    fed = f"async-{tag}"
+    procs = AggregatorProcesses(tmp_path, mosquitto_server.url, path, f"agg-{tag}", fed)
+    state, out = procs.state, procs.out
     run = prepare_run(config, progress=False)
     clients, threads = {}, []
-    journal = state / JOURNAL_FILE
 
     def aggregated():
-        return [r["round"] for r in read_journal(journal) if r.get("event") == "aggregated"]
+        return aggregated_rounds(procs.journal)
 
     try:
-        first = spawn("aggregator-1.log")
-        for c in range(6):
-            node = f"client-{c}"
-            t = MqttTransport(mosquitto_server.url, f"{node}-{tag}", connect_timeout=5,
-                              reconnect_min=0.05, reconnect_max=0.5)
-            clients[c] = Client(ClientSettings(node, fed, exit_when_finished=True),
-                                (run.clients[c].x, run.clients[c].y), t, tmp_path / node)
-            threads.append(threading.Thread(target=clients[c].run, daemon=True))
-            threads[-1].start()
+        first = procs.spawn("aggregator-1.log")
+        clients, threads = start_mqtt_clients(mosquitto_server.url, fed, tag, run, tmp_path,
+                                              range(6))
 
         # Freeze the aggregator once a version is applied and an update of the next sits
         # in a buffer file; thawed to go on when the frozen state shows none.
@@ -152,25 +126,19 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
         assert aggregated() == list(range(1, applied_before + 1))
         in_flight = json.loads((state / BOOK_FILE).read_text())["flight"]
 
-        second = spawn("aggregator-2.log")
-        assert second.wait(90) == 0, (tmp_path / "aggregator-2.log").read_text()[-3000:]
+        second = procs.spawn("aggregator-2.log")
+        assert second.wait(90) == 0, procs.log("aggregator-2.log")[-3000:]
         for t in threads:
             t.join(20)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        for client in clients.values():
-            client.stop.set()
-        for t in threads:
-            t.join(5)
+        procs.close()
+        stop_clients(clients, threads)
 
     # every version applied exactly once, in order, across the two processes
     assert aggregated() == list(range(1, rounds + 1))
     ckpt = AggregatorCheckpoint.load(str(state))
     assert ckpt.aggregated == list(range(1, rounds + 1))
-    logs = [(tmp_path / f"aggregator-{i}.log").read_text() for i in (1, 2)]
+    logs = [procs.log(f"aggregator-{i}.log") for i in (1, 2)]
     done = [[int(r) for r in re.findall(r"round (\d+) aggregated", text)] for text in logs]
     assert done == [list(range(1, applied_before + 1)),
                     list(range(applied_before + 1, rounds + 1))], done
@@ -181,7 +149,7 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
     # buffered (each once: a re-sent copy of a buffered task is ignored), none lost. The
     # first process may have been frozen after a buffer file and before its log line: the
     # files it left are counted; those left at the end are the unfilled last buffer.
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     applied = [t for r in rows for t in r["tasks"]]
     assert sum(r["updates"] for r in rows) == len(applied) == len(set(applied)) == 2 * rounds
     logged = [[int(t) for t in re.findall(r"update of client-\d+ for task (\d+) buffered",
@@ -241,7 +209,7 @@ def test_loopback_run_released_in_the_clocks_order_gives_the_in_process_model(tm
     changes = dict(rounds=10, strategy={"name": "fedbuff", "concurrency": 4,
                                         "buffer_size": 2, "max_staleness": 2})
     in_process = load_run_config(write_run_yaml(
-        tmp_path, BASE, "clocked.yaml", **changes, **({"fleet": fleet} if fleet else {})))
+        tmp_path, BASE, "clocked.yaml", **changes, **({"sim_fleet": fleet} if fleet else {})))
     reference = simulate(in_process, tmp_path / "ref", workers=1, progress=False)
     reference_rows = [json.loads(line) for line in
                       (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]

@@ -15,7 +15,8 @@ pytest.importorskip("dp_accounting")
 pytest_plugins = ["brokers"]
 
 from edgefl.cli.ctl import _event_text  # noqa: E402
-from edgefl.errors import ConfigError  # noqa: E402
+from edgefl.errors import ConfigError, RunStopped  # noqa: E402
+from edgefl.kernels import StopFlag  # noqa: E402
 from edgefl.privacy import NO_HOOKS  # noqa: E402
 from edgefl.privacy.accountant import PrivacyAccountant  # noqa: E402
 from edgefl.privacy.dp import DPHooks  # noqa: E402
@@ -26,6 +27,12 @@ from edgefl.runconfig import load_run_config, run_config_from_mapping  # noqa: E
 from edgefl.runs.prepare import prepare_run  # noqa: E402
 from edgefl.sim import simulate  # noqa: E402
 from edgefl.strategies import Update  # noqa: E402
+from helpers import StopAtLine, read_jsonl  # noqa: E402
+
+pytest.register_assert_rewrite("brokers")     # imported by test_orchestration
+import test_orchestration as orchestration  # noqa: E402
+
+fleet = orchestration.fleet         # the aggregator service and its boards on the ACL broker
 
 
 def dp_config(*sets, rounds=6):
@@ -35,15 +42,11 @@ def dp_config(*sets, rounds=6):
                                           "privacy.dp.reproducible=true", *sets])
 
 
-def lines(path):
-    return [json.loads(x) for x in open(path)]
-
-
 def test_epsilon_after_each_round_in_metrics_and_summary(tmp_path):
     config = dp_config(rounds=5)
     summary = simulate(config, tmp_path, workers=2, progress=False)
     acc = PrivacyAccountant(config.privacy.dp, config.clients, config.clients_per_round)
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["round"] for r in records] == [1, 2, 3, 4, 5]
     for r in records:
         assert r["dp_epsilon"] == pytest.approx(acc.epsilon(r["round"]), rel=1e-12)
@@ -78,13 +81,16 @@ def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path)
     last = acc.rounds_within(target, 20)
     assert 1 < last < 20
     summary = simulate(config, tmp_path, workers=2, progress=False)
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(records) == summary["rounds"] == last
     assert records[-1]["dp_epsilon"] <= target < acc.epsilon(last + 1)
     assert records[-1]["test_accuracy"] is not None        # the last round run is evaluated
-    assert summary["stopped"].startswith(f"round {last + 1}: privacy budget")
-    assert f"target_epsilon = {target:g}" in summary["stopped"]
-    assert summary["privacy"]["stopped"] == summary["stopped"]
+    stopped = summary["stopped"]
+    assert stopped["message"].startswith(f"round {last + 1}: privacy budget")
+    assert f"target_epsilon = {target:g}" in stopped["message"]
+    assert stopped == {"reason": "privacy_budget", "in_round": last + 1, "rounds_done": last,
+                       "rounds_planned": 20, "message": stopped["message"]}
+    assert summary["privacy"]["stopped"] == stopped
     assert summary["privacy"]["epsilon"] == pytest.approx(acc.epsilon(last))
     for name in ("summary.json", "model.npz", "metrics.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
@@ -93,15 +99,14 @@ def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path)
 def test_a_target_the_first_round_passes_is_a_config_error():
     with pytest.raises(ConfigError, match=r"privacy.dp.target_epsilon: 0.5 is spent by the "
                                           r"first round"):
-        prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False,
-                    privacy_rounds=("dp",))
+        prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False)
 
 
 def test_a_huge_update_moves_the_sum_by_at_most_the_clip():
     """Through the engine: the round's sum with one client's update blown up differs from
     the sum without that client by at most C (noise off, so the difference is the clip)."""
     config = dp_config("privacy.dp.noise_multiplier=0.0", "privacy.dp.clip=0.3")
-    run = prepare_run(config, progress=False, privacy_rounds=("dp",))
+    run = prepare_run(config, progress=False)
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
     state = run.strategy.init(run.init_params, run.setup)
     plan = engine.open_round(1, state)
@@ -142,7 +147,7 @@ def test_adaptive_clip_moves_in_a_run_and_is_reported(tmp_path):
     assert history[0] == 0.01 and len(history) == 6
     assert all(b > a for a, b in zip(history, history[1:])), history
     assert summary["privacy"]["clip"] > history[-1]
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["dp_clip"] for r in records] == history
     assert all("dp_unclipped_fraction" in r for r in records)
 
@@ -156,7 +161,7 @@ def test_missing_dp_accounting_fails_before_the_run(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "dp_accounting", None)
     with pytest.raises(ConfigError, match=r"pip install 'edgefl\[privacy\]'"):
-        prepare_run(dp_config(), progress=False, privacy_rounds=("dp",))
+        prepare_run(dp_config(), progress=False)
 
 
 def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
@@ -168,9 +173,31 @@ def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
     assert over["model_sha256"] == inproc["model_sha256"]
     assert over["rounds"] == inproc["rounds"] < 20
     assert over["privacy"]["epsilon"] == inproc["privacy"]["epsilon"]
-    assert "privacy budget" in over["stopped"]
-    eps = [r["dp_epsilon"] for r in lines(tmp_path / "mqtt" / "metrics.jsonl")]
-    assert eps == [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+    assert over["stopped"] == inproc["stopped"]
+    assert over["stopped"]["reason"] == "privacy_budget"
+    eps = [r["dp_epsilon"] for r in read_jsonl(tmp_path / "mqtt" / "metrics.jsonl")]
+    assert eps == [r["dp_epsilon"] for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")]
+
+
+def test_stopped_has_one_shape_whether_the_budget_or_a_stop_request_ends_the_run(tmp_path):
+    """summary.json's `stopped` is the same object (errors.stop_record) for the two ways a
+    run ends early; only the reason and the words differ."""
+    budget_run = simulate(dp_config("privacy.dp.target_epsilon=11", rounds=20),
+                          tmp_path / "budget", workers=1, progress=False)
+    budget = json.loads((tmp_path / "budget" / "summary.json").read_text())["stopped"]
+    assert budget == budget_run["stopped"]
+    stop = StopFlag()
+    with pytest.raises(RunStopped) as info:
+        simulate(dp_config(rounds=3), tmp_path / "stop", workers=1, progress=None,
+                 stream=StopAtLine(stop, "round 1/"), stop=stop)
+    requested = json.loads((tmp_path / "stop" / "summary.json").read_text())["stopped"]
+    assert requested == info.value.summary["stopped"]
+    assert list(budget) == list(requested) == ["reason", "in_round", "rounds_done",
+                                               "rounds_planned", "message"]
+    assert budget["reason"] == "privacy_budget"
+    assert budget["rounds_done"] == budget["in_round"] - 1 == budget_run["rounds"]
+    assert requested == {"reason": "stop_requested", "in_round": 2, "rounds_done": 1,
+                         "rounds_planned": 3, "message": "stopped in round 2 of 3; 1 round done"}
 
 
 def test_watch_prints_epsilon_of_a_closed_round():
@@ -181,47 +208,36 @@ def test_watch_prints_epsilon_of_a_closed_round():
                          "epsilon 2.346 at delta 1e-05")
 
 
+def test_watch_tells_why_a_run_finished_early_in_words():
+    from edgefl.errors import budget_stop
+    stopped = budget_stop(RuntimeError("privacy budget: past the target"), 4, 10)
+    text = _event_text({"event": "run_finished", "run": "r1", "rounds": 3,
+                        "model_sha256": "ab12", "stopped": stopped, "at": 0}, set())
+    assert text.endswith("r1 run_finished: rounds 3, model_sha256 ab12, stopped round 4: "
+                         "privacy budget: past the target")
+
+
 def test_a_dp_run_through_the_aggregator_service(fleet):
     """`ctl start` of a DP config: each round_closed event carries epsilon, the budget ends
     the run as finished, and its summary.json says why."""
-    from test_orchestration import CLIENTS, run_config, wait_state
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
-    doc = run_config(rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
+    f.start_all()
+    doc = orchestration.run_config(rounds=30, strategy={"name": "fedavg", "weighting": "uniform"},
                      privacy={"dp": {"clip": 1.0, "noise_multiplier": 2.0,
                                      "target_epsilon": 8.0}})
     config = run_config_from_mapping(doc)
     acc = PrivacyAccountant(config.privacy.dp, 2, 2)
     last = acc.rounds_within(8.0, 30)
     assert 1 < last < 30
-    f.ok({"cmd": "start", "config": doc, "run": "dp"})
-    finished = f.events.wait("run_finished", timeout=120, run="dp")
-    assert finished["rounds"] == last and "privacy budget" in finished["stopped"]
-    closed = sorted(f.events.of("round_closed", run="dp"), key=lambda e: e["round"])
+    finished, closed, summary = f.run_to_end(doc, "dp")
+    assert finished["rounds"] == last and "privacy budget" in finished["stopped"]["message"]
     assert [e["round"] for e in closed] == list(range(1, last + 1))
     for e in closed:
         assert e["dp_epsilon"] == pytest.approx(acc.epsilon(e["round"]))
-    wait_state(f, "dp", "finished")
-    summary = json.loads((f.state_dir / "runs" / "dp" / "summary.json").read_text())
     assert summary["rounds"] == last and summary["privacy"]["epsilon"] == \
         pytest.approx(acc.epsilon(last))
-    assert "privacy budget" in summary["stopped"]
-
-
-@pytest.fixture
-def fleet(mosquitto_acl_server, tmp_path):
-    from test_orchestration import Fleet
-    made = []
-
-    def make(**options):
-        made.append(Fleet(mosquitto_acl_server, tmp_path, **options))
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.close()
+    assert summary["stopped"] == finished["stopped"]
+    assert summary["stopped"]["reason"] == "privacy_budget"
 
 
 def test_every_client_every_round_is_accounted_without_sampling():
@@ -245,7 +261,7 @@ def secure_dp_config(*sets, rounds=3):
 
 def test_a_run_with_secure_aggregation_and_distributed_noise(tmp_path):
     summary = simulate(secure_dp_config(), tmp_path, workers=2, progress=False)
-    records = lines(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
     assert len(records) == 3
     for r in records:
         assert r["secure"]["survivors"] == 5 and r["dp_noise_shortfall"] == 0
@@ -260,7 +276,7 @@ def test_the_unmasked_sum_carries_the_full_noise():
     from edgefl.sim.secure import in_process_secure_sum
 
     config = secure_dp_config()
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation", "dp"))
+    run = prepare_run(config, progress=False)
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
     state = run.strategy.init(run.init_params, run.setup)
     plan = engine.open_round(1, state)
@@ -290,7 +306,7 @@ def test_count_noise_too_small_is_named_before_the_run():
     with pytest.raises(ConfigError, match=r"quickstart.yaml: privacy.dp.adaptive_clip."
                                           r"count_noise: 0.25 is too small for "
                                           r"noise_multiplier 0.9"):
-        prepare_run(config, progress=False, privacy_rounds=("dp",))
+        prepare_run(config, progress=False)
 
 
 def test_a_resumed_aggregator_takes_the_adaptive_clip_up_from_its_records():
@@ -313,10 +329,10 @@ def test_secure_dp_over_mosquitto_is_the_in_process_run(mosquitto_server, tmp_pa
     over = simulate(config, tmp_path / "mqtt", workers=2, progress=False, transport="mqtt",
                     broker=mosquitto_server.url)
     assert over["model_sha256"] == inproc["model_sha256"]
-    records = lines(tmp_path / "mqtt" / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "mqtt" / "metrics.jsonl")
     assert [r["closed_by"] for r in records] == ["secure"] * 3
     assert [r["dp_epsilon"] for r in records] == \
-        [r["dp_epsilon"] for r in lines(tmp_path / "inproc" / "metrics.jsonl")]
+        [r["dp_epsilon"] for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")]
     # and the boards did clip: without DP the same secure run ends elsewhere
     plain = simulate(load_run_config("quickstart", [
         "strategy.weighting=uniform", "rounds=3",
@@ -333,9 +349,7 @@ def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
 
     from test_orchestration import CLIENTS, Lines, _ctl_env, ctl_argv, run_config, run_ctl
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     ctl = ctl_argv(f, tmp_path)
     run_file = tmp_path / "dp.yaml"
     run_file.write_text(yaml.safe_dump(run_config(

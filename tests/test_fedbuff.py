@@ -1,5 +1,5 @@
 """FedBuff (edgefl/strategies/fedbuff.py), the asynchronous driver (edgefl/sim/asynchronous.py),
-the virtual clock (edgefl/sim/clock.py) and the `fleet:` section (edgefl/virtual_fleet.py).
+the virtual clock (edgefl/sim/clock.py) and the `sim_fleet:` section (edgefl/virtual_fleet.py).
 
 The acceptance tests: FedBuff with K = C and no staleness is FedAvg bit for bit; an
 asynchronous run on a mixed fleet has the same model_sha256 for 1 and 4 worker threads.
@@ -7,6 +7,7 @@ asynchronous run on a mixed fleet has the same model_sha256 for 1 and 4 worker t
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from edgefl.service import profiles
 from edgefl.sim import Clock, simulate
 from edgefl.sim.clock import EventQueue
 from edgefl.strategies import Setup, StrategyError, Update, get_strategy
-from helpers import load_small_run
+from helpers import StopAtLine, load_small_run
 
 MIXED = {"rpi-zero2w": 0.3, "rpi4": 0.5, "rpi5": 0.2}
 
@@ -71,9 +72,10 @@ def test_the_reduction_holds_on_a_fleet_whose_tasks_all_take_as_long(tmp_path):
     clock too FedBuff (K = C) is FedAvg, model and simulated time."""
     iid = {"name": "iid", "clients": 10}
     fleet = {"profile": "rpi4"}
-    fedavg = run(config(tmp_path, "a.yaml", strategy="fedavg", partition=iid, fleet=fleet),
+    fedavg = run(config(tmp_path, "a.yaml", strategy="fedavg", partition=iid, sim_fleet=fleet),
                  out=tmp_path / "a")
-    fedbuff = run(config(tmp_path, "b.yaml", strategy="fedbuff", partition=iid, fleet=fleet),
+    fedbuff = run(config(tmp_path, "b.yaml", strategy="fedbuff", partition=iid,
+                         sim_fleet=fleet),
                   out=tmp_path / "b")
     assert fedbuff["model_sha256"] == fedavg["model_sha256"]
     assert fedbuff["sim_time_s"] == pytest.approx(fedavg["sim_time_s"], rel=1e-12)
@@ -82,7 +84,7 @@ def test_the_reduction_holds_on_a_fleet_whose_tasks_all_take_as_long(tmp_path):
 
 def test_a_clock_changes_no_bit_of_a_synchronous_run_without_deadline(tmp_path):
     plain = run(config(tmp_path, "a.yaml", strategy="fedavg"))
-    timed = run(config(tmp_path, "b.yaml", strategy="fedavg", fleet=MIXED), out=tmp_path / "b")
+    timed = run(config(tmp_path, "b.yaml", strategy="fedavg", sim_fleet=MIXED), out=tmp_path / "b")
     assert timed["model_sha256"] == plain["model_sha256"]
     recs = records(tmp_path / "b")
     assert all(r["late"] == 0 for r in recs)
@@ -98,7 +100,7 @@ def test_a_clock_changes_no_bit_of_a_synchronous_run_without_deadline(tmp_path):
                                        {"name": "dirichlet", "clients": 10, "alpha": 0.5}])
 def test_an_asynchronous_run_is_the_same_for_any_number_of_workers(tmp_path, partition):
     cfg = config(tmp_path, strategy={"name": "fedbuff", "concurrency": 6, "buffer_size": 2},
-                 partition=partition, fleet=MIXED, rounds=12)
+                 partition=partition, sim_fleet=MIXED, rounds=12)
     one = run(cfg, workers=1, out=tmp_path / "w1")
     four = run(cfg, workers=4, out=tmp_path / "w4")
     assert one["model_sha256"] == four["model_sha256"]
@@ -112,7 +114,7 @@ def test_an_asynchronous_run_is_the_same_for_any_number_of_workers(tmp_path, par
 def test_updates_staler_than_max_staleness_are_dropped_and_counted(tmp_path):
     cfg = config(tmp_path, strategy={"name": "fedbuff", "concurrency": 6, "buffer_size": 2,
                                      "max_staleness": 1},
-                 partition={"name": "iid", "clients": 10}, fleet=MIXED, rounds=12)
+                 partition={"name": "iid", "clients": 10}, sim_fleet=MIXED, rounds=12)
     summary = run(cfg, out=tmp_path / "o")
     recs = records(tmp_path / "o")
     assert max(r["staleness_max"] for r in recs) <= 1
@@ -232,7 +234,7 @@ def test_profiles_are_dealt_in_the_mix_shares():
 
 
 def test_a_tasks_time_is_download_compute_upload(tmp_path):
-    cfg = config(tmp_path, strategy="fedavg", fleet={"profile": "rpi-zero2w",
+    cfg = config(tmp_path, strategy="fedavg", sim_fleet={"profile": "rpi-zero2w",
                                                       "bandwidth_mbps": 8, "gflops": 2})
     prepared = prepare_run(cfg, workers=1, progress=False)
     clock = Clock.for_fleet(cfg.fleet, prepared.setup.clients, cfg.seed,
@@ -246,7 +248,7 @@ def test_a_tasks_time_is_download_compute_upload(tmp_path):
 
 
 def test_the_deadline_stops_late_clients_and_closes_the_round(tmp_path):
-    base = config(tmp_path, "a.yaml", strategy="fedavg", fleet=MIXED)
+    base = config(tmp_path, "a.yaml", strategy="fedavg", sim_fleet=MIXED)
     prepared = prepare_run(base, workers=1, progress=False)
     clock = Clock.for_fleet(base.fleet, prepared.setup.clients, base.seed,
                             prepared.model.n_params)
@@ -256,7 +258,7 @@ def test_the_deadline_stops_late_clients_and_closes_the_round(tmp_path):
                      for c in range(10))
     deadline = (seconds[4] + seconds[5]) / 2
     cfg = config(tmp_path, "b.yaml", strategy="fedavg",
-                 fleet={"mix": MIXED, "deadline_s": deadline})
+                 sim_fleet={"mix": MIXED, "deadline_s": deadline})
     summary = run(cfg, out=tmp_path / "d")
     recs = records(tmp_path / "d")
     assert sum(r["late"] for r in recs) > 0
@@ -265,37 +267,38 @@ def test_the_deadline_stops_late_clients_and_closes_the_round(tmp_path):
         assert r["sim_time_s"] - before <= deadline * (1 + 1e-12)
     assert summary["model_sha256"] != run(base)["model_sha256"]
     hopeless = config(tmp_path, "c.yaml", strategy="fedavg",
-                      fleet={"mix": MIXED, "deadline_s": seconds[0] / 2})
-    with pytest.raises(ValueError, match="fleet.deadline_s .*no client of round 1"):
+                      sim_fleet={"mix": MIXED, "deadline_s": seconds[0] / 2})
+    with pytest.raises(ValueError, match="sim_fleet.deadline_s .*no client of round 1"):
         run(hopeless)
 
 
 @pytest.mark.parametrize("fleet, key", [
-    ({"rpi9": 1.0}, "fleet.rpi9"),
-    ({"mix": {"rpi4": 0.5, "rpi9": 0.5}}, "fleet.mix.rpi9"),
-    ({"mix": {"rpi4": 0.5, "rpi5": 0.4}}, "fleet.mix: the shares add up to 0.9"),
-    ({"mix": {"rpi4": 1.0}, "gflops": {"rpi4": -2}}, "fleet.gflops.rpi4"),
-    ({"mix": {"rpi4": 1.0}, "bandwidth_mbps": "fast"}, "fleet.bandwidth_mbps: must be a number"),
+    ({"rpi9": 1.0}, "sim_fleet.rpi9"),
+    ({"mix": {"rpi4": 0.5, "rpi9": 0.5}}, "sim_fleet.mix.rpi9"),
+    ({"mix": {"rpi4": 0.5, "rpi5": 0.4}}, "sim_fleet.mix: the shares add up to 0.9"),
+    ({"mix": {"rpi4": 1.0}, "gflops": {"rpi4": -2}}, "sim_fleet.gflops.rpi4"),
+    ({"mix": {"rpi4": 1.0}, "bandwidth_mbps": "fast"},
+     "sim_fleet.bandwidth_mbps: must be a number"),
     ({"mix": {"rpi4": 1.0}, "bandwidth_mbps": {"rpi4": 0}},
-     "fleet.bandwidth_mbps.rpi4: 0.0 Mbit/s"),
-    ({"profile": "rpi4", "deadline_s": -1}, "fleet.deadline_s"),
-    ({"profile": "rpi4", "mix": {"rpi4": 1.0}}, "fleet: give fleet.mix"),
-    ("rpi4", "fleet: must be a mapping"),
+     "sim_fleet.bandwidth_mbps.rpi4: 0.0 Mbit/s"),
+    ({"profile": "rpi4", "deadline_s": -1}, "sim_fleet.deadline_s"),
+    ({"profile": "rpi4", "mix": {"rpi4": 1.0}}, "sim_fleet: give sim_fleet.mix"),
+    ("rpi4", "sim_fleet: must be a mapping"),
 ])
 def test_fleet_errors_name_the_key(fleet, key):
-    data = {**RUN, "strategy": "fedavg", "fleet": fleet}
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    data = {**RUN, "strategy": "fedavg", "sim_fleet": fleet}
+    with pytest.raises(ConfigError, match=re.escape(key)):
         run_config_from_mapping(data, "run.yaml")
 
 
 def test_a_deadline_is_refused_for_an_asynchronous_strategy():
-    data = {**RUN, "strategy": "fedbuff", "fleet": {"profile": "rpi4", "deadline_s": 5}}
-    with pytest.raises(ConfigError, match=r"fleet\.deadline_s: .*fedbuff is asynchronous"):
+    data = {**RUN, "strategy": "fedbuff", "sim_fleet": {"profile": "rpi4", "deadline_s": 5}}
+    with pytest.raises(ConfigError, match=r"sim_fleet\.deadline_s: .*fedbuff is asynchronous"):
         run_config_from_mapping(data, "run.yaml")
 
 
 def test_the_fleet_section_survives_the_resolved_config(tmp_path):
-    cfg = config(tmp_path, strategy="fedbuff", fleet=MIXED)
+    cfg = config(tmp_path, strategy="fedbuff", sim_fleet=MIXED)
     again = run_config_from_mapping(cfg.to_dict(), "again.yaml")
     assert again.fleet == cfg.fleet and again.fleet["bandwidth_mbps"]["rpi4"] == 100.0
 
@@ -303,9 +306,60 @@ def test_the_fleet_section_survives_the_resolved_config(tmp_path):
 def test_the_virtual_fleet_is_refused_over_mqtt(tmp_path):
     """Asynchronous runs go over MQTT (tests/test_async_mqtt.py); the simulated clock does
     not: the boards' own speeds order their updates there."""
-    with pytest.raises(ValueError, match="virtual clock runs in process only"):
-        simulate(config(tmp_path, strategy="fedbuff", fleet=MIXED), None, progress=False,
+    with pytest.raises(ConfigError, match=r"sim_fleet: a simulated fleet \(the virtual clock\) "
+                                          r"runs in edgefl simulate in process only"):
+        simulate(config(tmp_path, strategy="fedbuff", sim_fleet=MIXED), None, progress=False,
                  transport="mqtt")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stopped_asynchronous_run_keeps_the_steps_done_and_their_model(tmp_path, workers):
+    """simulate of FedBuff (K < C) stopped once step 1 is recorded, as a SIGTERM to edgefl
+    simulate would: RunStopped in step 2, which is dropped; out/ holds step 1 as a stopped
+    synchronous run holds its rounds done: metrics.jsonl, summary.json with `stopped`, and
+    model.npz of step 1, the model an unstopped run has after step 1."""
+    from edgefl.checkpoint import load_checkpoint, model_sha256
+    from edgefl.errors import RunStopped
+    from edgefl.kernels import StopFlag
+    from edgefl.sim import run_asynchronous
+
+    cfg = config(tmp_path, strategy={"name": "fedbuff", "concurrency": 4, "buffer_size": 2})
+    prepared = prepare_run(cfg, progress=False)
+    models = {}
+    run_asynchronous(prepared.strategy, prepared.init_params, prepared.clients, prepared.setup,
+                     cfg.clients_per_round, test=(prepared.dataset.x_test,
+                                                  prepared.dataset.y_test),
+                     workers=workers, on_model=lambda r, m: models.__setitem__(r, m.copy()))
+    stop, out = StopFlag(), tmp_path / "out"
+    with pytest.raises(RunStopped) as info:
+        simulate(cfg, out, workers=workers, progress=None, stream=StopAtLine(stop, "round 1/"),
+                 stop=stop)
+    assert info.value.round == 2 and [r["round"] for r in info.value.result.history] == [1]
+    assert [r["round"] for r in records(out)] == [1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == {"reason": "stop_requested", "in_round": 2, "rounds_done": 1,
+                                  "rounds_planned": RUN["rounds"],
+                                  "message": f"stopped in round 2 of {RUN['rounds']}; 1 round "
+                                             f"done"}
+    ckpt = load_checkpoint(str(out / "model.npz"))
+    assert ckpt["round"] == 1 and model_sha256(ckpt["params"]) == summary["model_sha256"] \
+        == model_sha256(models[1])
+    assert not (out / "model.onnx").exists()
+
+
+def test_the_old_name_fleet_still_works_with_a_warning_and_not_beside_the_new_one():
+    """`fleet:` was the section's name until it was renamed `sim_fleet:` (the `edgefl fleet`
+    command runs real processes): a config with it runs the same fleet, saying so."""
+    with pytest.warns(FutureWarning, match=r"run.yaml: fleet: is deprecated, rename it "
+                                           r"sim_fleet:"):
+        old = run_config_from_mapping({**RUN, "strategy": "fedbuff", "fleet": MIXED},
+                                      "run.yaml")
+    new = run_config_from_mapping({**RUN, "strategy": "fedbuff", "sim_fleet": MIXED},
+                                  "run.yaml")
+    assert old == new and old.to_dict() == new.to_dict() and "sim_fleet" in new.to_dict()
+    with pytest.raises(ConfigError, match=r"run.yaml: fleet: give sim_fleet only \(fleet is "
+                                          r"its old name\)"):
+        run_config_from_mapping({**RUN, "fleet": MIXED, "sim_fleet": MIXED}, "run.yaml")
 
 
 def test_events_at_the_same_time_come_out_in_push_order():
@@ -318,8 +372,10 @@ def test_events_at_the_same_time_come_out_in_push_order():
 
 
 @pytest.mark.parametrize("changes, key", [
-    ({"strategy": "fedavg", "fleet": MIXED}, "fleet: a simulated fleet is for edgefl simulate"),
-    ({"strategy": "fedbuff", "fleet": MIXED}, "fleet: a simulated fleet is for edgefl simulate"),
+    ({"strategy": "fedavg", "sim_fleet": MIXED},
+     "sim_fleet: a simulated fleet (the virtual clock) runs in edgefl simulate in process only"),
+    ({"strategy": "fedbuff", "sim_fleet": MIXED},
+     "sim_fleet: a simulated fleet (the virtual clock) runs in edgefl simulate in process only"),
 ])
 def test_the_aggregator_refuses_what_it_would_run_otherwise(tmp_path, changes, key):
     """A simulated fleet means nothing to real boards: refused before the aggregator
@@ -328,7 +384,7 @@ def test_the_aggregator_refuses_what_it_would_run_otherwise(tmp_path, changes, k
     from edgefl.roles import AggregatorSettings
     from edgefl.transport.loopback import LoopbackBroker
     transport = LoopbackBroker().transport("aggregator")
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(key)):
         run_aggregator(config(tmp_path, **changes), transport, str(tmp_path / "agg"),
                        settings=AggregatorSettings(federation="fed"))
     assert not transport.connected
@@ -338,7 +394,7 @@ def test_compare_shows_the_simulated_time_to_a_target(tmp_path):
     """`edgefl compare` adds "sim s to >= ACC" when a run has a clock; a run without one
     shows a dash there, and the table of clockless runs keeps its columns."""
     from edgefl.compare import comparison_rows, load_runs, markdown_table
-    run(config(tmp_path, "a.yaml", strategy="fedavg", fleet=MIXED), out=tmp_path / "timed")
+    run(config(tmp_path, "a.yaml", strategy="fedavg", sim_fleet=MIXED), out=tmp_path / "timed")
     run(config(tmp_path, "b.yaml", strategy="fedavg"), out=tmp_path / "plain")
     runs = load_runs([tmp_path / "timed", tmp_path / "plain"])
     first = next(r for r in records(tmp_path / "timed") if r["test_accuracy"] >= 0.5)
@@ -352,10 +408,10 @@ def test_compare_shows_the_simulated_time_to_a_target(tmp_path):
 
 
 def test_jitter_varies_a_boards_task_times_around_their_mean_and_repeats_per_seed(tmp_path):
-    """fleet.jitter multiplies each task's time by a log-normal factor of mean 1 drawn from
+    """sim_fleet.jitter multiplies each task's time by a log-normal factor of mean 1 drawn from
     the task's seed: the same task takes the same time in every run, different rounds of
     one client differ, and over many tasks the mean stays the board's time."""
-    cfg = config(tmp_path, strategy="fedavg", fleet={"profile": "rpi4", "jitter": 0.3})
+    cfg = config(tmp_path, strategy="fedavg", sim_fleet={"profile": "rpi4", "jitter": 0.3})
     prepared = prepare_run(cfg, workers=1, progress=False)
     clock = Clock.for_fleet(cfg.fleet, prepared.setup.clients, cfg.seed,
                             prepared.model.n_params)
@@ -369,12 +425,13 @@ def test_jitter_varies_a_boards_task_times_around_their_mean_and_repeats_per_see
     assert abs(np.mean(ratios) - 1) < 0.05 and 0.2 < np.std(ratios) < 0.45
     again = prepared.strategy.configure(7, [0], state)[0]
     assert clock.task_seconds(0, again, n) / steady.task_seconds(0, again, n) == ratios[6]
-    with pytest.raises(ConfigError, match=r"fleet\.jitter: 3 is above the maximum 2"):
-        run_config_from_mapping({**RUN, "fleet": {"profile": "rpi4", "jitter": 3}}, "run.yaml")
+    with pytest.raises(ConfigError, match=r"sim_fleet\.jitter: 3 is above the maximum 2"):
+        run_config_from_mapping({**RUN, "sim_fleet": {"profile": "rpi4", "jitter": 3}},
+                                "run.yaml")
     # an asynchronous run with jitter is still the same for any number of workers
     cfg = config(tmp_path, "b.yaml", strategy={"name": "fedbuff", "concurrency": 6,
                                                "buffer_size": 2},
-                 fleet={"mix": MIXED, "jitter": 0.5}, rounds=10)
+                 sim_fleet={"mix": MIXED, "jitter": 0.5}, rounds=10)
     assert run(cfg, workers=1)["model_sha256"] == run(cfg, workers=3)["model_sha256"]
 
 
@@ -388,8 +445,8 @@ def test_client_momentum_is_allowed_and_the_reduction_still_holds(tmp_path):
     assert fedbuff["model_sha256"] == fedavg["model_sha256"]
     asynchronous = {"name": "fedbuff", "concurrency": 6, "buffer_size": 2}
     with_momentum = run(config(tmp_path, "c.yaml", strategy=asynchronous, train=train,
-                               fleet=MIXED), out=tmp_path / "c")
+                               sim_fleet=MIXED), out=tmp_path / "c")
     without = run(config(tmp_path, "d.yaml", strategy=asynchronous,
-                         train={**train, "momentum": 0.0}, fleet=MIXED))
+                         train={**train, "momentum": 0.0}, sim_fleet=MIXED))
     assert with_momentum["model_sha256"] != without["model_sha256"]
     assert all(set(r) >= {"sim_time_s", "staleness_max"} for r in records(tmp_path / "c"))

@@ -127,6 +127,23 @@ class Fleet:
                  "connection")
         assert self.error is None, self.error
 
+    def start_all(self):
+        """The daemon, then every board (CLIENTS)."""
+        self.start_daemon()
+        for node in CLIENTS:
+            self.start_client(node)
+
+    def run_to_end(self, doc, run_id, timeout=120.0):
+        """Start the run config `doc` as `run_id` (the operator's start command) and wait
+        until the service records it finished: returns its run_finished event, its
+        round_closed events in round order, and its summary.json."""
+        self.ok({"cmd": "start", "config": doc, "run": run_id})
+        finished = self.events.wait("run_finished", timeout=timeout, run=run_id)
+        closed = sorted(self.events.of("round_closed", run=run_id), key=lambda e: e["round"])
+        wait_state(self, run_id, "finished")
+        summary = json.loads((self.state_dir / "runs" / run_id / "summary.json").read_text())
+        return finished, closed, summary
+
     def start_client(self, node):
         config = run_config_from_mapping(run_config())
         x, y = client_shard(config, CLIENTS.index(node))

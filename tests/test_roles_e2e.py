@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -30,7 +28,6 @@ import pytest
 import yaml
 
 pytest.register_assert_rewrite("brokers")
-from brokers import REPO    # noqa: E402
 from edgefl.cli import main    # noqa: E402
 from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings,  # noqa: E402
                           Client, ClientSettings, RunPlan, default_client_ids)
@@ -46,7 +43,8 @@ from edgefl.transport.base import Message    # noqa: E402
 from edgefl.transport.broker import have_python_broker    # noqa: E402
 from edgefl.transport.mqtt import MqttTransport    # noqa: E402
 from edgefl.transport.topics import Topics    # noqa: E402
-from helpers import wait_for, write_run_yaml    # noqa: E402
+from helpers import (AggregatorProcesses, aggregated_rounds, start_mqtt_clients,  # noqa: E402
+                     stop_clients, wait_for, write_run_yaml)
 
 pytest_plugins = ["brokers"]
 
@@ -260,43 +258,18 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
     late = next(c for c in range(4) if c not in selected[0] + selected[1] and c in selected[2])
     tag = uid()
     fed, agg_id = f"kill-{tag}", f"agg-{tag}"
-    state, out = tmp_path / "agg-state", tmp_path / "out"
-    site = _site(tmp_path / "aggregator.yaml", yaml.safe_dump({
-        "profile": "generic-x86", "node": {"id": agg_id, "federation": fed},
-        "state_dir": str(state), "broker": {"url": mosquitto_server.url}, "run": path,
-        "log": {"level": "info"}}))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config", site,
-               "--deadline", "60", "--out", str(out), "--once"]
-    procs = []
-
-    def spawn(args, log_name):
-        log = open(tmp_path / log_name, "wb")
-        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        procs.append(proc)
-        return proc
-
+    procs = AggregatorProcesses(tmp_path, mosquitto_server.url, path, agg_id, fed)
+    state, out, journal = procs.state, procs.out, procs.journal
     run = prepare_run(config, progress=False)
     clients, threads = {}, []
+
+    def aggregated():
+        return aggregated_rounds(journal)
+
     try:
-        first = spawn(command, "aggregator-1.log")
-        for c in range(4):
-            if c == late:
-                continue
-            node = f"client-{c}"
-            t = MqttTransport(mosquitto_server.url, f"{node}-{tag}", connect_timeout=5,
-                              reconnect_min=0.05, reconnect_max=0.5)
-            clients[c] = Client(ClientSettings(node, fed, exit_when_finished=True),
-                                (run.clients[c].x, run.clients[c].y), t, tmp_path / node)
-            threads.append(threading.Thread(target=clients[c].run, daemon=True))
-            threads[-1].start()
-        journal = state / JOURNAL_FILE
-
-        def aggregated():
-            return [r["round"] for r in read_journal(journal) if r.get("event") == "aggregated"]
-
+        first = procs.spawn("aggregator-1.log")
+        clients, threads = start_mqtt_clients(mosquitto_server.url, fed, tag, run, tmp_path,
+                                              [c for c in range(4) if c != late])
         wait_for(lambda: aggregated() == [1, 2], timeout=30, what="rounds 1-2 aggregated")
         in_round3 = [c for c in selected[2] if c != late]
         wait_for(lambda: all(clients[c].progress.trained == 3 for c in in_round3),
@@ -307,35 +280,29 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
         assert first.wait(10) == -signal.SIGKILL
         assert aggregated() == [1, 2]
 
-        second = spawn(command, "aggregator-2.log")
+        second = procs.spawn("aggregator-2.log")
         wait_for(lambda: any(r.get("event") == "resumed" for r in read_journal(journal)),
                  what="the restarted aggregator to resume", timeout=20.0)
         client_site = _site(tmp_path / f"client-{late}.yaml", yaml.safe_dump({
             "profile": "generic-x86", "node": {"id": f"client-{late}", "federation": fed},
             "state_dir": str(tmp_path / f"client-{late}"),
             "broker": {"url": mosquitto_server.url}}))
-        late_client = spawn([sys.executable, "-m", "edgefl.cli", "client", "--config",
-                             client_site, "--partition", path, "--shard", str(late),
-                             "--exit-when-finished"], "client-late.log")
-        assert second.wait(60) == 0, (tmp_path / "aggregator-2.log").read_text()[-3000:]
-        assert late_client.wait(30) == 0, (tmp_path / "client-late.log").read_text()[-3000:]
+        late_client = procs.spawn("client-late.log", [
+            sys.executable, "-m", "edgefl.cli", "client", "--config", client_site,
+            "--partition", path, "--shard", str(late), "--exit-when-finished"])
+        assert second.wait(60) == 0, procs.log("aggregator-2.log")[-3000:]
+        assert late_client.wait(30) == 0, procs.log("client-late.log")[-3000:]
         for t in threads:
             t.join(10)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        for client in clients.values():
-            client.stop.set()
-        for t in threads:
-            t.join(5)
+        procs.close()
+        stop_clients(clients, threads)
 
     # each round aggregated exactly once: journal, checkpoint, and the two processes' logs
     assert aggregated() == list(range(1, rounds + 1))
     ckpt = AggregatorCheckpoint.load(state)
     assert ckpt.aggregated == list(range(1, rounds + 1)) and ckpt.round == rounds
-    logs = [(tmp_path / f"aggregator-{i}.log").read_text() for i in (1, 2)]
+    logs = [procs.log(f"aggregator-{i}.log") for i in (1, 2)]
     done = [re.findall(r"round (\d+) aggregated", text) for text in logs]
     assert done == [["1", "2"], ["3", "4"]], done
     assert "resuming run" in logs[1] and "2 of 4 rounds aggregated" in logs[1]

@@ -47,6 +47,21 @@ def clear_ring_sum(setup, contribs, survivors):
     return total
 
 
+def through_keys(setup, ids, entropy=None, edit_share=None):
+    """Clients `ids` advertise and share their keys with a new server (`edit_share(share)`
+    may replace a client's share message on its way): returns (clients, server, forward),
+    forward being each client's message from the server for the masked-input phase."""
+    clients = {c: SecAggClient(c, setup, entropy) for c in ids}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in clients:
+        share = clients[c].share_keys(out[c])
+        server.receive(edit_share(share) if edit_share else share)
+    return clients, server, server.advance()
+
+
 @pytest.mark.parametrize("bits", [32, 64])
 @pytest.mark.parametrize("neighbours", [0, 4])
 def test_the_secure_sum_is_the_clear_sum_exactly_in_the_ring(bits, neighbours):
@@ -85,16 +100,8 @@ def masked_vector(bits, zeros=True):
     contribs = contributions(5, size=1 << 18)
     if zeros:   # the most structured input there is: all zeros, weight 1
         contribs[0] = Contribution(np.zeros(1 << 18, np.float32), 1, contribs[0].scalars)
-    setup = setup_for(contribs, bits=bits)
-    clients = {c: SecAggClient(c, setup, ENTROPY) for c in contribs}
-    server = SecAggServer(setup)
-    for c in clients:
-        server.receive(clients[c].advertise())
-    out = server.advance()
-    for c in clients:
-        server.receive(clients[c].share_keys(out[c]))
-    out = server.advance()
-    return clients[0].masked_input(out[0], contribs[0], 0)
+    clients, _, forward = through_keys(setup_for(contribs, bits=bits), contribs, ENTROPY)
+    return clients[0].masked_input(forward[0], contribs[0], 0)
 
 
 @pytest.mark.parametrize("bits", [32, 64])
@@ -152,14 +159,7 @@ def test_a_sparse_graph_recovers_a_dropout_and_fails_cleanly_when_a_neighbourhoo
 def test_a_client_reappearing_after_its_masks_were_removed_is_refused():
     contribs = contributions(5)
     setup = setup_for(contribs, threshold=0.6)
-    clients = {c: SecAggClient(c, setup) for c in contribs}
-    server = SecAggServer(setup)
-    for c in clients:
-        server.receive(clients[c].advertise())
-    out = server.advance()
-    for c in clients:
-        server.receive(clients[c].share_keys(out[c]))
-    forward = server.advance()
+    clients, server, forward = through_keys(setup, contribs)
     for c in (0, 1, 2, 3):
         server.receive(clients[c].masked_input(forward[c], contribs[c], c))
     requests = server.advance()
@@ -179,14 +179,7 @@ def test_a_client_reappearing_after_its_masks_were_removed_is_refused():
 def test_clients_never_reveal_both_secrets_of_one_client_nor_answer_twice():
     contribs = contributions(4)
     setup = setup_for(contribs, threshold=0.75)
-    clients = {c: SecAggClient(c, setup) for c in contribs}
-    server = SecAggServer(setup)
-    for c in clients:
-        server.receive(clients[c].advertise())
-    out = server.advance()
-    for c in clients:
-        server.receive(clients[c].share_keys(out[c]))
-    forward = server.advance()
+    clients, server, forward = through_keys(setup, contribs)
     for c in clients:
         server.receive(clients[c].masked_input(forward[c], contribs[c], c))
     with pytest.raises(SecAggError, match=r"client 0 refuses to unmask: client\(s\) \[2\] are "
@@ -221,19 +214,15 @@ def test_bad_messages_are_refused_naming_the_client():
 def test_a_tampered_share_does_not_authenticate():
     contribs = contributions(3)
     setup = setup_for(contribs, threshold=2)
-    clients = {c: SecAggClient(c, setup) for c in contribs}
-    server = SecAggServer(setup)
-    for c in clients:
-        server.receive(clients[c].advertise())
-    out = server.advance()
-    for c in clients:
-        share = clients[c].share_keys(out[c])
-        if c == 1:   # flip one bit of the ciphertext meant for client 0
-            bad = bytearray(share.ciphertexts[0])
-            bad[5] ^= 1
-            share = share.__class__(share.round, 1, {**share.ciphertexts, 0: bytes(bad)})
-        server.receive(share)
-    forward = server.advance()
+
+    def flip_a_bit(share):
+        if share.client != 1:
+            return share
+        bad = bytearray(share.ciphertexts[0])     # the ciphertext meant for client 0
+        bad[5] ^= 1
+        return share.__class__(share.round, 1, {**share.ciphertexts, 0: bytes(bad)})
+
+    clients, server, forward = through_keys(setup, contribs, edit_share=flip_a_bit)
     for c in clients:
         server.receive(clients[c].masked_input(forward[c], contribs[c], c))
     request = server.advance()

@@ -3,7 +3,6 @@ the per-client `secure/<client>` (up) and `secure_to/<client>` (down) topics, gu
 repo's ACL; a secure run gives the same model, bit for bit, as the in-process secure run
 (the ring sum is exact and each client rounds with its task's seed), through
 `edgefl simulate --transport mqtt` and through the aggregator service (`edgefl ctl start`)."""
-import json
 import uuid
 
 import pytest
@@ -13,12 +12,14 @@ from edgefl.sim import simulate
 from edgefl.transport.base import Message
 from edgefl.transport.mqtt import MqttTransport
 from edgefl.transport.topics import Topics
+from helpers import read_jsonl
+
+pytest.register_assert_rewrite("brokers")     # imported by test_orchestration
+import test_orchestration as orchestration  # noqa: E402
 
 pytest_plugins = ["brokers"]
 
-
-def lines(path):
-    return [json.loads(x) for x in open(path)]
+fleet = orchestration.fleet         # the aggregator service and its boards on the ACL broker
 
 
 @pytest.mark.parametrize("sets", [
@@ -33,7 +34,7 @@ def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path, set
                     broker=mosquitto_server.url, mqtt={"max_payload": 16 << 10})
     assert over["transport"]["broker_kind"] == "external"
     assert over["model_sha256"] == inproc["model_sha256"]
-    a, b = lines(tmp_path / "inproc" / "metrics.jsonl"), lines(tmp_path / "mqtt" / "metrics.jsonl")
+    a, b = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("inproc", "mqtt"))
     assert [r["closed_by"] for r in b] == ["secure"] * 3
     assert [r["secure"] for r in b] == [r["secure"] for r in a]
     assert [r["uplink_bytes"] for r in b] == [r["uplink_bytes"] for r in a]
@@ -43,34 +44,13 @@ def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path, set
 def test_a_secure_run_through_the_aggregator_service(fleet):
     """`ctl start` of a secure config on the ACL broker (every node its own account): the
     rounds close from the unmasked sum and the model is the in-process secure run's."""
-    from test_orchestration import CLIENTS, run_config, wait_state
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
-    doc = run_config(rounds=2, privacy={"secure_aggregation": {"threshold": 1.0}})
-    f.ok({"cmd": "start", "config": doc, "run": "sa"})
-    f.events.wait("run_finished", timeout=120, run="sa")
-    closed = sorted(f.events.of("round_closed", run="sa"), key=lambda e: e["round"])
+    f.start_all()
+    doc = orchestration.run_config(rounds=2, privacy={"secure_aggregation": {"threshold": 1.0}})
+    _, closed, summary = f.run_to_end(doc, "sa")
     assert [(e["round"], e["closed_by"]) for e in closed] == [(1, "secure"), (2, "secure")]
-    wait_state(f, "sa", "finished")
-    summary = json.loads((f.state_dir / "runs" / "sa" / "summary.json").read_text())
     inproc = simulate(run_config_from_mapping(doc), None, progress=False)
     assert summary["model_sha256"] == inproc["model_sha256"]
-
-
-@pytest.fixture
-def fleet(mosquitto_acl_server, tmp_path):
-    from test_orchestration import Fleet
-    made = []
-
-    def make(**options):
-        made.append(Fleet(mosquitto_acl_server, tmp_path, **options))
-        return made[-1]
-
-    yield make
-    for f in made:
-        f.close()
 
 
 def test_the_acl_keeps_each_clients_secure_topics_its_own(mosquitto_acl_server):
@@ -135,7 +115,7 @@ def test_a_client_that_stops_answering_is_a_dropout_and_the_model_matches(mosqui
     config = load_run_config("quickstart", ["rounds=3", "privacy.secure_aggregation.threshold=0.8"])
     over = simulate(config, None, workers=2, progress=False, transport="mqtt",
                     broker=mosquitto_server.url, mqtt={"round_timeout_s": 3.0})
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+    run = prepare_run(config, progress=False)
     dropped = []
     inproc = run_federation(
         run.strategy, run.init_params, run.clients, run.setup, config.clients_per_round,

@@ -6,13 +6,13 @@ import json
 import logging
 import os
 import re
-import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from edgefl.service.logs import setup_logging, stream_is_journal
 from edgefl.service.notify import Notifier, watchdog_interval
 from edgefl.service.signals import install_stop_handlers
 from edgefl.service.status import format_fleet
+from helpers import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "edgefl" / "service" / "units"
@@ -169,27 +170,29 @@ def test_heartbeat_check_follows_the_main_loop_beats(notify_socket):
     environ = {"WATCHDOG_USEC": "400000"}
     healthy = notifier.heartbeat_check(environ=environ)     # max_age: half of 0.4 s
     assert healthy()                     # start-up, before READY=1: TimeoutStartSec's business
+    beat_at = time.monotonic()
     notifier.ready()                     # READY=1 is the first beat
     assert healthy()
-    time.sleep(0.25)
-    assert not healthy()                 # no beat for more than half the watchdog timeout
+    wait_for(lambda: not healthy(), timeout=10, what="the heartbeat check to fail")
+    # ... only once no beat came for more than half the watchdog timeout
+    assert time.monotonic() - beat_at >= 0.2
     notifier.beat()
     assert healthy()
     assert notifier.heartbeat_check(environ={})()           # no watchdog: nothing to check
     with pytest.raises(ValueError, match="max_age 0"):
         notifier.heartbeat_check(max_age=0)
     # the pinger with it: pings while the loop beats, silence once it stops
-    pinger = notifier.watchdog_pinger(healthy=notifier.heartbeat_check(max_age=0.3),
-                                      interval=0.05)
+    loop_alive = notifier.heartbeat_check(max_age=0.3)
+    pinger = notifier.watchdog_pinger(healthy=loop_alive, interval=0.05)
     recv(0.1)
     with pinger:
-        end = time.monotonic() + 0.4
-        while time.monotonic() < end:
-            notifier.beat()
-            time.sleep(0.02)
-        assert pinger.pings >= 3
-        time.sleep(0.4)                  # the loop is stuck: the pings stop
-        while recv(0.05) is not None:
+        def beating_until_pinged_thrice():
+            notifier.beat()              # the main loop's beat, every poll
+            return pinger.pings >= 3
+        wait_for(beating_until_pinged_thrice, timeout=10, what="3 watchdog pings")
+        # the loop is stuck (no more beats): once its check fails the pings stop
+        wait_for(lambda: not loop_alive(), timeout=10, what="the stuck loop's check to fail")
+        while recv(0.1) is not None:     # a ping sent before the check failed
             pass
         assert recv(0.3) is None
         notifier.beat()
@@ -219,11 +222,16 @@ y = rng.integers(0, 10, len(x)).astype(np.int32)
 model = build_model({"name": "mlp", "hidden": [64]}, (64,), 10)
 params = model.init(0)
 cfg = kernels.train_config(lr=0.05, batch_size=32, epochs=1)
-epochs = 0
+epochs, said = 0, False
 print("working", flush=True)
 while mode == "ignore" or not stop.is_set():
     kernels.local_train(model, params, x, y, cfg)
     epochs += 1
+    if epochs == 1:
+        print("epoch 1 done", flush=True)
+    if mode == "ignore" and stop.is_set() and not said:
+        print("still working after " + stop.name, flush=True)
+        said = True
 atomic_write(state_path, json.dumps({"epochs": epochs, "signal": stop.name,
                                      "params": params.tolist()}).encode())
 sys.exit(0)
@@ -234,15 +242,22 @@ def _start_worker(state, mode="stop"):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(state), mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], 20)
-    if not ready:
-        proc.kill()
-        pytest.fail("worker did not start within 20 s: " + proc.stderr.read())
-    line = proc.stdout.readline()
-    assert line == "working\n", line + proc.stderr.read()
-    time.sleep(0.3)                                     # several epochs in
+    for want in ("working\n", "epoch 1 done\n"):     # then mid-work: in epoch 2
+        line = _next_line(proc)
+        assert line == want, f"worker said {line!r}: " + proc.stderr.read()
     assert proc.poll() is None, "worker ended before it was signalled"
     return proc
+
+
+def _next_line(proc, timeout=20.0) -> str:
+    """The worker's next stdout line; a worker silent for `timeout` seconds is killed (its
+    line is then "")."""
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        return proc.stdout.readline()
+    finally:
+        timer.cancel()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -273,7 +288,8 @@ def test_second_signal_forces_exit(tmp_path):
     state = tmp_path / "state.json"
     proc = _start_worker(state, mode="ignore")          # keeps working after the first one
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    # the first SIGTERM only requests a stop: the worker sees it and goes on
+    assert _next_line(proc) == "still working after SIGTERM\n"
     assert proc.poll() is None, "the first SIGTERM must only request a stop"
     proc.send_signal(signal.SIGTERM)
     try:

@@ -362,7 +362,9 @@ def test_simulate_stops_within_the_round_it_is_in_and_keeps_the_rounds_done(
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["round"] for line in lines] == [1]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stopped"] == {"in_round": 2, "rounds_done": 1, "rounds_planned": 3}
+    assert summary["stopped"] == {"reason": "stop_requested", "in_round": 2, "rounds_done": 1,
+                                  "rounds_planned": 3,
+                                  "message": "stopped in round 2 of 3; 1 round done"}
     assert summary["rounds"] == 1
     ckpt = load_checkpoint(str(out / "model.npz"))
     assert ckpt["round"] == 1 and model_sha256(ckpt["params"]) == summary["model_sha256"]

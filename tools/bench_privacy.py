@@ -145,7 +145,7 @@ def broker_rows(repeats, cases):
                     f"clients_per_round={clients_n}", "train.epochs=1",
                     f"model.hidden={json.dumps(HIDDEN[params])}"]
             runs = [prepare_run(load_run_config("quickstart", base + extra), progress=False,
-                                workers=1, privacy_rounds=("secure_aggregation",))
+                                workers=1)
                     for extra in ([], ["privacy.secure_aggregation.threshold=0.67"])]
             walls = [[], []]
 

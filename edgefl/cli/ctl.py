@@ -401,8 +401,9 @@ def _event_text(event: dict, online: set) -> str:
     elif kind == "error":
         text = f"error: {event.get('error')}"
     else:
-        extra = ", ".join(f"{k} {v}" for k, v in event.items()
-                          if k not in ("event", "run", "node", "at"))
+        # a run_finished's `stopped` (errors.stop_record) is told by its message
+        extra = ", ".join(f"{k} {v['message'] if k == 'stopped' and isinstance(v, dict) else v}"
+                          for k, v in event.items() if k not in ("event", "run", "node", "at"))
         text = kind + (f": {extra}" if extra else "")
     return f"{at} {run or '-'} {text}"
 

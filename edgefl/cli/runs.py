@@ -175,7 +175,7 @@ def _simulate(args: argparse.Namespace) -> int:
         p = summary["privacy"]
         print(f"privacy: epsilon {p['epsilon']:.4g} at delta {p['delta']:g} ({p['accountant']})")
     if summary.get("stopped"):
-        print(f"stopped early: {summary['stopped']}")
+        print(f"stopped early: {summary['stopped']['message']}")
     return 0
 
 

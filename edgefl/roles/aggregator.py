@@ -52,6 +52,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from .._malloc import keep_frames_in_heap
+from ..errors import budget_stop
 from ..config import check_number
 from ..models import Model
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks, secagg
@@ -233,7 +234,7 @@ class AggregatorResult:
     aggregated: list
     finished: bool
     stats: dict
-    stopped: str | None = None      # why the run ended before its last round (privacy budget)
+    stopped: dict | None = None     # why the run ended before its last round (errors.budget_stop)
 
 
 @dataclass
@@ -328,7 +329,7 @@ class Aggregator:
         self.open: _OpenRound | None = None
         self.ckpt: AggregatorCheckpoint | None = None
         self.stats = {"late": 0, "duplicates": 0, "rejected": 0, "resends": 0}
-        self.stopped: str | None = None     # set when DP's budget ends the run early
+        self.stopped: dict | None = None    # set when DP's budget ends the run early
         self._logged: set = set()            # (node, message id) already reported
         self._cleared: set = set()           # retained topics cleared this session
         self._retained: set = set()          # model topics we left a retained frame on
@@ -546,7 +547,7 @@ class Aggregator:
         try:
             self.plan.hooks.before_round(r)    # a spent DP budget: no board trains for nothing
         except BudgetExhausted as exc:
-            self.stopped = f"round {r}: {exc}"
+            self.stopped = budget_stop(exc, r, self.rounds)
             log.info("run %s ends: %s", self.run_id, exc)
             return False
         state, ids = self.ckpt.state, self.plan.client_ids
@@ -576,7 +577,7 @@ class Aggregator:
                                                                      for c in server.survivors}),
                                     **o.counts})
             except BudgetExhausted as exc:
-                self.stopped = f"round {r}: {exc}"
+                self.stopped = budget_stop(exc, r, self.rounds)
                 log.info("run %s ends: %s", self.run_id, exc)
                 return False
             self._commit(r, closed.state, closed.record)
@@ -594,7 +595,7 @@ class Aggregator:
             try:
                 closed = self._close_dp_round(o.round_plan, updates, state, timing)
             except BudgetExhausted as exc:
-                self.stopped = f"round {r}: {exc}"
+                self.stopped = budget_stop(exc, r, self.rounds)
                 log.info("run %s ends: %s", self.run_id, exc)
                 return False
         self._commit(r, closed.state, closed.record)

@@ -17,6 +17,7 @@ from ..runconfig import RunConfig
 from ..runs.outputs import RoundExporter, run_summary, write_outputs
 from ..runs.prepare import RunResult, prepare_run
 from ..strategies import get_strategy
+from ..virtual_fleet import refuse_over_broker
 from .aggregator import RunPlan, default_client_ids, secure_plan
 from .asynchronous import aggregator_class
 from .state import AggregatorCheckpoint
@@ -43,6 +44,7 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     onnx_record_dir: where the part count of the federation's last publication is kept
     (default state_dir; the aggregator service passes its own directory, shared by its runs,
     so a new run clears the parts an earlier run's longer model left)."""
+    refuse_over_broker(config)           # before anything is loaded or connected
     stream = stream or sys.stderr
     ckpt = AggregatorCheckpoint.load(state_dir)
     strategy = None
@@ -54,12 +56,10 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                         if isinstance(e, StopFlag)), None)
     try:
         run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False,
-                          stream=stream, strategy=strategy, stop=kernel_stop,
-                          privacy_rounds=("dp", "secure_aggregation"))
+                          stream=stream, strategy=strategy, stop=kernel_stop)
     except TrainingStopped:
         log.info("stopped while the run was being prepared")
         return None
-    _refuse_fleet(config)
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
@@ -106,11 +106,3 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                       onnx_exported=exporter.last_round == config.rounds,
                       export=exporter.policy)
     return summary
-
-
-def _refuse_fleet(config: RunConfig) -> None:
-    """A simulated fleet (the virtual clock) means nothing to real boards: refused rather
-    than ignored. Asynchronous strategies run as such (roles/asynchronous.py)."""
-    if config.fleet is not None:
-        raise ConfigError(f"{config.path or '<config>'}: fleet: a simulated fleet is for "
-                          f"edgefl simulate; the aggregator's boards are real")

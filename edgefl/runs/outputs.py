@@ -126,8 +126,9 @@ def dp_summary(config: RunConfig, result) -> dict | None:
 
 def stopped_summary(config: RunConfig, model: Model, stopped, workers: int) -> dict:
     """summary.json of a run stopped before its last round (errors.RunStopped): run_summary
-    of the rounds done (when one was evaluated), and `stopped`: the round it was in (not
-    recorded), the rounds done and planned. `rounds` counts the rounds done."""
+    of the rounds done (when one was evaluated), and `stopped` (errors.stop_record, reason
+    "stop_requested"): the round it was in (not recorded), the rounds done and planned.
+    `rounds` counts the rounds done."""
     result = stopped.result
     history = result.history if result is not None else []
     if any(h["test_accuracy"] is not None for h in history):
@@ -136,8 +137,7 @@ def stopped_summary(config: RunConfig, model: Model, stopped, workers: int) -> d
         summary = {"rounds": len(history), "n_params": model.n_params, "workers": workers,
                    "backend": kernels.backend, "edgefl_version": __version__,
                    "config": config.to_dict()}
-    summary["stopped"] = {"in_round": stopped.round, "rounds_done": len(history),
-                          "rounds_planned": stopped.rounds_planned}
+    summary["stopped"] = stopped.record
     return summary
 
 

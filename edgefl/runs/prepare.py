@@ -26,7 +26,7 @@ from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_
 from .phases import phase
 
 __all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run", "privacy_hooks", "refuse_privacy"]
+           "prepare_run", "privacy_hooks"]
 
 
 @dataclass
@@ -36,7 +36,7 @@ class RunResult:
     client_states: dict               # {client: State | None}
     history: list = field(default_factory=list)   # one metrics dict per round
     params: np.ndarray | None = None  # strategy.global_model(state)
-    stopped: str | None = None        # why the run ended before its last round (privacy budget)
+    stopped: dict | None = None       # why the run ended before its last round (errors.stop_record)
 
     @property
     def model_sha256(self) -> str:
@@ -82,18 +82,16 @@ def build_run_model(config: RunConfig, dataset) -> Model:
 def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
                 progress: bool | None = None, stream=None,
                 strategy: Strategy | None = None,
-                out_files: Mapping[str, str] | None = None,
-                privacy_rounds: tuple = (), stop=None) -> PreparedRun:
+                out_files: Mapping[str, str] | None = None, stop=None) -> PreparedRun:
     """Load the dataset, partition it, build the model and its seeded initial buffer, and
     the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
     unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
     What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out).
-    privacy_rounds: the parts of the `privacy:` section the caller's rounds honour
-    ("secure_aggregation", "dp"); a config asking for another is refused (`refuse_privacy`).
-    With privacy.dp the run's DP hooks are built here (`privacy_hooks`).
+    Every caller's rounds honour the whole `privacy:` section (secure aggregation, DP; a
+    strategy that cannot run with it is refused when the config is read): with privacy.dp
+    the run's DP hooks are built here (`privacy_hooks`).
     `stop` (a kernels.StopFlag) goes into every client's LocalData: the local rounds of the
     offline phase and of the run stop within one step once it is set."""
-    refuse_privacy(config, privacy_rounds)
     hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
     # before the data loads: a long run on an unrequested NumPy fallback stops here
     kernels.check_run_backend(config.rounds * config.clients_per_round,
@@ -165,28 +163,12 @@ def check_secure_ring(config: RunConfig, strategy: Strategy, clients: Mapping) -
                           f"{exc}") from None
 
 
-def refuse_privacy(config: RunConfig, honoured: tuple) -> None:
-    """ConfigError when the config's `privacy:` section asks for something the caller's rounds
-    do not honour: a run must never pretend to be private."""
-    privacy = config.privacy
-    if privacy is None:
-        return
-    where = config.path or "<config>"
-    if privacy.secure_aggregation is not None and "secure_aggregation" not in honoured:
-        raise ConfigError(f"{where}: privacy.secure_aggregation: this kind of run does not "
-                          f"run secure rounds")
-    if privacy.dp is not None and "dp" not in honoured:
-        raise ConfigError(f"{where}: privacy.dp: differential privacy is not available in this "
-                          f"version yet")
-
-
 def client_shard(config: RunConfig, index: int) -> tuple:
     """(x, y) of client `index` under the config's dataset and partition: what the
     in-process simulation gives that client, for a test or simulation fleet whose clients
     are separate processes (`edgefl client --partition CONFIG --shard INDEX`)."""
     # a shard is data: the privacy a client takes part in comes with each round's
     # announcement (secure aggregation's setup, DP's clip and noise share)
-    refuse_privacy(config, ("dp", "secure_aggregation"))
     dataset = dataset_from_config(config.as_config())
     split = partition_from_config(config.as_config(), dataset)
     n = len(split.indices)

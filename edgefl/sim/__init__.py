@@ -5,7 +5,7 @@ process, for trying an algorithm or a config on one machine before a fleet runs 
                     in a thread pool
     asynchronous.py run_asynchronous: buffered asynchronous steps (FedBuff) on the virtual
                     clock, the engine's asynchronous caller
-    clock.py        the virtual clock: each task's simulated seconds on the `fleet:`, the
+    clock.py        the virtual clock: each task's simulated seconds on the `sim_fleet:`, the
                     event queue
     over_broker.py  run_over_broker: the same rounds through an MQTT broker with the real
                     roles as threads of this process (`--transport mqtt`)
@@ -40,6 +40,7 @@ from ..runconfig import RunConfig
 from ..runs.outputs import (RoundExporter, absolute_dataset_paths, run_summary,
                             stopped_summary, write_outputs)
 from ..runs.prepare import prepare_run
+from ..virtual_fleet import refuse_over_broker
 from .asynchronous import run_asynchronous
 from .clock import Clock
 from .loop import run_federation
@@ -85,18 +86,17 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise ValueError(f"transport {transport!r}; valid: {', '.join(TRANSPORTS)}")
     if transport == "inproc" and broker is not None:
         raise ValueError("a broker URL needs transport 'mqtt'")
-    # over a broker the central-DP aggregator clips what it receives, and under secure
-    # aggregation the boards clip and add their noise shares (roles.aggregator, roles.client)
-    honoured = ("secure_aggregation", "dp")
+    # privacy: in process (_privacy_rounds) and over a broker alike: the central-DP
+    # aggregator clips what it receives, and under secure aggregation the boards clip and
+    # add their noise shares (roles.aggregator, roles.client)
+    if transport != "inproc":
+        refuse_over_broker(config)
     try:
         run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
-                          stream=stream, privacy_rounds=honoured, stop=stop)
+                          stream=stream, stop=stop)
     except TrainingStopped:             # in a strategy's offline phase (DUW's)
         raise RunStopped(1, None, config.rounds) from None
     asynchronous = getattr(run.strategy, "asynchronous", False)
-    if transport != "inproc" and config.fleet is not None:
-        raise ValueError("fleet: the virtual clock runs in process only (--transport "
-                         "inproc); over a broker the boards' own speeds order the updates")
     dataset, model, strategy = run.dataset, run.model, run.strategy
     init_params, clients, setup = run.init_params, run.clients, run.setup
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
@@ -123,17 +123,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         Clock.for_fleet(config.fleet, setup.clients, config.seed, model.n_params)
     try:
         if asynchronous and transport == "inproc":
-            try:
-                result = run_asynchronous(strategy, init_params, clients, setup,
-                                          config.clients_per_round, clock=clock,
-                                          test=(dataset.x_test, dataset.y_test),
-                                          eval_every=config.eval_every, workers=workers,
-                                          on_round=on_round, on_model=exporter)
-            except TrainingStopped:
-                # the clients' LocalData carry the stop flag; the asynchronous driver keeps
-                # no per-step result to hand back, so the steps applied so far are in
-                # metrics.jsonl and no model.npz is written
-                raise RunStopped(1, None, config.rounds) from None
+            result = run_asynchronous(strategy, init_params, clients, setup,
+                                      config.clients_per_round, clock=clock,
+                                      test=(dataset.x_test, dataset.y_test),
+                                      eval_every=config.eval_every, workers=workers,
+                                      on_round=on_round, on_model=exporter, stop=stop)
         elif transport == "inproc":
             result = run_federation(strategy, init_params, clients, setup,
                                     config.clients_per_round,

@@ -17,7 +17,7 @@ Selection, tasks, the upload check, aggregation, the record and the evaluation s
 the engine's; the order of events is the clock's alone. A task is trained on the thread pool
 as soon as it is dispatched and its result waited for when its arrival comes up, so the
 threads only change when the arithmetic happens, never what it is: the model is the same for
-any number of workers (tests/test_fedbuff.py). With every task equally long (no `fleet:`) and
+any number of workers (tests/test_fedbuff.py). With every task equally long (no `sim_fleet:`) and
 K = C every buffer is one cohort of fresh updates, a synchronous round.
 
 Each record has the engine's keys plus sim_time_s (the simulated time of the step),
@@ -34,7 +34,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, RunStopped, TrainingStopped
 from ..rounds import RoundEngine
 from ..runs.prepare import RunResult
 from ..strategies import LocalData, Setup, Strategy
@@ -49,10 +49,15 @@ def run_asynchronous(strategy: Strategy, init_params: np.ndarray,
                      test: tuple | None = None, eval_every: int = 1,
                      workers: int | None = None,
                      on_round: Callable[[dict], None] | None = None,
-                     on_model: Callable[[int, np.ndarray], None] | None = None) -> RunResult:
+                     on_model: Callable[[int, np.ndarray], None] | None = None,
+                     stop=None) -> RunResult:
     """Run `rounds` (default setup.rounds) server steps of an asynchronous `strategy` (its
     `resolved(clients_per_round)` gives C and K) over in-memory `clients` on `clock`
-    (default: lockstep). on_round and on_model as run_federation's."""
+    (default: lockstep). on_round and on_model as run_federation's.
+
+    stop: as run_federation's (a kernels.StopFlag, also in the clients' LocalData): once it
+    is set no further update is taken and RunStopped is raised, holding the steps taken
+    (their history and the model of the last one); the step being filled is dropped."""
     rounds = setup.rounds if rounds is None else rounds
     clock = Clock.lockstep() if clock is None else clock
     missing = sorted(set(setup.clients) - set(clients))
@@ -102,11 +107,17 @@ def run_asynchronous(strategy: Strategy, init_params: np.ndarray,
             events.push(now + clock.task_seconds(c, plan.tasks[c], clients[c].num_samples),
                         (plan, c, result))
 
+    def stopped() -> RunStopped:
+        return RunStopped(step.version + 1, RunResult(state, client_states, history,
+                                                      strategy.global_model(state)), rounds)
+
     try:
         refill(0.0)
         while step.version < rounds:
             now, arrivals = events.pop_simultaneous()
             for plan, c, result in arrivals:
+                if stop is not None and stop.is_set():     # before each arrival: one
+                    raise stopped()                         # instant may close many steps
                 update, new_state = result.result()
                 client_states[c] = new_state
                 idle.add(c)
@@ -122,6 +133,8 @@ def run_asynchronous(strategy: Strategy, init_params: np.ndarray,
                                    on_model)
             if step.version < rounds:
                 refill(now)
+    except TrainingStopped:              # a local round stopped by the clients' stop flag
+        raise stopped() from None
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)

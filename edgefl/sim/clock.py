@@ -12,13 +12,13 @@ training GFLOP/s and link its Mbit/s (edgefl.virtual_fleet.BOARDS, or the config
 overrides), and the bytes are the float32 bytes of the task's buffers scaled by the
 profile's compression (the upload is taken to be as large as the download: a model in, a
 model out). With
-`fleet.jitter` sigma > 0 the whole is multiplied by exp(sigma z - sigma^2 / 2), z standard
+`sim_fleet.jitter` sigma > 0 the whole is multiplied by exp(sigma z - sigma^2 / 2), z standard
 normal drawn from the task's own seed (the (seed, round, client) seed of its local round), a
 factor of mean 1 that makes a board slower or faster from one task to the next. Nothing here
 reads a real clock, so simulated times are the same on any machine and for any number of
 threads.
 
-Without a `fleet:` section (`Clock.lockstep`) every task takes one simulated second: the
+Without a `sim_fleet:` section (`Clock.lockstep`) every task takes one simulated second: the
 asynchronous driver then runs its clients in lock step, and FedBuff with K = C is synchronous
 FedAvg round for round.
 
@@ -67,7 +67,7 @@ class Clock:
 
     @classmethod
     def for_fleet(cls, fleet: Mapping, clients, seed: int, n_params: int) -> "Clock":
-        """The clock of a resolved `fleet:` section (edgefl.virtual_fleet) for these client
+        """The clock of a resolved `sim_fleet:` section (edgefl.virtual_fleet) for these client
         ids; the profiles are dealt to the clients from the run seed."""
         rng = np.random.default_rng((int(seed), _FLEET_STREAM))
         profile = assign_profiles(fleet["mix"], clients, rng)
@@ -99,7 +99,7 @@ class Clock:
     def round_seconds(self, r: int, seconds: Mapping[int, float]) -> tuple:
         """(duration, late clients) of synchronous round r whose uploaders take `seconds`:
         the slowest one's time, or the deadline when some are not done by then (those are
-        late: stopped, their work lost). ValueError naming fleet.deadline_s when none is
+        late: stopped, their work lost). ValueError naming sim_fleet.deadline_s when none is
         in time."""
         if not seconds:
             return 0.0, frozenset()
@@ -108,8 +108,8 @@ class Clock:
             return slowest, frozenset()
         late = frozenset(c for c, s in seconds.items() if s > self.deadline_s)
         if len(late) == len(seconds):
-            raise ValueError(f"fleet.deadline_s = {self.deadline_s:g}: no client of round {r} "
-                             f"finishes in time (the fastest takes "
+            raise ValueError(f"sim_fleet.deadline_s = {self.deadline_s:g}: no client of round "
+                             f"{r} finishes in time (the fastest takes "
                              f"{min(seconds.values()):.3g} s)")
         return self.deadline_s, late
 

@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from ..errors import NonFiniteError, RunStopped, TrainingStopped
+from ..errors import NonFiniteError, RunStopped, TrainingStopped, budget_stop
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks
 from ..privacy.hooks import task_generator
 from ..rounds import RoundEngine, add_evaluation, client_contribution
@@ -59,7 +59,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     privacy.BudgetExhausted ends the run after the round before;
     the result's `stopped` says why.
 
-    clock: a sim.clock.Clock of the run's `fleet:`, or None. Given, each round lasts as long
+    clock: a sim.clock.Clock of the run's `sim_fleet:`, or None. Given, each round lasts as long
     as its slowest uploader (or the fleet's deadline: an uploader not done by then is not
     trained and its update is lost), and each record gains sim_time_s (the simulated time
     at the round's end) and late (how many uploaders missed the deadline).
@@ -94,7 +94,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     # ends. The last round is evaluated at once. The model is the read-only State buffer of
     # round r, so the result is the same either way.
     pending = None                  # the ClosedRound whose evaluation is deferred
-    stopped = None                  # why the run ended early (privacy budget), if it did
+    stopped = None                  # why the run ended early (errors.budget_stop), if it did
     sim_time = 0.0
 
     def finish(record) -> None:
@@ -116,7 +116,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
             try:
                 hooks.before_round(r)      # a spent DP budget ends the run before training
             except BudgetExhausted as exc:
-                stopped = f"round {r}: {exc}"
+                stopped = budget_stop(exc, r, rounds)
                 break
             plan = engine.open_round(r, state)
             tasks = plan.tasks
@@ -179,7 +179,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                                                          hooks=hooks, extras=lambda: extras,
                                                          **timing)
             except BudgetExhausted as exc:
-                stopped = f"round {r}: {exc}"
+                stopped = budget_stop(exc, r, rounds)
                 break
             state = closed.state
             if closed.evaluation_pending:

@@ -5,7 +5,7 @@ a round deadline), FedBuff and FedVeca on Fashion-MNIST; writes the tables of do
     python tools/experiments/async_time.py              # 5 seeds, 15-20 min on 2 busy cores
     python tools/experiments/async_time.py --seeds 2 --out /tmp/a --doc /tmp/async.md
 
-Every run is an ordinary `edgefl simulate` run with a `fleet:` section
+Every run is an ordinary `edgefl simulate` run with a `sim_fleet:` section
 (edgefl/virtual_fleet.py), so each record carries sim_time_s, the simulated time at which
 the model of that round or step existed. From the records of a run this script reads: the
 simulated time at which the test accuracy first reached each target, the bytes moved until
@@ -46,7 +46,7 @@ BASE = {
     "train": {"lr": 0.05, "batch_size": 32, "epochs": 1},
     "clients_per_round": 10,
     "eval_every": 1,
-    "fleet": {"mix": MIXED},
+    "sim_fleet": {"mix": MIXED},
 }
 # A Pi 4's local round on a 600-image shard takes 0.047 simulated seconds, a Zero 2 W's 0.163
 # (edgefl.virtual_fleet.BOARDS, mlp [64]): the deadline stops the Zeros, not the others.
@@ -59,7 +59,7 @@ SETTINGS = {
     "dirichlet": ("Dirichlet(0.5) label skew over 20 clients, mixed fleet",
                   {"partition": {"name": "dirichlet", "clients": 20, "alpha": 0.5}}),
     "one-board": ("IID over 20 clients, every board a Pi 4 (no stragglers)",
-                  {"fleet": {"profile": "rpi4"}}),
+                  {"sim_fleet": {"profile": "rpi4"}}),
 }
 # rounds (server steps) per arm: enough for every run to pass BUDGET_S
 ARMS = {
@@ -69,7 +69,7 @@ ARMS = {
                                                    "clients_per_round": 5, "rounds": 45}),
     "fedavg-deadline": (f"FedAvg, {DEADLINE_S:g} s deadline",
                         {"strategy": {"name": "fedavg"}, "rounds": 70,
-                         "fleet": {"deadline_s": DEADLINE_S}}),
+                         "sim_fleet": {"deadline_s": DEADLINE_S}}),
     "fedbuff": ("FedBuff, C = 10, K = 5", {"strategy": {"name": "fedbuff", "concurrency": 10,
                                                         "buffer_size": 5}, "rounds": 260}),
     "fedbuff-k10": ("FedBuff, C = 10, K = 10", {"strategy": {"name": "fedbuff",
@@ -101,8 +101,8 @@ def merge(base: dict, extra: dict) -> dict:
 
 def config_of(setting: str, arm: str, seed: int) -> dict:
     cfg = merge(merge(BASE, SETTINGS[setting][1]), ARMS[arm][1])
-    if cfg["fleet"].get("profile"):
-        cfg["fleet"].pop("mix", None)
+    if cfg["sim_fleet"].get("profile"):
+        cfg["sim_fleet"].pop("mix", None)
     cfg["seed"] = seed
     cfg["rounds"] = ROUNDS.get((setting, arm), cfg["rounds"])
     return cfg
