@@ -63,6 +63,7 @@ from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from ..transport.signing import SignatureError
+from .trust import secure_context, secure_signer, verify_secure
 from .messages import (MessageError, TopicCache, build_announcement, buffers_sha256,
                        finished_announcement, new_announce_id, parse_status,
                        parse_update_scalars, peek_frame, status_payload)
@@ -1123,9 +1124,13 @@ class Aggregator:
     def _send_secure(self, node: str, msg) -> None:
         o = self.open
         o.secure_seq += 1
+        # signed (keys.signing_key) for this run, round, attempt and board: what a board
+        # acts on (protocol.md section 11)
+        sign = secure_signer(self.signer, self.ckpt.run_id, o.round,
+                             secure_context(o.announce_id, node))
         try:
             for chunk in secagg.to_chunks(msg, self.settings.max_payload,
-                                          (o.secure_tag << 32) | o.secure_seq):
+                                          (o.secure_tag << 32) | o.secure_seq, sign):
                 self.transport.publish(self.topics.secure_to(node), chunk, qos=1)
                 o.counts["wire_down_bytes"] += len(chunk)
         except TransportError as exc:
@@ -1146,10 +1151,25 @@ class Aggregator:
         o.counts["wire_up_bytes"] += len(payload)
         try:
             repeats = o.secure_in.repeats
-            msg = o.secure_in.add(node, payload)
+            sealed = o.secure_in.add_sealed(node, payload)
             o.counts["duplicates"] += o.secure_in.repeats - repeats
-            if msg is None:
+            if sealed is None:
                 return
+            if self.uplink is not None:
+                # the node's own key, this run, round, attempt and node: a masked input is
+                # the node's update; refused before the server sees it, so a forgery
+                # changes nothing (its message id is free again for the node's own)
+                try:
+                    verify_secure(self.uplink, sealed, run=self.ckpt.run_id, round=o.round,
+                                  context=secure_context(o.announce_id, node), by=node,
+                                  where=f"secure message {sealed.message_id & 0xffffffff} "
+                                        f"of {node} for round {o.round}")
+                except SignatureError as exc:
+                    o.secure_in.forget(node, sealed.message_id)
+                    self.stats["bad_signatures"] = self.stats.get("bad_signatures", 0) + 1
+                    self._reject(node, str(exc))
+                    return
+            msg = sealed.message()
             if getattr(msg, "client", None) != self.members[node]:
                 raise secagg.SecAggError(f"it speaks for client {getattr(msg, 'client', None)}, "
                                          f"{node} is client {self.members[node]}")
