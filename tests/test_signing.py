@@ -208,6 +208,35 @@ def test_a_frame_signature_covers_its_payload_metadata_and_chunks(tmp_path):
         for chunk in wire.split(data, 1024):
             frame = reassembler.add(chunk, expect)
         assert verifier.verify_frame(frame, where="t", run="r1")["kind"] == "model"
+        assert frame.digest_hint is None
+        # hashed while the chunks arrive (a receiver that checks signatures), in any order:
+        # the same digest as one pass over the frame received
+        # (unless the metadata does not fit in the first chunk, as here: then in one pass)
+        reassembler = wire.Reassembler(10, digests=True)
+        for chunk in wire.split(data, 1024):
+            along = reassembler.add(chunk, expect)
+        assert along.digest_hint is None and along.content_sha256() == frame.content_sha256()
+        big = build_model({"name": "softmax"}, (300,), 10)
+        data = wire.encode("model", 2, "aggregator", {"params": np.ones(big.n_params,
+                                                                        np.float32)},
+                           {"run": "r1"}, big.table, compression,
+                           sign=signer.frame_signer("r1"))
+        whole = wire.decode(data, wire.Expectation(big.table, kinds="model"))
+        chunks = wire.split(data, 2048)
+        order = np.random.default_rng(1).permutation(len(chunks))
+        reassembler = wire.Reassembler(10, digests=True)
+        for i in order:
+            along = reassembler.add(chunks[i], wire.Expectation(big.table, kinds="model"))
+        assert along.digest_hint is not None
+        assert along.digest_hint[1] == whole.content_sha256()
+        assert verifier.verify_frame(along, where="t", run="r1")["kind"] == "model"
+        # a hint whose core is not the frame's is not taken
+        import dataclasses
+        stray = dataclasses.replace(along, digest_hint=(b"{}", along.digest_hint[1]))
+        assert stray.content_sha256() == whole.content_sha256()
+        stray = dataclasses.replace(along, digest_hint=(along.digest_hint[0], "0" * 64))
+        with pytest.raises(SignatureError, match="altered after signing"):
+            verifier.verify_frame(stray, where="t", run="r1")
         with pytest.raises(SignatureError, match="not 'r2'"):
             verifier.verify_frame(frame, where="t", run="r2")
         # the same signature on other values (a re-encoded frame, CRC valid) is refused

@@ -324,7 +324,10 @@ class Aggregator:
             max_bytes=settings.reassembly_bytes or max(256 << 20, in_flight),
             max_bytes_per_sender=settings.reassembly_bytes_per_sender or 2 * update_bytes,
             max_chunks_per_sender=settings.chunks_per_sender
-            or max(256, 4 * -(-update_bytes // 1024)))
+            or max(256, 4 * -(-update_bytes // 1024)),
+            # checking signatures: an update is hashed while its chunks arrive, so the
+            # last one's check is not a whole 4 MB pass at the end of the round
+            digests=self.uplink is not None)
         self.online: dict[str, bool] = {}
         self.open: _OpenRound | None = None
         self.ckpt: AggregatorCheckpoint | None = None

@@ -219,7 +219,9 @@ class Client:
         self.reassembler = wire.Reassembler(
             settings.reassembly_timeout_s,
             max_bytes=settings.reassembly_bytes or wire.Reassembler.DEFAULT_MAX_BYTES,
-            max_chunks_per_sender=settings.chunks_per_sender)
+            max_chunks_per_sender=settings.chunks_per_sender,
+            # checking signatures: a model frame is hashed while its chunks arrive
+            digests=getattr(settings.trust, "downlink", None) is not None)
         self.progress = ClientProgress()
         self.ann: dict | None = None            # the announcement acted on
         self.next_ann: dict | None = None       # one that arrived while training
