@@ -884,7 +884,7 @@ SECURE = {"secure_aggregation": {"threshold": 1.0}}
 
 
 def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_unsigned(
-        tmp_path, mosquitto_server):
+        tmp_path, mosquitto_server, caplog):
     """A secure run with every node keyed: forged uploads on client-0's secure topic
     (unsigned, signed by client-1 as itself or in client-0's name, client-0's own signature
     for another attempt), among them a masked input, are refused by the aggregator before
@@ -894,7 +894,9 @@ def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_u
     from edgefl.privacy import secagg
     from edgefl.roles.aggregator import _attempt_tag
     from edgefl.roles.trust import secure_context, secure_signer
+    import logging
 
+    caplog.set_level(logging.WARNING, "edgefl.roles")
     config = load_run_config(write_config(tmp_path, privacy=SECURE))
     fed = f"sig-{uid()}"
     topics = Topics(fed)
@@ -965,6 +967,14 @@ def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_u
     assert [h["closed_by"] for h in result.history] == ["secure", "secure"]
     assert agg.stats["bad_signatures"] == len(forged_up)     # nothing genuine refused
     assert c0.stats["rejected"] == len(forged_down) and c1.stats["rejected"] == 0
+    # each refusal logged with its reason
+    for reason in ("secure message 1 of client-0 for round 1: unsigned",
+                   "signed by 'client-1', not 'client-0'",
+                   "not one of the trusted keys of 'client-0'",
+                   "altered after signing", "signed for run 'an-earlier-run'"):
+        assert reason in caplog.text, reason
+    assert "client-0: rejected secure message" in caplog.text
+    assert "the secure round goes on without it" in caplog.text
     from edgefl.checkpoint import model_sha256
     unsigned = simulate(config, None, workers=2, progress=False, transport="mqtt",
                         broker=mosquitto_server.url)
