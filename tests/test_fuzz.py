@@ -14,6 +14,7 @@ A few hundred examples per property in CI (profile "ci"); EDGEFL_FUZZ_PROFILE=lo
 10,000 each. `python tools/fuzz.py` is the long run with a table of outcomes."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import struct
@@ -455,6 +456,103 @@ def test_altered_signature_fields_of_a_document_are_refused(data, doc, kind, rou
     if doc.get(key, object()) != value:
         with pytest.raises(signing.SignatureError):
             _VERIFIER.verify_doc({**signed, key: value}, **expect)
+
+
+@FUZZ
+@given(data=st.data(), frame=frames(), room=st.integers(700, 1200))
+def test_a_signed_frame_hashed_along_its_chunks_has_the_one_pass_digest(data, frame, room):
+    """A receiver that checks signatures hashes a chunked frame while its chunks arrive
+    (Reassembler digests): in any order, with repeats, the digest is the one pass's; a frame
+    whose chunks were tampered with never passes."""
+    payload, expect = frame
+    f = wire.decode(payload, expect)
+    signed = wire.encode(f.kind, f.round, f.sender,
+                         {k: (v if f.kind == "onnx" else np.array(v)) for k, v in
+                          f.buffers.items()}, dict(f.scalars), None if f.kind == "onnx"
+                         else TABLE, "none", recipient=f.recipient,
+                         sign=_SIGNER.frame_signer("run-1"))
+    whole = wire.decode(signed, expect)
+    chunks = wire.split(signed, room)
+    order = data.draw(st.permutations(range(len(chunks))))
+    repeats = data.draw(st.lists(st.integers(0, 2 ** 16), max_size=3))
+    reassembler = wire.Reassembler(10, digests=True)
+    got = None
+    for i in list(order) + [r % len(chunks) for r in repeats]:
+        got = reassembler.add(chunks[i], expect) or got
+    assert got is not None and got.content_sha256() == whole.content_sha256()
+    _VERIFIER.verify_frame(got, where="fuzz", run="run-1")
+    # one chunk replaced by the same slice of another signed frame of the same message id
+    if len(chunks) > 1:
+        other = wire.encode(whole.kind, whole.round, whole.sender,
+                            {k: (v if whole.kind == "onnx" else np.array(v) * 0 + 1) for k, v
+                             in whole.buffers.items()}, dict(whole.scalars),
+                            None if whole.kind == "onnx" else TABLE, "none",
+                            recipient=whole.recipient, message_id=whole.message_id)
+        swapped = wire.split(other, room)
+        k = data.draw(st.integers(0, 2 ** 16)) % len(chunks)
+        mixed = chunks[:k] + swapped[k:k + 1] + chunks[k + 1:]
+        reassembler = wire.Reassembler(10, digests=True)
+        try:
+            got = None
+            for c in mixed:
+                got = reassembler.add(c, expect) or got
+            if got is not None and bytes(got.payload) != bytes(whole.payload):
+                with pytest.raises(signing.SignatureError):
+                    _VERIFIER.verify_frame(got, where="fuzz", run="run-1")
+        except wire.FrameError:
+            pass
+
+
+_BOARD = signing.Signer(_SIGNING_KEY, "c0", "fed")
+_BOARDS = signing.Verifier("fed", {"c0": [_SIGNING_KEY.public_key()]})
+
+
+def _reassemble(chunks):
+    from edgefl.privacy import secagg
+
+    assembler, out = secagg.ChunkAssembler(1 << 20), None
+    for chunk in chunks:
+        out = assembler.add_sealed("c0", chunk) or out
+    return out
+
+
+@FUZZ
+@given(data=st.data(), n=st.integers(1, 300), room=st.integers(100, 2000))
+def test_altered_signature_or_bytes_of_a_secure_message_are_refused(data, n, room):
+    """A signed secure aggregation message (docs/protocol.md section 11) with its envelope
+    altered, or any byte of any chunk flipped: refused with SignatureError or SecAggError,
+    or never complete -- never accepted, never another exception."""
+    from edgefl.privacy import secagg
+    from edgefl.roles.trust import secure_context, secure_signer, verify_secure
+
+    msg = secagg.MaskedInput(2, 0, np.arange(n, dtype=np.uint32), np.ones(2, np.uint64),
+                             ("x",))
+    context = secure_context("attempt", "c0")
+    expect = dict(context=context, run="run-1", round=2, by="c0", where="fuzz")
+    chunks = secagg.to_chunks(msg, room, 77, secure_signer(_BOARD, "run-1", 2, context))
+    good = _reassemble(chunks)
+    verify_secure(_BOARDS, good, **expect)                 # the unaltered one passes
+    env = json.dumps(data.draw(altered_envelopes(good.envelope))).encode()
+    body = secagg._SEAL.pack(secagg.SEAL_MAGIC, len(env)) + env + bytes(good.body)
+    room_ = room - secagg._CHUNK.size
+    resent = [secagg._CHUNK.pack(secagg.CHUNK_MAGIC, 77, i, -(-len(body) // room_))
+              + body[i * room_:(i + 1) * room_] for i in range(-(-len(body) // room_))]
+    with pytest.raises((signing.SignatureError, secagg.SecAggError)):
+        verify_secure(_BOARDS, _reassemble(resent), **expect)
+    # one byte of one chunk flipped
+    # (positions drawn unbounded: the envelope's signing time varies the chunks' sizes)
+    i = data.draw(st.integers(0, 2 ** 16)) % len(chunks)
+    at = data.draw(st.integers(0, 2 ** 16)) % len(chunks[i])
+    flipped = bytearray(chunks[i])
+    flipped[at] ^= data.draw(st.integers(1, 255))
+    try:
+        got = _reassemble(chunks[:i] + [bytes(flipped)] + chunks[i + 1:])
+        if got is not None:
+            verify_secure(_BOARDS, got, **expect)
+            got.message()
+            raise AssertionError(f"byte {at} of chunk {i} flipped, and the message passed")
+    except (signing.SignatureError, secagg.SecAggError):
+        pass
 
 
 def test_the_ci_profile_runs_hundreds_of_examples():

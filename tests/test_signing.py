@@ -208,6 +208,35 @@ def test_a_frame_signature_covers_its_payload_metadata_and_chunks(tmp_path):
         for chunk in wire.split(data, 1024):
             frame = reassembler.add(chunk, expect)
         assert verifier.verify_frame(frame, where="t", run="r1")["kind"] == "model"
+        assert frame.digest_hint is None
+        # hashed while the chunks arrive (a receiver that checks signatures), in any order:
+        # the same digest as one pass over the frame received
+        # (unless the metadata does not fit in the first chunk, as here: then in one pass)
+        reassembler = wire.Reassembler(10, digests=True)
+        for chunk in wire.split(data, 1024):
+            along = reassembler.add(chunk, expect)
+        assert along.digest_hint is None and along.content_sha256() == frame.content_sha256()
+        big = build_model({"name": "softmax"}, (300,), 10)
+        data = wire.encode("model", 2, "aggregator", {"params": np.ones(big.n_params,
+                                                                        np.float32)},
+                           {"run": "r1"}, big.table, compression,
+                           sign=signer.frame_signer("r1"))
+        whole = wire.decode(data, wire.Expectation(big.table, kinds="model"))
+        chunks = wire.split(data, 2048)
+        order = np.random.default_rng(1).permutation(len(chunks))
+        reassembler = wire.Reassembler(10, digests=True)
+        for i in order:
+            along = reassembler.add(chunks[i], wire.Expectation(big.table, kinds="model"))
+        assert along.digest_hint is not None
+        assert along.digest_hint[1] == whole.content_sha256()
+        assert verifier.verify_frame(along, where="t", run="r1")["kind"] == "model"
+        # a hint whose core is not the frame's is not taken
+        import dataclasses
+        stray = dataclasses.replace(along, digest_hint=(b"{}", along.digest_hint[1]))
+        assert stray.content_sha256() == whole.content_sha256()
+        stray = dataclasses.replace(along, digest_hint=(along.digest_hint[0], "0" * 64))
+        with pytest.raises(SignatureError, match="altered after signing"):
+            verifier.verify_frame(stray, where="t", run="r1")
         with pytest.raises(SignatureError, match="not 'r2'"):
             verifier.verify_frame(frame, where="t", run="r2")
         # the same signature on other values (a re-encoded frame, CRC valid) is refused
@@ -280,9 +309,11 @@ class SignedRun:
 
     def __init__(self, tmp_path, config, url, fed, agg_key, board_keys, state="agg",
                  ids=("client-0", "client-1")):
-        self.run = prepare_run(config, progress=False)
+        from edgefl.roles.aggregator import secure_plan
+        self.run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
         plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup, self.run.model,
-                       config.clients_per_round, ids, description=config.to_dict())
+                       config.clients_per_round, ids, description=config.to_dict(),
+                       **secure_plan(self.run))
         trust = Trust(fed, signer=Signer(agg_key, "aggregator", fed),
                       uplink=Verifier(fed, {n: [k.public_key()] for n, k in board_keys.items()})
                       if board_keys is not None else None)
@@ -779,3 +810,172 @@ def test_an_earlier_runs_announcement_replayed_to_a_restarted_board_is_refused(
         raw.close()
         client.stop.set()
         thread.join(10)
+
+
+# ---------------------------------------------------------------------------------------
+# secure aggregation: its phase messages are signed both ways
+# ---------------------------------------------------------------------------------------
+
+def test_a_secure_message_signature_binds_run_round_attempt_board_sender_and_id():
+    from edgefl.privacy import secagg
+    from edgefl.roles.trust import secure_context, secure_signer, verify_secure
+
+    key, other = signing.generate_key(), signing.generate_key()
+    boards = Verifier("lab", {"client-0": [key.public_key()], "client-1": [other.public_key()]})
+    words = np.arange(5000, dtype=np.uint32)
+    msg = secagg.MaskedInput(3, 0, words, np.array([7, 9], np.uint64), ("x",))
+    context = secure_context("attempt-a", "client-0")
+
+    def sealed(signer=Signer(key, "client-0", "lab"), run="r1", round=3, ctx=context,
+               mid=(5 << 32) | 2):
+        assembler = secagg.ChunkAssembler(1 << 20)
+        out = None
+        for chunk in secagg.to_chunks(msg, 4096, mid, secure_signer(signer, run, round, ctx)):
+            out = assembler.add_sealed("client-0", chunk) or out
+        return out
+
+    ok = dict(context=context, run="r1", round=3, by="client-0", where="t")
+    good = sealed()
+    assert verify_secure(boards, good, **ok)["kind"] == "secure"
+    got = good.message()
+    assert isinstance(got, secagg.MaskedInput) and np.array_equal(got.words, words)
+    cases = [
+        (dict(ok, run="r2"), "signed for run 'r1', not 'r2'"),
+        (dict(ok, round=4), "signed for round 3, not 4"),
+        (dict(ok, context=secure_context("attempt-b", "client-0")), "altered after signing"),
+        (dict(ok, context=secure_context("attempt-a", "client-1")), "altered after signing"),
+        (dict(ok, by="client-1"), "signed by 'client-0', not 'client-1'"),
+    ]
+    for expect, reason in cases:
+        with pytest.raises(SignatureError, match=reason):
+            verify_secure(boards, good, **expect)
+    # under another message id (the same signature moved): its hash is not the signed one
+    with pytest.raises(SignatureError, match="altered after signing"):
+        verify_secure(boards, secagg.Sealed(good.message_id + 1, good.envelope, good.body), **ok)
+    # the words altered after signing
+    body = bytearray(good.body)
+    body[-100] ^= 1
+    with pytest.raises(SignatureError, match="altered after signing"):
+        verify_secure(boards, secagg.Sealed(good.message_id, good.envelope, bytes(body)), **ok)
+    # another board's key in client-0's name; unsigned
+    with pytest.raises(SignatureError, match="not one of the trusted keys of 'client-0'"):
+        verify_secure(boards, sealed(Signer(other, "client-0", "lab")), **ok)
+    with pytest.raises(SignatureError, match="unsigned"):
+        verify_secure(boards, sealed(None), **ok)
+    # a receiver that checks nothing reads a signed message as an unsigned one
+    assembler = secagg.ChunkAssembler(1 << 20)
+    parsed = [assembler.add("client-0", c) for c in secagg.to_chunks(
+        msg, 4096, 9, secure_signer(Signer(key, "client-0", "lab"), "r1", 3, context))]
+    assert np.array_equal(parsed[-1].words, words) and parsed[:-1] == [None] * (len(parsed) - 1)
+    # a refused message's id is free again: the sender's own message under it is taken
+    assembler = secagg.ChunkAssembler(1 << 20)
+    for chunk in secagg.to_chunks(msg, 1 << 20, 11):
+        forged = assembler.add_sealed("client-0", chunk)
+    assert assembler.add_sealed("client-0", chunk) is None           # a repeat
+    assembler.forget("client-0", forged.message_id)
+    assert assembler.add_sealed("client-0", chunk) is not None
+    with pytest.raises(secagg.SecAggError, match="signature of 99999 bytes"):
+        secagg.unseal(secagg._SEAL.pack(secagg.SEAL_MAGIC, 99999) + b"{}", 1)
+    with pytest.raises(secagg.SecAggError, match="not JSON"):
+        secagg.unseal(secagg._SEAL.pack(secagg.SEAL_MAGIC, 2) + b"{x", 1)
+
+
+SECURE = {"secure_aggregation": {"threshold": 1.0}}
+
+
+def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_unsigned(
+        tmp_path, mosquitto_server, caplog):
+    """A secure run with every node keyed: forged uploads on client-0's secure topic
+    (unsigned, signed by client-1 as itself or in client-0's name, client-0's own signature
+    for another attempt), among them a masked input, are refused by the aggregator before
+    its SecAgg+ server sees them; forged phase messages to client-0 (unsigned, another
+    key's, the aggregator's own for client-1) are refused by the board, which goes on; the
+    run closes its rounds from the unmasked sum with the model of the same run unsigned."""
+    from edgefl.privacy import secagg
+    from edgefl.roles.aggregator import _attempt_tag
+    from edgefl.roles.trust import secure_context, secure_signer
+    import logging
+
+    caplog.set_level(logging.WARNING, "edgefl.roles")
+    config = load_run_config(write_config(tmp_path, privacy=SECURE))
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key, rogue = signing.generate_key(), signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+    signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys).start()
+    agg = signed.aggregator
+    o = agg.open
+    tag = _attempt_tag(o.announce_id)
+    first = (tag << 32) | 1                 # the id of client-0's first message of the attempt
+    x25519 = secagg.SecAggClient(0, secagg.RoundSetup.from_dict(json.loads(
+        o.announcement)["secure"]))
+    advertise = x25519.advertise()
+    masked = secagg.MaskedInput(1, 0, np.zeros(run.model.n_params, np.uint32),
+                                np.zeros(1, np.uint64))
+    here = secure_context(o.announce_id, "client-0")
+
+    def sign(key, by, context=here, run_id=None):
+        return secure_signer(Signer(key, by, fed), run_id or agg.run_id, 1, context)
+
+    raw = RawPublisher(mosquitto_server.url)
+    try:
+        forged_up = [
+            (advertise, None),                                        # unsigned
+            (advertise, sign(keys["client-1"], "client-1")),          # another board's, as it
+            (advertise, sign(keys["client-1"], "client-0")),          # ... in client-0's name
+            (advertise, sign(keys["client-0"], "client-0",            # client-0's, another
+                             secure_context("an-earlier-attempt", "client-0"))),   # attempt
+            (advertise, sign(keys["client-0"], "client-0", run_id="an-earlier-run")),
+            (masked, None),                                           # a masked input
+        ]
+        for n, (msg_, signer) in enumerate(forged_up, 1):
+            for chunk in secagg.to_chunks(msg_, 1 << 20, first, signer):
+                raw.publish(topics.secure("client-0"), chunk)
+            wait_for(lambda n=n: agg.stats.get("bad_signatures", 0) >= n,
+                     what=f"forged upload {n} refused")
+        assert o.secure.phase == "keys" and o.secure.keys == {}     # the server saw none
+
+        # client-0 joins: its own advertisement (under the id the forgeries used) is taken
+        c0, t0 = board(tmp_path, run, mosquitto_server.url, fed, "client-0", keys["client-0"],
+                       [agg_key])
+        wait_for(lambda: 0 in o.secure.keys, what="client-0's own keys taken")
+        keys_msg = secagg.KeysBroadcast(1, {0: [advertise.c_public, advertise.s_public],
+                                            1: [advertise.c_public, advertise.s_public]})
+        forged_down = [
+            (None, "unsigned"),
+            (secure_signer(Signer(rogue, "aggregator", fed), agg.run_id, 1, here),
+             "not one of the trusted keys"),
+            (secure_signer(Signer(agg_key, "aggregator", fed), agg.run_id, 1,
+                           secure_context(o.announce_id, "client-1")), "altered after signing"),
+        ]
+        for n, (signer, why) in enumerate(forged_down, 1):
+            for chunk in secagg.to_chunks(keys_msg, 1 << 20, (tag << 32) | (100 + n), signer):
+                raw.publish(topics.secure_to("client-0"), chunk)
+            wait_for(lambda n=n: c0.stats["rejected"] >= n, what=f"forged phase message {n} "
+                     f"to client-0 refused ({why})")
+        assert c0._secure is not None and c0._secure._keys == {}     # it shared nothing
+    finally:
+        raw.close()
+
+    # client-1 joins: the run completes from the unmasked sums
+    c1, t1 = board(tmp_path, run, mosquitto_server.url, fed, "client-1", keys["client-1"],
+                   [agg_key])
+    result = signed.finish(timeout=120)
+    for _, t in ((c0, t0), (c1, t1)):
+        t.join(10)
+    assert [h["closed_by"] for h in result.history] == ["secure", "secure"]
+    assert agg.stats["bad_signatures"] == len(forged_up)     # nothing genuine refused
+    assert c0.stats["rejected"] == len(forged_down) and c1.stats["rejected"] == 0
+    # each refusal logged with its reason
+    for reason in ("secure message 1 of client-0 for round 1: unsigned",
+                   "signed by 'client-1', not 'client-0'",
+                   "not one of the trusted keys of 'client-0'",
+                   "altered after signing", "signed for run 'an-earlier-run'"):
+        assert reason in caplog.text, reason
+    assert "client-0: rejected secure message" in caplog.text
+    assert "the secure round goes on without it" in caplog.text
+    from edgefl.checkpoint import model_sha256
+    unsigned = simulate(config, None, workers=2, progress=False, transport="mqtt",
+                        broker=mosquitto_server.url)
+    assert model_sha256(result.params) == unsigned["model_sha256"] == reference_sha(config)

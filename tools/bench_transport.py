@@ -79,8 +79,15 @@ signing: what Ed25519 signatures cost (docs/security.md "Cost"). A 4 MB frame (1
   one verification. Then whole rounds through Mosquitto, 10 `edgefl client` processes x 1M
   parameters, 128 KiB chunks, signatures off and on (every node keyed: the aggregator signs
   announcements and models and checks each update; each client checks the model and signs
-  its update), the runs alternating off/on (--quick: one pair, else two): median round time
-  of each, and the ratio on / off (target <= 1.05).
+  its update), in --pairs pairs of runs (default 6; --quick: 1), each pair off and on with
+  the order alternating, --rounds measured rounds a run. Rows: per pair, the median round
+  time of each run, their ratio, and the CPU seconds per round of all processes (the
+  aggregator's process, the ten clients, Mosquitto: /proc/<pid>/stat, so the figure does
+  not depend on how the two cores are shared) and of the aggregator alone; then the per-pair
+  ratio's median and [min, max] (target <= 1.05), the CPU added per round, and the critical
+  path estimate: the hashes and signatures signing puts in series in a round (every node on
+  its own cores; senders hash before sending, receivers while the chunks arrive), from the
+  timings above, against the unsigned round's median.
 
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are removed before NumPy loads, as in
 tools/bench_kernels.py (--keep-openblas-env keeps them).
@@ -384,14 +391,27 @@ def _raw_paho_processes(url: str, clients: int, payloads: list[bytes], repeats: 
             agg.loop_stop()
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/<pid>/stat), 0 once it is
+    gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _roles_rounds_processes(config_map: dict, url: str, max_payload: int,
-                            signed: bool = False) -> list[dict]:
+                            signed: bool = False, broker_pid: int | None = None) -> list[dict]:
     """_roles_rounds with a fleet's process layout: every client a real `edgefl client`
     process (its shard from the run config's partition, --partition/--shard), the
     aggregator role in this process. Round 1 includes the clients' start-up. signed: every
     node has a key (site files' keys.*): the aggregator signs its announcements and model
     frames and checks every update's signature, each client checks the aggregator's and
-    signs its update."""
+    signs its update. Each record also has `cpu`: the CPU seconds, at its commit, of this
+    process (the aggregator and its network thread), of all the client processes, and of
+    the broker process `broker_pid` (when given)."""
     import subprocess
     import tempfile
 
@@ -448,11 +468,17 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int,
             settings = AggregatorSettings(federation=federation, round_timeout_s=600,
                                           max_payload=max_payload, compression="none",
                                           trust=trust)
+            cpu = []
+
+            def on_round(record, history):
+                commits.append((time.perf_counter(), time.thread_time()))
+                cpu.append({"aggregator": time.process_time(),
+                            "clients": sum(_proc_cpu_s(p.pid) for p in procs),
+                            "broker": _proc_cpu_s(broker_pid) if broker_pid else 0.0})
+
             aggregator = Aggregator(
                 plan, MqttTransport(url, f"edgefl-{federation}-aggregator", clean_session=True),
-                os.path.join(tmp, "aggregator"), settings,
-                on_round=lambda record, history: commits.append(
-                    (time.perf_counter(), time.thread_time())))
+                os.path.join(tmp, "aggregator"), settings, on_round=on_round)
             result = aggregator.run()
             for proc in procs:
                 if proc.wait(60) != 0:
@@ -463,7 +489,10 @@ def _roles_rounds_processes(config_map: dict, url: str, max_payload: int,
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-    return _with_cycles(result.history, commits)
+    history = _with_cycles(result.history, commits)
+    for h, c in zip(history, cpu):
+        h["cpu"] = c
+    return history
 
 
 def bench_round(args) -> Iterator[dict]:
@@ -721,36 +750,97 @@ def bench_signing(args) -> Iterator[dict]:
         row["note"] = "mosquitto not installed: skipped"
         yield row
         return
-    rounds = 4 if args.quick else 7
-    pairs = 1 if args.quick else 2
+    rounds = 4 if args.quick else args.rounds
+    pairs = 1 if args.quick else args.pairs
     model, train = {"name": "mlp", "hidden": [ROUND_HIDDEN]}, {"lr": 0.01, "batch_size": 8,
                                                                 "steps": 1}
     fleet_map = _run_mapping(ROUND_CLIENTS, rounds + 2, model, train)
-    cycles = {False: [], True: []}
+    results = []            # per pair: {False: run, True: run}
     with EmbeddedBroker(kind="mosquitto",
                         max_packet_bytes=packet_bytes_for(AWS_IOT_MAX_PAYLOAD)) as broker:
+        broker_pid = broker.pid
         for i in range(pairs):
+            pair = {}
             # alternate which goes first, so a drifting machine favours neither
             for signed_run in ((False, True) if i % 2 == 0 else (True, False)):
                 history = _roles_rounds_processes(fleet_map, broker.url, AWS_IOT_MAX_PAYLOAD,
-                                                  signed=signed_run)
-                middle = history[2:-1] or history        # round 1-2: processes starting
-                cycles[signed_run] += [(h["cycle_s"], h["cycle_s"] - h["train_wall_s"],
-                                        h["agg_cpu_s"]) for h in middle]
-    for signed_run in (False, True):
-        c = cycles[signed_run]
-        rounds_s = [r for r, _, _ in c]
-        yield dict(row, P=999_985,
-                   impl=f"round roles/mosquitto signatures {'on' if signed_run else 'off'}",
-                   round_s=round(statistics.median(rounds_s), 4),
-                   range_s=f"{min(rounds_s):.3f}-{max(rounds_s):.3f}",
-                   overhead_s=round(statistics.median(o for _, o, _ in c), 4),
-                   agg_cpu_s=round(statistics.median(a for _, _, a in c), 4),
-                   rounds=len(c), runs=pairs)
-    on = statistics.median(r for r, _, _ in cycles[True])
-    off = statistics.median(r for r, _, _ in cycles[False])
-    yield dict(row, P=999_985, impl="round: signatures on / off", ratio=round(on / off, 3),
-               added_s=round(on - off, 4), target="<= 1.05")
+                                                  signed=signed_run, broker_pid=broker_pid)
+                pair[signed_run] = _signing_run(history)
+            results.append(pair)
+            off, on = pair[False], pair[True]
+            yield dict(row, P=999_985, impl=f"pair {i + 1}", order="off, on" if i % 2 == 0
+                       else "on, off", off_round_s=round(off["round_s"], 4),
+                       on_round_s=round(on["round_s"], 4),
+                       ratio=round(on["round_s"] / off["round_s"], 3),
+                       off_cpu_s=round(off["cpu_s"], 4), on_cpu_s=round(on["cpu_s"], 4),
+                       cpu_added_s=round(on["cpu_s"] - off["cpu_s"], 4),
+                       off_agg_cpu_s=round(off["agg_cpu_s"], 4),
+                       on_agg_cpu_s=round(on["agg_cpu_s"], 4), rounds=off["rounds"])
+
+    def spread(values, digits=3):
+        return (round(statistics.median(values), digits),
+                f"[{min(values):.{digits}f}, {max(values):.{digits}f}]")
+
+    ratios = [p[True]["round_s"] / p[False]["round_s"] for p in results]
+    median, span = spread(ratios)
+    yield dict(row, P=999_985, impl="round: signatures on / off, per pair", ratio=median,
+               range=span, pairs=pairs, target="<= 1.05")
+    added = [p[True]["cpu_s"] - p[False]["cpu_s"] for p in results]
+    median, span = spread(added, 4)
+    cpu_ratio = [p[True]["cpu_s"] / p[False]["cpu_s"] for p in results]
+    yield dict(row, P=999_985, impl="CPU of all processes per round: added by signatures",
+               added_s=median, range=span, ratio=spread(cpu_ratio)[0],
+               ratio_range=spread(cpu_ratio)[1],
+               off_cpu_s=round(statistics.median(p[False]["cpu_s"] for p in results), 4))
+    agg_added = [p[True]["agg_cpu_s"] - p[False]["agg_cpu_s"] for p in results]
+    median, span = spread(agg_added, 4)
+    yield dict(row, P=999_985, impl="aggregator CPU per round: added by signatures",
+               added_s=median, range=span)
+    # The critical path, every node on its own cores: what signing puts in series between
+    # one round's commit and the next. Senders hash before the first chunk leaves (the
+    # signature is in it): a board its update; the aggregator its model frame, beside the
+    # announced sha256 it computes signed or not (two cores: nothing added; one core: one
+    # hash). Receivers hash while the chunks arrive: only the last chunk's share is left
+    # (the board's model, the aggregator's last update). Plus two Ed25519 signatures and two
+    # verifications. With the sha256 time of a quiet core (the fastest of the timed calls)
+    # and of this run (the median), against the unsigned round measured here.
+    fastest = min(_sha256_times(x, repeats))
+    tail = AWS_IOT_MAX_PAYLOAD / x.nbytes
+    ed = 2 * base["ed25519 sign"] + 2 * base["ed25519 verify"]
+    off_round = statistics.median(p[False]["round_s"] for p in results)
+    for cores, hashes in (("2+ cores a node", 1), ("1 core a node", 2)):
+        for label, h in (("quiet", fastest), ("this run", base["sha256 4 MB"])):
+            critical = (hashes + 2 * tail) * h + ed
+            yield dict(row, P=999_985, impl=f"critical path estimate, {cores}, sha256 {label}",
+                       sha256_s=round(h, 5), added_s=round(critical, 4),
+                       off_round_s=round(off_round, 4),
+                       ratio=round((off_round + critical) / off_round, 3), target="<= 1.05")
+
+
+def _sha256_times(x: np.ndarray, repeats: int) -> list[float]:
+    data = memoryview(x).cast("B")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        hashlib.sha256(data).digest()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _signing_run(history: list) -> dict:
+    """One run's figures, from its middle rounds (round 1-2: the processes start; the last:
+    they exit): median round time, and the CPU seconds per round of every process
+    (aggregator + clients + broker) and of the aggregator's process alone, from the first
+    to the last of those rounds' commits."""
+    middle = list(range(2, len(history) - 1)) or list(range(1, len(history)))
+    first, last = middle[0] - 1, middle[-1]
+    n = last - first
+
+    def cpu(keys):
+        return sum(history[last]["cpu"][k] - history[first]["cpu"][k] for k in keys) / n
+    return {"round_s": statistics.median(history[i]["cycle_s"] for i in middle),
+            "cpu_s": cpu(("aggregator", "clients", "broker")),
+            "agg_cpu_s": cpu(("aggregator",)), "rounds": n}
 
 
 BENCHMARKS: list[Callable[[argparse.Namespace], Iterator[dict]]] = [
@@ -771,6 +861,10 @@ def main(argv=None) -> int:
                          + ", ".join(b.__name__.removeprefix("bench_") for b in BENCHMARKS))
     ap.add_argument("--topology", action="append", choices=["processes", "threads"],
                     help="round: only this layout of the roles (repeatable; default both)")
+    ap.add_argument("--pairs", type=int, default=6,
+                    help="signing: interleaved off/on pairs of whole runs (default 6)")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="signing: measured rounds per run (default 6; 2 more start up)")
     ap.add_argument("--keep-openblas-env", action="store_true",
                     help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (read before NumPy loads)")
     args = ap.parse_args(argv)

@@ -89,7 +89,7 @@ __all__ = ["SecAggError", "SecAggAborted", "LateMessage", "Quantiser", "RoundSet
            "UnmaskRequest", "UnmaskResponse", "SecAggClient", "SecAggServer", "neighbours_of",
            "mask_stream", "run_in_process", "message_from_bytes", "MIN_LEVELS",
            "SCALAR_FRACTION_BITS", "PHASES", "round_setup", "to_chunks", "ChunkAssembler",
-           "max_weight_of"]
+           "max_weight_of", "Sealed", "unseal", "secure_digest"]
 
 MIN_LEVELS = 16               # fewer quantisation levels than this is not worth sending
 MAX_LEVELS = 2 ** 40          # beyond this the float64 scaling has no fraction left to round
@@ -431,14 +431,66 @@ def message_from_bytes(data: bytes):
 # ======================================================================== chunks
 # A message travels as one or more chunks (an MQTT payload has a size limit, and a masked
 # input is 4 bytes a parameter): b"SAC1", the sender's message id (u64), the chunk's index
-# and the chunk count (u32 each, big-endian), then that slice of `to_bytes()`.
+# and the chunk count (u32 each, big-endian), then that slice of the body. The body is
+# `to_bytes()`, or, signed, b"SAS1", the length of the signature envelope (u32), the
+# envelope (JSON, edgefl.transport.signing) and then `to_bytes()`; the envelope's hash is
+# `secure_digest` of the message (docs/protocol.md section 11).
 _CHUNK = struct.Struct(">4sQII")
 CHUNK_MAGIC = b"SAC1"
+_SEAL = struct.Struct(">4sI")
+SEAL_MAGIC = b"SAS1"
+MAX_SEAL_BYTES = 4096         # a signature envelope is about 350 bytes
 
 
-def to_chunks(msg, max_payload: int, message_id: int) -> list[bytes]:
-    """`msg.to_bytes()` in chunks of at most `max_payload` bytes each (header included)."""
+def secure_digest(context: str, message_id: int, body) -> str:
+    """sha256 (hex) of what a secure message's signature covers: its context (the round
+    attempt and the client whose exchange it is: the roles pass "<announce id>|<node>"), its
+    message id, and its bytes (`to_bytes()`), so that it cannot be moved to another attempt,
+    client or place in the exchange."""
+    h = hashlib.sha256(b"edgefl-secagg-message\n%s\n%016x\n"
+                       % (context.encode("utf-8"), int(message_id)))
+    h.update(body)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A reassembled secure message: its id, its signature envelope (None: unsigned; not
+    checked here) and its bytes; `message()` parses them."""
+    message_id: int
+    envelope: object
+    body: object = field(repr=False)          # bytes or a memoryview of them
+
+    def message(self):
+        return message_from_bytes(self.body)
+
+
+def unseal(data, message_id: int) -> Sealed:
+    """The envelope and the message of a reassembled body (SecAggError if the envelope
+    cannot be read)."""
+    if bytes(data[:4]) != SEAL_MAGIC:
+        return Sealed(message_id, None, data)
+    if len(data) < _SEAL.size:
+        raise SecAggError("a signed secure message shorter than its signature header")
+    _, size = _SEAL.unpack_from(data)
+    if size > MAX_SEAL_BYTES or _SEAL.size + size > len(data):
+        raise SecAggError(f"a signed secure message's signature of {size} bytes (the "
+                          f"limit is {MAX_SEAL_BYTES}, the message has {len(data)})")
+    try:
+        envelope = json.loads(bytes(data[_SEAL.size:_SEAL.size + size]))
+    except ValueError as exc:
+        raise SecAggError(f"a secure message's signature is not JSON ({exc})") from None
+    return Sealed(message_id, envelope, memoryview(data)[_SEAL.size + size:])
+
+
+def to_chunks(msg, max_payload: int, message_id: int, sign=None) -> list[bytes]:
+    """`msg.to_bytes()` in chunks of at most `max_payload` bytes each (header included).
+    sign(body, message_id) -> dict: when given, the signature envelope it returns travels
+    in front of the message (see above)."""
     body = msg.to_bytes()
+    if sign is not None:
+        envelope = json.dumps(sign(body, message_id), separators=(",", ":")).encode()
+        body = _SEAL.pack(SEAL_MAGIC, len(envelope)) + envelope + body
     room = int(max_payload) - _CHUNK.size
     if room < 64:
         raise SecAggError(f"max_payload {max_payload}: too small for secure aggregation chunks")
@@ -459,8 +511,21 @@ class ChunkAssembler:
         self.repeats = 0                 # chunks of a message already complete (QoS 1 repeats)
 
     def add(self, sender, payload: bytes):
-        """The whole message once its last chunk is in (parsed: message_from_bytes), else
-        None; SecAggError naming the sender for a malformed chunk or one over the limit."""
+        """The whole message once its last chunk is in (parsed: message_from_bytes; a
+        signature it carries is not checked), else None; SecAggError naming the sender for
+        a malformed chunk or one over the limit."""
+        sealed = self.add_sealed(sender, payload)
+        return None if sealed is None else sealed.message()
+
+    def forget(self, sender, message_id: int) -> None:
+        """Take back a completed message (refused for its signature): chunks with its id
+        are reassembled again, so a forgery sent first under a sender's next message id
+        does not make the sender's own message a repeat."""
+        if self._done.get(sender) == message_id:
+            del self._done[sender]
+
+    def add_sealed(self, sender, payload: bytes) -> Sealed | None:
+        """`add`, returning the message unparsed with its signature envelope (Sealed)."""
         if len(payload) < _CHUNK.size:
             raise SecAggError(f"secure message from {sender!r}: {len(payload)} bytes, shorter "
                               f"than a chunk header")
@@ -488,7 +553,7 @@ class ChunkAssembler:
             return None
         self._parts.pop(sender, None)
         self._done[sender] = mid
-        return message_from_bytes(b"".join(parts[i] for i in range(count)))
+        return unseal(b"".join(parts[i] for i in range(count)), mid)
 
     def clear(self) -> None:
         self._parts.clear()

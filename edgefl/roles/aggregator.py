@@ -64,6 +64,7 @@ from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from ..transport.signing import SignatureError
+from .trust import secure_context, secure_signer, verify_secure
 from .messages import (MessageError, TopicCache, build_announcement, buffers_sha256,
                        finished_announcement, new_announce_id, parse_status,
                        parse_update_scalars, peek_frame, status_payload)
@@ -324,7 +325,10 @@ class Aggregator:
             max_bytes=settings.reassembly_bytes or max(256 << 20, in_flight),
             max_bytes_per_sender=settings.reassembly_bytes_per_sender or 2 * update_bytes,
             max_chunks_per_sender=settings.chunks_per_sender
-            or max(256, 4 * -(-update_bytes // 1024)))
+            or max(256, 4 * -(-update_bytes // 1024)),
+            # checking signatures: an update is hashed while its chunks arrive, so the
+            # last one's check is not a whole 4 MB pass at the end of the round
+            digests=self.uplink is not None)
         self.online: dict[str, bool] = {}
         self.open: _OpenRound | None = None
         self.ckpt: AggregatorCheckpoint | None = None
@@ -677,15 +681,30 @@ class Aggregator:
 
     def _frame(self, kind: str, buffers, recipient: str | None = None) -> _Downlink:
         o, s = self.open, self.settings
-        data = wire.encode(kind, o.round, s.node_id, buffers, {"run": self.ckpt.run_id},
-                           self.table, s.compression, recipient=recipient,
-                           sign=self.signer.frame_signer(self.ckpt.run_id) if self.signer
-                           else None)
-        if s.compression != "none":      # the hash is of what the clients will decode
+        # The announced sha256 of the buffers is computed beside the encoding, which with a
+        # signature hashes the same bytes (the frame's content digest): two passes over
+        # 4 MB side by side (hashlib releases the GIL) rather than one after the other, on
+        # the way from one round's last update to the next round's model.
+        sha: list = []
+        hasher = None
+        if s.compression == "none":      # else the hash is of what the clients will decode
+            hasher = threading.Thread(target=lambda: sha.append(buffers_sha256(buffers)),
+                                      name="edgefl-frame-hash", daemon=True)
+            hasher.start()
+        try:
+            data = wire.encode(kind, o.round, s.node_id, buffers, {"run": self.ckpt.run_id},
+                               self.table, s.compression, recipient=recipient,
+                               sign=self.signer.frame_signer(self.ckpt.run_id) if self.signer
+                               else None)
+        finally:
+            if hasher is not None:
+                hasher.join()
+        if s.compression != "none":
             buffers = wire.decode(data, wire.Expectation(self.table, kinds=kind)).buffers
         payloads = wire.split(data, s.max_payload)
         topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
-        return _Downlink(topic, payloads, len(payloads) == 1, buffers_sha256(buffers),
+        return _Downlink(topic, payloads, len(payloads) == 1,
+                         sha[0] if sha else buffers_sha256(buffers),
                          wire.read_header(data).message_id)
 
     def _build_downlinks(self) -> None:
@@ -1124,9 +1143,13 @@ class Aggregator:
     def _send_secure(self, node: str, msg) -> None:
         o = self.open
         o.secure_seq += 1
+        # signed (keys.signing_key) for this run, round, attempt and board: what a board
+        # acts on (protocol.md section 11)
+        sign = secure_signer(self.signer, self.ckpt.run_id, o.round,
+                             secure_context(o.announce_id, node))
         try:
             for chunk in secagg.to_chunks(msg, self.settings.max_payload,
-                                          (o.secure_tag << 32) | o.secure_seq):
+                                          (o.secure_tag << 32) | o.secure_seq, sign):
                 self.transport.publish(self.topics.secure_to(node), chunk, qos=1)
                 o.counts["wire_down_bytes"] += len(chunk)
         except TransportError as exc:
@@ -1147,10 +1170,25 @@ class Aggregator:
         o.counts["wire_up_bytes"] += len(payload)
         try:
             repeats = o.secure_in.repeats
-            msg = o.secure_in.add(node, payload)
+            sealed = o.secure_in.add_sealed(node, payload)
             o.counts["duplicates"] += o.secure_in.repeats - repeats
-            if msg is None:
+            if sealed is None:
                 return
+            if self.uplink is not None:
+                # the node's own key, this run, round, attempt and node: a masked input is
+                # the node's update; refused before the server sees it, so a forgery
+                # changes nothing (its message id is free again for the node's own)
+                try:
+                    verify_secure(self.uplink, sealed, run=self.ckpt.run_id, round=o.round,
+                                  context=secure_context(o.announce_id, node), by=node,
+                                  where=f"secure message {sealed.message_id & 0xffffffff} "
+                                        f"of {node} for round {o.round}")
+                except SignatureError as exc:
+                    o.secure_in.forget(node, sealed.message_id)
+                    self.stats["bad_signatures"] = self.stats.get("bad_signatures", 0) + 1
+                    self._reject(node, str(exc))
+                    return
+            msg = sealed.message()
             if getattr(msg, "client", None) != self.members[node]:
                 raise secagg.SecAggError(f"it speaks for client {getattr(msg, 'client', None)}, "
                                          f"{node} is client {self.members[node]}")

@@ -58,6 +58,7 @@ from ..strategies import LocalData, StrategyError, get_strategy
 from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.signing import SignatureError
+from .trust import secure_context, secure_signer, verify_secure
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from .messages import (MessageError, TopicCache, announced_frame_id, buffers_sha256,
                        parse_announcement, peek_frame, status_payload, task_from_announcement,
@@ -218,7 +219,9 @@ class Client:
         self.reassembler = wire.Reassembler(
             settings.reassembly_timeout_s,
             max_bytes=settings.reassembly_bytes or wire.Reassembler.DEFAULT_MAX_BYTES,
-            max_chunks_per_sender=settings.chunks_per_sender)
+            max_chunks_per_sender=settings.chunks_per_sender,
+            # checking signatures: a model frame is hashed while its chunks arrive
+            digests=getattr(settings.trust, "downlink", None) is not None)
         self.progress = ClientProgress()
         self.ann: dict | None = None            # the announcement acted on
         self.next_ann: dict | None = None       # one that arrived while training
@@ -245,6 +248,8 @@ class Client:
         self._secure_tag = 0                    # the attempt's tag (its chunks' id prefix)
         self._secure_seq = 0
         self._secure_in = secagg.ChunkAssembler(64 << 20)
+        self._secure_for = None                 # (run, round, signature context, aggregator)
+        self._secure_last = 0
         # signatures (roles/trust.py): None each when the site file sets no keys
         self.signer = getattr(settings.trust, "signer", None)
         self.downlink = getattr(settings.trust, "downlink", None)
@@ -794,30 +799,53 @@ class Client:
             self._reject(f"secure aggregation setup of round {r}: {exc}")
             return
         self._secure_tag, self._secure_seq = tag, 0
+        # what this attempt's messages are signed for, both ways (protocol.md section 11)
+        self._secure_for = (doc["run"], r, secure_context(doc["announce"], self.node),
+                            doc["aggregator"])
+        self._secure_last = 0                        # message id of the last one acted on
         self._secure_in.clear()
         self._send_secure(self._secure.advertise())
-
 
     def _send_secure(self, msg) -> None:
         self._secure_seq += 1
         topic = self.topics.secure(self.node)
+        run, r, context, _ = self._secure_for
         try:
             for chunk in secagg.to_chunks(msg, self.settings.max_payload,
-                                          (self._secure_tag << 32) | self._secure_seq):
+                                          (self._secure_tag << 32) | self._secure_seq,
+                                          secure_signer(self.signer, run, r, context)):
                 self.transport.publish(topic, chunk, qos=1)
         except TransportError as exc:
             log.error("%s: secure aggregation message not sent: %s", self.node, exc)
 
-
     def _on_secure(self, payload: bytes) -> None:
-        """A message of the aggregator's for the secure attempt under way: answer it."""
+        """A message of the aggregator's for the secure attempt under way: answer it. With
+        keys.aggregator it must be the aggregator's, signed for this run, round, attempt and
+        board, and later than the last one answered; a refused one changes nothing."""
         sa = self._secure
         if sa is None or len(payload) < 12 or int.from_bytes(payload[4:8], "big") != self._secure_tag:
             return                                   # no attempt under way, or an earlier one's
         try:
-            msg = self._secure_in.add("aggregator", payload)
-            if msg is None:
+            sealed = self._secure_in.add_sealed("aggregator", payload)
+            if sealed is None:
                 return
+            where = f"secure message {sealed.message_id & 0xffffffff} of round " \
+                    f"{self._secure_for[1]}"
+            if self.downlink is not None:
+                run, r, context, aggregator = self._secure_for
+                try:
+                    verify_secure(self.downlink, sealed, context=context, run=run, round=r,
+                                  by=aggregator, where=where)
+                except SignatureError as exc:
+                    self._secure_in.forget("aggregator", sealed.message_id)
+                    self._reject(f"{exc}; the secure round goes on without it")
+                    return
+            if sealed.message_id <= self._secure_last:
+                self._reject(f"{where}: an earlier message of this attempt again (a replay): "
+                             "ignored")
+                return
+            msg = sealed.message()
+            self._secure_last = sealed.message_id
             if isinstance(msg, secagg.KeysBroadcast):
                 self._send_secure(sa.share_keys(msg))
             elif isinstance(msg, secagg.SharesForward):

@@ -18,10 +18,45 @@ import glob
 import os
 from dataclasses import dataclass
 
-from ..transport.signing import (KeyFileError, Signer, Verifier, load_private_key,
-                                 load_public_key)
+from ..privacy import secagg
+from ..transport.signing import (KeyFileError, SignatureError, Signer, Verifier,
+                                 check_envelope_shape, load_private_key, load_public_key)
 
-__all__ = ["Trust", "fleet_key_files"]
+__all__ = ["Trust", "fleet_key_files", "secure_signer", "verify_secure", "secure_context"]
+
+
+def secure_context(announce_id: str, node: str) -> str:
+    """What a secure aggregation message's signature binds besides run and round: the
+    round attempt (its announcement id) and the board whose exchange it is (the sender of
+    an upload, the recipient of a phase message)."""
+    return f"{announce_id}|{node}"
+
+
+def secure_signer(signer: Signer | None, run: str, round: int, context: str):
+    """The `sign` argument of secagg.to_chunks for one attempt and board, or None (unsigned):
+    the envelope's nonce is the message id."""
+    if signer is None:
+        return None
+
+    def sign(body, message_id: int) -> dict:
+        return signer.envelope("secure", run, round,
+                               secagg.secure_digest(context, message_id, body),
+                               nonce=f"{message_id:016x}")
+    return sign
+
+
+def verify_secure(verifier: Verifier, sealed: "secagg.Sealed", *, context: str, run: str,
+                  round: int, by: str, where: str) -> dict:
+    """The checked envelope of a reassembled secure message (SignatureError saying why):
+    signed by `by`'s own key, for this federation, run, round, attempt and board (the
+    context), and this message id."""
+    env = check_envelope_shape(sealed.envelope, where)     # an unsigned one costs no hash
+    env = verifier.verify(env, secagg.secure_digest(context, sealed.message_id, sealed.body),
+                          kind="secure", where=where, run=run, round=round, by=by)
+    if env["nonce"] != f"{sealed.message_id:016x}":
+        raise SignatureError(f"{where}: signed as message {env['nonce']}, it came as "
+                             f"{sealed.message_id:016x}")
+    return env
 
 
 def fleet_key_files(fleet) -> dict:

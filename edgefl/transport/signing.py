@@ -7,6 +7,9 @@ Who signs what:
                 manifest and the ONNX frame its parts make up        -> checked by boards
     board       its update frames                                    -> checked by the aggregator
     operator    control commands (`edgefl ctl`)                      -> checked by the aggregator
+    both        secure aggregation messages (kind "secure": a board's keys, shares, masked
+                input and unmasking answer; the aggregator's phase messages to a board)
+                                                                     -> checked by the other
 
 A JSON document carries its envelope as the field "sig"; a frame carries it as the scalar
 "sig" (edgefl.transport.wire.content_digest says what its hash covers: header fields,
@@ -50,7 +53,7 @@ __all__ = ["SignatureError", "KeyFileError", "Signer", "Verifier", "DOMAIN", "VE
 VERSION = 1
 DOMAIN = b"edgefl-signature-v1\n"
 KINDS = ("announce", "finished", "model", "client_model", "onnx_manifest", "onnx", "update",
-         "command")
+         "command", "secure")
 FIELDS = ("v", "kind", "fed", "run", "round", "by", "key", "nonce", "at", "exp", "hash", "sig")
 MAX_SKEW_S = 300.0           # how far in the future a signing time may be (clocks differ)
 MAX_TIME = 1e11              # Unix seconds: year 5138

@@ -58,12 +58,21 @@ class Frame:
     # as received (a view); a signature covers these, so a receiver checks the bytes it got
     rows: tuple = dataclasses.field(default=(), repr=False, compare=False)
     payload: Any = dataclasses.field(default=None, repr=False, compare=False)
+    # (content_core, digest) hashed by the Reassembler while the chunks arrived (its
+    # `digests`); used only when the core is this frame's own
+    digest_hint: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def content_sha256(self) -> str:
         """The sha256 a frame signature covers (content_digest), of this frame as received."""
-        return content_digest(self.kind, self.round, self.sender, self.recipient, self.dtype,
-                              self.table_hash, self.message_id, list(self.rows),
-                              dict(self.scalars), [self.payload])
+        core = content_core(self.kind, self.round, self.sender, self.recipient, self.dtype,
+                            self.table_hash, self.message_id, list(self.rows),
+                            dict(self.scalars))
+        if self.digest_hint is not None and self.digest_hint[0] == core:
+            return self.digest_hint[1]
+        h = hashlib.sha256(core)
+        h.update(b"\n")
+        h.update(self.payload)
+        return h.hexdigest()
 
     @property
     def compression(self) -> str:
@@ -160,17 +169,25 @@ def content_digest(kind: str, round: int, sender: str, recipient: str | None, dt
     (sender, recipient, buffer rows with their int8 scales, scalars but the signature) as
     canonical JSON, then the payload bytes as they travel (f32, f16 or int8 codes, blobs).
     The sender hashes the pieces it encodes, the receiver the payload it received: one pass
-    over the bytes, no copy."""
-    core = {"kind": kind, "round": int(round), "sender": sender, "recipient": recipient,
-            "dtype": dtype, "table_hash": int(table_hash), "message_id": f"{message_id:016x}",
-            "buffers": rows,
-            "scalars": {k: v for k, v in scalars.items() if k != SIGNATURE_SCALAR}}
-    h = hashlib.sha256(json.dumps(core, sort_keys=True, separators=(",", ":"),
-                                  ensure_ascii=True, allow_nan=False).encode("ascii"))
+    over the bytes, no copy (a Reassembler with `digests` hashes a chunked frame's payload
+    while its chunks arrive)."""
+    h = hashlib.sha256(content_core(kind, round, sender, recipient, dtype, table_hash,
+                                    message_id, rows, scalars))
     h.update(b"\n")
     for piece in pieces:
         h.update(piece)
     return h.hexdigest()
+
+
+def content_core(kind: str, round: int, sender: str, recipient: str | None, dtype: str,
+                 table_hash: int, message_id: int, rows: list, scalars: Mapping) -> bytes:
+    """The canonical JSON that content_digest hashes before the payload bytes."""
+    core = {"kind": kind, "round": int(round), "sender": sender, "recipient": recipient,
+            "dtype": dtype, "table_hash": int(table_hash), "message_id": f"{message_id:016x}",
+            "buffers": rows,
+            "scalars": {k: v for k, v in scalars.items() if k != SIGNATURE_SCALAR}}
+    return json.dumps(core, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
 
 
 def _assemble(kind: str, dtype: str, flags: int, round: int, chunk_index: int, chunk_count: int,

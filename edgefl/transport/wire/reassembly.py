@@ -10,7 +10,10 @@ logger, the name operators' filters and the tests know.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import struct
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -21,9 +24,9 @@ import numpy as np
 
 from .checks import (Expectation, _check_header_expectation, _check_parties, _meta_int,
                      _meta_keys, _parse_meta)
-from .frame import Frame, _assemble, _check_u, _dumps, decode
-from .header import (ALIGN, FLAG_CHUNK, HEADER_SIZE, EncodeError, FrameError, Header, _align,
-                     _as_view, _check_body_crc, read_header)
+from .frame import SIGNATURE_SCALAR, Frame, _assemble, _check_u, _dumps, content_core, decode
+from .header import (_DTYPE_NAMES, _HEAD, ALIGN, FLAG_CHUNK, HEADER_SIZE, MAGIC, EncodeError,
+                     FrameError, Header, _align, _as_view, _check_body_crc, read_header)
 
 log = logging.getLogger("edgefl.transport.wire")
 
@@ -96,6 +99,14 @@ class _Partial:
     reserved: int                               # bytes charged against the limits
     held: int = 0                               # bytes of the chunks received so far
     parts: dict = field(default_factory=dict)   # chunk index -> (offset, bytes-like)
+    # the content digest hashed along (Reassembler digests): the chunks by offset, the
+    # hash so far, the next offset of the whole frame to hash (None: not hashed along),
+    # where the payload ends, and the core JSON hashed first
+    by_offset: dict = field(default_factory=dict)
+    hasher: object = None
+    hash_next: int | None = 0
+    hash_end: int = 0
+    core: bytes = b""
 
     def describe(self, sender: str) -> str:
         h = self.header
@@ -143,7 +154,7 @@ class Reassembler:
     def __init__(self, timeout_s: float = 60.0, max_bytes: int = DEFAULT_MAX_BYTES, *,
                  max_pending_per_sender: int = 4, max_bytes_per_sender: int | None = None,
                  max_chunks_per_sender: int | None = None, remember: int = 4096,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, digests: bool = False):
         if not timeout_s > 0:
             raise ValueError(f"Reassembler: timeout_s {timeout_s} must be > 0")
         for name, value in (("max_bytes", max_bytes), ("max_pending_per_sender",
@@ -164,6 +175,7 @@ class Reassembler:
         self.max_chunks_per_sender = int(max_chunks_per_sender) \
             if max_chunks_per_sender is not None else None
         self.remember = int(remember)
+        self.digests = bool(digests)
         self._clock = clock
         self._partial: OrderedDict[tuple, _Partial] = OrderedDict()
         self._done: OrderedDict[tuple, None] = OrderedDict()
@@ -377,6 +389,9 @@ class Reassembler:
         # keep a view into immutable bytes; copy what the caller may reuse
         part.parts[h.chunk_index] = (offset, piece if isinstance(data, bytes) else bytes(piece))
         self.stats["chunks"] += 1
+        if self.digests and part.hash_next is not None:
+            part.by_offset[offset] = part.parts[h.chunk_index][1]
+            _hash_along(part)
         if len(part.parts) < h.chunk_count:
             return None
 
@@ -408,5 +423,50 @@ class Reassembler:
         if frame.sender != sender:
             raise FrameError("sender", f"{part.describe(sender)}: the reassembled frame names "
                                        f"sender {frame.sender!r}")
+        if part.hasher is not None and part.hash_next is not None \
+                and part.hash_next >= part.hash_end:
+            # Frame.content_sha256 takes it if the core is the decoded frame's own
+            object.__setattr__(frame, "digest_hint", (part.core, part.hasher.hexdigest()))
         self.stats["messages"] += 1
         return frame
+
+
+def _hash_along(part: _Partial) -> None:
+    """Reassembler digests: hash the content digest (content_digest) of a signed frame while
+    its chunks arrive, as far as they are contiguous from the payload's start, so that the
+    hash of a 4 MB frame overlaps its transfer instead of following it. The whole frame's
+    header and metadata are read from the chunk at offset 0 (a frame whose metadata does
+    not fit in it, or that carries no signature, is not hashed along); a core that turns out
+    not to be the decoded frame's is not used (Frame.content_sha256 hashes it then)."""
+    if part.hasher is None:
+        first = part.by_offset.get(0)
+        if first is None:
+            return
+        try:
+            (magic, _, _, dtype, _, _, _, _, meta_len, payload_len, _, _,
+             _) = _HEAD.unpack_from(first, 0)
+            start = HEADER_SIZE + _align(meta_len)
+            if magic != MAGIC or dtype not in _DTYPE_NAMES or start > len(first):
+                raise ValueError("not hashed along")
+            meta = json.loads(bytes(first[HEADER_SIZE:HEADER_SIZE + meta_len]))
+            scalars = meta["scalars"]
+            if not isinstance(scalars, dict) or SIGNATURE_SCALAR not in scalars:
+                raise ValueError("unsigned: nothing to check")
+            h = part.header
+            part.core = content_core(h.kind, h.round, meta["sender"], meta.get("recipient"),
+                                     _DTYPE_NAMES[dtype], h.table_hash, h.message_id,
+                                     meta["buffers"], scalars)
+        except (ValueError, TypeError, KeyError, AttributeError, struct.error):
+            part.hash_next = None
+            return
+        part.hasher = hashlib.sha256(part.core)
+        part.hasher.update(b"\n")
+        part.hash_end = start + payload_len
+        part.hasher.update(first[start:part.hash_end])
+        part.hash_next = len(first)
+    while part.hash_next < part.hash_end:
+        piece = part.by_offset.get(part.hash_next)
+        if piece is None:
+            return
+        part.hasher.update(piece[:part.hash_end - part.hash_next])
+        part.hash_next += len(piece)
