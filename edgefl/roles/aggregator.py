@@ -306,6 +306,9 @@ class Aggregator:
                                           plan.clients_per_round, eval_every=plan.eval_every,
                                           test=plan.test)
         self.members = {node: i for i, node in enumerate(plan.client_ids)}
+        # the nodes whose updates come in on update/+ and whose status is followed: the
+        # clients; the centre of a two-level federation takes its edges' instead (roles/edge.py)
+        self.senders: Mapping[str, int] = self.members
         # signatures (roles/trust.py): None each when the site file sets no keys
         self.signer = getattr(settings.trust, "signer", None)
         self.uplink = getattr(settings.trust, "uplink", None)
@@ -906,10 +909,10 @@ class Aggregator:
             if node in o.uploaders and node not in o.received:
                 o.refused.add(node)               # the round does not wait for it
             return
-        if node not in self.members:
+        if node not in self.senders:
             self._reject(node, f"{node!r} is not a client of this federation "
-                               f"({len(self.members)} clients: {', '.join(list(self.members)[:5])}"
-                               f"{', ...' if len(self.members) > 5 else ''})")
+                               f"({len(self.senders)} clients: {', '.join(list(self.senders)[:5])}"
+                               f"{', ...' if len(self.senders) > 5 else ''})")
             return
         peek = peek_frame(payload)
         if peek is None:
@@ -933,7 +936,7 @@ class Aggregator:
             self._reject(node, f"update for round {frame_round}, but round {o.round} is open",
                          key)
             return
-        refusal = o.round_plan.upload_refusal(self.members[node], node)
+        refusal = self._upload_refusal(node)
         if refusal is not None:
             self._reject(node, refusal, key)
             return
@@ -993,6 +996,10 @@ class Aggregator:
         log.debug("round %d: update from %s (%d/%d)", o.round, node, len(o.received),
                   len(o.uploaders))
 
+    def _upload_refusal(self, node: str) -> str | None:
+        """Why `node` may not upload in the open round, or None (the engine's check)."""
+        return self.open.round_plan.upload_refusal(self.members[node], node)
+
     def _on_status(self, node: str, payload: bytes) -> None:
         if not payload:
             return                               # a cleared retained status
@@ -1001,7 +1008,7 @@ class Aggregator:
         except MessageError as exc:
             log.warning("ignored status on %s: %s", self.topics.status(node), exc)
             return
-        if node not in self.members:
+        if node not in self.senders:
             return
         before = self.online.get(node)
         now_online = doc["online"]
