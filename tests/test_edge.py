@@ -10,21 +10,26 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from brokers import MosquittoProcess, _require_mosquitto
-from helpers import load_small_run
+from helpers import SMALL_RUN, load_small_run, wait_for, write_run_yaml
 
 from edgefl.roles import AggregatorSettings, Client, ClientSettings, RunPlan, \
     default_client_ids
 from edgefl.roles.edge import (CentralAggregator, EdgeAggregator, edge_refusal,
                                partial_total, partial_update)
 from edgefl.rounds import RoundEngine, client_contribution
+from edgefl.runconfig import load_run_config
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim.loop import run_federation
 from edgefl.strategies import StrategyError, get_strategy
@@ -301,3 +306,122 @@ def test_sites_must_cover_every_client_once(tmp_path):
         with pytest.raises(ValueError, match=match):
             CentralAggregator(plan, None, str(tmp_path / "c"), settings, sites=sites)
 
+
+
+# ---------------------------------------------------------------------------------------
+# an edge aggregator process killed mid-round (kill -9) and started again
+# ---------------------------------------------------------------------------------------
+
+def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_brokers,
+                                                                          tmp_path):
+    """site-a's edge runs as a real `edgefl aggregator --edge` process. Round 1 is held open
+    at site-a (client-1 starts late) while client-0's update is in the edge's memory; the
+    edge is killed with SIGKILL and started again, client-1 joins: client-0 re-sends its
+    stored update (it does not train again), site-a forwards round 1 once with both
+    updates, and the run ends with the flat model."""
+    central, sites = three_brokers
+    rounds = 3
+    path = write_run_yaml(tmp_path, SMALL_RUN, partition={"name": "iid", "clients": 4},
+                          rounds=rounds, clients_per_round=4)
+    config = load_run_config(path)
+    run = prepare_run(config, progress=False)
+    flat = flat_params(prepare_run(config, progress=False))
+    ids = default_client_ids(4)
+    site_nodes = {"site-a": ids[:2], "site-b": ids[2:]}
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump({k: list(v)
+                                                         for k, v in site_nodes.items()}))
+    edge_state = tmp_path / "edge-a"
+    (tmp_path / "edge-a.yaml").write_text(yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": "site-a", "federation": "fed"},
+        "state_dir": str(edge_state), "broker": {"url": sites["site-a"].url}, "run": path,
+        "log": {"level": "info"}}))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+               str(tmp_path / "edge-a.yaml"), "--edge", "site-a", "--sites",
+               str(tmp_path / "sites.yaml"), "--deadline", "60"]
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids,
+                   test=(run.dataset.x_test, run.dataset.y_test),
+                   description=config.to_dict())
+    # the centre waits for an edge that went offline (its Last Will, through the bridge)
+    # longer than the edge takes to start again
+    settings = AggregatorSettings(federation="fed", round_timeout_s=60, offline_grace_s=60)
+    stop = threading.Event()
+    procs, threads, errors, clients = [], [], [], {}
+
+    def spawn(log_name):
+        log = open(tmp_path / log_name, "wb")
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        procs.append(proc)
+        return proc
+
+    def start(target, name):
+        def body():
+            try:
+                target()
+            except BaseException as exc:          # noqa: BLE001 -- re-raised by the test
+                errors.append(exc)
+        threads.append(threading.Thread(target=body, name=name, daemon=True))
+        threads[-1].start()
+
+    def start_client(i):
+        node = ids[i]
+        url = sites["site-a" if i < 2 else "site-b"].url
+        clients[i] = Client(ClientSettings(node, "fed", exit_when_finished=True,
+                                           raise_on_error=True),
+                            (run.clients[i].x, run.clients[i].y),
+                            MqttTransport(url, f"c-{node}", clean_session=True,
+                                          reconnect_min=0.05, reconnect_max=0.5),
+                            str(tmp_path / node), stop=stop)
+        start(clients[i].run, node)
+
+    centre = CentralAggregator(plan, MqttTransport(central.url, "centre", clean_session=True),
+                               str(tmp_path / "centre"), settings, sites=site_nodes, stop=stop)
+    edge_b = EdgeAggregator(plan, MqttTransport(sites["site-b"].url, "e-site-b",
+                                                clean_session=True),
+                            str(tmp_path / "edge-b"), settings, edge_id="site-b",
+                            site=site_nodes["site-b"], stop=stop)
+    outcome = {}
+    try:
+        first = spawn("edge-a-1.log")
+        start(edge_b.run, "site-b")
+        for i in (0, 2, 3):
+            start_client(i)
+        start(lambda: outcome.setdefault("result", centre.run()), "centre")
+        journal = edge_state / "edge" / "edge.jsonl"
+        wait_for(lambda: clients[0].progress.trained == 1, timeout=60,
+                 what="client-0's round 1 update")
+        time.sleep(0.5)                                  # ... received by the edge
+        assert first.poll() is None, (tmp_path / "edge-a-1.log").read_text()[-3000:]
+        first.send_signal(signal.SIGKILL)                # mid-round 1 at site-a
+        assert first.wait(10) == -signal.SIGKILL
+        assert not journal.exists()                      # nothing forwarded yet
+        second = spawn("edge-a-2.log")
+        wait_for(lambda: "round 1 announced" in (tmp_path / "edge-a-2.log").read_text(),
+                 timeout=60, what="the restarted edge to announce round 1 again")
+        start_client(1)
+        assert second.wait(120) == 0, (tmp_path / "edge-a-2.log").read_text()[-3000:]
+        for thread in threads:
+            thread.join(60)
+    finally:
+        stop.set()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for thread in threads:
+            thread.join(10)
+    if errors:
+        raise errors[0]
+    result = outcome["result"]
+    assert result.finished
+    forwarded = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [(j["round"], j["clients"]) for j in forwarded] == \
+        [(r, ["client-0", "client-1"]) for r in range(1, rounds + 1)]
+    assert [r["updates"] for r in result.history] == [4] * rounds
+    assert clients[0].stats["resent"] >= 1                # round 1 re-sent, not retrained
+    assert clients[0].stats["trained"] == rounds
+    log2 = (tmp_path / "edge-a-2.log").read_text()
+    assert "round 1 partial aggregate forwarded" in log2
+    assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE

@@ -64,7 +64,7 @@ from .messages import (MessageError, buffers_sha256, finished_announcement,
 from .state import StateError, append_journal, atomic_write, tag_floats, untag_floats
 
 __all__ = ["CentralAggregator", "EdgeAggregator", "edge_refusal", "partial_update",
-           "partial_total", "UP_PREFIX", "PARTIAL_FILE", "EDGE_JOURNAL"]
+           "partial_total", "load_sites", "UP_PREFIX", "PARTIAL_FILE", "EDGE_JOURNAL"]
 
 log = logging.getLogger("edgefl.roles.edge")
 
@@ -99,6 +99,40 @@ def edge_refusal(strategy, *, robust=None, privacy=None, attack=None) -> str | N
         return ("the attack simulation (attack:) tampers with individual updates, which "
                 "the centre of a two-level run never sees; run it flat")
     return None
+
+
+def load_sites(path: str | os.PathLike) -> dict:
+    """{edge id: (client node ids, ...)} from a sites file (YAML or JSON), e.g.
+
+        site-a: [client-0, client-1]
+        site-b: [client-2, client-3]
+
+    ValueError naming the file and the entry that is wrong."""
+    import yaml
+
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ValueError(f"sites file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"sites file {path}: not YAML: {exc}") from None
+    if not isinstance(doc, dict) or not doc:
+        raise ValueError(f"sites file {path}: need a mapping of edge id -> list of client "
+                         f"ids, got {type(doc).__name__}")
+    sites = {}
+    for edge, nodes in doc.items():
+        try:
+            validate_id(str(edge), "edge id")
+        except TopicError as exc:
+            raise ValueError(f"sites file {path}: {exc}") from None
+        if not isinstance(nodes, list) or not nodes \
+                or not all(isinstance(n, str) for n in nodes):
+            raise ValueError(f"sites file {path}: {edge}: need a non-empty list of client "
+                             f"ids, got {nodes!r}")
+        sites[str(edge)] = tuple(nodes)
+    return sites
 
 
 # ---------------------------------------------------------------------------------------
