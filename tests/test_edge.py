@@ -26,6 +26,7 @@ from helpers import SMALL_RUN, load_small_run, wait_for, write_run_yaml
 
 from edgefl.roles import AggregatorSettings, Client, ClientSettings, RunPlan, \
     default_client_ids
+from edgefl.roles.messages import finished_announcement
 from edgefl.roles.edge import (CentralAggregator, EdgeAggregator, edge_refusal,
                                partial_total, partial_update)
 from edgefl.rounds import RoundEngine, client_contribution
@@ -112,8 +113,9 @@ def _wait_bridge(central, site, edge, timeout=20.0):
 
 
 def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60.0,
-                  on_edge=None):
-    """The two-level run of `run`: returns the centre's AggregatorResult and the edges."""
+                  on_edge=None, limit_s=120.0):
+    """The two-level run of `run`: returns the centre's AggregatorResult and the edges.
+    Every role is stopped after `limit_s` (the result is then not finished)."""
     config = run.config
     ids = default_client_ids(len(run.setup.clients))
     names = sorted(sites)
@@ -156,11 +158,14 @@ def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60
     centre = CentralAggregator(plan, MqttTransport(central.url, "centre", clean_session=True),
                                os.path.join(root, "centre"), settings, sites=site_nodes,
                                stop=stop)
+    watchdog = threading.Timer(limit_s, stop.set)
+    watchdog.start()
     try:
         result = centre.run()
         for thread in threads:
             thread.join(30)
     finally:
+        watchdog.cancel()
         stop.set()
         for thread in threads:
             thread.join(10)
@@ -425,3 +430,101 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
     log2 = (tmp_path / "edge-a-2.log").read_text()
     assert "round 1 partial aggregate forwarded" in log2
     assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE
+
+
+def test_an_edge_restarted_after_forwarding_resends_the_same_frame_once(three_brokers,
+                                                                         tmp_path):
+    """site-a forwards round 1 while the centre still waits for site-b (client-3 starts
+    late); site-a's edge is then stopped and started again: it sends its stored partial
+    again, the centre keeps the first copy (a duplicate), and each round counts every
+    client once."""
+    central, sites = three_brokers
+    config = load_small_run(tmp_path, partition={"name": "iid", "clients": 4}, rounds=2,
+                            clients_per_round=4)
+    run = prepare_run(config, progress=False)
+    flat = flat_params(prepare_run(config, progress=False))
+    ids = default_client_ids(4)
+    site_nodes = {"site-a": ids[:2], "site-b": ids[2:]}
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids,
+                   test=(run.dataset.x_test, run.dataset.y_test))
+    settings = AggregatorSettings(federation="fed", round_timeout_s=60, offline_grace_s=60)
+    stop, stop_a = threading.Event(), threading.Event()
+    threads, errors, outcome = [], [], {}
+
+    def start(target, name):
+        def body():
+            try:
+                target()
+            except BaseException as exc:          # noqa: BLE001 -- re-raised by the test
+                errors.append(exc)
+        threads.append(threading.Thread(target=body, name=name, daemon=True))
+        threads[-1].start()
+
+    def client(i):
+        node = ids[i]
+        url = sites["site-a" if i < 2 else "site-b"].url
+        c = Client(ClientSettings(node, "fed", exit_when_finished=True, raise_on_error=True),
+                   (run.clients[i].x, run.clients[i].y),
+                   MqttTransport(url, f"c-{node}", clean_session=True), str(tmp_path / node),
+                   stop=stop)
+        start(c.run, node)
+
+    def edge(e, stop_event, name):
+        agg = EdgeAggregator(plan, MqttTransport(sites[e].url, name, clean_session=True),
+                             str(tmp_path / e), settings, edge_id=e, site=site_nodes[e],
+                             stop=stop_event)
+        start(agg.run, name)
+        return agg
+
+    centre = CentralAggregator(plan, MqttTransport(central.url, "centre", clean_session=True),
+                               str(tmp_path / "centre"), settings, sites=site_nodes, stop=stop)
+    journal = tmp_path / "site-a" / "edge.jsonl"
+    try:
+        first = edge("site-a", stop_a, "e-site-a-1")
+        edge("site-b", stop, "e-site-b")
+        for i in (0, 1, 2):
+            client(i)
+        start(lambda: outcome.setdefault("result", centre.run()), "centre")
+        wait_for(journal.exists, timeout=60, what="site-a's round 1 partial aggregate")
+        wait_for(lambda: first.open is None, timeout=10, what="site-a to close round 1")
+        stop_a.set()
+        threads[0].join(10)
+        assert not threads[0].is_alive()
+        edge("site-a", stop, "e-site-a-2")
+        wait_for(lambda: centre.stats["duplicates"] >= 1, timeout=30,
+                 what="the re-sent partial aggregate at the centre")
+        client(3)
+        for thread in threads:
+            thread.join(60)
+    finally:
+        stop.set()
+        stop_a.set()
+        for thread in threads:
+            thread.join(10)
+    if errors:
+        raise errors[0]
+    result = outcome["result"]
+    assert result.finished and centre.stats["duplicates"] == 1
+    forwarded = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [(j["round"], j["clients"]) for j in forwarded] == \
+        [(1, ["client-0", "client-1"]), (2, ["client-0", "client-1"])]
+    assert [r["updates"] for r in result.history] == [4, 4]
+    assert [r["duplicates"] for r in result.history] == [1, 0]
+    assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE
+
+
+def test_an_edge_waits_past_the_finished_announcement_of_an_earlier_run(three_brokers,
+                                                                         tmp_path):
+    """The centre's topic still holds an earlier run's `finished` announcement when the
+    edges start: they wait for the next run instead of ending, and the run completes."""
+    central, sites = three_brokers
+    old = MqttTransport(central.url, "old-centre", clean_session=True)
+    old.connect()
+    old.publish("edgefl/fed/round", json.dumps(finished_announcement(
+        run_id="0123456789abcdef", aggregator="centre", rounds=2,
+        model_sha256="0" * 64)).encode(), qos=1, retain=True)
+    old.close()
+    config = load_small_run(tmp_path, partition={"name": "iid", "clients": 4}, rounds=2)
+    run = prepare_run(config, progress=False)
+    result, _ = two_level_run(run, central, sites, str(tmp_path / "state"))
+    assert result.finished and len(result.history) == 2

@@ -396,7 +396,14 @@ class EdgeAggregator(Aggregator):
             doc = self.central
             if doc is not None:
                 if doc.get("finished"):
-                    return doc
+                    if doc["run"] == self.ckpt.run_id:
+                        return doc
+                    if self.resent_for != doc["announce"]:     # once per announcement
+                        self.resent_for = doc["announce"]
+                        log.info("edge %s: the centre's last run (%s) is finished; waiting "
+                                 "for the next one", self.edge_id, doc["run"])
+                    self._service(self.settings.poll_s)
+                    continue
                 if self.ckpt.run_id == doc["run"] and doc["round"] <= self.ckpt.round:
                     stored = self._stored_partial()
                     if stored is not None and stored[:2] == (doc["run"], doc["round"]) \
@@ -581,6 +588,8 @@ class EdgeAggregator(Aggregator):
             return
         old = self.central
         self.central = doc
+        if old is None or doc["announce"] != old.get("announce"):
+            self.model_asked = time.monotonic()     # its model is likely on its way
         o = self.open
         if o is not None and (doc.get("finished") or doc["run"] != self.ckpt.run_id
                               or doc["round"] != o.round):
