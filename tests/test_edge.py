@@ -30,6 +30,7 @@ from edgefl.roles.messages import finished_announcement
 from edgefl.roles.edge import (CentralAggregator, EdgeAggregator, edge_refusal,
                                partial_total, partial_update)
 from edgefl.rounds import RoundEngine, client_contribution
+from edgefl.checkpoint import load_checkpoint
 from edgefl.runconfig import load_run_config
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim.loop import run_federation
@@ -319,11 +320,12 @@ def test_sites_must_cover_every_client_once(tmp_path):
 
 def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_brokers,
                                                                           tmp_path):
-    """site-a's edge runs as a real `edgefl aggregator --edge` process. Round 1 is held open
-    at site-a (client-1 starts late) while client-0's update is in the edge's memory; the
-    edge is killed with SIGKILL and started again, client-1 joins: client-0 re-sends its
-    stored update (it does not train again), site-a forwards round 1 once with both
-    updates, and the run ends with the flat model."""
+    """The centre and site-a's edge run as real processes (`edgefl aggregator --sites` and
+    `edgefl aggregator --edge site-a --sites`). Round 1 is held open at site-a (client-1
+    starts late) while client-0's update is in the edge's memory; the edge is killed with
+    SIGKILL and started again, client-1 joins: client-0 re-sends its stored update (it
+    does not train again), site-a forwards round 1 once with both updates, and the run
+    ends with the flat model."""
     central, sites = three_brokers
     rounds = 3
     path = write_run_yaml(tmp_path, SMALL_RUN, partition={"name": "iid", "clients": 4},
@@ -333,27 +335,33 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
     flat = flat_params(prepare_run(config, progress=False))
     ids = default_client_ids(4)
     site_nodes = {"site-a": ids[:2], "site-b": ids[2:]}
-    (tmp_path / "sites.yaml").write_text(yaml.safe_dump({k: list(v)
-                                                         for k, v in site_nodes.items()}))
-    edge_state = tmp_path / "edge-a"
-    (tmp_path / "edge-a.yaml").write_text(yaml.safe_dump({
-        "profile": "generic-x86", "node": {"id": "site-a", "federation": "fed"},
-        "state_dir": str(edge_state), "broker": {"url": sites["site-a"].url}, "run": path,
-        "log": {"level": "info"}}))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
-               str(tmp_path / "edge-a.yaml"), "--edge", "site-a", "--sites",
-               str(tmp_path / "sites.yaml"), "--deadline", "60"]
-    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids,
-                   test=(run.dataset.x_test, run.dataset.y_test),
-                   description=config.to_dict())
+    sites_file = tmp_path / "sites.yaml"
+    sites_file.write_text(yaml.safe_dump({k: list(v) for k, v in site_nodes.items()}))
+
+    def site_file(name, node, url, **more):
+        (tmp_path / name).write_text(yaml.safe_dump({
+            "profile": "generic-x86", "node": {"id": node, "federation": "fed"},
+            "state_dir": str(tmp_path / f"{node}-state"), "broker": {"url": url},
+            "run": path, "log": {"level": "info"}, **more}))
+        return str(tmp_path / name)
+
+    out = tmp_path / "out"
     # the centre waits for an edge that went offline (its Last Will, through the bridge)
     # longer than the edge takes to start again
-    settings = AggregatorSettings(federation="fed", round_timeout_s=60, offline_grace_s=60)
+    centre_cmd = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                  site_file("centre.yaml", "centre", central.url,
+                            round={"offline_grace": 60.0}),
+                  "--sites", str(sites_file), "--deadline", "60", "--once", "--out", str(out)]
+    edge_cmd = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                site_file("edge-a.yaml", "site-a", sites["site-a"].url),
+                "--edge", "site-a", "--sites", str(sites_file), "--deadline", "60"]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids)
+    settings = AggregatorSettings(federation="fed", round_timeout_s=60)
     stop = threading.Event()
     procs, threads, errors, clients = [], [], [], {}
 
-    def spawn(log_name):
+    def spawn(command, log_name):
         log = open(tmp_path / log_name, "wb")
         proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT)
@@ -381,20 +389,17 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
                             str(tmp_path / node), stop=stop)
         start(clients[i].run, node)
 
-    centre = CentralAggregator(plan, MqttTransport(central.url, "centre", clean_session=True),
-                               str(tmp_path / "centre"), settings, sites=site_nodes, stop=stop)
     edge_b = EdgeAggregator(plan, MqttTransport(sites["site-b"].url, "e-site-b",
                                                 clean_session=True),
                             str(tmp_path / "edge-b"), settings, edge_id="site-b",
                             site=site_nodes["site-b"], stop=stop)
-    outcome = {}
+    journal = tmp_path / "site-a-state" / "edge" / "edge.jsonl"
     try:
-        first = spawn("edge-a-1.log")
+        first = spawn(edge_cmd, "edge-a-1.log")
         start(edge_b.run, "site-b")
         for i in (0, 2, 3):
             start_client(i)
-        start(lambda: outcome.setdefault("result", centre.run()), "centre")
-        journal = edge_state / "edge" / "edge.jsonl"
+        centre = spawn(centre_cmd, "centre.log")
         wait_for(lambda: clients[0].progress.trained == 1, timeout=60,
                  what="client-0's round 1 update")
         time.sleep(0.5)                                  # ... received by the edge
@@ -402,11 +407,12 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
         first.send_signal(signal.SIGKILL)                # mid-round 1 at site-a
         assert first.wait(10) == -signal.SIGKILL
         assert not journal.exists()                      # nothing forwarded yet
-        second = spawn("edge-a-2.log")
+        second = spawn(edge_cmd, "edge-a-2.log")
         wait_for(lambda: "round 1 announced" in (tmp_path / "edge-a-2.log").read_text(),
                  timeout=60, what="the restarted edge to announce round 1 again")
         start_client(1)
-        assert second.wait(120) == 0, (tmp_path / "edge-a-2.log").read_text()[-3000:]
+        assert centre.wait(120) == 0, (tmp_path / "centre.log").read_text()[-3000:]
+        assert second.wait(30) == 0, (tmp_path / "edge-a-2.log").read_text()[-3000:]
         for thread in threads:
             thread.join(60)
     finally:
@@ -419,17 +425,17 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
             thread.join(10)
     if errors:
         raise errors[0]
-    result = outcome["result"]
-    assert result.finished
     forwarded = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [(j["round"], j["clients"]) for j in forwarded] == \
         [(r, ["client-0", "client-1"]) for r in range(1, rounds + 1)]
-    assert [r["updates"] for r in result.history] == [4] * rounds
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["updates"], r["edges"]) for r in history] == \
+        [(r, 4, ["site-a", "site-b"]) for r in range(1, rounds + 1)]
     assert clients[0].stats["resent"] >= 1                # round 1 re-sent, not retrained
     assert clients[0].stats["trained"] == rounds
-    log2 = (tmp_path / "edge-a-2.log").read_text()
-    assert "round 1 partial aggregate forwarded" in log2
-    assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE
+    assert "round 1 partial aggregate forwarded" in (tmp_path / "edge-a-2.log").read_text()
+    params = load_checkpoint(str(out / "model.npz"))["params"]
+    assert float(np.max(np.abs(params - flat))) <= TOLERANCE
 
 
 def test_an_edge_restarted_after_forwarding_resends_the_same_frame_once(three_brokers,
