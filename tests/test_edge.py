@@ -27,6 +27,7 @@ from helpers import SMALL_RUN, load_small_run, wait_for, write_run_yaml
 from edgefl.roles import AggregatorSettings, Client, ClientSettings, RunPlan, \
     default_client_ids
 from edgefl.roles.messages import finished_announcement
+from edgefl.roles.state import StateError
 from edgefl.roles.edge import (CentralAggregator, EdgeAggregator, edge_refusal,
                                partial_total, partial_update)
 from edgefl.rounds import RoundEngine, client_contribution
@@ -534,3 +535,62 @@ def test_an_edge_waits_past_the_finished_announcement_of_an_earlier_run(three_br
     run = prepare_run(config, progress=False)
     result, _ = two_level_run(run, central, sites, str(tmp_path / "state"))
     assert result.finished and len(result.history) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# bad input: named, nothing lost
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, match", [
+    ("- a\n- b\n", "need a mapping of edge id -> list of client ids, got list"),
+    ("site-a: client-0\n", "site-a: need a non-empty list of client ids, got 'client-0'"),
+    ("site-a: []\n", "site-a: need a non-empty list"),
+    ("'site/a': [client-0]\n", "edge id"),
+    ("site-a: [client-0\n", "not YAML"),
+])
+def test_a_bad_sites_file_is_refused_naming_the_file_and_entry(tmp_path, text, match):
+    from edgefl.roles.edge import load_sites
+    path = tmp_path / "sites.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + re.escape(match)
+                       if match != "not YAML" else "not YAML"):
+        load_sites(path)
+    with pytest.raises(ValueError, match="No such file"):
+        load_sites(tmp_path / "missing.yaml")
+
+
+def test_the_cli_refuses_an_edge_without_its_site(tmp_path, capsys):
+    from edgefl.cli import main
+    site = tmp_path / "edge.yaml"
+    site.write_text(yaml.safe_dump({"node": {"id": "site-a", "federation": "fed"},
+                                    "state_dir": str(tmp_path / "state")}))
+    (tmp_path / "sites.yaml").write_text("site-b: [client-0]\n")
+    assert main(["aggregator", "--config", str(site), "--edge", "site-a"]) != 0
+    assert "--edge needs --sites FILE" in capsys.readouterr().err
+    assert main(["aggregator", "--config", str(site), "--edge", "site-a", "--sites",
+                 str(tmp_path / "sites.yaml")]) != 0
+    assert "has no entry 'site-a' (it has site-b)" in capsys.readouterr().err
+
+
+def test_a_corrupt_stored_partial_is_refused_naming_the_file(tmp_path):
+    run = prepare_run(load_small_run(tmp_path), progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 3,
+                   default_client_ids(3))
+    edge = EdgeAggregator(plan, None, str(tmp_path / "e"), AggregatorSettings(federation="fed"),
+                          edge_id="site-a", site=plan.client_ids)
+    os.makedirs(tmp_path / "e")
+    (tmp_path / "e" / "partial.frame").write_bytes(b"not a frame at all")
+    with pytest.raises(StateError, match=r"partial\.frame: not this edge's partial aggregate"):
+        edge._stored_partial()
+    assert (tmp_path / "e" / "partial.frame").read_bytes() == b"not a frame at all"
+
+
+def test_the_centre_refuses_a_run_edges_cannot_serve_before_it_starts(tmp_path):
+    from edgefl.errors import ConfigError
+    from edgefl.roles.runner import run_aggregator
+    config = load_small_run(tmp_path, strategy={"name": "fedavg", "robust": "median"})
+    with pytest.raises(ConfigError, match="rule 'median'.*cannot run over edge aggregators"):
+        run_aggregator(config, None, str(tmp_path / "state"),
+                       settings=AggregatorSettings(federation="fed"),
+                       sites={"site-a": default_client_ids(3)})
+    assert not (tmp_path / "state").exists()
