@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from brokers import MosquittoProcess, _require_mosquitto
+from brokers import MOSQUITTO_CONF, MosquittoProcess, _require_mosquitto
 from helpers import SMALL_RUN, load_small_run, wait_for, write_run_yaml
 
 from edgefl.roles import AggregatorSettings, Client, ClientSettings, RunPlan, \
@@ -36,7 +37,7 @@ from edgefl.runconfig import load_run_config
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim.loop import run_federation
 from edgefl.strategies import StrategyError, get_strategy
-from edgefl.transport.broker import mosquitto_config
+from edgefl.transport.broker import adapt_mosquitto_conf, mosquitto_config
 from edgefl.transport.mqtt import MqttTransport
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -93,10 +94,12 @@ def three_brokers(tmp_path):
             broker.stop()
 
 
-def _wait_bridge(central, site, edge, timeout=20.0):
-    """A retained message on the centre's round topic reaches the site under central/."""
+def _wait_bridge(central, site, edge, timeout=20.0, login=(None, None)):
+    """A message on the centre's round topic reaches the site under central/ (read there
+    with `login`: (username, password file))."""
     pub = MqttTransport(central.url, f"probe-pub-{edge}", clean_session=True)
-    sub = MqttTransport(site.url, f"probe-sub-{edge}", clean_session=True)
+    sub = MqttTransport(site.url, f"probe-sub-{edge}", clean_session=True,
+                        username=login[0], password_file=login[1])
     pub.connect()
     sub.connect()
     try:
@@ -115,9 +118,17 @@ def _wait_bridge(central, site, edge, timeout=20.0):
 
 
 def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60.0,
-                  on_edge=None, limit_s=120.0):
+                  on_edge=None, limit_s=120.0, logins=None):
     """The two-level run of `run`: returns the centre's AggregatorResult and the edges.
-    Every role is stopped after `limit_s` (the result is then not finished)."""
+    Every role is stopped after `limit_s` (the result is then not finished). logins:
+    {node or edge id: (username, password file)} at its site broker (default anonymous)."""
+    logins = logins or {}
+
+    def site_transport(url, client_id, node):
+        user, password_file = logins.get(node, (None, None))
+        return MqttTransport(url, client_id, clean_session=True, username=user,
+                             password_file=password_file)
+
     config = run.config
     ids = default_client_ids(len(run.setup.clients))
     names = sorted(sites)
@@ -147,13 +158,12 @@ def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60
         data = run.clients[i]
         client = Client(ClientSettings(node, "fed", exit_when_finished=True,
                                        raise_on_error=True),
-                        (data.x, data.y), MqttTransport(url, f"c-{node}", clean_session=True),
+                        (data.x, data.y), site_transport(url, f"c-{node}", node),
                         os.path.join(root, node), stop=stop)
         start(client.run, node)
     edges = {}
     for e in names:
-        edges[e] = EdgeAggregator(plan, MqttTransport(sites[e].url, f"e-{e}",
-                                                      clean_session=True),
+        edges[e] = EdgeAggregator(plan, site_transport(sites[e].url, f"e-{e}", e),
                                   os.path.join(root, e), settings, edge_id=e,
                                   site=site_nodes[e], stop=stop)
         start(edges[e].run if on_edge is None else (lambda e=e: on_edge(e, edges[e])), e)
@@ -594,3 +604,70 @@ def test_the_centre_refuses_a_run_edges_cannot_serve_before_it_starts(tmp_path):
                        settings=AggregatorSettings(federation="fed"),
                        sites={"site-a": default_client_ids(3)})
     assert not (tmp_path / "state").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# the site brokers with the shipped access control
+# ---------------------------------------------------------------------------------------
+
+def test_a_two_level_run_through_site_brokers_with_the_shipped_acl(tmp_path):
+    """Each site broker runs the repo's mosquitto.conf with password logins and the ACL
+    broker/acl + broker/acl-edge (edge id substituted), bridged with broker/bridge-site.conf:
+    the run completes, and a board of the site cannot forge its edge's partial aggregate
+    (its publish under central/ never reaches the centre)."""
+    _require_mosquitto()
+    if not (shutil.which("mosquitto_passwd") or os.path.exists("/usr/bin/mosquitto_passwd")):
+        pytest.skip("mosquitto_passwd is not installed (package mosquitto)")
+    central = Broker(tmp_path / "central")
+    central.start()
+    sites, logins = {}, {}
+    acl_text = (REPO / "broker" / "acl").read_text()
+    edge_acl = (REPO / "broker" / "acl-edge").read_text()
+    try:
+        for e, nodes in (("site-a", ("client-0", "client-1")),
+                         ("site-b", ("client-2", "client-3"))):
+            users = {n: f"{n}-secret" for n in nodes + (e,)}
+            work = tmp_path / e
+            work.mkdir()
+            broker = MosquittoProcess(work, users=users, acl=True)
+            acl = work / "acl"
+            acl.write_text(acl_text + "\n" + re.sub(r"\bsite-a\b", e, edge_acl))
+            broker.conf_path.write_text(
+                adapt_mosquitto_conf(MOSQUITTO_CONF.read_text(), broker.port, work,
+                                     work / "passwords", acl)
+                + site_bridge("fed", e, central.port))
+            broker.start()
+            sites[e] = broker
+            for user, password in users.items():
+                (work / f"{user}.pw").write_text(password + "\n")
+                logins[user] = (user, str(work / f"{user}.pw"))
+        for e, broker in sites.items():
+            _wait_bridge(central, broker, e, login=logins[e])
+        config = load_small_run(tmp_path, partition={"name": "iid", "clients": 4}, rounds=2)
+        run = prepare_run(config, progress=False)
+        flat = flat_params(prepare_run(config, progress=False))
+        result, _ = two_level_run(run, central, sites, str(tmp_path / "state"),
+                                  logins=logins)
+        assert result.finished
+        assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE
+
+        watch = MqttTransport(central.url, "watch", clean_session=True)
+        forger = MqttTransport(sites["site-a"].url, "forger", clean_session=True,
+                               username="client-0", password_file=logins["client-0"][1])
+        watch.connect()
+        forger.connect()
+        try:
+            watch.subscribe("edgefl/fed/update/site-a", qos=1)
+            time.sleep(0.3)
+            forger.publish("central/edgefl/fed/update/site-a", b"forged", qos=1)
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                item = watch.receive(0.2)
+                assert getattr(item, "payload", None) != b"forged", \
+                    "a board's publish under central/ crossed the bridge"
+        finally:
+            watch.close()
+            forger.close()
+    finally:
+        for broker in list(sites.values()) + [central]:
+            broker.stop()
