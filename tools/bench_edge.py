@@ -75,7 +75,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"{name}: the two-level run did not finish")
         rows.append({"strategy": name, "rounds": args.rounds,
                      "clients (per round)": f"{args.clients} ({args.per_round})",
-                     "max abs(two-level - flat)": f"{float(np.max(np.abs(result.params - flat))):.2e}",
+                     "max abs(two-level - flat)":
+                         f"{float(np.max(np.abs(result.params - flat))):.2e}",
                      "max abs(parameter)": f"{float(np.max(np.abs(flat))):.3f}",
                      "two-level wall s": f"{wall:.2f}"})
     print(json.dumps(rows, indent=1) if args.json else markdown(rows))

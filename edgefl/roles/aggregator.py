@@ -309,6 +309,7 @@ class Aggregator:
         # the nodes whose updates come in on update/+ and whose status is followed: the
         # clients; the centre of a two-level federation takes its edges' instead (roles/edge.py)
         self.senders: Mapping[str, int] = self.members
+        self.sender_kind = "client"
         # signatures (roles/trust.py): None each when the site file sets no keys
         self.signer = getattr(settings.trust, "signer", None)
         self.uplink = getattr(settings.trust, "uplink", None)
@@ -1016,7 +1017,8 @@ class Aggregator:
         if not now_online and before is not False:
             self._offline_since[node] = time.monotonic()
         if before is not now_online:
-            log.info("client %s is %s", node, "online" if now_online else "offline")
+            log.info("%s %s is %s", self.sender_kind, node,
+                     "online" if now_online else "offline")
             self._event("client_joined" if now_online else "client_left", client=node)
         o = self.open
         refusal = doc.get("refused")

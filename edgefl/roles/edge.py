@@ -218,6 +218,7 @@ class CentralAggregator(Aggregator):
             raise ValueError(f"clients {missing[:5]} are in no site ({len(missing)} of "
                              f"{len(plan.client_ids)})")
         self.senders = {e: i for i, e in enumerate(sorted(self.sites))}
+        self.sender_kind = "edge"
 
     def _model_to_each(self, o) -> bool:
         return False                  # one model frame a round, once through each bridge
@@ -480,7 +481,8 @@ class EdgeAggregator(Aggregator):
         now = time.time()
         left = doc["deadline"] - now
         margin = self.margin_s if self.margin_s is not None else min(5.0, max(0.0, left) / 10)
-        deadline = min(now + self.settings.round_timeout_s, max(now + 1.0, doc["deadline"] - margin))
+        deadline = min(now + self.settings.round_timeout_s,
+                       max(now + 1.0, doc["deadline"] - margin))
         self._announce(deadline=deadline)
         closed_by = self._collect()
         if closed_by is None or closed_by == "superseded":
