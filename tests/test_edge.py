@@ -118,11 +118,15 @@ def _wait_bridge(central, site, edge, timeout=20.0, login=(None, None)):
 
 
 def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60.0,
-                  on_edge=None, limit_s=120.0, logins=None):
+                  on_edge=None, limit_s=120.0, logins=None, trust=None, centre_keys=None):
     """The two-level run of `run`: returns the centre's AggregatorResult and the edges.
     Every role is stopped after `limit_s` (the result is then not finished). logins:
-    {node or edge id: (username, password file)} at its site broker (default anonymous)."""
+    {node or edge id: (username, password file)} at its site broker (default anonymous).
+    trust: role id (a node, an edge or "centre") -> its roles.trust.Trust, or None;
+    centre_keys: the edges' Verifier of the centre's messages."""
+    import dataclasses
     logins = logins or {}
+    trust = trust or (lambda role: None)
 
     def site_transport(url, client_id, node):
         user, password_file = logins.get(node, (None, None))
@@ -157,19 +161,22 @@ def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60
         url = sites[edge_of(i)].url
         data = run.clients[i]
         client = Client(ClientSettings(node, "fed", exit_when_finished=True,
-                                       raise_on_error=True),
+                                       raise_on_error=True, trust=trust(node)),
                         (data.x, data.y), site_transport(url, f"c-{node}", node),
                         os.path.join(root, node), stop=stop)
         start(client.run, node)
     edges = {}
     for e in names:
         edges[e] = EdgeAggregator(plan, site_transport(sites[e].url, f"e-{e}", e),
-                                  os.path.join(root, e), settings, edge_id=e,
-                                  site=site_nodes[e], stop=stop)
+                                  os.path.join(root, e),
+                                  dataclasses.replace(settings, trust=trust(e)), edge_id=e,
+                                  site=site_nodes[e], stop=stop, centre_keys=centre_keys)
         start(edges[e].run if on_edge is None else (lambda e=e: on_edge(e, edges[e])), e)
     centre = CentralAggregator(plan, MqttTransport(central.url, "centre", clean_session=True),
-                               os.path.join(root, "centre"), settings, sites=site_nodes,
-                               stop=stop)
+                               os.path.join(root, "centre"),
+                               dataclasses.replace(settings, node_id="centre",
+                                                   trust=trust("centre")),
+                               sites=site_nodes, stop=stop)
     watchdog = threading.Timer(limit_s, stop.set)
     watchdog.start()
     try:
@@ -580,6 +587,19 @@ def test_the_cli_refuses_an_edge_without_its_site(tmp_path, capsys):
     assert main(["aggregator", "--config", str(site), "--edge", "site-a", "--sites",
                  str(tmp_path / "sites.yaml")]) != 0
     assert "has no entry 'site-a' (it has site-b)" in capsys.readouterr().err
+    (tmp_path / "sites.yaml").write_text("site-a: [client-0]\n")
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({"node": {"id": "gateway", "federation": "fed"},
+                                     "state_dir": str(tmp_path / "state"), "run": "quickstart"}))
+    assert main(["aggregator", "--config", str(other), "--edge", "site-a", "--sites",
+                 str(tmp_path / "sites.yaml")]) != 0
+    assert "node.id is 'gateway'; an edge's node id is its edge id" in capsys.readouterr().err
+    site.write_text(yaml.safe_dump({"node": {"id": "site-a", "federation": "fed"},
+                                    "state_dir": str(tmp_path / "state"), "run": "quickstart"}))
+    assert main(["aggregator", "--config", str(site), "--edge", "site-a", "--sites",
+                 str(tmp_path / "sites.yaml"), "--centre-key", str(tmp_path / "no.pub")]) != 0
+    err = capsys.readouterr().err
+    assert "--centre-key" in err and "no.pub" in err
 
 
 def test_a_corrupt_stored_partial_is_refused_naming_the_file(tmp_path):
@@ -671,3 +691,76 @@ def test_a_two_level_run_through_site_brokers_with_the_shipped_acl(tmp_path):
     finally:
         for broker in list(sites.values()) + [central]:
             broker.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# signatures at both levels
+# ---------------------------------------------------------------------------------------
+
+def test_a_signed_two_level_run_and_a_forged_centre_announcement_is_ignored(three_brokers,
+                                                                            tmp_path, caplog):
+    """Every role signs (docs/security.md): the centre with its key, checking each edge's
+    partial against that edge's key; each edge with its own, checking its boards' updates
+    and the centre's announcements and models; each board checks its edge's key. A
+    centre announcement forged on a site broker's central/ topic, signed with another key,
+    is ignored by the edge, and the run ends with the flat model."""
+    from edgefl.roles.trust import Trust
+    from edgefl.transport.signing import Signer, Verifier, generate_key
+
+    central, sites = three_brokers
+    keys = {role: generate_key() for role in ("centre", "site-a", "site-b", "forger",
+                                               *default_client_ids(4))}
+    site_of = {"client-0": "site-a", "client-1": "site-a", "client-2": "site-b",
+               "client-3": "site-b"}
+
+    def pub(*roles):
+        return [keys[r].public_key() for r in roles]
+
+    def trust(role):
+        signer = Signer(keys[role], role, "fed")
+        if role == "centre":
+            return Trust("fed", signer=signer,
+                         uplink=Verifier("fed", {e: pub(e) for e in sites}))
+        if role in sites:
+            return Trust("fed", signer=signer,
+                         uplink=Verifier("fed", {n: pub(n) for n, e in site_of.items()
+                                                 if e == role}))
+        return Trust("fed", signer=signer,
+                     downlink=Verifier("fed", {"*": pub(site_of[role])}))
+
+    config = load_small_run(tmp_path, partition={"name": "iid", "clients": 4}, rounds=2)
+    run = prepare_run(config, progress=False)
+    flat = flat_params(prepare_run(config, progress=False))
+    forged = build_forgery(run, Signer(keys["forger"], "centre", "fed"))
+    forger = MqttTransport(sites["site-a"].url, "forger", clean_session=True)
+    forger.connect()
+    forger.publish("central/edgefl/fed/round", forged, qos=1, retain=True)
+    forger.close()
+    caplog.set_level("WARNING", logger="edgefl.roles")
+    result, edges = two_level_run(run, central, sites, str(tmp_path / "state"), trust=trust,
+                                  centre_keys=Verifier("fed", {"*": pub("centre")}))
+    assert result.finished
+    assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE
+    assert edges["site-a"].stats["rejected"] >= 1         # the forgery, named in its log
+    assert "the centre's announcement: signed by 'centre' with key" in caplog.text
+    assert edges["site-a"].ckpt.run_id == result.run_id
+
+
+def build_forgery(run, signer) -> bytes:
+    """A centre announcement of round 1 of a run "forged", signed by `signer`."""
+    from edgefl.roles.messages import build_announcement, new_announce_id
+    state = run.strategy.init(run.init_params, run.setup)
+    engine = RoundEngine.for_run(run.strategy, run.setup, run.model, 4)
+    plan = engine.open_round(1, state)
+    now = time.time()
+    ids = default_client_ids(4)
+    doc = build_announcement(
+        run_id="forged", aggregator="centre", round=1, rounds=2,
+        announce_id=new_announce_id(), opened=now, deadline=now + 60,
+        strategy={"name": run.strategy.name, "params": run.strategy.hyperparameters()},
+        model={"spec": json.loads(run.model.spec), "input_shape": list(run.model.input_shape),
+               "num_classes": int(run.model.num_classes), "table": run.model.table.digest},
+        compression="none", global_sha="0" * 64,
+        tasks={ids[c]: t for c, t in plan.tasks.items()},
+        client_index={n: i for i, n in enumerate(ids)}, client_sha={})
+    return json.dumps(signer.sign_doc(doc, "announce", "forged", 1)).encode()

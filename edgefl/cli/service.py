@@ -277,6 +277,10 @@ def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
                           "broker (bridged to the centre's: broker/bridge-site.conf), serve "
                           "the site's clients and forward one partial aggregate a round; "
                           "the site file's `run` names the centre's run config")
+    two.add_argument("--centre-key", metavar="FILE", action="append",
+                     help="with --edge: the centre's public key (edgefl keys gen); the edge "
+                          "then follows only announcements and models the centre signed "
+                          "(repeat it during a key change-over)")
 
 
 def _export_policy(config):
@@ -383,6 +387,18 @@ def _edge(args, config, sites) -> int:
         raise ConfigError(f"--edge {args.edge}: the site file names no run config (`run:`); "
                           f"an edge runs the centre's run config, to build the same model "
                           f"and strategy")
+    if config["node.id"] not in (None, args.edge):
+        raise ConfigError(f"--edge {args.edge}: the site file's node.id is "
+                          f"{config['node.id']!r}; an edge's node id is its edge id (its "
+                          f"signatures and status carry it)")
+    centre_keys = None
+    if args.centre_key:
+        from ..transport.signing import KeyFileError, Verifier, load_public_key
+        try:
+            centre_keys = Verifier(config["node.federation"],
+                                   {"*": [load_public_key(p) for p in args.centre_key]})
+        except KeyFileError as exc:
+            raise ConfigError(f"--centre-key: {exc}") from None
     settings = AggregatorSettings.from_service_config(config, node_id=args.edge)
     run_config = load_run_config(config["run"])
     clients = config["clients"]
@@ -390,7 +406,8 @@ def _edge(args, config, sites) -> int:
         finished = run_edge(run_config, _mqtt_transport(config, args.edge),
                             os.path.join(config.state_dir, "edge"), settings=settings,
                             edge_id=args.edge, site=sites[args.edge],
-                            client_ids=tuple(clients) if clients else None, stop=stop)
+                            client_ids=tuple(clients) if clients else None, stop=stop,
+                            centre_keys=centre_keys)
     print(f"edgefl aggregator --edge {args.edge}: "
           f"{'the centre finished the run' if finished else 'stopped'}", flush=True)
     return 0

@@ -56,6 +56,7 @@ from ..rounds import RoundPlan, UploadTotals, client_contribution, LOSS_SCALARS
 from ..strategies import StrategyError, SumTotal, Update
 from ..transport import wire
 from ..transport.base import Message
+from ..transport.signing import SignatureError
 from ..transport.topics import TopicError, Topics, validate_id
 from .aggregator import Aggregator, _OpenRound
 from .messages import (MessageError, buffers_sha256, finished_announcement,
@@ -305,11 +306,14 @@ class EdgeAggregator(Aggregator):
     round. `plan` is the run's RunPlan (the same config as the centre's: strategy, model,
     client ids); `site`: the node ids of this site's clients. `transport` connects to the
     site broker. `margin_s`: how long before the centre's deadline the local round closes
-    (default a tenth of the time left, at most 5 s)."""
+    (default a tenth of the time left, at most 5 s). `centre_keys`: a
+    transport.signing.Verifier of the centre's announcements and model frames (its public
+    key under "*"), or None: they are not checked. The edge signs what it publishes with
+    its own key (settings.trust), as an aggregator does."""
 
     def __init__(self, plan, transport, state_dir, settings, *, edge_id: str,
                  site: Sequence[str], up_prefix: str = UP_PREFIX,
-                 margin_s: float | None = None, **kwargs):
+                 margin_s: float | None = None, centre_keys=None, **kwargs):
         why = edge_refusal(plan.strategy)
         if why is None and (plan.hooks is not NO_HOOKS or plan.secure is not None):
             why = edge_refusal(plan.strategy, privacy=True)
@@ -328,6 +332,8 @@ class EdgeAggregator(Aggregator):
         self.senders = {n: self.members[n] for n in site}
         self.up = Topics(settings.federation, f"{up_prefix}/{settings.prefix}")
         self.margin_s = margin_s
+        self.centre_keys = centre_keys
+        self._centre_signed_at = -math.inf      # the newest centre announcement's signing time
         self.ckpt = _EdgeState()
         self.central: dict | None = None          # the centre's last announcement
         self.central_model: dict = {}             # message id -> (round, sender, buffers)
@@ -427,8 +433,8 @@ class EdgeAggregator(Aggregator):
         if doc.get("model_sha256") is None:
             return {}
         want = doc.get("model_frame")
-        for mid, (r, sender, buffers) in list(self.central_model.items()):
-            if r != doc["round"] or sender != doc["aggregator"]:
+        for mid, (r, sender, run, buffers) in list(self.central_model.items()):
+            if r != doc["round"] or sender != doc["aggregator"] or run != doc["run"]:
                 continue
             if (want is not None and int(want, 16) == mid) or \
                     buffers_sha256(buffers) == doc["model_sha256"]:
@@ -588,6 +594,8 @@ class EdgeAggregator(Aggregator):
         except MessageError as exc:
             log.warning("edge %s: ignored the centre's announcement: %s", self.edge_id, exc)
             return
+        if self.centre_keys is not None and not self._signed_by_centre(doc):
+            return
         old = self.central
         self.central = doc
         if old is None or doc["announce"] != old.get("announce"):
@@ -600,6 +608,25 @@ class EdgeAggregator(Aggregator):
             # the centre announced the open round again (restarted, or paused and resumed):
             # keep collecting, within its new deadline
             log.info("edge %s: the centre announced round %d again", self.edge_id, o.round)
+
+    def _signed_by_centre(self, doc) -> bool:
+        """Whether `doc` is the centre's, signed for this federation, its run and round, and
+        not older than the newest one this edge followed (a replay)."""
+        kind = "finished" if doc.get("finished") is True else "announce"
+        try:
+            env = self.centre_keys.verify_doc(doc, kind=kind, where="the centre's announcement",
+                                              run=doc["run"], round=doc["round"],
+                                              by=doc["aggregator"])
+        except SignatureError as exc:
+            self._reject(None, f"{exc}; ignored")
+            return False
+        if env["at"] < self._centre_signed_at:
+            self._reject(None, f"the centre's announcement of run {doc['run']} round "
+                               f"{doc['round']}: signed before the one this edge follows: a "
+                               f"replay; ignored")
+            return False
+        self._centre_signed_at = env["at"]
+        return True
 
     def _on_central_model(self, kind: str, node, payload: bytes) -> None:
         if not payload:
@@ -616,10 +643,20 @@ class EdgeAggregator(Aggregator):
             return
         if frame is None:
             return
+        run = frame.scalars.get("run")
+        if self.centre_keys is not None:
+            try:
+                run = self.centre_keys.verify_frame(
+                    frame, where=f"the centre's {kind} frame of round {frame.round}",
+                    by=frame.sender)["run"]
+            except SignatureError as exc:
+                self._reject(None, f"{exc}; ignored")
+                return
         # keep the models of the last two rounds (a re-announcement may name either)
-        self.central_model[frame.message_id] = (frame.round, frame.sender, dict(frame.buffers))
-        newest = max(r for r, _, _ in self.central_model.values())
-        for mid in [m for m, (r, _, _) in self.central_model.items() if r < newest - 1]:
+        self.central_model[frame.message_id] = (frame.round, frame.sender, run,
+                                                dict(frame.buffers))
+        newest = max(v[0] for v in self.central_model.values())
+        for mid in [m for m, v in self.central_model.items() if v[0] < newest - 1]:
             del self.central_model[mid]
 
 

@@ -121,11 +121,12 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
 
 
 def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id: str,
-             site, client_ids=None, stop=None, stream=None) -> bool:
+             site, client_ids=None, stop=None, stream=None, centre_keys=None) -> bool:
     """`edgefl aggregator --edge ID`: the edge aggregator of one site (roles/edge.py) for the
     run of `config` (the centre's run config), following the centre's rounds through the
-    site broker's bridge. `site`: the node ids of the site's clients. Returns True when the
-    centre finished the run, False when stopped first."""
+    site broker's bridge. `site`: the node ids of the site's clients; `centre_keys`: the
+    Verifier of the centre's signed messages, or None. Returns True when the centre finished
+    the run, False when stopped first."""
     from .edge import EdgeAggregator
 
     kernel_stop = next((e for e in getattr(stop, "events", [stop])
@@ -144,7 +145,7 @@ def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id:
     plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
                    config.clients_per_round, ids, description=config.to_dict())
     edge = EdgeAggregator(plan, transport, state_dir, settings, edge_id=edge_id, site=site,
-                          stop=stop)
+                          stop=stop, centre_keys=centre_keys)
     return edge.run()
 
 
