@@ -43,8 +43,7 @@ caller evaluates `closed.model` when it likes (`evaluate`) and fills the record 
 `add_evaluation` (simulate runs it as one more work item of the next round's thread pool).
 The model is a read-only State buffer, so the result is the same whenever it runs.
 
-The round variants, and why the engine is cut where it is (edge aggregators, the last
-item, are not built yet):
+The round variants, and why the engine is cut where it is:
 
 - A plan is a plain value between two calls, not a loop the engine owns: the caller decides
   when a round closes (all uploaders in, a quorum, a deadline -- the aggregator's rules) and
@@ -68,12 +67,12 @@ item, are not built yet):
   applies DP's server hook, the strategy's `aggregate_sum` and `record_round`. The record's
   train_loss comes from two scalars every contribution carries (`LOSS_SCALARS`), so it too
   is computed from the sum.
-- Partial aggregates from edge aggregators (one contribution stands for several clients):
-  an edge aggregator is itself a caller of this engine for its clients, and its contribution
-  reaches the root as one update whose num_samples and steps are its clients' totals, so a
-  sample-weighted average over contributions is the average over clients (in exact
-  arithmetic: the float32 result differs from a flat run's in the last bits), and
-  `UploadTotals.of` over the contributions adds up their bytes and steps the same way.
+- Partial aggregates from edge aggregators (edgefl/roles/edge.py: one upload stands for
+  a site's clients): an edge is a caller of `sum_clear` for its own clients, with the
+  contributions the centre's tasks define, and forwards that SumTotal; the centre adds the
+  edges' partial sums (`sum_partials`) and closes the round with `close_round_from_sum`, as
+  a DP round does, so only the `secure_sum` strategies run in two levels. The model equals
+  the flat run's up to float32 rounding of the partial sums (docs/scaling.md).
 """
 from __future__ import annotations
 
@@ -357,6 +356,31 @@ class RoundEngine:
         scalars = {k: float(sum(contributions[c].scalars[k] for c in clients)) for k in names}
         return SumTotal(vector, sum(contributions[c].weight for c in clients), scalars,
                         len(clients))
+
+    def sum_partials(self, partials: Mapping, r: int | None = None) -> SumTotal:
+        """The sum of partial sums ({key: SumTotal}, e.g. each edge aggregator's `sum_clear`
+        of its own clients), in sorted key order: the vectors added by kernels.weighted_sum
+        with weight 1 (float64 accumulation, one rounding to float32), the weights, scalars
+        and counts added. Equal to `sum_clear` over all the clients up to float32 rounding:
+        each partial was rounded once on its own (docs/scaling.md gives the bound)."""
+        where = f"round {r}: " if r is not None else ""
+        keys = sorted(partials)
+        if not keys:
+            raise StrategyError(f"{where}no partial sums to add")
+        first = partials[keys[0]]
+        names = sorted(first.scalars)
+        for k in keys:
+            got = partials[k]
+            if got.vector.size != first.vector.size or sorted(got.scalars) != names:
+                raise StrategyError(
+                    f"{where}partial sum of {k} ({got.vector.size} values, scalars "
+                    f"{sorted(got.scalars)}) does not match that of {keys[0]} "
+                    f"({first.vector.size} values, scalars {names})")
+        vector = np.empty(first.vector.size, np.float32)
+        kernels.weighted_sum(vector, [partials[k].vector for k in keys], [1.0] * len(keys))
+        scalars = {n: float(sum(partials[k].scalars[n] for k in keys)) for n in names}
+        return SumTotal(vector, sum(partials[k].weight for k in keys), scalars,
+                        sum(partials[k].count for k in keys))
 
     def close_round_from_sum(self, plan: RoundPlan, total: SumTotal, totals: UploadTotals,
                              state: State, *, hooks: PrivacyHooks = NO_HOOKS,

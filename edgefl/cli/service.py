@@ -266,6 +266,21 @@ def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true",
                         help="exit once no run is active or queued (the site file's run done) "
                              "instead of waiting for the next run")
+    two = parser.add_argument_group("two levels: edge aggregators over bridged brokers "
+                                    "(docs/scaling.md)")
+    two.add_argument("--sites", metavar="FILE",
+                     help="the sites file (YAML: edge id -> its clients' ids). Alone: this "
+                          "is the centre, and its runs' rounds go to the edge aggregators; "
+                          "with --edge: this edge's clients are its entry")
+    two.add_argument("--edge", metavar="ID",
+                     help="run as the edge aggregator ID of one site: connect to the site's "
+                          "broker (bridged to the centre's: broker/bridge-site.conf), serve "
+                          "the site's clients and forward one partial aggregate a round; "
+                          "the site file's `run` names the centre's run config")
+    two.add_argument("--centre-key", metavar="FILE", action="append",
+                     help="with --edge: the centre's public key (edgefl keys gen); the edge "
+                          "then follows only announcements and models the centre signed "
+                          "(repeat it during a key change-over)")
 
 
 def _export_policy(config):
@@ -294,12 +309,16 @@ def _aggregator(args: argparse.Namespace) -> int:
     state_dir = config.state_dir
     out = args.out or os.path.join(state_dir, "run")
     clients = config["clients"]
+    sites = _sites(args)
+    if args.edge:
+        return _edge(args, config, sites)
     settings = AggregatorSettings.from_service_config(config)
     daemon_settings = DaemonSettings(settings, client_ids=tuple(clients) if clients else None,
                                      once=args.once,
                                      run_options={"export": _export_policy(config),
                                                   "publish_onnx": config["export.publish"],
-                                                  "onnx_record_dir": state_dir})
+                                                  "onnx_record_dir": state_dir,
+                                                  **({"sites": sites} if sites else {})})
 
     def transport(client_id, **options):
         return _mqtt_transport(config, client_id, **options)
@@ -333,6 +352,65 @@ def _aggregator(args: argparse.Namespace) -> int:
         print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'})", flush=True)
     return 1 if any(daemon.records[r]["state"] == "failed" for r in daemon.executed) \
         and args.once else 0
+
+
+def _sites(args):
+    """The --sites file's {edge id: client ids}, or None; --edge needs it."""
+    from ..errors import ConfigError
+    from ..roles.edge import load_sites
+
+    if args.edge and not args.sites:
+        raise ConfigError("--edge needs --sites FILE: the site's clients are its entry there")
+    if not args.sites:
+        return None
+    try:
+        sites = load_sites(args.sites)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.edge and args.edge not in sites:
+        raise ConfigError(f"--edge {args.edge}: the sites file {args.sites} has no entry "
+                          f"{args.edge!r} (it has {', '.join(sorted(sites))})")
+    return sites
+
+
+def _edge(args, config, sites) -> int:
+    """`edgefl aggregator --edge ID --sites FILE`: the edge aggregator of one site."""
+    import os
+
+    from ..errors import ConfigError
+    from ..roles import AggregatorSettings
+    from ..roles.runner import run_edge
+    from ..runconfig import load_run_config
+    from ..service.signals import install_stop_handlers
+
+    if not config["run"]:
+        raise ConfigError(f"--edge {args.edge}: the site file names no run config (`run:`); "
+                          f"an edge runs the centre's run config, to build the same model "
+                          f"and strategy")
+    if config["node.id"] not in (None, args.edge):
+        raise ConfigError(f"--edge {args.edge}: the site file's node.id is "
+                          f"{config['node.id']!r}; an edge's node id is its edge id (its "
+                          f"signatures and status carry it)")
+    centre_keys = None
+    if args.centre_key:
+        from ..transport.signing import KeyFileError, Verifier, load_public_key
+        try:
+            centre_keys = Verifier(config["node.federation"],
+                                   {"*": [load_public_key(p) for p in args.centre_key]})
+        except KeyFileError as exc:
+            raise ConfigError(f"--centre-key: {exc}") from None
+    settings = AggregatorSettings.from_service_config(config, node_id=args.edge)
+    run_config = load_run_config(config["run"])
+    clients = config["clients"]
+    with install_stop_handlers() as stop:
+        finished = run_edge(run_config, _mqtt_transport(config, args.edge),
+                            os.path.join(config.state_dir, "edge"), settings=settings,
+                            edge_id=args.edge, site=sites[args.edge],
+                            client_ids=tuple(clients) if clients else None, stop=stop,
+                            centre_keys=centre_keys)
+    print(f"edgefl aggregator --edge {args.edge}: "
+          f"{'the centre finished the run' if finished else 'stopped'}", flush=True)
+    return 0
 
 
 def _control_account_hint(exc, config):

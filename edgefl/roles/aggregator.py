@@ -308,6 +308,10 @@ class Aggregator:
                                           plan.clients_per_round, eval_every=plan.eval_every,
                                           test=plan.test)
         self.members = {node: i for i, node in enumerate(plan.client_ids)}
+        # the nodes whose updates come in on update/+ and whose status is followed: the
+        # clients; the centre of a two-level federation takes its edges' instead (roles/edge.py)
+        self.senders: Mapping[str, int] = self.members
+        self.sender_kind = "client"
         # signatures (roles/trust.py): None each when the site file sets no keys
         self.signer = getattr(settings.trust, "signer", None)
         self.uplink = getattr(settings.trust, "uplink", None)
@@ -926,10 +930,10 @@ class Aggregator:
             if node in o.uploaders and node not in o.received:
                 o.refused.add(node)               # the round does not wait for it
             return
-        if node not in self.members:
+        if node not in self.senders:
             self._reject(node, f"{node!r} is not a client of this federation "
-                               f"({len(self.members)} clients: {', '.join(list(self.members)[:5])}"
-                               f"{', ...' if len(self.members) > 5 else ''})")
+                               f"({len(self.senders)} clients: {', '.join(list(self.senders)[:5])}"
+                               f"{', ...' if len(self.senders) > 5 else ''})")
             return
         peek = peek_frame(payload)
         if peek is None:
@@ -953,7 +957,7 @@ class Aggregator:
             self._reject(node, f"update for round {frame_round}, but round {o.round} is open",
                          key)
             return
-        refusal = o.round_plan.upload_refusal(self.members[node], node)
+        refusal = self._upload_refusal(node)
         if refusal is not None:
             self._reject(node, refusal, key)
             return
@@ -1013,6 +1017,10 @@ class Aggregator:
         log.debug("round %d: update from %s (%d/%d)", o.round, node, len(o.received),
                   len(o.uploaders))
 
+    def _upload_refusal(self, node: str) -> str | None:
+        """Why `node` may not upload in the open round, or None (the engine's check)."""
+        return self.open.round_plan.upload_refusal(self.members[node], node)
+
     def _on_status(self, node: str, payload: bytes) -> None:
         if not payload:
             return                               # a cleared retained status
@@ -1021,7 +1029,7 @@ class Aggregator:
         except MessageError as exc:
             log.warning("ignored status on %s: %s", self.topics.status(node), exc)
             return
-        if node not in self.members:
+        if node not in self.senders:
             return
         before = self.online.get(node)
         now_online = doc["online"]
@@ -1029,7 +1037,8 @@ class Aggregator:
         if not now_online and before is not False:
             self._offline_since[node] = time.monotonic()
         if before is not now_online:
-            log.info("client %s is %s", node, "online" if now_online else "offline")
+            log.info("%s %s is %s", self.sender_kind, node,
+                     "online" if now_online else "offline")
             self._event("client_joined" if now_online else "client_left", client=node)
         o = self.open
         refusal = doc.get("refused")

@@ -24,14 +24,14 @@ from .state import AggregatorCheckpoint
 
 log = logging.getLogger("edgefl.roles.runner")
 
-__all__ = ["run_aggregator"]
+__all__ = ["run_aggregator", "run_edge"]
 
 
 def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                    client_ids=None, out_dir: str | None = None, workers: int | None = None,
                    stop=None, notifier=None, stream=None, export=None,
                    publish_onnx: bool = True, onnx_record_dir: str | None = None,
-                   control=None) -> dict | None:
+                   control=None, sites=None) -> dict | None:
     """`edgefl aggregator`: run (or resume) the configured run over `transport` with the
     state in `state_dir`, rewriting out_dir/metrics.jsonl after every round and writing
     summary.json, model.npz (+ onnx, curves) when the run finishes. Returns the summary, or
@@ -43,7 +43,10 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     clients (Aggregator.publish_onnx) while the aggregator is still connected;
     onnx_record_dir: where the part count of the federation's last publication is kept
     (default state_dir; the aggregator service passes its own directory, shared by its runs,
-    so a new run clears the parts an earlier run's longer model left)."""
+    so a new run clears the parts an earlier run's longer model left).
+
+    sites: {edge id: its clients' node ids}: the run's rounds go to edge aggregators
+    (roles/edge.py, `CentralAggregator`) instead of to the clients."""
     refuse_over_broker(config)           # before anything is loaded or connected
     stream = stream or sys.stderr
     ckpt = AggregatorCheckpoint.load(state_dir)
@@ -60,6 +63,8 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     except TrainingStopped:
         log.info("stopped while the run was being prepared")
         return None
+    if sites:
+        _refuse_edges(config, run.strategy)
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
@@ -89,8 +94,15 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                 log.error("round %d: the exported model was not published: %s",
                           record["round"], exc)
 
-    aggregator = aggregator_class(plan)(plan, transport, state_dir, settings, on_round=on_round, stop=stop,
-                            notifier=notifier, control=control)   # control: roles/daemon.py
+    if sites:
+        from .edge import CentralAggregator
+        aggregator = CentralAggregator(plan, transport, state_dir, settings, sites=sites,
+                                       on_round=on_round, stop=stop, notifier=notifier,
+                                       control=control)
+    else:
+        aggregator = aggregator_class(plan)(plan, transport, state_dir, settings,
+                                            on_round=on_round, stop=stop, notifier=notifier,
+                                            control=control)   # control: roles/daemon.py
     result = aggregator.run()
     if not result.finished:
         return None
@@ -106,3 +118,44 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                       onnx_exported=exporter.last_round == config.rounds,
                       export=exporter.policy)
     return summary
+
+
+def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id: str,
+             site, client_ids=None, stop=None, stream=None, centre_keys=None) -> bool:
+    """`edgefl aggregator --edge ID`: the edge aggregator of one site (roles/edge.py) for the
+    run of `config` (the centre's run config), following the centre's rounds through the
+    site broker's bridge. `site`: the node ids of the site's clients; `centre_keys`: the
+    Verifier of the centre's signed messages, or None. Returns True when the centre finished
+    the run, False when stopped first."""
+    from .edge import EdgeAggregator
+
+    refuse_over_broker(config)           # before anything is loaded or connected
+    kernel_stop = next((e for e in getattr(stop, "events", [stop])
+                        if isinstance(e, StopFlag)), None)
+    try:
+        run = prepare_run(config, progress=False, stream=stream or sys.stderr,
+                          stop=kernel_stop)
+    except TrainingStopped:
+        return False
+    _refuse_edges(config, run.strategy)
+    ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
+    if len(ids) != len(run.setup.clients):
+        raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
+                          f"{len(run.setup.clients)} but {len(ids)} client ids were given")
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, ids, description=config.to_dict())
+    edge = EdgeAggregator(plan, transport, state_dir, settings, edge_id=edge_id, site=site,
+                          stop=stop, centre_keys=centre_keys)
+    return edge.run()
+
+
+def _refuse_edges(config: RunConfig, strategy) -> None:
+    """A run that cannot go through edge aggregators is refused before anything starts,
+    naming why (roles.edge.edge_refusal)."""
+    from .edge import edge_refusal
+
+    why = edge_refusal(strategy, privacy=config.privacy,
+                       attack=getattr(config, "attack", None))
+    if why is not None:
+        raise ConfigError(f"{config.path or '<config>'}: {why}")
+
