@@ -133,3 +133,13 @@ def test_tile_must_divide_the_clients(tmp_path):
                     progress=False)
     with pytest.raises(ValueError, match="tile must be a positive integer"):
         split_of(np.zeros(10, np.int32), "iid", 10, 0, tile=0)
+
+
+def test_first_train_gives_the_source_order_after_the_layout():
+    from edgefl.data import load_dataset
+    ds = load_dataset("digits", limit_train=300)
+    before = ds.x_train.copy()
+    laid, _ = contiguous(ds, split_of(ds, "dirichlet", 5, 0, alpha=0.5))
+    assert not np.array_equal(laid.x_train[:20], before[:20])      # the rows moved ...
+    assert np.array_equal(laid.first_train(20), before[:20])       # ... the first 20 did not
+    assert np.array_equal(laid.first_train(10_000), before)

@@ -151,7 +151,7 @@ def main(args) -> int:
                                         simulate_argv(cfg, ()), child_env(scratch, REPO),
                                         edgefl_rounds))
             if args.before:
-                variants.append(Variant(f"before: --no-plot --no-export",
+                variants.append(Variant("before: --no-plot --no-export",
                                         simulate_argv(cfg, ("--no-plot", "--no-export")),
                                         child_env(scratch, os.path.abspath(args.before)),
                                         edgefl_rounds))

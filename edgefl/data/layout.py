@@ -94,7 +94,9 @@ def contiguous(dataset: Dataset, split: Partition) -> tuple[Dataset, Partition]:
 
     laid = dataclasses.replace(dataset, x_train=x, y_train=reorder(dataset.y_train),
                                client_ids=reorder(dataset.client_ids),
-                               y_train_original=reorder(dataset.y_train_original))
+                               y_train_original=reorder(dataset.y_train_original),
+                               train_rows=order if dataset.train_rows is None
+                               else dataset.train_rows[order])
     layout = Shards(np.arange(len(order), dtype=np.int64), offsets)
     noisy = None
     if labels is not None:       # label-noise: each client's own labels, laid out alike

@@ -50,7 +50,7 @@ def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strat
         with phase(lines, "export") as note:
             path = os.path.join(out_dir, "model.onnx")
             before = _mtime(path)
-            export_final_onnx(out_dir, stream, export)
+            export_final_onnx(out_dir, stream, export, dataset)
             note.append(f"{path}, {os.path.getsize(path):,} bytes"
                         if _mtime(path) != before else "model.onnx not written")
     if plot:
@@ -222,7 +222,7 @@ class RoundExporter:
         return self.path
 
 
-def export_final_onnx(out_dir: str, stream, policy=None) -> None:
+def export_final_onnx(out_dir: str, stream, policy=None, dataset=None) -> None:
     """model.onnx next to model.npz (atomic replace), when the optional onnx extra is present.
 
     Called by write_outputs after summary.json and model.npz are written, when no
@@ -231,15 +231,17 @@ def export_final_onnx(out_dir: str, stream, policy=None) -> None:
     trained model is safe in model.npz, the rest of the outputs (curves.png) still get
     written, and `edgefl export <out_dir>` can retry. A model.onnx already there (an earlier
     round's export) is left as it was, and the message says so. `policy` (the run's
-    ExportPolicy) gives the softmax output and quantisation, as the RoundExporter's would."""
+    ExportPolicy) gives the softmax output and quantisation, as the RoundExporter's would;
+    `dataset`, the run's, measures the accuracy without loading the data set a second time."""
     path = os.path.join(out_dir, "model.onnx")
     try:
         from ..export import export_checkpoint
         if policy is None:
-            export_checkpoint(out_dir, path)
+            export_checkpoint(out_dir, path, dataset=dataset)
         else:
             export_checkpoint(out_dir, path, softmax=policy.softmax,
-                              quantize=None if policy.quantize == "none" else "int8")
+                              quantize=None if policy.quantize == "none" else "int8",
+                              dataset=dataset)
     except ImportError as exc:
         print(f"{path} skipped ({exc}; pip install 'edgefl[export]')", file=stream)
     except (ValueError, OSError) as exc:
