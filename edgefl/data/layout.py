@@ -21,7 +21,7 @@ import numpy as np
 from .datasets import Dataset
 from .partition import Partition, Shards, Tiled
 
-__all__ = ["contiguous", "permute_rows"]
+__all__ = ["contiguous", "permute_rows", "without_training_rows"]
 
 _CHUNK_BYTES = 1 << 20        # the buffer of one step of a cycle walk (fits a cache)
 
@@ -105,3 +105,23 @@ def contiguous(dataset: Dataset, split: Partition) -> tuple[Dataset, Partition]:
         return laid, Partition(Tiled(layout, len(split.indices)),
                                None if noisy is None else Tiled(noisy, len(split.indices)))
     return laid, Partition(layout, noisy)
+
+
+def without_training_rows(dataset: Dataset, keep: int) -> Dataset:
+    """The dataset with only the source's first `keep` training samples (`first_train`: what
+    an int8 export calibrates on) and the whole test set: what a run needs once its rounds
+    are over, so its training set can be freed before the outputs load their libraries."""
+    x = np.ascontiguousarray(dataset.first_train(keep))
+    if dataset.train_rows is None:
+        rows = np.arange(len(x))
+    else:
+        values, first = np.unique(dataset.train_rows, return_index=True)
+        rows = first[values < keep]
+
+    def head(a):
+        return None if a is None else np.ascontiguousarray(a[rows])
+
+    return dataclasses.replace(dataset, x_train=x, y_train=head(dataset.y_train),
+                               client_ids=head(dataset.client_ids),
+                               y_train_original=head(dataset.y_train_original),
+                               train_rows=None)

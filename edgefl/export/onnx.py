@@ -42,6 +42,7 @@ from ..checkpoint import load_checkpoint, model_sha256
 from ..errors import ExportError
 from ..infer import Predictor
 from ..io import atomic_write, replace_atomic
+from .calibration import CALIBRATION_SAMPLES
 from ..models import (
     LOSS_NAMES,
     OP_CONV2D,
@@ -98,7 +99,6 @@ QUANTIZATION_KEYS = {
     "int8": {"quantization": QUANTIZATION_INT8, "quantization_mode": "int8",
              "quantization_method": "static-qdq"},
 }
-CALIBRATION_SAMPLES = 512
 
 
 # ---------------------------------------------------------------------------------------

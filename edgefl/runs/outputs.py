@@ -162,9 +162,11 @@ class RoundExporter:
     state is not at stake)."""
 
     def __init__(self, run, out_dir: str, policy, stream, who: str, *, lines=None,
-                 before_line=None):
+                 before_line=None, defer_final: bool = False):
         """lines: a stream for the progress line of the final round's export (none: no
-        line); before_line(): called first, to end a progress bar drawn on that line."""
+        line); before_line(): called first, to end a progress bar drawn on that line.
+        defer_final: the final round is not exported when its model comes (on_model) but
+        when the caller calls `finish` (edgefl simulate: after it let the training set go)."""
         from ..export import ExportPolicy
 
         self.run = run
@@ -176,8 +178,16 @@ class RoundExporter:
         self.last_round: int | None = None
         self._unavailable = False
         self.lines, self.before_line = lines, before_line
+        self.defer_final = defer_final
 
     def __call__(self, round: int, params) -> str | None:
+        if self.defer_final and round == self.run.config.rounds:
+            return None
+        return self.finish(round, params)
+
+    def finish(self, round: int, params) -> str | None:
+        """Export round `round`'s model if the policy names it (the final round's with its
+        progress line): what on_model does, and the deferred final export."""
         if self.lines is None or round != self.run.config.rounds or \
                 not self.policy.due(round, self.run.config.rounds):
             return self._export(round, params)

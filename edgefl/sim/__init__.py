@@ -33,7 +33,9 @@ import sys
 from typing import Mapping
 
 from ..checkpoint import save_checkpoint
+from ..data.layout import without_training_rows
 from ..errors import RunStopped, TrainingStopped
+from ..export import CALIBRATION_SAMPLES
 from ..io import jsonable, write_json
 from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
@@ -109,7 +111,7 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     bar = Progress(config.rounds, stream or sys.stderr, enabled=progress is not False)
     exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate",
                              lines=bar.stream if bar.enabled else None,
-                             before_line=bar.close) \
+                             before_line=bar.close, defer_final=True) \
         if out_dir is not None and onnx else None
 
     def on_round(record):
@@ -162,6 +164,15 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
             metrics_file.close()
 
     summary = run_summary(config, model, result, workers)     # (with a DP budget's stop)
+    if out_dir is not None:
+        # The rounds are over: let the training set go before the export and the plot load
+        # their libraries (onnxruntime, matplotlib: ~100 MB), so the run's peak memory is its
+        # rounds', not the rounds' plus the outputs'. What the outputs read stays: the test
+        # set, the normalisation, the first training samples (an int8 export's calibration).
+        dataset = run.dataset = without_training_rows(dataset, CALIBRATION_SAMPLES)
+        run.clients = clients = None
+        if exporter is not None and result.history[-1]["round"] == config.rounds:
+            exporter.finish(config.rounds, result.params)     # (deferred to here)
     if "sim_time_s" in result.history[-1]:
         summary["sim_time_s"] = result.history[-1]["sim_time_s"]
     if clock is not None:
