@@ -74,6 +74,7 @@ class ShardClients(Mapping):
         if not isinstance(shards, Shards):
             raise TypeError("ShardClients: the split must be laid out (data.layout.contiguous)")
         self.offsets = shards.offsets
+        self._bounds = shards.offsets.tolist()      # ints: S + 1 of them, S <= samples
         self.shards = len(shards)
         self.clients = len(indices)
         labels = split.labels.base if isinstance(split.labels, Tiled) else split.labels
@@ -99,12 +100,17 @@ class ShardClients(Mapping):
         return all(c in self for c in clients)
 
     def __getitem__(self, c) -> LocalData:
-        if c not in self:
+        # once per client trained, every round: plain ints and no NumPy scalars on this path
+        if type(c) is not int:
+            if not isinstance(c, np.integer):
+                raise KeyError(c)
+            c = int(c)
+        if not 0 <= c < self.clients:
             raise KeyError(c)
-        s = int(c) % self.shards
-        start, stop = int(self.offsets[s]), int(self.offsets[s + 1])
-        return LocalData.of_samples(int(c), self.checked.rows(start, stop),
-                                    self.y[start:stop], self.stop)
+        s = c % self.shards
+        start, stop = self._bounds[s], self._bounds[s + 1]
+        return LocalData.of_samples(c, self.checked.rows(start, stop), self.y[start:stop],
+                                    self.stop)
 
     def sizes(self) -> np.ndarray:
         """Every client's sample count, in client order."""
