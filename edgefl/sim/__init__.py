@@ -47,7 +47,6 @@ from .clock import Clock
 from .loop import run_federation
 from .over_broker import run_over_broker
 from .progress import Progress
-from .secure import in_process_secure_sum
 
 __all__ = ["TRANSPORTS", "simulate", "run_federation", "run_asynchronous", "run_over_broker",
            "Progress", "Clock"]
@@ -199,6 +198,9 @@ def _privacy_rounds(config: RunConfig, hooks: PrivacyHooks) -> dict:
         return {}
     out: dict = {"summing": True, "hooks": hooks}
     if privacy.secure_aggregation is not None:
+        # (imported here: secure aggregation's modules and cryptography cost every other
+        # run ~20 ms of start-up)
+        from .secure import in_process_secure_sum
         run_id = f"{os.path.basename(config.path or 'run')}:{config.seed}"
         out["secure_sum"] = in_process_secure_sum(privacy.secure_aggregation, run_id,
                                                   config.seed)
