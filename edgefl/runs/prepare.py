@@ -28,8 +28,7 @@ from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_
 from .phases import phase
 
 __all__ = ["PreparedRun", "RunResult", "ShardClients", "build_run_model", "client_shard",
-           "local_datasets",
-           "prepare_run", "privacy_hooks", "refuse_privacy"]
+           "local_datasets", "prepare_run", "privacy_hooks", "refuse_privacy"]
 
 
 @dataclass
@@ -69,7 +68,6 @@ class ShardClients(Mapping):
 
     def __init__(self, dataset, split, model: Model, stop=None):
         indices = split.indices
-        self.tile = indices.tile if isinstance(indices, Tiled) else 1
         shards = indices.base if isinstance(indices, Tiled) else indices
         if not isinstance(shards, Shards):
             raise TypeError("ShardClients: the split must be laid out (data.layout.contiguous)")
@@ -111,10 +109,6 @@ class ShardClients(Mapping):
         start, stop = self._bounds[s], self._bounds[s + 1]
         return LocalData.of_samples(c, self.checked.rows(start, stop), self.y[start:stop],
                                     self.stop)
-
-    def sizes(self) -> np.ndarray:
-        """Every client's sample count, in client order."""
-        return np.tile(np.diff(self.offsets), self.tile)
 
 
 @dataclass
