@@ -388,6 +388,20 @@ class Samples:
     def n(self) -> int:
         return int(self.x.shape[0])
 
+    def rows(self, start: int, stop: int) -> "Samples":
+        """Samples start..stop-1 of this checked set, as views and without a check: rows of
+        checked arrays are checked (a simulation checks its whole training set once and
+        hands each client its shard this way, edgefl.runs.prepare.ShardClients)."""
+        start, stop = int(start), int(stop)
+        if not 0 <= start < stop <= self.n:
+            raise KernelError(f"Samples.rows: {start}..{stop} is not a non-empty range of "
+                              f"the {self.n} samples")
+        out = object.__new__(Samples)
+        out.model, out.x = self.model, self.x[start:stop]
+        out.labels = None if self.labels is None else self.labels[start:stop]
+        out.targets = None if self.targets is None else self.targets[start:stop]
+        return out
+
 
 def _read_only(a: np.ndarray, source) -> np.ndarray:
     """`a`, or a copy of it when it shares memory with the caller's `source`, made read-only."""

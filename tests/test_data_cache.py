@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgefl.data import load_dataset
-from edgefl.data.cache import cache_dir
+from edgefl.data.cache import SOURCE_HASHES, cache_dir
 from edgefl.data.datasets import _sklearn_digits_file
 
 from test_data import idx_bytes, write_mnist_dir
@@ -30,6 +30,11 @@ def same(a, b):
         np.testing.assert_array_equal(getattr(a, key), getattr(b, key), err_msg=key)
     assert (a.name, a.num_classes, a.class_names, a.raw_range, a.input_shape) == \
         (b.name, b.num_classes, b.class_names, b.raw_range, b.input_shape)
+
+
+def data_files(cache):
+    """The cache's data files: not the memo of the sources' hashes (SOURCE_HASHES)."""
+    return sorted(f for f in os.listdir(cache) if f != SOURCE_HASHES)
 
 
 def uncached(name, monkeypatch, **options):
@@ -56,12 +61,12 @@ def test_digits_from_the_cache_equal_a_fresh_decode(cache, monkeypatch):
     fresh = uncached("digits", monkeypatch)
     assert not cache.exists()                      # off means off
     first = load_dataset("digits")                 # decodes and writes the cache
-    files = os.listdir(cache)
+    files = data_files(cache)
     assert len(files) == 1 and files[0].startswith("digits-") and files[0].endswith(".npz")
     second = load_dataset("digits")                # reads it
     same(fresh, first)
     same(fresh, second)
-    assert os.listdir(cache) == files
+    assert data_files(cache) == files
     assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
 
 
@@ -71,7 +76,7 @@ def test_an_unreadable_cache_file_is_rebuilt_not_fatal(cache, monkeypatch, tmp_p
     arrays = write_mnist_dir(tmp_path / "mnist")
     fresh = uncached("mnist", monkeypatch, path=str(tmp_path / "mnist"))
     load_dataset("mnist", path=str(tmp_path / "mnist"))
-    (name,) = os.listdir(cache)
+    (name,) = data_files(cache)
     path = str(cache / name)
     good = open(path, "rb").read()
     if damage == "truncated":
@@ -112,7 +117,7 @@ def test_a_changed_source_file_is_decoded_again(cache, tmp_path):
     after = load_dataset("mnist", path=str(directory))
     np.testing.assert_array_equal(after.y_train, changed)
     assert not np.array_equal(before.y_train, after.y_train)
-    assert len(os.listdir(cache)) == 2
+    assert len(data_files(cache)) == 2
 
 
 def test_a_cache_directory_that_cannot_be_written_only_costs_speed(tmp_path, monkeypatch):
@@ -130,4 +135,31 @@ def test_a_bad_source_is_reported_as_before_and_nothing_is_cached(cache, tmp_pat
         f.write(b"\x00\x00\x08")
     with pytest.raises(ValueError, match="train-labels-idx1-ubyte: .*too short"):
         load_dataset("mnist", path=str(tmp_path / "mnist"))
-    assert not cache.exists() or not os.listdir(cache)
+    assert not cache.exists() or not data_files(cache)
+
+
+def test_a_source_hash_is_remembered_only_for_a_settled_file(cache, tmp_path, monkeypatch):
+    import json
+    import time
+    from edgefl.data import cache as module
+    write_mnist_dir(tmp_path / "mnist")
+    load_dataset("mnist", path=str(tmp_path / "mnist"))       # just written: not remembered
+    assert not (cache / SOURCE_HASHES).exists()
+    old = 1_000_000_000                                        # settled: mtime long ago
+    for name in os.listdir(tmp_path / "mnist"):
+        os.utime(tmp_path / "mnist" / name, (old, old))
+    monkeypatch.setattr(module, "SETTLED_S", -1e12)            # (ctime is now: pretend settled)
+    first = load_dataset("mnist", path=str(tmp_path / "mnist"))
+    memo = json.loads((cache / SOURCE_HASHES).read_text())
+    assert len(memo) == 4
+    hashed = []
+    monkeypatch.setattr(module, "_identity", lambda p: hashed.append(p) or "x")
+    same(first, load_dataset("mnist", path=str(tmp_path / "mnist")))   # from the memo
+    assert hashed == []
+    # a change, even of the same size and with the old mtime, moves ctime: hashed again
+    labels = tmp_path / "mnist" / "train-labels-idx1-ubyte"
+    time.sleep(0.05)     # past the ctime clock's tick (this test remembered an unsettled file)
+    labels.write_bytes(labels.read_bytes())
+    os.utime(labels, (old, old))
+    module.cache_path("mnist", [str(labels)])
+    assert hashed == [str(labels)]

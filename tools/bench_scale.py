@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """A round through a broker against the same round in process (issue 19, item 3).
 
+(`--mode simulate` and `--mode million`: whole `edgefl simulate` processes against the plain
+NumPy loop, and a million virtual clients; tools/_scale_sim.py says how.)
+
 Run from a checkout with the extension built in place (or edgefl installed):
     python tools/bench_scale.py [--clients 100] [--per-round 10] [--rounds 10]
                                 [--repeats 5] [--dataset fashion-mnist] [--json]
@@ -101,7 +104,20 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dataset", default="fashion-mnist")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    # issue 19 items 1-2: whole `edgefl simulate` processes against tools/plain_loop.py
+    parser.add_argument("--mode", choices=("broker", "simulate", "million"), default="broker",
+                        help="broker: a round over Mosquitto vs in process (default); "
+                             "simulate / million: see tools/_scale_sim.py")
+    parser.add_argument("--before", metavar="CHECKOUT",
+                        help="--mode simulate: also run this checkout's edgefl simulate")
+    parser.add_argument("--outputs", action="store_true",
+                        help="--mode simulate: also run simulate with curves.png and model.onnx")
+    parser.add_argument("--only", action="append", choices=("100", "1000", "10000"),
+                        help="--mode simulate: only this workload (by clients; repeatable)")
     args = parser.parse_args(argv)
+    if args.mode != "broker":
+        import _scale_sim
+        return _scale_sim.main(args)
     if find_mosquitto() is None:
         parser.error("needs the mosquitto binary (apt-get install mosquitto)")
 

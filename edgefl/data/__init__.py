@@ -25,7 +25,7 @@ from .datasets import (
     load_npz,
     load_synthetic,
 )
-from .partition import PARTITIONERS, Partition
+from .partition import PARTITIONERS, Partition, tile
 
 LOADERS = {
     "digits": load_digits,
@@ -37,6 +37,10 @@ LOADERS = {
     "synthetic": load_synthetic,
 }
 COMMON_OPTIONS = ("limit_train", "limit_test", "binary")   # taken by every dataset (see finish)
+# taken by every partitioner (see partition): `tile: t` splits the training set among
+# clients / t shards and gives client c shard c mod (clients / t), so t clients share each
+# shard -- a large simulated fleet over a small data set (docs/scaling.md), without a copy
+PARTITION_COMMON = ("tile",)
 
 # Partitioners that split by class; on a relabelled dataset (binary="even-odd") they use the
 # original classes, as MFL's Case 2 assigns node = original digit mod N (Liu et al. 2020, Sec. 7.2).
@@ -53,7 +57,7 @@ def dataset_options(name: str) -> tuple[str, ...]:
 
 def partition_options(name: str) -> tuple[str, ...]:
     """The option names `partition(..., name, ...)` accepts."""
-    return _options(PARTITIONERS, "partition", name)
+    return _options(PARTITIONERS, "partition", name) + PARTITION_COMMON
 
 
 def load_dataset(name: str, **options) -> Dataset:
@@ -86,7 +90,17 @@ def partition(dataset_or_labels, name: str, n_clients: int, seed: int, **options
         labels = np.asarray(dataset_or_labels)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise ValueError(f"partition: seed must be an integer, got {seed!r}")
-    return fn(labels, n_clients, np.random.default_rng(seed), **options)
+    times = options.pop("tile", 1)
+    if isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 1:
+        raise ValueError(f"partition: tile must be a positive integer, got {times!r}")
+    if isinstance(n_clients, (int, np.integer)) and not isinstance(n_clients, bool) \
+            and n_clients % times:
+        raise ValueError(f"partition: tile = {times} does not divide clients = {n_clients} "
+                         f"(each of the clients / tile shards is held by tile clients)")
+    if times == 1:
+        return fn(labels, n_clients, np.random.default_rng(seed), **options)
+    return tile(fn(labels, n_clients // times, np.random.default_rng(seed), **options),
+                n_clients)
 
 
 def dataset_status() -> dict[str, str]:

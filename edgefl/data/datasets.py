@@ -41,6 +41,9 @@ class Dataset:
     `y_train_original` keeps the class labels from before a relabelling (`binary="even-odd"`),
     so label-skew partitioners can split by the original digit as the MFL paper's Case 2
     (§7.2.2) does; else None.
+    `train_rows`: None, or -- once a run has laid its split out (`data.layout.contiguous`
+    reorders the training rows shard by shard) -- each training row's index in the source's
+    order; `first_train(k)` still gives the source's first k samples.
     """
     name: str
     x_train: np.ndarray
@@ -55,6 +58,15 @@ class Dataset:
     raw_range: tuple
     client_ids: np.ndarray | None = None
     y_train_original: np.ndarray | None = None
+    train_rows: np.ndarray | None = None
+
+    def first_train(self, k: int) -> np.ndarray:
+        """x of the first k training samples in the source's order (whatever order the rows
+        are in now: `train_rows`), e.g. an int8 export's calibration samples."""
+        if self.train_rows is None:
+            return self.x_train[:k]
+        values, first = np.unique(self.train_rows, return_index=True)
+        return self.x_train[first[values < k]]
 
 
 @register_kind

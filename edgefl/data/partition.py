@@ -7,6 +7,7 @@ at least one sample, and the same Generator state gives the same split.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,13 +19,100 @@ class Partition:
 
     `labels` is None, or one label array per client (aligned with `indices`) that replaces
     y_train[indices] for that client (label-noise).
+
+    `indices` is a tuple, or a `Shards` (each client's indices a slice of one array: the
+    layout `edgefl simulate` trains from, and the only one that stays small with a million
+    clients); with `tile` (data.partition's option) clients share shards, and `indices` and
+    `labels` are `Tiled` sequences over the shards.
     """
     indices: tuple
     labels: tuple | None = None
 
     @property
     def sizes(self) -> np.ndarray:
-        return np.array([len(i) for i in self.indices], dtype=np.int64)
+        indices = self.indices
+        if isinstance(indices, (Shards, Tiled)):
+            return indices.sizes
+        return np.array([len(i) for i in indices], dtype=np.int64)
+
+
+class Shards(Sequence):
+    """Per-client index arrays as offsets into one array: client i's indices are
+    order[offsets[i]:offsets[i + 1]] (a view). Two int64 arrays whatever the number of
+    clients, where a tuple holds one array object per client. (A label-noise split's
+    per-client labels are laid out the same way: `order` is then the labels.)"""
+
+    def __init__(self, order: np.ndarray, offsets: np.ndarray):
+        order = np.asarray(order)
+        if order.ndim != 1:
+            raise ValueError(f"Shards: order must be 1-D, got shape {order.shape}")
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 \
+                or offsets[-1] != len(order) or np.any(np.diff(offsets) < 0):
+            raise ValueError(f"Shards: offsets must rise from 0 to len(order) = {len(order)}")
+        self.order, self.offsets = order, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self)
+        i = _client_index(i, n)
+        return self.order[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+class Tiled(Sequence):
+    """`clients` entries over the shorter sequence `base`: entry c is base[c % len(base)]
+    (the clients of a tiled partition share shards)."""
+
+    def __init__(self, base: Sequence, clients: int):
+        if len(base) < 1 or clients % len(base):
+            raise ValueError(f"Tiled: {clients} clients are not a multiple of {len(base)} shards")
+        self.base, self.clients = base, int(clients)
+
+    def __len__(self) -> int:
+        return self.clients
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        return self.base[_client_index(i, self.clients) % len(self.base)]
+
+    @property
+    def tile(self) -> int:
+        return self.clients // len(self.base)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        base = self.base.sizes if isinstance(self.base, Shards) else \
+            np.array([len(i) for i in self.base], dtype=np.int64)
+        return np.tile(base, self.tile)
+
+
+def _client_index(i, n: int) -> int:
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+        raise TypeError(f"client index {i!r} is not an integer")
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"client {i} is outside 0..{n - 1}")
+    return i
+
+
+def tile(split: Partition, clients: int) -> Partition:
+    """`split`'s shards shared by `clients` clients: client c holds shard c mod len(split)
+    (the training set used `clients / len(split)` times over, without a copy)."""
+    if clients == len(split.indices):
+        return split
+    return Partition(Tiled(split.indices, clients),
+                     None if split.labels is None else Tiled(split.labels, clients))
 
 
 def iid(labels: np.ndarray, n_clients: int, rng: np.random.Generator) -> Partition:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ExportError
+from .calibration import CALIBRATION_SAMPLES
 
 QUANTIZE_CHOICES = ("none", "int8")
 
@@ -50,7 +51,8 @@ class ExportPolicy:
 _FROM_ONNX_MODULE = ("OPSET", "IR_VERSION", "export_onnx", "build_graph", "quantize_int8",
                      "export_checkpoint", "export_run", "run_from_params", "load_run",
                      "model_payload", "graph_metadata", "Run")
-__all__ = ["IR_VERSION", "OPSET", "ExportError", "ExportPolicy", "Run", "build_graph",
+__all__ = ["CALIBRATION_SAMPLES", "IR_VERSION", "OPSET", "ExportError", "ExportPolicy", "Run",
+           "build_graph",
            "export_checkpoint", "export_onnx", "export_run", "graph_metadata", "load_run",
            "model_payload", "quantize_int8", "run_from_params"]
 

@@ -42,6 +42,7 @@ from ..checkpoint import load_checkpoint, model_sha256
 from ..errors import ExportError
 from ..infer import Predictor
 from ..io import atomic_write, replace_atomic
+from .calibration import CALIBRATION_SAMPLES
 from ..models import (
     LOSS_NAMES,
     OP_CONV2D,
@@ -98,7 +99,6 @@ QUANTIZATION_KEYS = {
     "int8": {"quantization": QUANTIZATION_INT8, "quantization_mode": "int8",
              "quantization_method": "static-qdq"},
 }
-CALIBRATION_SAMPLES = 512
 
 
 # ---------------------------------------------------------------------------------------
@@ -503,7 +503,7 @@ def onnx_accuracy(path, x_raw: np.ndarray, y: np.ndarray, *, batch: int = 256) -
 
 def export_checkpoint(source, out, *, quantize: str | None = None, softmax: bool = True,
                       evaluate: bool = True,
-                      calibration_samples: int = CALIBRATION_SAMPLES) -> dict:
+                      calibration_samples: int = CALIBRATION_SAMPLES, dataset=None) -> dict:
     """Export a run directory or model.npz to `out` (ONNX), optionally int8-quantised.
 
     The test set of the run's dataset (when it loads) gives the fp32 graph's accuracy via
@@ -511,11 +511,13 @@ def export_checkpoint(source, out, *, quantize: str | None = None, softmax: bool
     first `calibration_samples` training samples, and the report holds both accuracies.
     Returns {out, model, n_params, round, algorithm, quantization, quantization_mode,
     quantization_method (the values the file's metadata holds under the same keys),
-    accuracy_fp32, accuracy_int8, ...}."""
+    accuracy_fp32, accuracy_int8, ...}. `dataset`: the run's dataset when the caller holds
+    it (the end of a training run), so it is not loaded again."""
     if quantize not in (None, "int8"):
         raise ExportError(f"export: --quantize {quantize!r}; valid: int8")
     return export_run(load_run(source), out, quantize=quantize, softmax=softmax,
-                      evaluate=evaluate, calibration_samples=calibration_samples)
+                      evaluate=evaluate, calibration_samples=calibration_samples,
+                      dataset=dataset)
 
 
 def run_from_params(model: Model, params: np.ndarray, *, round: int, algorithm: str,
@@ -604,7 +606,7 @@ def export_run(run: Run, out, *, quantize: str | None = None, softmax: bool = Tr
         final = fp32_path
         if quantize:
             report["bytes_fp32"] = os.path.getsize(fp32_path)
-            calibration = raw_inputs(dataset, dataset.x_train[:calibration_samples])
+            calibration = raw_inputs(dataset, dataset.first_train(calibration_samples))
             quantize_int8(fp32_path, int8_path, calibration)
             if classify:
                 report["accuracy_int8"] = onnx_accuracy(int8_path, x_test, y_test)

@@ -50,7 +50,7 @@ def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strat
         with phase(lines, "export") as note:
             path = os.path.join(out_dir, "model.onnx")
             before = _mtime(path)
-            export_final_onnx(out_dir, stream, export)
+            export_final_onnx(out_dir, stream, export, dataset)
             note.append(f"{path}, {os.path.getsize(path):,} bytes"
                         if _mtime(path) != before else "model.onnx not written")
     if plot:
@@ -162,9 +162,11 @@ class RoundExporter:
     state is not at stake)."""
 
     def __init__(self, run, out_dir: str, policy, stream, who: str, *, lines=None,
-                 before_line=None):
+                 before_line=None, defer_final: bool = False):
         """lines: a stream for the progress line of the final round's export (none: no
-        line); before_line(): called first, to end a progress bar drawn on that line."""
+        line); before_line(): called first, to end a progress bar drawn on that line.
+        defer_final: the final round is not exported when its model comes (on_model) but
+        when the caller calls `finish` (edgefl simulate: after it let the training set go)."""
         from ..export import ExportPolicy
 
         self.run = run
@@ -176,8 +178,16 @@ class RoundExporter:
         self.last_round: int | None = None
         self._unavailable = False
         self.lines, self.before_line = lines, before_line
+        self.defer_final = defer_final
 
     def __call__(self, round: int, params) -> str | None:
+        if self.defer_final and round == self.run.config.rounds:
+            return None
+        return self.finish(round, params)
+
+    def finish(self, round: int, params) -> str | None:
+        """Export round `round`'s model if the policy names it (the final round's with its
+        progress line): what on_model does, and the deferred final export."""
         if self.lines is None or round != self.run.config.rounds or \
                 not self.policy.due(round, self.run.config.rounds):
             return self._export(round, params)
@@ -222,7 +232,7 @@ class RoundExporter:
         return self.path
 
 
-def export_final_onnx(out_dir: str, stream, policy=None) -> None:
+def export_final_onnx(out_dir: str, stream, policy=None, dataset=None) -> None:
     """model.onnx next to model.npz (atomic replace), when the optional onnx extra is present.
 
     Called by write_outputs after summary.json and model.npz are written, when no
@@ -231,15 +241,17 @@ def export_final_onnx(out_dir: str, stream, policy=None) -> None:
     trained model is safe in model.npz, the rest of the outputs (curves.png) still get
     written, and `edgefl export <out_dir>` can retry. A model.onnx already there (an earlier
     round's export) is left as it was, and the message says so. `policy` (the run's
-    ExportPolicy) gives the softmax output and quantisation, as the RoundExporter's would."""
+    ExportPolicy) gives the softmax output and quantisation, as the RoundExporter's would;
+    `dataset`, the run's, measures the accuracy without loading the data set a second time."""
     path = os.path.join(out_dir, "model.onnx")
     try:
         from ..export import export_checkpoint
         if policy is None:
-            export_checkpoint(out_dir, path)
+            export_checkpoint(out_dir, path, dataset=dataset)
         else:
             export_checkpoint(out_dir, path, softmax=policy.softmax,
-                              quantize=None if policy.quantize == "none" else "int8")
+                              quantize=None if policy.quantize == "none" else "int8",
+                              dataset=dataset)
     except ImportError as exc:
         print(f"{path} skipped ({exc}; pip install 'edgefl[export]')", file=stream)
     except (ValueError, OSError) as exc:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from .. import kernels
 from ..checkpoint import model_sha256
 from ..config import dataset_from_config, partition_from_config
+from ..data.layout import contiguous
+from ..data.partition import Shards, Tiled
 from ..errors import ConfigError, KernelError
 from ..models import Model, build_model
 from ..privacy import NO_HOOKS, PrivacyHooks
@@ -25,8 +27,8 @@ from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
 from .phases import phase
 
-__all__ = ["PreparedRun", "RunResult", "build_run_model", "client_shard", "local_datasets",
-           "prepare_run", "privacy_hooks"]
+__all__ = ["PreparedRun", "RunResult", "ShardClients", "build_run_model", "client_shard",
+           "local_datasets", "prepare_run", "privacy_hooks"]
 
 
 @dataclass
@@ -55,6 +57,60 @@ def local_datasets(dataset, split, model: Model, stop=None) -> dict:
     return out
 
 
+class ShardClients(Mapping):
+    """{client: LocalData} of a split laid out contiguously (`data.layout.contiguous`):
+    client c's x and y are rows offsets[s]..offsets[s+1] of the one training array, s its
+    shard (c itself, or c mod the shard count of a tiled split). The training set is
+    checked against the model once, here; a client's LocalData is made when asked for (a
+    few microseconds: two views) and carries its rows of that check, so nothing is kept
+    per client and nothing is checked per client -- a million clients cost two arrays of
+    offsets, not a million objects."""
+
+    def __init__(self, dataset, split, model: Model, stop=None):
+        indices = split.indices
+        shards = indices.base if isinstance(indices, Tiled) else indices
+        if not isinstance(shards, Shards):
+            raise TypeError("ShardClients: the split must be laid out (data.layout.contiguous)")
+        self.offsets = shards.offsets
+        self._bounds = shards.offsets.tolist()      # ints: S + 1 of them, S <= samples
+        self.shards = len(shards)
+        self.clients = len(indices)
+        labels = split.labels.base if isinstance(split.labels, Tiled) else split.labels
+        self.y = dataset.y_train if labels is None else labels.order
+        self.checked = kernels.Samples(model, dataset.x_train, self.y)   # once, as a whole
+        self.model, self.stop = model, stop
+
+    def __len__(self) -> int:
+        return self.clients
+
+    def __iter__(self):
+        return iter(range(self.clients))
+
+    def __contains__(self, c) -> bool:
+        return isinstance(c, (int, np.integer)) and not isinstance(c, bool) \
+            and 0 <= c < self.clients
+
+    def covers(self, clients) -> bool:
+        """Whether every id in `clients` (a range, or any iterable) is one of these."""
+        if isinstance(clients, range):
+            return len(clients) == 0 or (clients.step > 0 and clients.start >= 0
+                                         and clients[-1] < self.clients)
+        return all(c in self for c in clients)
+
+    def __getitem__(self, c) -> LocalData:
+        # once per client trained, every round: plain ints and no NumPy scalars on this path
+        if type(c) is not int:
+            if not isinstance(c, np.integer):
+                raise KeyError(c)
+            c = int(c)
+        if not 0 <= c < self.clients:
+            raise KeyError(c)
+        s = c % self.shards
+        start, stop = self._bounds[s], self._bounds[s + 1]
+        return LocalData.of_samples(c, self.checked.rows(start, stop), self.y[start:stop],
+                                    self.stop)
+
+
 @dataclass
 class PreparedRun:
     """A RunConfig made concrete: data, split, model, initial parameters, the strategy (after
@@ -67,7 +123,7 @@ class PreparedRun:
     init_params: np.ndarray
     strategy: Strategy
     setup: Setup
-    clients: dict
+    clients: Mapping                  # {client: LocalData}: a ShardClients
     hooks: PrivacyHooks = NO_HOOKS    # DP's (edgefl.privacy.dp), when the config asks for it
 
 
@@ -101,12 +157,16 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
         split = partition_from_config(config.as_config(), dataset)
         note.append(f"{dataset.name}, {len(dataset.y_train)} train / {len(dataset.y_test)} "
                     f"test samples, {len(split.indices)} clients")
+    # the training rows reordered shard by shard, in place: each client's data is a slice
+    # of the one array (no per-client copy; the same rows in the same order, so the same
+    # model) and the whole set is checked once (ShardClients)
+    dataset, split = contiguous(dataset, split)
     model = build_run_model(config, dataset)
     init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
     setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),
                   lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds,
                   units=Setup.units_of(model))
-    clients = local_datasets(dataset, split, model, stop)
+    clients = ShardClients(dataset, split, model, stop)
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if strategy is None:
         strategy = get_strategy(config.strategy, **config.strategy_params)

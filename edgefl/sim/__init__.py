@@ -33,7 +33,9 @@ import sys
 from typing import Mapping
 
 from ..checkpoint import save_checkpoint
+from ..data.layout import without_training_rows
 from ..errors import RunStopped, TrainingStopped
+from ..export import CALIBRATION_SAMPLES
 from ..io import jsonable, write_json
 from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
@@ -46,7 +48,6 @@ from .clock import Clock
 from .loop import run_federation
 from .over_broker import run_over_broker
 from .progress import Progress
-from .secure import in_process_secure_sum
 
 __all__ = ["TRANSPORTS", "simulate", "run_federation", "run_asynchronous", "run_over_broker",
            "Progress", "Clock"]
@@ -109,7 +110,7 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     bar = Progress(config.rounds, stream or sys.stderr, enabled=progress is not False)
     exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate",
                              lines=bar.stream if bar.enabled else None,
-                             before_line=bar.close) \
+                             before_line=bar.close, defer_final=True) \
         if out_dir is not None and onnx else None
 
     def on_round(record):
@@ -156,6 +157,15 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
             metrics_file.close()
 
     summary = run_summary(config, model, result, workers)     # (with a DP budget's stop)
+    if out_dir is not None:
+        # The rounds are over: let the training set go before the export and the plot load
+        # their libraries (onnxruntime, matplotlib: ~100 MB), so the run's peak memory is its
+        # rounds', not the rounds' plus the outputs'. What the outputs read stays: the test
+        # set, the normalisation, the first training samples (an int8 export's calibration).
+        dataset = run.dataset = without_training_rows(dataset, CALIBRATION_SAMPLES)
+        run.clients = clients = None
+        if exporter is not None and result.history[-1]["round"] == config.rounds:
+            exporter.finish(config.rounds, result.params)     # (deferred to here)
     if "sim_time_s" in result.history[-1]:
         summary["sim_time_s"] = result.history[-1]["sim_time_s"]
     if clock is not None:
@@ -182,6 +192,9 @@ def _privacy_rounds(config: RunConfig, hooks: PrivacyHooks) -> dict:
         return {}
     out: dict = {"summing": True, "hooks": hooks}
     if privacy.secure_aggregation is not None:
+        # (imported here: secure aggregation's modules and cryptography cost every other
+        # run ~20 ms of start-up)
+        from .secure import in_process_secure_sum
         run_id = f"{os.path.basename(config.path or 'run')}:{config.seed}"
         out["secure_sum"] = in_process_secure_sum(privacy.secure_aggregation, run_id,
                                                   config.seed)

@@ -70,7 +70,9 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     round in progress is dropped.
     """
     rounds = setup.rounds if rounds is None else rounds
-    missing = sorted(set(setup.clients) - set(clients))
+    covers = getattr(clients, "covers", None)       # runs.prepare.ShardClients: no set of N
+    missing = [] if covers is not None and covers(setup.clients) else \
+        sorted(set(setup.clients) - set(clients))
     if missing:
         raise ValueError(f"run_federation: no local data for client(s) {missing[:10]}")
     model = clients[setup.clients[0]].model
@@ -82,7 +84,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     engine = RoundEngine.for_run(strategy, setup, model, clients_per_round, rounds=rounds,
                                  eval_every=eval_every, test=test)
     state = strategy.init(init_params, setup)
-    client_states: dict = {c: None for c in setup.clients}
+    client_states: dict = {}        # {client: State} of the clients that trained (None: not)
     history = []
     started = time.perf_counter()
     # workers - 1 pool threads: the calling thread trains clients too
@@ -135,7 +137,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 if c is _EVALUATE:
                     return engine.evaluate(evaluating.model)
                 try:
-                    update, new_state = strategy.train(tasks[c], clients[c], client_states[c])
+                    update, new_state = strategy.train(tasks[c], clients[c], client_states.get(c))
                     if summing and tasks[c].upload:
                         return update, new_state, client_contribution(
                             strategy, tasks[c], update, hooks, task_generator(tasks[c]))
@@ -157,7 +159,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 results = results[1:]
             updates, contributions = {}, {}
             for c, (update, new_state, contribution) in zip(order, results):
-                client_states[c] = new_state
+                if new_state is not None or c in client_states:
+                    client_states[c] = new_state
                 if engine.accept_upload(plan, c, update):
                     updates[c] = update
                     contributions[c] = contribution

@@ -101,12 +101,14 @@ def select_clients(seed: int, round: int, clients: Sequence[int], m: int,
     draw: the asynchronous driver tasks idle clients several times per version; draw j > 0
     seeds the j-th of them by (seed, round, j), and draw 0 is the synchronous selection, so
     a first draw of the whole cohort selects as a synchronous round does."""
-    clients = sorted(int(c) for c in clients)
+    if not (isinstance(clients, range) and clients.step == 1):
+        clients = sorted(int(c) for c in clients)
+    # (a range 0..N-1 is sorted already: a million clients cost m draws, not a sort of N)
     if not 1 <= m <= len(clients):
         raise StrategyError(f"select_clients: cannot select {m} of {len(clients)} clients")
     if m == len(clients):
-        return clients
+        return list(clients)
     key = (int(seed), _SELECT_STREAM, int(round)) + ((int(draw),) if draw else ())
     rng = np.random.default_rng(key)
     picked = rng.choice(len(clients), size=m, replace=False)
-    return sorted(clients[i] for i in picked)
+    return sorted(clients[int(i)] for i in picked)

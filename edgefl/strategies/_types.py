@@ -54,7 +54,8 @@ class Setup:
     """What the server half knows about a run when it starts (the `cfg` of `init`).
 
     clients:  every client id of the federation (FedUmf trains all of them, not only the
-              selected ones).
+              selected ones): sorted; a range 0..N-1 stays a range (and is
+              {"start": 0, "stop": N} in `to_json`), any other ids a tuple.
     train:    the base local hyper-parameters, keyword arguments of `kernels.train_config`
               (lr, batch_size, epochs | steps, momentum, weight_decay; no seed).
     lr_decay: per-round factor, eta_t = lr * lr_decay**(t-1) (FedUmf appendix: 0.998).
@@ -73,10 +74,18 @@ class Setup:
     units: tuple = ()
 
     def __post_init__(self):
-        clients = tuple(int(c) for c in self.clients)
-        if len(set(clients)) != len(clients) or any(c < 0 for c in clients):
-            raise StrategyError(f"setup.clients: need distinct non-negative ids, "
-                                f"got {clients[:10]}")
+        clients = self.clients
+        if isinstance(clients, Mapping) and set(clients) == {"start", "stop"}:
+            clients = range(int(clients["start"]), int(clients["stop"]))   # to_json's form
+        if isinstance(clients, range) and clients.step == 1 and clients.start >= 0:
+            # ids 0..N-1, as a run has them: kept as the range (a million clients are not a
+            # million objects), already sorted and distinct
+            pass
+        else:
+            clients = tuple(sorted(int(c) for c in clients))
+            if len(set(clients)) != len(clients) or any(c < 0 for c in clients):
+                raise StrategyError(f"setup.clients: need distinct non-negative ids, "
+                                    f"got {clients[:10]}")
         train = dict(self.train)
         if "seed" in train:
             raise StrategyError("setup.train: 'seed' is derived per (round, client); "
@@ -84,7 +93,7 @@ class Setup:
         kernels.train_config(**train)   # validates keys and values now, not in round 7
         if not (isinstance(self.lr_decay, (int, float)) and 0 < self.lr_decay <= 1):
             raise StrategyError(f"setup.lr_decay: {self.lr_decay!r} must be in (0, 1]")
-        object.__setattr__(self, "clients", tuple(sorted(clients)))
+        object.__setattr__(self, "clients", clients)
         object.__setattr__(self, "train", _frozen_mapping(train))
         object.__setattr__(self, "lr_decay", float(self.lr_decay))
         object.__setattr__(self, "seed", int(self.seed))
@@ -93,7 +102,9 @@ class Setup:
                                                 for unit in self.units))
 
     def to_json(self) -> dict:
-        return {"clients": list(self.clients), "train": dict(self.train),
+        clients = self.clients
+        return {"clients": {"start": clients.start, "stop": clients.stop}
+                if isinstance(clients, range) else list(clients), "train": dict(self.train),
                 "lr_decay": self.lr_decay, "seed": self.seed, "rounds": self.rounds,
                 "units": [[list(s) for s in unit] for unit in self.units]}
 
@@ -282,6 +293,16 @@ class LocalData:
     def samples(self) -> kernels.Samples:
         """x and y checked against the model once, for every local round on this data."""
         return kernels.Samples(self.model, self.x, self.y)
+
+    @classmethod
+    def of_samples(cls, client: int, samples: kernels.Samples, y: np.ndarray,
+                   stop=None) -> "LocalData":
+        """The LocalData of data checked already (`samples`, e.g. a client's rows of a
+        training set checked once as a whole, and `y`, the labels or targets they were
+        checked from): its local rounds skip the check."""
+        data = cls(client, samples.model, samples.x, y, stop)
+        data.__dict__["samples"] = samples        # what the cached property would compute
+        return data
 
 
 @dataclass(frozen=True)

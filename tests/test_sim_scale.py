@@ -1,0 +1,145 @@
+"""`edgefl simulate` at scale (issue 19, items 1-2): a client's shard is a slice of the one
+training array, not a copy; the training set is checked once, not once per client; the
+layout trains the same model as per-client copies did; a million virtual clients over a
+tiny data set select and train at small cost. Nothing here is timed (tools/bench_scale.py
+--mode simulate / million measures)."""
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from edgefl import kernels
+from edgefl.config import ConfigError, dataset_from_config, partition_from_config
+from edgefl.data import partition as split_of
+from edgefl.data.layout import contiguous, permute_rows
+from edgefl.data.partition import Partition, Shards, Tiled
+from edgefl.runconfig import load_run_config
+from edgefl.runs.prepare import ShardClients, local_datasets, prepare_run
+from edgefl.sim import run_federation, simulate
+from edgefl.strategies import Setup, select_clients
+
+SMALL = {
+    "dataset": {"name": "digits", "limit_train": 600},
+    "partition": {"name": "iid", "clients": 6},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedavg"},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "rounds": 3,
+    "clients_per_round": 3,
+    "seed": 0,
+}
+
+
+def config(tmp_path, **sections):
+    data = json.loads(json.dumps(SMALL))
+    data.update(sections)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_run_config(str(path))
+
+
+def test_permute_rows_matches_a_gather_across_step_boundaries(monkeypatch):
+    import edgefl.data.layout as layout
+    monkeypatch.setattr(layout, "_CHUNK_BYTES", 3 * 4 * 5)     # 5 rows a step
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 2, 3, 17, 500):
+        x = rng.standard_normal((n, 3)).astype(np.float32)
+        order = rng.permutation(n)
+        want = x[order]
+        permute_rows(x, order)
+        assert np.array_equal(x, want)
+    with pytest.raises(ValueError, match="order"):
+        permute_rows(np.zeros((4, 2), np.float32), np.arange(3))
+
+
+@pytest.mark.parametrize("partition", [
+    {"name": "iid", "clients": 6},
+    {"name": "dirichlet", "clients": 5, "alpha": 0.5},
+    {"name": "label-noise", "clients": 4, "rate": 0.5},
+])
+def test_a_shard_is_a_view_of_the_one_training_array(tmp_path, partition):
+    cfg = config(tmp_path, partition=partition)
+    run = prepare_run(cfg, progress=False)
+    # what each client held before: its own copy of x_train[indices] (a fresh load)
+    dataset = dataset_from_config(cfg.as_config())
+    split = partition_from_config(cfg.as_config(), dataset)
+    copies = local_datasets(dataset, split, run.model)
+    assert isinstance(run.clients, ShardClients) and len(run.clients) == len(split.indices)
+    train = run.dataset.x_train
+    for c in range(len(split.indices)):
+        data = run.clients[c]
+        assert np.shares_memory(data.x, train), f"client {c}'s x is a copy"
+        assert data.x.base is train or data.x.base is train.base
+        assert np.array_equal(data.x, copies[c].x)        # the same rows, in the same order
+        assert np.array_equal(data.y, copies[c].y)
+        assert data.samples.x is data.x                   # no check made a copy either
+    # the same rounds give the same model bit for bit
+    a = run_federation(run.strategy, run.init_params, run.clients, run.setup, 3)
+    b = run_federation(run.strategy, run.init_params, copies, run.setup, 3)
+    assert a.model_sha256 == b.model_sha256
+
+
+def test_the_training_set_is_checked_once_not_per_client(tmp_path, monkeypatch):
+    calls = []
+    real = kernels.check_inputs
+    monkeypatch.setattr(kernels, "check_inputs",
+                        lambda model, x, *a, **k: calls.append(len(x)) or real(model, x, *a, **k))
+    run = prepare_run(config(tmp_path), progress=False)
+    run_federation(run.strategy, run.init_params, run.clients, run.setup, 3,
+                   test=(run.dataset.x_test, run.dataset.y_test), workers=1)
+    # once for the whole training set (prepare_run), once for the test set (the engine);
+    # per-client checks would add one per distinct client trained (up to 6 here)
+    assert calls == [len(run.dataset.x_train), len(run.dataset.x_test)]
+
+
+def test_a_split_that_is_not_a_permutation_is_gathered_not_reordered():
+    from edgefl.data import load_dataset
+    ds = load_dataset("digits", limit_train=50)
+    before = ds.x_train.copy()
+    split = Partition((np.array([0, 1, 2]), np.array([2, 3])))     # overlaps, leaves rows out
+    laid, out = contiguous(ds, split)
+    assert np.array_equal(ds.x_train, before)                      # the caller's rows kept
+    assert np.array_equal(laid.x_train[out.indices[0]], before[[0, 1, 2]])
+    assert np.array_equal(laid.x_train[out.indices[1]], before[[2, 3]])
+    assert isinstance(out.indices, Shards) and list(out.sizes) == [3, 2]
+
+
+def test_a_million_virtual_clients_over_a_tiny_data_set(tmp_path):
+    cfg = config(tmp_path, partition={"name": "iid", "clients": 1_000_000, "tile": 10_000},
+                 rounds=2, clients_per_round=50)
+    run = prepare_run(cfg, progress=False)
+    # nothing of size N but ids: the clients are a range, the shards 100 slices
+    assert isinstance(run.setup.clients, range) and len(run.setup.clients) == 1_000_000
+    assert isinstance(run.split.indices, Tiled) and len(run.split.indices.base) == 100
+    assert run.setup.to_json()["clients"] == {"start": 0, "stop": 1_000_000}
+    assert Setup.from_json(run.setup.to_json()).clients == run.setup.clients
+    far = run.clients[999_999]
+    assert np.array_equal(far.x, run.clients[99].x) and np.shares_memory(far.x, run.clients[99].x)
+    assert far.client == 999_999 and 1_000_000 not in run.clients
+    with pytest.raises(KeyError):
+        run.clients[1_000_000]
+    summary = simulate(cfg, None, progress=False, workers=1)
+    assert summary["rounds"] == 2 and np.isfinite(summary["final_loss"])
+    # the selection over a range is the selection over the same ids as a list
+    picked = select_clients(0, 1, range(1_000_000), 50)
+    assert len(set(picked)) == 50 and max(picked) < 1_000_000 and picked == sorted(picked)
+    assert picked == select_clients(0, 1, list(range(1_000_000)), 50)
+
+
+def test_tile_must_divide_the_clients(tmp_path):
+    with pytest.raises(ConfigError, match="tile = 7 does not divide clients = 100"):
+        prepare_run(config(tmp_path, partition={"name": "iid", "clients": 100, "tile": 7}),
+                    progress=False)
+    with pytest.raises(ValueError, match="tile must be a positive integer"):
+        split_of(np.zeros(10, np.int32), "iid", 10, 0, tile=0)
+
+
+def test_first_train_gives_the_source_order_after_the_layout():
+    from edgefl.data import load_dataset
+    ds = load_dataset("digits", limit_train=300)
+    before = ds.x_train.copy()
+    laid, _ = contiguous(ds, split_of(ds, "dirichlet", 5, 0, alpha=0.5))
+    assert not np.array_equal(laid.x_train[:20], before[:20])      # the rows moved ...
+    assert np.array_equal(laid.first_train(20), before[:20])       # ... the first 20 did not
+    assert np.array_equal(laid.first_train(10_000), before)
