@@ -310,7 +310,7 @@ class SignedRun:
     def __init__(self, tmp_path, config, url, fed, agg_key, board_keys, state="agg",
                  ids=("client-0", "client-1")):
         from edgefl.roles.aggregator import secure_plan
-        self.run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+        self.run = prepare_run(config, progress=False)
         plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup, self.run.model,
                        config.clients_per_round, ids, description=config.to_dict(),
                        **secure_plan(self.run))
@@ -902,7 +902,7 @@ def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_u
     topics = Topics(fed)
     agg_key, rogue = signing.generate_key(), signing.generate_key()
     keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+    run = prepare_run(config, progress=False)
     signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys).start()
     agg = signed.aggregator
     o = agg.open
