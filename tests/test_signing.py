@@ -194,6 +194,45 @@ def test_a_signature_binds_federation_run_round_kind_signer_content_and_expiry(t
         verifier.verify_doc(cmd, kind="command", where="t", now=time.time() + 60)
 
 
+def test_a_frame_signature_hashes_its_payload_once_for_all_copies_and_binds_it():
+    """content_digest is sha256(core, newline, sha256(payload)): copies of one model to
+    several boards share the payload's hash (their cores differ), a one-buffer f32 model's
+    payload hash is checkpoint.model_sha256 of its parameters (the aggregator's journal
+    hash), and a payload hash passed to encode that is not the payload's makes a frame
+    every receiver refuses."""
+    from edgefl.checkpoint import model_sha256
+    model = build_model({"name": "softmax"}, (9,), 10)
+    key = signing.generate_key()
+    signer, verifier = Signer(key, "aggregator", "lab"), Verifier("lab", {"*": [key.public_key()]})
+    w = np.random.default_rng(0).standard_normal(model.n_params).astype(np.float32)
+    sha = model_sha256(w)
+    frames = {}
+    for node in ("client-0", "client-1"):
+        for given in (None, sha):
+            data = wire.encode("client_model", 2, "aggregator", {"params": w}, {"run": "r1"},
+                               model.table, recipient=node, sign=signer.frame_signer("r1"),
+                               payload_sha256=given)
+            frame = wire.decode(data, wire.Expectation(model.table, kinds="client_model"))
+            assert verifier.verify_frame(frame, where="t", run="r1")["kind"] == "client_model"
+            frames[node, given] = frame
+        core = frame.content_sha256()
+        assert core == wire.frame_digest(wire.frame.content_core(
+            "client_model", 2, "aggregator", node, "f32", model.table.hash64,
+            frame.message_id, list(frame.rows), {"run": "r1"}), sha)
+    assert frames["client-0", None].content_sha256() != frames["client-1", None].content_sha256()
+    # a payload hash that is not the payload's: signed, but no receiver takes it
+    wrong = model_sha256(w * 2)
+    data = wire.encode("model", 2, "aggregator", {"params": w}, {"run": "r1"}, model.table,
+                       sign=signer.frame_signer("r1"), payload_sha256=wrong)
+    frame = wire.decode(data, wire.Expectation(model.table, kinds="model"))
+    with pytest.raises(SignatureError, match="altered after signing"):
+        verifier.verify_frame(frame, where="t", run="r1")
+    for bad, kwargs in (("ABC", {"sign": signer.frame_signer("r1")}), (sha, {})):
+        with pytest.raises(wire.EncodeError, match="payload_sha256"):
+            wire.encode("model", 2, "aggregator", {"params": w}, {"run": "r1"}, model.table,
+                        payload_sha256=bad, **kwargs)
+
+
 def test_a_frame_signature_covers_its_payload_metadata_and_chunks(tmp_path):
     model = build_model({"name": "softmax"}, (9,), 10)
     table = model.table
