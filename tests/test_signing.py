@@ -604,6 +604,31 @@ def _update(w):
     return Update({"params": w}, 10, 0.5, 1, {})
 
 
+def test_signed_copies_of_the_model_to_a_few_of_many_boards_verify_and_give_the_reference(
+        tmp_path, mosquitto_server):
+    """2 of 8 boards tasked a round: the aggregator sends each its own signed copy of the
+    model (client_model frames), the copies sharing the model's payload hash, round 2's
+    taken from the journal's hash of round 1; every board checks its copy, and the run
+    ends on the in-process simulation's model."""
+    from edgefl.checkpoint import model_sha256
+    config = load_run_config(write_config(tmp_path, partition={"name": "iid", "clients": 8},
+                                          clients_per_round=2, rounds=2))
+    fed = f"sig-{uid()}"
+    agg_key = signing.generate_key()
+    keys = {f"client-{i}": signing.generate_key() for i in range(8)}
+    run = prepare_run(config, progress=False)
+    signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                       ids=tuple(keys)).start()
+    boards = [board(tmp_path, run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+              for n in keys]
+    result = signed.finish()
+    for client, t in boards:
+        t.join(10)
+        assert client.stats["rejected"] == 0, client.node
+    assert sum(client.stats["trained"] for client, _ in boards) == 4
+    assert model_sha256(result.params) == reference_sha(config)
+
+
 def test_key_rotation_two_accepted_keys_during_the_change_over(tmp_path, mosquitto_server):
     """Boards hold [old, new] aggregator keys while the aggregator moves from old to new:
     they follow a run signed with either. A board that already dropped the old key (or was

@@ -259,8 +259,8 @@ class _OpenRound:
     announcement: bytes = b""
     downlinks: dict = field(default_factory=dict)     # "global" or node -> _Downlink
     copies: dict = field(default_factory=dict)        # node -> its copy of the global model
-    # id(buffers) -> (buffers, announced sha256, payload sha256 or None): a model's hashes,
-    # once a round however many copies of it are encoded (_frame)
+    # the buffers' (name, id) -> (buffers, announced sha256, payload sha256 or None): a
+    # model's hashes, once a round however many copies of it are encoded (_frame)
     hashes: dict = field(default_factory=dict)
     received: dict = field(default_factory=dict)      # node -> Update
     train_s: dict = field(default_factory=dict)       # node -> seconds
@@ -694,8 +694,9 @@ class Aggregator:
         # hashed side by side (hashlib releases the GIL) on the way from one round's last
         # update to the next round's model.
         sign = self.signer.frame_signer(self.ckpt.run_id) if self.signer else None
-        cached = o.hashes.get(id(buffers))
-        if cached is not None and cached[0] is buffers:
+        key = tuple(sorted((name, id(x)) for name, x in buffers.items()))
+        cached = o.hashes.get(key)
+        if cached is not None and all(buffers[n] is x for n, x in cached[0].items()):
             sha, payload = [cached[1]], cached[2]
         else:
             sha, payload = [], None
@@ -718,7 +719,7 @@ class Aggregator:
         if not sha:
             sha = [buffers_sha256(wire.decode(data, wire.Expectation(self.table, kinds=kind))
                                   .buffers)]
-        o.hashes[id(buffers)] = (buffers, sha[0], payload)
+        o.hashes[key] = (dict(buffers), sha[0], payload)
         payloads = wire.split(data, s.max_payload)
         topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
         return _Downlink(topic, payloads, len(payloads) == 1, sha[0],
