@@ -194,6 +194,45 @@ def test_a_signature_binds_federation_run_round_kind_signer_content_and_expiry(t
         verifier.verify_doc(cmd, kind="command", where="t", now=time.time() + 60)
 
 
+def test_a_frame_signature_hashes_its_payload_once_for_all_copies_and_binds_it():
+    """content_digest is sha256(core, newline, sha256(payload)): copies of one model to
+    several boards share the payload's hash (their cores differ), a one-buffer f32 model's
+    payload hash is checkpoint.model_sha256 of its parameters (the aggregator's journal
+    hash), and a payload hash passed to encode that is not the payload's makes a frame
+    every receiver refuses."""
+    from edgefl.checkpoint import model_sha256
+    model = build_model({"name": "softmax"}, (9,), 10)
+    key = signing.generate_key()
+    signer, verifier = Signer(key, "aggregator", "lab"), Verifier("lab", {"*": [key.public_key()]})
+    w = np.random.default_rng(0).standard_normal(model.n_params).astype(np.float32)
+    sha = model_sha256(w)
+    frames = {}
+    for node in ("client-0", "client-1"):
+        for given in (None, sha):
+            data = wire.encode("client_model", 2, "aggregator", {"params": w}, {"run": "r1"},
+                               model.table, recipient=node, sign=signer.frame_signer("r1"),
+                               payload_sha256=given)
+            frame = wire.decode(data, wire.Expectation(model.table, kinds="client_model"))
+            assert verifier.verify_frame(frame, where="t", run="r1")["kind"] == "client_model"
+            frames[node, given] = frame
+        core = frame.content_sha256()
+        assert core == wire.frame_digest(wire.frame.content_core(
+            "client_model", 2, "aggregator", node, "f32", model.table.hash64,
+            frame.message_id, list(frame.rows), {"run": "r1"}), sha)
+    assert frames["client-0", None].content_sha256() != frames["client-1", None].content_sha256()
+    # a payload hash that is not the payload's: signed, but no receiver takes it
+    wrong = model_sha256(w * 2)
+    data = wire.encode("model", 2, "aggregator", {"params": w}, {"run": "r1"}, model.table,
+                       sign=signer.frame_signer("r1"), payload_sha256=wrong)
+    frame = wire.decode(data, wire.Expectation(model.table, kinds="model"))
+    with pytest.raises(SignatureError, match="altered after signing"):
+        verifier.verify_frame(frame, where="t", run="r1")
+    for bad, kwargs in (("ABC", {"sign": signer.frame_signer("r1")}), (sha, {})):
+        with pytest.raises(wire.EncodeError, match="payload_sha256"):
+            wire.encode("model", 2, "aggregator", {"params": w}, {"run": "r1"}, model.table,
+                        payload_sha256=bad, **kwargs)
+
+
 def test_a_frame_signature_covers_its_payload_metadata_and_chunks(tmp_path):
     model = build_model({"name": "softmax"}, (9,), 10)
     table = model.table
@@ -310,7 +349,7 @@ class SignedRun:
     def __init__(self, tmp_path, config, url, fed, agg_key, board_keys, state="agg",
                  ids=("client-0", "client-1")):
         from edgefl.roles.aggregator import secure_plan
-        self.run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+        self.run = prepare_run(config, progress=False)
         plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup, self.run.model,
                        config.clients_per_round, ids, description=config.to_dict(),
                        **secure_plan(self.run))
@@ -563,6 +602,31 @@ def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_re
 def _update(w):
     from edgefl.strategies import Update
     return Update({"params": w}, 10, 0.5, 1, {})
+
+
+def test_signed_copies_of_the_model_to_a_few_of_many_boards_verify_and_give_the_reference(
+        tmp_path, mosquitto_server):
+    """2 of 8 boards tasked a round: the aggregator sends each its own signed copy of the
+    model (client_model frames), the copies sharing the model's payload hash, round 2's
+    taken from the journal's hash of round 1; every board checks its copy, and the run
+    ends on the in-process simulation's model."""
+    from edgefl.checkpoint import model_sha256
+    config = load_run_config(write_config(tmp_path, partition={"name": "iid", "clients": 8},
+                                          clients_per_round=2, rounds=2))
+    fed = f"sig-{uid()}"
+    agg_key = signing.generate_key()
+    keys = {f"client-{i}": signing.generate_key() for i in range(8)}
+    run = prepare_run(config, progress=False)
+    signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
+                       ids=tuple(keys)).start()
+    boards = [board(tmp_path, run, mosquitto_server.url, fed, n, keys[n], [agg_key])
+              for n in keys]
+    result = signed.finish()
+    for client, t in boards:
+        t.join(10)
+        assert client.stats["rejected"] == 0, client.node
+    assert sum(client.stats["trained"] for client, _ in boards) == 4
+    assert model_sha256(result.params) == reference_sha(config)
 
 
 def test_key_rotation_two_accepted_keys_during_the_change_over(tmp_path, mosquitto_server):
@@ -902,7 +966,7 @@ def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_u
     topics = Topics(fed)
     agg_key, rogue = signing.generate_key(), signing.generate_key()
     keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
-    run = prepare_run(config, progress=False, privacy_rounds=("secure_aggregation",))
+    run = prepare_run(config, progress=False)
     signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys).start()
     agg = signed.aggregator
     o = agg.open

@@ -259,6 +259,9 @@ class _OpenRound:
     announcement: bytes = b""
     downlinks: dict = field(default_factory=dict)     # "global" or node -> _Downlink
     copies: dict = field(default_factory=dict)        # node -> its copy of the global model
+    # the buffers' (name, id) -> (buffers, announced sha256, payload sha256 or None): a
+    # model's hashes, once a round however many copies of it are encoded (_frame)
+    hashes: dict = field(default_factory=dict)
     received: dict = field(default_factory=dict)      # node -> Update
     train_s: dict = field(default_factory=dict)       # node -> seconds
     refused: set = field(default_factory=set)         # nodes whose update aggregate refused
@@ -315,6 +318,8 @@ class Aggregator:
         # signatures (roles/trust.py): None each when the site file sets no keys
         self.signer = getattr(settings.trust, "signer", None)
         self.uplink = getattr(settings.trust, "uplink", None)
+        # (array, sha256 hex) of the global model the last commit journalled (_commit)
+        self._journal_hash: tuple | None = None
         self.fingerprint = run_fingerprint(plan, settings)
         # Limits (docs/limits.md). Unless configured: room for every uploader's chunked
         # update in flight at once (two buffers each, e.g. MFL's model and momentum, plus
@@ -685,31 +690,59 @@ class Aggregator:
 
     def _frame(self, kind: str, buffers, recipient: str | None = None) -> _Downlink:
         o, s = self.open, self.settings
-        # The announced sha256 of the buffers is computed beside the encoding, which with a
-        # signature hashes the same bytes (the frame's content digest): two passes over
-        # 4 MB side by side (hashlib releases the GIL) rather than one after the other, on
-        # the way from one round's last update to the next round's model.
-        sha: list = []
-        hasher = None
-        if s.compression == "none":      # else the hash is of what the clients will decode
-            hasher = threading.Thread(target=lambda: sha.append(buffers_sha256(buffers)),
-                                      name="edgefl-frame-hash", daemon=True)
-            hasher.start()
-        try:
-            data = wire.encode(kind, o.round, s.node_id, buffers, {"run": self.ckpt.run_id},
-                               self.table, s.compression, recipient=recipient,
-                               sign=self.signer.frame_signer(self.ckpt.run_id) if self.signer
-                               else None)
-        finally:
-            if hasher is not None:
-                hasher.join()
-        if s.compression != "none":
-            buffers = wire.decode(data, wire.Expectation(self.table, kinds=kind)).buffers
+        # Each model is hashed once a round for the announcement (its sha256) and, signing,
+        # once for its frames' content digest, which takes the payload's sha256 apart from
+        # the frame's core (wire.content_digest): the copies of one model to several boards
+        # share it, and the payload of a model of one f32 buffer is the parameters' bytes,
+        # whose sha256 the journal computed at the last commit. What is left to hash is
+        # hashed side by side (hashlib releases the GIL) on the way from one round's last
+        # update to the next round's model.
+        sign = self.signer.frame_signer(self.ckpt.run_id) if self.signer else None
+        key = tuple(sorted((name, id(x)) for name, x in buffers.items()))
+        cached = o.hashes.get(key)
+        if cached is not None and all(buffers[n] is x for n, x in cached[0].items()):
+            sha, payload = [cached[1]], cached[2]
+        else:
+            sha, payload = [], None
+            if sign is not None and s.compression == "none":
+                payload = self._payload_sha256(buffers)
+            hasher = None
+            if s.compression == "none":  # else the hash is of what the clients will decode
+                hasher = threading.Thread(target=lambda: sha.append(buffers_sha256(buffers)),
+                                          name="edgefl-frame-hash", daemon=True)
+                hasher.start()
+            try:
+                if callable(payload):
+                    payload = payload()
+            finally:
+                if hasher is not None:
+                    hasher.join()
+        data = wire.encode(kind, o.round, s.node_id, buffers, {"run": self.ckpt.run_id},
+                           self.table, s.compression, recipient=recipient, sign=sign,
+                           payload_sha256=payload)
+        if not sha:
+            sha = [buffers_sha256(wire.decode(data, wire.Expectation(self.table, kinds=kind))
+                                  .buffers)]
+        o.hashes[key] = (dict(buffers), sha[0], payload)
         payloads = wire.split(data, s.max_payload)
         topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
-        return _Downlink(topic, payloads, len(payloads) == 1,
-                         sha[0] if sha else buffers_sha256(buffers),
+        return _Downlink(topic, payloads, len(payloads) == 1, sha[0],
                          wire.read_header(data).message_id)
+
+    def _payload_sha256(self, buffers):
+        """The sha256 (hex) of the payload wire.encode lays out for `buffers` uncompressed,
+        when that is the bytes of one float32 buffer "params" (offset 0, no padding): the
+        journal's hash when it is the model the last commit journalled, else a callable
+        that hashes it; None for other layouts (encode hashes them)."""
+        if set(buffers) != {"params"}:
+            return None
+        x = buffers["params"]
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or not x.flags.c_contiguous \
+                or x.size != self.table.size:
+            return None
+        if self._journal_hash is not None and self._journal_hash[0] is x:
+            return self._journal_hash[1]
+        return lambda: hashlib.sha256(memoryview(x).cast("B")).hexdigest()
 
     def _build_downlinks(self) -> None:
         o = self.open
@@ -1236,6 +1269,7 @@ class Aggregator:
         self.ckpt = new
         self.open = None
         sha = digest[0].hexdigest()
+        self._journal_hash = (params, sha)   # a model frame's payload hash (_frame)
         append_journal(self.journal_path, {"event": "aggregated", "run": new.run_id, "round": r,
                                            "updates": record["updates"],
                                            "closed_by": record["closed_by"],

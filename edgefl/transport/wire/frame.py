@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import types
 from collections.abc import Mapping
 import dataclasses
@@ -69,10 +70,7 @@ class Frame:
                             dict(self.scalars))
         if self.digest_hint is not None and self.digest_hint[0] == core:
             return self.digest_hint[1]
-        h = hashlib.sha256(core)
-        h.update(b"\n")
-        h.update(self.payload)
-        return h.hexdigest()
+        return frame_digest(core, hashlib.sha256(self.payload).hexdigest())
 
     @property
     def compression(self) -> str:
@@ -160,22 +158,37 @@ def _dumps(meta: dict) -> bytes:
 
 
 SIGNATURE_SCALAR = "sig"       # the scalar a signed frame carries its signature in
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def content_digest(kind: str, round: int, sender: str, recipient: str | None, dtype: str,
                    table_hash: int, message_id: int, rows: list, scalars: Mapping,
-                   pieces: list) -> str:
+                   pieces: list, payload_sha256: str | None = None) -> str:
     """sha256 (hex) of what a frame signature covers: the header's fields, the metadata
     (sender, recipient, buffer rows with their int8 scales, scalars but the signature) as
-    canonical JSON, then the payload bytes as they travel (f32, f16 or int8 codes, blobs).
-    The sender hashes the pieces it encodes, the receiver the payload it received: one pass
-    over the bytes, no copy (a Reassembler with `digests` hashes a chunked frame's payload
-    while its chunks arrive)."""
-    h = hashlib.sha256(content_core(kind, round, sender, recipient, dtype, table_hash,
-                                    message_id, rows, scalars))
+    canonical JSON, a newline, then the sha256 (hex) of the payload bytes as they travel
+    (f32, f16 or int8 codes, blobs) (frame_digest). The sender hashes the pieces it encodes,
+    the receiver the payload it received: one pass over the bytes, no copy (a Reassembler
+    with `digests` hashes a chunked frame's payload while its chunks arrive). The payload's
+    own sha256 is what copies of one model to several recipients share (their cores
+    differ), and of a model of one f32 buffer it is checkpoint.model_sha256 of its
+    parameters: `payload_sha256`, when given, is taken for the pieces' hash instead of
+    hashing them (the caller vouches for it; a wrong one fails every receiver's check)."""
+    if payload_sha256 is None:
+        h = hashlib.sha256()
+        for piece in pieces:
+            h.update(piece)
+        payload_sha256 = h.hexdigest()
+    return frame_digest(content_core(kind, round, sender, recipient, dtype, table_hash,
+                                     message_id, rows, scalars), payload_sha256)
+
+
+def frame_digest(core: bytes, payload_sha256: str) -> str:
+    """content_digest from its two parts: sha256 of the core JSON, a newline, and the
+    payload's sha256 as 64 lowercase hex digits."""
+    h = hashlib.sha256(core)
     h.update(b"\n")
-    for piece in pieces:
-        h.update(piece)
+    h.update(payload_sha256.encode("ascii"))
     return h.hexdigest()
 
 
@@ -234,13 +247,16 @@ def _blob_view(name: str, value) -> memoryview:
 def encode(kind: str, round: int, sender: str, buffers: Mapping[str, Any],
            scalars: Mapping[str, Any] | None = None, table: LayerTable | None = None,
            compression: str = "none", *, recipient: str | None = None,
-           message_id: int | None = None, sign=None) -> bytes:
+           message_id: int | None = None, sign=None,
+           payload_sha256: str | None = None) -> bytes:
     """One whole frame (chunk 0 of 1). Tensor kinds (model, client_model, update) take float32
     buffers of the table's size, all finite, sent as f32 ("none"), f16 or int8 with one scale
     per layer; blob kinds (onnx) take bytes-like buffers, compression "none". client_model
     frames name their `recipient`. EncodeError names anything refused.
     sign(digest, kind, round, message_id) -> dict: when given, its result is carried as the
-    scalar "sig" (edgefl.transport.signing makes it); digest is content_digest's."""
+    scalar "sig" (edgefl.transport.signing makes it); digest is content_digest's.
+    payload_sha256: the sha256 (hex) of the payload this call lays out, when the caller has
+    it already (content_digest; only with `sign`): the payload is then not hashed here."""
     if kind not in KINDS:
         raise EncodeError(f"kind {kind!r}; valid: {sorted(KINDS)}")
     round = _check_u(round, 32, "round")
@@ -303,9 +319,13 @@ def encode(kind: str, round: int, sender: str, buffers: Mapping[str, Any],
     meta["buffers"] = rows
     meta["scalars"] = _json_value(dict(scalars or {}), "scalars")
     table_hash = table.hash64 if table is not None else 0
+    if payload_sha256 is not None and (sign is None or not isinstance(payload_sha256, str)
+                                       or not _HEX64.fullmatch(payload_sha256)):
+        raise EncodeError(f"payload_sha256 {payload_sha256!r}: need 64 lowercase hex digits, "
+                          "and only with sign")
     if sign is not None:
         digest = content_digest(kind, round, sender, recipient, dtype, table_hash, message_id,
-                                rows, meta["scalars"], pieces)
+                                rows, meta["scalars"], pieces, payload_sha256)
         meta["scalars"][SIGNATURE_SCALAR] = _json_value(sign(digest, kind, round, message_id),
                                                         "scalars.sig")
     meta_bytes = _dumps(meta)

@@ -24,7 +24,8 @@ import numpy as np
 
 from .checks import (Expectation, _check_header_expectation, _check_parties, _meta_int,
                      _meta_keys, _parse_meta)
-from .frame import SIGNATURE_SCALAR, Frame, _assemble, _check_u, _dumps, content_core, decode
+from .frame import (SIGNATURE_SCALAR, Frame, _assemble, _check_u, _dumps, content_core,
+                    decode, frame_digest)
 from .header import (_DTYPE_NAMES, _HEAD, ALIGN, FLAG_CHUNK, HEADER_SIZE, MAGIC, EncodeError,
                      FrameError, Header, _align, _as_view, _check_body_crc, read_header)
 
@@ -101,7 +102,7 @@ class _Partial:
     parts: dict = field(default_factory=dict)   # chunk index -> (offset, bytes-like)
     # the content digest hashed along (Reassembler digests): the chunks by offset, the
     # hash so far, the next offset of the whole frame to hash (None: not hashed along),
-    # where the payload ends, and the core JSON hashed first
+    # where the payload ends, and the core JSON (frame_digest's)
     by_offset: dict = field(default_factory=dict)
     hasher: object = None
     hash_next: int | None = 0
@@ -426,7 +427,8 @@ class Reassembler:
         if part.hasher is not None and part.hash_next is not None \
                 and part.hash_next >= part.hash_end:
             # Frame.content_sha256 takes it if the core is the decoded frame's own
-            object.__setattr__(frame, "digest_hint", (part.core, part.hasher.hexdigest()))
+            object.__setattr__(frame, "digest_hint",
+                               (part.core, frame_digest(part.core, part.hasher.hexdigest())))
         self.stats["messages"] += 1
         return frame
 
@@ -459,8 +461,7 @@ def _hash_along(part: _Partial) -> None:
         except (ValueError, TypeError, KeyError, AttributeError, struct.error):
             part.hash_next = None
             return
-        part.hasher = hashlib.sha256(part.core)
-        part.hasher.update(b"\n")
+        part.hasher = hashlib.sha256()          # the payload's; frame_digest adds the core
         part.hash_end = start + payload_len
         part.hasher.update(first[start:part.hash_end])
         part.hash_next = len(first)
