@@ -4,7 +4,7 @@
 The core is built without OpenSSL headers or a link to libcrypto; here, at run time, the
 libcrypto that Python's own `_hashlib` / `_ssl` load (already mapped in the process; its
 soname otherwise) is opened with ctypes and its EVP_* addresses are read. None when there is
-no usable libcrypto (1.1 or 3.x): the masks then come from `cryptography`
+no usable libcrypto (OpenSSL 1.1 or 3.x, on Linux): the masks then come from `cryptography`
 (reference.secagg_mask), which is also the oracle the core's keystream is checked against
 before it is used (kernels.secagg_mask)."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib
+import sys
 
 _NAMES = ("EVP_CIPHER_CTX_new", "EVP_CIPHER_CTX_free", "EVP_aes_256_ctr",
           "EVP_EncryptInit_ex", "EVP_EncryptUpdate")
@@ -32,7 +33,10 @@ def _loaded_paths() -> list[str]:
 
 
 def evp_addresses() -> tuple[tuple[int, ...], str] | None:
-    """((address of each of _NAMES), the library's path) or None."""
+    """((address of each of _NAMES), the library's path) or None. Linux only: elsewhere the
+    system's libcrypto may not be OpenSSL's (macOS aborts a process that opens its own)."""
+    if not sys.platform.startswith("linux"):
+        return None
     candidates = _loaded_paths() + ["libcrypto.so.3", "libcrypto.so.1.1"]
     found = ctypes.util.find_library("crypto")
     if found:

@@ -238,23 +238,26 @@ def ring_add(x: np.ndarray, m: np.ndarray, subtract: bool = False) -> np.ndarray
 
 # The C core's masks need OpenSSL's libcrypto, found at run time (edgefl/_openssl.py) and
 # checked once against the twin's `cryptography` keystream before its first use.
-_MASKS = {"state": None, "lock": threading.Lock()}     # state: None (unchecked), True, False
+_MASKS = {"found": None, "off": False, "lock": threading.Lock()}   # found: None = not yet looked
 MAX_MASK_SCALARS = 2048                                 # 8 bytes each: the C block's size
 
 
 def masks_in_c() -> bool:
     """True when secagg_mask runs in the C core (OpenSSL's AES through EVP, the GIL released);
-    False: the twin's `cryptography` loop."""
-    if _MASKS["state"] is None:
+    False: the twin's `cryptography` loop. The library is looked for and checked once."""
+    if _MASKS["off"]:
+        return False
+    if _MASKS["found"] is None:
         with _MASKS["lock"]:
-            if _MASKS["state"] is None:
-                _MASKS["state"] = _enable_c_masks()
-    return _MASKS["state"]
+            if _MASKS["found"] is None:
+                _MASKS["found"] = _enable_c_masks()
+    return _MASKS["found"]
 
 
-def use_c_masks(enabled: bool | None) -> None:
-    """Tests and benchmarks: False forces the twin's masks, None re-detects (masks_in_c)."""
-    _MASKS["state"] = None if enabled is None else bool(enabled) and _enable_c_masks()
+def use_c_masks(enabled: bool) -> None:
+    """Tests and benchmarks: False forces the twin's masks, True allows the core's again
+    (when masks_in_c finds them)."""
+    _MASKS["off"] = not enabled
 
 
 def _enable_c_masks() -> bool:
@@ -357,14 +360,17 @@ def mask_threads() -> int:
 
 
 def _mask_pool():
-    pool = _MASKS.get("pool")
-    if pool is None or pool._max_workers < mask_threads():
+    """The mask threads, made on first use (again in a forked child, whose copy of the pool
+    has no threads, and when EDGEFL_MASK_THREADS asks for more)."""
+    want = mask_threads()
+    pool, pid = _MASKS.get("pool"), _MASKS.get("pid")
+    if pool is None or pid != os.getpid() or pool._max_workers < want:
         with _MASKS["lock"]:
-            pool = _MASKS.get("pool")
-            if pool is None or pool._max_workers < mask_threads():
+            pool, pid = _MASKS.get("pool"), _MASKS.get("pid")
+            if pool is None or pid != os.getpid() or pool._max_workers < want:
                 from concurrent.futures import ThreadPoolExecutor
-                pool = _MASKS["pool"] = ThreadPoolExecutor(mask_threads(),
-                                                           thread_name_prefix="edgefl-masks")
+                pool = _MASKS["pool"] = ThreadPoolExecutor(want, thread_name_prefix="edgefl-masks")
+                _MASKS["pid"] = os.getpid()
     return pool
 
 

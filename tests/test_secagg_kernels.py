@@ -169,7 +169,7 @@ def test_bad_arguments_are_named():
 def c_masks(monkeypatch):
     """The C core's masks (OpenSSL's AES-CTR found at run time), or skip; state restored."""
     monkeypatch.setattr(kernels, "_MASKS", dict(kernels._MASKS))
-    kernels.use_c_masks(None)
+    kernels.use_c_masks(True)
     if not kernels.masks_in_c():
         pytest.skip("no C core or no usable libcrypto in this process")
 
@@ -238,3 +238,18 @@ def test_mask_argument_checks(impl, monkeypatch):
         monkeypatch.setenv("EDGEFL_MASK_THREADS", "two")
         with pytest.raises(KernelError, match="EDGEFL_MASK_THREADS"):
             kernels.mask_threads()
+
+
+def test_masks_fall_back_to_cryptography_without_libcrypto(monkeypatch):
+    """No libcrypto found (another platform, a static Python): the masks come from the
+    twin, with the same bytes."""
+    from edgefl import _openssl
+    words, scalars = np.arange(300_001, dtype=np.uint32), np.arange(2, dtype=np.uint64)
+    keys, subtract = bytes(range(64)), b"\0\1"
+    want_w, want_s = words.copy(), scalars.copy()
+    reference.secagg_mask(want_w, want_s, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+    monkeypatch.setattr(kernels, "_MASKS", dict(kernels._MASKS, found=None, off=False))
+    monkeypatch.setattr(_openssl, "evp_addresses", lambda: None)
+    assert not kernels.masks_in_c()
+    kernels.secagg_mask(words, scalars, keys, subtract)
+    assert words.tobytes() == want_w.tobytes() and scalars.tobytes() == want_s.tobytes()
