@@ -213,6 +213,9 @@ def main(argv=None) -> int:
                         help="the 10-client rows and the 100-client 100k row only")
     parser.add_argument("--no-broker", action="store_true",
                         help="skip the rows through Mosquitto")
+    parser.add_argument("--target", action="store_true",
+                        help="the rows of the targets only: mask expansion, 10 clients x 1M "
+                             "parameters in process (1 epoch), and through Mosquitto")
     parser.add_argument("--json", action="store_true", help="rows as JSON instead of a table")
     args = parser.parse_args(argv)
     cases = [(10, 100_000, 0, "1 epoch"), (10, 1_000_000, 0, "1 epoch"),
@@ -220,6 +223,8 @@ def main(argv=None) -> int:
              (100, 100_000, 10, "1 epoch")]
     if not args.quick:
         cases += [(100, 1_000_000, 10, "1 epoch")]
+    if args.target:
+        cases = [(10, 1_000_000, 0, "1 epoch")]
     rows = mask_rows(max(args.repeats, 10)) + round_rows(args.repeats, cases)
     if not args.no_broker:
         rows += broker_rows(args.repeats, [(10, 100_000), (10, 1_000_000)])
