@@ -9,7 +9,9 @@ Rows:
                         kernels.secagg_mask), by each path: the AES-256-CTR keystream from
                         `cryptography` added block by block (the twin, the fallback; the GIL
                         held), and the C core's OpenSSL EVP loop on 1 thread and on every
-                        usable core (EDGEFL_MASK_THREADS); GB/s = mask bytes per second.
+                        usable core (EDGEFL_MASK_THREADS); GB/s = mask bytes per second of
+                        wall time, GB per CPU-s = per second of process CPU time (all
+                        threads; steadier than wall time on a loaded machine).
     round               one FedAvg round in process (`run_federation`, one thread, every
                         selected client uploads): the clear round against the same round run
                         secure (SecAgg+ between the in-process clients: keys, Shamir shares,
@@ -114,17 +116,20 @@ def mask_rows(repeats):
                 secagg.apply_masks(words, scalars, masks)
 
             paths = [p for p in MASK_PATHS if p[1] is False or kernels.masks_in_c()]
-            times = interleaved([lambda c=c, t=t: run(c, t) for _, c, t in paths], repeats)
+            times, cpus = interleaved([lambda c=c, t=t: run(c, t) for _, c, t in paths],
+                                      repeats, cpu=True)
             kernels.use_c_masks(True)
             _threads(None)
             nbytes = count * n * dtype.itemsize
-            for (name, _, threads), ts in zip(paths, times):
+            for (name, _, threads), ts, cs in zip(paths, times, cpus):
                 rates = [nbytes / t / 1e9 for t in ts]
+                per_cpu = [nbytes / max(c, 1e-9) / 1e9 for c in cs]
                 rows.append({"row": f"mask expansion, {bits}-bit words, {count} mask(s), "
                                     f"{name}",
                              "size": f"{nbytes / 1e6:.0f} MB",
                              "GB/s": f"{statistics.median(rates):.2f} [{min(rates):.2f}, "
-                                     f"{max(rates):.2f}]"})
+                                     f"{max(rates):.2f}]",
+                             "GB per CPU-s": f"{statistics.median(per_cpu):.2f}"})
     return rows
 
 
