@@ -532,7 +532,7 @@ def secagg_mask(words, scalars, keys, subtract, x, clip, scale, weight, seed, st
     streams = [_aes_ctr(keys[32 * k:32 * k + 32], counter) for k in range(len(subtract))]
     flat = _flat(words)
     block = max(1, MASK_BLOCK // flat.itemsize)
-    zeros = bytes(max(MASK_BLOCK, scalars.nbytes))
+    zeros = memoryview(bytes(max(MASK_BLOCK, scalars.nbytes)))   # sliced without copying
     scratch = bytearray(len(zeros))
     for start in range(0, flat.size, block):
         part = flat[start:start + block]
