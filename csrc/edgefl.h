@@ -63,6 +63,18 @@ void ef_ring_add_u64(uint64_t *restrict x, const uint64_t *restrict m, int64_t n
 /* out[i] = signed(sum[i]) * unit, one rounding to float32. */
 void ef_dequantize_u32(float *out, const uint32_t *sum, int64_t n, double unit);
 void ef_dequantize_u64(float *out, const uint64_t *sum, int64_t n, double unit);
+/* OpenSSL's EVP functions (EVP_CIPHER_CTX_new, EVP_CIPHER_CTX_free, EVP_aes_256_ctr,
+ * EVP_EncryptInit_ex, EVP_EncryptUpdate), found at run time (edgefl/_openssl.py); EF_OK. */
+int ef_set_aes_ctr(void *ctx_new, void *ctx_free, void *aes_256_ctr, void *init, void *update);
+int ef_have_aes_ctr(void);
+/* words (n words of `bits`) then scalars (m uint64) (+|-)= each of nkeys AES-256-CTR keystreams
+ * (keys: 32 bytes each; subtract[k] 0/1), block by block; with x != NULL each block is first
+ * quantised from x (as ef_quantize_*); the streams start at byte 16 * counter. EF_OK, or
+ * EF_ERR_ARGS (no OpenSSL, an OpenSSL failure, 8 m > 16 kB). */
+int ef_secagg_mask(void *words, int64_t n, int bits, uint64_t *scalars, int64_t m,
+                   const unsigned char *keys, const unsigned char *subtract, int64_t nkeys,
+                   const float *x, double clip, double scale, int64_t weight, uint64_t seed,
+                   int stochastic, uint64_t counter);
 
 /* ------------------------------------------------------------------------------------------
  * Codecs (codec.c)

@@ -18,6 +18,8 @@
  * ---------------------------------------------------------------------------------------- */
 #include "edgefl.h"
 
+#include <stdlib.h>
+
 #define EF_GOLDEN64 0x9E3779B97F4A7C15ULL
 
 /* The quantiser is per-coordinate 64-bit integer work (mix64's multiplies, double <-> int64
@@ -113,4 +115,137 @@ void ef_dequantize_u64(float *out, const uint64_t *sum, int64_t n, double unit)
 {
     for (int64_t i = 0; i < n; i++)
         out[i] = (float)((double)(int64_t)sum[i] * unit);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Masks: words (+|-)= the AES-256-CTR keystream of each key, mod 2^bits, with the GIL released.
+ *
+ * The keystream comes from OpenSSL's EVP interface (a maintained library; nothing
+ * cryptographic is written here): the process's libcrypto is found at run time by
+ * edgefl/_openssl.py, which hands its EVP function addresses to ef_set_aes_ctr, so building
+ * the core needs no OpenSSL headers and a core without them still loads (the masks then come
+ * from `cryptography` through reference.py, which is also the oracle the parity tests hold
+ * this to). Each key's stream is AES-256-CTR with a zero IV, the bytes it encrypts zeros to:
+ * the words' bytes first, then 8 bytes per 64-bit scalar, exactly as secagg's PRG.
+ *
+ * The vector is walked in EF_MASK_BLOCK-byte blocks; every key's stream is run over a block
+ * (into a keystream buffer the size of a block) and added before the next block, so the
+ * block, the buffer and the zeros stay in L1/L2 and the words cross memory once. With `x`
+ * (not NULL) the block is first quantised into the words (the ring's quantiser above, the
+ * same u per coordinate as a whole-vector ef_quantize_*), so quantisation and masking are one
+ * pass. `counter` starts the streams at byte 16 * counter (a piece of a longer vector: CTR's
+ * counter block is the 128-bit big-endian block index), so threads can mask pieces of one
+ * vector (kernels.secagg_mask).
+ * ---------------------------------------------------------------------------------------- */
+#define EF_MASK_BLOCK (16 * 1024)
+
+typedef void *(*ef_ctx_new_fn)(void);
+typedef void (*ef_ctx_free_fn)(void *);
+typedef const void *(*ef_cipher_fn)(void);
+typedef int (*ef_init_fn)(void *, const void *, void *, const unsigned char *,
+                          const unsigned char *);
+typedef int (*ef_update_fn)(void *, unsigned char *, int *, const unsigned char *, int);
+
+static struct {
+    ef_ctx_new_fn ctx_new;
+    ef_ctx_free_fn ctx_free;
+    ef_cipher_fn aes_256_ctr;
+    ef_init_fn init;
+    ef_update_fn update;
+} ef_evp;
+
+static const unsigned char ef_zeros[EF_MASK_BLOCK];
+
+int ef_set_aes_ctr(void *ctx_new, void *ctx_free, void *aes_256_ctr, void *init, void *update)
+{
+    ef_evp.ctx_new = (ef_ctx_new_fn)ctx_new;
+    ef_evp.ctx_free = (ef_ctx_free_fn)ctx_free;
+    ef_evp.aes_256_ctr = (ef_cipher_fn)aes_256_ctr;
+    ef_evp.init = (ef_init_fn)init;
+    ef_evp.update = (ef_update_fn)update;
+    return ef_have_aes_ctr() ? EF_OK : EF_ERR_ARGS;
+}
+
+int ef_have_aes_ctr(void)
+{
+    return ef_evp.ctx_new && ef_evp.ctx_free && ef_evp.aes_256_ctr && ef_evp.init &&
+           ef_evp.update;
+}
+
+/* keystream bytes [at the context's position, + nbytes) into ks; 0 on an OpenSSL failure */
+static int keystream(void *ctx, unsigned char *ks, int nbytes)
+{
+    int got = 0;
+    return ef_evp.update(ctx, ks, &got, ef_zeros, nbytes) == 1 && got == nbytes;
+}
+
+static void add_bytes(void *dst, const unsigned char *ks, int64_t nbytes, int bits, int subtract)
+{
+    if (bits == 32)
+        ef_ring_add_u32((uint32_t *)dst, (const uint32_t *)(const void *)ks, nbytes / 4, subtract);
+    else
+        ef_ring_add_u64((uint64_t *)dst, (const uint64_t *)(const void *)ks, nbytes / 8, subtract);
+}
+
+int ef_secagg_mask(void *words, int64_t n, int bits, uint64_t *scalars, int64_t m,
+                   const unsigned char *keys, const unsigned char *subtract, int64_t nkeys,
+                   const float *x, double clip, double scale, int64_t weight, uint64_t seed,
+                   int stochastic, uint64_t counter)
+{
+    unsigned char iv[16] = {0};
+    for (int b = 0; b < 8; b++)        /* the 128-bit big-endian counter of the first block */
+        iv[15 - b] = (unsigned char)(counter >> (8 * b));
+    const int64_t itemsize = bits / 8, per_block = EF_MASK_BLOCK / itemsize;
+    if (!ef_have_aes_ctr() || (bits != 32 && bits != 64) || n < 0 || m < 0 || nkeys < 0 ||
+        8 * m > EF_MASK_BLOCK)
+        return EF_ERR_ARGS;
+    int status = EF_OK;
+    void **ctx = calloc((size_t)(nkeys > 0 ? nkeys : 1), sizeof *ctx);
+    unsigned char *ks = malloc(EF_MASK_BLOCK);
+    if (!ctx || !ks) {
+        status = EF_ERR_ARGS;
+        goto done;
+    }
+    for (int64_t k = 0; k < nkeys; k++)
+        if (!(ctx[k] = ef_evp.ctx_new()) ||
+            ef_evp.init(ctx[k], ef_evp.aes_256_ctr(), NULL, keys + 32 * k, iv) != 1) {
+            status = EF_ERR_ARGS;
+            goto done;
+        }
+    for (int64_t start = 0; start < n; start += per_block) {
+        const int64_t count = n - start < per_block ? n - start : per_block;
+        unsigned char *block = (unsigned char *)words + start * itemsize;
+        if (x) {
+            const uint64_t at = seed + (uint64_t)start * EF_GOLDEN64;  /* u of coordinate start+j */
+            if (bits == 32)
+                ef_quantize_u32((uint32_t *)(void *)block, x + start, count, clip, scale,
+                                weight, at, stochastic);
+            else
+                ef_quantize_u64((uint64_t *)(void *)block, x + start, count, clip, scale,
+                                weight, at, stochastic);
+        }
+        for (int64_t k = 0; k < nkeys; k++) {
+            if (!keystream(ctx[k], ks, (int)(count * itemsize))) {
+                status = EF_ERR_ARGS;
+                goto done;
+            }
+            add_bytes(block, ks, count * itemsize, bits, subtract[k]);
+        }
+    }
+    if (m > 0)
+        for (int64_t k = 0; k < nkeys; k++) {
+            if (!keystream(ctx[k], ks, (int)(8 * m))) {
+                status = EF_ERR_ARGS;
+                goto done;
+            }
+            add_bytes(scalars, ks, 8 * m, 64, subtract[k]);
+        }
+done:
+    if (ctx)
+        for (int64_t k = 0; k < nkeys; k++)
+            if (ctx[k])
+                ef_evp.ctx_free(ctx[k]);
+    free(ctx);
+    free(ks);
+    return status;
 }

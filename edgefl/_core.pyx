@@ -29,6 +29,9 @@ cdef extern from "edgefl.h" nogil:
     void ef_ring_add_u64(uint64_t *x, const uint64_t *m, int64_t n, int subtract)
     void ef_dequantize_u32(float *out, const uint32_t *sum, int64_t n, double unit)
     void ef_dequantize_u64(float *out, const uint64_t *sum, int64_t n, double unit)
+    int ef_set_aes_ctr(void *ctx_new, void *ctx_free, void *aes_256_ctr, void *init, void *update)
+    int ef_have_aes_ctr()
+    int ef_secagg_mask(void *words, int64_t n, int bits, uint64_t *scalars, int64_t m, const unsigned char *keys, const unsigned char *subtract, int64_t nkeys, const float *x, double clip, double scale, int64_t weight, uint64_t seed, int stochastic, uint64_t counter)
     int ef_have_blas()
     void ef_blas_set_threads(int n)
 
@@ -605,3 +608,47 @@ def dequantize(out, words, double unit):
         w64 = words.reshape(-1)
         with nogil:
             ef_dequantize_u64(&o[0], &w64[0], n, unit)
+
+
+def set_aes_ctr(size_t ctx_new, size_t ctx_free, size_t aes_256_ctr, size_t init, size_t update):
+    """Hand the core OpenSSL's EVP function addresses (edgefl/_openssl.py); True when set."""
+    return ef_set_aes_ctr(<void *>ctx_new, <void *>ctx_free, <void *>aes_256_ctr, <void *>init,
+                          <void *>update) == 0
+
+
+def have_aes_ctr():
+    return bool(ef_have_aes_ctr())
+
+
+def secagg_mask(words, scalars, bytes keys, bytes subtract, x, double clip, double scale,
+                int64_t weight, uint64_t seed, bint stochastic, uint64_t counter=0):
+    """words, scalars (+|-)= the keys' AES-256-CTR streams from byte 16 * counter, after
+    quantising x into words when x is not None (ef_secagg_mask). False when the core has no OpenSSL or OpenSSL failed."""
+    cdef uint32_t[::1] w32
+    cdef uint64_t[::1] w64
+    cdef uint64_t[::1] sv = scalars.reshape(-1)
+    cdef const float[::1] vx
+    cdef const float *px = NULL
+    cdef void *pw = NULL
+    cdef uint64_t *ps = NULL
+    cdef int64_t n = words.size, m = scalars.size, nkeys = len(subtract)
+    cdef int bits = words.dtype.itemsize * 8
+    cdef const unsigned char *pk = keys
+    cdef const unsigned char *pm = subtract
+    cdef int rc
+    if n:
+        if bits == 32:
+            w32 = words.reshape(-1)
+            pw = &w32[0]
+        else:
+            w64 = words.reshape(-1)
+            pw = &w64[0]
+    if m:
+        ps = &sv[0]
+    if x is not None and n:
+        vx = x.reshape(-1)
+        px = &vx[0]
+    with nogil:
+        rc = ef_secagg_mask(pw, n, bits, ps, m, pk, pm, nkeys, px, clip, scale, weight, seed,
+                            stochastic, counter)
+    return rc == 0

@@ -236,6 +236,144 @@ def ring_add(x: np.ndarray, m: np.ndarray, subtract: bool = False) -> np.ndarray
     return x
 
 
+# The C core's masks need OpenSSL's libcrypto, found at run time (edgefl/_openssl.py) and
+# checked once against the twin's `cryptography` keystream before its first use.
+_MASKS = {"found": None, "off": False, "lock": threading.Lock()}   # found: None = not yet looked
+MAX_MASK_SCALARS = 2048                                 # 8 bytes each: the C block's size
+
+
+def masks_in_c() -> bool:
+    """True when secagg_mask runs in the C core (OpenSSL's AES through EVP, the GIL released);
+    False: the twin's `cryptography` loop. The library is looked for and checked once."""
+    if _MASKS["off"]:
+        return False
+    if _MASKS["found"] is None:
+        with _MASKS["lock"]:
+            if _MASKS["found"] is None:
+                _MASKS["found"] = _enable_c_masks()
+    return _MASKS["found"]
+
+
+def use_c_masks(enabled: bool) -> None:
+    """Tests and benchmarks: False forces the twin's masks, True allows the core's again
+    (when masks_in_c finds them)."""
+    _MASKS["off"] = not enabled
+
+
+def _enable_c_masks() -> bool:
+    if impl is reference or os.environ.get("EDGEFL_MASKS", "").strip().lower() == "cryptography":
+        return False
+    from . import _openssl
+    found = _openssl.evp_addresses()
+    if found is None or not impl.set_aes_ctr(*found[0]):
+        return False
+    # the core's keystream must be the twin's, byte for byte: a libcrypto that differs
+    # (or fails) is not used
+    keys, subtract = bytes(range(32)) + bytes(range(32, 64)), bytes([0, 1])
+    got = [np.arange(1000, dtype=np.uint32), np.arange(3, dtype=np.uint64)]
+    want = [a.copy() for a in got]
+    ok = impl.secagg_mask(*got, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+    reference.secagg_mask(*want, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+    if not (ok and all(np.array_equal(a, b) for a, b in zip(got, want))):
+        warnings.warn(f"edgefl: the C core's AES-CTR through {found[1]} does not match "
+                      f"`cryptography`; secure aggregation masks use `cryptography`",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def secagg_mask(words: np.ndarray, scalars: np.ndarray, keys: bytes, subtract: bytes,
+                x: np.ndarray | None = None, clip: float = 1.0, levels: int = 1,
+                weight: int = 1, seed: int = 0, stochastic: bool = True) -> np.ndarray:
+    """words, scalars (+|-)= PRG(key) mod 2^bits for each 32-byte key of `keys` (subtract[k]
+    0 or 1), the PRG being AES-256-CTR with a zero IV over the words' bytes then 8 bytes per
+    scalar; with `x`, words are first set to `quantize(words, x, clip, levels, weight, seed,
+    stochastic)`, in the same pass. The C core (OpenSSL's AES, the GIL released) when
+    `masks_in_c()`, the twin (`cryptography`) otherwise: the same bytes."""
+    bits = _ring_bits("words", words)
+    check_array("words", words, words.dtype, writable=True)
+    check_array("scalars", scalars, np.uint64, writable=True)
+    if not isinstance(keys, bytes) or not isinstance(subtract, bytes) \
+            or len(keys) != 32 * len(subtract) or any(s > 1 for s in subtract):
+        raise KernelError(f"keys / subtract: {len(subtract)} signs (0 or 1) and 32 bytes of "
+                          f"key each ({type(keys).__name__} of {len(keys)} bytes)")
+    scale = 1.0
+    if x is not None:
+        check_array("x", x, np.float32, size=words.size)
+        if not (isinstance(clip, (int, float, np.floating)) and np.isfinite(clip) and clip > 0):
+            raise KernelError(f"clip: {clip!r} must be a finite number > 0")
+        for name, value, low in (("levels", levels, 1), ("weight", weight, 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise KernelError(f"{name}: {value!r} must be a whole number >= {low}")
+        if int(levels) * max(int(weight), 1) >= 2 ** (bits - 1):
+            raise KernelError(f"levels * weight = {int(levels) * int(weight)}: must be below "
+                              f"2^{bits - 1} for the ring's signed read-back")
+        bad = impl.first_nonfinite(x)
+        if bad >= 0:
+            raise NonFiniteError("secagg_mask", f"x[{bad}] = {x.reshape(-1)[bad]} is not finite")
+        scale = float(levels) / float(clip)
+    seed = int(seed) & _U64
+    if impl is reference or not (scalars.size <= MAX_MASK_SCALARS and masks_in_c()):
+        reference.secagg_mask(words, scalars, keys, subtract, x, float(clip), scale,
+                              int(weight), seed, bool(stochastic))
+        return words
+    # In C the GIL is released, so a long vector is cut into one piece per mask thread, each
+    # piece's streams starting at its own byte offset (a multiple of 16: CTR's block) and its
+    # quantiser's u at its own coordinate; the last piece takes the scalars.
+    flat = words.reshape(-1)
+    xf = None if x is None else x.reshape(-1)
+    per16 = 16 // flat.itemsize
+    pieces = min(mask_threads(), max(1, flat.size // MASK_PIECE_WORDS))
+    cuts = [flat.size * i // pieces // per16 * per16 for i in range(pieces)] + [flat.size]
+    empty = np.zeros(0, np.uint64)
+
+    def piece(i):
+        a, b = cuts[i], cuts[i + 1]
+        return impl.secagg_mask(flat[a:b], scalars if i == pieces - 1 else empty, keys,
+                                subtract, None if xf is None else xf[a:b], float(clip), scale,
+                                int(weight), (seed + a * _GOLDEN64) & _U64, bool(stochastic),
+                                a * flat.itemsize // 16)
+
+    done = [piece(0)] if pieces == 1 else list(_mask_pool().map(piece, range(pieces)))
+    if not all(done):
+        raise KernelError("secagg_mask: OpenSSL's AES-CTR failed in the C core")
+    return words
+
+
+_U64 = 0xFFFFFFFFFFFFFFFF
+_GOLDEN64 = 0x9E3779B97F4A7C15
+MASK_PIECE_WORDS = 1 << 17          # a piece of fewer words is not worth a thread hand-off
+
+
+def mask_threads() -> int:
+    """Threads secagg_mask uses in C: EDGEFL_MASK_THREADS, else the usable cores."""
+    env = os.environ.get("EDGEFL_MASK_THREADS", "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise KernelError(f"EDGEFL_MASK_THREADS={env!r}: must be a whole number") from None
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _mask_pool():
+    """The mask threads, made on first use (again in a forked child, whose copy of the pool
+    has no threads, and when EDGEFL_MASK_THREADS asks for more)."""
+    want = mask_threads()
+    pool, pid = _MASKS.get("pool"), _MASKS.get("pid")
+    if pool is None or pid != os.getpid() or pool._max_workers < want:
+        with _MASKS["lock"]:
+            pool, pid = _MASKS.get("pool"), _MASKS.get("pid")
+            if pool is None or pid != os.getpid() or pool._max_workers < want:
+                from concurrent.futures import ThreadPoolExecutor
+                pool = _MASKS["pool"] = ThreadPoolExecutor(want, thread_name_prefix="edgefl-masks")
+                _MASKS["pid"] = os.getpid()
+    return pool
+
+
 def dequantize(out: np.ndarray, words: np.ndarray, unit: float) -> np.ndarray:
     """out = (words read as signed integers) * unit, rounded once to float32."""
     _ring_bits("words", words)

@@ -508,3 +508,38 @@ def dequantize(out, words, unit):
     """out = signed(words) * unit, one rounding to float32."""
     signed = _flat(words).view(np.int32 if words.dtype.itemsize == 4 else np.int64)
     _flat(out)[...] = signed.astype(np.float64) * unit
+
+
+# AES-256-CTR masks (secagg.c's ef_secagg_mask): each key's keystream from `cryptography`
+# (OpenSSL inside it), what it encrypts zeros to, over the words' bytes then 8 bytes per
+# scalar, added (or subtracted) mod 2^bits. Walked in blocks, every key's stream over a block
+# before the next, so the block stays in cache and the keystream buffer is one block.
+MASK_BLOCK = 1 << 18
+
+
+def _aes_ctr(key: bytes, counter: int = 0):
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    return Cipher(algorithms.AES(key), modes.CTR(counter.to_bytes(16, "big"))).encryptor()
+
+
+def secagg_mask(words, scalars, keys, subtract, x, clip, scale, weight, seed, stochastic,
+                counter=0):
+    """words, scalars (+|-)= the AES-256-CTR keystream of each 32-byte key in `keys` (sign
+    from the bytes of `subtract`), from byte 16 * counter of the streams, after quantising x
+    into words when x is not None."""
+    if x is not None:
+        quantize(words, x, clip, scale, weight, seed, stochastic)
+    streams = [_aes_ctr(keys[32 * k:32 * k + 32], counter) for k in range(len(subtract))]
+    flat = _flat(words)
+    block = max(1, MASK_BLOCK // flat.itemsize)
+    zeros = memoryview(bytes(max(MASK_BLOCK, scalars.nbytes)))   # sliced without copying
+    scratch = bytearray(len(zeros))
+    for start in range(0, flat.size, block):
+        part = flat[start:start + block]
+        for encryptor, sub in zip(streams, subtract):
+            encryptor.update_into(zeros[:part.nbytes], scratch)
+            ring_add(part, np.frombuffer(scratch, flat.dtype, part.size), sub)
+    for encryptor, sub in zip(streams, subtract):
+        encryptor.update_into(zeros[:scalars.nbytes], scratch)
+        ring_add(scalars, np.frombuffer(scratch, np.uint64, scalars.size), sub)
+    return True

@@ -270,12 +270,19 @@ def test_chunks_reassemble_in_any_order_and_repeats_are_dropped():
         inbox.add("client-2", b"XXXX" + bytes(40))
 
 
-def test_block_wise_masks_are_the_keystream_added_word_by_word():
-    """apply_masks adds each key's stream block by block; the result is the whole keystream
-    (mask_stream) added at once, words then scalars, with each mask's sign."""
+@pytest.mark.parametrize("in_c", [True, False], ids=["c-openssl", "cryptography"])
+def test_block_wise_masks_are_the_keystream_added_word_by_word(in_c, monkeypatch):
+    """apply_masks adds each key's stream block by block (in C, in pieces on threads); the
+    result is the whole keystream (mask_stream) added at once, words then scalars, with each
+    mask's sign."""
+    if in_c and not kernels.masks_in_c():
+        pytest.skip("no C core or no usable libcrypto: the masks come from cryptography")
+    monkeypatch.setenv("EDGEFL_MASK_THREADS", "3")       # three pieces, even on one core
+    monkeypatch.setattr(kernels, "_MASKS", dict(kernels._MASKS))   # restored afterwards
+    kernels.use_c_masks(in_c)
     rng = np.random.default_rng(5)
     for dtype in (np.uint32, np.uint64):
-        n = (secagg.MASK_BLOCK // np.dtype(dtype).itemsize) * 2 + 37   # blocks and a tail
+        n = kernels.MASK_PIECE_WORDS * 3 + 37        # pieces, blocks and a tail
         words = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(dtype)
         scalars = rng.integers(0, 2 ** 63, 3, dtype=np.uint64)
         masks = [(bytes([k]) * 32, k == 1) for k in range(3)]

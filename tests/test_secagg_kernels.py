@@ -162,3 +162,94 @@ def test_bad_arguments_are_named():
         kernels.ring_add(ro, np.zeros(4, np.uint32))
     with pytest.raises(KernelError, match="out: expected 4 elements"):
         kernels.dequantize(np.zeros(3, np.float32), np.zeros(4, np.uint64), 1.0)
+
+
+# ------------------------------------------------------------------ masks (ef_secagg_mask)
+@pytest.fixture
+def c_masks(monkeypatch):
+    """The C core's masks (OpenSSL's AES-CTR found at run time), or skip; state restored."""
+    monkeypatch.setattr(kernels, "_MASKS", dict(kernels._MASKS))
+    kernels.use_c_masks(True)
+    if not kernels.masks_in_c():
+        pytest.skip("no C core or no usable libcrypto in this process")
+
+
+@pytest.mark.parametrize("bits", [32, 64])
+@pytest.mark.parametrize("n", SIZES + [kernels.MASK_PIECE_WORDS * 2 + 5, 1_000_003])
+@pytest.mark.parametrize("threads", ["1", "2", "5"])
+def test_mask_parity_with_cryptography(c_masks, monkeypatch, bits, n, threads):
+    """The C core's keystream (OpenSSL through EVP, 16 kB blocks, the vector in pieces whose
+    CTR counters start at their byte offsets) adds the same bytes as the twin's
+    `cryptography` AES-256-CTR over the whole vector, and the fused quantisation the same
+    words as kernels.quantize; words, then the scalars, with each key's sign."""
+    monkeypatch.setenv("EDGEFL_MASK_THREADS", threads)
+    rng = np.random.default_rng(n + bits)
+    dtype = kernels.RING_DTYPES[bits]
+    words = rng.integers(0, 2 ** 63, n, dtype=np.uint64).astype(dtype)
+    scalars = rng.integers(0, 2 ** 63, 4, dtype=np.uint64)
+    keys = bytes(rng.integers(0, 256, 32 * 4, dtype=np.uint8))
+    subtract = bytes([0, 1, 1, 0])
+    x = values(n)
+    x.setflags(write=False)
+    got_w, got_s = words.copy(), scalars.copy()
+    kernels.secagg_mask(got_w, got_s, keys, subtract)
+    want_w, want_s = words.copy(), scalars.copy()
+    reference.secagg_mask(want_w, want_s, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+    assert got_w.tobytes() == want_w.tobytes() and got_s.tobytes() == want_s.tobytes()
+    # fused: quantise then mask, in one pass, against quantize followed by the twin's masks
+    got_w, got_s = words.copy(), scalars.copy()
+    kernels.secagg_mask(got_w, got_s, keys, subtract, x, 8.0, 1000, weight=37, seed=2 ** 64 - 3)
+    want_w, want_s = np.zeros(n, dtype), scalars.copy()
+    kernels.quantize(want_w, x, 8.0, 1000, weight=37, seed=2 ** 64 - 3)
+    reference.secagg_mask(want_w, want_s, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+    assert got_w.tobytes() == want_w.tobytes() and got_s.tobytes() == want_s.tobytes()
+
+
+def test_mask_keystream_is_aes_256_ctr_from_cryptography(c_masks):
+    """One key's mask on zero words is its AES-256-CTR keystream (zero IV) from
+    `cryptography` directly: no edgefl code between the oracle and the bytes."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    key = bytes(range(100, 132))
+    words, scalars = np.zeros(70_001, np.uint32), np.zeros(2, np.uint64)
+    kernels.secagg_mask(words, scalars, key, b"\0")
+    stream = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(
+        bytes(words.nbytes + scalars.nbytes))
+    assert words.tobytes() + scalars.tobytes() == stream
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mask_argument_checks(impl, monkeypatch):
+    with backend(impl):
+        words, scalars = np.zeros(8, np.uint32), np.zeros(1, np.uint64)
+        with pytest.raises(KernelError, match="keys / subtract"):
+            kernels.secagg_mask(words, scalars, bytes(31), b"\0")
+        with pytest.raises(KernelError, match="keys / subtract"):
+            kernels.secagg_mask(words, scalars, bytes(32), b"\2")
+        with pytest.raises(KernelError, match="words"):
+            kernels.secagg_mask(np.zeros(8, np.int32), scalars, bytes(32), b"\0")
+        with pytest.raises(KernelError, match="scalars"):
+            kernels.secagg_mask(words, np.zeros(1, np.uint32), bytes(32), b"\0")
+        with pytest.raises(KernelError, match="x"):
+            kernels.secagg_mask(words, scalars, bytes(32), b"\0", np.zeros(7, np.float32))
+        bad = np.zeros(8, np.float32)
+        bad[3] = np.nan
+        with pytest.raises(NonFiniteError, match=r"x\[3\]"):
+            kernels.secagg_mask(words, scalars, bytes(32), b"\0", bad, 1.0, 10)
+        monkeypatch.setenv("EDGEFL_MASK_THREADS", "two")
+        with pytest.raises(KernelError, match="EDGEFL_MASK_THREADS"):
+            kernels.mask_threads()
+
+
+def test_masks_fall_back_to_cryptography_without_libcrypto(monkeypatch):
+    """No libcrypto found (another platform, a static Python): the masks come from the
+    twin, with the same bytes."""
+    from edgefl import _openssl
+    words, scalars = np.arange(300_001, dtype=np.uint32), np.arange(2, dtype=np.uint64)
+    keys, subtract = bytes(range(64)), b"\0\1"
+    want_w, want_s = words.copy(), scalars.copy()
+    reference.secagg_mask(want_w, want_s, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+    monkeypatch.setattr(kernels, "_MASKS", dict(kernels._MASKS, found=None, off=False))
+    monkeypatch.setattr(_openssl, "evp_addresses", lambda: None)
+    assert not kernels.masks_in_c()
+    kernels.secagg_mask(words, scalars, keys, subtract)
+    assert words.tobytes() == want_w.tobytes() and scalars.tobytes() == want_s.tobytes()

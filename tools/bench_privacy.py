@@ -5,10 +5,13 @@ Run from a checkout with the extension built in place (or edgefl installed):
     python tools/bench_privacy.py [--repeats N] [--quick] [--json]
 
 Rows:
-    mask expansion      1 or 10 masks added to a vector of 1M words (secagg.apply_masks):
-                        AES-256-CTR keystream from `cryptography` added into the words in C
-                        (kernels.ring_add), block by block; GB/s = mask bytes per second, one
-                        core.
+    mask expansion      1 or 10 masks added to a vector of 1M words (secagg.apply_masks,
+                        kernels.secagg_mask), by each path: the AES-256-CTR keystream from
+                        `cryptography` added block by block (the twin, the fallback; the GIL
+                        held), and the C core's OpenSSL EVP loop on 1 thread and on every
+                        usable core (EDGEFL_MASK_THREADS); GB/s = mask bytes per second of
+                        wall time, GB per CPU-s = per second of process CPU time (all
+                        threads; steadier than wall time on a loaded machine).
     round               one FedAvg round in process (`run_federation`, one thread, every
                         selected client uploads): the clear round against the same round run
                         secure (SecAgg+ between the in-process clients: keys, Shamir shares,
@@ -18,7 +21,10 @@ Rows:
                         single step of batch 8, where the round is almost only the
                         aggregation path, the part secure aggregation changes; models are
                         digits MLPs of about 100k and 1M parameters. `neighbours` is SecAgg+'s
-                        k (0: every pair masks, SecAgg).
+                        k (0: every pair masks, SecAgg). Three runs interleaved: clear,
+                        secure with the masks on every usable core (`ratio`), secure with one
+                        mask thread (`ratio, 1 mask thread`); `CPU ratio` is the process CPU
+                        time (all threads) of the first secure run over the clear one's.
     round, Mosquitto    the same rounds through a real Mosquitto started for the benchmark, with
                         the aggregator and one client role per shard as threads of this process
                         (`edgefl simulate --transport mqtt`'s `run_over_broker`, one training
@@ -62,22 +68,37 @@ from edgefl.strategies import Setup, get_strategy    # noqa: E402
 HIDDEN = {100_000: [1500], 1_000_000: [1000, 900]}     # digits MLPs: 112k and 975k params
 
 
-def interleaved(fns, repeats):
-    """Per-function lists of wall times, the functions interleaved, after one warm-up each."""
+def interleaved(fns, repeats, cpu=False):
+    """Per-function lists of wall times, the functions interleaved, after one warm-up each;
+    cpu=True: (wall times, process CPU times, all threads)."""
     for fn in fns:
         fn()
     times = [[] for _ in fns]
+    cpus = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
+        for fn, ts, cs in zip(fns, times, cpus):
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-    return times
+            cs.append(time.process_time() - c0)
+    return (times, cpus) if cpu else times
 
 
 def spread(ts, scale=1.0, digits=1):
     med = statistics.median(ts) * scale
     return f"{med:.{digits}f} [{min(ts) * scale:.{digits}f}, {max(ts) * scale:.{digits}f}]"
+
+
+def _threads(n):
+    """Run with EDGEFL_MASK_THREADS=n (None: unset, the usable cores)."""
+    if n is None:
+        os.environ.pop("EDGEFL_MASK_THREADS", None)
+    else:
+        os.environ["EDGEFL_MASK_THREADS"] = str(n)
+
+
+MASK_PATHS = [("cryptography", False, 1), ("C core, OpenSSL, 1 thread", True, 1),
+              ("C core, OpenSSL, all cores", True, None)]
 
 
 def mask_rows(repeats):
@@ -88,13 +109,27 @@ def mask_rows(repeats):
         words, scalars = np.zeros(n, dtype), np.zeros(0, np.uint64)
         for count in (1, 10):
             masks = [(bytes([k]) * 32, k % 2 == 1) for k in range(count)]
-            (ts,) = interleaved([lambda: secagg.apply_masks(words, scalars, masks)], repeats)
+
+            def run(c_masks, threads):
+                kernels.use_c_masks(c_masks)
+                _threads(threads)
+                secagg.apply_masks(words, scalars, masks)
+
+            paths = [p for p in MASK_PATHS if p[1] is False or kernels.masks_in_c()]
+            times, cpus = interleaved([lambda c=c, t=t: run(c, t) for _, c, t in paths],
+                                      repeats, cpu=True)
+            kernels.use_c_masks(True)
+            _threads(None)
             nbytes = count * n * dtype.itemsize
-            rates = [nbytes / t / 1e9 for t in ts]
-            rows.append({"row": f"mask expansion, {bits}-bit words, {count} mask(s)",
-                         "size": f"{nbytes / 1e6:.0f} MB",
-                         "GB/s": f"{statistics.median(rates):.2f} [{min(rates):.2f}, "
-                                 f"{max(rates):.2f}]"})
+            for (name, _, threads), ts, cs in zip(paths, times, cpus):
+                rates = [nbytes / t / 1e9 for t in ts]
+                per_cpu = [nbytes / max(c, 1e-9) / 1e9 for c in cs]
+                rows.append({"row": f"mask expansion, {bits}-bit words, {count} mask(s), "
+                                    f"{name}",
+                             "size": f"{nbytes / 1e6:.0f} MB",
+                             "GB/s": f"{statistics.median(rates):.2f} [{min(rates):.2f}, "
+                                     f"{max(rates):.2f}]",
+                             "GB per CPU-s": f"{statistics.median(per_cpu):.2f}"})
     return rows
 
 
@@ -116,17 +151,26 @@ def round_rows(repeats, cases):
         def clear():
             run_federation(strategy, init, clients, setup, clients_n, workers=1)
 
-        def secure():
+        def secure(threads):
+            _threads(threads)
             run_federation(strategy, init, clients, setup, clients_n, workers=1, summing=True,
                            secure_sum=secure_sum)
+            _threads(None)
 
-        t_clear, t_secure = interleaved([clear, secure], repeats)
-        ratios = [s / c for s, c in zip(t_secure, t_clear)]
+        fns = [clear, lambda: secure(None), lambda: secure(1)]
+        walls, cpus = interleaved(fns, repeats, cpu=True)
+        t_clear, t_secure, t_one = walls
+
+        def ratio(a, b):
+            r = [x / y for x, y in zip(a, b)]
+            return f"{statistics.median(r):.2f} [{min(r):.2f}, {max(r):.2f}]"
+
         rows.append({"row": "round, in process", "clients": clients_n,
                      "params": init.size, "neighbours": neighbours, "local": local,
                      "clear ms": spread(t_clear, 1e3, 0), "secure ms": spread(t_secure, 1e3, 0),
-                     "ratio": f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, "
-                              f"{max(ratios):.2f}]"})
+                     "ratio": ratio(t_secure, t_clear),
+                     "ratio, 1 mask thread": ratio(t_one, t_clear),
+                     "CPU ratio": ratio(cpus[1], cpus[0])})
     return rows
 
 
@@ -174,6 +218,9 @@ def main(argv=None) -> int:
                         help="the 10-client rows and the 100-client 100k row only")
     parser.add_argument("--no-broker", action="store_true",
                         help="skip the rows through Mosquitto")
+    parser.add_argument("--target", action="store_true",
+                        help="the rows of the targets only: mask expansion, 10 clients x 1M "
+                             "parameters in process (1 epoch), and through Mosquitto")
     parser.add_argument("--json", action="store_true", help="rows as JSON instead of a table")
     args = parser.parse_args(argv)
     cases = [(10, 100_000, 0, "1 epoch"), (10, 1_000_000, 0, "1 epoch"),
@@ -181,6 +228,8 @@ def main(argv=None) -> int:
              (100, 100_000, 10, "1 epoch")]
     if not args.quick:
         cases += [(100, 1_000_000, 10, "1 epoch")]
+    if args.target:
+        cases = [(10, 1_000_000, 0, "1 epoch")]
     rows = mask_rows(max(args.repeats, 10)) + round_rows(args.repeats, cases)
     if not args.no_broker:
         rows += broker_rows(args.repeats, [(10, 100_000), (10, 1_000_000)])

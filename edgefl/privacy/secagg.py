@@ -66,7 +66,6 @@ import math
 import os
 import random
 import struct
-import threading
 import types
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -631,12 +630,16 @@ class SecAggClient:
                       if int(s) in self._keys}
         self._shared_with = tuple(sorted(self._held))
         q = setup.quantiser
-        words = q.encode(contribution, quantise_seed, setup.max_weight)
+        if contribution.weight > setup.max_weight:
+            raise SecAggError(f"contribution weight {contribution.weight} exceeds the round's "
+                              f"max_weight {setup.max_weight}")
         scalars = encode_scalars(contribution.weight, contribution.scalars, names)
         masks = [(_self_key(setup, self.client, self._seed), False)]
         masks += [(_pair_key(setup, self._s, self._keys[j][1], self.client, j), self.client > j)
                   for j in self._shared_with if j != self.client]
-        apply_masks(words, scalars, masks)
+        # quantised and masked in one pass (the same words as q.encode, then the masks)
+        words = np.empty(contribution.vector.size, q.dtype)
+        apply_masks(words, scalars, masks, encode=(q, contribution, quantise_seed))
         return MaskedInput(setup.round, self.client, words, scalars, names)
 
     def unmask(self, msg: UnmaskRequest) -> UnmaskResponse:
@@ -710,53 +713,25 @@ def _pair_key(setup: RoundSetup, private: X25519PrivateKey, public: X25519Public
     return _hkdf(private.exchange(public), "pair", setup.run_id, setup.round, lo, hi)
 
 
-MASK_BLOCK = 1 << 18        # bytes of words masked at a time: the block and its keystream
-                            # stay in a core's L2 while every mask is added to it
-
-
-def apply_masks(words: np.ndarray, scalars: np.ndarray, masks) -> None:
+def apply_masks(words: np.ndarray, scalars: np.ndarray, masks, encode=None) -> None:
     """words, scalars (+|-)= PRG(key) mod 2^bits for each (key, subtract) of `masks`: each
     key's keystream (`mask_stream`'s) covers the vector's words first, then 8 bytes per
-    scalar. The vector is walked block by block with every key's stream in turn, so a block
-    of words stays in cache while all the masks are added to it: the words cross memory once,
-    not once per mask, and the keystream buffer is one block, not a vector. 256 kB blocks
-    (block and keystream in L2) measured 5-10% faster over a 10-client round than 1 MB ones;
-    the AES itself is most of the time."""
-    if not masks:
-        return
+    scalar (kernels.secagg_mask: in the C core, OpenSSL's AES-256-CTR with the GIL released,
+    the vector in pieces over the cores, each piece walked in cache-sized blocks with every
+    key's stream in turn; `cryptography`'s AES, the oracle, without the core). `encode` =
+    (quantiser, contribution, seed): the words are first set to the contribution's
+    quantised vector (Quantiser.encode), in the same pass over memory."""
     if words.dtype not in kernels.RING_DTYPES.values():
         raise SecAggError(f"masked words must be uint32 or uint64, got {words.dtype}")
-    kernels.check_array("words", words, words.dtype, writable=True)
-    streams = [(_prg(key), subtract) for key, subtract in masks]
-    block = max(1, MASK_BLOCK // words.dtype.itemsize)
-    scratch = _scratch(max(MASK_BLOCK, scalars.nbytes))
-    # The per-block adds go to the backend directly: the words were checked above, and each
-    # keystream view is made here with their dtype and the block's size (kernels.ring_add's
-    # checks, per call, cost as much as the add at this block size).
-    add = kernels.impl.ring_add
-    for start in range(0, words.size, block):
-        part = words[start:start + block]
-        nbytes = part.nbytes
-        zeros, out = _zeros(nbytes), scratch[:nbytes]
-        keystream = np.frombuffer(scratch, words.dtype, part.size)
-        for encryptor, subtract in streams:
-            encryptor.update_into(zeros, out)
-            add(part, keystream, bool(subtract))
-    for encryptor, subtract in streams:
-        encryptor.update_into(_zeros(scalars.nbytes), scratch[:scalars.nbytes])
-        kernels.ring_add(scalars, np.frombuffer(scratch, np.uint64, scalars.size), subtract)
-
-
-_LOCAL = threading.local()
-
-
-def _scratch(nbytes: int) -> bytearray:
-    """A per-thread keystream buffer, reused across masks (a fresh 4 MB bytearray per mask
-    costs as much as the AES itself)."""
-    buf = getattr(_LOCAL, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _LOCAL.buf = bytearray(nbytes)
-    return memoryview(buf)[:nbytes]
+    keys = b"".join(key for key, _ in masks)
+    subtract = bytes(1 if sub else 0 for _, sub in masks)
+    if encode is None:
+        if masks:
+            kernels.secagg_mask(words, scalars, keys, subtract)
+        return
+    q, contribution, seed = encode
+    kernels.secagg_mask(words, scalars, keys, subtract, contribution.vector, q.clip, q.levels,
+                        weight=contribution.weight, seed=seed, stochastic=True)
 
 
 # ======================================================================== server

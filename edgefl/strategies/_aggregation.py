@@ -120,7 +120,7 @@ def mean_delta(total: SumTotal, size: int) -> np.ndarray:
     if not total.weight > 0:
         raise StrategyError(f"aggregate_sum: total weight {total.weight} cannot weight an "
                             f"average (no contribution, or all of weight 0)")
-    return total.vector.astype(np.float64) / total.weight
+    return np.divide(total.vector, float(total.weight), dtype=np.float64)
 
 
 def apply_mean_delta(buffers: Mapping[str, np.ndarray], names: Sequence[str],
@@ -133,6 +133,10 @@ def apply_mean_delta(buffers: Mapping[str, np.ndarray], names: Sequence[str],
         mean *= factor
     out, at = {}, 0
     for name, size in zip(names, sizes):
-        out[name] = (buffers[name].astype(np.float64) + mean[at:at + size]).astype(np.float32)
+        # float64 sum rounded once into the float32 result, without float64 temporaries
+        result = np.empty(buffers[name].shape, np.float32)
+        np.add(buffers[name], mean[at:at + size].reshape(buffers[name].shape), out=result,
+               dtype=np.float64, casting="same_kind")
+        out[name] = result
         at += size
     return out
