@@ -195,10 +195,12 @@ class Client:
     """One federated client over `transport` (not yet connected). `data` is (x, y): its
     samples, float32 C-contiguous features and labels/targets. `state_dir` holds its
     progress. `train_slots` (a Semaphore) bounds how many clients of one process train at
-    once (simulations)."""
+    once (simulations); `announcements` (messages.AnnouncementCache) lets the clients of one
+    process parse each announcement once."""
 
     def __init__(self, settings: ClientSettings, data, transport: Transport,
-                 state_dir: str | os.PathLike, *, stop=None, train_slots=None, notifier=None):
+                 state_dir: str | os.PathLike, *, stop=None, train_slots=None, notifier=None,
+                 announcements=None):
         keep_frames_in_heap()          # a model frame in, an update frame out, every round
         self.settings = settings
         self.node = settings.node_id
@@ -210,6 +212,9 @@ class Client:
         self.stop = stop if stop is not None else threading.Event()
         self.train_slots = train_slots
         self.notifier = notifier
+        # an AnnouncementCache shared by the clients of one process (simulations), or None
+        self._parse_announcement = announcements.parse if announcements is not None \
+            else parse_announcement
         self.topics = Topics(settings.federation, settings.prefix)
         self._topic_cache = TopicCache(self.topics)
         self._onnx_parts = self.topics.onnx() + "/"     # the ONNX part topics' prefix
@@ -257,6 +262,22 @@ class Client:
         return self.progress.client_state
 
     def run(self) -> None:
+        """Connect, then handle messages until `stop` is set (or the run finishes, with
+        exit_when_finished); always closes the connection on the way out."""
+        self.start()
+        try:
+            while not self.stop.is_set():
+                if self.step(self.settings.poll_s):
+                    break
+        finally:
+            self.finish()
+
+    # run() in three parts, for a host that drives many clients from one thread
+    # (edgefl.sim.hosting): start() once, step() whenever its transport's queue has
+    # something (or now and then), finish() once.
+    def start(self) -> None:
+        """Load the stored progress, connect and subscribe (blocking); `ready` is set when
+        done."""
         os.makedirs(self.state_dir, exist_ok=True)
         self.progress = ClientProgress.load(self.state_dir)
         self._signed_at, self._signed_run = _load_signed_at(self.state_dir)
@@ -278,28 +299,39 @@ class Client:
         self.ready.set()
         if self.notifier is not None:
             self.notifier.ready(f"client {self.node}: waiting for a round")
+
+    @property
+    def done(self) -> bool:
+        """The run is finished and nothing is left to do (with exit_when_finished)."""
+        return self.finished and self.job is None and self.settings.exit_when_finished
+
+    def step(self, timeout: float = 0.0) -> bool:
+        """One pass of the loop: wait up to `timeout` for a message, handle what is queued,
+        finish a local round whose training ended, act on an announcement that came while
+        training, ask again for a model that does not come. True when `done`."""
+        if self.notifier is not None:
+            self.notifier.beat()            # the systemd watchdog's proof of life
+        if self.done:
+            return True
+        item = self.transport.receive(timeout=timeout)
+        while item is not None:
+            self._handle(item)
+            item = self.transport.receive(timeout=0) if self.job is None or \
+                not self.job.done.is_set() else None
+        if self.job is not None and self.job.done.is_set():
+            self._finish_job()
+        if self.job is None and self.next_ann is not None:
+            doc, self.next_ann = self.next_ann, None
+            self._adopt(doc)
+        self._maybe_ask_for_model()
+        return False
+
+    def finish(self) -> None:
+        """Stop a local round still training (not stored), then close the connection."""
         try:
-            while not self.stop.is_set():
-                if self.notifier is not None:
-                    self.notifier.beat()            # the systemd watchdog's proof of life
-                if self.finished and self.job is None and self.settings.exit_when_finished:
-                    break
-                item = self.transport.receive(timeout=self.settings.poll_s)
-                while item is not None:
-                    self._handle(item)
-                    item = self.transport.receive(timeout=0) if self.job is None or \
-                        not self.job.done.is_set() else None
-                if self.job is not None and self.job.done.is_set():
-                    self._finish_job()
-                if self.job is None and self.next_ann is not None:
-                    doc, self.next_ann = self.next_ann, None
-                    self._adopt(doc)
-                self._maybe_ask_for_model()
+            self._stop_job()
         finally:
-            try:
-                self._stop_job()
-            finally:
-                self._close()
+            self._close()
 
     def _stop_job(self) -> None:
         """The loop has ended: a local round still training stops before its next step, and
@@ -430,7 +462,7 @@ class Client:
         if not payload:
             return                                  # cleared retained announcement
         try:
-            doc = parse_announcement(payload)
+            doc = self._parse_announcement(payload)
         except MessageError as exc:
             self._reject(str(exc))                  # "announcement: <what is wrong>"
             return
