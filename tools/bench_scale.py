@@ -4,14 +4,16 @@
 Run from a checkout with the extension built in place (or edgefl installed):
     python tools/bench_scale.py [--clients 100] [--per-round 10] [--rounds 10]
                                 [--repeats 5] [--dataset fashion-mnist] [--json]
+                                [--client-processes default|0|K[,...]]
 
 Workload (issue 19's): softmax regression, IID over `--clients` clients, `--per-round` of
 them a round, lr 0.1, batch 32, one local epoch. The data set is loaded and partitioned once;
-each repeat then runs the whole federation twice, taking turns: in process
-(`sim.run_federation`, what `edgefl simulate` runs) and through a Mosquitto this tool starts
-on a free port with the repo's broker/mosquitto.conf (`sim.run_over_broker`, what
-`edgefl simulate --transport mqtt` runs: the aggregator and every client as threads of this
-process, each with its own connection). A run's round time is the median of its rounds'
+each repeat then runs the whole federation in process (`sim.run_federation`, what
+`edgefl simulate` runs) and then through a Mosquitto this tool starts on a free port with
+the repo's broker/mosquitto.conf (`sim.run_over_broker`, what `edgefl simulate --transport
+mqtt` runs: the aggregator in this process, every client with its own connection), once per
+layout of `--client-processes` (the clients hosted in this process, or in K forked worker
+processes). A run's round time is the median of its rounds'
 `wall_s` after the first (which opens the connections' sessions); the table gives, over the
 repeats, the median and range of each layout's round time and of the same-repeat ratio.
 Both runs must end with the same model (checked).
@@ -100,41 +102,64 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--client-processes", default="default",
+                        help="comma-separated layouts of the clients over the broker, each "
+                             "a row: 0 (hosted in the simulating process), K (K forked worker "
+                             "processes), or 'default' (run_over_broker's choice)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     if find_mosquitto() is None:
         parser.error("needs the mosquitto binary (apt-get install mosquitto)")
 
+    layouts = []
+    for item in args.client_processes.split(","):
+        item = item.strip()
+        try:
+            layouts.append(None if item == "default" else int(item))
+        except ValueError:
+            parser.error(f"--client-processes {args.client_processes!r}: {item!r} is not "
+                         "'default' or a number of processes")
     scratch = tempfile.TemporaryDirectory(prefix="edgefl-bench-scale-")
     run = prepare_run(load_run_config(config_file(scratch.name, args)), workers=args.workers,
                       progress=False)
     broker = Mosquitto(scratch.name)
-    inproc, mqtt, ratios = [], [], []
+    inproc = []
+    mqtt = {k: [] for k in range(len(layouts))}
+    ratios = {k: [] for k in range(len(layouts))}
+    names = {}
     try:
         for _ in range(args.repeats):
             a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
                                    args.per_round, workers=args.workers,
                                    test=(run.dataset.x_test, run.dataset.y_test),
                                    eval_every=1)
-            b, _info = sim.run_over_broker(run, broker.url, workers=args.workers)
-            if a.model_sha256 != b.model_sha256:
-                raise SystemExit(f"the runs ended with different models: {a.model_sha256} "
-                                 f"in process, {b.model_sha256} over the broker")
             inproc.append(round_s(a.history))
-            mqtt.append(round_s(b.history))
-            ratios.append(mqtt[-1] / inproc[-1])
+            for k, processes in enumerate(layouts):
+                b, info = sim.run_over_broker(run, broker.url, workers=args.workers,
+                                              client_processes=processes)
+                if a.model_sha256 != b.model_sha256:
+                    raise SystemExit(f"the runs ended with different models: "
+                                     f"{a.model_sha256} in process, {b.model_sha256} over the "
+                                     f"broker ({info['client_processes']} client processes)")
+                n = info["client_processes"]
+                names[k] = ("over Mosquitto, clients in the simulating process" if n == 0
+                            else f"over Mosquitto, clients in {n} worker process"
+                                 f"{'es' if n > 1 else ''}")
+                mqtt[k].append(round_s(b.history))
+                ratios[k].append(mqtt[k][-1] / inproc[-1])
     finally:
         broker.stop()
         scratch.cleanup()
     rows = [{"layout": "in process", **{f"round_ms_{k}": round(v * 1e3, 2)
-                                         for k, v in span(inproc).items()}},
-            {"layout": "over Mosquitto", **{f"round_ms_{k}": round(v * 1e3, 2)
-                                             for k, v in span(mqtt).items()},
-             **{f"ratio_{k}": v for k, v in span(ratios, 2).items()}}]
+                                         for k, v in span(inproc).items()}}]
+    for k in range(len(layouts)):
+        rows.append({"layout": names[k], **{f"round_ms_{q}": round(v * 1e3, 2)
+                                            for q, v in span(mqtt[k]).items()},
+                     **{f"ratio_{q}": v for q, v in span(ratios[k], 2).items()}})
     meta = {"backend": kernels.backend, "dataset": args.dataset, "clients": args.clients,
             "per_round": args.per_round, "rounds": args.rounds, "repeats": args.repeats,
             "workers": args.workers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "target_ratio": 2.0}
+            "client_processes": args.client_processes, "target_ratio": 2.0}
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))
     else:

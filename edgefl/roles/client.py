@@ -121,6 +121,10 @@ class ClientSettings:
     memory_budget_mb: int | None = None
     # signatures (roles/trust.py): None or a Trust without keys.aggregator: nothing checked
     trust: object = field(default=None, compare=False)
+    # follow_round False: not subscribed to the round topic; its tasks and the run's end
+    # come on its own task/<client> topic alone, from an aggregator with task_topics on (a
+    # simulated fleet, where most clients are idle most rounds: docs/protocol.md section 1)
+    follow_round: bool = True
 
     def __post_init__(self):
         validate_id(self.node_id, "client id")
@@ -370,10 +374,12 @@ class Client:
         t = self.transport
         t.set_will(self.topics.status(self.node), self._status(False, will=True))
         t.connect()
-        t.subscribe(self.topics.round(), qos=1)
+        if self.settings.follow_round:
+            t.subscribe(self.topics.round(), qos=1)
         t.subscribe(self.topics.model(), qos=1)
         t.subscribe(self.topics.client_model(self.node), qos=1)
-        t.subscribe(self.topics.topic("task", self.node), qos=1)   # asynchronous runs
+        # asynchronous runs; a synchronous run's aggregator with task_topics on
+        t.subscribe(self.topics.topic("task", self.node), qos=1)
         # the latest exported ONNX model, retained: its manifest and its parts
         t.subscribe(self.topics.onnx(), qos=1)
         t.subscribe(parts_filter(self.topics), qos=1)

@@ -34,13 +34,18 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                     max_payload: int = 128 * 1024, compression: str = "none",
                     round_timeout_s: float = 120.0, federation: str | None = None,
                     state_dir: str | None = None, connect_timeout: float = 30.0,
-                    client_processes: int | None = None, stop=None):
+                    client_processes: int | None = None, task_topics: bool = True,
+                    stop=None):
     """Run `run` through an MQTT broker: the aggregator role in this thread and one client
     role per shard, each with its own MQTT connection, as a fleet would (edgefl.roles).
     url: the broker (None: an EmbeddedBroker of `broker_kind` for the run). At most
     `workers` clients train at once. The clients are driven by a ClientHost (sim.hosting) in
     this process (`client_processes` 0) or in that many forked worker processes, each
-    hosting a contiguous share of them (None: default_client_processes). Returns
+    hosting a contiguous share of them (None: default_client_processes). `task_topics`
+    (synchronous runs): the aggregator sends each tasked client its task alone on its
+    task/<client> topic and the clients do not follow the round topic, so a client is
+    woken only in the rounds that task it (docs/protocol.md section 1); False: every client
+    receives every announcement on the round topic, as boards do. Returns
     (RunResult, a description of the transport for the summary). The final model equals
     run_federation's bit for bit when compression is "none", however the clients are
     hosted.
@@ -62,6 +67,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     from ..transport.mqtt import MqttTransport, parse_broker_url
     from ..transport.netloop import NetworkLoop
     from .hosting import ClientHost, start_clients, tick_for
+
+    from ..roles.aggregator import Aggregator
 
     config = run.config
     federation = federation or f"sim-{os.urandom(4).hex()}"   # fresh topics: no leftovers
@@ -112,11 +119,22 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                                  connect_timeout=wait_s, reconnect_min=0.1,
                                  reconnect_max=2.0, network_loop=loop)
 
+        plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                       config.clients_per_round, ids,
+                       test=(run.dataset.x_test, run.dataset.y_test),
+                       eval_every=config.eval_every, description=config.to_dict(),
+                       hooks=run.hooks, **secure_plan(run))
+        aggregator_cls = aggregator_class(plan)
+        # per-client tasks are the synchronous aggregator's (an asynchronous run's tasks go
+        # on task/<client> anyway)
+        task_topics = bool(task_topics) and aggregator_cls is Aggregator
+
         def make_clients(indices, client_stop, slots, loop) -> list:
             announcements = AnnouncementCache()      # each announcement parsed once
             return [Client(ClientSettings(ids[c], federation, max_payload=max_payload,
                                           compression=compression, exit_when_finished=True,
-                                          raise_on_error=True),
+                                          raise_on_error=True,
+                                          follow_round=not task_topics),
                            (run.clients[c].x, run.clients[c].y), transport(ids[c], loop),
                            os.path.join(root, ids[c]), stop=client_stop, train_slots=slots,
                            announcements=announcements)
@@ -140,13 +158,9 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             _wait_ready(procs, len(ids), stop, connect_timeout, address)
             # after the fork: a child has no copy of this loop or its thread
             network = NetworkLoop(name=f"edgefl-{federation}-net")
-        plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
-                       config.clients_per_round, ids,
-                       test=(run.dataset.x_test, run.dataset.y_test),
-                       eval_every=config.eval_every, description=config.to_dict(),
-                       hooks=run.hooks, **secure_plan(run))
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
-                                      max_payload=max_payload, compression=compression)
+                                      max_payload=max_payload, compression=compression,
+                                      task_topics=task_topics)
         def after_round(record, history):
             if on_round is not None:
                 on_round(record)
@@ -154,7 +168,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                 on_model(record["round"], aggregator.plan.strategy.global_model(
                     aggregator.ckpt.state))
 
-        aggregator = aggregator_class(plan)(plan, transport("aggregator", network),
+        aggregator = aggregator_cls(plan, transport("aggregator", network),
                                             os.path.join(root, "aggregator"), settings,
                                             stop=stop, on_round=after_round)
         result = aggregator.run()
@@ -187,7 +201,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     info = {"name": "mqtt", "broker": str(address),
             "broker_kind": broker.kind if broker is not None else "external",
             "federation": federation, "max_payload": max_payload, "compression": compression,
-            "client_processes": processes,
+            "client_processes": processes, "task_topics": task_topics,
             "run_id": result.run_id, "late": result.stats["late"],
             "duplicates": result.stats["duplicates"], "rejected": result.stats["rejected"],
             "resends": result.stats["resends"]}
@@ -209,7 +223,7 @@ def _fork_workers(processes: int, clients: int, workers: int, make_clients, stal
 
     ctx = multiprocessing.get_context("fork")
     # the training slots of the run, shared out: at most `workers` train at once in all
-    slots_each = max(1, -(-workers // processes))
+    slots_each = int(os.environ.get("SLOTS", 0)) or max(1, -(-workers // processes))
     bounds = [clients * k // processes for k in range(processes + 1)]
     procs = []
     for k in range(processes):
