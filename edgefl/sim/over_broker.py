@@ -63,6 +63,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                         default_client_ids)
     from ..roles.aggregator import secure_plan
     from ..roles.messages import AnnouncementCache
+    from ..transport.base import DEFAULT_QUEUE_MESSAGES
     from ..transport.broker import EmbeddedBroker, packet_bytes_for
     from ..transport.mqtt import MqttTransport, parse_broker_url
     from ..transport.netloop import NetworkLoop
@@ -168,7 +169,11 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                 on_model(record["round"], aggregator.plan.strategy.global_model(
                     aggregator.ckpt.state))
 
-        aggregator = aggregator_cls(plan, transport("aggregator", network),
+        uplink = transport("aggregator", network)
+        # every client's retained status arrives at once when the aggregator subscribes
+        # (10,000 clients: the default queue of 10,000 messages dropped the last of them)
+        uplink.set_queue_limits(max(DEFAULT_QUEUE_MESSAGES, 4 * len(ids)))
+        aggregator = aggregator_cls(plan, uplink,
                                             os.path.join(root, "aggregator"), settings,
                                             stop=stop, on_round=after_round)
         result = aggregator.run()
