@@ -198,13 +198,17 @@ def serve_clients(make_clients, conn, stall_s: float, address) -> None:
     """The body of a worker process: make_clients(stop) -> (clients, network loop); start
     them, report ("ready", n) over `conn` as they connect, drive them with a ClientHost
     until the run is finished or the parent sends "stop", then send ("done", client states,
-    error or None). Runs in a forked child: SIGINT is the parent's to handle."""
+    error or None). Runs in a forked child."""
     import signal
 
     from ..kernels import StopFlag
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = StopFlag()
+    # A Ctrl-C reaches the whole process group: the parent stops the run and then tells
+    # us. SIGTERM to this process alone stops its clients (the parent's handler, inherited
+    # through the fork, would set the parent's flag in this copy of it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     errors: list = []
     send_lock = threading.Lock()
 
