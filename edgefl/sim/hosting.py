@@ -23,10 +23,14 @@ aggregator. The processes are forked, so the clients' data is shared, not copied
 """
 from __future__ import annotations
 
+import copyreg
+import io
 import logging
+import pickle
 import queue
 import threading
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["ClientHost", "ReadyWaiter", "CONNECTING", "start_clients", "serve_clients",
@@ -248,8 +252,30 @@ def serve_clients(make_clients, conn, stall_s: float, address) -> None:
     error = errors[0] if errors else None
     if error is not None:
         try:
-            import pickle
-            pickle.dumps(error)
+            _dumps(error)
         except Exception:                        # noqa: BLE001 -- sent as text instead
             error = RuntimeError(f"{type(error).__name__}: {error}")
-    send(("done", {c.node: c.client_state for c in clients}, error))
+    try:
+        last = _dumps(("done", {c.node: c.client_state for c in clients}, error))
+    except Exception as exc:                     # noqa: BLE001 -- reported instead
+        last = _dumps(("done", {}, error or RuntimeError(
+            f"the clients' states cannot be sent to the simulating process: {exc}")))
+    with send_lock:
+        try:
+            conn.send_bytes(last)                # the parent's recv() unpickles it
+        except (OSError, ValueError):
+            pass                                 # the parent is gone
+
+
+def _mappingproxy(d: dict):
+    return types.MappingProxyType(d)
+
+
+def _dumps(obj) -> bytes:
+    """pickle, also of the read-only mappings strategies keep their client state in."""
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table,
+                              types.MappingProxyType: lambda m: (_mappingproxy, (dict(m),))}
+    pickler.dump(obj)
+    return buf.getvalue()
