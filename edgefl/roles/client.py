@@ -121,6 +121,10 @@ class ClientSettings:
     memory_budget_mb: int | None = None
     # signatures (roles/trust.py): None or a Trust without keys.aggregator: nothing checked
     trust: object = field(default=None, compare=False)
+    # keep_progress False: the progress (round trained, client state, the update for a
+    # re-send) is kept in memory only, not written to state_dir: for a simulated client,
+    # never restarted, whose state directory is deleted with the run
+    keep_progress: bool = True
     # follow_round False: not subscribed to the round topic; its tasks and the run's end
     # come on its own task/<client> topic alone, from an aggregator with task_topics on (a
     # simulated fleet, where most clients are idle most rounds: docs/protocol.md section 1)
@@ -172,8 +176,16 @@ class _Job:
         self.error: BaseException | None = None
         self.train_s = 0.0
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"edgefl-train-{local.client}",
-                                       args=(local, strategy, client_state, slots), daemon=True)
+        self._args = (local, strategy, client_state, slots)
+
+    def start(self, pool=None) -> None:
+        """Train in a thread of its own, or in `pool` (a concurrent.futures executor: a
+        process hosting many clients saves a thread start per local round)."""
+        if pool is not None:
+            pool.submit(self._run, *self._args)
+            return
+        threading.Thread(target=self._run, name=f"edgefl-train-{self._args[0].client}",
+                         args=self._args, daemon=True).start()
 
     def _run(self, local, strategy, client_state, slots) -> None:
         try:
@@ -200,11 +212,12 @@ class Client:
     samples, float32 C-contiguous features and labels/targets. `state_dir` holds its
     progress. `train_slots` (a Semaphore) bounds how many clients of one process train at
     once (simulations); `announcements` (messages.AnnouncementCache) lets the clients of one
-    process parse each announcement once."""
+    process parse each announcement once; `train_pool` (an executor) runs the local rounds
+    instead of a thread each."""
 
     def __init__(self, settings: ClientSettings, data, transport: Transport,
                  state_dir: str | os.PathLike, *, stop=None, train_slots=None, notifier=None,
-                 announcements=None):
+                 announcements=None, train_pool=None):
         keep_frames_in_heap()          # a model frame in, an update frame out, every round
         self.settings = settings
         self.node = settings.node_id
@@ -215,6 +228,7 @@ class Client:
         self.state_dir = os.fspath(state_dir)
         self.stop = stop if stop is not None else threading.Event()
         self.train_slots = train_slots
+        self.train_pool = train_pool
         self.notifier = notifier
         # an AnnouncementCache shared by the clients of one process (simulations), or None
         self._parse_announcement = announcements.parse if announcements is not None \
@@ -347,7 +361,7 @@ class Client:
             return
         if not job.done.is_set():
             job.stop.set()
-            job.thread.join()
+            job.done.wait()
         self._finish_job()
 
     # ------------------------------------------------------------------ connection
@@ -703,7 +717,7 @@ class Client:
         self.waiting = None
         self.job = _Job(doc, task, local, self._strategy, self.progress.client_state,
                         self.train_slots, self.transport.messages)
-        self.job.thread.start()
+        self.job.start(self.train_pool)
         if self.notifier is not None:
             self.notifier.status(f"round {frame.round}: training")
         log.debug("%s: training round %d", self.node, frame.round)
@@ -774,7 +788,8 @@ class Client:
         self._join_writer()
         self.progress = ClientProgress(run_id=doc["run"], trained=r, upload=frame,
                                        client_state=new_state)
-        self.progress.save(self.state_dir)        # before the upload: never trained twice
+        if self.settings.keep_progress:
+            self.progress.save(self.state_dir)    # before the upload: never trained twice
         self.stats["trained"] += 1
         if frame is not None:
             self._upload(frame)
@@ -782,9 +797,10 @@ class Client:
         if secure:
             self._secure_attempt(doc, r)
         # the frame itself is stored while the upload goes out (kept for re-sending)
-        self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
-                                        name=f"edgefl-save-{self.node}", daemon=True)
-        self._writer.start()
+        if self.settings.keep_progress:
+            self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
+                                            name=f"edgefl-save-{self.node}", daemon=True)
+            self._writer.start()
         self._publish_status()
         log.debug("%s: round %d done (%.3f s training%s)", self.node, r, job.train_s,
                   ", uploaded" if frame is not None else ", nothing to upload")

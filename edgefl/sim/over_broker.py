@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -90,7 +91,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
 
     stop = StopFlag() if stop is None else stop     # the clients' kernels read its word
     errors: list = []
-    broker, scratch, network, hosting, procs = None, None, None, None, []
+    broker, scratch, network, hosting, pool, procs = None, None, None, None, None, []
     clients: list = []
     client_states: dict = {}
     try:
@@ -132,15 +133,20 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         # on task/<client> anyway)
         task_topics = bool(task_topics) and aggregator_cls is Aggregator
 
-        def make_clients(indices, client_stop, slots, loop) -> list:
+        # A client's progress on disk is what lets it resume after a restart without
+        # training a round twice; a simulated client is never restarted, and with no
+        # state_dir given its directory is deleted with the run: in memory only.
+        keep_progress = state_dir is not None
+
+        def make_clients(indices, client_stop, slots, loop, pool) -> list:
             announcements = AnnouncementCache()      # each announcement parsed once
             return [Client(ClientSettings(ids[c], federation, max_payload=max_payload,
                                           compression=compression, exit_when_finished=True,
-                                          raise_on_error=True,
+                                          raise_on_error=True, keep_progress=keep_progress,
                                           follow_round=not task_topics),
                            (run.clients[c].x, run.clients[c].y), transport(ids[c], loop),
                            os.path.join(root, ids[c]), stop=client_stop, train_slots=slots,
-                           announcements=announcements)
+                           announcements=announcements, train_pool=pool)
                     for c in indices]
 
         if processes == 0:
@@ -148,8 +154,10 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             # (sim.hosting): thousands of role threads, each woken by every announcement,
             # used to saturate the interpreter (docs/scaling.md).
             network = NetworkLoop(name=f"edgefl-{federation}-net")
+            pool = ThreadPoolExecutor(max_workers=max(1, workers),
+                                      thread_name_prefix="edgefl-train")
             clients = make_clients(range(len(ids)), stop,
-                                   threading.Semaphore(max(1, workers)), network)
+                                   threading.Semaphore(max(1, workers)), network, pool)
             host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)))
             hosting = threading.Thread(target=host.run, name="edgefl-client-host",
                                        daemon=True)
@@ -200,6 +208,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         stop.set()
         if hosting is not None:
             hosting.join(timeout=30.0)
+        if pool is not None:
+            pool.shutdown(wait=False)
         _end_workers(procs)
         if network is not None:
             network.close()
@@ -240,7 +250,9 @@ def _fork_workers(processes: int, clients: int, workers: int, make_clients, stal
 
         def make(stop, indices=indices, k=k):
             loop = NetworkLoop(name=f"edgefl-worker{k}-net")
-            return make_clients(indices, stop, threading.Semaphore(slots_each), loop), loop
+            pool = ThreadPoolExecutor(max_workers=slots_each, thread_name_prefix="edgefl-train")
+            return make_clients(indices, stop, threading.Semaphore(slots_each), loop,
+                                pool), loop
 
         parent_end, child_end = ctx.Pipe()
         proc = ctx.Process(target=serve_clients, args=(make, child_end, stall_s, address),
