@@ -16,7 +16,8 @@ layout of `--client-processes` (the clients hosted in this process, or in K fork
 processes). A run's round time is the median of its rounds'
 `wall_s` after the first (which opens the connections' sessions); the table gives, over the
 repeats, the median and range of each layout's round time and of the same-repeat ratio, the
-median wall time of a whole run (over the broker: connecting every client included), the
+median wall time of a whole run (over the broker: connecting and closing every client
+included) and, over the broker, of its rounds alone, the
 peak PSS of this process and its children (the Mosquitto this tool started, which runs for
 all repeats, is one of them, also in the in-process row), and how many rounds closed with every update ("all"). Every run must end with the
 in-process model (checked).
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
     mqtt = {k: [] for k in range(len(layouts))}
     ratios = {k: [] for k in range(len(layouts))}
     walls = {k: [] for k in range(len(layouts))}
+    in_rounds = {k: [] for k in range(len(layouts))}
     mems = {k: [] for k in range(len(layouts))}
     closed = {k: [0, 0] for k in range(len(layouts))}
     names = {}
@@ -199,6 +201,7 @@ def main(argv=None) -> int:
                     b, info = sim.run_over_broker(run, broker.url, workers=args.workers,
                                                   client_processes=processes)
                 walls[k].append(time.perf_counter() - t0)
+                in_rounds[k].append(sum(h["wall_s"] for h in b.history))
                 mems[k].append(mem.peak)
                 closed[k][0] += sum(h["closed_by"] == "all" for h in b.history)
                 closed[k][1] += len(b.history)
@@ -224,6 +227,7 @@ def main(argv=None) -> int:
                                             for q, v in span(mqtt[k]).items()},
                      **{f"ratio_{q}": v for q, v in span(ratios[k], 2).items()},
                      "run_s_median": round(statistics.median(walls[k]), 2),
+                     "rounds_s_median": round(statistics.median(in_rounds[k]), 2),
                      "peak_pss_mb": round(max(mems[k]) / 2 ** 20),
                      "closed_all": f"{closed[k][0]}/{closed[k][1]}"})
     meta = {"backend": kernels.backend, "dataset": args.dataset, "clients": args.clients,
