@@ -473,6 +473,30 @@ def test_duplicated_deliveries_change_nothing(tmp_path, strategy):
     assert sum(c.stats["trained"] for c in clients) == sum(h["trained"] for h in result.history)
 
 
+@pytest.mark.parametrize("follow_round", [True, False], ids=["round-and-task", "task-only"])
+def test_per_client_tasks_serve_clients_with_and_without_the_round_topic(tmp_path,
+                                                                       follow_round):
+    """An aggregator with task_topics: each tasked client also gets its task alone on
+    task/<client>, and every client the run's end there. A client that follows both topics
+    trains each task once; one that follows only its own topic takes part all the same and
+    ends with the run (docs/protocol.md section 1)."""
+    config = load_small_run(tmp_path, rounds=3, clients_per_round=2)
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=20, task_topics=True),
+        client_settings={"follow_round": follow_round})
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)          # every client heard of the end
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert [h["closed_by"] for h in result.history] == ["all"] * 3
+    assert sum(c.stats["trained"] for c in clients) == sum(h["trained"] for h in result.history)
+    assert sum(c.stats["resent"] for c in clients) == 0
+
+
 def test_aggregator_refuses_foreign_late_and_unauthorised_updates(tmp_path, caplog):
     caplog.set_level(logging.INFO, "edgefl.roles.aggregator")
     config = load_small_run(tmp_path, strategy={"name": "fedumf"}, rounds=2,

@@ -236,6 +236,18 @@ def test_cli_simulate_over_mqtt_writes_the_same_outputs(tmp_path, capsys):
     assert "final accuracy" in capsys.readouterr().out
     assert main(["simulate", path, "--broker", "mqtt://127.0.0.1:1", "--quiet"]) == 1
     assert "--broker needs --transport mqtt" in capsys.readouterr().err
+    # the clients hosted in this process: the same model
+    out0 = tmp_path / "out0"
+    assert main(["simulate", path, "--transport", "mqtt", "--client-processes", "0", "--out",
+                 str(out0), "--quiet"]) == 0
+    summary0 = json.loads((out0 / "summary.json").read_text())
+    assert summary0["transport"]["client_processes"] == 0
+    assert summary0["model_sha256"] == summary["model_sha256"]
+    assert main(["simulate", path, "--client-processes", "2", "--quiet"]) == 1
+    assert "--client-processes needs --transport mqtt" in capsys.readouterr().err
+    assert main(["simulate", path, "--transport", "mqtt", "--client-processes", "-1",
+                 "--quiet"]) == 1
+    assert "--client-processes -1: need N >= 0" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------

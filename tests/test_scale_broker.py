@@ -67,3 +67,56 @@ def test_a_few_tasked_of_many_get_their_own_copies_and_the_same_model(tmp_path,
     model_bytes = 4 * over["n_params"]
     for h in history:      # ten copies went out, not one broadcast
         assert 10 * model_bytes <= h["wire_down_bytes"] < 11 * model_bytes + 20_000
+
+
+def test_clients_spread_over_worker_processes_end_with_the_in_process_model(
+        tmp_path, small_queue_broker):
+    # 200 clients in three forked worker processes (shares of 66, 67 and 67), each hosting
+    # its clients on one thread with one network loop; every client has its own session at
+    # the broker, and takes its tasks from its own task/<client> topic
+    clients, per_round = 200, 20
+    config = load_small_run(tmp_path, dataset={"name": "digits"},
+                            partition={"name": "iid", "clients": clients},
+                            clients_per_round=per_round, rounds=2)
+    in_process = simulate(config, None, workers=2, progress=False)
+    over = simulate(config, tmp_path / "out", workers=2, progress=False, transport="mqtt",
+                    broker=small_queue_broker.url,
+                    mqtt={"round_timeout_s": 30.0, "client_processes": 3})
+    history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [(h["round"], h["closed_by"], h["updates"]) for h in history] == \
+        [(r, "all", per_round) for r in (1, 2)]
+    assert over["model_sha256"] == in_process["model_sha256"]
+    assert over["transport"]["client_processes"] == 3
+    assert over["transport"]["task_topics"] is True
+    # the broker saw every client's own connection (and the aggregator's)
+    log = small_queue_broker.log_path.read_text()
+    federation = over["transport"]["federation"]
+    sessions = {line.split(" as ")[1].split()[0] for line in log.splitlines()
+                if "New client connected" in line and f"edgefl-{federation}-" in line}
+    assert len(sessions) == clients + 1
+    assert "Outgoing messages are being dropped" not in log
+
+
+def test_the_round_topic_layout_ends_with_the_same_model(tmp_path, small_queue_broker):
+    # task_topics off: every client follows the round topic, as boards do
+    config = load_small_run(tmp_path, dataset={"name": "digits"},
+                            partition={"name": "iid", "clients": 40}, clients_per_round=10,
+                            rounds=2)
+    in_process = simulate(config, None, workers=2, progress=False)
+    over = simulate(config, tmp_path / "out", workers=2, progress=False, transport="mqtt",
+                    broker=small_queue_broker.url,
+                    mqtt={"round_timeout_s": 20.0, "task_topics": False,
+                          "client_processes": 0})
+    assert over["model_sha256"] == in_process["model_sha256"]
+    assert over["transport"]["task_topics"] is False
+
+
+def test_a_negative_number_of_client_processes_is_refused(tmp_path):
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import run_over_broker
+
+    config = load_small_run(tmp_path, dataset={"name": "digits"},
+                            partition={"name": "iid", "clients": 4}, rounds=1)
+    run = prepare_run(config, workers=1, progress=False)
+    with pytest.raises(ValueError, match="client_processes = -1"):
+        run_over_broker(run, "mqtt://127.0.0.1:1", client_processes=-1)

@@ -7,17 +7,23 @@ NumPy loop, and a million virtual clients; tools/_scale_sim.py says how.)
 Run from a checkout with the extension built in place (or edgefl installed):
     python tools/bench_scale.py [--clients 100] [--per-round 10] [--rounds 10]
                                 [--repeats 5] [--dataset fashion-mnist] [--json]
+                                [--client-processes default|0|K[,...]]
 
 Workload (issue 19's): softmax regression, IID over `--clients` clients, `--per-round` of
 them a round, lr 0.1, batch 32, one local epoch. The data set is loaded and partitioned once;
-each repeat then runs the whole federation twice, taking turns: in process
-(`sim.run_federation`, what `edgefl simulate` runs) and through a Mosquitto this tool starts
-on a free port with the repo's broker/mosquitto.conf (`sim.run_over_broker`, what
-`edgefl simulate --transport mqtt` runs: the aggregator and every client as threads of this
-process, each with its own connection). A run's round time is the median of its rounds'
+each repeat then runs the whole federation in process (`sim.run_federation`, what
+`edgefl simulate` runs) and then through a Mosquitto this tool starts on a free port with
+the repo's broker/mosquitto.conf (`sim.run_over_broker`, what `edgefl simulate --transport
+mqtt` runs: the aggregator in this process, every client with its own connection), once per
+layout of `--client-processes` (the clients hosted in this process, or in K forked worker
+processes). A run's round time is the median of its rounds'
 `wall_s` after the first (which opens the connections' sessions); the table gives, over the
-repeats, the median and range of each layout's round time and of the same-repeat ratio.
-Both runs must end with the same model (checked).
+repeats, the median and range of each layout's round time and of the same-repeat ratio, the
+median wall time of a whole run (over the broker: connecting and closing every client
+included) and, over the broker, of its rounds alone, the
+peak PSS of this process and its children (the Mosquitto this tool started, which runs for
+all repeats, is one of them, also in the in-process row), and how many rounds closed with every update ("all"). Every run must end with the
+in-process model (checked).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +97,54 @@ def round_s(history: list) -> float:
     return statistics.median(h["wall_s"] for h in rest)
 
 
+class PeakMemory:
+    """The peak proportional set size (PSS: shared pages split between the processes that
+    share them, so the forked client workers' copy-on-write view of the data set counts
+    once) of this process and its children, sampled every 0.25 s in a thread."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_pss())
+            if self._stop.wait(0.25):
+                return
+
+
+def tree_pss() -> int:
+    """Bytes: PSS of this process and its direct children (Linux; 0 elsewhere)."""
+    me, total = os.getpid(), 0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+            if int(pid) != me and parent != me:
+                continue
+            with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def span(values: list, digits: int = 4) -> dict:
     return {"median": round(statistics.median(values), digits),
             "min": round(min(values), digits), "max": round(max(values), digits)}
@@ -103,6 +158,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--client-processes", default="default",
+                        help="comma-separated layouts of the clients over the broker, each "
+                             "a row: 0 (hosted in the simulating process), K (K forked worker "
+                             "processes), or 'default' (run_over_broker's choice)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     # issue 19 items 1-2: whole `edgefl simulate` processes against tools/plain_loop.py
     parser.add_argument("--mode", choices=("broker", "simulate", "million"), default="broker",
@@ -121,36 +180,76 @@ def main(argv=None) -> int:
     if find_mosquitto() is None:
         parser.error("needs the mosquitto binary (apt-get install mosquitto)")
 
+    layouts = []
+    for item in args.client_processes.split(","):
+        item = item.strip()
+        try:
+            layouts.append(None if item == "default" else int(item))
+        except ValueError:
+            parser.error(f"--client-processes {args.client_processes!r}: {item!r} is not "
+                         "'default' or a number of processes")
     scratch = tempfile.TemporaryDirectory(prefix="edgefl-bench-scale-")
     run = prepare_run(load_run_config(config_file(scratch.name, args)), workers=args.workers,
                       progress=False)
     broker = Mosquitto(scratch.name)
-    inproc, mqtt, ratios = [], [], []
+    inproc, inproc_wall, inproc_mem = [], [], []
+    mqtt = {k: [] for k in range(len(layouts))}
+    ratios = {k: [] for k in range(len(layouts))}
+    walls = {k: [] for k in range(len(layouts))}
+    in_rounds = {k: [] for k in range(len(layouts))}
+    mems = {k: [] for k in range(len(layouts))}
+    closed = {k: [0, 0] for k in range(len(layouts))}
+    names = {}
     try:
         for _ in range(args.repeats):
-            a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
-                                   args.per_round, workers=args.workers,
-                                   test=(run.dataset.x_test, run.dataset.y_test),
-                                   eval_every=1)
-            b, _info = sim.run_over_broker(run, broker.url, workers=args.workers)
-            if a.model_sha256 != b.model_sha256:
-                raise SystemExit(f"the runs ended with different models: {a.model_sha256} "
-                                 f"in process, {b.model_sha256} over the broker")
+            t0 = time.perf_counter()
+            with PeakMemory() as mem:
+                a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
+                                       args.per_round, workers=args.workers,
+                                       test=(run.dataset.x_test, run.dataset.y_test),
+                                       eval_every=1)
+            inproc_wall.append(time.perf_counter() - t0)
+            inproc_mem.append(mem.peak)
             inproc.append(round_s(a.history))
-            mqtt.append(round_s(b.history))
-            ratios.append(mqtt[-1] / inproc[-1])
+            for k, processes in enumerate(layouts):
+                t0 = time.perf_counter()
+                with PeakMemory() as mem:
+                    b, info = sim.run_over_broker(run, broker.url, workers=args.workers,
+                                                  client_processes=processes)
+                walls[k].append(time.perf_counter() - t0)
+                in_rounds[k].append(sum(h["wall_s"] for h in b.history))
+                mems[k].append(mem.peak)
+                closed[k][0] += sum(h["closed_by"] == "all" for h in b.history)
+                closed[k][1] += len(b.history)
+                if a.model_sha256 != b.model_sha256:
+                    raise SystemExit(f"the runs ended with different models: "
+                                     f"{a.model_sha256} in process, {b.model_sha256} over the "
+                                     f"broker ({info['client_processes']} client processes)")
+                n = info["client_processes"]
+                names[k] = ("over Mosquitto, clients in the simulating process" if n == 0
+                            else f"over Mosquitto, clients in {n} worker process"
+                                 f"{'es' if n > 1 else ''}")
+                mqtt[k].append(round_s(b.history))
+                ratios[k].append(mqtt[k][-1] / inproc[-1])
     finally:
         broker.stop()
         scratch.cleanup()
     rows = [{"layout": "in process", **{f"round_ms_{k}": round(v * 1e3, 2)
-                                         for k, v in span(inproc).items()}},
-            {"layout": "over Mosquitto", **{f"round_ms_{k}": round(v * 1e3, 2)
-                                             for k, v in span(mqtt).items()},
-             **{f"ratio_{k}": v for k, v in span(ratios, 2).items()}}]
+                                         for k, v in span(inproc).items()},
+             "run_s_median": round(statistics.median(inproc_wall), 2),
+             "peak_pss_mb": round(max(inproc_mem) / 2 ** 20)}]
+    for k in range(len(layouts)):
+        rows.append({"layout": names[k], **{f"round_ms_{q}": round(v * 1e3, 2)
+                                            for q, v in span(mqtt[k]).items()},
+                     **{f"ratio_{q}": v for q, v in span(ratios[k], 2).items()},
+                     "run_s_median": round(statistics.median(walls[k]), 2),
+                     "rounds_s_median": round(statistics.median(in_rounds[k]), 2),
+                     "peak_pss_mb": round(max(mems[k]) / 2 ** 20),
+                     "closed_all": f"{closed[k][0]}/{closed[k][1]}"})
     meta = {"backend": kernels.backend, "dataset": args.dataset, "clients": args.clients,
             "per_round": args.per_round, "rounds": args.rounds, "repeats": args.repeats,
             "workers": args.workers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "target_ratio": 2.0}
+            "client_processes": args.client_processes, "target_ratio": 2.0}
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))
     else:

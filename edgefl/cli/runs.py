@@ -91,6 +91,10 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=128 * 1024, metavar="BYTES",
                         help="with --transport mqtt: bytes per MQTT message; larger frames "
                              "are chunked (default 131072, AWS IoT's limit)")
+    parser.add_argument("--client-processes", type=int, default=None, metavar="N",
+                        help="with --transport mqtt: fork N worker processes to host the "
+                             "clients (0: host them in this process; default: 2, up to 4 for "
+                             "large fleets; docs/scaling.md)")
     add_export_arguments(parser)
 
 
@@ -133,6 +137,13 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.broker is not None and args.transport != "mqtt":
         raise ValueError("--broker needs --transport mqtt")
     mqtt = {"max_payload": args.chunk_size} if args.transport == "mqtt" else None
+    if args.client_processes is not None:
+        if args.transport != "mqtt":
+            raise ValueError("--client-processes needs --transport mqtt")
+        if args.client_processes < 0:
+            raise ValueError(f"--client-processes {args.client_processes}: need N >= 0 (0: "
+                             f"the clients in this process)")
+        mqtt["client_processes"] = args.client_processes
     from ..export import ExportPolicy
 
     if args.export_every < 0:

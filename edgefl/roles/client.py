@@ -122,6 +122,14 @@ class ClientSettings:
     memory_budget_mb: int | None = None
     # signatures (roles/trust.py): None or a Trust without keys.aggregator: nothing checked
     trust: object = field(default=None, compare=False)
+    # keep_progress False: the progress (round trained, client state, the update for a
+    # re-send) is kept in memory only, not written to state_dir: for a simulated client,
+    # never restarted, whose state directory is deleted with the run
+    keep_progress: bool = True
+    # follow_round False: not subscribed to the round topic; its tasks and the run's end
+    # come on its own task/<client> topic alone, from an aggregator with task_topics on (a
+    # simulated fleet, where most clients are idle most rounds: docs/protocol.md section 1)
+    follow_round: bool = True
 
     def __post_init__(self):
         validate_id(self.node_id, "client id")
@@ -169,8 +177,16 @@ class _Job:
         self.error: BaseException | None = None
         self.train_s = 0.0
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"edgefl-train-{local.client}",
-                                       args=(local, strategy, client_state, slots), daemon=True)
+        self._args = (local, strategy, client_state, slots)
+
+    def start(self, pool=None) -> None:
+        """Train in a thread of its own, or in `pool` (a concurrent.futures executor: a
+        process hosting many clients saves a thread start per local round)."""
+        if pool is not None:
+            pool.submit(self._run, *self._args)
+            return
+        threading.Thread(target=self._run, name=f"edgefl-train-{self._args[0].client}",
+                         args=self._args, daemon=True).start()
 
     def _run(self, local, strategy, client_state, slots) -> None:
         try:
@@ -196,10 +212,13 @@ class Client:
     """One federated client over `transport` (not yet connected). `data` is (x, y): its
     samples, float32 C-contiguous features and labels/targets. `state_dir` holds its
     progress. `train_slots` (a Semaphore) bounds how many clients of one process train at
-    once (simulations)."""
+    once (simulations); `announcements` (messages.AnnouncementCache) lets the clients of one
+    process parse each announcement once; `train_pool` (an executor) runs the local rounds
+    instead of a thread each."""
 
     def __init__(self, settings: ClientSettings, data, transport: Transport,
-                 state_dir: str | os.PathLike, *, stop=None, train_slots=None, notifier=None):
+                 state_dir: str | os.PathLike, *, stop=None, train_slots=None, notifier=None,
+                 announcements=None, train_pool=None):
         keep_frames_in_heap()          # a model frame in, an update frame out, every round
         self.settings = settings
         self.node = settings.node_id
@@ -210,7 +229,11 @@ class Client:
         self.state_dir = os.fspath(state_dir)
         self.stop = stop if stop is not None else threading.Event()
         self.train_slots = train_slots
+        self.train_pool = train_pool
         self.notifier = notifier
+        # an AnnouncementCache shared by the clients of one process (simulations), or None
+        self._parse_announcement = announcements.parse if announcements is not None \
+            else parse_announcement
         self.topics = Topics(settings.federation, settings.prefix)
         self._topic_cache = TopicCache(self.topics)
         self._onnx_parts = self.topics.onnx() + "/"     # the ONNX part topics' prefix
@@ -262,6 +285,22 @@ class Client:
         return self.progress.client_state
 
     def run(self) -> None:
+        """Connect, then handle messages until `stop` is set (or the run finishes, with
+        exit_when_finished); always closes the connection on the way out."""
+        self.start()
+        try:
+            while not self.stop.is_set():
+                if self.step(self.settings.poll_s):
+                    break
+        finally:
+            self.finish()
+
+    # run() in three parts, for a host that drives many clients from one thread
+    # (edgefl.sim.hosting): start() once, step() whenever its transport's queue has
+    # something (or now and then), finish() once.
+    def start(self) -> None:
+        """Load the stored progress, connect and subscribe (blocking); `ready` is set when
+        done."""
         os.makedirs(self.state_dir, exist_ok=True)
         self.progress = ClientProgress.load(self.state_dir)
         self._signed_at, self._signed_run = _load_signed_at(self.state_dir)
@@ -283,28 +322,39 @@ class Client:
         self.ready.set()
         if self.notifier is not None:
             self.notifier.ready(f"client {self.node}: waiting for a round")
+
+    @property
+    def done(self) -> bool:
+        """The run is finished and nothing is left to do (with exit_when_finished)."""
+        return self.finished and self.job is None and self.settings.exit_when_finished
+
+    def step(self, timeout: float = 0.0) -> bool:
+        """One pass of the loop: wait up to `timeout` for a message, handle what is queued,
+        finish a local round whose training ended, act on an announcement that came while
+        training, ask again for a model that does not come. True when `done`."""
+        if self.notifier is not None:
+            self.notifier.beat()            # the systemd watchdog's proof of life
+        if self.done:
+            return True
+        item = self.transport.receive(timeout=timeout)
+        while item is not None:
+            self._handle(item)
+            item = self.transport.receive(timeout=0) if self.job is None or \
+                not self.job.done.is_set() else None
+        if self.job is not None and self.job.done.is_set():
+            self._finish_job()
+        if self.job is None and self.next_ann is not None:
+            doc, self.next_ann = self.next_ann, None
+            self._adopt(doc)
+        self._maybe_ask_for_model()
+        return False
+
+    def finish(self) -> None:
+        """Stop a local round still training (not stored), then close the connection."""
         try:
-            while not self.stop.is_set():
-                if self.notifier is not None:
-                    self.notifier.beat()            # the systemd watchdog's proof of life
-                if self.finished and self.job is None and self.settings.exit_when_finished:
-                    break
-                item = self.transport.receive(timeout=self.settings.poll_s)
-                while item is not None:
-                    self._handle(item)
-                    item = self.transport.receive(timeout=0) if self.job is None or \
-                        not self.job.done.is_set() else None
-                if self.job is not None and self.job.done.is_set():
-                    self._finish_job()
-                if self.job is None and self.next_ann is not None:
-                    doc, self.next_ann = self.next_ann, None
-                    self._adopt(doc)
-                self._maybe_ask_for_model()
+            self._stop_job()
         finally:
-            try:
-                self._stop_job()
-            finally:
-                self._close()
+            self._close()
 
     def _stop_job(self) -> None:
         """The loop has ended: a local round still training stops before its next step, and
@@ -316,7 +366,7 @@ class Client:
             return
         if not job.done.is_set():
             job.stop.set()
-            job.thread.join()
+            job.done.wait()
         self._finish_job()
 
     # ------------------------------------------------------------------ connection
@@ -343,10 +393,12 @@ class Client:
         t = self.transport
         t.set_will(self.topics.status(self.node), self._status(False, will=True))
         t.connect()
-        t.subscribe(self.topics.round(), qos=1)
+        if self.settings.follow_round:
+            t.subscribe(self.topics.round(), qos=1)
         t.subscribe(self.topics.model(), qos=1)
         t.subscribe(self.topics.client_model(self.node), qos=1)
-        t.subscribe(self.topics.topic("task", self.node), qos=1)   # asynchronous runs
+        # asynchronous runs; a synchronous run's aggregator with task_topics on
+        t.subscribe(self.topics.topic("task", self.node), qos=1)
         # the latest exported ONNX model, retained: its manifest and its parts
         t.subscribe(self.topics.onnx(), qos=1)
         t.subscribe(parts_filter(self.topics), qos=1)
@@ -435,7 +487,7 @@ class Client:
         if not payload:
             return                                  # cleared retained announcement
         try:
-            doc = parse_announcement(payload)
+            doc = self._parse_announcement(payload)
         except MessageError as exc:
             self._reject(str(exc))                  # "announcement: <what is wrong>"
             return
@@ -675,7 +727,7 @@ class Client:
         self.waiting = None
         self.job = _Job(doc, task, local, self._strategy, self.progress.client_state,
                         self.train_slots, self.transport.messages)
-        self.job.thread.start()
+        self.job.start(self.train_pool)
         if self.notifier is not None:
             self.notifier.status(f"round {frame.round}: training")
         log.debug("%s: training round %d", self.node, frame.round)
@@ -746,7 +798,8 @@ class Client:
         self._join_writer()
         self.progress = ClientProgress(run_id=doc["run"], trained=r, upload=frame,
                                        client_state=new_state)
-        self.progress.save(self.state_dir)        # before the upload: never trained twice
+        if self.settings.keep_progress:
+            self.progress.save(self.state_dir)    # before the upload: never trained twice
         self.stats["trained"] += 1
         if frame is not None:
             self._upload(frame)
@@ -754,9 +807,10 @@ class Client:
         if secure:
             self._secure_attempt(doc, r)
         # the frame itself is stored while the upload goes out (kept for re-sending)
-        self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
-                                        name=f"edgefl-save-{self.node}", daemon=True)
-        self._writer.start()
+        if self.settings.keep_progress:
+            self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
+                                            name=f"edgefl-save-{self.node}", daemon=True)
+            self._writer.start()
         self._publish_status()
         log.debug("%s: round %d done (%.3f s training%s)", self.node, r, job.train_s,
                   ", uploaded" if frame is not None else ", nothing to upload")

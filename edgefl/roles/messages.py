@@ -45,6 +45,7 @@ import json
 import math
 import os
 import struct
+import threading
 import time
 from typing import Mapping
 
@@ -56,7 +57,7 @@ from ..transport import wire
 from ..transport.topics import TopicError, Topics, validate_id
 from .state import tag_floats, untag_floats
 
-__all__ = ["MessageError", "VERSION", "buffers_sha256", "peek_frame", "TopicCache", "new_announce_id", "build_announcement",
+__all__ = ["MessageError", "VERSION", "buffers_sha256", "peek_frame", "TopicCache", "AnnouncementCache", "new_announce_id", "build_announcement",
            "parse_announcement", "finished_announcement", "task_from_announcement",
            "status_payload", "parse_status", "update_scalars", "parse_update_scalars"]
 
@@ -281,6 +282,33 @@ def parse_announcement(payload: bytes) -> dict:
             raise MessageError(f"{where}: source global but the announcement has no "
                                "model_sha256")
     return doc
+
+
+class AnnouncementCache:
+    """parse_announcement for many clients of one process that receive the same payloads
+    (a simulation over a broker: every client gets every announcement on its own
+    connection). Each distinct payload is parsed and checked once; the clients share the
+    resulting dict, which they only read. Keeps the last `size` payloads. Thread-safe."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._docs: dict = {}
+        self._lock = threading.Lock()
+        self.parsed = 0                          # payloads parsed (the rest were hits)
+
+    def parse(self, payload: bytes) -> dict:
+        key = bytes(payload)
+        with self._lock:
+            doc = self._docs.get(key)
+        if doc is not None:
+            return doc
+        doc = parse_announcement(key)            # MessageError: not kept
+        with self._lock:
+            self.parsed += 1
+            self._docs[key] = doc
+            while len(self._docs) > self.size:
+                del self._docs[next(iter(self._docs))]
+        return doc
 
 
 def _check_frame_id(doc: Mapping, where: str) -> None:

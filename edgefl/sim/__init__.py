@@ -8,7 +8,8 @@ process, for trying an algorithm or a config on one machine before a fleet runs 
     clock.py        the virtual clock: each task's simulated seconds on the `sim_fleet:`, the
                     event queue
     over_broker.py  run_over_broker: the same rounds through an MQTT broker with the real
-                    roles as threads of this process (`--transport mqtt`)
+                    roles, the clients in worker processes (`--transport mqtt`)
+    hosting.py      many client roles driven by one thread; a worker process's body
     progress.py     the progress bar
     secure.py       the secure rounds in process (real SecAgg+ between the in-process clients)
 
@@ -68,8 +69,9 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
 
     transport "inproc" (default) runs `run_federation`; "mqtt" runs the same rounds through
     a broker -- `broker` (a URL), or an EmbeddedBroker of `broker_kind` started for the run --
-    with the aggregator and one client per partition shard as threads of this process
-    (`run_over_broker`; `mqtt`: its keyword options). Both give the same final model.
+    with the aggregator in this process and one client per partition shard, each with its
+    own connection, hosted by worker processes (`run_over_broker`; `mqtt`: its keyword
+    options). Both give the same final model.
 
     export: an edgefl.export.ExportPolicy; out_dir/model.onnx is the final model, replaced
     atomically after every `export.every`-th round too (None: the final model only).

@@ -1,13 +1,16 @@
 """The same rounds as `run_federation`, through an MQTT broker: `run_over_broker` runs the
 real roles (edgefl.roles: the aggregator and one client per shard, each with its own
-connection) as threads of this process, sharing one network thread. What
-`edgefl simulate --transport mqtt` runs; the final model equals the in-process one bit for
-bit when compression is "none".
+connection and session). The aggregator runs in this process; the clients are driven by one
+thread per process (sim.hosting.ClientHost), in this process or spread over forked worker
+processes (`client_processes`), each process with one network thread for its connections.
+What `edgefl simulate --transport mqtt` runs; the final model equals the in-process one bit
+for bit when compression is "none".
 """
 from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -16,41 +19,16 @@ from ..runs.prepare import PreparedRun, RunResult
 
 __all__ = ["run_over_broker"]
 
-CONNECTING = 64        # clients connecting and subscribing at once (run_over_broker)
+def default_client_processes(clients: int) -> int:
+    """How many worker processes host the clients of a simulation over a broker by default:
+    two, and one more per 2,500 clients beyond 5,000, at most four; none (the clients are
+    hosted in this process) where processes cannot be forked. Two beat one process, and
+    both beat the simulating process, at 100 clients on two cores (docs/scaling.md)."""
+    import multiprocessing
 
-
-class _ReadyWaiter:
-    """Waits until fewer than n of the client roles started so far are not yet ready
-    (connected and subscribed). Fails when one raised, or when none became ready for
-    `stall_s` seconds: a fleet of any size connects as long as it keeps making progress."""
-
-    def __init__(self, roles: list, errors: list, stop, stall_s: float, address):
-        self.roles, self.errors, self.stop = roles, errors, stop
-        self.stall_s, self.address = stall_s, address
-        self.ready = 0                 # roles[:ready] are all ready
-        self.progress_at = time.monotonic()
-        self.last_waiting = 0
-
-    def wait_below(self, n: int) -> None:
-        while True:
-            while self.ready < len(self.roles) and self.roles[self.ready].ready.is_set():
-                self.ready += 1
-                self.progress_at = time.monotonic()
-            waiting = [r for r in self.roles[self.ready:] if not r.ready.is_set()]
-            if len(waiting) < self.last_waiting:
-                self.progress_at = time.monotonic()
-            self.last_waiting = len(waiting)
-            if len(waiting) < n:
-                return
-            if self.errors:
-                self.stop.set()
-                raise self.errors[0]
-            if time.monotonic() - self.progress_at > self.stall_s:
-                self.stop.set()
-                raise TimeoutError(f"simulation clients did not connect to {self.address}: "
-                                   f"none became ready for {self.stall_s:g} s "
-                                   f"({self.ready} of {len(self.roles)} started were)")
-            waiting[0].ready.wait(0.05)
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return 0
+    return min(4, max(2, -(-clients // 2500)))
 
 
 def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: str = "auto",
@@ -59,18 +37,27 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                     max_payload: int = 128 * 1024, compression: str = "none",
                     round_timeout_s: float = 120.0, federation: str | None = None,
                     state_dir: str | None = None, connect_timeout: float = 30.0,
+                    client_processes: int | None = None, task_topics: bool = True,
                     stop=None):
     """Run `run` through an MQTT broker: the aggregator role in this thread and one client
-    role per shard in its own thread, each with its own MQTT connection, as a fleet would
-    (edgefl.roles). url: the broker (None: an EmbeddedBroker of `broker_kind` for the run).
-    At most `workers` clients train at once. Returns (RunResult, a description of the
-    transport for the summary). The final model equals run_federation's bit for bit when
-    compression is "none".
+    role per shard, each with its own MQTT connection, as a fleet would (edgefl.roles).
+    url: the broker (None: an EmbeddedBroker of `broker_kind` for the run). At most
+    `workers` clients train at once. The clients are driven by a ClientHost (sim.hosting) in
+    this process (`client_processes` 0) or in that many forked worker processes, each
+    hosting a contiguous share of them (None: default_client_processes). `task_topics`
+    (synchronous runs): the aggregator sends each tasked client its task alone on its
+    task/<client> topic and the clients do not follow the round topic, so a client is
+    woken only in the rounds that task it (docs/protocol.md section 1); False: every client
+    receives every announcement on the round topic, as boards do. Returns
+    (RunResult, a description of the transport for the summary). The final model equals
+    run_federation's bit for bit when compression is "none", however the clients are
+    hosted.
 
-    `stop`: a kernels.StopFlag shared by every role (None: one of its own). Set by a
-    signal, the clients' local rounds stop before their next step, the aggregator abandons
-    the open round, and RunStopped is raised with the rounds aggregated. It is set when the
-    run ends in any case: that is how the role threads are told to finish."""
+    `stop`: a kernels.StopFlag shared by every role of this process (None: one of its own).
+    Set by a signal, the clients' local rounds stop before their next step, the aggregator
+    abandons the open round, and RunStopped is raised with the rounds aggregated. It is set
+    when the run ends in any case: that is how the clients are told to finish (worker
+    processes by a message on their pipe)."""
     import tempfile
     import threading
 
@@ -78,26 +65,35 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     from ..roles import (AggregatorSettings, Client, ClientSettings, RunPlan,
                         default_client_ids)
     from ..roles.aggregator import secure_plan
+    from ..roles.messages import AnnouncementCache
+    from ..transport.base import DEFAULT_QUEUE_MESSAGES
     from ..transport.broker import EmbeddedBroker, packet_bytes_for
     from ..transport.mqtt import MqttTransport, parse_broker_url
     from ..transport.netloop import NetworkLoop
+    from .hosting import ClientHost, start_clients, tick_for
+
+    from ..roles.aggregator import Aggregator
 
     config = run.config
     federation = federation or f"sim-{os.urandom(4).hex()}"   # fresh topics: no leftovers
     ids = default_client_ids(len(run.setup.clients))
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    processes = default_client_processes(len(ids)) if client_processes is None \
+        else int(client_processes)
+    if processes < 0:
+        raise ValueError(f"client_processes = {client_processes!r}: need >= 0 (0: the "
+                         "clients are hosted in this process)")
+    processes = min(processes, len(ids))
     if url is not None:
         parse_broker_url(url)                      # a bad URL fails before anything starts
     from ..errors import RunStopped
     from ..kernels import StopFlag
 
     stop = StopFlag() if stop is None else stop     # the clients' kernels read its word
-    slots = threading.Semaphore(max(1, workers))
     errors: list = []
-    broker, scratch, roles, threads = None, None, [], []
-    # One network thread for every role's connection instead of one each: eleven roles of
-    # one process otherwise wake two threads per message (docs/scaling.md).
-    network = NetworkLoop(name=f"edgefl-{federation}-net")
+    broker, scratch, network, hosting, pool, procs = None, None, None, None, None, []
+    clients: list = []
+    client_states: dict = {}
     try:
         if url is None:
             broker = EmbeddedBroker(kind=broker_kind,
@@ -114,57 +110,68 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             scratch = tempfile.TemporaryDirectory(prefix="edgefl-sim-", dir=shm)
         root = scratch.name if scratch is not None else state_dir
 
-        def transport(node):
-            return MqttTransport(url, f"edgefl-{federation}-{node}", clean_session=True,
-                                 keepalive=keepalive,
-                                 connect_timeout=wait_s, reconnect_min=0.1,
-                                 reconnect_max=2.0, network_loop=network)
-
-        # An idle client role wakes every poll_s (messages and finished training wake it at
-        # once; the poll only bounds how soon it sees `stop`). 10,000 of them at 0.25 s were
-        # 40,000 wake-ups a second, which starved the network loop until the broker dropped
-        # every connection for a missed keepalive: the fleet's wake-ups are kept near 400/s.
-        poll_s = min(5.0, max(0.25, len(ids) / 400))
-        # Every role is a thread of this process: a keepalive only guards against a busy
-        # interpreter missing it (10,000 clients' pings, every 30 s, did), not against a
-        # peer gone silently
+        # A keepalive only guards against a busy interpreter missing it (10,000 clients'
+        # pings, every 30 s, did), not against a peer gone silently: every role is ours.
         keepalive = max(30, len(ids) // 20)
         # and a SUBACK, through a broker and a network loop each serving thousands, can take
         # longer than a board's 30 s (10,000 clients: it did, past 5,000 connected)
         wait_s = max(connect_timeout, len(ids) / 50)
-        waiter = _ReadyWaiter(roles, errors, stop, connect_timeout, address)
-        for c, node in enumerate(ids):
-            data = run.clients[c]
-            role = Client(ClientSettings(node, federation, max_payload=max_payload,
-                                         compression=compression, exit_when_finished=True,
-                                         raise_on_error=True, poll_s=poll_s),
-                          (data.x, data.y), transport(node), os.path.join(root, node),
-                          stop=stop, train_slots=slots)
 
-            def body(role=role):
-                try:
-                    role.run()
-                except BaseException as exc:       # noqa: BLE001 -- re-raised below
-                    errors.append(exc)
-                    stop.set()
+        def transport(node, loop):
+            return MqttTransport(url, f"edgefl-{federation}-{node}", clean_session=True,
+                                 keepalive=keepalive,
+                                 connect_timeout=wait_s, reconnect_min=0.1,
+                                 reconnect_max=2.0, network_loop=loop)
 
-            thread = threading.Thread(target=body, name=f"edgefl-{node}", daemon=True)
-            # In waves: at most CONNECTING clients between start and subscribed. Thousands
-            # of threads connecting at once starve each other and the network loop of the
-            # interpreter lock (10,000 at once: 50 s only to start the threads, keepalives
-            # missed) and overflow the broker's listen backlog.
-            waiter.wait_below(CONNECTING)
-            thread.start()
-            roles.append(role)
-            threads.append(thread)
-        waiter.wait_below(1)
         plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
                        config.clients_per_round, ids,
                        test=(run.dataset.x_test, run.dataset.y_test),
                        eval_every=config.eval_every, description=config.to_dict(),
                        hooks=run.hooks, **secure_plan(run))
+        aggregator_cls = aggregator_class(plan)
+        # per-client tasks are the synchronous aggregator's (an asynchronous run's tasks go
+        # on task/<client> anyway)
+        task_topics = bool(task_topics) and aggregator_cls is Aggregator
+
+        # A client's progress on disk is what lets it resume after a restart without
+        # training a round twice; a simulated client is never restarted, and with no
+        # state_dir given its directory is deleted with the run: in memory only.
+        keep_progress = state_dir is not None
+
+        def make_clients(indices, client_stop, slots, loop, pool) -> list:
+            announcements = AnnouncementCache()      # each announcement parsed once
+            return [Client(ClientSettings(ids[c], federation, max_payload=max_payload,
+                                          compression=compression, exit_when_finished=True,
+                                          raise_on_error=True, keep_progress=keep_progress,
+                                          follow_round=not task_topics),
+                           (run.clients[c].x, run.clients[c].y), transport(ids[c], loop),
+                           os.path.join(root, ids[c]), stop=client_stop, train_slots=slots,
+                           announcements=announcements, train_pool=pool)
+                    for c in indices]
+
+        if processes == 0:
+            # One network thread for every connection and one thread driving every client
+            # (sim.hosting): thousands of role threads, each woken by every announcement,
+            # used to saturate the interpreter (docs/scaling.md).
+            network = NetworkLoop(name=f"edgefl-{federation}-net")
+            pool = ThreadPoolExecutor(max_workers=max(1, workers),
+                                      thread_name_prefix="edgefl-train")
+            clients = make_clients(range(len(ids)), stop,
+                                   threading.Semaphore(max(1, workers)), network, pool)
+            host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)))
+            hosting = threading.Thread(target=host.run, name="edgefl-client-host",
+                                       daemon=True)
+            hosting.start()
+            start_clients(clients, host, errors, stop, connect_timeout, address)
+        else:
+            procs = _fork_workers(processes, len(ids), workers, make_clients, connect_timeout,
+                                  address)
+            _wait_ready(procs, len(ids), stop, connect_timeout, address)
+            # after the fork: a child has no copy of this loop or its thread
+            network = NetworkLoop(name=f"edgefl-{federation}-net")
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
-                                      max_payload=max_payload, compression=compression)
+                                      max_payload=max_payload, compression=compression,
+                                      task_topics=task_topics)
         def after_round(record, history):
             if on_round is not None:
                 on_round(record)
@@ -172,11 +179,22 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                 on_model(record["round"], aggregator.plan.strategy.global_model(
                     aggregator.ckpt.state))
 
-        aggregator = aggregator_class(plan)(plan, transport("aggregator"), os.path.join(root, "aggregator"),
-                                settings, stop=stop, on_round=after_round)
+        uplink = transport("aggregator", network)
+        # every client's retained status arrives at once when the aggregator subscribes
+        # (10,000 clients: the default queue of 10,000 messages dropped the last of them)
+        uplink.set_queue_limits(max(DEFAULT_QUEUE_MESSAGES, 4 * len(ids)))
+        aggregator = aggregator_cls(plan, uplink,
+                                            os.path.join(root, "aggregator"), settings,
+                                            stop=stop, on_round=after_round)
         result = aggregator.run()
-        for thread in threads:
-            thread.join(timeout=30.0)
+        if not result.finished:
+            _tell_workers(procs, "stop")     # their clients do not hear of a run's end
+        if hosting is not None:
+            hosting.join(timeout=30.0)
+            client_states = {c: role.client_state for c, role in enumerate(clients)}
+        else:
+            client_states = _collect(procs, {node: c for c, node in enumerate(ids)}, errors,
+                                     timeout=max(30.0, len(ids) / 100))
         if errors:
             raise errors[0]
         if not result.finished and stop.is_set():
@@ -188,19 +206,131 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                                f"{len(result.history)} of {run.setup.rounds}")
     finally:
         stop.set()
-        for thread in threads:
-            thread.join(timeout=10.0)
-        network.close()
+        if hosting is not None:
+            hosting.join(timeout=30.0)
+        if pool is not None:
+            pool.shutdown(wait=False)
+        _end_workers(procs)
+        if network is not None:
+            network.close()
         if broker is not None:
             broker.stop()
         if scratch is not None:
             scratch.cleanup()
-    client_states = {c: role.client_state for c, role in enumerate(roles)}
     info = {"name": "mqtt", "broker": str(address),
             "broker_kind": broker.kind if broker is not None else "external",
             "federation": federation, "max_payload": max_payload, "compression": compression,
+            "client_processes": processes, "task_topics": task_topics,
             "run_id": result.run_id, "late": result.stats["late"],
             "duplicates": result.stats["duplicates"], "rejected": result.stats["rejected"],
             "resends": result.stats["resends"]}
     return RunResult(result.state, client_states, result.history, result.params,
                      result.stopped), info
+
+
+def _fork_workers(processes: int, clients: int, workers: int, make_clients, stall_s: float,
+                  address) -> list:
+    """Fork `processes` workers, each hosting a contiguous share of the clients
+    (sim.hosting.serve_clients). Forked, not spawned: the children share the clients' data
+    with this process instead of receiving a copy. Called before this process starts any
+    thread of its own for the run. Returns [(process, connection, share size)]."""
+    import multiprocessing
+    import threading
+
+    from ..transport.netloop import NetworkLoop
+    from .hosting import serve_clients
+
+    ctx = multiprocessing.get_context("fork")
+    # the training slots of the run, shared out: at most `workers` train at once in all
+    slots_each = max(1, -(-workers // processes))
+    bounds = [clients * k // processes for k in range(processes + 1)]
+    procs = []
+    for k in range(processes):
+        indices = range(bounds[k], bounds[k + 1])
+
+        def make(stop, indices=indices, k=k):
+            loop = NetworkLoop(name=f"edgefl-worker{k}-net")
+            pool = ThreadPoolExecutor(max_workers=slots_each, thread_name_prefix="edgefl-train")
+            return make_clients(indices, stop, threading.Semaphore(slots_each), loop,
+                                pool), loop
+
+        parent_end, child_end = ctx.Pipe()
+        proc = ctx.Process(target=serve_clients, args=(make, child_end, stall_s, address),
+                           name=f"edgefl-clients-{k}", daemon=True)
+        proc.start()
+        child_end.close()
+        procs.append((proc, parent_end, len(indices)))
+    return procs
+
+
+def _wait_ready(procs: list, clients: int, stop, stall_s: float, address) -> None:
+    """Until every worker reports all its clients connected and subscribed. Fails on a
+    worker's error, a worker that died, or no progress for `stall_s` seconds."""
+    ready = [0] * len(procs)
+    progress_at = time.monotonic()
+    while sum(ready) < clients:
+        if stop.is_set():
+            raise RuntimeError("stopped while the simulation's clients were connecting")
+        for k, (proc, conn, share) in enumerate(procs):
+            try:
+                while conn.poll(0):
+                    msg = conn.recv()
+                    if msg[0] == "ready":
+                        if msg[1] > ready[k]:
+                            ready[k] = msg[1]
+                            progress_at = time.monotonic()
+                    elif msg[0] == "done":
+                        raise msg[2] if msg[2] is not None else RuntimeError(
+                            f"client worker {k} ended before its clients connected")
+            except (EOFError, OSError):
+                raise RuntimeError(f"client worker {k} (pid {proc.pid}) died with exit code "
+                                   f"{proc.exitcode} while its clients were connecting") \
+                    from None
+        if time.monotonic() - progress_at > stall_s + 5:
+            raise TimeoutError(f"simulation clients did not connect to {address}: "
+                               f"none became ready for {stall_s:g} s ({sum(ready)} of "
+                               f"{clients} were)")
+        time.sleep(0.05)
+
+
+def _collect(procs: list, index: dict, errors: list, timeout: float) -> dict:
+    """The workers' last word: each client's state (by client index), and their errors."""
+    states: dict = {}
+    deadline = time.monotonic() + timeout
+    for k, (proc, conn, _share) in enumerate(procs):
+        try:
+            while conn.poll(max(0.0, deadline - time.monotonic())):
+                msg = conn.recv()
+                if msg[0] == "done":
+                    states.update({index[node]: state for node, state in msg[1].items()})
+                    if msg[2] is not None:
+                        errors.append(msg[2])
+                    break
+            else:
+                errors.append(TimeoutError(f"client worker {k} did not finish within "
+                                           f"{timeout:g} s of the run's end"))
+        except (EOFError, OSError):
+            errors.append(RuntimeError(f"client worker {k} (pid {proc.pid}) died with exit "
+                                       f"code {proc.exitcode}"))
+    return states
+
+
+def _tell_workers(procs: list, what: str) -> None:
+    for _proc, conn, _share in procs:
+        try:
+            conn.send(what)
+        except (OSError, ValueError):
+            pass                             # that worker is gone already
+
+
+def _end_workers(procs: list) -> None:
+    _tell_workers(procs, "stop")
+    for proc, conn, _share in procs:
+        proc.join(timeout=15.0)
+        if proc.is_alive():
+            proc.terminate()                 # its clients stop and close
+            proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)
+        conn.close()

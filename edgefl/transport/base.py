@@ -213,6 +213,9 @@ class ReceiveQueue(queue.Queue):
         self._messages = 0                       # Messages waiting (other items not counted)
         self._bytes = 0
         self._overflow = 0                       # drops since the queue last had room
+        # called (no arguments, outside the lock) after an item is queued: how a host that
+        # drives many roles from one thread learns which of them has work (edgefl.sim.hosting)
+        self.on_item = None
 
     def set_limits(self, max_messages: int, max_bytes: int) -> None:
         for what, value in (("max_messages", max_messages), ("max_bytes", max_bytes)):
@@ -255,6 +258,8 @@ class ReceiveQueue(queue.Queue):
                 self._put(item)
                 self.unfinished_tasks += 1
                 self.not_empty.notify()
+            if self.on_item is not None:
+                self.on_item()
             return
         size = len(item.payload)
         with self.not_full:
@@ -286,6 +291,8 @@ class ReceiveQueue(queue.Queue):
             self._put(item)
             self.unfinished_tasks += 1
             self.not_empty.notify()
+        if self.on_item is not None:
+            self.on_item()
 
 
 class Transport(abc.ABC):

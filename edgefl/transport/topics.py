@@ -50,7 +50,8 @@ TOPIC_TABLE = {spec.kind: spec for spec in (
               "per-client model (FedMR)"),
     TopicSpec("task", "task/{node}", True, 1, "json",
               "an asynchronous run's task for one board (an announcement tasking it alone; "
-              "round = task id)"),
+              "round = task id), or a round's announcement with this client's task alone "
+              "(per-client tasks)"),
     TopicSpec("update", "update/{node}", False, 1, "frame", "a client's update"),
     TopicSpec("status", "status/{node}", True, 1, "json",
               "online/offline (Last Will), version, device profile"),
