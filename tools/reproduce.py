@@ -88,7 +88,7 @@ OLD_STATS_NOTE = ("**Old statistics.** This section was produced before the verd
 TOP_KEYS = {"title", "paper", "spec", "headline", "claim", "setup", "notes", "order", "base",
             "settings", "arms", "targets", "columns", "checks", "extras", "seeds", "scale",
             "differs", "quick", "full", "long"}
-SETTING_KEYS = {"label", "set", "arms", "arm_set", "targets"}
+SETTING_KEYS = {"label", "set", "arms", "arm_set", "targets", "tiers"}
 ARM_KEYS = {"label", "set", "cost"}
 
 # metric -> (column header, True if higher is better / False if lower / None, formatter kind)
@@ -180,6 +180,18 @@ def load_experiment(path: str, mode: str, seeds: int | None = None) -> Experimen
     n_seeds = int(seeds if seeds is not None else doc.get("seeds", 3))
     if n_seeds < 1:
         raise ExperimentError(f"{path}: seeds = {n_seeds} must be >= 1")
+    for what, entries in (("settings", list((doc["settings"] or {}).values())),
+                          ("checks", doc["checks"])):
+        for entry in entries:
+            tiers = entry.get("tiers") if isinstance(entry, dict) else None
+            if tiers is not None and (not isinstance(tiers, list) or set(tiers) - set(MODES)):
+                raise ExperimentError(f"{path}: {what}: tiers {tiers!r}; a list of "
+                                      f"{', '.join(MODES)}")
+    # a setting or a check with `tiers: [...]` exists only in those tiers (e.g. the CNN
+    # settings only in the long tier)
+    doc["settings"] = {k: v for k, v in doc["settings"].items()
+                       if mode in (v or {}).get("tiers", MODES)}
+    doc["checks"] = [c for c in doc["checks"] if mode in c.get("tiers", MODES)]
     exp = Experiment(name, path, mode, doc, n_seeds, dict(doc["settings"]), dict(doc["arms"]),
                      frozenset(m for m in MODES if m in raw))
     for sname, setting in exp.settings.items():
