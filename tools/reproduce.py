@@ -619,7 +619,7 @@ def _fmt(key: str) -> str:
     """Format of a gain's interval for this metric."""
     if key.startswith("rounds_to:"):
         return "+.1f"
-    return "+.4f" if METRICS.get(key, ("", None, "acc"))[2] in ("acc", "loss") else "+.4g"
+    return "+.3g"
 
 
 def aligned(*arm_runs, key=None) -> tuple:
@@ -677,7 +677,7 @@ def evaluate_check(check: dict, exp: Experiment, table: dict) -> tuple:
                         f"(interval above 0) in {words.count(V.HOLDS)}, behind in "
                         f"{words.count(V.CONTRADICTED)}, not resolved in "
                         f"{words.count(V.UNRESOLVED)}; the weakest round's gain "
-                        f"{worst.interval.text('+.4f')} — {V.combine(per_round)}")
+                        f"{worst.interval.text('+.3g')} — {V.combine(per_round)}")
             continue
         for key in _metric_keys(check, exp, setting):
             if kind == "compare":
