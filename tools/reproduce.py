@@ -27,7 +27,7 @@ A run's config is base, then the setting's `set`, then the arm's `set`, then the
 extension of the vocabulary: `partition: {name: natural, owners: {label_sets: [[...], ...],
 per_client: N}}` gives client k the samples whose class is in label_sets[k] (a class shared
 by several clients is dealt round-robin among them, in sample order; at most per_client
-samples each, the rest unused), for the label-set environments of FedVeca's Case 3 and DUW's
+samples each -- one number, or one per client -- the rest unused), for the label-set environments of FedVeca's Case 3 and DUW's
 Env II, which no built-in partitioner draws. The resolved owner array goes to the `natural`
 partitioner.
 
@@ -278,7 +278,8 @@ _LABEL_CACHE: dict = {}
 def owners_from_label_sets(labels: np.ndarray, n_clients: int, label_sets, per_client=None):
     """Owner id per training sample (-1 = unused): client k holds the classes in
     label_sets[k]; a class held by several clients is dealt round-robin among them in
-    sample order; each client keeps its first per_client samples."""
+    sample order; each client keeps its first per_client samples (one number, or a list of
+    one per client)."""
     if len(label_sets) != n_clients:
         raise ExperimentError(f"owners.label_sets has {len(label_sets)} entries for "
                               f"{n_clients} clients")
@@ -289,9 +290,14 @@ def owners_from_label_sets(labels: np.ndarray, n_clients: int, label_sets, per_c
             idx = np.flatnonzero(labels == cls)
             owners[idx] = np.asarray(holders)[np.arange(len(idx)) % len(holders)]
     if per_client is not None:
+        caps = list(per_client) if isinstance(per_client, (list, tuple)) \
+            else [per_client] * n_clients
+        if len(caps) != n_clients:
+            raise ExperimentError(f"owners.per_client has {len(caps)} entries for "
+                                  f"{n_clients} clients")
         for k in range(n_clients):
             idx = np.flatnonzero(owners == k)
-            owners[idx[int(per_client):]] = -1
+            owners[idx[int(caps[k]):]] = -1
     empty = [k for k in range(n_clients) if not np.any(owners == k)]
     if empty:
         raise ExperimentError(f"owners.label_sets: client(s) {empty} get no samples")
@@ -945,6 +951,10 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
     m = manifest
     load = (f"load average {m['load_start']:.2f} at the start and {m['load_end']:.2f} at the "
             f"end (other processes were running)" if m.get("load_start") is not None else "")
+    if m.get("cpu_s"):
+        load += (f"; {format_duration(m['cpu_s'])} of CPU time in all (about "
+                 f"{format_duration(m['cpu_s'] / max(1, min(m['workers'], m['cpus'] or 1)))} "
+                 f"of wall time on {min(m['workers'], m['cpus'] or 1)} otherwise idle cores)")
     head = [f"## {MODE_TITLES[mode]}", "",
             (f"Produced by `{m['command']}` in **{format_duration(m['wall_s'])}** "
             f"({m['wall_s']:.0f} s wall time, {m['runs']} runs, {m['workers']} worker "
@@ -1183,6 +1193,13 @@ def main(argv=None) -> int:
     if not args.report_only:
         manifest["load_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         manifest["wall_s"] = time.perf_counter() - started   # runs + metrics + plots
+        try:   # CPU time of this process and its workers: the load-independent cost
+            import resource
+            usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                      resource.RUSAGE_CHILDREN)]
+            manifest["cpu_s"] = sum(u.ru_utime + u.ru_stime for u in usage)
+        except (ImportError, OSError):
+            pass
         with open(manifest_path, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
     section, meta = render_section(mode, manifest, experiments, tables, failures)
