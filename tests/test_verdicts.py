@@ -158,3 +158,75 @@ def test_exact_and_combine():
     assert V.combine([V.HOLDS, V.UNRESOLVED]) == V.UNRESOLVED
     assert V.combine([V.HOLDS, V.UNRESOLVED, V.CONTRADICTED]) == V.CONTRADICTED
     assert V.combine([]) == V.UNRESOLVED
+
+
+# ---------------------------------------------------------------------------------------
+# tools/reproduce.py: the experiment files in every tier, pairing by seed, resuming
+# ---------------------------------------------------------------------------------------
+
+def _reproduce():
+    import reproduce
+    return reproduce
+
+
+@pytest.mark.parametrize("mode", ["quick", "full", "long"])
+def test_experiment_files_load_in_every_tier(mode):
+    """Every experiment file loads in every tier; its checks name only settings and arms
+    that run in that tier; every run config validates (label-set owners resolved)."""
+    R = _reproduce()
+    for path in R.discover(None):
+        exp = R.load_experiment(path, mode)
+        if mode == "long" and "long" not in exp.tiers:
+            continue
+        assert exp.seeds >= 5 or mode == "long", f"{path}: {exp.seeds} seeds in {mode}"
+        for check in exp.doc["checks"]:
+            for setting in R._as_list(check.get("settings")) or list(exp.settings):
+                ran = set(exp.arms_of(setting))
+                for key in ("better", "than", "arms", "arm", "baseline"):
+                    for arm in R._as_list(check.get(key)):
+                        assert arm in ran, f"{path} ({mode}): {check['claim']}: {arm} " \
+                                           f"does not run in {setting}"
+        if exp.settings:
+            R.make_jobs([exp], "/nonexistent")   # validates every config, runs nothing
+
+
+def test_tiers_key_is_checked(tmp_path):
+    R = _reproduce()
+    src = (REPO / "tools" / "experiments" / "fedveca.yaml").read_text(encoding="utf-8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(src.replace("case1-iid:\n", "case1-iid:\n    tiers: [nightly]\n", 1),
+                   encoding="utf-8")
+    with pytest.raises(R.ExperimentError, match="tiers"):
+        R.load_experiment(str(bad), "quick")
+
+
+def test_checks_pair_by_seed_not_by_position():
+    """A failed seed drops out of both arms of a comparison, not shifts the pairing."""
+    R = _reproduce()
+    a = [{"seed": s, "x": v} for s, v in [(0, 1.0), (2, 3.0), (3, 4.0)]]
+    b = [{"seed": s, "x": v} for s, v in [(0, 0.5), (1, 9.0), (3, 3.5)]]
+    seeds, (va, vb) = R.aligned(a, b, key="x")
+    assert seeds == [0, 3] and va == [1.0, 4.0] and vb == [0.5, 3.5]
+
+
+def test_resume_keeps_a_finished_run_and_reruns_a_changed_one(tmp_path):
+    R = _reproduce()
+    config = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
+              "model": {"name": "softmax"}, "train": {"lr": 0.05, "batch_size": 32},
+              "rounds": 2, "seed": 0}
+    job = {"key": "t/s/a/seed0", "out": str(tmp_path / "run"), "config": config,
+           "threads": 1, "resume": True}
+    first = R.execute(job)
+    assert first["ok"] and not first.get("resumed"), first
+    again = R.execute(job)
+    assert again["ok"] and again["resumed"] and again["final_accuracy"] == first["final_accuracy"]
+    changed = dict(job, config=dict(config, rounds=3))
+    third = R.execute(changed)
+    assert third["ok"] and not third.get("resumed")
+    # an interrupted run (summary marked stopped) is run again, not kept
+    import json
+    summary = tmp_path / "run" / "summary.json"
+    doc = json.loads(summary.read_text())
+    doc["stopped"] = "interrupted"
+    summary.write_text(json.dumps(doc))
+    assert not R.execute(changed).get("resumed")
