@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Run the papers' main comparisons at this machine's scale and write docs/results.md.
 
-    python tools/reproduce.py --quick          # 2-3 seeds, fewer rounds and data (~6 min, 2 cores)
-    python tools/reproduce.py                  # the full run: 5 seeds, the longer settings
+    python tools/reproduce.py --quick          # 5 seeds, fewer rounds and data (~5 min, 2 idle cores)
+    python tools/reproduce.py                  # the full run: 5-10 seeds, the longer settings
+    python tools/reproduce.py --long           # the CNN settings, resumable (many hours)
     python tools/reproduce.py --only mfl,duw --seeds 1 --out /tmp/r   # a subset
+
+Verdicts: every comparison pairs the arms by seed and is decided by the 95% t interval of the
+paired differences (tools/verdicts.py: holds / contradicted / not resolved at this scale; a
+target not reached is never given a value, a comparison with one goes to an exact sign test).
 
 Each experiment is a file tools/experiments/NAME.yaml:
 
@@ -20,7 +25,11 @@ Each experiment is a file tools/experiments/NAME.yaml:
     columns                metrics shown (see METRICS)
     checks                 the claim as testable statements about the seed means (see CHECKS)
     seeds                  seeds 0..n-1 of every (setting, arm)
-    quick, full            overrides for that mode, merged into everything above
+    scale                  the scale in one line (the summary table's every row)
+    differs                what still differs from the paper (printed with the verdict)
+    quick, full, long      overrides for that tier, merged into everything above; only the
+                           files with a `long:` block take part in the long tier
+    A setting or a check with `tiers: [...]` exists only in those tiers.
 
 A run's config is base, then the setting's `set`, then the arm's `set`, then the setting's
 `arm_set` for that arm (mappings merge key by key), with seed = the seed index. One
@@ -36,8 +45,14 @@ readable by `edgefl compare`), plus OUT/EXPERIMENT/SETTING/overlay.png (seed 0 o
 arm). Runs execute in --workers processes (default: the CPU count), one training thread
 each; results do not depend on the number of workers (simulate is deterministic per seed).
 
-docs/results.md keeps one section per mode (quick, full), each stating the command, its wall
-time and the machine; running one mode replaces only its section. Sections between
+--resume (implied by --long) keeps every run an earlier invocation finished with the same
+config (OUT/.../reproduce.json records the config's SHA-256), so an interrupted invocation
+continues with the runs it had not finished; a run cut off half-way starts again from its
+first round (edgefl simulate has no mid-run resume).
+
+docs/results.md keeps one section per mode (quick, full, long), each stating the command, its
+wall time, CPU time and the machine; running one mode replaces only its section; a section
+written before the paired statistics is marked as such. Sections between
 `<!-- kept:NAME -->` and `<!-- /kept:NAME -->` lines were measured otherwise and are kept as
 they are, after the generated ones. With --only the report
 goes to OUT/results.md unless --results is given, so a partial run never overwrites the
@@ -829,6 +844,8 @@ def verdict_word(results: list) -> str:
     if any(v is None for v in claims):
         return "Not evaluated (runs missing)"
     n = len(claims)
+    if not n:
+        return "No claim of the paper checked in this tier"
     if all(v == V.HOLDS for v in claims):
         return f"Holds ({n} of {n} claims)"
     head = "Contradicted" if V.CONTRADICTED in claims else "Not resolved at this scale"
