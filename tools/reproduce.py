@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Run the papers' main comparisons at this machine's scale and write docs/results.md.
 
-    python tools/reproduce.py --quick          # 2-3 seeds, fewer rounds and data (~6 min, 2 cores)
-    python tools/reproduce.py                  # the full run: 5 seeds, the longer settings
+    python tools/reproduce.py --quick          # 5 seeds, fewer rounds and data (~5 min, 2 idle cores)
+    python tools/reproduce.py                  # the full run: 5-10 seeds, the longer settings
+    python tools/reproduce.py --long           # the CNN settings, resumable (many hours)
     python tools/reproduce.py --only mfl,duw --seeds 1 --out /tmp/r   # a subset
+
+Verdicts: every comparison pairs the arms by seed and is decided by the 95% t interval of the
+paired differences (tools/verdicts.py: holds / contradicted / not resolved at this scale; a
+target not reached is never given a value, a comparison with one goes to an exact sign test).
 
 Each experiment is a file tools/experiments/NAME.yaml:
 
@@ -20,14 +25,18 @@ Each experiment is a file tools/experiments/NAME.yaml:
     columns                metrics shown (see METRICS)
     checks                 the claim as testable statements about the seed means (see CHECKS)
     seeds                  seeds 0..n-1 of every (setting, arm)
-    quick, full            overrides for that mode, merged into everything above
+    scale                  the scale in one line (the summary table's every row)
+    differs                what still differs from the paper (printed with the verdict)
+    quick, full, long      overrides for that tier, merged into everything above; only the
+                           files with a `long:` block take part in the long tier
+    A setting or a check with `tiers: [...]` exists only in those tiers.
 
 A run's config is base, then the setting's `set`, then the arm's `set`, then the setting's
 `arm_set` for that arm (mappings merge key by key), with seed = the seed index. One
 extension of the vocabulary: `partition: {name: natural, owners: {label_sets: [[...], ...],
 per_client: N}}` gives client k the samples whose class is in label_sets[k] (a class shared
 by several clients is dealt round-robin among them, in sample order; at most per_client
-samples each, the rest unused), for the label-set environments of FedVeca's Case 3 and DUW's
+samples each -- one number, or one per client -- the rest unused), for the label-set environments of FedVeca's Case 3 and DUW's
 Env II, which no built-in partitioner draws. The resolved owner array goes to the `natural`
 partitioner.
 
@@ -36,8 +45,14 @@ readable by `edgefl compare`), plus OUT/EXPERIMENT/SETTING/overlay.png (seed 0 o
 arm). Runs execute in --workers processes (default: the CPU count), one training thread
 each; results do not depend on the number of workers (simulate is deterministic per seed).
 
-docs/results.md keeps one section per mode (quick, full), each stating the command, its wall
-time and the machine; running one mode replaces only its section. Sections between
+--resume (implied by --long) keeps every run an earlier invocation finished with the same
+config (OUT/.../reproduce.json records the config's SHA-256), so an interrupted invocation
+continues with the runs it had not finished; a run cut off half-way starts again from its
+first round (edgefl simulate has no mid-run resume).
+
+docs/results.md keeps one section per mode (quick, full, long), each stating the command, its
+wall time, CPU time and the machine; running one mode replaces only its section; a section
+written before the paired statistics is marked as such. Sections between
 `<!-- kept:NAME -->` and `<!-- /kept:NAME -->` lines were measured otherwise and are kept as
 they are, after the generated ones. With --only the report
 goes to OUT/results.md unless --results is given, so a partial run never overwrites the
@@ -65,18 +80,30 @@ from dataclasses import dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+TOOLS = os.path.join(REPO, "tools")
+if TOOLS not in sys.path:   # tools/verdicts.py
+    sys.path.insert(0, TOOLS)
 
 import numpy as np
 import yaml
 
 EXPERIMENTS_DIR = os.path.join(REPO, "tools", "experiments")
 RESULTS = os.path.join(REPO, "docs", "results.md")
-MODES = ("quick", "full")
+MODES = ("quick", "full", "long")
+MODE_TITLES = {"quick": "Quick run", "full": "Full run", "long": "Long run (CNN experiments)"}
+# 2: paired-by-seed intervals and the three verdicts of tools/verdicts.py (issue 21); a section
+# of results.md without it was judged on seed means only and says so
+STATS_VERSION = 2
+OLD_STATS_NOTE = ("**Old statistics.** This section was produced before the verdicts were "
+                  "paired by seed with 95% intervals (issue 21): its checks compare seed "
+                  "means with strict inequalities on 2–5 seeds, and a target not reached "
+                  "counted as rounds + 1. Its settings are also the older ones. Read its "
+                  "verdicts as provisional; the sections with intervals supersede them.")
 
 TOP_KEYS = {"title", "paper", "spec", "headline", "claim", "setup", "notes", "order", "base",
-            "settings", "arms", "targets", "columns", "checks", "extras", "seeds", "quick",
-            "full"}
-SETTING_KEYS = {"label", "set", "arms", "arm_set", "targets"}
+            "settings", "arms", "targets", "columns", "checks", "extras", "seeds", "scale",
+            "differs", "quick", "full", "long"}
+SETTING_KEYS = {"label", "set", "arms", "arm_set", "targets", "tiers"}
 ARM_KEYS = {"label", "set", "cost"}
 
 # metric -> (column header, True if higher is better / False if lower / None, formatter kind)
@@ -85,6 +112,8 @@ METRICS = {
     "best_accuracy": ("best acc", True, "acc"),
     "final_test_loss": ("final test loss", False, "loss"),
     "final_train_loss": ("final train loss", False, "loss"),
+    # F(w): the final global model's loss (with the L2 term) on the whole training set
+    "global_train_loss": ("F(w) on the training set", False, "loss"),
     "rounds_to": ("rounds to target", False, "rounds"),   # one column per target
     "bytes": ("up+down bytes", False, "bytes"),
     "uplink_bytes": ("uplink bytes", False, "bytes"),
@@ -124,6 +153,7 @@ class Experiment:
     seeds: int
     settings: dict = field(default_factory=dict)
     arms: dict = field(default_factory=dict)
+    tiers: frozenset = frozenset()   # the mode blocks the file has (quick, full, long)
 
     @property
     def order(self):
@@ -165,7 +195,20 @@ def load_experiment(path: str, mode: str, seeds: int | None = None) -> Experimen
     n_seeds = int(seeds if seeds is not None else doc.get("seeds", 3))
     if n_seeds < 1:
         raise ExperimentError(f"{path}: seeds = {n_seeds} must be >= 1")
-    exp = Experiment(name, path, mode, doc, n_seeds, dict(doc["settings"]), dict(doc["arms"]))
+    for what, entries in (("settings", list((doc["settings"] or {}).values())),
+                          ("checks", doc["checks"])):
+        for entry in entries:
+            tiers = entry.get("tiers") if isinstance(entry, dict) else None
+            if tiers is not None and (not isinstance(tiers, list) or set(tiers) - set(MODES)):
+                raise ExperimentError(f"{path}: {what}: tiers {tiers!r}; a list of "
+                                      f"{', '.join(MODES)}")
+    # a setting or a check with `tiers: [...]` exists only in those tiers (e.g. the CNN
+    # settings only in the long tier)
+    doc["settings"] = {k: v for k, v in doc["settings"].items()
+                       if mode in (v or {}).get("tiers", MODES)}
+    doc["checks"] = [c for c in doc["checks"] if mode in c.get("tiers", MODES)]
+    exp = Experiment(name, path, mode, doc, n_seeds, dict(doc["settings"]), dict(doc["arms"]),
+                     frozenset(m for m in MODES if m in raw))
     for sname, setting in exp.settings.items():
         if not isinstance(setting, dict):
             raise ExperimentError(f"{path}: settings.{sname}: must be a mapping with keys "
@@ -250,7 +293,8 @@ _LABEL_CACHE: dict = {}
 def owners_from_label_sets(labels: np.ndarray, n_clients: int, label_sets, per_client=None):
     """Owner id per training sample (-1 = unused): client k holds the classes in
     label_sets[k]; a class held by several clients is dealt round-robin among them in
-    sample order; each client keeps its first per_client samples."""
+    sample order; each client keeps its first per_client samples (one number, or a list of
+    one per client)."""
     if len(label_sets) != n_clients:
         raise ExperimentError(f"owners.label_sets has {len(label_sets)} entries for "
                               f"{n_clients} clients")
@@ -261,9 +305,14 @@ def owners_from_label_sets(labels: np.ndarray, n_clients: int, label_sets, per_c
             idx = np.flatnonzero(labels == cls)
             owners[idx] = np.asarray(holders)[np.arange(len(idx)) % len(holders)]
     if per_client is not None:
+        caps = list(per_client) if isinstance(per_client, (list, tuple)) \
+            else [per_client] * n_clients
+        if len(caps) != n_clients:
+            raise ExperimentError(f"owners.per_client has {len(caps)} entries for "
+                                  f"{n_clients} clients")
         for k in range(n_clients):
             idx = np.flatnonzero(owners == k)
-            owners[idx[int(per_client):]] = -1
+            owners[idx[int(caps[k]):]] = -1
     empty = [k for k in range(n_clients) if not np.any(owners == k)]
     if empty:
         raise ExperimentError(f"owners.label_sets: client(s) {empty} get no samples")
@@ -334,9 +383,35 @@ def make_jobs(experiments: list, out_root: str) -> list:
     return jobs
 
 
+def config_digest(config: dict) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def finished_run(job: dict) -> dict | None:
+    """The status of a run already finished in job["out"] with the same config (what
+    --resume keeps), else None."""
+    try:
+        with open(os.path.join(job["out"], "reproduce.json"), encoding="utf-8") as f:
+            done = json.load(f)
+        with open(os.path.join(job["out"], "summary.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if done.get("config_sha256") != config_digest(job["config"]) or summary.get("stopped"):
+        return None
+    return {"key": job["key"], "ok": True, "elapsed_s": done["elapsed_s"], "resumed": True,
+            "final_accuracy": summary["final_accuracy"]}
+
+
 def execute(job: dict) -> dict:
-    """Run one job (in a worker process): simulate into job["out"], return a status."""
+    """Run one job (in a worker process): simulate into job["out"], return a status. With
+    job["resume"], a run finished earlier with the same config is kept, not repeated."""
     started = time.perf_counter()
+    if job.get("resume"):
+        done = finished_run(job)
+        if done is not None:
+            return done
     try:
         from edgefl.runconfig import run_config_from_mapping
         from edgefl.sim import simulate
@@ -347,7 +422,8 @@ def execute(job: dict) -> dict:
                            stream=io.StringIO())
         elapsed = time.perf_counter() - started
         with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
-            json.dump({"key": job["key"], "elapsed_s": elapsed}, f)
+            json.dump({"key": job["key"], "elapsed_s": elapsed,
+                       "config_sha256": config_digest(job["config"])}, f)
         return {"key": job["key"], "ok": True, "elapsed_s": elapsed,
                 "final_accuracy": summary["final_accuracy"]}
     except Exception:   # noqa: BLE001 -- any failure is reported per run; the others go on
@@ -355,10 +431,11 @@ def execute(job: dict) -> dict:
                 "error": traceback.format_exc(limit=4)}
 
 
-def run_jobs(jobs: list, workers: int, log) -> dict:
-    """{job key: status}; heavier jobs start first so the pool ends evenly."""
+def run_jobs(jobs: list, workers: int, log, resume: bool = False) -> dict:
+    """{job key: status}; heavier jobs start first so the pool ends evenly. resume: runs
+    finished by an earlier invocation (same config) are kept."""
     order = sorted(jobs, key=lambda j: -j.cost)
-    payloads = [{"key": j.key, "out": j.out, "config": j.resolved,
+    payloads = [{"key": j.key, "out": j.out, "config": j.resolved, "resume": resume,
                  "threads": 1 if workers > 1 else (os.cpu_count() or 1)} for j in order]
     results = {}
     started = time.perf_counter()
@@ -366,7 +443,9 @@ def run_jobs(jobs: list, workers: int, log) -> dict:
     def report(status):
         results[status["key"]] = status
         done = len(results)
-        what = (f"final acc {status['final_accuracy']:.4f}" if status["ok"]
+        what = (f"final acc {status['final_accuracy']:.4f}"
+                + (" (kept from an earlier invocation)" if status.get("resumed") else "")
+                if status["ok"]
                 else "FAILED: " + status["error"].strip().splitlines()[-1])
         log(f"[{done:>{len(str(len(jobs)))}}/{len(jobs)}] {status['key']}: {what}, "
             f"{status['elapsed_s']:.1f} s (elapsed {time.perf_counter() - started:.0f} s)")
@@ -413,6 +492,33 @@ def local_steps_per_round(run, config: dict) -> float | None:
     return float(np.mean([sum(steps(sizes[c]) for c in h["selected"]) for h in run.history]))
 
 
+def global_train_loss(out: str) -> float:
+    """F(w) of a finished run: its final model's mean loss (with the L2 term) over the
+    training samples its clients held (the union of the partition), computed by the kernels
+    from model.npz -- not the clients' minibatch losses."""
+    from edgefl import kernels
+    from edgefl.checkpoint import load_checkpoint
+    from edgefl.config import dataset_from_config, partition_from_config
+    from edgefl.models import build_model
+    from edgefl.runconfig import run_config_from_mapping
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        config = json.load(f)["config"]
+    cfg = run_config_from_mapping(config).as_config()
+    key = ("train", json.dumps(config["dataset"], sort_keys=True),
+           json.dumps(config.get("partition"), sort_keys=True), config.get("seed"))
+    if key not in _TEST_CACHE:
+        ds = dataset_from_config(cfg)
+        held = np.unique(np.concatenate([np.asarray(ix) for ix in
+                                         partition_from_config(cfg, ds).indices]))
+        _TEST_CACHE[key] = (ds, held)
+    ds, held = _TEST_CACHE[key]
+    ck = load_checkpoint(os.path.join(out, "model.npz"))
+    model = build_model(ck["model_spec"], ds.input_shape, ds.num_classes)
+    x = np.ascontiguousarray(ds.x_train[held])
+    y = np.ascontiguousarray(ds.y_train[held])
+    return float(kernels.evaluate(model, ck["params"], x, y)["loss"])
+
+
 def run_metrics(job: Job, targets: list, columns: list) -> dict:
     from edgefl.compare import load_run
     run = load_run(job.out)
@@ -429,8 +535,10 @@ def run_metrics(job: Job, targets: list, columns: list) -> dict:
         "downlink_bytes": s["downlink_bytes"], "wall_s": elapsed, "rounds": s["rounds"],
         "curve": {h["round"]: h["test_accuracy"] for h in run.history
                   if h["test_accuracy"] is not None},
-        "out": job.out,
+        "out": job.out, "seed": job.seed,
     }
+    if "global_train_loss" in columns:
+        metrics["global_train_loss"] = global_train_loss(job.out)
     for t in targets:
         metrics[f"rounds_to:{t:g}"] = run.rounds_to(t)
     if "local_steps" in columns:
@@ -441,7 +549,6 @@ def run_metrics(job: Job, targets: list, columns: list) -> dict:
 @dataclass
 class Stat:
     values: list            # per seed; None = not available (rounds: not reached)
-    censor: float | None = None   # rounds + 1, the value an unreached target counts as
 
     @property
     def known(self):
@@ -449,22 +556,16 @@ class Stat:
 
     @property
     def mean(self):
-        vals = [self.censor if v is None else v for v in self.values] \
-            if self.censor is not None else self.known
-        return float(np.mean(vals)) if vals else None
+        """Mean over the seeds that have a value (a target not reached has none)."""
+        return float(np.mean(self.known)) if self.known else None
 
     @property
     def std(self):
-        vals = [self.censor if v is None else v for v in self.values] \
-            if self.censor is not None else self.known
-        return float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+        return float(np.std(self.known, ddof=1)) if len(self.known) > 1 else 0.0
 
 
 def stat_of(runs: list, metric: str) -> Stat:
-    values = [r.get(metric) for r in runs]
-    if metric.startswith("rounds_to:") and runs:
-        return Stat(values, censor=max(r["rounds"] for r in runs) + 1)
-    return Stat(values)
+    return Stat([r.get(metric) for r in runs])
 
 
 def fmt_stat(stat: Stat, kind: str) -> str:
@@ -472,11 +573,11 @@ def fmt_stat(stat: Stat, kind: str) -> str:
     known, n = stat.known, len(stat.values)
     if kind == "rounds":
         if not known:
-            return "*"
+            return f"not reached (0/{n})"
         mean = float(np.mean(known))
         std = float(np.std(known, ddof=1)) if len(known) > 1 else 0.0
-        text = f"{mean:.1f} ± {std:.1f}" if n > 1 else f"{known[0]}"
-        return text if len(known) == n else f"{text} ({len(known)}/{n}; * = not reached)"
+        text = f"{mean:.1f} ± {std:.1f}" if len(known) > 1 else f"{known[0]}"
+        return text if len(known) == n else f"{text} (reached in {len(known)}/{n})"
     if not known:
         return "–"
     mean = float(np.mean(known))
@@ -495,7 +596,7 @@ def fmt_stat(stat: Stat, kind: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# checks
+# checks: every comparison paired by seed, decided by tools/verdicts.py
 # ---------------------------------------------------------------------------------------
 
 def _as_list(value):
@@ -522,10 +623,12 @@ def _higher_better(key: str) -> bool:
 
 
 def _num(stat: Stat, key: str) -> str:
+    n = len(stat.values)
     if stat.mean is None:
-        return "n/a"
+        return f"not reached (0/{n})" if key.startswith("rounds_to:") else "n/a"
     if key.startswith("rounds_to:"):
-        return f"{stat.mean:.1f}"
+        text = f"{stat.mean:.1f}"
+        return text if len(stat.known) == n else f"{text} (reached in {len(stat.known)}/{n})"
     kind = METRICS[key][2]
     if kind == "bytes":
         from edgefl.compare import format_bytes
@@ -533,114 +636,120 @@ def _num(stat: Stat, key: str) -> str:
     return f"{stat.mean:.4f}"
 
 
+def _fmt(key: str) -> str:
+    """Format of a gain's interval for this metric."""
+    if key.startswith("rounds_to:"):
+        return "+.1f"
+    return "+.3g"
+
+
+def aligned(*arm_runs, key=None) -> tuple:
+    """(seeds, [values per arm]) over the seeds every arm has (pairing by seed); with key
+    None the runs themselves."""
+    by_seed = [{r["seed"]: r for r in runs} for runs in arm_runs]
+    seeds = sorted(set.intersection(*(set(b) for b in by_seed))) if by_seed else []
+    return seeds, [[(b[s] if key is None else b[s].get(key)) for s in seeds] for b in by_seed]
+
+
 def evaluate_check(check: dict, exp: Experiment, table: dict) -> tuple:
-    """(held: bool | None, lines, weak): held is None when runs are missing or nothing was
-    comparable; weak counts comparisons that held by less than the seed-to-seed spread.
-    `table[setting][arm]` is the list of per-seed metric dicts."""
+    """(verdict, lines): verdict is one of tools/verdicts.py's three words, or None when
+    runs are missing; `table[setting][arm]` is the list of per-seed metric dicts."""
+    import verdicts as V
     kind = check["kind"]
     settings = _as_list(check.get("settings")) or list(exp.settings)
-    lines, verdicts, weak = [], [], 0
+    lines, results = [], []
 
     def runs_of(setting, arm):
         return table.get(setting, {}).get(arm) or []
 
     if kind == "speedup":
-        parts = {}
-        for s in (check["larger_in"], check["than_in"]):
-            parts[s] = []
-            for key in _metric_keys(check, exp, s):
-                arm, base = stat_of(runs_of(s, check["arm"]), key), \
-                    stat_of(runs_of(s, check["baseline"]), key)
-                if arm.mean is None or base.mean is None:
-                    return None, ["runs missing"], 0
-                ratio = base.mean / arm.mean if base.known or arm.known else None
-                parts[s].append((key, ratio))
-        for (key_a, sa), (key_b, sb) in zip(parts[check["larger_in"]], parts[check["than_in"]]):
-            if sa is None or sb is None:
-                lines.append(f"{_label(key_a)}: neither arm reached it in "
-                             f"{check['larger_in'] if sa is None else check['than_in']} — "
-                             f"not counted")
-                continue
-            held = sa > sb
-            verdicts.append(held)
-            lines.append(f"{_label(key_a)}: {sa:.2f}× in {check['larger_in']} vs {sb:.2f}× in "
-                         f"{check['than_in']} — {'held' if held else 'did not hold'}")
-        return (all(verdicts) if verdicts else None), lines, 0
+        s1, s2 = check["larger_in"], check["than_in"]
+        for key in _metric_keys(check, exp, s1):
+            groups = [runs_of(s1, check["baseline"]), runs_of(s1, check["arm"]),
+                      runs_of(s2, check["baseline"]), runs_of(s2, check["arm"])]
+            if not all(groups):
+                return None, ["runs missing"]
+            seeds, (b1, a1, b2, a2) = aligned(*groups, key=key)
+            if not seeds:
+                return None, ["no seed common to all four groups of runs"]
+            v = V.ratio_difference(b1, a1, b2, a2)
+            results.append(v)
+            lines.append(f"{_label(key)}: speed-up {check['baseline']}/{check['arm']} in {s1} "
+                         f"minus that in {s2}, per seed: {V.describe(v, '+.2f')}")
+        return V.combine(results), lines
 
     for setting in settings:
         if kind == "curve":
-            better, than = _as_list(check["better"]), _as_list(check["than"])
-            for a in better:
-                for b in than:
+            for a in _as_list(check["better"]):
+                for b in _as_list(check["than"]):
                     ra, rb = runs_of(setting, a), runs_of(setting, b)
                     if not ra or not rb:
-                        return None, ["runs missing"], 0
-                    rounds = sorted(ra[0]["curve"])
-                    mean_a = [np.mean([r["curve"][t] for r in ra]) for t in rounds]
-                    mean_b = [np.mean([r["curve"][t] for r in rb]) for t in rounds]
-                    ahead = sum(x > y for x, y in zip(mean_a, mean_b))
-                    held = ahead == len(rounds)
-                    verdicts.append(held)
-                    lines.append(f"{setting}: {a} ahead of {b} in {ahead} of {len(rounds)} "
-                                 f"evaluated rounds (seed-mean test accuracy) — "
-                                 f"{'held' if held else 'did not hold'}")
+                        return None, ["runs missing"]
+                    seeds, (ca, cb) = aligned(ra, rb, key="curve")
+                    rounds = sorted(ca[0])
+                    per_round = [V.paired([c[t] for c in ca], [c[t] for c in cb], True)
+                                 for t in rounds]
+                    words = [v.verdict for v in per_round]
+                    results += per_round
+                    worst = min(per_round, key=lambda v: v.interval.lo)
+                    lines.append(
+                        f"{setting}: {a} vs {b}, test accuracy paired by seed (n = "
+                        f"{len(seeds)}) in each of {len(rounds)} evaluated rounds: ahead "
+                        f"(interval above 0) in {words.count(V.HOLDS)}, behind in "
+                        f"{words.count(V.CONTRADICTED)}, not resolved in "
+                        f"{words.count(V.UNRESOLVED)}; the weakest round's gain "
+                        f"{worst.interval.text('+.3g')} — {V.combine(per_round)}")
             continue
         for key in _metric_keys(check, exp, setting):
             if kind == "compare":
                 margin = float(check.get("margin", 0.0))
                 for a in _as_list(check["better"]):
                     for b in _as_list(check["than"]):
-                        sa, sb = stat_of(runs_of(setting, a), key), stat_of(runs_of(setting, b), key)
-                        if sa.mean is None or sb.mean is None:
-                            return None, ["runs missing"], 0
-                        if key.startswith("rounds_to:") and not sa.known and not sb.known:
-                            lines.append(f"{setting}, {_label(key)}: neither {a} nor {b} "
-                                         f"reached it within {int(sa.censor) - 1} rounds — "
-                                         f"not counted")
-                            continue
-                        gain = (sa.mean - sb.mean) if _higher_better(key) else (sb.mean - sa.mean)
-                        held = gain > margin
-                        verdicts.append(held)
+                        ra, rb = runs_of(setting, a), runs_of(setting, b)
+                        if not ra or not rb:
+                            return None, ["runs missing"]
+                        seeds, (va, vb) = aligned(ra, rb, key=key)
+                        v = V.paired(va, vb, _higher_better(key), margin)
+                        results.append(v)
+                        sa, sb = Stat(va), Stat(vb)
                         extra = ""
-                        if key.startswith("rounds_to:"):
-                            extra = f", {sb.mean / sa.mean:.2f}× fewer" if held else ""
-                            if any(v is None for v in sa.values + sb.values):
-                                extra += f"; not reached counts as {int(sa.censor)}"
-                        if margin:
-                            extra += f"; needs a gain > {margin:g}"
-                        noise = abs(sa.mean - sb.mean) <= max(sa.std, sb.std)
-                        weak += int(held and noise)
+                        if key.startswith("rounds_to:") and len(sa.known) == len(sa.values) \
+                                and len(sb.known) == len(sb.values):
+                            extra = f" ({sb.mean / sa.mean:.2f}× as many rounds for {b})"
                         lines.append(f"{setting}, {_label(key)}: {a} {_num(sa, key)} vs {b} "
-                                     f"{_num(sb, key)}{extra} — "
-                                     f"{'held' if held else 'did not hold'}"
-                                     f"{' (difference within the seed-to-seed spread)' if noise and held else ''}")
+                                     f"{_num(sb, key)}{extra}; {V.describe(v, _fmt(key))}")
             elif kind in ("order", "equal", "similar"):
                 arms = _as_list(check["arms"])
-                stats = [stat_of(runs_of(setting, a), key) for a in arms]
-                if any(st.mean is None for st in stats):
-                    return None, ["runs missing"], 0
-                means = [st.mean for st in stats]
-                values = ", ".join(f"{a} {_num(st, key)}" for a, st in zip(arms, stats))
+                groups = [runs_of(setting, a) for a in arms]
+                if not all(groups):
+                    return None, ["runs missing"]
+                seeds, values = aligned(*groups, key=key)
+                summary = ", ".join(f"{a} {_num(Stat(v), key)}" for a, v in zip(arms, values))
                 if kind == "order":
                     decreasing = check.get("direction", "decreasing") == "decreasing"
-                    pairs = list(zip(means, means[1:]))
-                    held = all((x > y) if decreasing else (x < y) for x, y in pairs)
                     word = "decreasing" if decreasing else "increasing"
-                    lines.append(f"{setting}, {_label(key)} strictly {word} along {values} — "
-                                 f"{'held' if held else 'did not hold'}")
+                    steps = [V.paired(values[i + 1], values[i], not decreasing)
+                             for i in range(len(arms) - 1)]
+                    results += steps
+                    lines.append(f"{setting}, {_label(key)} {word} along {summary}:")
+                    lines += [f"  {arms[i + 1]} vs {arms[i]}: {V.describe(v, _fmt(key))}"
+                              for i, v in enumerate(steps)]
                 elif kind == "equal":
-                    held = len(set(means)) == 1
-                    lines.append(f"{setting}, {_label(key)} equal: {values} — "
-                                 f"{'held' if held else 'did not hold'}")
+                    pairs = [V.exactly_equal(values[0], values[i]) for i in range(1, len(arms))]
+                    results += pairs
+                    lines.append(f"{setting}, {_label(key)} equal: {summary}; "
+                                 + "; ".join(f"{arms[0]} vs {arms[i + 1]}: {V.describe(v)}"
+                                             for i, v in enumerate(pairs)))
                 else:
                     tol = float(check["tolerance"])
-                    spread = max(means) - min(means)
-                    held = spread <= tol
-                    lines.append(f"{setting}, {_label(key)} within {tol:g} of each other: "
-                                 f"{values} (spread {spread:.4f}) — "
-                                 f"{'held' if held else 'did not hold'}")
-                verdicts.append(held)
-    return (all(verdicts) if verdicts else None), lines, weak
+                    pairs = [(i, j, V.equivalent(values[i], values[j], tol))
+                             for i in range(len(arms)) for j in range(i + 1, len(arms))]
+                    results += [v for _, _, v in pairs]
+                    lines.append(f"{setting}, {_label(key)} within ±{tol:g} of each other "
+                                 f"({summary}):")
+                    lines += [f"  {arms[i]} − {arms[j]}: {V.describe(v, _fmt(key))}"
+                              for i, j, v in pairs]
+    return (V.combine(results) if results else None), lines
 
 
 # ---------------------------------------------------------------------------------------
@@ -728,17 +837,28 @@ def extra_lines(exp: Experiment, setting: str, table: dict) -> list:
 # ---------------------------------------------------------------------------------------
 
 def verdict_word(results: list) -> str:
-    claims = [(held, weak) for check, held, _, weak in results
-              if check.get("role", "claim") == "claim"]
-    if any(h is None for h, _ in claims):
-        return "Not evaluated (runs missing or nothing comparable)"
-    weak = sum(w for h, w in claims if h)
-    caveat = (f" ({weak} of its margins within the seed-to-seed spread)" if weak else "")
-    if all(h for h, _ in claims):
-        return "Held here" + caveat
-    if not any(h for h, _ in claims):
-        return "Did not hold here"
-    return "Partly held here" + caveat
+    """The experiment's verdict on the paper's claims (checks of role `claim`): how many
+    hold, are contradicted, are not resolved at this scale."""
+    import verdicts as V
+    claims = [verdict for check, verdict, _ in results if check.get("role", "claim") == "claim"]
+    if any(v is None for v in claims):
+        return "Not evaluated (runs missing)"
+    n = len(claims)
+    if not n:
+        return "No claim of the paper checked in this tier"
+    if all(v == V.HOLDS for v in claims):
+        return f"Holds ({n} of {n} claims)"
+    head = "Contradicted" if V.CONTRADICTED in claims else "Not resolved at this scale"
+    return (f"{head} ({claims.count(V.HOLDS)} of {n} claims hold, "
+            f"{claims.count(V.CONTRADICTED)} contradicted, {claims.count(V.UNRESOLVED)} "
+            f"not resolved)")
+
+
+def scale_of(exp: Experiment) -> str:
+    """The scale of an experiment's runs in one line (the summary table's every row)."""
+    scale = str(exp.doc.get("scale", "")).strip()
+    seeds = f"{exp.seeds} seed{'s' if exp.seeds != 1 else ''} paired"
+    return f"{scale}; {seeds}" if scale else seeds
 
 
 def describe_setting(exp: Experiment, setting: str) -> str:
@@ -766,7 +886,8 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
     out += [f"**Claim.** {doc['claim'].strip()}", ""]
     if doc.get("setup"):
         seeds = (f"Seeds 0–{exp.seeds - 1}; every number below is the mean ± sample std "
-                 f"over the {exp.seeds} seeds." if exp.seeds > 1 else
+                 f"over the {exp.seeds} seeds (rounds to a target: over the seeds that "
+                 f"reached it, with their count)." if exp.seeds > 1 else
                  "One seed (0): no spread is shown.")
         out += [f"**Setup here.** {doc['setup'].strip()} {seeds}", ""]
     for setting in exp.settings:
@@ -799,22 +920,29 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
         out += extra_lines(exp, setting, table)
     results = []
     for check in doc["checks"]:
-        held, lines, weak = evaluate_check(check, exp, table)
-        results.append((check, held, lines, weak))
+        verdict, lines = evaluate_check(check, exp, table)
+        results.append((check, verdict, lines))
     verdict = verdict_word(results)
-    out += ["**Checks** (on the seed means):", ""]
-    for check, held, lines, _ in results:
+    out += [("**Checks** (each comparison paired by seed: the mean gain in the claimed "
+             "direction and its 95% t interval; *holds* when the interval excludes zero (or "
+             "the stated margin) on the claimed side, *contradicted* when it excludes it on "
+             "the other, otherwise *not resolved at this scale*; a target not reached is "
+             "never given a value, see tools/verdicts.py):"), ""]
+    for check, word, lines in results:
         role = "" if check.get("role", "claim") == "claim" else " *(our addition, not the paper's)*"
-        mark = {True: "held", False: "did not hold", None: "not evaluated"}[held]
+        mark = word if word is not None else "not evaluated"
         out.append(f"- **{mark}** — {check['claim'].strip()}{role}")
-        out += [f"  - {line}" for line in lines]
-        if held is False and check.get("if_not"):
+        out += [f"  - {line}" if not line.startswith("  ") else f"    - {line.strip()}"
+                for line in lines]
+        if word is not None and word != "holds" and check.get("if_not"):
             out.append(f"  - Likely reason: {check['if_not'].strip()}")
     out.append("")
     if failures:
         out += ["**Failed runs:**", ""] + [f"- `{k}`: {v}" for k, v in sorted(failures.items())] \
             + [""]
-    out.append(f"**Verdict: {verdict}.**")
+    out.append(f"**Verdict: {verdict}.** Scale: {scale_of(exp)}.")
+    if doc.get("differs"):
+        out += ["", f"**Still differs from the paper:** {doc['differs'].strip()}"]
     out.append("")
     for note in doc.get("notes", []):
         out.append(f"- {note.strip()}")
@@ -840,19 +968,30 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
     m = manifest
     load = (f"load average {m['load_start']:.2f} at the start and {m['load_end']:.2f} at the "
             f"end (other processes were running)" if m.get("load_start") is not None else "")
-    head = [f"## {'Quick' if mode == 'quick' else 'Full'} run", "",
+    if m.get("cpu_s"):
+        load += (f"; {format_duration(m['cpu_s'])} of CPU time in all (about "
+                 f"{format_duration(m['cpu_s'] / max(1, min(m['workers'], m['cpus'] or 1)))} "
+                 f"of wall time on {min(m['workers'], m['cpus'] or 1)} otherwise idle cores)")
+    head = [f"## {MODE_TITLES[mode]}", "",
             (f"Produced by `{m['command']}` in **{format_duration(m['wall_s'])}** "
             f"({m['wall_s']:.0f} s wall time, {m['runs']} runs, {m['workers']} worker "
             f"process{'es' if m['workers'] != 1 else ''}) on {m['cpus']} CPUs ({m['machine']}), "
             f"{load}; edgefl {m['edgefl']} ({m['backend']} backend), finished {m['date']}. "
             f"Run directories: `{m['out']}` (not committed; `edgefl compare` reads them, and "
             f"each setting has an overlay.png of seed 0)."), ""]
+    if m.get("resumed"):
+        total = sum(st.get("elapsed_s", 0.0) for st in m.get("statuses", {}).values())
+        head += [(f"This invocation resumed an interrupted one: {m['resumed']} of the "
+                  f"{m['runs']} runs were finished by earlier invocations and kept; the "
+                  f"runs' own times add up to {format_duration(total)} of single-worker "
+                  f"time."), ""]
     if m.get("rendered"):
         head += [(f"The text of this section was re-rendered from those run directories by "
                   f"`{m['rendered']['command']}` on {m['rendered']['date']}; no run was "
                   f"repeated, and every number is from the runs above."), ""]
     meta = {"wall_s": round(m["wall_s"], 1), "command": m["command"], "verdicts": verdicts,
-            "titles": {e.name: e.doc.get("headline", e.doc["title"]) for e in experiments}}
+            "titles": {e.name: e.doc.get("headline", e.doc["title"]) for e in experiments},
+            "scales": {e.name: scale_of(e) for e in experiments}, "stats": STATS_VERSION}
     return "\n".join(head + body), meta
 
 
@@ -874,30 +1013,49 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
                     names.append(name)
                     titles[name] = title
     from edgefl.compare import format_duration
-    modes = [m for m in ("full", "quick") if m in sections]
+    modes = [m for m in ("long", "full", "quick") if m in sections]
     lines = ["# Reproducing the papers' main comparisons", "",
              ("Generated by `tools/reproduce.py` from the experiments in `tools/experiments/` "
-             "(each file's header says which sections, figures and tables of its paper it "
-             "reproduces and what was scaled down to fit this 2-core machine). Every number below comes from "
-             "the runs of the command stated in its section; nothing is copied from the "
-             "papers except the claims being tested. \"Held here\" means every check of the "
-             "paper's claim held on the seed means; with 2–5 seeds small differences can "
-             "flip, so the ± columns matter."), "",
-             "| paper / claim | " + " | ".join(f"{m} run ({format_duration(sections[m][0]['wall_s'])})"
-                                              for m in modes) + " |",
-             "|---|" + "|".join("---" for _ in modes) + "|"]
+              "(each file's header says which sections, figures and tables of its paper it "
+              "reproduces, what was scaled down to fit this 2-core machine and what still "
+              "differs from the paper). Every number below comes from the runs of the "
+              "command stated in its section; nothing is copied from the papers except the "
+              "claims being tested."), "",
+             ("Each comparison pairs the arms seed by seed and gives the mean gain with its "
+              "95% t interval. A claim **holds** only when the interval excludes zero (or the "
+              "claim's margin) on the claimed side, is **contradicted** only when it excludes "
+              "it on the other side, and is otherwise **not resolved at this scale**: the "
+              "verdicts are about these settings (the scale column), not about the papers' "
+              "own. A target not reached within the run is reported as such; a comparison "
+              "with such a run is decided by the sign of each seed's difference (an exact "
+              "sign test, which needs at least 6 seeds on one side), never by counting it as "
+              "rounds + 1. The rule is written out in `tools/verdicts.py`."), "",
+             "| paper / claim | tier (wall time) | scale | verdict |",
+             "|---|---|---|---|"]
     for name in names:
-        cells = [sections[m][0]["verdicts"].get(name, "not run") for m in modes]
-        lines.append(f"| **{name}**: {titles[name]} | " + " | ".join(cells) + " |")
+        for m in modes:
+            meta_m = sections[m][0]
+            if name not in meta_m["verdicts"]:
+                continue
+            old = meta_m.get("stats", 1) < STATS_VERSION
+            scale = meta_m.get("scales", {}).get(name, "older settings; 2–5 seeds, unpaired")
+            verdict = meta_m["verdicts"][name] + (" *(old statistics: seed means only)*"
+                                                  if old else "")
+            lines.append(f"| **{name}**: {titles[name]} | {m} "
+                         f"({format_duration(meta_m['wall_s'])}) | {scale} | {verdict} |")
     lines.append("")
-    lines.append("To run again: `python tools/reproduce.py --quick` (3–6 minutes here, depending on "
-                 "what else is running) or "
-                 "`python tools/reproduce.py` (the full run); `--only NAME` runs one "
-                 "experiment, `--seeds N` changes the number of seeds.")
+    lines.append("To run again: `python tools/reproduce.py --quick` (at most 5 minutes here) or "
+                 "`python tools/reproduce.py` (the full run) or `python tools/reproduce.py "
+                 "--long` (the CNN experiments, resumable: an interrupted invocation continues "
+                 "with the runs it had not finished); `--only NAME` runs one experiment, "
+                 "`--seeds N` changes the number of seeds.")
     lines.append("")
     for m in modes:
         meta_m, text = sections[m]
         lines.append(f"<!-- reproduce:{m} {json.dumps(meta_m, ensure_ascii=False)} -->")
+        if meta_m.get("stats", 1) < STATS_VERSION and OLD_STATS_NOTE not in text:
+            head, _, rest = text.partition("\n\n")
+            text = f"{head}\n\n{OLD_STATS_NOTE}\n\n{rest}"
         lines.append(text.rstrip("\n"))
         lines.append(f"<!-- /reproduce:{m} -->")
         lines.append("")
@@ -951,6 +1109,12 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="fewer seeds, rounds and data (each experiment's `quick:` block)")
+    parser.add_argument("--long", action="store_true",
+                        help="the long tier: the experiments with a `long:` block (the CNN "
+                             "settings), resumable (implies --resume)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep runs an earlier invocation finished with the same config "
+                             "(an interrupted invocation continues where it stopped)")
     parser.add_argument("--seeds", type=int, metavar="N",
                         help="seeds per (setting, arm), overriding the experiment files")
     parser.add_argument("--only", metavar="NAME[,NAME]",
@@ -968,7 +1132,10 @@ def main(argv=None) -> int:
                         help="rebuild the report from OUT's run directories without running")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    mode = "quick" if args.quick else "full"
+    if args.quick and args.long:
+        parser.error("--quick and --long: choose one tier")
+    mode = "quick" if args.quick else "long" if args.long else "full"
+    resume = args.resume or args.long
     only = [n for n in (args.only or "").split(",") if n]
     out = os.path.abspath(args.out or os.path.join(REPO, "runs", f"reproduce-{mode}"))
     results = args.results or (os.path.join(out, "results.md") if only else RESULTS)
@@ -995,6 +1162,10 @@ def main(argv=None) -> int:
     try:
         experiments = sorted((load_experiment(p, mode, args.seeds) for p in discover(only)),
                              key=lambda e: e.order)
+        if mode == "long":   # only the experiments that define a long tier
+            experiments = [e for e in experiments if "long" in e.tiers]
+            if not experiments:
+                raise ExperimentError("--long: no experiment file has a `long:` block")
         jobs = make_jobs(experiments, out)
     except (ExperimentError, OSError) as exc:
         print(f"reproduce: error: {exc}", file=sys.stderr)
@@ -1018,12 +1189,13 @@ def main(argv=None) -> int:
         log(f"reproduce ({mode}): {len(experiments)} experiments, {len(jobs)} runs, "
             f"{args.workers} worker process(es), output in {out}")
         os.makedirs(out, exist_ok=True)
-        statuses = run_jobs(jobs, args.workers, log)
+        statuses = run_jobs(jobs, args.workers, log, resume)
         import edgefl
         from edgefl import kernels
-        command = "python tools/reproduce.py" + (" --quick" if args.quick else "") + \
+        flag = {"quick": " --quick", "long": " --long", "full": ""}[mode]
+        command = "python tools/reproduce.py" + flag + \
             "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-                    if a != "--quick")
+                    if a not in ("--quick", "--long"))
         manifest = {
             "command": command, "mode": mode, "runs": len(jobs), "workers": args.workers,
             "cpus": os.cpu_count(), "machine": f"{platform.machine()}, {platform.system()}",
@@ -1032,11 +1204,19 @@ def main(argv=None) -> int:
             "out": os.path.relpath(out, REPO) if out.startswith(REPO) else out,
             "load_start": load_start, "only": only, "seeds": args.seeds,
             "statuses": statuses,
+            "resumed": sum(1 for st in statuses.values() if st.get("resumed")),
         }
     tables, failures = collect(experiments, jobs, statuses)
     if not args.report_only:
         manifest["load_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         manifest["wall_s"] = time.perf_counter() - started   # runs + metrics + plots
+        try:   # CPU time of this process and its workers: the load-independent cost
+            import resource
+            usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                      resource.RUSAGE_CHILDREN)]
+            manifest["cpu_s"] = sum(u.ru_utime + u.ru_stime for u in usage)
+        except (ImportError, OSError):
+            pass
         with open(manifest_path, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
     section, meta = render_section(mode, manifest, experiments, tables, failures)

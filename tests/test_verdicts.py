@@ -1,0 +1,232 @@
+"""The verdict logic of tools/reproduce.py (tools/verdicts.py): paired t intervals, the three
+verdicts, censoring of rounds-to-target without inventing a value, ratios, equivalence."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import verdicts as V    # noqa: E402
+
+
+def test_t_table_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for df in range(1, 41):
+        assert V.t_critical(df) == pytest.approx(stats.t.ppf(0.975, df), abs=1e-4)
+
+
+def test_interval_by_hand():
+    # diffs 1, 2, 3: mean 2, sd 1, half width t(2) / sqrt(3) = 4.3027 / 1.7321 = 2.4842
+    iv = V.t_interval([1, 2, 3])
+    assert iv.mean == 2 and iv.sd == pytest.approx(1.0)
+    assert iv.lo == pytest.approx(2 - 2.48417, abs=1e-4)
+    assert iv.hi == pytest.approx(2 + 2.48417, abs=1e-4)
+    one = V.t_interval([5.0])
+    assert one.n == 1 and one.lo == -math.inf and one.hi == math.inf
+
+
+def test_interval_covers_the_mean_at_the_stated_rate():
+    """Coverage of the 95% t interval on normal paired differences, n = 5: the statements
+    above would be wrong if the critical value or the sd were."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    hits = 0
+    trials = 4000
+    for _ in range(trials):
+        iv = V.t_interval(rng.normal(0.3, 1.0, size=5))
+        hits += iv.lo < 0.3 < iv.hi
+    assert 0.935 < hits / trials < 0.965
+
+
+def test_holds_case():
+    # accuracy: better arm ahead by about 0.02 in every seed, little spread
+    better = [0.84, 0.85, 0.845, 0.842, 0.848]
+    than = [0.82, 0.83, 0.826, 0.821, 0.827]
+    v = V.paired(better, than, higher_is_better=True)
+    assert v.verdict == V.HOLDS and v.interval.lo > 0 and v.n == 5
+    assert "holds" in V.describe(v)
+
+
+def test_contradicted_case():
+    # rounds (lower is better): the "better" arm needs more rounds in every seed
+    better = [30, 32, 31, 29, 33]
+    than = [20, 21, 22, 20, 19]
+    v = V.paired(better, than, higher_is_better=False)
+    assert v.verdict == V.CONTRADICTED and v.interval.hi < 0
+
+
+def test_not_resolved_case():
+    """Built so that the mean favours the claim (as the old strict-inequality-of-means check
+    would have said "held") but the interval contains zero."""
+    better = [0.80, 0.86, 0.79, 0.87, 0.82]
+    than = [0.82, 0.81, 0.83, 0.80, 0.82]
+    assert sum(better) / 5 > sum(than) / 5
+    v = V.paired(better, than, higher_is_better=True)
+    assert v.verdict == V.UNRESOLVED
+    assert v.interval.lo < 0 < v.interval.hi
+    assert "not resolved at this scale" in V.describe(v)
+
+
+def test_one_seed_is_never_resolved():
+    v = V.paired([0.9], [0.1], higher_is_better=True)
+    assert v.verdict == V.UNRESOLVED
+
+
+def test_margin():
+    gains_of_6 = ([0.76, 0.77, 0.75, 0.76, 0.765], [0.70, 0.71, 0.69, 0.70, 0.705])
+    assert V.paired(*gains_of_6, higher_is_better=True).verdict == V.HOLDS
+    # the claim "at least 10 points": the interval (about +0.06) lies below 0.10
+    v = V.paired(*gains_of_6, higher_is_better=True, margin=0.10)
+    assert v.verdict == V.CONTRADICTED
+    assert "needs > 0.1" in V.describe(v)
+
+
+def test_censored_never_counts_as_rounds_plus_one():
+    """FedAvg never reaches the target in 5 seeds, FedUmf always does: the old rule
+    (not reached = R + 1) made a "1.2x gain" out of it; here no mean and no interval is
+    given, the counts are, and 5 one-sided seeds are not enough for the sign test."""
+    fedumf = [30, 31, 29, 33, 35]
+    fedavg = [None] * 5
+    v = V.paired(fedumf, fedavg, higher_is_better=False)
+    assert v.method == "sign" and v.interval is None
+    assert v.signs["for"] == 5 and v.signs["reached_than"] == 0
+    assert v.verdict == V.UNRESOLVED and "at least 6" in v.note
+    text = V.describe(v)
+    assert "censored" in text and "reached in 5/5 vs 0/5" in text
+    assert "41" not in text and "1.2" not in text
+
+
+def test_censored_sign_test_resolves_with_enough_seeds():
+    better = [30, 31, 29, 33, 35, 30, 28, 40, 39, 31]
+    than = [None, None, 35, None, None, 38, None, None, None, 35]
+    v = V.paired(better, than, higher_is_better=False)
+    assert v.verdict == V.HOLDS and v.signs["p_for"] < 0.025
+    # and the mirror image is contradicted
+    w = V.paired(than, better, higher_is_better=False)
+    assert w.verdict == V.CONTRADICTED
+
+
+def test_censored_mixed_signs_not_resolved():
+    better = [30, None, 29, 45, None, 30]
+    than = [None, 33, 35, 40, 31, None]
+    v = V.paired(better, than, higher_is_better=False)
+    assert v.verdict == V.UNRESOLVED and v.signs["for"] == 3 and v.signs["against"] == 3
+
+
+def test_neither_reached():
+    v = V.paired([None] * 5, [None] * 5, higher_is_better=False)
+    assert v.verdict == V.UNRESOLVED and "neither arm reached" in V.describe(v)
+
+
+def test_censoring_errors_name_the_cause():
+    with pytest.raises(ValueError, match="lower is better"):
+        V.paired([None, 0.8], [0.7, 0.7], higher_is_better=True)
+    with pytest.raises(ValueError, match="margin"):
+        V.paired([None, 3], [4, 5], higher_is_better=False, margin=1)
+    with pytest.raises(ValueError, match="pair them by seed"):
+        V.paired([1, 2, 3], [1, 2], higher_is_better=True)
+
+
+def test_ratio_difference_and_its_censoring():
+    # speed-up fedavg/fedumf: ~1.7 at C = 0.1 vs ~1.4 at C = 0.5
+    v = V.ratio_difference([43, 42, 44, 41, 45], [25, 25, 26, 24, 26],
+                           [41, 40, 42, 39, 41], [29, 29, 30, 28, 29])
+    assert v.verdict == V.HOLDS
+    w = V.ratio_difference([None, 42, 44, 41, 45], [25, 25, 26, 24, 26],
+                           [41, 40, 42, 39, 41], [29, 29, 30, 28, 29])
+    assert w.verdict == V.UNRESOLVED and "1 of 5 seeds censored" in w.note
+
+
+def test_equivalence():
+    same = V.equivalent([0.90, 0.91, 0.905, 0.902], [0.901, 0.909, 0.904, 0.903], 0.005)
+    assert same.verdict == V.HOLDS
+    apart = V.equivalent([0.90, 0.91, 0.905, 0.902], [0.88, 0.889, 0.884, 0.882], 0.005)
+    assert apart.verdict == V.CONTRADICTED
+    noisy = V.equivalent([0.90, 0.93, 0.88, 0.91], [0.91, 0.90, 0.90, 0.90], 0.005)
+    assert noisy.verdict == V.UNRESOLVED
+
+
+def test_exact_and_combine():
+    assert V.exactly_equal([5, 5], [5, 5]).verdict == V.HOLDS
+    assert V.exactly_equal([5, 5], [5, 6]).verdict == V.CONTRADICTED
+    assert V.combine([V.HOLDS, V.HOLDS]) == V.HOLDS
+    assert V.combine([V.HOLDS, V.UNRESOLVED]) == V.UNRESOLVED
+    assert V.combine([V.HOLDS, V.UNRESOLVED, V.CONTRADICTED]) == V.CONTRADICTED
+    assert V.combine([]) == V.UNRESOLVED
+
+
+# ---------------------------------------------------------------------------------------
+# tools/reproduce.py: the experiment files in every tier, pairing by seed, resuming
+# ---------------------------------------------------------------------------------------
+
+def _reproduce():
+    import reproduce
+    return reproduce
+
+
+@pytest.mark.parametrize("mode", ["quick", "full", "long"])
+def test_experiment_files_load_in_every_tier(mode):
+    """Every experiment file loads in every tier; its checks name only settings and arms
+    that run in that tier; every run config validates (label-set owners resolved)."""
+    R = _reproduce()
+    for path in R.discover(None):
+        exp = R.load_experiment(path, mode)
+        if mode == "long" and "long" not in exp.tiers:
+            continue
+        assert exp.seeds >= 5 or mode == "long", f"{path}: {exp.seeds} seeds in {mode}"
+        for check in exp.doc["checks"]:
+            for setting in R._as_list(check.get("settings")) or list(exp.settings):
+                ran = set(exp.arms_of(setting))
+                for key in ("better", "than", "arms", "arm", "baseline"):
+                    for arm in R._as_list(check.get(key)):
+                        assert arm in ran, f"{path} ({mode}): {check['claim']}: {arm} " \
+                                           f"does not run in {setting}"
+        if exp.settings:
+            R.make_jobs([exp], "/nonexistent")   # validates every config, runs nothing
+
+
+def test_tiers_key_is_checked(tmp_path):
+    R = _reproduce()
+    src = (REPO / "tools" / "experiments" / "fedveca.yaml").read_text(encoding="utf-8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(src.replace("case1-iid:\n", "case1-iid:\n    tiers: [nightly]\n", 1),
+                   encoding="utf-8")
+    with pytest.raises(R.ExperimentError, match="tiers"):
+        R.load_experiment(str(bad), "quick")
+
+
+def test_checks_pair_by_seed_not_by_position():
+    """A failed seed drops out of both arms of a comparison, not shifts the pairing."""
+    R = _reproduce()
+    a = [{"seed": s, "x": v} for s, v in [(0, 1.0), (2, 3.0), (3, 4.0)]]
+    b = [{"seed": s, "x": v} for s, v in [(0, 0.5), (1, 9.0), (3, 3.5)]]
+    seeds, (va, vb) = R.aligned(a, b, key="x")
+    assert seeds == [0, 3] and va == [1.0, 4.0] and vb == [0.5, 3.5]
+
+
+def test_resume_keeps_a_finished_run_and_reruns_a_changed_one(tmp_path):
+    R = _reproduce()
+    config = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
+              "model": {"name": "softmax"}, "train": {"lr": 0.05, "batch_size": 32},
+              "rounds": 2, "seed": 0}
+    job = {"key": "t/s/a/seed0", "out": str(tmp_path / "run"), "config": config,
+           "threads": 1, "resume": True}
+    first = R.execute(job)
+    assert first["ok"] and not first.get("resumed"), first
+    again = R.execute(job)
+    assert again["ok"] and again["resumed"] and again["final_accuracy"] == first["final_accuracy"]
+    changed = dict(job, config=dict(config, rounds=3))
+    third = R.execute(changed)
+    assert third["ok"] and not third.get("resumed")
+    # an interrupted run (summary marked stopped) is run again, not kept
+    import json
+    summary = tmp_path / "run" / "summary.json"
+    doc = json.loads(summary.read_text())
+    doc["stopped"] = "interrupted"
+    summary.write_text(json.dumps(doc))
+    assert not R.execute(changed).get("resumed")
