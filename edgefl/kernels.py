@@ -202,15 +202,11 @@ def _ring_bits(name: str, a) -> int:
     return a.dtype.itemsize * 8
 
 
-def quantize(out: np.ndarray, x: np.ndarray, clip: float, levels: int, weight: int = 1,
-             seed: int = 0, stochastic: bool = True) -> np.ndarray:
-    """out = round(clip(x, -clip, clip) * levels / clip) * weight mod 2^bits (bits from out's
-    dtype, uint32 or uint64): rounded stochastically (unbiased; u from a counter stream
-    seeded by `seed`) or to nearest. |round(...)| <= levels; the caller keeps the sum of
-    the weights times levels below 2^(bits-1) so the ring sum reads back exactly."""
-    bits = _ring_bits("out", out)
-    check_array("out", out, out.dtype, writable=True)
-    check_array("x", x, np.float32, size=out.size)
+def _check_quantize_args(op: str, x, size: int, bits: int, clip, levels, weight) -> None:
+    """The checks `quantize` and `secagg_mask` (which quantises in the same pass) share:
+    x float32 of `size` finite values, clip > 0, levels >= 1, weight >= 0, and
+    levels * weight below 2^(bits-1) so the ring sum reads back signed."""
+    check_array("x", x, np.float32, size=size)
     if not (isinstance(clip, (int, float, np.floating)) and np.isfinite(clip) and clip > 0):
         raise KernelError(f"clip: {clip!r} must be a finite number > 0")
     for name, value, low in (("levels", levels, 1), ("weight", weight, 0)):
@@ -221,7 +217,18 @@ def quantize(out: np.ndarray, x: np.ndarray, clip: float, levels: int, weight: i
                           f"2^{bits - 1} for the ring's signed read-back")
     bad = impl.first_nonfinite(x)
     if bad >= 0:
-        raise NonFiniteError("quantize", f"x[{bad}] = {x.reshape(-1)[bad]} is not finite")
+        raise NonFiniteError(op, f"x[{bad}] = {x.reshape(-1)[bad]} is not finite")
+
+
+def quantize(out: np.ndarray, x: np.ndarray, clip: float, levels: int, weight: int = 1,
+             seed: int = 0, stochastic: bool = True) -> np.ndarray:
+    """out = round(clip(x, -clip, clip) * levels / clip) * weight mod 2^bits (bits from out's
+    dtype, uint32 or uint64): rounded stochastically (unbiased; u from a counter stream
+    seeded by `seed`) or to nearest. |round(...)| <= levels; the caller keeps the sum of
+    the weights times levels below 2^(bits-1) so the ring sum reads back exactly."""
+    bits = _ring_bits("out", out)
+    check_array("out", out, out.dtype, writable=True)
+    _check_quantize_args("quantize", x, out.size, bits, clip, levels, weight)
     impl.quantize(out, x, float(clip), float(levels) / float(clip), int(weight),
                   int(seed) & 0xFFFFFFFFFFFFFFFF, bool(stochastic))
     return out
@@ -299,18 +306,7 @@ def secagg_mask(words: np.ndarray, scalars: np.ndarray, keys: bytes, subtract: b
                           f"key each ({type(keys).__name__} of {len(keys)} bytes)")
     scale = 1.0
     if x is not None:
-        check_array("x", x, np.float32, size=words.size)
-        if not (isinstance(clip, (int, float, np.floating)) and np.isfinite(clip) and clip > 0):
-            raise KernelError(f"clip: {clip!r} must be a finite number > 0")
-        for name, value, low in (("levels", levels, 1), ("weight", weight, 0)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise KernelError(f"{name}: {value!r} must be a whole number >= {low}")
-        if int(levels) * max(int(weight), 1) >= 2 ** (bits - 1):
-            raise KernelError(f"levels * weight = {int(levels) * int(weight)}: must be below "
-                              f"2^{bits - 1} for the ring's signed read-back")
-        bad = impl.first_nonfinite(x)
-        if bad >= 0:
-            raise NonFiniteError("secagg_mask", f"x[{bad}] = {x.reshape(-1)[bad]} is not finite")
+        _check_quantize_args("secagg_mask", x, words.size, bits, clip, levels, weight)
         scale = float(levels) / float(clip)
     seed = int(seed) & _U64
     if impl is reference or not (scalars.size <= MAX_MASK_SCALARS and masks_in_c()):

@@ -337,19 +337,8 @@ class RoundEngine:
         order: sum_i weight_i * vector_i (kernels.weighted_sum: float64 accumulation, one
         rounding to float32), and the weights' and scalars' sums. A DP-only round's sum; a
         secure round's must equal it within the quantisation bound."""
-        where = f"round {r}: " if r is not None else ""
-        clients = sorted(contributions)
-        if not clients:
-            raise StrategyError(f"{where}no contributions to sum")
-        first = contributions[clients[0]]
-        names = sorted(first.scalars)
-        for c in clients:
-            got = contributions[c]
-            if got.vector.size != first.vector.size or sorted(got.scalars) != names:
-                raise StrategyError(
-                    f"{where}client {c}'s contribution ({got.vector.size} values, scalars "
-                    f"{sorted(got.scalars)}) does not match client {clients[0]}'s "
-                    f"({first.vector.size} values, scalars {names})")
+        clients, first, names = _matching(contributions, r, "contributions",
+                                          lambda c: f"client {c}'s contribution")
         vector = np.empty(first.vector.size, np.float32)
         kernels.weighted_sum(vector, [contributions[c].vector for c in clients],
                              [float(contributions[c].weight) for c in clients])
@@ -363,19 +352,8 @@ class RoundEngine:
         with weight 1 (float64 accumulation, one rounding to float32), the weights, scalars
         and counts added. Equal to `sum_clear` over all the clients up to float32 rounding:
         each partial was rounded once on its own (docs/scaling.md gives the bound)."""
-        where = f"round {r}: " if r is not None else ""
-        keys = sorted(partials)
-        if not keys:
-            raise StrategyError(f"{where}no partial sums to add")
-        first = partials[keys[0]]
-        names = sorted(first.scalars)
-        for k in keys:
-            got = partials[k]
-            if got.vector.size != first.vector.size or sorted(got.scalars) != names:
-                raise StrategyError(
-                    f"{where}partial sum of {k} ({got.vector.size} values, scalars "
-                    f"{sorted(got.scalars)}) does not match that of {keys[0]} "
-                    f"({first.vector.size} values, scalars {names})")
+        keys, first, names = _matching(partials, r, "partial sums",
+                                       lambda k: f"the partial sum of {k}")
         vector = np.empty(first.vector.size, np.float32)
         kernels.weighted_sum(vector, [partials[k].vector for k in keys], [1.0] * len(keys))
         scalars = {n: float(sum(partials[k].scalars[n] for k in keys)) for n in names}
@@ -454,3 +432,22 @@ class RoundEngine:
                               elapsed_s=elapsed_before + wall_s, evaluation=evaluation,
                               extras=None if extras is None else extras())
         return ClosedRound(state, model, record, due and evaluation is None)
+
+
+def _matching(items: Mapping, r: int | None, what: str, name) -> tuple:
+    """(sorted keys, the first item, its sorted scalar names) of the terms of a sum
+    (contributions or partial sums, each with .vector and .scalars), refusing an empty sum
+    or a term whose size or scalars differ from the first's, named by `name(key)`."""
+    where = f"round {r}: " if r is not None else ""
+    keys = sorted(items)
+    if not keys:
+        raise StrategyError(f"{where}no {what} to sum")
+    first = items[keys[0]]
+    names = sorted(first.scalars)
+    for k in keys:
+        got = items[k]
+        if got.vector.size != first.vector.size or sorted(got.scalars) != names:
+            raise StrategyError(
+                f"{where}{name(k)} ({got.vector.size} values, scalars {sorted(got.scalars)}) "
+                f"does not match {name(keys[0])} ({first.vector.size} values, scalars {names})")
+    return keys, first, names

@@ -194,6 +194,8 @@ def test_a_summing_simulation_matches_the_clear_one_and_a_budget_ends_it(fed, wo
     assert np.max(np.abs(clear.params - summed.params)) <= 8 * EPS32 * np.max(np.abs(clear.params))
     stopped = run_federation(get_strategy("fedavg"), model.init(0), clients, setup, 3,
                              test=test, workers=workers, summing=True, hooks=Budget())
-    assert stopped.stopped == "round 3: epsilon 2.1 would pass the target 2.0"
+    assert stopped.stopped == {"reason": "privacy_budget", "in_round": 3, "rounds_done": 2,
+                               "rounds_planned": 4,
+                               "message": "round 3: epsilon 2.1 would pass the target 2.0"}
     assert [h["round"] for h in stopped.history] == [1, 2]
     assert all(h["test_accuracy"] is not None for h in stopped.history)
