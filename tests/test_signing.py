@@ -12,6 +12,7 @@ envelope and each of its bindings, and, through a real Mosquitto, what they stop
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -176,6 +177,16 @@ def test_a_signature_binds_federation_run_round_kind_signer_content_and_expiry(t
         verifier.verify_doc({**doc, "x": [1.5, "b"]}, **ok)
     with pytest.raises(SignatureError, match="unsigned"):
         verifier.verify_doc({k: v for k, v in doc.items() if k != "sig"}, **ok)
+    # the same 64 signature bytes written a second way (the last base64 character's two
+    # unused bits set): one encoding per signature, so it is refused
+    sig = doc["sig"]["sig"]
+    assert sig.endswith("==")
+    last = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".index(sig[-3])
+    other = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"[last ^ 1]
+    twin = sig[:-3] + other + "=="
+    assert base64.b64decode(twin) == base64.b64decode(sig)
+    with pytest.raises(SignatureError, match="not in canonical base64"):
+        verifier.verify_doc({**doc, "sig": {**doc["sig"], "sig": twin}}, **ok)
     with pytest.raises(SignatureError, match="bad signature"):
         verifier.verify_doc({**doc, "sig": {**doc["sig"], "run": "r2"}}, **dict(ok, run="r2"))
     forged = Signer(rogue, "aggregator", "lab").sign_doc(doc, "announce", "r1", 3)

@@ -285,6 +285,10 @@ class Verifier:
             raw = base64.b64decode(env["sig"].encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
             raise SignatureError(f"{where}: signature is not base64") from None
+        # one encoding per signature: the unused low bits of the last base64 character
+        # would otherwise give a second string for the same bytes
+        if base64.b64encode(raw).decode("ascii") != env["sig"]:
+            raise SignatureError(f"{where}: signature is not in canonical base64")
         body = {k: v for k, v in env.items() if k != "sig"}
         try:
             key.verify(raw, DOMAIN + canonical(body))
