@@ -117,6 +117,19 @@ def _wait_bridge(central, site, edge, timeout=20.0, login=(None, None)):
         sub.close()
 
 
+def _started(target, name: str, errors: list) -> threading.Thread:
+    """A daemon thread running `target`, started; whatever it raises goes to `errors`, for
+    the test to re-raise."""
+    def body():
+        try:
+            target()
+        except BaseException as exc:          # noqa: BLE001 -- re-raised by the test
+            errors.append(exc)
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60.0,
                   on_edge=None, limit_s=120.0, logins=None, trust=None, centre_keys=None):
     """The two-level run of `run`: returns the centre's AggregatorResult and the edges.
@@ -148,14 +161,7 @@ def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60
     errors, threads = [], []
 
     def start(target, name):
-        def body():
-            try:
-                target()
-            except BaseException as exc:          # noqa: BLE001 -- re-raised by the test
-                errors.append(exc)
-        thread = threading.Thread(target=body, name=name, daemon=True)
-        thread.start()
-        threads.append(thread)
+        threads.append(_started(target, name, errors))
 
     for i, node in enumerate(ids):
         url = sites[edge_of(i)].url
@@ -388,13 +394,7 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
         return proc
 
     def start(target, name):
-        def body():
-            try:
-                target()
-            except BaseException as exc:          # noqa: BLE001 -- re-raised by the test
-                errors.append(exc)
-        threads.append(threading.Thread(target=body, name=name, daemon=True))
-        threads[-1].start()
+        threads.append(_started(target, name, errors))
 
     def start_client(i):
         node = ids[i]
@@ -476,13 +476,7 @@ def test_an_edge_restarted_after_forwarding_resends_the_same_frame_once(three_br
     threads, errors, outcome = [], [], {}
 
     def start(target, name):
-        def body():
-            try:
-                target()
-            except BaseException as exc:          # noqa: BLE001 -- re-raised by the test
-                errors.append(exc)
-        threads.append(threading.Thread(target=body, name=name, daemon=True))
-        threads[-1].start()
+        threads.append(_started(target, name, errors))
 
     def client(i):
         node = ids[i]

@@ -15,20 +15,12 @@ from edgefl.data import partition as split_of
 from edgefl.data.layout import contiguous, permute_rows
 from edgefl.data.partition import Partition, Shards, Tiled
 from edgefl.runconfig import load_run_config
+import test_sim                                  # its small run
 from edgefl.runs.prepare import ShardClients, local_datasets, prepare_run
 from edgefl.sim import run_federation, simulate
 from edgefl.strategies import Setup, select_clients
 
-SMALL = {
-    "dataset": {"name": "digits", "limit_train": 600},
-    "partition": {"name": "iid", "clients": 6},
-    "model": {"name": "softmax"},
-    "strategy": {"name": "fedavg"},
-    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
-    "rounds": 3,
-    "clients_per_round": 3,
-    "seed": 0,
-}
+SMALL = {**test_sim.SMALL, "rounds": 3}     # digits, 6 IID clients, 3 a round
 
 
 def config(tmp_path, **sections):
