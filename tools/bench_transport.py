@@ -83,7 +83,10 @@ signing: what Ed25519 signatures cost (docs/security.md "Cost"). A 4 MB frame (1
   the order alternating, --rounds measured rounds a run; once for each --local-epochs N
   (default 0 and 1): each client's local work N epochs of batch 32 on its shard (a real
   round, as bench_privacy.py's "1 epoch" rows), 0 one step of batch 8 (a stress case: the
-  round is then nearly all transport and hashing). Rows: per pair, the median round
+  round is then nearly all transport and hashing). --dataset: the clients' data, digits
+  (default: 180 samples a client, 64 inputs, the MLP 64-13333-10) or fashion-mnist (6,000
+  a client, a tenth of the training set as a board of a ten-board fleet holds, the MLP
+  784-1258-10, 1,000,120 parameters). Rows: per pair, the median round
   time of each run, their ratio, and the CPU seconds per round of all processes (the
   aggregator's process, the ten clients, Mosquitto: /proc/<pid>/stat, so the figure does
   not depend on how the two cores are shared) and of the aggregator alone; then the per-pair
@@ -206,10 +209,15 @@ def _frame_rows(table: LayerTable, x: np.ndarray, compression: str, repeats: int
 
 ROUND_CLIENTS = 10
 ROUND_HIDDEN = 13333          # 64*13333 + 13333 + 13333*10 + 10 = 999,985 parameters
+# bench_signing --dataset: the hidden width that makes the one-hidden-layer MLP ~1M
+# parameters on that data set's inputs, and the parameter count it gives
+SIGNING_MODELS = {"digits": (ROUND_HIDDEN, 999_985),              # 64 inputs
+                  "fashion-mnist": (1258, 1_000_120)}            # 784*1258+1258+12580+10
 
 
-def _run_mapping(clients: int, rounds: int, model: dict, train: dict) -> dict:
-    return {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": clients},
+def _run_mapping(clients: int, rounds: int, model: dict, train: dict,
+                 dataset: str = "digits") -> dict:
+    return {"dataset": {"name": dataset}, "partition": {"name": "iid", "clients": clients},
             "model": model, "strategy": {"name": "fedavg"}, "train": train, "rounds": rounds,
             "clients_per_round": clients, "seed": 0, "eval_every": rounds}
 
@@ -764,18 +772,20 @@ def bench_signing(args) -> Iterator[dict]:
 def _signing_rounds(args, row: dict, base: dict, x, fastest: float, repeats: int, rounds: int,
                     pairs: int, epochs: int) -> Iterator[dict]:
     """bench_signing's whole rounds, each client's local work `epochs` epochs of batch 32
-    on its shard (0: one step of batch 8, the round then nearly all transport)."""
+    on its shard (0: one step of batch 8, the round then nearly all transport), on
+    args.dataset split IID over the ten clients."""
     from edgefl.transport.broker import EmbeddedBroker, packet_bytes_for
 
-    model = {"name": "mlp", "hidden": [ROUND_HIDDEN]}
+    hidden, n_params = SIGNING_MODELS[args.dataset]
+    model = {"name": "mlp", "hidden": [hidden]}
     if epochs:
         train = {"lr": 0.05, "batch_size": 32, "epochs": epochs}
         local = f"{epochs} epoch" + ("s" if epochs > 1 else "")
     else:
         train = {"lr": 0.01, "batch_size": 8, "steps": 1}
         local = "1 step"
-    row = dict(row, local=local)
-    fleet_map = _run_mapping(ROUND_CLIENTS, rounds + 2, model, train)
+    row = dict(row, local=local, dataset=args.dataset)
+    fleet_map = _run_mapping(ROUND_CLIENTS, rounds + 2, model, train, dataset=args.dataset)
     results = []            # per pair: {False: run, True: run}
     with EmbeddedBroker(kind="mosquitto",
                         max_packet_bytes=packet_bytes_for(AWS_IOT_MAX_PAYLOAD)) as broker:
@@ -789,7 +799,7 @@ def _signing_rounds(args, row: dict, base: dict, x, fastest: float, repeats: int
                 pair[signed_run] = _signing_run(history)
             results.append(pair)
             off, on = pair[False], pair[True]
-            yield dict(row, P=999_985, impl=f"pair {i + 1}", order="off, on" if i % 2 == 0
+            yield dict(row, P=n_params, impl=f"pair {i + 1}", order="off, on" if i % 2 == 0
                        else "on, off", off_round_s=round(off["round_s"], 4),
                        on_round_s=round(on["round_s"], 4),
                        ratio=round(on["round_s"] / off["round_s"], 3),
@@ -804,18 +814,18 @@ def _signing_rounds(args, row: dict, base: dict, x, fastest: float, repeats: int
 
     ratios = [p[True]["round_s"] / p[False]["round_s"] for p in results]
     median, span = spread(ratios)
-    yield dict(row, P=999_985, impl="round: signatures on / off, per pair", ratio=median,
+    yield dict(row, P=n_params, impl="round: signatures on / off, per pair", ratio=median,
                range=span, pairs=pairs, target="<= 1.05")
     added = [p[True]["cpu_s"] - p[False]["cpu_s"] for p in results]
     median, span = spread(added, 4)
     cpu_ratio = [p[True]["cpu_s"] / p[False]["cpu_s"] for p in results]
-    yield dict(row, P=999_985, impl="CPU of all processes per round: added by signatures",
+    yield dict(row, P=n_params, impl="CPU of all processes per round: added by signatures",
                added_s=median, range=span, ratio=spread(cpu_ratio)[0],
                ratio_range=spread(cpu_ratio)[1],
                off_cpu_s=round(statistics.median(p[False]["cpu_s"] for p in results), 4))
     agg_added = [p[True]["agg_cpu_s"] - p[False]["agg_cpu_s"] for p in results]
     median, span = spread(agg_added, 4)
-    yield dict(row, P=999_985, impl="aggregator CPU per round: added by signatures",
+    yield dict(row, P=n_params, impl="aggregator CPU per round: added by signatures",
                added_s=median, range=span)
     # The critical path, every node on its own cores: what signing puts in series between
     # one round's commit and the next. Senders hash before the first chunk leaves (the
@@ -831,7 +841,7 @@ def _signing_rounds(args, row: dict, base: dict, x, fastest: float, repeats: int
     off_round = statistics.median(p[False]["round_s"] for p in results)
     for label, h in (("quiet", fastest), ("this run", base["sha256 4 MB"])):
         critical = (1 + 2 * tail) * h + ed
-        yield dict(row, P=999_985, impl=f"critical path estimate, sha256 {label}",
+        yield dict(row, P=n_params, impl=f"critical path estimate, sha256 {label}",
                    sha256_s=round(h, 5), added_s=round(critical, 4),
                    off_round_s=round(off_round, 4),
                    ratio=round((off_round + critical) / off_round, 3), target="<= 1.05")
@@ -888,6 +898,10 @@ def main(argv=None) -> int:
     ap.add_argument("--local-epochs", type=int, action="append", metavar="N",
                     help="signing: each client's local work, N epochs of batch 32 on its "
                          "shard, 0 one step of batch 8 (repeatable; default 0 and 1)")
+    ap.add_argument("--dataset", choices=sorted(SIGNING_MODELS), default="digits",
+                    help="signing: the clients' data for the whole rounds (default digits: "
+                         "180 samples a client, the round mostly transport; fashion-mnist: "
+                         "6,000 a client, as a board holding a tenth of the set)")
     ap.add_argument("--keep-openblas-env", action="store_true",
                     help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (read before NumPy loads)")
     args = ap.parse_args(argv)
