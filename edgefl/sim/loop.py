@@ -132,6 +132,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 sim_time += duration
                 clock_extras = {"sim_time_s": sim_time, "late": len(late)}
             evaluating = pending
+            if summing and hasattr(secure_sum, "begin"):   # its first phases run during training
+                secure_sum.begin(engine, plan, order, clients)
 
             def work_item(c, r=r, tasks=tasks, evaluating=evaluating):
                 if c is _EVALUATE:
