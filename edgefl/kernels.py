@@ -221,16 +221,17 @@ def _check_quantize_args(op: str, x, size: int, bits: int, clip, levels, weight)
 
 
 def quantize(out: np.ndarray, x: np.ndarray, clip: float, levels: int, weight: int = 1,
-             seed: int = 0, stochastic: bool = True) -> np.ndarray:
+             seed: int = 0, stochastic: bool = True, add: bool = False) -> np.ndarray:
     """out = round(clip(x, -clip, clip) * levels / clip) * weight mod 2^bits (bits from out's
     dtype, uint32 or uint64): rounded stochastically (unbiased; u from a counter stream
     seeded by `seed`) or to nearest. |round(...)| <= levels; the caller keeps the sum of
-    the weights times levels below 2^(bits-1) so the ring sum reads back exactly."""
+    the weights times levels below 2^(bits-1) so the ring sum reads back exactly. add=True:
+    out += those words (mod 2^bits), in the same pass."""
     bits = _ring_bits("out", out)
     check_array("out", out, out.dtype, writable=True)
     _check_quantize_args("quantize", x, out.size, bits, clip, levels, weight)
     impl.quantize(out, x, float(clip), float(levels) / float(clip), int(weight),
-                  int(seed) & 0xFFFFFFFFFFFFFFFF, bool(stochastic))
+                  int(seed) & 0xFFFFFFFFFFFFFFFF, bool(stochastic), bool(add))
     return out
 
 

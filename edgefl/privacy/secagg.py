@@ -144,14 +144,17 @@ class Quantiser:
         """The value of one level."""
         return self.clip / self.levels
 
-    def encode(self, contribution: Contribution, seed: int, max_weight: int) -> np.ndarray:
-        """The contribution's vector quantised with its weight folded in (uint words)."""
+    def encode(self, contribution: Contribution, seed: int, max_weight: int,
+               add_to: np.ndarray | None = None) -> np.ndarray:
+        """The contribution's vector quantised with its weight folded in (uint words);
+        `add_to`: added into these words (mod 2^bits) in the same pass, and returned."""
         if contribution.weight > max_weight:
             raise SecAggError(f"contribution weight {contribution.weight} exceeds the round's "
                               f"max_weight {max_weight}")
-        out = np.empty(contribution.vector.size, self.dtype)
+        out = np.empty(contribution.vector.size, self.dtype) if add_to is None else add_to
         return kernels.quantize(out, contribution.vector, self.clip, self.levels,
-                                weight=contribution.weight, seed=seed, stochastic=True)
+                                weight=contribution.weight, seed=seed, stochastic=True,
+                                add=add_to is not None)
 
     def decode(self, words: np.ndarray) -> np.ndarray:
         out = np.empty(words.size, np.float32)
@@ -638,8 +641,7 @@ class SecAggClient:
         if ready is not None and ready[0] == self._shared_with and ready[1].size == n \
                 and ready[1].dtype == q.dtype and ready[2].size >= scalars.size:
             # the masks were expanded ahead (expand_masks): add the quantised vector to them
-            words = ready[1]
-            kernels.ring_add(words, q.encode(contribution, quantise_seed, setup.max_weight))
+            words = q.encode(contribution, quantise_seed, setup.max_weight, add_to=ready[1])
             kernels.ring_add(scalars, ready[2][:scalars.size])
         else:
             # quantised and masked in one pass (the same words as q.encode, then the masks)
@@ -996,8 +998,10 @@ class InProcessRound:
     """`run_in_process` in two halves, for a caller that has the contributions only later:
     the constructor runs the phases that need no contribution (keys, shares), `expand_masks`
     lets the clients expand their masks ahead (SecAggClient.expand_masks; the simulator
-    does it while they train), `finish` runs the masked-input and unmask phases. The
-    messages, their order and the dropouts are run_in_process's."""
+    does it while they train), `send_masked` sends one client's masked input as soon as its
+    contribution exists, and `finish` sends the rest and runs the unmask phase. The messages
+    and the dropouts are run_in_process's; the masked inputs may arrive in any order (the
+    server's ring sum does not depend on it)."""
 
     def __init__(self, setup: RoundSetup, *, vanish: Mapping[str, Sequence[int]] | None = None,
                  wire: bool = False, entropy: bytes | None = None):
@@ -1016,6 +1020,7 @@ class InProcessRound:
         self._step("shares", {c: (lambda c=c: self.clients[c].share_keys(self.carry(out[c])))
                               for c in out})
         self.forward = {c: self.carry(m) for c, m in self.server.advance().items()}
+        self.sent: set = set()
 
     def _step(self, phase, make) -> None:
         self.gone.update(self.vanish.get(phase, ()))
@@ -1030,14 +1035,27 @@ class InProcessRound:
             if c not in self.gone and c not in self.vanish.get("masked", ()):
                 self.clients[c].expand_masks(msg, size, threads=threads)
 
+    def send_masked(self, c: int, contribution: Contribution, seed: int = 0) -> None:
+        """Client c's masked input, to the server (once; none from a client that vanishes
+        in the masked phase or before)."""
+        if c in self.sent or c not in self.forward:
+            return
+        self.sent.add(c)
+        if c not in self.gone and c not in self.vanish.get("masked", ()):
+            self.server.receive(self.carry(self.clients[c].masked_input(
+                self.forward[c], contribution, seed)))
+
     def finish(self, contributions: Mapping[int, Contribution],
                seeds: Mapping[int, int] | None = None) -> SecAggServer:
-        """The masked-input and unmask phases: returns the server, its `total` the sum."""
-        seeds, clients, forward = seeds or {}, self.clients, self.forward
-        self._step("masked", {c: (lambda c=c: clients[c].masked_input(
-            forward[c], contributions[c], seeds.get(c, 0))) for c in forward})
+        """The masked inputs not sent yet, then the unmask phase: returns the server, its
+        `total` the sum."""
+        seeds = seeds or {}
+        self.gone.update(self.vanish.get("masked", ()))
+        for c in sorted(self.forward):
+            if c not in self.gone:
+                self.send_masked(c, contributions[c], seeds.get(c, 0))
         out = self.server.advance()
-        self._step("unmask", {c: (lambda c=c: clients[c].unmask(self.carry(out[c])))
+        self._step("unmask", {c: (lambda c=c: self.clients[c].unmask(self.carry(out[c])))
                               for c in out})
         self.server.advance()
         return self.server

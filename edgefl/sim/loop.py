@@ -132,17 +132,22 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 sim_time += duration
                 clock_extras = {"sim_time_s": sim_time, "late": len(late)}
             evaluating = pending
-            if summing and hasattr(secure_sum, "begin"):   # its first phases run during training
-                secure_sum.begin(engine, plan, order, clients)
+            # a secure sum may run its first phases during training, and take each
+            # contribution as it comes (edgefl.sim.secure)
+            ahead = secure_sum.begin(engine, plan, order, clients) \
+                if summing and hasattr(secure_sum, "begin") else None
 
-            def work_item(c, r=r, tasks=tasks, evaluating=evaluating):
+            def work_item(c, r=r, tasks=tasks, evaluating=evaluating, ahead=ahead):
                 if c is _EVALUATE:
                     return engine.evaluate(evaluating.model)
                 try:
                     update, new_state = strategy.train(tasks[c], clients[c], client_states.get(c))
                     if summing and tasks[c].upload:
-                        return update, new_state, client_contribution(
+                        contribution = client_contribution(
                             strategy, tasks[c], update, hooks, task_generator(tasks[c]))
+                        if ahead is not None:
+                            ahead(c, contribution)
+                        return update, new_state, contribution
                     return update, new_state, None
                 except NonFiniteError as exc:
                     raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc

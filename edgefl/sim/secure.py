@@ -17,6 +17,7 @@ the setup from the contributions -- the sum, and so the model, are the same bits
 since the masks cancel and the quantiser is the same."""
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable, Mapping, Sequence
 
@@ -50,7 +51,7 @@ class InProcessSecureSum:
     def __init__(self, settings: SecureAggregation, run_id: str, seed: int,
                  vanish: Callable[[int], Mapping] | None = None):
         self.settings, self.run_id, self.seed, self.vanish = settings, run_id, seed, vanish
-        self._ahead = None        # (round, participants, max_weight, thread, {"round"|"error"})
+        self._ahead = None          # the round begun: _Ahead
 
     def _setup(self, round: int, participants: Sequence[int], max_weight: int, **sizes):
         return secagg.round_setup(self.settings, run_id=self.run_id, round=round,
@@ -58,35 +59,26 @@ class InProcessSecureSum:
                                   max_weight=max_weight, **sizes)
 
     def begin(self, engine: RoundEngine, plan: RoundPlan, training: Sequence[int],
-              clients: Mapping) -> None:
+              clients: Mapping) -> Callable[[int, Contribution], None] | None:
         """A round opened and `training` (clients with their LocalData in `clients`) start
         training: run the keys and shares phases and expand the masks meanwhile, on one
-        thread beside them (the masks' AES releases the GIL)."""
+        thread beside them (the masks' AES releases the GIL). Returns the function to call
+        with each client's contribution as soon as it exists (its masked input is then made
+        and summed on that thread too), or None when there is nothing to begin."""
         participants = sorted(c for c in training if plan.tasks[c].upload)
+        self._ahead = None
         if len(participants) < 2:
-            self._ahead = None
-            return
+            return None
         max_weight = secagg.max_weight_of(engine.strategy,
                                           {c: clients[c].num_samples for c in participants})
         buffers = plan.tasks[participants[0]].buffers
         size = buffers["params"].size if "params" in buffers else None
-        vanish = None if self.vanish is None else self.vanish(plan.round)
-        result: dict = {}
-
-        def work():
-            try:
-                setup = self._setup(plan.round, participants, max_weight, vector_size=None,
-                                    scalar_names=None)
-                prepared = secagg.InProcessRound(setup, vanish=vanish)
-                if size is not None:
-                    prepared.expand_masks(size, threads=1)
-                result["round"] = prepared
-            except BaseException as exc:     # raised where the round needs it (__call__)
-                result["error"] = exc
-
-        thread = threading.Thread(target=work, name="edgefl-secagg-ahead", daemon=True)
-        thread.start()
-        self._ahead = (plan.round, participants, max_weight, thread, result)
+        setup = self._setup(plan.round, participants, max_weight, vector_size=None,
+                            scalar_names=None)
+        self._ahead = ahead = _Ahead(setup, size, {c: plan.tasks[c].train["seed"]
+                                                   for c in participants},
+                                     None if self.vanish is None else self.vanish(plan.round))
+        return ahead.contributed
 
     def __call__(self, engine: RoundEngine, plan: RoundPlan,
                  contributions: Mapping[int, Contribution]):
@@ -94,14 +86,8 @@ class InProcessSecureSum:
         max_weight = max(c.weight for c in contributions.values())
         seeds = {c: plan.tasks[c].train["seed"] for c in contributions}
         ahead, self._ahead = self._ahead, None
-        prepared = None
-        if ahead is not None:
-            r, foreseen, weight, thread, result = ahead
-            thread.join()
-            if (r, foreseen, weight) == (plan.round, participants, max_weight):
-                if "error" in result:
-                    raise result["error"]
-                prepared = result["round"]
+        prepared = None if ahead is None else ahead.result(plan.round, participants,
+                                                           max_weight, contributions)
         if prepared is None:
             first = contributions[participants[0]]
             setup = self._setup(plan.round, participants, max_weight,
@@ -114,3 +100,58 @@ class InProcessSecureSum:
                              "ring_bits": setup.ring_bits, "levels": setup.levels,
                              "threshold": setup.threshold}}
         return total, UploadTotals.of_sum(total, server.uplink_bytes()), extras
+
+
+class _Ahead:
+    """One round's protocol run ahead, on its own thread: the keys and shares phases, every
+    client's mask expansion, then each masked input as its contribution comes in."""
+
+    def __init__(self, setup: secagg.RoundSetup, size: int | None, seeds: Mapping[int, int],
+                 vanish: Mapping | None):
+        self.setup, self.size, self.seeds, self.vanish = setup, size, seeds, vanish
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.given: dict = {}        # {client: the contribution handed to the thread}
+        self.prepared = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="edgefl-secagg-ahead",
+                                       daemon=True)
+        self.thread.start()
+
+    def contributed(self, client: int, contribution: Contribution) -> None:
+        """Client `client`'s contribution exists (called from the training threads)."""
+        if client in self.seeds:
+            self.given[client] = contribution
+            self.inbox.put((client, contribution))
+
+    def _run(self) -> None:
+        try:
+            prepared = secagg.InProcessRound(self.setup, vanish=self.vanish)
+            if self.size is not None:
+                prepared.expand_masks(self.size, threads=1)
+            self.prepared = prepared
+        except BaseException as exc:     # raised where the round needs it (result)
+            self.error = exc
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                return
+            if self.error is None:
+                c, contribution = item
+                try:
+                    self.prepared.send_masked(c, contribution, self.seeds[c])
+                except BaseException as exc:
+                    self.error = exc
+
+    def result(self, round: int, participants: list, max_weight: int,
+               contributions: Mapping[int, Contribution]):
+        """The prepared round when the contributions are the ones it foresaw (the same
+        clients, weight bound and objects), else None; the thread's error, if it failed."""
+        self.inbox.put(None)
+        self.thread.join()
+        if (round, participants, max_weight) != (self.setup.round, list(self.setup.participants),
+                                                 self.setup.max_weight) \
+                or any(contributions.get(c) is not x for c, x in self.given.items()):
+            return None
+        if self.error is not None:
+            raise self.error
+        return self.prepared
