@@ -2,6 +2,8 @@
 protocol between the in-process clients and closes from the unmasked sum. Its model is the
 clear run's within the quantisation bound, for every strategy that serves it; configs it
 cannot honour are refused before anything runs."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -101,6 +103,28 @@ def test_the_phases_run_during_training_change_no_bit_of_the_model(fed, monkeypa
     assert [h["secure"] for h in runs[0].history] == [h["secure"] for h in runs[1].history]
     assert runs[0].history[1]["secure"]["dropped"] == [2]
     assert used == [foreseen] * 3
+
+
+def test_a_run_that_fails_in_training_leaves_no_secure_thread_behind(fed, monkeypatch):
+    """A round begun (its thread waiting for contributions) whose training fails: the
+    run's end stops the thread."""
+    model, clients = fed
+    strategy = get_strategy("fedavg")
+    train = type(strategy).train
+
+    def failing(self, task, data, state):
+        if task.round == 2 and data is clients[3]:
+            raise RuntimeError("client 3 fell over")
+        return train(self, task, data, state)
+
+    monkeypatch.setattr(type(strategy), "train", failing)
+    setup = Setup(clients=sorted(clients), train={"lr": 0.1, "epochs": 1, "batch_size": 16},
+                  seed=5, rounds=3)
+    with pytest.raises(RuntimeError, match="client 3 fell over"):
+        run_federation(strategy, model.init(0), clients, setup, 6, summing=True, workers=2,
+                       secure_sum=in_process_secure_sum(SecureAggregation(threshold=0.6),
+                                                        "t", 5))
+    assert not [t for t in threading.enumerate() if t.name == "edgefl-secagg-ahead"]
 
 
 @pytest.mark.parametrize("sets, words", [

@@ -55,6 +55,9 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     seeded from its task's seed, so a simulation is reproducible -- a board draws its own),
     and the round closes from their sum: `secure_sum(engine, plan, contributions)` ->
     (SumTotal, UploadTotals, extras) when given (secure aggregation), else the clear sum.
+    A secure_sum with `begin(engine, plan, training clients, clients)` has it called as each
+    round opens; what it returns, if not None, gets (client, contribution) as each exists;
+    its `close()` is called when the run ends (edgefl.sim.secure: phases during training).
     `hooks.before_round` (before a round opens) or `hooks.server_sum` raising
     privacy.BudgetExhausted ends the run after the round before;
     the result's `stopped` says why.
@@ -204,6 +207,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+        if hasattr(secure_sum, "close"):      # a secure round begun and never summed
+            secure_sum.close()
     return RunResult(state, client_states, history, strategy.global_model(state), stopped)
 
 

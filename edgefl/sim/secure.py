@@ -66,7 +66,7 @@ class InProcessSecureSum:
         with each client's contribution as soon as it exists (its masked input is then made
         and summed on that thread too), or None when there is nothing to begin."""
         participants = sorted(c for c in training if plan.tasks[c].upload)
-        self._ahead = None
+        self.close()
         if len(participants) < 2:
             return None
         max_weight = secagg.max_weight_of(engine.strategy,
@@ -79,6 +79,13 @@ class InProcessSecureSum:
                                                    for c in participants},
                                      None if self.vanish is None else self.vanish(plan.round))
         return ahead.contributed
+
+    def close(self) -> None:
+        """Stop a round begun and never summed (the run ended in its training): its thread
+        ends, and what it holds is freed."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.stop()
 
     def __call__(self, engine: RoundEngine, plan: RoundPlan,
                  contributions: Mapping[int, Contribution]):
@@ -142,12 +149,16 @@ class _Ahead:
                 except BaseException as exc:
                     self.error = exc
 
+    def stop(self) -> None:
+        """No more contributions: the thread ends once it has handled those it has."""
+        self.inbox.put(None)
+        self.thread.join()
+
     def result(self, round: int, participants: list, max_weight: int,
                contributions: Mapping[int, Contribution]):
         """The prepared round when the contributions are the ones it foresaw (the same
         clients, weight bound and objects), else None; the thread's error, if it failed."""
-        self.inbox.put(None)
-        self.thread.join()
+        self.stop()
         if (round, participants, max_weight) != (self.setup.round, list(self.setup.participants),
                                                  self.setup.max_weight) \
                 or any(contributions.get(c) is not x for c, x in self.given.items()):
