@@ -102,6 +102,15 @@ def test_masks_expanded_ahead_give_the_same_masked_input_and_sum(bits):
         want = at_once[2].masked_input(forward2[2], contribs[2], 7)
         assert got.words.tobytes() == want.words.tobytes()
         assert got.scalars.tobytes() == want.scalars.tobytes()
+    # into words the caller keeps (whatever they held), or refused naming what is wrong
+    ahead, _, forward = through_keys(setup, ids, ENTROPY)
+    kept = np.full(setup.vector_size, 7, setup.quantiser.dtype)
+    ahead[2].expand_masks(forward[2], setup.vector_size, out=kept)
+    got = ahead[2].masked_input(forward[2], contribs[2], 7)
+    assert got.words is kept and got.words.tobytes() == want.words.tobytes()
+    with pytest.raises(SecAggError, match="expand_masks: out must be"):
+        ahead[3].expand_masks(forward[3], setup.vector_size,
+                              out=np.zeros(setup.vector_size, np.float32))
     vanish = {"masked": [4]}
     want = run_in_process(setup, contribs, {c: c for c in ids}, vanish=vanish, entropy=ENTROPY)
     halves = secagg.InProcessRound(setup, vanish=vanish, entropy=ENTROPY)

@@ -650,16 +650,28 @@ class SecAggClient:
         return MaskedInput(setup.round, self.client, words, scalars, names)
 
     def expand_masks(self, msg: SharesForward, size: int, scalars: int = 16,
-                     threads: int | None = None) -> None:
+                     threads: int | None = None, out: np.ndarray | None = None) -> None:
         """Expand this round's masks ahead of the contribution: they depend only on the keys
         and on who shared (`msg`, the same SharesForward `masked_input` will get), so a
         client can run the keystreams while it trains; `masked_input` then only adds its
         quantised vector. `size`: the vector's words expected, `scalars`: room for that many
         scalars (a contribution that does not fit gets its masks expanded then, as without
-        this call). The masked input is the same words either way."""
+        this call). The masked input is the same words either way. `out`: words of the ring's
+        dtype and `size` to expand into (overwritten; they become the masked input's), for a
+        caller that keeps them from round to round rather than map fresh pages each time."""
         self._check_round(msg)
         self._take_shares(msg)
-        words = np.zeros(int(size), self.setup.quantiser.dtype)
+        dtype = self.setup.quantiser.dtype
+        if out is None:
+            words = np.zeros(int(size), dtype)
+        elif not isinstance(out, np.ndarray) or out.dtype != dtype or out.size != size \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise SecAggError(f"expand_masks: out must be {size} writable contiguous {dtype} "
+                              f"words, got {getattr(out, 'size', '?')} "
+                              f"{getattr(out, 'dtype', type(out).__name__)}")
+        else:
+            words = out
+            words.fill(0)
         extra = np.zeros(int(scalars), np.uint64)
         masks = self._masks()
         kernels.secagg_mask(words, extra, b"".join(k for k, _ in masks),
@@ -1028,12 +1040,22 @@ class InProcessRound:
             if c not in self.gone:
                 self.server.receive(self.carry(payload()))
 
-    def expand_masks(self, size: int, threads: int | None = None) -> None:
+    def expand_masks(self, size: int, threads: int | None = None,
+                     buffers: dict | None = None) -> None:
         """Every client that will send a masked input expands its masks for a vector of
-        `size` words now (SecAggClient.expand_masks)."""
+        `size` words now (SecAggClient.expand_masks). `buffers` {client: words}: kept from
+        round to round by the caller, each client's words expanded into its own (made or
+        replaced here when missing or of another size or dtype); the round's masked inputs
+        are those words, so a buffer is not to be touched until the round is over."""
+        dtype = self.server.setup.quantiser.dtype
         for c, msg in sorted(self.forward.items()):
             if c not in self.gone and c not in self.vanish.get("masked", ()):
-                self.clients[c].expand_masks(msg, size, threads=threads)
+                out = None
+                if buffers is not None:
+                    out = buffers.get(c)
+                    if out is None or out.size != size or out.dtype != dtype:
+                        out = buffers[c] = np.empty(int(size), dtype)
+                self.clients[c].expand_masks(msg, size, threads=threads, out=out)
 
     def send_masked(self, c: int, contribution: Contribution, seed: int = 0) -> None:
         """Client c's masked input, to the server (once; none from a client that vanishes

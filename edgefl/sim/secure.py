@@ -52,6 +52,10 @@ class InProcessSecureSum:
                  vanish: Callable[[int], Mapping] | None = None):
         self.settings, self.run_id, self.seed, self.vanish = settings, run_id, seed, vanish
         self._ahead = None          # the round begun: _Ahead
+        # {client: words} each client's masks are expanded into, kept between rounds: fresh
+        # pages for 10 vectors a round cost a fault per 4 kB, in the kernel, contending with
+        # the training thread's own
+        self._buffers: dict = {}
 
     def _setup(self, round: int, participants: Sequence[int], max_weight: int, **sizes):
         return secagg.round_setup(self.settings, run_id=self.run_id, round=round,
@@ -77,7 +81,8 @@ class InProcessSecureSum:
                             scalar_names=None)
         self._ahead = ahead = _Ahead(setup, size, {c: plan.tasks[c].train["seed"]
                                                    for c in participants},
-                                     None if self.vanish is None else self.vanish(plan.round))
+                                     None if self.vanish is None else self.vanish(plan.round),
+                                     self._buffers)
         return ahead.contributed
 
     def close(self) -> None:
@@ -114,8 +119,10 @@ class _Ahead:
     client's mask expansion, then each masked input as its contribution comes in."""
 
     def __init__(self, setup: secagg.RoundSetup, size: int | None, seeds: Mapping[int, int],
-                 vanish: Mapping | None):
+                 vanish: Mapping | None, buffers: dict):
         self.setup, self.size, self.seeds, self.vanish = setup, size, seeds, vanish
+        self.buffers = buffers       # the round's masked inputs are these words: one round
+        #                              at a time (begin stops the one before)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.given: dict = {}        # {client: the contribution handed to the thread}
         self.prepared = None
@@ -134,7 +141,7 @@ class _Ahead:
         try:
             prepared = secagg.InProcessRound(self.setup, vanish=self.vanish)
             if self.size is not None:
-                prepared.expand_masks(self.size, threads=1)
+                prepared.expand_masks(self.size, threads=1, buffers=self.buffers)
             self.prepared = prepared
         except BaseException as exc:     # raised where the round needs it (result)
             self.error = exc
