@@ -77,8 +77,11 @@ class InProcessSecureSum:
                                           {c: clients[c].num_samples for c in participants})
         buffers = plan.tasks[participants[0]].buffers
         size = buffers["params"].size if "params" in buffers else None
-        setup = self._setup(plan.round, participants, max_weight, vector_size=None,
-                            scalar_names=None)
+        try:
+            setup = self._setup(plan.round, participants, max_weight, vector_size=None,
+                                scalar_names=None)
+        except secagg.SecAggError:    # a ring too small for the foreseen weights: the round
+            return None               # runs after training, refused there if it must be
         self._ahead = ahead = _Ahead(setup, size, {c: plan.tasks[c].train["seed"]
                                                    for c in participants},
                                      None if self.vanish is None else self.vanish(plan.round),
