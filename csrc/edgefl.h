@@ -51,12 +51,12 @@ void ef_trimmed_mean(float *out, float *scratch, const float *const *xs, int64_t
  * Secure aggregation's ring arithmetic (secagg.c; the representation is stated there)
  * ---------------------------------------------------------------------------------------- */
 
-/* out[i] = k_i * weight mod 2^bits, k_i = x[i] clipped to [-clip, clip], times scale, rounded
- * stochastically (seeded counter stream) or to nearest. */
+/* out[i] = k_i * weight mod 2^bits (add: out[i] += it), k_i = x[i] clipped to [-clip, clip],
+ * times scale, rounded stochastically (seeded counter stream) or to nearest. */
 void ef_quantize_u32(uint32_t *out, const float *x, int64_t n, double clip, double scale,
-                     int64_t weight, uint64_t seed, int stochastic);
+                     int64_t weight, uint64_t seed, int stochastic, int add);
 void ef_quantize_u64(uint64_t *out, const float *x, int64_t n, double clip, double scale,
-                     int64_t weight, uint64_t seed, int stochastic);
+                     int64_t weight, uint64_t seed, int stochastic, int add);
 /* x += m (subtract = 0) or x -= m, mod 2^32 / 2^64. */
 void ef_ring_add_u32(uint32_t *restrict x, const uint32_t *restrict m, int64_t n, int subtract);
 void ef_ring_add_u64(uint64_t *restrict x, const uint64_t *restrict m, int64_t n, int subtract);

@@ -61,22 +61,32 @@ static inline int64_t quantum(float xf, double clip, double scale, int64_t i, ui
     return t - ((double)t > d);
 }
 
+/* add: out += the words instead of out = them, so words already in out (masks expanded
+ * ahead of the contribution) take the quantised vector in the same pass, with no temporary. */
 EF_QUANTIZE_CLONES
 void ef_quantize_u32(uint32_t *out, const float *x, int64_t n, double clip, double scale,
-                     int64_t weight, uint64_t seed, int stochastic)
+                     int64_t weight, uint64_t seed, int stochastic, int add)
 {
     const uint64_t w = (uint64_t)weight;
-    for (int64_t i = 0; i < n; i++)
-        out[i] = (uint32_t)((uint64_t)quantum(x[i], clip, scale, i, seed, stochastic) * w);
+    if (add)
+        for (int64_t i = 0; i < n; i++)
+            out[i] += (uint32_t)((uint64_t)quantum(x[i], clip, scale, i, seed, stochastic) * w);
+    else
+        for (int64_t i = 0; i < n; i++)
+            out[i] = (uint32_t)((uint64_t)quantum(x[i], clip, scale, i, seed, stochastic) * w);
 }
 
 EF_QUANTIZE_CLONES
 void ef_quantize_u64(uint64_t *out, const float *x, int64_t n, double clip, double scale,
-                     int64_t weight, uint64_t seed, int stochastic)
+                     int64_t weight, uint64_t seed, int stochastic, int add)
 {
     const uint64_t w = (uint64_t)weight;
-    for (int64_t i = 0; i < n; i++)
-        out[i] = (uint64_t)quantum(x[i], clip, scale, i, seed, stochastic) * w;
+    if (add)
+        for (int64_t i = 0; i < n; i++)
+            out[i] += (uint64_t)quantum(x[i], clip, scale, i, seed, stochastic) * w;
+    else
+        for (int64_t i = 0; i < n; i++)
+            out[i] = (uint64_t)quantum(x[i], clip, scale, i, seed, stochastic) * w;
 }
 
 /* x += m (or x -= m) word by word mod 2^32 / 2^64: adding a mask stream, or removing one.
@@ -219,10 +229,10 @@ int ef_secagg_mask(void *words, int64_t n, int bits, uint64_t *scalars, int64_t 
             const uint64_t at = seed + (uint64_t)start * EF_GOLDEN64;  /* u of coordinate start+j */
             if (bits == 32)
                 ef_quantize_u32((uint32_t *)(void *)block, x + start, count, clip, scale,
-                                weight, at, stochastic);
+                                weight, at, stochastic, 0);
             else
                 ef_quantize_u64((uint64_t *)(void *)block, x + start, count, clip, scale,
-                                weight, at, stochastic);
+                                weight, at, stochastic, 0);
         }
         for (int64_t k = 0; k < nkeys; k++) {
             if (!keystream(ctx[k], ks, (int)(count * itemsize))) {

@@ -23,8 +23,8 @@ cdef extern from "edgefl.h" nogil:
     void ef_f16_to_f32(float *out, const uint16_t *inp, int64_t n)
     void ef_f32_to_i8(int8_t *out, float *scales, const float *inp, const int64_t *seg_offsets, int64_t nseg)
     void ef_i8_to_f32(float *out, const int8_t *inp, const float *scales, const int64_t *seg_offsets, int64_t nseg)
-    void ef_quantize_u32(uint32_t *out, const float *x, int64_t n, double clip, double scale, int64_t weight, uint64_t seed, int stochastic)
-    void ef_quantize_u64(uint64_t *out, const float *x, int64_t n, double clip, double scale, int64_t weight, uint64_t seed, int stochastic)
+    void ef_quantize_u32(uint32_t *out, const float *x, int64_t n, double clip, double scale, int64_t weight, uint64_t seed, int stochastic, int add)
+    void ef_quantize_u64(uint64_t *out, const float *x, int64_t n, double clip, double scale, int64_t weight, uint64_t seed, int stochastic, int add)
     void ef_ring_add_u32(uint32_t *x, const uint32_t *m, int64_t n, int subtract)
     void ef_ring_add_u64(uint64_t *x, const uint64_t *m, int64_t n, int subtract)
     void ef_dequantize_u32(float *out, const uint32_t *sum, int64_t n, double unit)
@@ -553,8 +553,10 @@ def local_train(params, momentum, net, x, labels, targets, cfg, grad0=None, grad
 
 # ======================= secure aggregation's ring arithmetic (secagg.c) =================
 
-def quantize(out, x, double clip, double scale, int64_t weight, uint64_t seed, bint stochastic):
-    """out = x quantised into the ring of out's dtype, times weight (ef_quantize_u32/u64)."""
+def quantize(out, x, double clip, double scale, int64_t weight, uint64_t seed, bint stochastic,
+             bint add=False):
+    """out = x quantised into the ring of out's dtype, times weight (add: out += it)
+    (ef_quantize_u32/u64)."""
     cdef const float[::1] vx = x.reshape(-1)
     cdef uint32_t[::1] o32
     cdef uint64_t[::1] o64
@@ -564,11 +566,11 @@ def quantize(out, x, double clip, double scale, int64_t weight, uint64_t seed, b
     if out.dtype.itemsize == 4:
         o32 = out.reshape(-1)
         with nogil:
-            ef_quantize_u32(&o32[0], &vx[0], n, clip, scale, weight, seed, stochastic)
+            ef_quantize_u32(&o32[0], &vx[0], n, clip, scale, weight, seed, stochastic, add)
     else:
         o64 = out.reshape(-1)
         with nogil:
-            ef_quantize_u64(&o64[0], &vx[0], n, clip, scale, weight, seed, stochastic)
+            ef_quantize_u64(&o64[0], &vx[0], n, clip, scale, weight, seed, stochastic, add)
 
 
 def ring_add(x, m, bint subtract):

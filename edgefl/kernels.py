@@ -221,16 +221,17 @@ def _check_quantize_args(op: str, x, size: int, bits: int, clip, levels, weight)
 
 
 def quantize(out: np.ndarray, x: np.ndarray, clip: float, levels: int, weight: int = 1,
-             seed: int = 0, stochastic: bool = True) -> np.ndarray:
+             seed: int = 0, stochastic: bool = True, add: bool = False) -> np.ndarray:
     """out = round(clip(x, -clip, clip) * levels / clip) * weight mod 2^bits (bits from out's
     dtype, uint32 or uint64): rounded stochastically (unbiased; u from a counter stream
     seeded by `seed`) or to nearest. |round(...)| <= levels; the caller keeps the sum of
-    the weights times levels below 2^(bits-1) so the ring sum reads back exactly."""
+    the weights times levels below 2^(bits-1) so the ring sum reads back exactly. add=True:
+    out += those words (mod 2^bits), in the same pass."""
     bits = _ring_bits("out", out)
     check_array("out", out, out.dtype, writable=True)
     _check_quantize_args("quantize", x, out.size, bits, clip, levels, weight)
     impl.quantize(out, x, float(clip), float(levels) / float(clip), int(weight),
-                  int(seed) & 0xFFFFFFFFFFFFFFFF, bool(stochastic))
+                  int(seed) & 0xFFFFFFFFFFFFFFFF, bool(stochastic), bool(add))
     return out
 
 
@@ -291,12 +292,15 @@ def _enable_c_masks() -> bool:
 
 def secagg_mask(words: np.ndarray, scalars: np.ndarray, keys: bytes, subtract: bytes,
                 x: np.ndarray | None = None, clip: float = 1.0, levels: int = 1,
-                weight: int = 1, seed: int = 0, stochastic: bool = True) -> np.ndarray:
+                weight: int = 1, seed: int = 0, stochastic: bool = True,
+                threads: int | None = None) -> np.ndarray:
     """words, scalars (+|-)= PRG(key) mod 2^bits for each 32-byte key of `keys` (subtract[k]
     0 or 1), the PRG being AES-256-CTR with a zero IV over the words' bytes then 8 bytes per
     scalar; with `x`, words are first set to `quantize(words, x, clip, levels, weight, seed,
     stochastic)`, in the same pass. The C core (OpenSSL's AES, the GIL released) when
-    `masks_in_c()`, the twin (`cryptography`) otherwise: the same bytes."""
+    `masks_in_c()`, the twin (`cryptography`) otherwise: the same bytes. `threads`: at most
+    that many mask threads (None: `mask_threads()`); 1 runs in the calling thread, for a
+    caller that is itself a background thread beside other work."""
     bits = _ring_bits("words", words)
     check_array("words", words, words.dtype, writable=True)
     check_array("scalars", scalars, np.uint64, writable=True)
@@ -304,6 +308,9 @@ def secagg_mask(words: np.ndarray, scalars: np.ndarray, keys: bytes, subtract: b
             or len(keys) != 32 * len(subtract) or any(s > 1 for s in subtract):
         raise KernelError(f"keys / subtract: {len(subtract)} signs (0 or 1) and 32 bytes of "
                           f"key each ({type(keys).__name__} of {len(keys)} bytes)")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise KernelError(f"threads: {threads!r} must be a whole number >= 1 or None")
     scale = 1.0
     if x is not None:
         _check_quantize_args("secagg_mask", x, words.size, bits, clip, levels, weight)
@@ -319,7 +326,8 @@ def secagg_mask(words: np.ndarray, scalars: np.ndarray, keys: bytes, subtract: b
     flat = words.reshape(-1)
     xf = None if x is None else x.reshape(-1)
     per16 = 16 // flat.itemsize
-    pieces = min(mask_threads(), max(1, flat.size // MASK_PIECE_WORDS))
+    pieces = min(mask_threads() if threads is None else threads,
+                 max(1, flat.size // MASK_PIECE_WORDS))
     cuts = [flat.size * i // pieces // per16 * per16 for i in range(pieces)] + [flat.size]
     empty = np.zeros(0, np.uint64)
 

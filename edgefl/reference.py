@@ -480,8 +480,8 @@ def _mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-def quantize(out, x, clip, scale, weight, seed, stochastic):
-    """out = floor(clip(x) * scale + u) * weight mod 2^bits (secagg.c)."""
+def quantize(out, x, clip, scale, weight, seed, stochastic, add=False):
+    """out = floor(clip(x) * scale + u) * weight mod 2^bits (add: out += it) (secagg.c)."""
     v = np.clip(_flat(x).astype(np.float64), -clip, clip) * scale
     if stochastic:
         with np.errstate(over="ignore"):
@@ -492,7 +492,10 @@ def quantize(out, x, clip, scale, weight, seed, stochastic):
     k = np.floor(v + u).astype(np.int64).view(np.uint64)
     with np.errstate(over="ignore"):
         words = k * np.uint64(weight)
-    _flat(out)[...] = words.astype(out.dtype)
+    if add:
+        np.add(_flat(out), words.astype(out.dtype), out=_flat(out))
+    else:
+        _flat(out)[...] = words.astype(out.dtype)
 
 
 def ring_add(x, m, subtract):

@@ -84,6 +84,46 @@ def test_the_secure_sum_is_the_clear_sum_exactly_in_the_ring(bits, neighbours):
     assert np.abs(total.vector - clear).max() <= bound
 
 
+@pytest.mark.parametrize("bits", [32, 64])
+def test_masks_expanded_ahead_give_the_same_masked_input_and_sum(bits):
+    """A client that expands its masks before it has its contribution (expand_masks, as the
+    simulator does while clients train) sends the same masked words as one that masks at
+    once; a wrong size guessed ahead is expanded again. The round run in halves
+    (InProcessRound: masked inputs sent as they come, out of order, one client vanishing)
+    sums to run_in_process's ring sum, bit for bit."""
+    contribs = contributions(6)
+    setup = setup_for(contribs, bits=bits)
+    ids = sorted(contribs)
+    for size in (setup.vector_size, setup.vector_size - 1):
+        ahead, _, forward = through_keys(setup, ids, ENTROPY)
+        at_once, _, forward2 = through_keys(setup, ids, ENTROPY)
+        ahead[2].expand_masks(forward[2], size)
+        got = ahead[2].masked_input(forward[2], contribs[2], 7)
+        want = at_once[2].masked_input(forward2[2], contribs[2], 7)
+        assert got.words.tobytes() == want.words.tobytes()
+        assert got.scalars.tobytes() == want.scalars.tobytes()
+    # into words the caller keeps (whatever they held), or refused naming what is wrong
+    ahead, _, forward = through_keys(setup, ids, ENTROPY)
+    kept = np.full(setup.vector_size, 7, setup.quantiser.dtype)
+    ahead[2].expand_masks(forward[2], setup.vector_size, out=kept)
+    got = ahead[2].masked_input(forward[2], contribs[2], 7)
+    assert got.words is kept and got.words.tobytes() == want.words.tobytes()
+    with pytest.raises(SecAggError, match="expand_masks: out must be"):
+        ahead[3].expand_masks(forward[3], setup.vector_size,
+                              out=np.zeros(setup.vector_size, np.float32))
+    vanish = {"masked": [4]}
+    want = run_in_process(setup, contribs, {c: c for c in ids}, vanish=vanish, entropy=ENTROPY)
+    halves = secagg.InProcessRound(setup, vanish=vanish, entropy=ENTROPY)
+    halves.expand_masks(setup.vector_size)
+    for c in (5, 0, 4, 3):
+        halves.send_masked(c, contribs[c], c)
+    got = halves.finish(contribs, {c: c for c in ids})
+    assert got.dropped == want.dropped == (4,)
+    assert np.array_equal(got.ring_words, want.ring_words)
+    assert np.array_equal(got.ring_scalars, want.ring_scalars)
+    assert np.array_equal(got.ring_words, clear_ring_sum(setup, contribs, [0, 1, 2, 3, 5]))
+
+
 def test_the_quantised_sum_is_unbiased_and_within_the_bound_on_a_clipped_input():
     contribs = contributions(4, size=20000, spread=2.0)         # many values beyond clip 1
     setup = setup_for(contribs, bits=32)

@@ -53,6 +53,25 @@ def test_quantize_parity(bits, stochastic, n):
     assert outs[0].tobytes() == outs[1].tobytes()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [32, 64])
+@pytest.mark.parametrize("n", SIZES)
+def test_quantize_add_is_quantize_then_ring_add(impl, bits, n):
+    """add=True puts the quantised words on top of the words already there (masks expanded
+    ahead), wrapping mod 2^bits: the same bytes as quantising apart and ring_add, in C and
+    in the twin."""
+    x = values(n, seed=5)
+    x.setflags(write=False)
+    base = np.random.default_rng(n).integers(0, 2 ** 63, n, dtype=np.uint64).astype(
+        kernels.RING_DTYPES[bits])
+    with backend(impl):
+        got = kernels.quantize(base.copy(), x, 8.0, 1000, weight=37, seed=2 ** 64 - 9,
+                               add=True)
+        want = kernels.ring_add(base.copy(), kernels.quantize(
+            np.zeros(n, base.dtype), x, 8.0, 1000, weight=37, seed=2 ** 64 - 9))
+    assert got.tobytes() == want.tobytes()
+
+
 @needs_core
 @pytest.mark.parametrize("bits", [32, 64])
 @pytest.mark.parametrize("stochastic", [True, False])
@@ -235,6 +254,8 @@ def test_mask_argument_checks(impl, monkeypatch):
         bad[3] = np.nan
         with pytest.raises(NonFiniteError, match=r"x\[3\]"):
             kernels.secagg_mask(words, scalars, bytes(32), b"\0", bad, 1.0, 10)
+        with pytest.raises(KernelError, match="threads"):
+            kernels.secagg_mask(words, scalars, bytes(32), b"\0", threads=0)
         monkeypatch.setenv("EDGEFL_MASK_THREADS", "two")
         with pytest.raises(KernelError, match="EDGEFL_MASK_THREADS"):
             kernels.mask_threads()

@@ -2,6 +2,8 @@
 protocol between the in-process clients and closes from the unmasked sum. Its model is the
 clear run's within the quantisation bound, for every strategy that serves it; configs it
 cannot honour are refused before anything runs."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from edgefl.privacy.settings import SecureAggregation
 from edgefl.runconfig import load_run_config
 from edgefl.runs.prepare import client_shard
 from edgefl.sim import run_federation, simulate
+from edgefl.sim import secure as secure_module
 from edgefl.sim.secure import in_process_secure_sum
 from edgefl.data import load_dataset, partition
 from edgefl.models import build_model
@@ -64,6 +67,64 @@ def test_simulate_with_secure_aggregation_writes_the_protocol_into_the_record(tm
     assert '"secure": {"survivors": 5, "dropped": [], "ring_bits": 64' in lines[0]
     clear = simulate(load_run_config("quickstart", ["rounds=2"]), None, progress=False)
     assert summary["model_sha256"] != clear["model_sha256"]   # it did not run the clear rounds
+
+
+@pytest.mark.parametrize("foreseen", [True, False])
+def test_the_phases_run_during_training_change_no_bit_of_the_model(fed, monkeypatch, foreseen):
+    """run_federation begins each secure round while the clients train (keys, shares, the
+    masks, each masked input as its contribution comes: edgefl.sim.secure); the model is
+    the one of the whole protocol run after training, bit for bit, with a dropout and with
+    more than one training thread. When the contributions are not the foreseen ones (here a
+    weight bound foreseen wrong) the round begun is dropped and the protocol runs after
+    training, with the same result."""
+    model, clients = fed
+    setup = Setup(clients=sorted(clients), train={"lr": 0.1, "epochs": 1, "batch_size": 16},
+                  seed=5, rounds=3)
+    settings = SecureAggregation(threshold=0.6, ring_bits=32, clip_range=2.0)
+    used = []
+    result, max_weight_of = secure_module._Ahead.result, secagg.max_weight_of
+
+    def counted(self, *args):
+        prepared = result(self, *args)
+        used.append(prepared is not None)
+        return prepared
+
+    monkeypatch.setattr(secure_module._Ahead, "result", counted)
+    if not foreseen:
+        monkeypatch.setattr(secagg, "max_weight_of", lambda *a: max_weight_of(*a) + 1)
+    vanish = (lambda r: {"masked": [2]} if r == 2 else {})
+    runs = []
+    for begin in (True, False):
+        secure = in_process_secure_sum(settings, "t", 5, vanish)
+        call = secure if begin else (lambda *a: secure(*a))    # no `begin`: after training
+        runs.append(run_federation(get_strategy("fedavg"), model.init(0), clients, setup, 6,
+                                   summing=True, workers=2, secure_sum=call))
+    assert runs[0].params.tobytes() == runs[1].params.tobytes()
+    assert [h["secure"] for h in runs[0].history] == [h["secure"] for h in runs[1].history]
+    assert runs[0].history[1]["secure"]["dropped"] == [2]
+    assert used == [foreseen] * 3
+
+
+def test_a_run_that_fails_in_training_leaves_no_secure_thread_behind(fed, monkeypatch):
+    """A round begun (its thread waiting for contributions) whose training fails: the
+    run's end stops the thread."""
+    model, clients = fed
+    strategy = get_strategy("fedavg")
+    train = type(strategy).train
+
+    def failing(self, task, data, state):
+        if task.round == 2 and data is clients[3]:
+            raise RuntimeError("client 3 fell over")
+        return train(self, task, data, state)
+
+    monkeypatch.setattr(type(strategy), "train", failing)
+    setup = Setup(clients=sorted(clients), train={"lr": 0.1, "epochs": 1, "batch_size": 16},
+                  seed=5, rounds=3)
+    with pytest.raises(RuntimeError, match="client 3 fell over"):
+        run_federation(strategy, model.init(0), clients, setup, 6, summing=True, workers=2,
+                       secure_sum=in_process_secure_sum(SecureAggregation(threshold=0.6),
+                                                        "t", 5))
+    assert not [t for t in threading.enumerate() if t.name == "edgefl-secagg-ahead"]
 
 
 @pytest.mark.parametrize("sets, words", [

@@ -16,14 +16,17 @@ Rows:
                         selected client uploads): the clear round against the same round run
                         secure (SecAgg+ between the in-process clients: keys, Shamir shares,
                         quantisation, masks, unmasking; in process the messages are not
-                        encoded for a wire). Clients train on digits (IID shards)
+                        encoded for a wire; the keys, shares and masks run on a thread while
+                        the clients train, edgefl.sim.secure). Clients train on digits (IID shards)
                         with `local` work: 1 epoch of batch 32 (quickstart runs 5), or a
                         single step of batch 8, where the round is almost only the
                         aggregation path, the part secure aggregation changes; models are
                         digits MLPs of about 100k and 1M parameters. `neighbours` is SecAgg+'s
                         k (0: every pair masks, SecAgg). Three runs interleaved: clear,
                         secure with the masks on every usable core (`ratio`), secure with one
-                        mask thread (`ratio, 1 mask thread`); `CPU ratio` is the process CPU
+                        mask thread (`ratio, 1 mask thread`; the clients' masks, expanded
+                        beside training, take one thread either way, so this changes only the
+                        server's unmasking); `CPU ratio` is the process CPU
                         time (all threads) of the first secure run over the clear one's.
     round, Mosquitto    the same rounds through a real Mosquitto started for the benchmark, with
                         the aggregator and one client role per shard as threads of this process

@@ -86,7 +86,7 @@ from . import shamir
 __all__ = ["SecAggError", "SecAggAborted", "LateMessage", "Quantiser", "RoundSetup",
            "AdvertiseKeys", "KeysBroadcast", "ShareKeys", "SharesForward", "MaskedInput",
            "UnmaskRequest", "UnmaskResponse", "SecAggClient", "SecAggServer", "neighbours_of",
-           "mask_stream", "run_in_process", "message_from_bytes", "MIN_LEVELS",
+           "mask_stream", "run_in_process", "InProcessRound", "message_from_bytes", "MIN_LEVELS",
            "SCALAR_FRACTION_BITS", "PHASES", "round_setup", "to_chunks", "ChunkAssembler",
            "max_weight_of", "Sealed", "unseal", "secure_digest"]
 
@@ -144,14 +144,17 @@ class Quantiser:
         """The value of one level."""
         return self.clip / self.levels
 
-    def encode(self, contribution: Contribution, seed: int, max_weight: int) -> np.ndarray:
-        """The contribution's vector quantised with its weight folded in (uint words)."""
+    def encode(self, contribution: Contribution, seed: int, max_weight: int,
+               add_to: np.ndarray | None = None) -> np.ndarray:
+        """The contribution's vector quantised with its weight folded in (uint words);
+        `add_to`: added into these words (mod 2^bits) in the same pass, and returned."""
         if contribution.weight > max_weight:
             raise SecAggError(f"contribution weight {contribution.weight} exceeds the round's "
                               f"max_weight {max_weight}")
-        out = np.empty(contribution.vector.size, self.dtype)
+        out = np.empty(contribution.vector.size, self.dtype) if add_to is None else add_to
         return kernels.quantize(out, contribution.vector, self.clip, self.levels,
-                                weight=contribution.weight, seed=seed, stochastic=True)
+                                weight=contribution.weight, seed=seed, stochastic=True,
+                                add=add_to is not None)
 
     def decode(self, words: np.ndarray) -> np.ndarray:
         out = np.empty(words.size, np.float32)
@@ -583,6 +586,7 @@ class SecAggClient:
         self._aeads: dict = {}
         self._held: dict = {}        # {sender: (b-share, s-share)} decrypted on demand
         self._shared_with: tuple = ()
+        self._ready = None           # (shared with, words, scalars): masks expanded ahead
         self._answered = False
 
     def advertise(self) -> AdvertiseKeys:
@@ -626,21 +630,67 @@ class SecAggClient:
             raise SecAggError(f"round {setup.round}: client {self.client}'s scalars "
                               f"{sorted(contribution.scalars)}, the round's "
                               f"{list(setup.scalar_names)}")
-        self._held = {int(s): bytes(c) for s, c in msg.ciphertexts.items()
-                      if int(s) in self._keys}
-        self._shared_with = tuple(sorted(self._held))
+        self._take_shares(msg)
         q = setup.quantiser
         if contribution.weight > setup.max_weight:
             raise SecAggError(f"contribution weight {contribution.weight} exceeds the round's "
                               f"max_weight {setup.max_weight}")
         scalars = encode_scalars(contribution.weight, contribution.scalars, names)
-        masks = [(_self_key(setup, self.client, self._seed), False)]
-        masks += [(_pair_key(setup, self._s, self._keys[j][1], self.client, j), self.client > j)
-                  for j in self._shared_with if j != self.client]
-        # quantised and masked in one pass (the same words as q.encode, then the masks)
-        words = np.empty(contribution.vector.size, q.dtype)
-        apply_masks(words, scalars, masks, encode=(q, contribution, quantise_seed))
+        n = contribution.vector.size
+        ready, self._ready = self._ready, None        # the words are handed out: used once
+        if ready is not None and ready[0] == self._shared_with and ready[1].size == n \
+                and ready[1].dtype == q.dtype and ready[2].size >= scalars.size:
+            # the masks were expanded ahead (expand_masks): add the quantised vector to them
+            words = q.encode(contribution, quantise_seed, setup.max_weight, add_to=ready[1])
+            kernels.ring_add(scalars, ready[2][:scalars.size])
+        else:
+            # quantised and masked in one pass (the same words as q.encode, then the masks)
+            words = np.empty(n, q.dtype)
+            apply_masks(words, scalars, self._masks(), encode=(q, contribution, quantise_seed))
         return MaskedInput(setup.round, self.client, words, scalars, names)
+
+    def expand_masks(self, msg: SharesForward, size: int, scalars: int = 16,
+                     threads: int | None = None, out: np.ndarray | None = None) -> None:
+        """Expand this round's masks ahead of the contribution: they depend only on the keys
+        and on who shared (`msg`, the same SharesForward `masked_input` will get), so a
+        client can run the keystreams while it trains; `masked_input` then only adds its
+        quantised vector. `size`: the vector's words expected, `scalars`: room for that many
+        scalars (a contribution that does not fit gets its masks expanded then, as without
+        this call). The masked input is the same words either way. `out`: words of the ring's
+        dtype and `size` to expand into (overwritten; they become the masked input's), for a
+        caller that keeps them from round to round rather than map fresh pages each time."""
+        self._check_round(msg)
+        self._take_shares(msg)
+        dtype = self.setup.quantiser.dtype
+        if out is None:
+            words = np.zeros(int(size), dtype)
+        elif not isinstance(out, np.ndarray) or out.dtype != dtype or out.size != size \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise SecAggError(f"expand_masks: out must be {size} writable contiguous {dtype} "
+                              f"words, got {getattr(out, 'size', '?')} "
+                              f"{getattr(out, 'dtype', type(out).__name__)}")
+        else:
+            words = out
+            words.fill(0)
+        extra = np.zeros(int(scalars), np.uint64)
+        masks = self._masks()
+        kernels.secagg_mask(words, extra, b"".join(k for k, _ in masks),
+                            bytes(1 if sub else 0 for _, sub in masks), threads=threads)
+        self._ready = (self._shared_with, words, extra)
+
+    def _take_shares(self, msg: SharesForward) -> None:
+        """Keep the ciphertexts of the neighbours that shared: whom this client masks with."""
+        self._held = {int(s): bytes(c) for s, c in msg.ciphertexts.items()
+                      if int(s) in self._keys}
+        self._shared_with = tuple(sorted(self._held))
+
+    def _masks(self) -> list:
+        """[(key, subtract)]: the self mask, then sign(i, j) PRG(s_ij) per neighbour j that
+        shared (subtracted when i > j, so each pair's two masks cancel in the sum)."""
+        setup = self.setup
+        return [(_self_key(setup, self.client, self._seed), False)] + \
+            [(_pair_key(setup, self._s, self._keys[j][1], self.client, j), self.client > j)
+             for j in self._shared_with if j != self.client]
 
     def unmask(self, msg: UnmaskRequest) -> UnmaskResponse:
         self._check_round(msg)
@@ -952,30 +1002,82 @@ def run_in_process(setup: RoundSetup, contributions: Mapping[int, Contribution],
     `seeds` are the clients' quantisation seeds; `wire` sends every message through
     to_bytes / message_from_bytes, as a transport would; `entropy` (tests only) seeds the
     clients' keys (SecAggClient)."""
-    vanish = {k: set(v) for k, v in (vanish or {}).items()}
-    unknown = set(vanish) - set(PHASES[:4])
-    if unknown:
-        raise SecAggError(f"vanish: unknown phase(s) {sorted(unknown)}; valid: {PHASES[:4]}")
-    seeds = seeds or {}
-    carry = (lambda m: message_from_bytes(m.to_bytes())) if wire else (lambda m: m)
-    server = SecAggServer(setup)
-    setup_msg = carry(setup)
-    clients = {c: SecAggClient(c, setup_msg, entropy) for c in setup.participants}
-    gone: set = set()
+    return InProcessRound(setup, vanish=vanish, wire=wire, entropy=entropy).finish(
+        contributions, seeds)
 
-    def step(phase, make):
-        gone.update(vanish.get(phase, ()))
+
+class InProcessRound:
+    """`run_in_process` in two halves, for a caller that has the contributions only later:
+    the constructor runs the phases that need no contribution (keys, shares), `expand_masks`
+    lets the clients expand their masks ahead (SecAggClient.expand_masks; the simulator
+    does it while they train), `send_masked` sends one client's masked input as soon as its
+    contribution exists, and `finish` sends the rest and runs the unmask phase. The messages
+    and the dropouts are run_in_process's; the masked inputs may arrive in any order (the
+    server's ring sum does not depend on it)."""
+
+    def __init__(self, setup: RoundSetup, *, vanish: Mapping[str, Sequence[int]] | None = None,
+                 wire: bool = False, entropy: bytes | None = None):
+        self.vanish = {k: set(v) for k, v in (vanish or {}).items()}
+        unknown = set(self.vanish) - set(PHASES[:4])
+        if unknown:
+            raise SecAggError(f"vanish: unknown phase(s) {sorted(unknown)}; valid: "
+                              f"{PHASES[:4]}")
+        self.carry = (lambda m: message_from_bytes(m.to_bytes())) if wire else (lambda m: m)
+        self.server = SecAggServer(setup)
+        setup_msg = self.carry(setup)
+        self.clients = {c: SecAggClient(c, setup_msg, entropy) for c in setup.participants}
+        self.gone: set = set()
+        self._step("keys", {c: self.clients[c].advertise for c in self.clients})
+        out = self.server.advance()
+        self._step("shares", {c: (lambda c=c: self.clients[c].share_keys(self.carry(out[c])))
+                              for c in out})
+        self.forward = {c: self.carry(m) for c, m in self.server.advance().items()}
+        self.sent: set = set()
+
+    def _step(self, phase, make) -> None:
+        self.gone.update(self.vanish.get(phase, ()))
         for c, payload in sorted(make.items()):
-            if c not in gone:
-                server.receive(carry(payload()))
+            if c not in self.gone:
+                self.server.receive(self.carry(payload()))
 
-    step("keys", {c: clients[c].advertise for c in clients})
-    out = server.advance()
-    step("shares", {c: (lambda c=c: clients[c].share_keys(carry(out[c]))) for c in out})
-    out = server.advance()
-    step("masked", {c: (lambda c=c: clients[c].masked_input(
-        carry(out[c]), contributions[c], seeds.get(c, 0))) for c in out})
-    out = server.advance()
-    step("unmask", {c: (lambda c=c: clients[c].unmask(carry(out[c]))) for c in out})
-    server.advance()
-    return server
+    def expand_masks(self, size: int, threads: int | None = None,
+                     buffers: dict | None = None) -> None:
+        """Every client that will send a masked input expands its masks for a vector of
+        `size` words now (SecAggClient.expand_masks). `buffers` {client: words}: kept from
+        round to round by the caller, each client's words expanded into its own (made or
+        replaced here when missing or of another size or dtype); the round's masked inputs
+        are those words, so a buffer is not to be touched until the round is over."""
+        dtype = self.server.setup.quantiser.dtype
+        for c, msg in sorted(self.forward.items()):
+            if c not in self.gone and c not in self.vanish.get("masked", ()):
+                out = None
+                if buffers is not None:
+                    out = buffers.get(c)
+                    if out is None or out.size != size or out.dtype != dtype:
+                        out = buffers[c] = np.empty(int(size), dtype)
+                self.clients[c].expand_masks(msg, size, threads=threads, out=out)
+
+    def send_masked(self, c: int, contribution: Contribution, seed: int = 0) -> None:
+        """Client c's masked input, to the server (once; none from a client that vanishes
+        in the masked phase or before)."""
+        if c in self.sent or c not in self.forward:
+            return
+        self.sent.add(c)
+        if c not in self.gone and c not in self.vanish.get("masked", ()):
+            self.server.receive(self.carry(self.clients[c].masked_input(
+                self.forward[c], contribution, seed)))
+
+    def finish(self, contributions: Mapping[int, Contribution],
+               seeds: Mapping[int, int] | None = None) -> SecAggServer:
+        """The masked inputs not sent yet, then the unmask phase: returns the server, its
+        `total` the sum."""
+        seeds = seeds or {}
+        self.gone.update(self.vanish.get("masked", ()))
+        for c in sorted(self.forward):
+            if c not in self.gone:
+                self.send_masked(c, contributions[c], seeds.get(c, 0))
+        out = self.server.advance()
+        self._step("unmask", {c: (lambda c=c: self.clients[c].unmask(self.carry(out[c])))
+                              for c in out})
+        self.server.advance()
+        return self.server

@@ -55,6 +55,9 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     seeded from its task's seed, so a simulation is reproducible -- a board draws its own),
     and the round closes from their sum: `secure_sum(engine, plan, contributions)` ->
     (SumTotal, UploadTotals, extras) when given (secure aggregation), else the clear sum.
+    A secure_sum with `begin(engine, plan, training clients, clients)` has it called as each
+    round opens; what it returns, if not None, gets (client, contribution) as each exists;
+    its `close()` is called when the run ends (edgefl.sim.secure: phases during training).
     `hooks.before_round` (before a round opens) or `hooks.server_sum` raising
     privacy.BudgetExhausted ends the run after the round before;
     the result's `stopped` says why.
@@ -132,15 +135,22 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 sim_time += duration
                 clock_extras = {"sim_time_s": sim_time, "late": len(late)}
             evaluating = pending
+            # a secure sum may run its first phases during training, and take each
+            # contribution as it comes (edgefl.sim.secure)
+            ahead = secure_sum.begin(engine, plan, order, clients) \
+                if summing and hasattr(secure_sum, "begin") else None
 
-            def work_item(c, r=r, tasks=tasks, evaluating=evaluating):
+            def work_item(c, r=r, tasks=tasks, evaluating=evaluating, ahead=ahead):
                 if c is _EVALUATE:
                     return engine.evaluate(evaluating.model)
                 try:
                     update, new_state = strategy.train(tasks[c], clients[c], client_states.get(c))
                     if summing and tasks[c].upload:
-                        return update, new_state, client_contribution(
+                        contribution = client_contribution(
                             strategy, tasks[c], update, hooks, task_generator(tasks[c]))
+                        if ahead is not None:
+                            ahead(c, contribution)
+                        return update, new_state, contribution
                     return update, new_state, None
                 except NonFiniteError as exc:
                     raise NonFiniteError(exc.step, f"round {r}, client {c}: {exc}") from exc
@@ -197,6 +207,8 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+        if hasattr(secure_sum, "close"):      # a secure round begun and never summed
+            secure_sum.close()
     return RunResult(state, client_states, history, strategy.global_model(state), stopped)
 
 
