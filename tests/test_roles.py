@@ -497,6 +497,39 @@ def test_per_client_tasks_serve_clients_with_and_without_the_round_topic(tmp_pat
     assert sum(c.stats["resent"] for c in clients) == 0
 
 
+def test_each_tasked_clients_copy_is_named_in_its_task_and_taken_without_a_hash(
+        tmp_path, monkeypatch):
+    """When a few of many are tasked, each gets its own copy of the global model; its task
+    names that copy's frame ("model_frame" of the entry), so the client takes it as the
+    announced model without hashing it, and the run ends with the in-process model."""
+    from edgefl.roles import client as client_module
+
+    hashed = []
+    real = client_module.buffers_sha256
+    monkeypatch.setattr(client_module, "buffers_sha256",
+                        lambda buffers: hashed.append(1) or real(buffers))
+    config = load_small_run(tmp_path, rounds=2, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker()
+    seen = []
+    _, aggregator, clients, threads = fleet(tmp_path, config, broker)
+    watcher = broker.transport("watcher")
+    watcher.connect()
+    watcher.subscribe(Topics("fed").round())
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    while (item := watcher.receive(timeout=0)) is not None:
+        if isinstance(item, Message) and item.payload:
+            seen.append(json.loads(item.payload))
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    tasks = [entry for doc in seen if not doc.get("finished") for entry in doc["tasks"].values()]
+    assert len(tasks) == 2 and all(e["source"] == "global" and len(e["model_frame"]) == 16
+                                   for e in tasks)
+    assert sum(c.stats["trained"] for c in clients) == 2 and hashed == []
+
+
 def test_overlapped_evaluation_gives_the_same_records_and_survives_a_restart(tmp_path):
     """overlap_evaluation (a simulated fleet's aggregator): a round's evaluation runs while
     the next round does. The records, test metrics included, and the model are the ones in

@@ -686,6 +686,13 @@ class Aggregator:
         if not o.downlinks:
             self._build_downlinks()
         glob = o.downlinks.get("global")
+        to_each = glob is not None and self._model_to_each(o)
+        if to_each:
+            # the copies are made before the announcement, which names each one's frame:
+            # the client takes it by its id instead of hashing it (docs/protocol.md)
+            for node, task in sorted(o.node_tasks.items()):
+                if task.source == "global":
+                    self._copy(node)
         client_sha = {n: d.sha for n, d in o.downlinks.items() if n != "global"}
         frame_ids = {n: d.message_id for n, d in o.downlinks.items()}
         model = {"spec": json.loads(self.plan.model.spec),
@@ -697,7 +704,8 @@ class Aggregator:
             announce_id=o.announce_id, opened=o.opened, deadline=o.deadline,
             strategy=self._strategy_record(), model=model, compression=s.compression,
             global_sha=glob.sha if glob else None, tasks=o.node_tasks,
-            client_index=self.members, client_sha=client_sha, frame_ids=frame_ids)
+            client_index=self.members, client_sha=client_sha, frame_ids=frame_ids,
+            copy_ids={n: d.message_id for n, d in o.copies.items()})
         if self.plan.secure is not None:
             doc["secure"] = self._secure_setup().to_dict()
             if hasattr(self.plan.hooks, "client_settings"):
@@ -711,18 +719,17 @@ class Aggregator:
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         if s.task_topics:
             self._publish_tasks(unsigned)
-        glob = o.downlinks.get("global")
-        if glob is not None and self._model_to_each(o):
+        if to_each:
             # A few of many tasked: each its own copy (not retained) instead of the global
             # topic, which every client of the federation receives and drops unless tasked:
             # at 100 clients, 10 a round, ninety drops were half of a round through
-            # Mosquitto. The client checks a copy against the announced model_sha256.
+            # Mosquitto. The client takes its copy by the frame id its task names.
             glob.retained = False            # (an online-again client is re-sent its copy)
             for node, task in sorted(o.node_tasks.items()):
                 if task.source == "global":
                     self._send_copy(node)
         for key, downlink in o.downlinks.items():
-            if key != "global" or not self._model_to_each(o):
+            if key != "global" or not to_each:
                 self._publish_downlink(downlink)
         self._publish_status()
         self._event("round_opened", round=o.round, deadline=o.deadline,
@@ -841,8 +848,8 @@ class Aggregator:
         tasked = sum(1 for t in o.node_tasks.values() if t.source == "global")
         return 0 < 4 * tasked <= len(self.members)
 
-    def _send_copy(self, node: str) -> None:
-        """Publish `node`'s own copy of its model on its topic (built once per round)."""
+    def _copy(self, node: str) -> _Downlink:
+        """`node`'s own copy of its model (built once per round)."""
         o = self.open
         downlink = o.downlinks.get(node) or o.copies.get(node)
         if downlink is None:
@@ -850,6 +857,12 @@ class Aggregator:
             downlink = self._frame("client_model", task.buffers, recipient=node)
             downlink.retained = False        # a copy for one client, not its retained state
             o.copies[node] = downlink
+        return downlink
+
+    def _send_copy(self, node: str) -> None:
+        """Publish `node`'s own copy of its model on its topic."""
+        o = self.open
+        downlink = self._copy(node)
         for payload in downlink.payloads:
             self.transport.publish(downlink.topic, payload, qos=1, retain=downlink.retained)
             o.counts["wire_down_bytes"] += len(payload)
