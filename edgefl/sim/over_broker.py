@@ -150,7 +150,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                     for c in indices]
 
         if processes == 0:
-            # One network thread for every connection and one thread driving every client
+            # One network thread for every connection, which also drives every client
             # (sim.hosting): thousands of role threads, each woken by every announcement,
             # used to saturate the interpreter (docs/scaling.md).
             network = NetworkLoop(name=f"edgefl-{federation}-net")
@@ -158,7 +158,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                                       thread_name_prefix="edgefl-train")
             clients = make_clients(range(len(ids)), stop,
                                    threading.Semaphore(max(1, workers)), network, pool)
-            host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)))
+            host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)),
+                              network=network)
             hosting = threading.Thread(target=host.run, name="edgefl-client-host",
                                        daemon=True)
             hosting.start()
