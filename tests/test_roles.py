@@ -497,6 +497,89 @@ def test_per_client_tasks_serve_clients_with_and_without_the_round_topic(tmp_pat
     assert sum(c.stats["resent"] for c in clients) == 0
 
 
+def test_each_tasked_clients_copy_is_named_in_its_task_and_taken_without_a_hash(
+        tmp_path, monkeypatch):
+    """When a few of many are tasked, each gets its own copy of the global model; its task
+    names that copy's frame ("model_frame" of the entry), so the client takes it as the
+    announced model without hashing it, and the run ends with the in-process model."""
+    from edgefl.roles import client as client_module
+
+    hashed = []
+    real = client_module.buffers_sha256
+    monkeypatch.setattr(client_module, "buffers_sha256",
+                        lambda buffers: hashed.append(1) or real(buffers))
+    config = load_small_run(tmp_path, rounds=2, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker()
+    seen = []
+    _, aggregator, clients, threads = fleet(tmp_path, config, broker)
+    watcher = broker.transport("watcher")
+    watcher.connect()
+    watcher.subscribe(Topics("fed").round())
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    while (item := watcher.receive(timeout=0)) is not None:
+        if isinstance(item, Message) and item.payload:
+            seen.append(json.loads(item.payload))
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    tasks = [entry for doc in seen if not doc.get("finished") for entry in doc["tasks"].values()]
+    assert len(tasks) == 2 and all(e["source"] == "global" and len(e["model_frame"]) == 16
+                                   for e in tasks)
+    assert sum(c.stats["trained"] for c in clients) == 2 and hashed == []
+
+
+def test_overlapped_evaluation_gives_the_same_records_and_survives_a_restart(tmp_path):
+    """overlap_evaluation (a simulated fleet's aggregator): a round's evaluation runs while
+    the next round does. The records, test metrics included, and the model are the ones in
+    process; on_round sees each round once, in order, evaluated, with the history up to it;
+    on_model each round's model as it is checkpointed. A checkpoint written while its
+    round's evaluation ran (the process killed then) is completed when the run resumes."""
+    from edgefl.sim import run_federation
+
+    config = load_small_run(tmp_path, rounds=4, clients_per_round=2)
+    broker = LoopbackBroker()
+    settings = AggregatorSettings(federation="fed", round_timeout_s=20, overlap_evaluation=True)
+    run, aggregator, clients, threads = fleet(tmp_path, config, broker, settings=settings)
+    reference = run_federation(run.strategy, run.init_params, run.clients, run.setup,
+                               config.clients_per_round, test=(run.dataset.x_test,
+                                                               run.dataset.y_test))
+    seen, models = [], []
+
+    def on_model(r, model):
+        models.append((r, model_sha256(model)))
+        if r == 2:
+            aggregator.stop.set()        # the run stops after round 2 is checkpointed
+
+    aggregator.on_round = lambda record, history: seen.append(
+        (record["round"], record["test_accuracy"], [h["round"] for h in history]))
+    aggregator.on_model = on_model
+    first = aggregator.run()
+    assert not first.finished and [h["round"] for h in first.history] == [1, 2]
+    # round 2's evaluation, still running when the run stopped, is in the checkpoint
+    ckpt = AggregatorCheckpoint.load(tmp_path / "agg")
+    assert ckpt.history[-1]["test_accuracy"] == reference.history[1]["test_accuracy"]
+    # as if the process had died before it was: resuming evaluates the checkpointed model
+    ckpt.history[-1]["test_accuracy"] = ckpt.history[-1]["test_loss"] = None
+    ckpt.save(tmp_path / "agg")
+    second = Aggregator(aggregator.plan, broker.transport("aggregator"), tmp_path / "agg",
+                        settings)
+    second.on_round = aggregator.on_round
+    second.on_model = lambda r, model: models.append((r, model_sha256(model)))
+    result = second.run()
+    for t in threads:
+        t.join(10)
+    assert result.finished and model_sha256(result.params) == model_sha256(reference.params)
+    for got, want in zip(result.history, reference.history, strict=True):
+        assert (got["round"], got["test_accuracy"], got["test_loss"], got["train_loss"]) == \
+            (want["round"], want["test_accuracy"], want["test_loss"], want["train_loss"])
+    assert seen == [(r, reference.history[r - 1]["test_accuracy"], list(range(1, r + 1)))
+                    for r in (1, 2, 3, 4)]
+    assert [r for r, _ in models] == [1, 2, 3, 4] and models[-1][1] == \
+        model_sha256(reference.params)
+
+
 def test_aggregator_refuses_foreign_late_and_unauthorised_updates(tmp_path, caplog):
     caplog.set_level(logging.INFO, "edgefl.roles.aggregator")
     config = load_small_run(tmp_path, strategy={"name": "fedumf"}, rounds=2,

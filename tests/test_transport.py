@@ -282,6 +282,49 @@ def test_a_network_loop_serves_many_transports_from_one_thread(mosquitto_server)
     loop.close()
 
 
+def test_a_network_loops_pass_hook_runs_on_its_thread_and_stops_when_removed(
+        mosquitto_server):
+    """set_on_pass: the loop's own thread calls the hook after its passes (sim.hosting steps
+    its clients there), messages read on that thread are there to handle, a publish made
+    in the hook goes out, and once set_on_pass(None) returns the hook is not running and
+    never called again."""
+    from edgefl.transport.netloop import NetworkLoop
+
+    loop = NetworkLoop(name="test-netloop-hook")
+    uid = os.urandom(4).hex()
+    a = MqttTransport(mosquitto_server.url, f"hook-a-{uid}", clean_session=True,
+                      network_loop=loop)
+    b = MqttTransport(mosquitto_server.url, f"hook-b-{uid}", clean_session=True,
+                      network_loop=loop)
+    calls, threads = [], set()
+
+    def on_pass() -> float:
+        calls.append(1)
+        threads.add(threading.current_thread().name)
+        item = a.receive(timeout=0)
+        if item is not None and getattr(item, "topic", "").endswith("/ping"):
+            a.publish(f"edgefl-test/{uid}/pong", item.payload)   # answered where it was read
+        return 0.05
+
+    try:
+        a.connect()
+        b.connect()
+        a.subscribe(f"edgefl-test/{uid}/ping")
+        b.subscribe(f"edgefl-test/{uid}/pong")
+        loop.set_on_pass(on_pass)
+        b.publish(f"edgefl-test/{uid}/ping", b"hello")
+        assert next_message(b).payload == b"hello"
+        assert threads == {"test-netloop-hook"}
+        loop.set_on_pass(None)
+        count = len(calls)
+        time.sleep(0.2)
+        assert len(calls) == count
+    finally:
+        for t in (a, b):
+            t.close(timeout=2.0, announce_offline=False)
+        loop.close()
+
+
 def test_publish_needs_connect(any_broker: Backend):
     transport = any_broker.transport("never")
     with pytest.raises(TransportError, match="not connected"):

@@ -17,9 +17,12 @@ the repo's broker/mosquitto.conf (`sim.run_over_broker`, what `edgefl simulate -
 mqtt` runs: the aggregator in this process, every client with its own connection), once per
 layout of `--client-processes` (the clients hosted in this process, or in K forked worker
 processes). A run's round time is the median of its rounds'
-`wall_s` after the first (which opens the connections' sessions); the table gives, over the
-repeats, the median and range of each layout's round time and of the same-repeat ratio, the
-median wall time of a whole run (over the broker: connecting and closing every client
+`wall_s` after the first (which opens the connections' sessions); its period, the median
+time from one round's model to the next one's (`on_model`, called as the round is closed in
+process and once it is checkpointed over the broker: the aggregator's commit, checkpoint
+and journal, which `wall_s` leaves out, are in it). The table gives, over the repeats, the
+median and range of each layout's round time, of its period and of the same-repeat ratio of
+periods (`ratio_*`; `ratio_wall` the median ratio of round times), the median wall time of a whole run (over the broker: connecting and closing every client
 included) and, over the broker, of its rounds alone, the
 peak PSS of this process and its children (the Mosquitto this tool started, which runs for
 all repeats, is one of them, also in the in-process row), and how many rounds closed with every update ("all"). Every run must end with the
@@ -95,6 +98,22 @@ class Mosquitto:
 def round_s(history: list) -> float:
     rest = history[1:] or history
     return statistics.median(h["wall_s"] for h in rest)
+
+
+class Periods:
+    """on_model(round, model) of a run: when each round's model came; `median` of the
+    times between consecutive rounds' models (so round 1 is left out)."""
+
+    def __init__(self):
+        self.at: list = []
+
+    def __call__(self, r, model) -> None:
+        self.at.append(time.perf_counter())
+
+    @property
+    def median(self) -> float:
+        gaps = [b - a for a, b in zip(self.at, self.at[1:])]
+        return statistics.median(gaps) if gaps else float("nan")
 
 
 class PeakMemory:
@@ -192,9 +211,11 @@ def main(argv=None) -> int:
     run = prepare_run(load_run_config(config_file(scratch.name, args)), workers=args.workers,
                       progress=False)
     broker = Mosquitto(scratch.name)
-    inproc, inproc_wall, inproc_mem = [], [], []
+    inproc, inproc_wall, inproc_mem, inproc_period = [], [], [], []
     mqtt = {k: [] for k in range(len(layouts))}
+    periods = {k: [] for k in range(len(layouts))}
     ratios = {k: [] for k in range(len(layouts))}
+    ratios_wall = {k: [] for k in range(len(layouts))}
     walls = {k: [] for k in range(len(layouts))}
     in_rounds = {k: [] for k in range(len(layouts))}
     mems = {k: [] for k in range(len(layouts))}
@@ -203,19 +224,22 @@ def main(argv=None) -> int:
     try:
         for _ in range(args.repeats):
             t0 = time.perf_counter()
+            period = Periods()
             with PeakMemory() as mem:
                 a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
                                        args.per_round, workers=args.workers,
                                        test=(run.dataset.x_test, run.dataset.y_test),
-                                       eval_every=1)
+                                       eval_every=1, on_model=period)
             inproc_wall.append(time.perf_counter() - t0)
             inproc_mem.append(mem.peak)
             inproc.append(round_s(a.history))
+            inproc_period.append(period.median)
             for k, processes in enumerate(layouts):
                 t0 = time.perf_counter()
+                period = Periods()
                 with PeakMemory() as mem:
                     b, info = sim.run_over_broker(run, broker.url, workers=args.workers,
-                                                  client_processes=processes)
+                                                  client_processes=processes, on_model=period)
                 walls[k].append(time.perf_counter() - t0)
                 in_rounds[k].append(sum(h["wall_s"] for h in b.history))
                 mems[k].append(mem.peak)
@@ -230,18 +254,24 @@ def main(argv=None) -> int:
                             else f"over Mosquitto, clients in {n} worker process"
                                  f"{'es' if n > 1 else ''}")
                 mqtt[k].append(round_s(b.history))
-                ratios[k].append(mqtt[k][-1] / inproc[-1])
+                periods[k].append(period.median)
+                ratios[k].append(periods[k][-1] / inproc_period[-1])
+                ratios_wall[k].append(mqtt[k][-1] / inproc[-1])
     finally:
         broker.stop()
         scratch.cleanup()
     rows = [{"layout": "in process", **{f"round_ms_{k}": round(v * 1e3, 2)
                                          for k, v in span(inproc).items()},
+             **{f"period_ms_{k}": round(v * 1e3, 2) for k, v in span(inproc_period).items()},
              "run_s_median": round(statistics.median(inproc_wall), 2),
              "peak_pss_mb": round(max(inproc_mem) / 2 ** 20)}]
     for k in range(len(layouts)):
         rows.append({"layout": names[k], **{f"round_ms_{q}": round(v * 1e3, 2)
                                             for q, v in span(mqtt[k]).items()},
+                     **{f"period_ms_{q}": round(v * 1e3, 2)
+                        for q, v in span(periods[k]).items()},
                      **{f"ratio_{q}": v for q, v in span(ratios[k], 2).items()},
+                     "ratio_wall": round(statistics.median(ratios_wall[k]), 2),
                      "run_s_median": round(statistics.median(walls[k]), 2),
                      "rounds_s_median": round(statistics.median(in_rounds[k]), 2),
                      "peak_pss_mb": round(max(mems[k]) / 2 ** 20),

@@ -57,7 +57,7 @@ from ..config import check_number
 from ..models import Model
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks, secagg
 from ..privacy.hooks import task_generator
-from ..rounds import RoundEngine, RoundPlan, UploadTotals, client_contribution
+from ..rounds import RoundEngine, RoundPlan, UploadTotals, add_evaluation, client_contribution
 from ..service.layered import check_setting, default
 from ..strategies import Setup, State, Strategy, StrategyError, Update
 from ..transport import wire
@@ -142,6 +142,16 @@ class AggregatorSettings:
     # (and the run's end to every client there), for clients that do not follow the round
     # topic (docs/protocol.md section 1; a simulated fleet: edgefl.sim.over_broker)
     task_topics: bool = False
+    # overlap_evaluation: evaluate a round's model (when due, not the last round's) in a
+    # thread while the next round runs, as `edgefl simulate` in process does, instead of
+    # between the round's last update and the next announcement, where every client
+    # waits. The checkpoint of round r is written, and round r+1 announced, before r's
+    # evaluation is done: r's record is checkpointed with it at the next commit (or when
+    # the run stops), and a restart evaluates a checkpointed model whose record lacks it.
+    # on_round(record) of round r comes once its evaluation is done. (A simulated fleet:
+    # edgefl.sim.over_broker; at 100 clients, 10 a round, the evaluation of the test set
+    # was the largest part of a round, docs/scaling.md.)
+    overlap_evaluation: bool = False
 
     def __post_init__(self):
         validate_id(self.node_id, "aggregator node id")
@@ -286,8 +296,9 @@ class _OpenRound:
 
 class Aggregator:
     """Runs the rounds of `plan` over `transport` (not yet connected), persisting to
-    `state_dir`. on_round(record, history) is called after each round is checkpointed;
-    `stop` (an Event-like object) ends the loop between steps. `control` (a
+    `state_dir`. on_round(record, history) is called after each round is checkpointed
+    (with settings.overlap_evaluation, once its evaluation is done too), on_model(round,
+    model) when its model is; `stop` (an Event-like object) ends the loop between steps. `control` (a
     roles.control.RunControl, from the daemon) names a new run and pauses it: while
     `control.paused` is set no round closes or opens, the broker is still serviced, and on
     resume the open round's deadline moves by the paused time and the round is announced
@@ -296,13 +307,19 @@ class Aggregator:
     def __init__(self, plan: RunPlan, transport: Transport, state_dir: str | os.PathLike,
                  settings: AggregatorSettings = AggregatorSettings(), *,
                  on_round: Callable[[dict, list], None] | None = None, stop=None,
-                 notifier=None, control=None):
+                 notifier=None, control=None,
+                 on_model: Callable[[int, np.ndarray], None] | None = None):
         keep_frames_in_heap()          # every round: one update frame per client, a model out
         self.plan = plan
         self.transport = transport
         self.state_dir = os.fspath(state_dir)
         self.settings = settings
         self.on_round = on_round
+        self.on_model = on_model
+        # overlap_evaluation: (record, future) of the last committed round's evaluation
+        # running in _evaluator's thread, and that executor (made on first use)
+        self._evaluating: tuple | None = None
+        self._evaluator = None
         self.stop = stop if stop is not None else threading.Event()
         self.notifier = notifier
         self.control = control
@@ -385,11 +402,17 @@ class Aggregator:
                     break
                 if not self._run_round(r):
                     break
+            self._last_evaluation()
             finished = self.ckpt.round >= self.rounds or self.stopped is not None
             if finished:
                 self._finish()
         finally:
             self.open = None
+            if self._evaluator is not None:
+                # no thread left in the C core; a record still without its evaluation
+                # (an error ended the run) is completed by the next start (_load_or_start)
+                self._evaluator.shutdown(wait=True)
+                self._evaluator, self._evaluating = None, None
             self._close()
         return AggregatorResult(self.ckpt.run_id, self.ckpt.state,
                                 self.plan.strategy.global_model(self.ckpt.state),
@@ -416,6 +439,13 @@ class Aggregator:
                 raise StateError(f"{self.state_dir}: checkpoint of round {ckpt.round} lists "
                                  f"aggregated rounds {ckpt.aggregated}; it is inconsistent")
             self._reconcile_journal(ckpt)
+            last = ckpt.history[-1] if ckpt.history else None
+            if last is not None and self._evaluation_missing(last):
+                # checkpointed while its evaluation ran (overlap_evaluation): the model is
+                # the checkpoint's, so the evaluation is the one the run would have made
+                add_evaluation(last, self.engine.evaluate(
+                    self.plan.strategy.global_model(ckpt.state)))
+                ckpt.save(self.state_dir)
             log.info("resuming run %s from its checkpoint: %d of %d rounds aggregated",
                      ckpt.run_id, ckpt.round, self.rounds)
             return ckpt
@@ -606,6 +636,8 @@ class Aggregator:
         updates = {self.members[n]: u for n, u in o.received.items()}
         timing = dict(train_wall_s=max(o.train_s.values(), default=0.0),
                       elapsed_before=self.ckpt.elapsed_s,
+                      # the last round's is made before the run's end is announced
+                      defer_evaluation=self.settings.overlap_evaluation and r < self.rounds,
                       extras=lambda: {"closed_by": closed_by, "updates": len(updates),
                                       "missing": sorted(o.uploaders - set(o.received)),
                                       **o.counts})
@@ -619,7 +651,8 @@ class Aggregator:
                 self.stopped = budget_stop(exc, r, self.rounds)
                 log.info("run %s ends: %s", self.run_id, exc)
                 return False
-        self._commit(r, closed.state, closed.record)
+        self._commit(r, closed.state, closed.record,
+                     evaluate=closed.model if closed.evaluation_pending else None)
         return True
 
     def _close_dp_round(self, round_plan: RoundPlan, updates: dict, state: State, timing):
@@ -653,6 +686,13 @@ class Aggregator:
         if not o.downlinks:
             self._build_downlinks()
         glob = o.downlinks.get("global")
+        to_each = glob is not None and self._model_to_each(o)
+        if to_each:
+            # the copies are made before the announcement, which names each one's frame:
+            # the client takes it by its id instead of hashing it (docs/protocol.md)
+            for node, task in sorted(o.node_tasks.items()):
+                if task.source == "global":
+                    self._copy(node)
         client_sha = {n: d.sha for n, d in o.downlinks.items() if n != "global"}
         frame_ids = {n: d.message_id for n, d in o.downlinks.items()}
         model = {"spec": json.loads(self.plan.model.spec),
@@ -664,7 +704,8 @@ class Aggregator:
             announce_id=o.announce_id, opened=o.opened, deadline=o.deadline,
             strategy=self._strategy_record(), model=model, compression=s.compression,
             global_sha=glob.sha if glob else None, tasks=o.node_tasks,
-            client_index=self.members, client_sha=client_sha, frame_ids=frame_ids)
+            client_index=self.members, client_sha=client_sha, frame_ids=frame_ids,
+            copy_ids={n: d.message_id for n, d in o.copies.items()})
         if self.plan.secure is not None:
             doc["secure"] = self._secure_setup().to_dict()
             if hasattr(self.plan.hooks, "client_settings"):
@@ -678,18 +719,17 @@ class Aggregator:
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         if s.task_topics:
             self._publish_tasks(unsigned)
-        glob = o.downlinks.get("global")
-        if glob is not None and self._model_to_each(o):
+        if to_each:
             # A few of many tasked: each its own copy (not retained) instead of the global
             # topic, which every client of the federation receives and drops unless tasked:
             # at 100 clients, 10 a round, ninety drops were half of a round through
-            # Mosquitto. The client checks a copy against the announced model_sha256.
+            # Mosquitto. The client takes its copy by the frame id its task names.
             glob.retained = False            # (an online-again client is re-sent its copy)
             for node, task in sorted(o.node_tasks.items()):
                 if task.source == "global":
                     self._send_copy(node)
         for key, downlink in o.downlinks.items():
-            if key != "global" or not self._model_to_each(o):
+            if key != "global" or not to_each:
                 self._publish_downlink(downlink)
         self._publish_status()
         self._event("round_opened", round=o.round, deadline=o.deadline,
@@ -733,9 +773,13 @@ class Aggregator:
                 payload = self._payload_sha256(buffers)
             hasher = None
             if s.compression == "none":  # else the hash is of what the clients will decode
-                hasher = threading.Thread(target=lambda: sha.append(buffers_sha256(buffers)),
-                                          name="edgefl-frame-hash", daemon=True)
-                hasher.start()
+                if sum(getattr(x, "nbytes", 0) for x in buffers.values()) \
+                        < _HASH_IN_THREAD_BYTES:
+                    sha.append(buffers_sha256(buffers))    # (a thread costs more: _commit)
+                else:
+                    hasher = threading.Thread(target=lambda: sha.append(buffers_sha256(buffers)),
+                                              name="edgefl-frame-hash", daemon=True)
+                    hasher.start()
             try:
                 if callable(payload):
                     payload = payload()
@@ -804,8 +848,8 @@ class Aggregator:
         tasked = sum(1 for t in o.node_tasks.values() if t.source == "global")
         return 0 < 4 * tasked <= len(self.members)
 
-    def _send_copy(self, node: str) -> None:
-        """Publish `node`'s own copy of its model on its topic (built once per round)."""
+    def _copy(self, node: str) -> _Downlink:
+        """`node`'s own copy of its model (built once per round)."""
         o = self.open
         downlink = o.downlinks.get(node) or o.copies.get(node)
         if downlink is None:
@@ -813,6 +857,12 @@ class Aggregator:
             downlink = self._frame("client_model", task.buffers, recipient=node)
             downlink.retained = False        # a copy for one client, not its retained state
             o.copies[node] = downlink
+        return downlink
+
+    def _send_copy(self, node: str) -> None:
+        """Publish `node`'s own copy of its model on its topic."""
+        o = self.open
+        downlink = self._copy(node)
         for payload in downlink.payloads:
             self.transport.publish(downlink.topic, payload, qos=1, retain=downlink.retained)
             o.counts["wire_down_bytes"] += len(payload)
@@ -1270,7 +1320,21 @@ class Aggregator:
         except secagg.SecAggError as exc:
             self._reject(node, f"secure message: {exc}")
 
-    def _commit(self, r: int, state: State, record: dict) -> None:
+    def _commit(self, r: int, state: State, record: dict,
+                evaluate: np.ndarray | None = None) -> None:
+        """Checkpoint round r (its state and record), journal it, and report it. `evaluate`:
+        the round's model, whose evaluation is due and still to be made
+        (overlap_evaluation): made in a thread from now on, while the checkpoint is written
+        and the next round runs; r's record is reported once it is in, and checkpointed
+        with it at the next commit."""
+        # the previous round's evaluation: into its record, so this checkpoint holds it
+        earlier = self._settle_evaluation()
+        if evaluate is not None:
+            if self._evaluator is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._evaluator = ThreadPoolExecutor(1, thread_name_prefix="edgefl-evaluate")
+            self._evaluating = (record, self._evaluator.submit(self.engine.evaluate, evaluate))
         ckpt = self.ckpt
         new = AggregatorCheckpoint(ckpt.run_id, ckpt.fingerprint, r, ckpt.aggregated + [r],
                                    state, ckpt.strategy, ckpt.rng, ckpt.history + [record],
@@ -1278,12 +1342,18 @@ class Aggregator:
         # The journal's model hash is computed while the checkpoint is written: sha256 of a
         # 1M-parameter model is 2 ms here, hashlib releases the GIL, and the checkpoint's
         # fsync waits on the disk: both sit between a round's last update and the next
-        # announcement, when every client is idle.
+        # announcement, when every client is idle. A small model is hashed here: its hash
+        # (31 KB: 20 us) costs less than starting a thread (100-200 us, milliseconds when
+        # the cores are busy).
         params = np.ascontiguousarray(self.plan.strategy.global_model(state), dtype=np.float32)
         digest: list = []
-        hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(params)),
-                                  name="edgefl-journal-hash", daemon=True)
-        hasher.start()
+        hasher = None
+        if params.nbytes >= _HASH_IN_THREAD_BYTES:
+            hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(params)),
+                                      name="edgefl-journal-hash", daemon=True)
+            hasher.start()
+        else:
+            digest.append(hashlib.sha256(params))
         try:
             new.save(self.state_dir)      # the round is aggregated once this rename is done
         except StateWriteError as exc:
@@ -1294,7 +1364,8 @@ class Aggregator:
                       ckpt.round, r)
             raise
         finally:
-            hasher.join()
+            if hasher is not None:
+                hasher.join()
         self.ckpt = new
         self.open = None
         sha = digest[0].hexdigest()
@@ -1306,12 +1377,50 @@ class Aggregator:
         acc = record["test_accuracy"]
         log.info("round %d aggregated: %d update(s), closed by %s%s, %.3f s", r,
                  record["updates"], record["closed_by"],
-                 f", test accuracy {acc:.4f}" if acc is not None else "", record["wall_s"])
+                 f", test accuracy {acc:.4f}" if acc is not None else
+                 (", evaluating" if evaluate is not None else ""), record["wall_s"])
         refused = record.get("robust_reasons") or {}
         for c, why in sorted(refused.items(), key=lambda item: int(item[0])):
             # strategy.robust refused this update (non-finite, or too long next to the others)
             log.warning("round %d: robust aggregation rejected the update of %s: %s", r,
                         self.plan.client_ids[int(c)], why)
+        if self.on_model is not None:
+            self.on_model(r, params)
+        if earlier is not None:
+            self._report(earlier)
+        if evaluate is None:
+            self._report(record, status=True)
+        else:
+            self._publish_status()
+
+    def _evaluation_missing(self, record: dict) -> bool:
+        """A checkpointed record whose evaluation was due and is not in it."""
+        return record.get("test_accuracy") is None and self.engine.evaluation_due(
+            int(record["round"]))
+
+    def _settle_evaluation(self) -> dict | None:
+        """The record whose evaluation ran in the background, with it filled in (waiting
+        for it); None when there is none."""
+        pending, self._evaluating = self._evaluating, None
+        if pending is None:
+            return None
+        record, future = pending
+        add_evaluation(record, future.result())
+        return record
+
+    def _last_evaluation(self) -> None:
+        """The run's rounds are over or stopped: the last committed round's evaluation,
+        still running, goes into its record, the checkpoint again (the same round, now
+        with it) and the report."""
+        record = self._settle_evaluation()
+        if record is not None:
+            self.ckpt.save(self.state_dir)
+            self._report(record)
+
+    def _report(self, record: dict, status: bool = False) -> None:
+        """A checkpointed round's record, complete, to whoever follows the run: the metrics
+        topic, the round_closed event, our status (`status`: the commit's own), on_round."""
+        r = record["round"]
         try:
             self.transport.publish(self.topics.metrics(self.settings.node_id),
                                    json.dumps(jsonable(record)).encode(), qos=0)
@@ -1324,9 +1433,18 @@ class Aggregator:
                     test_accuracy=record["test_accuracy"], test_loss=record["test_loss"],
                     train_loss=record["train_loss"],
                     **{k: record[k] for k in ("dp_epsilon", "dp_delta") if k in record})
-        self._publish_status()
+        if status:
+            self._publish_status()
         if self.on_round is not None:
-            self.on_round(record, list(new.history))
+            # the history up to this round (a later one may be checkpointed already)
+            history = self.ckpt.history
+            upto = next(i for i in range(len(history) - 1, -1, -1) if history[i] is record)
+            self.on_round(record, list(history[:upto + 1]))
+
+
+# a model at least this large is hashed in a thread, for the journal while the checkpoint
+# is written (Aggregator._commit), for the announcement while its frame is (_frame)
+_HASH_IN_THREAD_BYTES = 1 << 20
 
 
 def _attempt_tag(announce_id: str) -> int:

@@ -148,11 +148,13 @@ def build_announcement(*, run_id: str, aggregator: str, round: int, rounds: int,
                        model: dict, compression: str, global_sha: str | None,
                        tasks: Mapping[str, Task], client_index: Mapping[str, int],
                        client_sha: Mapping[str, str],
-                       frame_ids: Mapping[str, int] | None = None) -> dict:
+                       frame_ids: Mapping[str, int] | None = None,
+                       copy_ids: Mapping[str, int] | None = None) -> dict:
     """The announcement of `round`. tasks: {node id: Task}; client_index: {node id: the
     strategy's client id}; client_sha: {node id: sha of its per-client model}; frame_ids:
-    {"global" or node id: message id of the frame carrying that model}."""
-    frame_ids = frame_ids or {}
+    {"global" or node id: message id of the frame carrying that model}; copy_ids: {node id:
+    message id of the copy of the global model sent to that node alone}."""
+    frame_ids, copy_ids = frame_ids or {}, copy_ids or {}
     nodes = sorted(tasks)
     trains = [_wire_train(tasks[n].train) for n in nodes]
     scalars = [tag_floats(dict(tasks[n].scalars)) for n in nodes]
@@ -168,6 +170,8 @@ def build_announcement(*, run_id: str, aggregator: str, round: int, rounds: int,
             entry["model_sha256"] = client_sha[n]
             if n in frame_ids:
                 entry["model_frame"] = f"{frame_ids[n]:016x}"
+        elif n in copy_ids:
+            entry["model_frame"] = f"{copy_ids[n]:016x}"
         entries[n] = entry
     doc = {"v": VERSION, "run": run_id, "aggregator": aggregator, "round": int(round),
            "rounds": int(rounds), "announce": announce_id, "opened": float(opened),
@@ -275,9 +279,9 @@ def parse_announcement(payload: bytes) -> dict:
             raise MessageError(f"{where}: source {entry['source']!r}; valid: global, client")
         _need(entry, "train", dict, where)
         _need(entry, "scalars", dict, where)
+        _check_frame_id(entry, where)
         if entry["source"] == "client":
             _need(entry, "model_sha256", str, where)
-            _check_frame_id(entry, where)
         elif doc.get("model_sha256") is None:
             raise MessageError(f"{where}: source global but the announcement has no "
                                "model_sha256")
@@ -324,9 +328,12 @@ def _check_frame_id(doc: Mapping, where: str) -> None:
 
 def announced_frame_id(doc: Mapping, node: str) -> int | None:
     """The message id of the frame carrying `node`'s model in announcement `doc` (its
-    per-client model's, or the global model's), or None when the announcement gives none."""
+    per-client model's, its own copy of the global model's, or the global model's), or None
+    when the announcement gives none."""
     entry = doc["tasks"][node]
-    value = entry.get("model_frame") if entry["source"] == "client" else doc.get("model_frame")
+    value = entry.get("model_frame")
+    if value is None and entry["source"] != "client":
+        value = doc.get("model_frame")
     return None if value is None else int(value, 16)
 
 

@@ -150,7 +150,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                     for c in indices]
 
         if processes == 0:
-            # One network thread for every connection and one thread driving every client
+            # One network thread for every connection, which also drives every client
             # (sim.hosting): thousands of role threads, each woken by every announcement,
             # used to saturate the interpreter (docs/scaling.md).
             network = NetworkLoop(name=f"edgefl-{federation}-net")
@@ -158,7 +158,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                                       thread_name_prefix="edgefl-train")
             clients = make_clients(range(len(ids)), stop,
                                    threading.Semaphore(max(1, workers)), network, pool)
-            host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)))
+            host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)),
+                              network=network)
             hosting = threading.Thread(target=host.run, name="edgefl-client-host",
                                        daemon=True)
             hosting.start()
@@ -169,23 +170,22 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             _wait_ready(procs, len(ids), stop, connect_timeout, address)
             # after the fork: a child has no copy of this loop or its thread
             network = NetworkLoop(name=f"edgefl-{federation}-net")
+        # overlap_evaluation: a round's test-set evaluation runs while the next round does,
+        # as run_federation's does (its record then reaches on_round a round later, as there)
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
                                       max_payload=max_payload, compression=compression,
-                                      task_topics=task_topics)
+                                      task_topics=task_topics, overlap_evaluation=True)
+
         def after_round(record, history):
             if on_round is not None:
                 on_round(record)
-            if on_model is not None:
-                on_model(record["round"], aggregator.plan.strategy.global_model(
-                    aggregator.ckpt.state))
 
         uplink = transport("aggregator", network)
         # every client's retained status arrives at once when the aggregator subscribes
         # (10,000 clients: the default queue of 10,000 messages dropped the last of them)
         uplink.set_queue_limits(max(DEFAULT_QUEUE_MESSAGES, 4 * len(ids)))
-        aggregator = aggregator_cls(plan, uplink,
-                                            os.path.join(root, "aggregator"), settings,
-                                            stop=stop, on_round=after_round)
+        aggregator = aggregator_cls(plan, uplink, os.path.join(root, "aggregator"), settings,
+                                    stop=stop, on_round=after_round, on_model=on_model)
         result = aggregator.run()
         if not result.finished:
             _tell_workers(procs, "stop")     # their clients do not hear of a run's end
