@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -160,19 +159,16 @@ def capacity(args) -> int:
                 _wait_online([b.url for b in sites.values()], k, procs, tmp)
             sampler = _Sampler([p.pid for p in procs])
             before = _sys_bytes(central.url)
-            client_cpu0 = sampler.cpu()
             cpu0, t0 = time.process_time(), time.perf_counter()
             result, _ = two_level_run(run, central, sites, str(tmp / "state"), edge_of=edge_of,
                                       round_timeout_s=args.round_timeout, limit_s=args.limit,
                                       client_threads=args.clients_as == "threads")
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            client_cpu = (sampler.cpu() - client_cpu0) / r
             for proc in procs:
                 if proc.wait(60) != 0:
                     raise SystemExit(f"a client exited {proc.returncode}: "
                                      + (tmp / "logs" / f"{proc.pid}.log").read_text()[-2000:])
             sampler.stop()
-            children = resource.getrusage(resource.RUSAGE_CHILDREN)
             after = _sys_bytes(central.url)
         finally:
             for proc in procs:
@@ -191,7 +187,11 @@ def capacity(args) -> int:
     cores = os.cpu_count() or 1
     predicted_round = k * train_s / cores
     # every role's CPU in a round, spread over the cores: the round time if nothing waits
-    cpu_round = (cpu / r + (client_cpu if procs else 0.0)) / cores
+    # rounds 2..R (round 1 opens every connection's session): CPU between their records
+    ends = [t0 + rec["elapsed_s"] for rec in result.history]
+    roles_cpu, client_cpu = (c / (r - 1) for c in sampler.cpu_between(ends[0], ends[-1]))
+    # every role's CPU in a round, spread over the cores: the round time if nothing waits
+    cpu_round = (roles_cpu + client_cpu) / cores
     rows = [
         {"quantity": "parameters P (model)", "model": f"{size:,} ({args.model})",
          "measured": ""},
@@ -206,23 +206,28 @@ def capacity(args) -> int:
          "model": f">= K*t_train/cores = {k}*{train_s * 1e3:.2f} ms/{cores} = "
                   f"{predicted_round:.3f}",
          "measured": f"{later:.3f} [{min(walls[1:]):.3f}, {max(walls[1:]):.3f}]"},
-        {"quantity": "round wall s, from CPU: (all roles' CPU / round) / cores",
+        {"quantity": "round wall s if CPU-bound: (all roles' CPU / round) / cores",
          "model": f"{cpu_round:.3f}", "measured": ""},
         {"quantity": "round 1 wall s", "model": "", "measured": f"{walls[0]:.3f}"},
-        {"quantity": "rounds / hour", "model": f"<= {3600 / predicted_round:,.0f}",
+        {"quantity": "rounds / hour",
+         "model": f"<= {3600 / max(predicted_round, 1e-9):,.0f} (training), "
+                  + (f"{3600 / cpu_round:,.0f} (CPU)" if cpu_round
+                     else "(rounds too short to sample CPU)"),
          "measured": f"{3600 / later:,.0f}"},
-        {"quantity": "CPU s / round, centre + edges (this process)", "model": "",
-         "measured": f"{cpu / r:.3f} (whole run / R)"},
-        {"quantity": "CPU s / round, all clients", "model":
+        {"quantity": "CPU s / round 2..R, centre + edges (this process)", "model": "",
+         "measured": f"{roles_cpu:.3f}" + (" (clients too)" if not procs else "")},
+        {"quantity": "CPU s / round 2..R, all clients", "model":
          f"K*t_train = {k * train_s:.3f}", "measured": f"{client_cpu:.3f}"
          if procs else "(threads: in the line above)"},
+        {"quantity": "CPU s / round 2..R, all roles", "model": "", "measured":
+         f"{roles_cpu + client_cpu:.3f} on {cores} cores"},
         {"quantity": f"clients ({args.clients_as}), per site", "model": "",
          "measured": f"{k} ({k // e} per site, {e} sites)"},
     ]
     if procs:
         rows.append({"quantity": "client process peak RSS MiB: largest, all (sum RSS / "
                                  "sum PSS)", "model": "",
-                     "measured": f"{children.ru_maxrss / 1024:.0f}, "
+                     "measured": f"{sampler.rss_max / 2**20:.0f}, "
                                  f"{sampler.rss_sum / 2**20:.0f} / "
                                  f"{sampler.pss_sum / 2**20:.0f}"})
     rows.append({"quantity": "whole run wall s / CPU s of this process", "model": "",
@@ -233,7 +238,8 @@ def capacity(args) -> int:
            "predicted_received": (e + 1) * frame, "predicted_sent": 2 * e * frame,
            "round_wall_s": walls, "train_s_per_client": train_s,
            "client_cpu_s_per_round": client_cpu if procs else None,
-           "client_max_rss_mib": children.ru_maxrss / 1024 if procs else None,
+           "roles_cpu_s_per_round": roles_cpu,
+           "client_max_rss_mib": sampler.rss_max / 2**20 if procs else None,
            "clients_rss_sum_mib": sampler.rss_sum / 2**20,
            "clients_pss_sum_mib": sampler.pss_sum / 2**20,
            "wall_s": wall, "cpu_s": cpu}
@@ -325,42 +331,65 @@ def _client_processes(tmp: Path, run_path: str, k: int, url_of) -> list:
 
 
 class _Sampler:
-    """The client processes' CPU (utime + stime from /proc/PID/stat) when asked, and every
-    0.5 s the largest sums of their RSS and PSS (/proc/PID/smaps_rollup) seen."""
+    """Every 0.2 s: this process's CPU and the client processes' (utime + stime from
+    /proc/PID/stat); every second, the largest RSS of one client and the largest sums of
+    their RSS and PSS (/proc/PID/smaps_rollup) seen. (Not ru_maxrss: a child started by
+    vfork carries this process's peak in it.)"""
 
     def __init__(self, pids):
-        self.pids = list(pids)
-        self.rss_sum = self.pss_sum = 0
+        self.pids, self.samples = list(pids), []
+        self.rss_max = self.rss_sum = self.pss_sum = 0
         self._stop = threading.Event()
         self._tick = os.sysconf("SC_CLK_TCK")
         self._thread = threading.Thread(target=self._run, daemon=True)
-        if self.pids:
-            self._thread.start()
+        self._thread.start()
 
-    def cpu(self) -> float:
+    def _clients_cpu(self) -> float:
         total = 0.0
         for pid in self.pids:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue                          # waited for: its CPU is final
             total += (int(fields[11]) + int(fields[12])) / self._tick
         return total
 
-    def _run(self):
-        while not self._stop.wait(0.5):
+    def _memory(self) -> None:
+        rss_sum = pss_sum = 0
+        for pid in self.pids:
             rss = pss = 0
-            for pid in self.pids:
-                try:
-                    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                        if line.startswith(("Rss:", "Pss:")):
-                            kib = int(line.split()[1]) * 1024
-                            rss, pss = (rss + kib, pss) if line[0] == "R" else (rss, pss + kib)
-                except (OSError, IndexError, ValueError):
-                    continue                      # exited (a zombie has no smaps)
-            self.rss_sum, self.pss_sum = max(self.rss_sum, rss), max(self.pss_sum, pss)
+            try:
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Rss:"):
+                        rss = int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss = int(line.split()[1]) * 1024
+            except (OSError, IndexError, ValueError):
+                continue                          # exited (a zombie has no smaps)
+            self.rss_max = max(self.rss_max, rss)
+            rss_sum, pss_sum = rss_sum + rss, pss_sum + pss
+        self.rss_sum, self.pss_sum = max(self.rss_sum, rss_sum), max(self.pss_sum, pss_sum)
+
+    def _run(self):
+        n = 0
+        while not self._stop.wait(0.2):
+            self.samples.append((time.perf_counter(), time.process_time(),
+                                 self._clients_cpu()))
+            n += 1
+            if self.pids and n % 5 == 0:
+                self._memory()
+
+    def cpu_between(self, t_from: float, t_to: float) -> tuple[float, float]:
+        """(this process's, the clients') CPU seconds between two perf_counter times, from
+        the samples nearest them."""
+        def at(t):
+            return min(self.samples, key=lambda s: abs(s[0] - t))
+        a, b = at(t_from), at(t_to)
+        return b[1] - a[1], b[2] - a[2]
 
     def stop(self):
         self._stop.set()
-        if self.pids:
-            self._thread.join(5)
+        self._thread.join(5)
 
 
 if __name__ == "__main__":
