@@ -157,7 +157,8 @@ def capacity(args) -> int:
                 procs = _client_processes(tmp, run_path, k, lambda i: sites[edge_of(i)].url)
                 # the run starts once every client is up: its start-up is not a round's
                 _wait_online([b.url for b in sites.values()], k, procs, tmp)
-            sampler = _Sampler([p.pid for p in procs])
+            sampler = _Sampler([p.pid for p in procs],
+                               [b.proc.pid for b in [central, *sites.values()]])
             before = _sys_bytes(central.url)
             cpu0, t0 = time.process_time(), time.perf_counter()
             result, _ = two_level_run(run, central, sites, str(tmp / "state"), edge_of=edge_of,
@@ -189,9 +190,10 @@ def capacity(args) -> int:
     # every role's CPU in a round, spread over the cores: the round time if nothing waits
     # rounds 2..R (round 1 opens every connection's session): CPU between their records
     ends = [t0 + rec["elapsed_s"] for rec in result.history]
-    roles_cpu, client_cpu = (c / (r - 1) for c in sampler.cpu_between(ends[0], ends[-1]))
-    # every role's CPU in a round, spread over the cores: the round time if nothing waits
-    cpu_round = (roles_cpu + client_cpu) / cores
+    roles_cpu, client_cpu, broker_cpu = (c / (r - 1)
+                                         for c in sampler.cpu_between(ends[0], ends[-1]))
+    # every process's CPU in a round, spread over the cores: the round time if nothing waits
+    cpu_round = (roles_cpu + client_cpu + broker_cpu) / cores
     rows = [
         {"quantity": "parameters P (model)", "model": f"{size:,} ({args.model})",
          "measured": ""},
@@ -206,7 +208,7 @@ def capacity(args) -> int:
          "model": f">= K*t_train/cores = {k}*{train_s * 1e3:.2f} ms/{cores} = "
                   f"{predicted_round:.3f}",
          "measured": f"{later:.3f} [{min(walls[1:]):.3f}, {max(walls[1:]):.3f}]"},
-        {"quantity": "round wall s if CPU-bound: (all roles' CPU / round) / cores",
+        {"quantity": "round wall s if CPU-bound: (all CPU / round) / cores",
          "model": f"{cpu_round:.3f}", "measured": ""},
         {"quantity": "round 1 wall s", "model": "", "measured": f"{walls[0]:.3f}"},
         {"quantity": "rounds / hour",
@@ -219,8 +221,10 @@ def capacity(args) -> int:
         {"quantity": "CPU s / round 2..R, all clients", "model":
          f"K*t_train = {k * train_s:.3f}", "measured": f"{client_cpu:.3f}"
          if procs else "(threads: in the line above)"},
-        {"quantity": "CPU s / round 2..R, all roles", "model": "", "measured":
-         f"{roles_cpu + client_cpu:.3f} on {cores} cores"},
+        {"quantity": "CPU s / round 2..R, the 1 + E Mosquittos", "model": "",
+         "measured": f"{broker_cpu:.3f}"},
+        {"quantity": "CPU s / round 2..R, all", "model": "", "measured":
+         f"{roles_cpu + client_cpu + broker_cpu:.3f} on {cores} cores"},
         {"quantity": f"clients ({args.clients_as}), per site", "model": "",
          "measured": f"{k} ({k // e} per site, {e} sites)"},
     ]
@@ -238,7 +242,7 @@ def capacity(args) -> int:
            "predicted_received": (e + 1) * frame, "predicted_sent": 2 * e * frame,
            "round_wall_s": walls, "train_s_per_client": train_s,
            "client_cpu_s_per_round": client_cpu if procs else None,
-           "roles_cpu_s_per_round": roles_cpu,
+           "roles_cpu_s_per_round": roles_cpu, "broker_cpu_s_per_round": broker_cpu,
            "client_max_rss_mib": sampler.rss_max / 2**20 if procs else None,
            "clients_rss_sum_mib": sampler.rss_sum / 2**20,
            "clients_pss_sum_mib": sampler.pss_sum / 2**20,
@@ -331,22 +335,22 @@ def _client_processes(tmp: Path, run_path: str, k: int, url_of) -> list:
 
 
 class _Sampler:
-    """Every 0.2 s: this process's CPU and the client processes' (utime + stime from
-    /proc/PID/stat); every second, the largest RSS of one client and the largest sums of
+    """Every 0.2 s: the CPU of this process, of the client processes and of the brokers
+    (utime + stime from /proc/PID/stat); every second, the largest RSS of one client and the largest sums of
     their RSS and PSS (/proc/PID/smaps_rollup) seen. (Not ru_maxrss: a child started by
     vfork carries this process's peak in it.)"""
 
-    def __init__(self, pids):
-        self.pids, self.samples = list(pids), []
+    def __init__(self, pids, brokers):
+        self.pids, self.brokers, self.samples = list(pids), list(brokers), []
         self.rss_max = self.rss_sum = self.pss_sum = 0
         self._stop = threading.Event()
         self._tick = os.sysconf("SC_CLK_TCK")
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _clients_cpu(self) -> float:
+    def _cpu(self, pids) -> float:
         total = 0.0
-        for pid in self.pids:
+        for pid in pids:
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
@@ -374,18 +378,18 @@ class _Sampler:
         n = 0
         while not self._stop.wait(0.2):
             self.samples.append((time.perf_counter(), time.process_time(),
-                                 self._clients_cpu()))
+                                 self._cpu(self.pids), self._cpu(self.brokers)))
             n += 1
             if self.pids and n % 5 == 0:
                 self._memory()
 
-    def cpu_between(self, t_from: float, t_to: float) -> tuple[float, float]:
-        """(this process's, the clients') CPU seconds between two perf_counter times, from
-        the samples nearest them."""
+    def cpu_between(self, t_from: float, t_to: float) -> tuple[float, float, float]:
+        """(this process's, the clients', the brokers') CPU seconds between two
+        perf_counter times, from the samples nearest them."""
         def at(t):
             return min(self.samples, key=lambda s: abs(s[0] - t))
         a, b = at(t_from), at(t_to)
-        return b[1] - a[1], b[2] - a[2]
+        return b[1] - a[1], b[2] - a[2], b[3] - a[3]
 
     def stop(self):
         self._stop.set()
