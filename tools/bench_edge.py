@@ -9,6 +9,13 @@ harness, `two_level_run`). Needs the `mosquitto` binary.
 
     python tools/bench_edge.py                      # the table in docs/scaling.md
     python tools/bench_edge.py --clients 16 --per-round 12 --rounds 10 --json
+
+`--capacity` (issue 19 item 5): one centre and --sites sites, --clients `edgefl client`
+processes, every client each round; the capacity model of docs/scaling.md ("Capacity")
+next to the central Mosquitto's own byte counters, round times and every process's CPU:
+
+    python tools/bench_edge.py --capacity --sites 4 --clients 100 --rounds 5 --rows 1000 \\
+        --model '{name: mlp, hidden: [1000, 1000]}'
 """
 from __future__ import annotations
 
