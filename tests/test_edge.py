@@ -131,9 +131,12 @@ def _started(target, name: str, errors: list) -> threading.Thread:
 
 
 def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60.0,
-                  on_edge=None, limit_s=120.0, logins=None, trust=None, centre_keys=None):
+                  on_edge=None, limit_s=120.0, logins=None, trust=None, centre_keys=None,
+                  client_threads=True):
     """The two-level run of `run`: returns the centre's AggregatorResult and the edges.
-    Every role is stopped after `limit_s` (the result is then not finished). logins:
+    Every role is stopped after `limit_s` (the result is then not finished).
+    client_threads=False: the caller runs the clients (tools/bench_edge.py --capacity's
+    `edgefl client` processes), shard i at site edge_of(i). logins:
     {node or edge id: (username, password file)} at its site broker (default anonymous).
     trust: role id (a node, an edge or "centre") -> its roles.trust.Trust, or None;
     centre_keys: the edges' Verifier of the centre's messages."""
@@ -163,7 +166,7 @@ def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60
     def start(target, name):
         threads.append(_started(target, name, errors))
 
-    for i, node in enumerate(ids):
+    for i, node in enumerate(ids if client_threads else ()):
         url = sites[edge_of(i)].url
         data = run.clients[i]
         client = Client(ClientSettings(node, "fed", exit_when_finished=True,
