@@ -200,6 +200,26 @@ def test_tiers_key_is_checked(tmp_path):
         R.load_experiment(str(bad), "quick")
 
 
+def test_if_not_reason_follows_the_verdict(tmp_path):
+    """if_not explains a verdict other than "holds": one text for either, or a text per
+    verdict; a malformed one is refused when the file loads."""
+    R = _reproduce()
+    both = {"if_not": "  the reason  "}
+    split = {"if_not": {"contradicted": "went the other way", "unresolved": "too noisy"}}
+    assert R.reason_for(both, V.HOLDS) is None and R.reason_for(both, None) is None
+    assert R.reason_for(both, V.CONTRADICTED) == "Why it is likely contradicted here: the reason"
+    assert R.reason_for(both, V.UNRESOLVED) == "Why it is likely not resolved here: the reason"
+    assert R.reason_for(split, V.CONTRADICTED).endswith(": went the other way")
+    assert R.reason_for(split, V.UNRESOLVED).endswith(": too noisy")
+    assert R.reason_for({"if_not": {"unresolved": "x"}}, V.CONTRADICTED) is None
+    src = (REPO / "tools" / "experiments" / "fedveca.yaml").read_text(encoding="utf-8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(src.replace("    if_not: >\n", "    if_not:\n      failed: >\n", 1),
+                   encoding="utf-8")
+    with pytest.raises(R.ExperimentError, match="if_not"):
+        R.load_experiment(str(bad), "quick")
+
+
 def test_checks_pair_by_seed_not_by_position():
     """A failed seed drops out of both arms of a comparison, not shifts the pairing."""
     R = _reproduce()

@@ -268,6 +268,13 @@ def _validate_check(exp: Experiment, check: dict, where: str) -> None:
             if s not in exp.settings:
                 raise ExperimentError(f"{where}: unknown setting {s!r}; settings: "
                                       f"{', '.join(exp.settings)}")
+    reasons = check.get("if_not")
+    if reasons is not None and not isinstance(reasons, str) and not (
+            isinstance(reasons, dict) and reasons and set(reasons) <= set(REASON_KEYS)
+            and all(isinstance(v, str) for v in reasons.values())):
+        raise ExperimentError(f"{where}: if_not must be a text (shown when the claim is "
+                              f"contradicted or not resolved) or a mapping with keys "
+                              f"{', '.join(REASON_KEYS)} to texts")
 
 
 def discover(only: list | None) -> list:
@@ -879,6 +886,27 @@ def describe_setting(exp: Experiment, setting: str) -> str:
             f"train: {train}; {config.get('rounds', 10)} rounds, {who}")
 
 
+# an if_not mapping's keys -> the verdicts they explain
+REASON_KEYS = {"contradicted": "contradicted", "unresolved": "not resolved at this scale"}
+
+
+def reason_for(check: dict, word: str | None) -> str | None:
+    """The line explaining a verdict other than "holds" from the check's `if_not`: a text
+    (for either verdict) or a mapping {contradicted: text, unresolved: text}; None when the
+    claim holds, was not evaluated, or the check gives no reason for this verdict."""
+    reasons = check.get("if_not")
+    if word is None or word == "holds" or not reasons:
+        return None
+    if isinstance(reasons, dict):
+        key = next((k for k, v in REASON_KEYS.items() if v == word), None)
+        reasons = reasons.get(key)
+        if not reasons:
+            return None
+    lead = ("Why it is likely contradicted here" if word == "contradicted"
+            else "Why it is likely not resolved here")
+    return f"{lead}: {reasons.strip()}"
+
+
 def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
     """(markdown, verdict) of one experiment."""
     doc = exp.doc
@@ -934,8 +962,9 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
         out.append(f"- **{mark}** — {check['claim'].strip()}{role}")
         out += [f"  - {line}" if not line.startswith("  ") else f"    - {line.strip()}"
                 for line in lines]
-        if word is not None and word != "holds" and check.get("if_not"):
-            out.append(f"  - Likely reason: {check['if_not'].strip()}")
+        reason = reason_for(check, word)
+        if reason:
+            out.append(f"  - {reason}")
     out.append("")
     if failures:
         out += ["**Failed runs:**", ""] + [f"- `{k}`: {v}" for k, v in sorted(failures.items())] \
