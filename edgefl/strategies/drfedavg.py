@@ -36,7 +36,6 @@ import numpy as np
 from .. import kernels
 from . import StrategyError, Update, check_choice, check_number, local_round, mean_train_loss
 from . import register, weighted_average
-from ..errors import ConfigError
 from .duw import DUW
 from .duw.unrolled import sorted_clients
 
@@ -89,22 +88,12 @@ class DRFedAvg(DUW):
         """No offline phase: the environment lists are checked against the federation (and
         clients_per_round, which must be every client), and the clients' N_k kept, which
         weigh a client whose upload failed."""
-        if context is not None and context.clients_per_round is not None \
-                and context.clients_per_round != len(setup.clients):
-            raise ConfigError(f"{context.where}: clients_per_round: DR-FedAvg (in DUW's "
-                              f"environment) needs every client in every round; set it to "
-                              f"partition.clients = {len(setup.clients)}")
-        try:
-            self.epochs_of(setup)
-            self.upload_probs(setup)
-        except StrategyError as exc:
-            if context is None:
-                raise
-            raise ConfigError(f"{context.where}: {exc}") from None
+        self.check_environment(setup, context)
         sizes = [d.num_samples for d in sorted_clients(clients, setup)]
         return dataclasses.replace(self, num_samples=tuple(int(n) for n in sizes))
 
     def init(self, global_params, cfg):
+        # DUW's init checks its table, which DR-FedAvg has not; the environment is checked
         self.epochs_of(cfg)
         self.upload_probs(cfg)
         return super(DUW, self).init(global_params, cfg)
