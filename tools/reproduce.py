@@ -985,7 +985,7 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
 
 SECTION_RE = re.compile(r"<!-- reproduce:(\w+) (\{.*?\}) -->\n(.*?)<!-- /reproduce:\1 -->\n",
                         re.DOTALL)
-# sections measured by other means (e.g. the server optimisers' table): kept as they are,
+# sections measured by other means (a hand-measured table): kept as they are,
 # after the generated ones, when a run rewrites the file
 KEPT_RE = re.compile(r"<!-- kept:([\w-]+) -->\n.*?<!-- /kept:\1 -->\n", re.DOTALL)
 
@@ -1076,7 +1076,8 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
             lines.append(f"| **{name}**: {titles[name]} | {m} "
                          f"({format_duration(meta_m['wall_s'])}) | {scale} | {verdict} |")
     lines.append("")
-    lines.append("To run again: `python tools/reproduce.py --quick` (at most 5 minutes here) or "
+    lines.append("To run again: `python tools/reproduce.py --quick` (the smoke tier; its section "
+                 "gives its wall and CPU time) or "
                  "`python tools/reproduce.py` (the full run) or `python tools/reproduce.py "
                  "--long` (the CNN experiments, resumable: an interrupted invocation continues "
                  "with the runs it had not finished); `--only NAME` runs one experiment, "
