@@ -545,6 +545,9 @@ def run_metrics(job: Job, targets: list, columns: list) -> dict:
         "downlink_bytes": s["downlink_bytes"], "wall_s": elapsed, "rounds": s["rounds"],
         "curve": {h["round"]: h["test_accuracy"] for h in run.history
                   if h["test_accuracy"] is not None},
+        # FedMR with evaluate_models: the test accuracy of each of its K models by round
+        "members": {h["round"]: h["member_accuracy"] for h in run.history
+                    if h.get("member_accuracy")},
         "out": job.out, "seed": job.seed,
     }
     if "global_train_loss" in columns:
@@ -822,7 +825,29 @@ def fedmr_model_lines(runs: list, arm: str) -> list:
         best_k.append(float(np.max(accs)))
     return [(f"{arm} at the last round, mean over seeds: the global model (mean of the K = "
             f"{k} models) {np.mean(glob):.4f}; the K individual models {np.mean(mean_k):.4f} "
-            f"on average, best {np.mean(best_k):.4f}."), ""]
+            f"on average, best {np.mean(best_k):.4f}."), ""] + fedmr_member_curve(runs, arm)
+
+
+def fedmr_member_curve(runs: list, arm: str, points: int = 8) -> list:
+    """The K models' test accuracy over rounds (runs made with `evaluate_models: true`, whose
+    records carry member_accuracy) against the global model's: a table at up to `points`
+    evaluated rounds, means over the seeds that evaluated that round. [] without them."""
+    rounds = sorted(set.intersection(*(set(r.get("members") or {}) for r in runs))) \
+        if runs else []
+    if not rounds:
+        return []
+    step = max(1, math.ceil(len(rounds) / points))
+    shown = sorted(set(rounds[::step]) | {rounds[-1]})
+    lines = [f"{arm}: test accuracy of the K models over rounds (mean over {len(runs)} seeds):",
+             "", "| round | global model | K models, mean | K models, best | K models, worst |",
+             "|--:|--:|--:|--:|--:|"]
+    for t in shown:
+        accs = [r["members"][t] for r in runs]
+        glob = [r["curve"][t] for r in runs if t in r["curve"]]
+        lines.append(f"| {t} | {np.mean(glob):.4f} | {np.mean([np.mean(a) for a in accs]):.4f} "
+                     f"| {np.mean([max(a) for a in accs]):.4f} "
+                     f"| {np.mean([min(a) for a in accs]):.4f} |")
+    return lines + [""]
 
 
 def extra_lines(exp: Experiment, setting: str, table: dict) -> list:
