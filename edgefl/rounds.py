@@ -217,8 +217,11 @@ def round_record(plan: RoundPlan, totals: UploadTotals, metrics: Mapping, *, wal
 
 
 def add_evaluation(record: dict, evaluation: Mapping) -> None:
-    """Fill a record's test_accuracy and test_loss in from `kernels.evaluate_samples`."""
+    """Fill a record's test_accuracy and test_loss in from `kernels.evaluate_samples`
+    (and member_accuracy from `RoundEngine.evaluate`, when it gives one)."""
     record["test_accuracy"], record["test_loss"] = evaluation["accuracy"], evaluation["loss"]
+    if "member_accuracy" in evaluation:
+        record["member_accuracy"] = list(evaluation["member_accuracy"])
 
 
 @dataclass(frozen=True)
@@ -288,9 +291,16 @@ class RoundEngine:
         """Whether round r's model is evaluated: every eval_every rounds and the last."""
         return self.test_set is not None and (r % self.eval_every == 0 or r == self.rounds)
 
-    def evaluate(self, model: np.ndarray) -> dict:
-        """{accuracy, loss} of `model` on the test set."""
-        return kernels.evaluate_samples(self.test_set, model)
+    def evaluate(self, model: np.ndarray, state: State | None = None) -> dict:
+        """{accuracy, loss} of `model` on the test set; with the round's `state`, also
+        member_accuracy: the accuracy of each model the strategy names besides the global
+        one (`Strategy.evaluated_members`, e.g. FedMR's K models), when it names any."""
+        result = kernels.evaluate_samples(self.test_set, model)
+        members = None if state is None else self.strategy.evaluated_members(state)
+        if members is not None:
+            result["member_accuracy"] = [kernels.evaluate_samples(self.test_set, m)["accuracy"]
+                                         for m in members]
+        return result
 
     def aggregate(self, r: int, updates: dict, state: State,
                   on_unusable: Callable[[int, StrategyError], None] | None = None):
@@ -426,7 +436,7 @@ class RoundEngine:
                         fields (they may count what aggregation dropped)."""
         model = self.strategy.global_model(state)
         due = self.evaluation_due(plan.round)
-        evaluation = self.evaluate(model) if due and not defer_evaluation else None
+        evaluation = self.evaluate(model, state) if due and not defer_evaluation else None
         wall_s = time.perf_counter() - plan.started
         record = round_record(plan, totals, metrics, wall_s=wall_s, train_wall_s=train_wall_s,
                               elapsed_s=elapsed_before + wall_s, evaluation=evaluation,

@@ -94,7 +94,8 @@ def unit_bytes(buf, unit):
 def test_registered_with_the_documented_defaults():
     assert "fedmr" in strategy_names()
     assert strategy_params("fedmr") == {"stage1_rounds": 0, "granularity": "tensor",
-                                        "seg_x": 0.0, "weighting": "uniform"}
+                                        "seg_x": 0.0, "weighting": "uniform",
+                                        "evaluate_models": False}
 
 
 @pytest.mark.parametrize("params, message", [

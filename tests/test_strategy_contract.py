@@ -56,6 +56,8 @@ SETTINGS = {
     # the table is indexed by client (every client every round); 2 meta-iterations suffice
     # to make the table differ from FedAvg's weights
     "duw": {"strategy": {"meta_iterations": 2, "meta_lr": 0.05}, "clients_per_round": 4},
+    # DR-FedAvg runs in DUW's environment: every client every round
+    "drfedavg": {"clients_per_round": 4},
     # both stages: recombination starts at round 2
     "fedmr": {"strategy": {"stage1_rounds": 1}},
     # a short tau keeps the local rounds as small as the others'

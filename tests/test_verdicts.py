@@ -200,6 +200,38 @@ def test_tiers_key_is_checked(tmp_path):
         R.load_experiment(str(bad), "quick")
 
 
+def test_if_not_reason_follows_the_verdict(tmp_path):
+    """if_not explains a verdict other than "holds": one text for either, or a text per
+    verdict; a malformed one is refused when the file loads."""
+    R = _reproduce()
+    both = {"if_not": "  the reason  "}
+    split = {"if_not": {"contradicted": "went the other way", "unresolved": "too noisy"}}
+    assert R.reason_for(both, V.HOLDS) is None and R.reason_for(both, None) is None
+    assert R.reason_for(both, V.CONTRADICTED) == "Why it is likely contradicted here: the reason"
+    assert R.reason_for(both, V.UNRESOLVED) == "Why it is likely not resolved here: the reason"
+    assert R.reason_for(split, V.CONTRADICTED).endswith(": went the other way")
+    assert R.reason_for(split, V.UNRESOLVED).endswith(": too noisy")
+    assert R.reason_for({"if_not": {"unresolved": "x"}}, V.CONTRADICTED) is None
+    src = (REPO / "tools" / "experiments" / "fedveca.yaml").read_text(encoding="utf-8")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(src.replace("    if_not: >\n", "    if_not:\n      failed: >\n", 1),
+                   encoding="utf-8")
+    with pytest.raises(R.ExperimentError, match="if_not"):
+        R.load_experiment(str(bad), "quick")
+
+
+def test_fedmr_member_curve_means_over_seeds_by_round():
+    """The per-model table of FedMR's long-tier runs: each shown round's global accuracy and
+    the mean / best / worst of the K models, averaged over seeds; nothing without records."""
+    R = _reproduce()
+    runs = [{"curve": {2: 0.5, 4: 0.7}, "members": {2: [0.2, 0.4], 4: [0.3, 0.5]}},
+            {"curve": {2: 0.7, 4: 0.9}, "members": {2: [0.4, 0.6], 4: [0.5, 0.9]}}]
+    lines = R.fedmr_member_curve(runs, "fedmr")
+    assert "| 2 | 0.6000 | 0.4000 | 0.5000 | 0.3000 |" in lines
+    assert "| 4 | 0.8000 | 0.5500 | 0.7000 | 0.4000 |" in lines
+    assert R.fedmr_member_curve([{"curve": {2: 0.5}, "members": {}}], "fedmr") == []
+
+
 def test_checks_pair_by_seed_not_by_position():
     """A failed seed drops out of both arms of a comparison, not shifts the pairing."""
     R = _reproduce()

@@ -40,8 +40,8 @@ samples each -- one number, or one per client -- the rest unused), for the label
 Env II, which no built-in partitioner draws. The resolved owner array goes to the `natural`
 partitioner.
 
-Runs go to OUT/EXPERIMENT/SETTING/ARM/seedK (each a normal `edgefl simulate` directory,
-readable by `edgefl compare`), plus OUT/EXPERIMENT/SETTING/overlay.png (seed 0 of every
+Runs go to OUT/EXPERIMENT/SETTING/ARM/seedK (each a normal `edgefl simulate` directory
+without model.onnx and curves.png, readable by `edgefl compare`), plus OUT/EXPERIMENT/SETTING/overlay.png (seed 0 of every
 arm). Runs execute in --workers processes (default: the CPU count), one training thread
 each; results do not depend on the number of workers (simulate is deterministic per seed).
 
@@ -268,6 +268,13 @@ def _validate_check(exp: Experiment, check: dict, where: str) -> None:
             if s not in exp.settings:
                 raise ExperimentError(f"{where}: unknown setting {s!r}; settings: "
                                       f"{', '.join(exp.settings)}")
+    reasons = check.get("if_not")
+    if reasons is not None and not isinstance(reasons, str) and not (
+            isinstance(reasons, dict) and reasons and set(reasons) <= set(REASON_KEYS)
+            and all(isinstance(v, str) for v in reasons.values())):
+        raise ExperimentError(f"{where}: if_not must be a text (shown when the claim is "
+                              f"contradicted or not resolved) or a mapping with keys "
+                              f"{', '.join(REASON_KEYS)} to texts")
 
 
 def discover(only: list | None) -> list:
@@ -418,8 +425,11 @@ def execute(job: dict) -> dict:
         config = run_config_from_mapping(job["config"])
         if os.path.isdir(job["out"]):
             shutil.rmtree(job["out"])          # no stale files from an earlier invocation
+        # no model.onnx and no curves.png per run: the report reads metrics.jsonl,
+        # summary.json and model.npz, and draws one overlay per setting; the export and the
+        # plot cost ~0.3 s a run, a tenth of the quick tier
         summary = simulate(config, job["out"], workers=job["threads"], progress=False,
-                           stream=io.StringIO())
+                           stream=io.StringIO(), onnx=False, plot=False)
         elapsed = time.perf_counter() - started
         with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
             json.dump({"key": job["key"], "elapsed_s": elapsed,
@@ -535,6 +545,9 @@ def run_metrics(job: Job, targets: list, columns: list) -> dict:
         "downlink_bytes": s["downlink_bytes"], "wall_s": elapsed, "rounds": s["rounds"],
         "curve": {h["round"]: h["test_accuracy"] for h in run.history
                   if h["test_accuracy"] is not None},
+        # FedMR with evaluate_models: the test accuracy of each of its K models by round
+        "members": {h["round"]: h["member_accuracy"] for h in run.history
+                    if h.get("member_accuracy")},
         "out": job.out, "seed": job.seed,
     }
     if "global_train_loss" in columns:
@@ -812,7 +825,29 @@ def fedmr_model_lines(runs: list, arm: str) -> list:
         best_k.append(float(np.max(accs)))
     return [(f"{arm} at the last round, mean over seeds: the global model (mean of the K = "
             f"{k} models) {np.mean(glob):.4f}; the K individual models {np.mean(mean_k):.4f} "
-            f"on average, best {np.mean(best_k):.4f}."), ""]
+            f"on average, best {np.mean(best_k):.4f}."), ""] + fedmr_member_curve(runs, arm)
+
+
+def fedmr_member_curve(runs: list, arm: str, points: int = 8) -> list:
+    """The K models' test accuracy over rounds (runs made with `evaluate_models: true`, whose
+    records carry member_accuracy) against the global model's: a table at up to `points`
+    evaluated rounds, means over the seeds that evaluated that round. [] without them."""
+    rounds = sorted(set.intersection(*(set(r.get("members") or {}) for r in runs))) \
+        if runs else []
+    if not rounds:
+        return []
+    step = max(1, math.ceil(len(rounds) / points))
+    shown = sorted(set(rounds[::step]) | {rounds[-1]})
+    lines = [f"{arm}: test accuracy of the K models over rounds (mean over {len(runs)} seeds):",
+             "", "| round | global model | K models, mean | K models, best | K models, worst |",
+             "|--:|--:|--:|--:|--:|"]
+    for t in shown:
+        accs = [r["members"][t] for r in runs]
+        glob = [r["curve"][t] for r in runs if t in r["curve"]]
+        lines.append(f"| {t} | {np.mean(glob):.4f} | {np.mean([np.mean(a) for a in accs]):.4f} "
+                     f"| {np.mean([max(a) for a in accs]):.4f} "
+                     f"| {np.mean([min(a) for a in accs]):.4f} |")
+    return lines + [""]
 
 
 def extra_lines(exp: Experiment, setting: str, table: dict) -> list:
@@ -879,6 +914,27 @@ def describe_setting(exp: Experiment, setting: str) -> str:
             f"train: {train}; {config.get('rounds', 10)} rounds, {who}")
 
 
+# an if_not mapping's keys -> the verdicts they explain
+REASON_KEYS = {"contradicted": "contradicted", "unresolved": "not resolved at this scale"}
+
+
+def reason_for(check: dict, word: str | None) -> str | None:
+    """The line explaining a verdict other than "holds" from the check's `if_not`: a text
+    (for either verdict) or a mapping {contradicted: text, unresolved: text}; None when the
+    claim holds, was not evaluated, or the check gives no reason for this verdict."""
+    reasons = check.get("if_not")
+    if word is None or word == "holds" or not reasons:
+        return None
+    if isinstance(reasons, dict):
+        key = next((k for k, v in REASON_KEYS.items() if v == word), None)
+        reasons = reasons.get(key)
+        if not reasons:
+            return None
+    lead = ("Why it is likely contradicted here" if word == "contradicted"
+            else "Why it is likely not resolved here")
+    return f"{lead}: {reasons.strip()}"
+
+
 def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
     """(markdown, verdict) of one experiment."""
     doc = exp.doc
@@ -934,8 +990,9 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
         out.append(f"- **{mark}** — {check['claim'].strip()}{role}")
         out += [f"  - {line}" if not line.startswith("  ") else f"    - {line.strip()}"
                 for line in lines]
-        if word is not None and word != "holds" and check.get("if_not"):
-            out.append(f"  - Likely reason: {check['if_not'].strip()}")
+        reason = reason_for(check, word)
+        if reason:
+            out.append(f"  - {reason}")
     out.append("")
     if failures:
         out += ["**Failed runs:**", ""] + [f"- `{k}`: {v}" for k, v in sorted(failures.items())] \
@@ -953,7 +1010,7 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
 
 SECTION_RE = re.compile(r"<!-- reproduce:(\w+) (\{.*?\}) -->\n(.*?)<!-- /reproduce:\1 -->\n",
                         re.DOTALL)
-# sections measured by other means (e.g. the server optimisers' table): kept as they are,
+# sections measured by other means (a hand-measured table): kept as they are,
 # after the generated ones, when a run rewrites the file
 KEPT_RE = re.compile(r"<!-- kept:([\w-]+) -->\n.*?<!-- /kept:\1 -->\n", re.DOTALL)
 
@@ -1044,7 +1101,8 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
             lines.append(f"| **{name}**: {titles[name]} | {m} "
                          f"({format_duration(meta_m['wall_s'])}) | {scale} | {verdict} |")
     lines.append("")
-    lines.append("To run again: `python tools/reproduce.py --quick` (at most 5 minutes here) or "
+    lines.append("To run again: `python tools/reproduce.py --quick` (the smoke tier; its section "
+                 "gives its wall and CPU time) or "
                  "`python tools/reproduce.py` (the full run) or `python tools/reproduce.py "
                  "--long` (the CNN experiments, resumable: an interrupted invocation continues "
                  "with the runs it had not finished); `--only NAME` runs one experiment, "

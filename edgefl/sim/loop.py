@@ -109,7 +109,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
 
     def run_stopped(r):
         if pending is not None:        # the round before this one was aggregated: record it
-            add_evaluation(pending.record, engine.evaluate(pending.model))
+            add_evaluation(pending.record, engine.evaluate(pending.model, pending.state))
             finish(pending.record)
         return RunStopped(r, RunResult(state, client_states, history,
                                        strategy.global_model(state)), rounds)
@@ -142,7 +142,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
 
             def work_item(c, r=r, tasks=tasks, evaluating=evaluating, ahead=ahead):
                 if c is _EVALUATE:
-                    return engine.evaluate(evaluating.model)
+                    return engine.evaluate(evaluating.model, evaluating.state)
                 try:
                     update, new_state = strategy.train(tasks[c], clients[c], client_states.get(c))
                     if summing and tasks[c].upload:
@@ -202,7 +202,7 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
             if on_model is not None:
                 on_model(r, closed.model)
         if pending is not None:      # the run stopped early with a deferred evaluation
-            add_evaluation(pending.record, engine.evaluate(pending.model))
+            add_evaluation(pending.record, engine.evaluate(pending.model, pending.state))
             finish(pending.record)
     finally:
         if pool is not None:

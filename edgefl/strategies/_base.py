@@ -73,6 +73,12 @@ class Strategy:
         """The model to evaluate, export and checkpoint."""
         return state.buffers["params"]
 
+    def evaluated_members(self, state: State):
+        """Models besides the global one that a round's evaluation also scores (their test
+        accuracies go into the record as member_accuracy), as a sequence of flat parameter
+        buffers, or None (the default: only the global model is evaluated)."""
+        return None
+
     # ---------------------------------------------------------------- client half
     def train(self, task: Task, local_data: LocalData, client_state: State | None):
         """(Update, new client state) for one local round. `client_state` is None the first

@@ -157,6 +157,10 @@ class FedMR(Strategy):
     granularity: str = "tensor"
     seg_x: float = 0.0
     weighting: str = "uniform"
+    # the test accuracy of each of the K models at every evaluation (member_accuracy in the
+    # round records), to see whether the models or their mean fall behind FedAvg; K more
+    # evaluations per evaluated round, so off unless asked for
+    evaluate_models: bool = False
 
     def __post_init__(self):
         if isinstance(self.stage1_rounds, bool) or not isinstance(self.stage1_rounds, int) \
@@ -169,6 +173,9 @@ class FedMR(Strategy):
                      why="0 = per-unit FedMR, x in (0, 1] = FedMR-p x segments, "
                          "1 = Indep")
         check_choice("fedmr", "weighting", self.weighting, WEIGHTINGS)
+        if not isinstance(self.evaluate_models, bool):
+            raise StrategyError(f"strategy 'fedmr': evaluate_models = {self.evaluate_models!r} "
+                                f"must be true or false")
 
     def init(self, global_params, cfg):
         """L_m = K identical copies of the initial model (the paper's Algorithm 1 line 1 says
@@ -204,6 +211,13 @@ class FedMR(Strategy):
         metrics.update({"stage": 2, "permutations": perms.tolist()})
         return state.replace({"params": params, "models": models.reshape(-1)},
                              round=round, slots=len(clients)), metrics
+
+    def evaluated_members(self, state):
+        """The K models L_m once recombination has started (with evaluate_models); in
+        stage 1 they are copies of the global model and None is returned."""
+        if not self.evaluate_models or "models" not in state.buffers:
+            return None
+        return self.models(state)
 
     @staticmethod
     def models(state) -> np.ndarray:

@@ -175,21 +175,10 @@ class DUW(Strategy):
           `--set strategy.weights=...`.
         Environment lists of the wrong length raise StrategyError without a context and
         ConfigError naming `context.where` with one."""
-        given, context = context is not None, context or PrepareContext()
-        if context.clients_per_round is not None \
-                and context.clients_per_round != len(setup.clients):
-            raise ConfigError(f"{context.where}: clients_per_round: DUW needs every client in "
-                              f"every round (its table is indexed by client); set it to "
-                              f"partition.clients = {len(setup.clients)}")
+        self.check_environment(setup, context)
+        context = context or PrepareContext()
         data = sorted_clients(clients, setup)
         sizes = [d.num_samples for d in data]
-        try:                                  # per-client lists against this federation, now
-            self.epochs_of(setup)
-            self.upload_probs(setup)
-        except StrategyError as exc:
-            if not given:
-                raise
-            raise ConfigError(f"{context.where}: {exc}") from None
         if self.table is not None:
             return self
         if self.weights is not None:
@@ -207,6 +196,25 @@ class DUW(Strategy):
         if out is not None:
             save_weights(out, weights_document(trained, self, setup, context.record))
         return self.with_table(trained.table, sizes)
+
+    def check_environment(self, setup: Setup, context: PrepareContext | None) -> None:
+        """Before round 1, against this federation: every client takes part in every round
+        (clients_per_round), and the per-client lists (local_epochs, upload_prob) have one
+        entry per client. Raises StrategyError without a context and ConfigError naming
+        `context.where` with one. (DR-FedAvg, a subclass, runs in the same environment.)"""
+        if context is not None and context.clients_per_round is not None \
+                and context.clients_per_round != len(setup.clients):
+            who = "DUW" if self.name == "duw" else self.name
+            raise ConfigError(f"{context.where}: clients_per_round: {who} needs every client in "
+                              f"every round (its environment is indexed by client); set it to "
+                              f"partition.clients = {len(setup.clients)}")
+        try:
+            self.epochs_of(setup)
+            self.upload_probs(setup)
+        except StrategyError as exc:
+            if context is None:
+                raise
+            raise ConfigError(f"{context.where}: {exc}") from None
 
     def with_table(self, table: np.ndarray, num_samples: Sequence[int]) -> "DUW":
         """A copy using `table` (T x K) and the clients' sample counts."""
