@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
-from . import StrategyError, Update, check_choice, check_number, local_round, mean_train_loss
-from . import register, weighted_average
+from . import StrategyError, Update, check_choice, check_number, local_round, register
 from .duw import DUW
 from .duw.unrolled import sorted_clients
 
@@ -101,11 +100,7 @@ class DRFedAvg(DUW):
     def aggregate(self, round, updates, state):
         """(12) then (19) over every client in sorted id order; a client without an update
         contributes w^(t) (see the module docstring for its loss)."""
-        setup = self.setup(state)
-        stray = sorted(set(updates) - set(setup.clients))
-        if stray:
-            raise StrategyError(f"strategy 'drfedavg': updates from clients {stray} outside the "
-                                f"federation {list(setup.clients)}")
+        setup = self.federation_of(updates, state)
         missing = [c for c in sorted(updates) if START_LOSS not in updates[c].scalars]
         if missing:
             raise StrategyError(f"strategy 'drfedavg': the updates of clients {missing} carry no "
@@ -116,15 +111,7 @@ class DRFedAvg(DUW):
                   for c in setup.clients]
         sizes = self._sizes(setup.clients, updates)
         theta = dr_weights(sizes, losses, self.q)
-        current = state.buffers["params"]
-        buffers = [updates[c].buffers["params"] if c in updates else current
-                   for c in setup.clients]
-        params = weighted_average(buffers, theta)
-        metrics = {"train_loss": mean_train_loss(updates),
-                   "dropped": [c for c in setup.clients if c not in updates],
-                   "theta": [float(v) for v in theta],
-                   "start_loss": losses}
-        return state.replace({"params": params}, round=round), metrics
+        return self.weighted_step(round, updates, state, setup, theta, start_loss=losses)
 
     def _sizes(self, clients, updates) -> list:
         """N_k of every client: from its update, else from `prepare` (num_samples), else

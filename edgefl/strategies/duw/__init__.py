@@ -306,19 +306,28 @@ class DUW(Strategy):
     def aggregate(self, round, updates, state):
         """(19) over every client of the federation, in sorted id order; a client without an
         update contributes the current global model w^(t) with its full weight."""
+        setup = self.federation_of(updates, state)
+        return self.weighted_step(round, updates, state, setup, self.weights_of(round))
+
+    def federation_of(self, updates, state):
+        """The run's Setup, once every update is checked to come from its federation."""
         setup = self.setup(state)
         stray = sorted(set(updates) - set(setup.clients))
         if stray:
-            raise StrategyError(f"strategy 'duw': updates from clients {stray} outside the "
-                                f"federation {list(setup.clients)}")
-        theta = self.weights_of(round)
+            raise StrategyError(f"strategy '{self.name}': updates from clients {stray} outside "
+                                f"the federation {list(setup.clients)}")
+        return setup
+
+    def weighted_step(self, round, updates, state, setup, theta, **metrics):
+        """(19): sum_k theta_k w_k over every client in sorted id order, w^(t) standing in
+        for a client whose upload failed; `metrics` join the round's."""
         current = state.buffers["params"]
         buffers = [updates[c].buffers["params"] if c in updates else current
                    for c in setup.clients]
         params = weighted_average(buffers, theta)
         metrics = {"train_loss": mean_train_loss(updates),
                    "dropped": [c for c in setup.clients if c not in updates],
-                   "theta": [float(v) for v in theta]}
+                   "theta": [float(v) for v in theta], **metrics}
         return state.replace({"params": params}, round=round), metrics
 
     # ---------------------------------------------------------------- client half
