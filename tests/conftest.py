@@ -77,3 +77,19 @@ def _data_cache(tmp_path_factory):
         os.environ.pop("EDGEFL_CACHE_DIR", None)
     else:
         os.environ["EDGEFL_CACHE_DIR"] = saved
+
+
+# the digits data set and a softmax model for it, shared by the strategy, partition and
+# serving tests (imported when first asked for, so collecting the suite loads no data)
+@pytest.fixture(scope="module")
+def digits():
+    from edgefl.data import load_dataset
+
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def softmax(digits):
+    from edgefl.models import build_model
+
+    return build_model("softmax", digits.input_shape, digits.num_classes)

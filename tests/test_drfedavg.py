@@ -11,22 +11,10 @@ import numpy as np
 import pytest
 
 from edgefl import kernels
-from edgefl.data import load_dataset
-from edgefl.models import build_model
 from edgefl.sim import run_federation
 from edgefl.strategies import (LocalData, Setup, StrategyError, get_strategy,
                                weighted_average)
 from edgefl.strategies.drfedavg import dr_weights
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def softmax(digits):
-    return build_model("softmax", digits.input_shape, digits.num_classes)
 
 
 def label_skewed(ds, model, label_sets, sizes):

@@ -55,8 +55,6 @@ import yaml
 from edgefl import kernels, reference
 from edgefl.cli import main
 from edgefl.config import ConfigError
-from edgefl.data import load_dataset
-from edgefl.models import build_model
 from edgefl.runconfig import load_run_config
 from edgefl.sim import run_federation, simulate
 from edgefl.strategies import (LocalData, Setup, StrategyError, Task, Update,
@@ -70,16 +68,6 @@ from edgefl.strategies.duw import (Adam, hypergradient, initial_phi, initial_tab
 # ---------------------------------------------------------------------------------------
 # fixtures
 # ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def softmax(digits):
-    return build_model("softmax", digits.input_shape, digits.num_classes)
 
 
 def label_skew(ds, model, label_sets, per_client, seed=0):

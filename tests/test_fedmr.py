@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from edgefl import kernels
-from edgefl.data import load_dataset, partition
+from edgefl.data import partition
 from edgefl.models import build_model
 from edgefl.runs.prepare import local_datasets
 from edgefl.sim import run_federation
@@ -46,11 +46,6 @@ from edgefl.strategies.fedmr import (FedMR, draw_permutations, recombination_uni
                                      segment_ids)
 
 TRAIN = {"lr": 0.1, "batch_size": 32, "steps": 4}
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
 
 
 @pytest.fixture(scope="module")

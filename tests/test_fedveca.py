@@ -55,16 +55,6 @@ TRAIN = {"lr": 0.05, "batch_size": 32}
 
 
 @pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def softmax(digits):
-    return build_model("softmax", digits.input_shape, digits.num_classes)
-
-
-@pytest.fixture(scope="module")
 def non_iid(digits, softmax):
     """Case 2 of the paper's §IV-A3 on digits: client j holds digits {j, j+5}."""
     return local_datasets(digits, partition(digits, "mod", 5, 0), softmax)

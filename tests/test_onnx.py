@@ -209,11 +209,6 @@ DIGITS_KINDS = {
 
 
 @pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
 def digits_even_odd():
     return load_dataset("digits", binary="even-odd")
 

@@ -12,11 +12,6 @@ from edgefl.data.partition import dirichlet, label_noise, mod, quantity, shards
 
 
 @pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
 def synthetic():
     return load_dataset("synthetic", alpha=1.0, beta=1.0, clients=12, samples_per_client=60)
 

@@ -26,7 +26,7 @@ from edgefl import kernels
 from edgefl.attacks import AttackError, attack_section, malicious_clients, with_attack
 from edgefl.cli import main
 from edgefl.config import ConfigError
-from edgefl.data import load_dataset, partition
+from edgefl.data import partition
 from edgefl.models import build_model
 from edgefl.runconfig import load_run_config, run_config_from_mapping
 from edgefl.checkpoint import model_sha256
@@ -43,11 +43,6 @@ ROBUST_STRATEGIES = ("fedavg", "mfl", "fednova")
 # ---------------------------------------------------------------------------------------
 # fixtures: real local rounds on digits
 # ---------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
 
 @pytest.fixture(scope="module")
 def shards(digits):

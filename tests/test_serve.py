@@ -19,11 +19,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import yaml
 
 from edgefl.cli import main
-from edgefl.data import load_dataset
 from edgefl.export import export_onnx
 from edgefl.export.onnx import raw_inputs
 from edgefl.infer import Predictor
@@ -46,11 +44,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
 
 
 def export(path, digits, seed: int):

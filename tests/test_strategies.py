@@ -29,16 +29,6 @@ from edgefl.strategies.mfl import MFL
 # ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
-
-
-@pytest.fixture(scope="module")
-def softmax(digits):
-    return build_model("softmax", digits.input_shape, digits.num_classes)
-
-
-@pytest.fixture(scope="module")
 def evenodd():
     return load_dataset("digits", binary="even-odd")
 
