@@ -192,12 +192,8 @@ def test_experiment_files_load_in_every_tier(mode):
 
 def test_tiers_key_is_checked(tmp_path):
     R = _reproduce()
-    src = (REPO / "tools" / "experiments" / "fedveca.yaml").read_text(encoding="utf-8")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(src.replace("case1-iid:\n", "case1-iid:\n    tiers: [nightly]\n", 1),
-                   encoding="utf-8")
-    with pytest.raises(R.ExperimentError, match="tiers"):
-        R.load_experiment(str(bad), "quick")
+    _refused_with_edit(R, tmp_path, "case1-iid:\n", "case1-iid:\n    tiers: [nightly]\n",
+                       "tiers")
 
 
 def test_if_not_reason_follows_the_verdict(tmp_path):
@@ -212,11 +208,17 @@ def test_if_not_reason_follows_the_verdict(tmp_path):
     assert R.reason_for(split, V.CONTRADICTED).endswith(": went the other way")
     assert R.reason_for(split, V.UNRESOLVED).endswith(": too noisy")
     assert R.reason_for({"if_not": {"unresolved": "x"}}, V.CONTRADICTED) is None
+    _refused_with_edit(R, tmp_path, "    if_not: >\n", "    if_not:\n      failed: >\n",
+                       "if_not")
+
+
+def _refused_with_edit(R, tmp_path, old: str, new: str, match: str) -> None:
+    """fedveca.yaml with its first `old` made `new` is refused when it loads, naming `match`."""
     src = (REPO / "tools" / "experiments" / "fedveca.yaml").read_text(encoding="utf-8")
+    assert old in src, f"fedveca.yaml no longer holds {old!r}: the test edits nothing"
     bad = tmp_path / "bad.yaml"
-    bad.write_text(src.replace("    if_not: >\n", "    if_not:\n      failed: >\n", 1),
-                   encoding="utf-8")
-    with pytest.raises(R.ExperimentError, match="if_not"):
+    bad.write_text(src.replace(old, new, 1), encoding="utf-8")
+    with pytest.raises(R.ExperimentError, match=match):
         R.load_experiment(str(bad), "quick")
 
 
