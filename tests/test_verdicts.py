@@ -264,3 +264,57 @@ def test_resume_keeps_a_finished_run_and_reruns_a_changed_one(tmp_path):
     doc["stopped"] = "interrupted"
     summary.write_text(json.dumps(doc))
     assert not R.execute(changed).get("resumed")
+
+
+def test_derived_metrics_are_kept_so_a_run_needs_no_model_file(tmp_path):
+    """What the report reads from a model (here FedMR's K models and the global training
+    loss) is computed as the run ends and kept in reproduce.json: with model.npz deleted,
+    as in the committed long-tier runs, the run is still resumed and reported the same."""
+    import json
+    import os
+    R = _reproduce()
+    config = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 4},
+              "model": {"name": "softmax"}, "train": {"lr": 0.05, "batch_size": 32},
+              "strategy": {"name": "fedmr", "stage1_rounds": 0}, "rounds": 2,
+              "clients_per_round": 2, "seed": 0}
+    out = str(tmp_path / "run")
+    job = {"key": "t/s/fedmr/seed0", "out": out, "config": config, "threads": 1,
+           "resume": True, "derive": ("global_train_loss", "fedmr_models")}
+    assert R.execute(job)["ok"]
+    kept = json.loads((tmp_path / "run" / "reproduce.json").read_text())["derived"]
+    assert kept["global_train_loss"] == R.global_train_loss(out)
+    assert kept["fedmr_models"] == R.fedmr_model_accuracies(out)
+    assert len(kept["fedmr_models"]["models"]) == 2
+    os.remove(os.path.join(out, "model.npz"))
+    assert R.execute(job).get("resumed")
+    spec = R.Job("t", "s", "fedmr", 0, out, config, config, 1.0, job["derive"])
+    metrics = R.run_metrics(spec, [], ["global_train_loss"])
+    assert metrics["global_train_loss"] == kept["global_train_loss"]
+    assert f"{kept['fedmr_models']['global']:.4f}" in R.fedmr_model_lines([metrics], "fedmr")[0]
+    # a run kept before its derived metrics were recorded is run again, not reported blind
+    doc = json.loads((tmp_path / "run" / "reproduce.json").read_text())
+    del doc["derived"]
+    (tmp_path / "run" / "reproduce.json").write_text(json.dumps(doc))
+    assert not R.execute(job).get("resumed")
+
+
+def test_stop_after_starts_no_run_after_its_time_and_resume_continues(tmp_path):
+    """--stop-after ends a sitting: the runs not started are left for the next invocation,
+    which (with --resume) keeps the finished ones and runs only the rest."""
+    R = _reproduce()
+    config = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
+              "model": {"name": "softmax"}, "train": {"lr": 0.05, "batch_size": 32},
+              "rounds": 1}
+    jobs = [R.Job("t", "s", "a", seed, str(tmp_path / f"seed{seed}"), dict(config, seed=seed),
+                  dict(config, seed=seed)) for seed in range(5)]
+    import time
+    now = time.perf_counter
+    assert R.run_jobs(jobs, 1, lambda m: None, resume=True, stop_at=now()) == {}
+    assert R.run_jobs(jobs, 2, lambda m: None, resume=True, stop_at=now()) == {}
+    first = R.run_jobs(jobs[:2], 2, lambda m: None, resume=True, stop_at=now() + 600)
+    assert len(first) == 2 and all(st["ok"] for st in first.values())
+    second = R.run_jobs(jobs, 1, lambda m: None, resume=True)
+    assert len(second) == len(jobs)
+    assert {k for k, st in second.items() if st.get("resumed")} == set(first)
+    with pytest.raises(SystemExit):
+        R.main(["--stop-after", "0"])

@@ -48,7 +48,11 @@ each; results do not depend on the number of workers (simulate is deterministic 
 --resume (implied by --long) keeps every run an earlier invocation finished with the same
 config (OUT/.../reproduce.json records the config's SHA-256), so an interrupted invocation
 continues with the runs it had not finished; a run cut off half-way starts again from its
-first round (edgefl simulate has no mid-run resume).
+first round (edgefl simulate has no mid-run resume). --stop-after MINUTES ends a sitting
+cleanly: no run starts after that time. The long tier's run directories
+(runs/reproduce-long) are committed without their model.npz: what the report needs from a
+model (the global training loss, FedMR's K models' accuracies) is computed as the run ends
+and kept in its reproduce.json, so a sitting on a fresh clone continues the last one's.
 
 docs/results.md keeps one section per mode (quick, full, long), each stating the command, its
 wall time, CPU time and the machine; running one mode replaces only its section; a section
@@ -74,7 +78,7 @@ import shutil
 import sys
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -364,6 +368,10 @@ class Job:
     config: dict          # as written in the experiment (owners unresolved)
     resolved: dict        # what runs: owners resolved to the owner array
     cost: float = 1.0
+    # metrics the report needs from the run's model.npz, computed by the worker as the run
+    # ends and kept in reproduce.json, so a report needs no model file (the long tier's run
+    # directories are committed without them)
+    derive: tuple = ()
 
     @property
     def key(self) -> str:
@@ -386,8 +394,19 @@ def make_jobs(experiments: list, out_root: str) -> list:
                         raise ExperimentError(str(exc)) from None
                     jobs.append(Job(exp.name, setting, arm, seed,
                                     os.path.join(out_root, exp.name, setting, arm, f"seed{seed}"),
-                                    config, resolved, float(exp.arms[arm].get("cost", 1.0))))
+                                    config, resolved, float(exp.arms[arm].get("cost", 1.0)),
+                                    derived_metrics(exp, arm)))
     return jobs
+
+
+def derived_metrics(exp, arm: str) -> tuple:
+    """The DERIVED metrics a run of `arm` needs: the global training loss where the
+    experiment shows it, the K models' accuracies where a fedmr_models extra names the arm."""
+    wanted = ["global_train_loss"] if "global_train_loss" in exp.doc.get("columns", []) else []
+    if any(extra.get("kind") == "fedmr_models" and arm in _as_list(extra.get("arms"))
+           for extra in exp.doc.get("extras", [])):
+        wanted.append("fedmr_models")
+    return tuple(wanted)
 
 
 def config_digest(config: dict) -> str:
@@ -407,6 +426,8 @@ def finished_run(job: dict) -> dict | None:
         return None
     if done.get("config_sha256") != config_digest(job["config"]) or summary.get("stopped"):
         return None
+    if any(what not in done.get("derived", {}) for what in job.get("derive", ())):
+        return None   # finished before its derived metrics were kept: run it again
     return {"key": job["key"], "ok": True, "elapsed_s": done["elapsed_s"], "resumed": True,
             "final_accuracy": summary["final_accuracy"]}
 
@@ -430,10 +451,11 @@ def execute(job: dict) -> dict:
         # plot cost ~0.3 s a run, a tenth of the quick tier
         summary = simulate(config, job["out"], workers=job["threads"], progress=False,
                            stream=io.StringIO(), onnx=False, plot=False)
+        derived = {what: DERIVED[what](job["out"]) for what in job.get("derive", ())}
         elapsed = time.perf_counter() - started
         with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
             json.dump({"key": job["key"], "elapsed_s": elapsed,
-                       "config_sha256": config_digest(job["config"])}, f)
+                       "config_sha256": config_digest(job["config"]), "derived": derived}, f)
         return {"key": job["key"], "ok": True, "elapsed_s": elapsed,
                 "final_accuracy": summary["final_accuracy"]}
     except Exception:   # noqa: BLE001 -- any failure is reported per run; the others go on
@@ -441,11 +463,14 @@ def execute(job: dict) -> dict:
                 "error": traceback.format_exc(limit=4)}
 
 
-def run_jobs(jobs: list, workers: int, log, resume: bool = False) -> dict:
+def run_jobs(jobs: list, workers: int, log, resume: bool = False,
+             stop_at: float | None = None) -> dict:
     """{job key: status}; heavier jobs start first so the pool ends evenly. resume: runs
-    finished by an earlier invocation (same config) are kept."""
+    finished by an earlier invocation (same config) are kept. stop_at (a perf_counter
+    time): no run starts after it; the runs not started have no status."""
     order = sorted(jobs, key=lambda j: -j.cost)
     payloads = [{"key": j.key, "out": j.out, "config": j.resolved, "resume": resume,
+                 "derive": j.derive,
                  "threads": 1 if workers > 1 else (os.cpu_count() or 1)} for j in order]
     results = {}
     started = time.perf_counter()
@@ -460,17 +485,32 @@ def run_jobs(jobs: list, workers: int, log, resume: bool = False) -> dict:
         log(f"[{done:>{len(str(len(jobs)))}}/{len(jobs)}] {status['key']}: {what}, "
             f"{status['elapsed_s']:.1f} s (elapsed {time.perf_counter() - started:.0f} s)")
 
+    def stopping() -> bool:
+        return stop_at is not None and time.perf_counter() >= stop_at
+
     if workers <= 1:
         for payload in payloads:
+            if stopping():
+                break
             report(execute(payload))
         return results
     import multiprocessing
+    # at most `workers` runs handed out at a time, so that none starts after stop_at (a
+    # pool's own queue would have started the next ones already)
+    queued, running = iter(payloads), set()
     with ProcessPoolExecutor(max_workers=workers,
                              mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(execute, p) for p in payloads]
-        for future in as_completed(futures):
-            report(future.result())
-    return results
+        while True:
+            while len(running) < workers and not stopping():
+                payload = next(queued, None)
+                if payload is None:
+                    break
+                running.add(pool.submit(execute, payload))
+            if not running:
+                return results
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                report(future.result())
 
 
 # ---------------------------------------------------------------------------------------
@@ -535,9 +575,10 @@ def run_metrics(job: Job, targets: list, columns: list) -> dict:
     s, last = run.summary, run.history[-1]
     try:
         with open(os.path.join(job.out, "reproduce.json"), encoding="utf-8") as f:
-            elapsed = json.load(f)["elapsed_s"]
+            done = json.load(f)
+        elapsed, derived = done["elapsed_s"], done.get("derived", {})
     except (OSError, ValueError, KeyError):
-        elapsed = s.get("wall_s")
+        elapsed, derived = s.get("wall_s"), {}
     metrics = {
         "final_accuracy": s["final_accuracy"], "best_accuracy": s["best_accuracy"],
         "final_test_loss": s["final_loss"], "final_train_loss": last.get("train_loss"),
@@ -550,8 +591,8 @@ def run_metrics(job: Job, targets: list, columns: list) -> dict:
                     if h.get("member_accuracy")},
         "out": job.out, "seed": job.seed,
     }
-    if "global_train_loss" in columns:
-        metrics["global_train_loss"] = global_train_loss(job.out)
+    for what in job.derive:   # kept by the worker; runs from before that read model.npz
+        metrics[what] = derived[what] if what in derived else DERIVED[what](job.out)
     for t in targets:
         metrics[f"rounds_to:{t:g}"] = run.rounds_to(t)
     if "local_steps" in columns:
@@ -795,37 +836,47 @@ def duw_table_lines(runs: list) -> list:
 _TEST_CACHE: dict = {}
 
 
-def fedmr_model_lines(runs: list, arm: str) -> list:
-    """Test accuracy of FedMR's K individual models at the end against their mean (the
-    global model FedMR evaluates, the paper's Algorithm 1 line 11)."""
+def fedmr_model_accuracies(out: str) -> dict | None:
+    """Test accuracy of a finished FedMR run's global model and of its K individual models
+    at the end ({"global": a, "models": [a_1, ..., a_K]}), from its model.npz; None when the
+    checkpoint holds no recombined model list (stage 1 only)."""
     from edgefl import kernels
+    from edgefl.checkpoint import load_checkpoint
     from edgefl.config import dataset_from_config
     from edgefl.models import build_model
     from edgefl.runconfig import run_config_from_mapping
-    from edgefl.checkpoint import load_checkpoint
-    glob, mean_k, best_k = [], [], []
-    for r in runs:
-        ck = load_checkpoint(os.path.join(r["out"], "model.npz"))
-        if "state.models" not in ck:
-            return [f"{arm}: no recombined model list in the checkpoint (stage 1 only).", ""]
-        with open(os.path.join(r["out"], "summary.json"), encoding="utf-8") as f:
-            config = json.load(f)["config"]
-        key = json.dumps(config["dataset"], sort_keys=True)
-        if key not in _TEST_CACHE:
-            ds = dataset_from_config(run_config_from_mapping(config).as_config())
-            _TEST_CACHE[key] = ds
-        ds = _TEST_CACHE[key]
-        model = build_model(ck["model_spec"], ds.input_shape, ds.num_classes)
-        k = int(ck["state_meta"]["slots"])
-        models = ck["state.models"].reshape(k, -1)
-        accs = [kernels.evaluate(model, np.ascontiguousarray(m), ds.x_test, ds.y_test)["accuracy"]
-                for m in models]
-        glob.append(kernels.evaluate(model, ck["params"], ds.x_test, ds.y_test)["accuracy"])
-        mean_k.append(float(np.mean(accs)))
-        best_k.append(float(np.max(accs)))
+    ck = load_checkpoint(os.path.join(out, "model.npz"))
+    if "state.models" not in ck:
+        return None
+    with open(os.path.join(out, "summary.json"), encoding="utf-8") as f:
+        config = json.load(f)["config"]
+    key = json.dumps(config["dataset"], sort_keys=True)
+    if key not in _TEST_CACHE:
+        _TEST_CACHE[key] = dataset_from_config(run_config_from_mapping(config).as_config())
+    ds = _TEST_CACHE[key]
+    model = build_model(ck["model_spec"], ds.input_shape, ds.num_classes)
+    models = ck["state.models"].reshape(int(ck["state_meta"]["slots"]), -1)
+    return {"global": kernels.evaluate(model, ck["params"], ds.x_test, ds.y_test)["accuracy"],
+            "models": [kernels.evaluate(model, np.ascontiguousarray(m), ds.x_test,
+                                        ds.y_test)["accuracy"] for m in models]}
+
+
+# metric name -> f(run directory): what a worker computes from model.npz as a run ends
+DERIVED = {"global_train_loss": global_train_loss, "fedmr_models": fedmr_model_accuracies}
+
+
+def fedmr_model_lines(runs: list, arm: str) -> list:
+    """Test accuracy of FedMR's K individual models at the end against their mean (the
+    global model FedMR evaluates, the paper's Algorithm 1 line 11)."""
+    finals = [r.get("fedmr_models") or fedmr_model_accuracies(r["out"]) for r in runs]
+    if any(f is None for f in finals):
+        return [f"{arm}: no recombined model list in the checkpoint (stage 1 only).", ""]
+    k = len(finals[0]["models"])
     return [(f"{arm} at the last round, mean over seeds: the global model (mean of the K = "
-            f"{k} models) {np.mean(glob):.4f}; the K individual models {np.mean(mean_k):.4f} "
-            f"on average, best {np.mean(best_k):.4f}."), ""] + fedmr_member_curve(runs, arm)
+             f"{k} models) {np.mean([f['global'] for f in finals]):.4f}; the K individual "
+             f"models {np.mean([np.mean(f['models']) for f in finals]):.4f} on average, best "
+             f"{np.mean([max(f['models']) for f in finals]):.4f}."), ""] \
+        + fedmr_member_curve(runs, arm)
 
 
 def fedmr_member_curve(runs: list, arm: str, points: int = 8) -> list:
@@ -1012,6 +1063,11 @@ SECTION_RE = re.compile(r"<!-- reproduce:(\w+) (\{.*?\}) -->\n(.*?)<!-- /reprodu
                         re.DOTALL)
 # sections measured by other means (a hand-measured table): kept as they are,
 # after the generated ones, when a run rewrites the file
+# The long tier takes several sittings, each perhaps on another machine: its finished runs
+# are committed (.gitignore keeps out model.npz and the plots; reproduce.json holds what the
+# report needs from the model) so that --long on a fresh clone continues where the last
+# sitting stopped.
+KEPT_RUNS = "committed without model.npz, so a later sitting on another clone resumes them"
 KEPT_RE = re.compile(r"<!-- kept:([\w-]+) -->\n.*?<!-- /kept:\1 -->\n", re.DOTALL)
 
 
@@ -1034,8 +1090,9 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
             f"({m['wall_s']:.0f} s wall time, {m['runs']} runs, {m['workers']} worker "
             f"process{'es' if m['workers'] != 1 else ''}) on {m['cpus']} CPUs ({m['machine']}), "
             f"{load}; edgefl {m['edgefl']} ({m['backend']} backend), finished {m['date']}. "
-            f"Run directories: `{m['out']}` (not committed; `edgefl compare` reads them, and "
-            f"each setting has an overlay.png of seed 0)."), ""]
+            f"Run directories: `{m['out']}` ({KEPT_RUNS if mode == 'long' else 'not committed'}"
+            f"; `edgefl compare` reads them, and each setting has an overlay.png of seed 0)."),
+            ""]
     if m.get("resumed"):
         total = sum(st.get("elapsed_s", 0.0) for st in m.get("statuses", {}).values())
         head += [(f"This invocation resumed an interrupted one: {m['resumed']} of the "
@@ -1105,7 +1162,10 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
                  "gives its wall and CPU time) or "
                  "`python tools/reproduce.py` (the full run) or `python tools/reproduce.py "
                  "--long` (the CNN experiments, resumable: an interrupted invocation continues "
-                 "with the runs it had not finished); `--only NAME` runs one experiment, "
+                 "with the runs it had not finished, and `--stop-after MINUTES` ends a sitting "
+                 "cleanly; its finished runs are committed in `runs/reproduce-long`, so a "
+                 "sitting on a fresh clone continues the last one's); `--only NAME` runs one "
+                 "experiment, "
                  "`--seeds N` changes the number of seeds.")
     lines.append("")
     for m in modes:
@@ -1186,6 +1246,11 @@ def main(argv=None) -> int:
     parser.add_argument("--results", metavar="MD",
                         help="report to write (default: docs/results.md; OUT/results.md "
                              "with --only)")
+    parser.add_argument("--stop-after", type=float, metavar="MINUTES",
+                        help="start no run after MINUTES (the runs under way finish) and exit "
+                             "without a report if runs are left; the same command with "
+                             "--resume (implied by --long) continues with them: one sitting "
+                             "of a tier longer than a session")
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from OUT's run directories without running")
     args = parser.parse_args(argv)
@@ -1199,6 +1264,10 @@ def main(argv=None) -> int:
     results = args.results or (os.path.join(out, "results.md") if only else RESULTS)
     if args.workers < 1:
         parser.error(f"--workers {args.workers}: need at least 1")
+    if args.stop_after is not None and not args.stop_after > 0:
+        parser.error(f"--stop-after {args.stop_after:g}: need a positive number of minutes")
+    if args.stop_after is not None and args.report_only:
+        parser.error("--stop-after runs nothing with --report-only: choose one")
     if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: need at least 1")
     manifest_path = os.path.join(out, "manifest.json")
@@ -1247,7 +1316,15 @@ def main(argv=None) -> int:
         log(f"reproduce ({mode}): {len(experiments)} experiments, {len(jobs)} runs, "
             f"{args.workers} worker process(es), output in {out}")
         os.makedirs(out, exist_ok=True)
-        statuses = run_jobs(jobs, args.workers, log, resume)
+        stop_at = started + 60 * args.stop_after if args.stop_after is not None else None
+        statuses = run_jobs(jobs, args.workers, log, resume, stop_at)
+        left = len(jobs) - len(statuses)
+        if left:
+            again = "" if resume else " --resume"
+            log(f"stopped after {args.stop_after:g} min: {len(statuses)} of {len(jobs)} runs "
+                f"done, {left} left; no report written. The same command{again} continues "
+                f"with the {left} left.")
+            return 3
         import edgefl
         from edgefl import kernels
         flag = {"quick": " --quick", "long": " --long", "full": ""}[mode]
