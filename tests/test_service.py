@@ -492,6 +492,25 @@ def test_every_unit_runs_a_command_of_this_edgefl():
         assert args._command is COMMANDS[spec.command] and args.site == spec.site_path("%i")
 
 
+def test_a_launch_declares_only_its_own_subcommand(capsys):
+    """`edgefl simulate ...` builds simulate's arguments alone, so a simulation does not pay
+    for the service commands' settings modules (imported to show their defaults); every
+    subcommand is still listed by `edgefl --help` and parses in full when named."""
+    code = ("import sys; from edgefl.cli import build_parser; "
+            "a = build_parser(only='simulate').parse_args(['simulate', 'x.yaml', '--quiet']); "
+            "print(a.config, a.quiet, 'edgefl.service.layered' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["x.yaml", "True", "False"]
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in COMMANDS)
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])      # a service command's own arguments, in full
+    assert "ACTION" in capsys.readouterr().out
+
+
 def test_installer_site_file_is_what_the_unit_reads():
     for role, spec in inst.ROLE_UNITS.items():
         text = inst.render_unit(role, "/usr/bin/python3")

@@ -52,21 +52,28 @@ for _command in (runs.PARTITION, runs.SIMULATE, runs.DUW_TRAIN, runs.INFO, runs.
 del _command
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `edgefl`. only: declare the arguments of that subcommand alone (every
+    subcommand is still listed with its help): a launch runs one subcommand, and declaring
+    them all cost ~0.1 s of every launch, mostly the service commands importing their
+    settings modules to show the defaults."""
     parser = argparse.ArgumentParser(prog="edgefl",
                                      description="Federated learning for edge boards.")
     parser.add_argument("--version", action="version", version=f"edgefl {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS.values():
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
-        command.add_arguments(sub)
+        if only is None or command.name == only:
+            command.add_arguments(sub)
         sub.set_defaults(_command=command)
     return parser
 
 
 def main(argv=None) -> int:
     """Entry point of the `edgefl` console script; returns the exit status."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = argv[0] if argv and argv[0] in COMMANDS else None   # else: --help, --version, ...
+    parser = build_parser(only=named) if named else build_parser()
     args = parser.parse_args(argv)
     command = getattr(args, "_command", None)
     if command is None:
