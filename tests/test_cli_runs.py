@@ -240,3 +240,19 @@ def test_loading_export_and_plot_each_say_what_they_did(cwd, capsys):
     # --quiet: none of them
     assert main(["simulate", "tiny.yaml", "--workers", "1", "--out", "q", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_warning_is_one_line_naming_the_file_not_the_source(cwd):
+    """On the command line a warning (here the old `fleet:` key) is one line for the user,
+    naming the run config and the key, not the edgefl source line that raised it."""
+    import subprocess
+    import sys
+    config = {**TINY, "fleet": {"rpi4": 1.0}}
+    (cwd / "old.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "edgefl.cli", "simulate", "old.yaml",
+                           "--quiet", "--no-plot", "--no-export", "--workers", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "edgefl: warning: old.yaml: fleet: is deprecated, rename it sim_fleet: (the simulated "
+        "fleet of the virtual clock; `edgefl fleet` is another thing) (FutureWarning)"]

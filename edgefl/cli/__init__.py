@@ -26,6 +26,7 @@ import argparse
 import os
 import select
 import sys
+import warnings
 
 from .. import __version__
 from . import ctl, dashboard, fleet, keys, runs, service
@@ -97,12 +98,19 @@ def console_main(argv=None) -> int:
     status 141 when the reader of stdout has gone (`edgefl predict ... | head -3`). A stopped
     role or simulation returns from main() normally: its training threads stop within one
     local step (kernels.StopFlag) and are joined, so none is left inside the C core."""
+    warnings.formatwarning = _format_warning
     try:
         code = main(argv)
         sys.stdout.flush()      # output still buffered meets a closed pipe here, not at exit
     except BrokenPipeError:
         code = _closed_pipe()
     return code
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning on the command line is one line for the user (edgefl's name the file and
+    key concerned), not the Python source line that raised it."""
+    return f"edgefl: warning: {message} ({category.__name__})\n"
 
 
 def _stdout_closed() -> bool:
