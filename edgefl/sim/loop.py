@@ -174,10 +174,13 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
                 finish(evaluating.record)
                 results = results[1:]
             updates, contributions = {}, {}
+            uploaders = plan.uploaders
             for c, (update, new_state, contribution) in zip(order, results):
                 if new_state is not None or c in client_states:
                     client_states[c] = new_state
-                if engine.accept_upload(plan, c, update):
+                # (an uploader's update is accepted as it is: accept_upload only refuses
+                # buffers from the others)
+                if c in uploaders or engine.accept_upload(plan, c, update):
                     updates[c] = update
                     contributions[c] = contribution
             timing = dict(train_wall_s=train_wall, elapsed_before=plan.started - started,
