@@ -1,5 +1,4 @@
-"""Allocator settings for processes that move multi-megabyte frames (the MQTT roles), or
-free a round's worth of client models every round (the in-process simulation, sim.loop).
+"""Allocator settings for processes that move multi-megabyte frames (the MQTT roles).
 
 Every round an aggregator reassembles one frame per client and a client one model, each a
 fresh bytes object of 4 bytes per parameter, and frees them a round later. glibc serves

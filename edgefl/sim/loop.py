@@ -20,7 +20,6 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .._malloc import keep_frames_in_heap
 from ..errors import NonFiniteError, RunStopped, TrainingStopped, budget_stop
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks
 from ..privacy.hooks import task_generator
@@ -74,11 +73,6 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
     round in progress is dropped.
     """
     rounds = setup.rounds if rounds is None else rounds
-    # every round each trained client's new model is a fresh buffer, all freed when the next
-    # round closes: with glibc's default trim threshold the heap top they sat in went back to
-    # the OS and the next round page-faulted it in again, ~9 us a client of a 1,000-client
-    # round of 6-image shards (issue 19, item 1); kept in the heap, the next round reuses it
-    keep_frames_in_heap()
     covers = getattr(clients, "covers", None)       # runs.prepare.ShardClients: no set of N
     missing = [] if covers is not None and covers(setup.clients) else \
         sorted(set(setup.clients) - set(clients))
@@ -203,6 +197,10 @@ def run_federation(strategy: Strategy, init_params: np.ndarray, clients: Mapping
             except BudgetExhausted as exc:
                 stopped = budget_stop(exc, r, rounds)
                 break
+            # the round's client models are aggregated: free them now, not when the next
+            # round's replace them, so that round's training reuses their memory instead of
+            # growing the heap to two rounds' worth (1,000 clients: 31 MB of page faults)
+            results = updates = contributions = None
             state = closed.state
             if closed.evaluation_pending:
                 pending = closed
