@@ -535,8 +535,10 @@ class Samples:
         """Samples start..stop-1 of this checked set, as views and without a check: rows of
         checked arrays are checked (a simulation checks its whole training set once and
         hands each client its shard this way, edgefl.runs.prepare.ShardClients)."""
-        start, stop = int(start), int(stop)
-        if not 0 <= start < stop <= self.n:
+        # once per client trained per round (ShardClients): ints pass as they are
+        if type(start) is not int or type(stop) is not int:
+            start, stop = int(start), int(stop)
+        if not 0 <= start < stop <= self.x.shape[0]:
             raise KernelError(f"Samples.rows: {start}..{stop} is not a non-empty range of "
                               f"the {self.n} samples")
         out = object.__new__(Samples)
