@@ -167,8 +167,10 @@ class UploadTotals:
         """The totals of `updates` aggregated with these strategy `metrics`: train_loss is
         the strategy's metric of that name (e.g. over the updates a robust aggregation
         accepted), else the mean over the uploaders' local steps (`mean_train_loss`)."""
-        return cls(sum(u.nbytes for u in updates.values()),
-                   metrics["train_loss"] if "train_loss" in metrics
+        nbytes = 0          # (a loop, not sum over a generator: one term per client)
+        for u in updates.values():
+            nbytes += u.nbytes
+        return cls(nbytes, metrics["train_loss"] if "train_loss" in metrics
                    else mean_train_loss(updates))
 
 

@@ -189,7 +189,10 @@ class Task:
     @property
     def nbytes(self) -> int:
         """float32 bytes of the buffers this task sends down."""
-        return sum(b.nbytes for b in self.buffers.values())
+        total = 0           # (a loop, not sum over a generator: read once per client a round)
+        for b in self.buffers.values():
+            total += b.nbytes
+        return total
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,10 @@ class Update:
     @property
     def nbytes(self) -> int:
         """float32 bytes of the buffers this update sends up."""
-        return sum(b.nbytes for b in self.buffers.values())
+        total = 0           # (a loop, not sum over a generator: read once per client a round)
+        for b in self.buffers.values():
+            total += b.nbytes
+        return total
 
 
 @dataclass(frozen=True)
