@@ -81,6 +81,7 @@ def check_run_backend(client_rounds: int, where: str, stream=None) -> None:
 
 _DTYPES = {t: np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.uint16,
                                      np.int8)}
+_F32 = _DTYPES[np.float32]
 
 
 def check_array(name: str, a, dtype, *, size: int | None = None, ndim: int | None = None,
@@ -534,8 +535,10 @@ class Samples:
         """Samples start..stop-1 of this checked set, as views and without a check: rows of
         checked arrays are checked (a simulation checks its whole training set once and
         hands each client its shard this way, edgefl.runs.prepare.ShardClients)."""
-        start, stop = int(start), int(stop)
-        if not 0 <= start < stop <= self.n:
+        # once per client trained per round (ShardClients): ints pass as they are
+        if type(start) is not int or type(stop) is not int:
+            start, stop = int(start), int(stop)
+        if not 0 <= start < stop <= self.x.shape[0]:
             raise KernelError(f"Samples.rows: {start}..{stop} is not a non-empty range of "
                               f"the {self.n} samples")
         out = object.__new__(Samples)
@@ -666,7 +669,12 @@ def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, g
     if stop is not None and not isinstance(stop, StopFlag):
         raise KernelError(f"stop: need an edgefl.kernels.StopFlag, got {type(stop).__name__}")
     model = data.model
-    _check_params(model, params, writable=True)
+    # once per client per round: the usual params (a fresh private float32 buffer) pass
+    # these tests, which are check_array's, without its call; anything else gets its message
+    if not (type(params) is np.ndarray and params.dtype is _F32
+            and params.size == model.n_params and (flags := params.flags).c_contiguous
+            and flags.writeable):
+        _check_params(model, params, writable=True)
     if cfg.get("momentum", 0.0) and momentum is None:
         raise KernelError("momentum: a momentum buffer is required when momentum > 0")
     if cfg.get("prox_mu", 0.0):

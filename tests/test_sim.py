@@ -228,6 +228,76 @@ def test_deferred_evaluation_gives_every_round_its_own_accuracy_in_order(tmp_pat
     assert runs[1] == runs[3]
 
 
+@pytest.mark.parametrize("alone_below", [0.0, 1.0, "switch"])
+def test_the_calling_thread_alone_or_the_pool_give_the_same_rounds(tmp_path, monkeypatch,
+                                                                   alone_below):
+    """sim.loop._Pace: clients cheaper than ALONE_BELOW train on the calling thread alone,
+    others on the pool, and a run may switch in the middle of its first round; every way
+    ends with the one-thread run's model and records (timings aside)."""
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import loop, run_federation
+    config = load_run_config(write(tmp_path, small(eval_every=1)))
+    run = prepare_run(config, workers=1, progress=False)
+    test = (run.dataset.x_test, run.dataset.y_test)
+
+    def rounds(workers):
+        result = run_federation(run.strategy, run.init_params, run.clients, run.setup,
+                                config.clients_per_round, test=test, workers=workers)
+        timing = ("wall_s", "train_wall_s", "elapsed_s")
+        return result.model_sha256, [{k: v for k, v in rec.items() if k not in timing}
+                                     for rec in result.history]
+
+    one = rounds(1)
+    decided = []
+    probe = loop._Pace.probe
+
+    def watched(self, fn, items):
+        out = probe(self, fn, items)
+        decided.append((self.alone, len(out), len(items)))
+        return out
+    monkeypatch.setattr(loop._Pace, "probe", watched)
+    if alone_below == "switch":   # each client "takes" 1 s: the budget of 2 runs out at the 2nd
+        ticks = iter(range(1_000_000))
+        monkeypatch.setattr(loop._Pace, "clock", staticmethod(lambda: float(next(ticks))))
+        monkeypatch.setattr(loop._Pace, "PROBE", 4)
+        monkeypatch.setattr(loop._Pace, "ALONE_BELOW", 0.5)
+    else:
+        monkeypatch.setattr(loop._Pace, "ALONE_BELOW", alone_below)
+        monkeypatch.setattr(loop._Pace, "PROBE", 1_000_000 if alone_below else 1)
+    assert rounds(3) == one
+    if alone_below == 1.0:        # never decided: every round timed on the calling thread
+        assert all(alone is None and done == n for alone, done, n in decided)
+    else:                         # decided for the pool in round 1, after 1 or 2 clients
+        assert len(decided) == 1 and decided[0][0] is False
+        assert decided[0][1] == (2 if alone_below == "switch" else 1) < decided[0][2]
+
+
+@pytest.mark.parametrize("alone_below", [0.0, 1.0])
+def test_a_failing_client_is_named_alike_on_the_calling_thread_or_the_pool(
+        tmp_path, monkeypatch, alone_below):
+    """Whichever thread trains them, the error raised names the first failing client in
+    sorted order, as with one thread."""
+    from edgefl.errors import NonFiniteError
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import loop, run_federation
+    from edgefl.strategies import select_clients
+    config = load_run_config(write(tmp_path, small()))
+    run = prepare_run(config, workers=1, progress=False)
+    monkeypatch.setattr(loop._Pace, "ALONE_BELOW", alone_below)
+    monkeypatch.setattr(loop._Pace, "PROBE", 1_000_000 if alone_below else 1)
+    selected = select_clients(run.setup.seed, 1, run.setup.clients, config.clients_per_round)
+    train = type(run.strategy).train
+
+    def failing(self, task, data, state):         # all of round 1's clients but the first
+        if data.client in selected[1:]:
+            raise NonFiniteError(0, "boom")
+        return train(self, task, data, state)
+    monkeypatch.setattr(type(run.strategy), "train", failing)
+    with pytest.raises(NonFiniteError, match=f"round 1, client {selected[1]}: "):
+        run_federation(run.strategy, run.init_params, run.clients, run.setup,
+                       config.clients_per_round, workers=3)
+
+
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("how", ["between-rounds", "mid-training"])
 def test_a_stop_ends_the_run_with_the_rounds_done_recorded(tmp_path, workers, how):

@@ -53,9 +53,8 @@ class Strategy:
 
     def configure(self, round: int, clients: Sequence[int], state: State) -> dict:
         """{client: Task} for round `round`; `clients` are the selected clients."""
-        setup = self.setup(state)
-        shared = {"params": state.buffers["params"]}
-        return {c: Task(round, shared, self.local_config(setup, round, c)) for c in sorted(clients)}
+        return Task.shared(round, {"params": state.buffers["params"]},
+                           self.local_configs(self.setup(state), round, clients))
 
     def aggregate(self, round: int, updates: Mapping[int, Update], state: State):
         """(new state, metrics) from the uploads of round `round`."""
@@ -109,6 +108,24 @@ class Strategy:
             cfg.update(overrides)
             return kernels.train_config(**cfg)
         return cfg
+
+    @staticmethod
+    def local_configs(setup: Setup, round: int, clients, **overrides) -> dict:
+        """{client: local_config(setup, round, client, **overrides)} for `clients`, in sorted
+        order: the round's shared part made (and, with overrides, validated) once, then one
+        dict per client that differs only in its seed (valid by construction). The same
+        dicts as a local_config call per client, for a round of many clients."""
+        base, prefix = _round_base(setup, round)
+        if overrides:
+            base = dict(base)
+            base.update(overrides)
+            base = kernels.train_config(**base)
+        configs = {}
+        for c in sorted(clients):
+            cfg = dict(base)
+            cfg["seed"] = _seed_of(prefix, c)
+            configs[c] = cfg
+        return configs
 
     def hyperparameters(self) -> dict:
         """The hyper-parameters this instance was built with (extension fields only when

@@ -110,5 +110,7 @@ def select_clients(seed: int, round: int, clients: Sequence[int], m: int,
         return list(clients)
     key = (int(seed), _SELECT_STREAM, int(round)) + ((int(draw),) if draw else ())
     rng = np.random.default_rng(key)
-    picked = rng.choice(len(clients), size=m, replace=False)
-    return sorted(clients[int(i)] for i in picked)
+    picked = rng.choice(len(clients), size=m, replace=False).tolist()
+    if isinstance(clients, range):        # clients[i] is start + i: no lookup per client
+        return sorted([i + clients.start for i in picked] if clients.start else picked)
+    return sorted(clients[i] for i in picked)

@@ -124,11 +124,9 @@ class FedBuff(Strategy):
 
     # ---------------------------------------------------------------- server half
     def configure(self, round, clients, state):
-        setup = self.setup(state)
-        shared = {"params": state.buffers["params"]}
-        version = {"version": int(state.meta["round"])}
-        return {c: Task(round, shared, self.local_config(setup, round, c), scalars=version)
-                for c in sorted(clients)}
+        return Task.shared(round, {"params": state.buffers["params"]},
+                           self.local_configs(self.setup(state), round, clients),
+                           scalars={"version": int(state.meta["round"])})
 
     def aggregate(self, round, updates, state: State):
         current = int(state.meta["round"])

@@ -60,10 +60,9 @@ class FedProx(FedAvg):
         return super().init(global_params, cfg)
 
     def configure(self, round, clients, state):
-        setup = self.setup(state)
-        shared = {"params": state.buffers["params"]}
-        return {c: Task(round, shared, self.local_config(setup, round, c, prox_mu=self.mu))
-                for c in sorted(clients)}
+        return Task.shared(round, {"params": state.buffers["params"]},
+                           self.local_configs(self.setup(state), round, clients,
+                                              prox_mu=self.mu))
 
     def aggregate(self, round, updates, state):
         if self.robust is None:

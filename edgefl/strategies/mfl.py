@@ -69,10 +69,9 @@ class MFL(Strategy):
         return state.replace({"momentum": np.zeros_like(state.buffers["params"])})
 
     def configure(self, round, clients, state):
-        setup = self.setup(state)
         shared = {"params": state.buffers["params"], "momentum": state.buffers["momentum"]}
-        return {c: Task(round, shared, self.local_config(setup, round, c, momentum=self.gamma))
-                for c in sorted(clients)}
+        return Task.shared(round, shared, self.local_configs(self.setup(state), round, clients,
+                                                             momentum=self.gamma))
 
     def aggregate(self, round, updates, state):
         if self.robust is not None:
