@@ -130,6 +130,11 @@ class ClientSettings:
     # come on its own task/<client> topic alone, from an aggregator with task_topics on (a
     # simulated fleet, where most clients are idle most rounds: docs/protocol.md section 1)
     follow_round: bool = True
+    # round_status False: no status after each trained round. That status only moves
+    # `last_round` on (the dashboard's and `edgefl fleet`'s column); the aggregator acts on
+    # `online`, `need_model` and `refused` alone, all still published. For a simulated fleet,
+    # where it was a quarter of a tasked client's messages (docs/scaling.md)
+    round_status: bool = True
 
     def __post_init__(self):
         validate_id(self.node_id, "client id")
@@ -811,7 +816,8 @@ class Client:
             self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
                                             name=f"edgefl-save-{self.node}", daemon=True)
             self._writer.start()
-        self._publish_status()
+        if self.settings.round_status:
+            self._publish_status()
         log.debug("%s: round %d done (%.3f s training%s)", self.node, r, job.train_s,
                   ", uploaded" if frame is not None else ", nothing to upload")
 

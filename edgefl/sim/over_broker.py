@@ -138,12 +138,16 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         # state_dir given its directory is deleted with the run: in memory only.
         keep_progress = state_dir is not None
 
+        # round_status False: no status after each trained round (it only moves `last_round`
+        # on, which nobody watches in a simulation); a tasked client's messages are then its
+        # task and model in, its update out
         def make_clients(indices, client_stop, slots, loop, pool) -> list:
             announcements = AnnouncementCache()      # each announcement parsed once
             return [Client(ClientSettings(ids[c], federation, max_payload=max_payload,
                                           compression=compression, exit_when_finished=True,
                                           raise_on_error=True, keep_progress=keep_progress,
-                                          follow_round=not task_topics),
+                                          follow_round=not task_topics,
+                                          round_status=False),
                            (run.clients[c].x, run.clients[c].y), transport(ids[c], loop),
                            os.path.join(root, ids[c]), stop=client_stop, train_slots=slots,
                            announcements=announcements, train_pool=pool)
