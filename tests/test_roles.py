@@ -530,6 +530,57 @@ def test_each_tasked_clients_copy_is_named_in_its_task_and_taken_without_a_hash(
     assert sum(c.stats["trained"] for c in clients) == 2 and hashed == []
 
 
+def test_a_task_carried_in_the_copy_of_the_model_is_taken_as_if_on_its_own_topic(
+        tmp_path, monkeypatch):
+    """task_in_copy (a simulated fleet's aggregator): a tasked client's task travels in its
+    copy of the global model (the scalar "task"), not on task/<client>: one message a tasked
+    client. A client that follows only its own topics takes it from the copy, without a
+    hash (the task names the copy's frame), and the run ends with the in-process model;
+    task/<client> carries only the run's end."""
+    from edgefl.roles import client as client_module
+
+    hashed = []
+    real = client_module.buffers_sha256
+    monkeypatch.setattr(client_module, "buffers_sha256",
+                        lambda buffers: hashed.append(1) or real(buffers))
+    config = load_small_run(tmp_path, rounds=3, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=20, task_topics=True,
+                                    task_in_copy=True),
+        client_settings={"follow_round": False}, start_clients=False)
+    watcher = broker.transport("watcher")
+    watcher.connect()
+    watcher.subscribe(Topics("fed").subscription("task"))
+    watcher.subscribe(Topics("fed").subscription("client_model"))
+    for t in threads:
+        t.start()
+    # a copy is not retained: the clients listen before the run starts, as a simulation's do
+    topics = Topics("fed")
+    wait_for(lambda: all(topics.secure_to(c.node) in c.transport.subscriptions
+                         for c in clients), what="every client subscribed")
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)          # every client heard of the end
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert [h["closed_by"] for h in result.history] == ["all"] * 3
+    tasks, copies = [], []
+    while (item := watcher.receive(timeout=0)) is not None:
+        if isinstance(item, Message) and item.payload:
+            (copies if "/model/" in item.topic else tasks).append(item.payload)
+    assert tasks and all(json.loads(p)["finished"] for p in tasks)      # only the run's end
+    assert len(copies) == 3
+    for payload in copies:
+        task = json.loads(wire.peek_scalars(payload)["task"])
+        (node, entry), = task["tasks"].items()
+        assert int(entry["model_frame"], 16) == wire.read_header(payload).message_id
+    assert sum(c.stats["trained"] for c in clients) == 3 and hashed == []
+
+
 def test_overlapped_evaluation_gives_the_same_records_and_survives_a_restart(tmp_path):
     """overlap_evaluation (a simulated fleet's aggregator): a round's evaluation runs while
     the next round does. The records, test metrics included, and the model are the ones in

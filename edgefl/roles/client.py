@@ -671,6 +671,15 @@ class Client:
             return
         frame_round = peek[0]
         current = int(self.ann["round"]) if self.ann and not self.ann.get("finished") else 0
+        if kind == "client_model" and (self.ann is None or frame_round > current):
+            # our copy of a round we have no task of yet: it may carry the task (an
+            # aggregator's task_in_copy; docs/protocol.md section 1), taken as if it had
+            # come on task/<client>
+            task = _carried_task(payload)
+            if task is not None:
+                self._on_announcement(task)
+                current = int(self.ann["round"]) if self.ann and not self.ann.get("finished") \
+                    else 0
         if self.ann is None or frame_round > current:
             self._keep_early(kind, payload)         # its announcement has not come yet
             return
@@ -957,3 +966,13 @@ def _save_signed_at(state_dir: str, at: float, run: str) -> None:
         log.warning("the signing time of the followed announcement was not stored (%s): "
                     "after a restart, an older one replayed is refused only by its run and "
                     "round", exc)
+
+
+def _carried_task(payload) -> bytes | None:
+    """The task a copy of the model carries (its scalar "task", from an aggregator with
+    task_in_copy), or None: no task, a chunk, or a frame the full checks will refuse."""
+    try:
+        task = wire.peek_scalars(payload).get("task")
+    except wire.FrameError:
+        return None
+    return task.encode("utf-8") if isinstance(task, str) else None

@@ -175,10 +175,13 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             # after the fork: a child has no copy of this loop or its thread
             network = NetworkLoop(name=f"edgefl-{federation}-net")
         # overlap_evaluation: a round's test-set evaluation runs while the next round does,
-        # as run_federation's does (its record then reaches on_round a round later, as there)
+        # as run_federation's does (its record then reaches on_round a round later, as there).
+        # task_in_copy: a tasked client's task comes in its copy of the model, not on its
+        # own (every client here is this version: docs/protocol.md section 1)
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
                                       max_payload=max_payload, compression=compression,
-                                      task_topics=task_topics, overlap_evaluation=True)
+                                      task_topics=task_topics, overlap_evaluation=True,
+                                      task_in_copy=True)
 
         def after_round(record, history):
             if on_round is not None:
