@@ -1180,14 +1180,14 @@ class Aggregator:
         return self.open.round_plan.upload_refusal(self.members[node], node)
 
     def _on_status(self, node: str, payload: bytes) -> None:
-        if not payload:
-            return                               # a cleared retained status
+        if not payload or node not in self.senders:
+            # a cleared retained status; or not a member's (our own, twice a round, comes
+            # back on status/+ too): not parsed
+            return
         try:
             doc = parse_status(payload, node)
         except MessageError as exc:
             log.warning("ignored status on %s: %s", self.topics.status(node), exc)
-            return
-        if node not in self.senders:
             return
         before = self.online.get(node)
         now_online = doc["online"]
