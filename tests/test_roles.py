@@ -581,6 +581,34 @@ def test_a_task_carried_in_the_copy_of_the_model_is_taken_as_if_on_its_own_topic
     assert sum(c.stats["trained"] for c in clients) == 3 and hashed == []
 
 
+def test_a_lost_copy_carrying_its_task_costs_a_deadline_not_the_run(tmp_path):
+    """task_in_copy: the copy is not retained, so a lost one leaves its client without the
+    task. The round's deadline re-announces it, and that task goes on task/<client>
+    (retained); the client then takes its copy (re-sent) as the model of a task it already
+    has. The run ends with the in-process model."""
+    config = load_small_run(tmp_path, rounds=3, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker(drop_rate=0.5, faults_on=Topics("fed").subscription("client_model"),
+                            seed=3)
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=1.5, task_topics=True,
+                                    task_in_copy=True, resend_interval_s=0.2),
+        client_settings={"follow_round": False, "model_wait_s": 0.3}, start_clients=False)
+    for t in threads:
+        t.start()
+    topics = Topics("fed")
+    wait_for(lambda: all(topics.secure_to(c.node) in c.transport.subscriptions
+                         for c in clients), what="every client subscribed")
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert broker.stats["dropped"] > 0
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert sum(h["announcements"] for h in result.history) > 3     # some round re-announced
+
+
 def test_overlapped_evaluation_gives_the_same_records_and_survives_a_restart(tmp_path):
     """overlap_evaluation (a simulated fleet's aggregator): a round's evaluation runs while
     the next round does. The records, test metrics included, and the model are the ones in
