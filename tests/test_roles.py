@@ -530,13 +530,15 @@ def test_each_tasked_clients_copy_is_named_in_its_task_and_taken_without_a_hash(
     assert sum(c.stats["trained"] for c in clients) == 2 and hashed == []
 
 
+@pytest.mark.parametrize("max_payload", [128 * 1024, 1024], ids=["whole", "chunked"])
 def test_a_task_carried_in_the_copy_of_the_model_is_taken_as_if_on_its_own_topic(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, max_payload):
     """task_in_copy (a simulated fleet's aggregator): a tasked client's task travels in its
     copy of the global model (the scalar "task"), not on task/<client>: one message a tasked
     client. A client that follows only its own topics takes it from the copy, without a
     hash (the task names the copy's frame), and the run ends with the in-process model;
-    task/<client> carries only the run's end."""
+    task/<client> carries only the run's end. A copy split into chunks carries no task that
+    can be read before its last chunk: its task goes on task/<client> too, after it."""
     from edgefl.roles import client as client_module
 
     hashed = []
@@ -550,8 +552,9 @@ def test_a_task_carried_in_the_copy_of_the_model_is_taken_as_if_on_its_own_topic
     _, aggregator, clients, threads = fleet(
         tmp_path, config, broker,
         settings=AggregatorSettings(federation="fed", round_timeout_s=20, task_topics=True,
-                                    task_in_copy=True),
-        client_settings={"follow_round": False}, start_clients=False)
+                                    task_in_copy=True, max_payload=max_payload),
+        client_settings={"follow_round": False, "max_payload": max_payload},
+        start_clients=False)
     watcher = broker.transport("watcher")
     watcher.connect()
     watcher.subscribe(Topics("fed").subscription("task"))
@@ -572,13 +575,16 @@ def test_a_task_carried_in_the_copy_of_the_model_is_taken_as_if_on_its_own_topic
     while (item := watcher.receive(timeout=0)) is not None:
         if isinstance(item, Message) and item.payload:
             (copies if "/model/" in item.topic else tasks).append(item.payload)
+    assert sum(c.stats["trained"] for c in clients) == 3 and hashed == []
+    if max_payload < 128 * 1024:
+        assert len(copies) > 3 and sum(not json.loads(p).get("finished") for p in tasks) == 3
+        return
     assert tasks and all(json.loads(p)["finished"] for p in tasks)      # only the run's end
     assert len(copies) == 3
     for payload in copies:
         task = json.loads(wire.peek_scalars(payload)["task"])
         (node, entry), = task["tasks"].items()
         assert int(entry["model_frame"], 16) == wire.read_header(payload).message_id
-    assert sum(c.stats["trained"] for c in clients) == 3 and hashed == []
 
 
 def test_a_lost_copy_carrying_its_task_costs_a_deadline_not_the_run(tmp_path):

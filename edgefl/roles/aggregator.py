@@ -701,7 +701,8 @@ class Aggregator:
         if to_each:
             # the copies are made before the announcement, which names each one's frame:
             # the client takes it by its id instead of hashing it (docs/protocol.md). A
-            # copy that carries its task is made after it, with the id named in advance.
+            # copy that carries its task is made after it, as it is sent, under the id
+            # named in advance.
             for node, task in sorted(o.node_tasks.items()):
                 if task.source != "global":
                     continue
@@ -733,23 +734,25 @@ class Aggregator:
             doc = self.signer.sign_doc(doc, "announce", self.ckpt.run_id, o.round)
         o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
-        carried = set()
-        for node, message_id in carry.items():
-            downlink = self._copy(node, task=self._task_payload(unsigned, node),
-                                  message_id=message_id)
-            if len(downlink.payloads) == 1:     # (chunks: the task is not read before the end)
-                carried.add(node)
         if s.task_topics:
-            self._publish_tasks(unsigned, skip=carried)
+            self._publish_tasks(unsigned, [n for n in sorted(o.node_tasks) if n not in carry])
         if to_each:
             # A few of many tasked: each its own copy (not retained) instead of the global
             # topic, which every client of the federation receives and drops unless tasked:
             # at 100 clients, 10 a round, ninety drops were half of a round through
             # Mosquitto. The client takes its copy by the frame id its task names.
             glob.retained = False            # (an online-again client is re-sent its copy)
+            chunked = []
             for node, task in sorted(o.node_tasks.items()):
+                if node in carry:
+                    # built as it is sent: the first client starts while the next is encoded
+                    if len(self._copy(node, task=self._task_payload(unsigned, node),
+                                      message_id=carry[node]).payloads) > 1:
+                        chunked.append(node)    # (its task is not read before the last chunk)
                 if task.source == "global":
                     self._send_copy(node)
+            if chunked:
+                self._publish_tasks(unsigned, chunked)
         for key, downlink in o.downlinks.items():
             if key != "global" or not to_each:
                 self._publish_downlink(downlink)
@@ -761,17 +764,14 @@ class Aggregator:
                  o.round, o.announce_id, len(o.node_tasks), len(o.uploaders),
                  o.deadline - o.opened)
 
-    def _publish_tasks(self, doc: dict, skip=()) -> None:
-        """Each tasked client's task alone, retained on its task/<client> topic: the round's
-        announcement `doc` (unsigned) with only that client's entry in `tasks`, the same
-        announcement id (a client that also follows the round topic takes it once), signed
-        on its own when the aggregator signs. `skip`: the clients whose copy of the model
-        carries their task (task_in_copy)."""
-        o = self.open
-        for node in sorted(o.node_tasks):
-            if node not in skip:
-                self.transport.publish(self.topics.topic("task", node),
-                                       self._task_payload(doc, node), qos=1, retain=True)
+    def _publish_tasks(self, doc: dict, nodes) -> None:
+        """The task alone of each of `nodes` (tasked clients), retained on its task/<client>
+        topic: the round's announcement `doc` (unsigned) with only that client's entry in
+        `tasks`, the same announcement id (a client that also follows the round topic takes
+        it once), signed on its own when the aggregator signs."""
+        for node in nodes:
+            self.transport.publish(self.topics.topic("task", node),
+                                   self._task_payload(doc, node), qos=1, retain=True)
 
     def _task_payload(self, doc: dict, node: str) -> bytes:
         """`node`'s task alone: announcement `doc` with only its entry in `tasks`."""
