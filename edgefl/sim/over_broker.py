@@ -139,8 +139,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         keep_progress = state_dir is not None
 
         # round_status False: no status after each trained round (it only moves `last_round`
-        # on, which nobody watches in a simulation); a tasked client's messages are then its
-        # task and model in, its update out
+        # on, which nobody watches in a simulation); with task_in_copy (below), a tasked
+        # client's messages are its copy of the model in, its task in it, and its update out
         def make_clients(indices, client_stop, slots, loop, pool) -> list:
             announcements = AnnouncementCache()      # each announcement parsed once
             return [Client(ClientSettings(ids[c], federation, max_payload=max_payload,
