@@ -530,6 +530,91 @@ def test_each_tasked_clients_copy_is_named_in_its_task_and_taken_without_a_hash(
     assert sum(c.stats["trained"] for c in clients) == 2 and hashed == []
 
 
+@pytest.mark.parametrize("max_payload", [128 * 1024, 1024], ids=["whole", "chunked"])
+def test_a_task_carried_in_the_copy_of_the_model_is_taken_as_if_on_its_own_topic(
+        tmp_path, monkeypatch, max_payload):
+    """task_in_copy (a simulated fleet's aggregator): a tasked client's task travels in its
+    copy of the global model (the scalar "task"), not on task/<client>: one message a tasked
+    client. A client that follows only its own topics takes it from the copy, without a
+    hash (the task names the copy's frame), and the run ends with the in-process model;
+    task/<client> carries only the run's end. A copy split into chunks carries no task that
+    can be read before its last chunk: its task goes on task/<client> too, after it."""
+    from edgefl.roles import client as client_module
+
+    hashed = []
+    real = client_module.buffers_sha256
+    monkeypatch.setattr(client_module, "buffers_sha256",
+                        lambda buffers: hashed.append(1) or real(buffers))
+    config = load_small_run(tmp_path, rounds=3, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=20, task_topics=True,
+                                    task_in_copy=True, max_payload=max_payload),
+        client_settings={"follow_round": False, "max_payload": max_payload},
+        start_clients=False)
+    watcher = broker.transport("watcher")
+    watcher.connect()
+    watcher.subscribe(Topics("fed").subscription("task"))
+    watcher.subscribe(Topics("fed").subscription("client_model"))
+    for t in threads:
+        t.start()
+    # a copy is not retained: the clients listen before the run starts, as a simulation's do
+    topics = Topics("fed")
+    wait_for(lambda: all(topics.secure_to(c.node) in c.transport.subscriptions
+                         for c in clients), what="every client subscribed")
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)          # every client heard of the end
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert [h["closed_by"] for h in result.history] == ["all"] * 3
+    tasks, copies = [], []
+    while (item := watcher.receive(timeout=0)) is not None:
+        if isinstance(item, Message) and item.payload:
+            (copies if "/model/" in item.topic else tasks).append(item.payload)
+    assert sum(c.stats["trained"] for c in clients) == 3 and hashed == []
+    if max_payload < 128 * 1024:
+        assert len(copies) > 3 and sum(not json.loads(p).get("finished") for p in tasks) == 3
+        return
+    assert tasks and all(json.loads(p)["finished"] for p in tasks)      # only the run's end
+    assert len(copies) == 3
+    for payload in copies:
+        task = json.loads(wire.peek_scalars(payload)["task"])
+        (node, entry), = task["tasks"].items()
+        assert int(entry["model_frame"], 16) == wire.read_header(payload).message_id
+
+
+def test_a_lost_copy_carrying_its_task_costs_a_deadline_not_the_run(tmp_path):
+    """task_in_copy: the copy is not retained, so a lost one leaves its client without the
+    task. The round's deadline re-announces it, and that task goes on task/<client>
+    (retained); the client then takes its copy (re-sent) as the model of a task it already
+    has. The run ends with the in-process model."""
+    config = load_small_run(tmp_path, rounds=3, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker(drop_rate=0.5, faults_on=Topics("fed").subscription("client_model"),
+                            seed=3)
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=1.5, task_topics=True,
+                                    task_in_copy=True, resend_interval_s=0.2),
+        client_settings={"follow_round": False, "model_wait_s": 0.3}, start_clients=False)
+    for t in threads:
+        t.start()
+    topics = Topics("fed")
+    wait_for(lambda: all(topics.secure_to(c.node) in c.transport.subscriptions
+                         for c in clients), what="every client subscribed")
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert broker.stats["dropped"] > 0
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert sum(h["announcements"] for h in result.history) > 3     # some round re-announced
+
+
 def test_overlapped_evaluation_gives_the_same_records_and_survives_a_restart(tmp_path):
     """overlap_evaluation (a simulated fleet's aggregator): a round's evaluation runs while
     the next round does. The records, test metrics included, and the model are the ones in

@@ -152,6 +152,14 @@ class AggregatorSettings:
     # edgefl.sim.over_broker; at 100 clients, 10 a round, the evaluation of the test set
     # was the largest part of a round, docs/scaling.md.)
     overlap_evaluation: bool = False
+    # task_in_copy (with task_topics): a tasked client's first task of a round travels in the
+    # copy of the global model sent to it (the frame's scalar "task": the task alone, as it
+    # would be on task/<client>), not as a message of its own: one message a tasked client
+    # instead of two, through the broker and two interpreters. Only for clients that know
+    # the scalar (docs/protocol.md section 1); unsigned runs without secure aggregation;
+    # a re-announcement's task, and a copy too large for one message, still go on
+    # task/<client>. (A simulated fleet, all of whose clients are this version.)
+    task_in_copy: bool = False
 
     def __post_init__(self):
         validate_id(self.node_id, "aggregator node id")
@@ -687,11 +695,20 @@ class Aggregator:
             self._build_downlinks()
         glob = o.downlinks.get("global")
         to_each = glob is not None and self._model_to_each(o)
+        embed = to_each and s.task_in_copy and s.task_topics and self.signer is None \
+            and self.plan.secure is None
+        carry: dict = {}          # node -> the message id of its copy, to carry its task
         if to_each:
             # the copies are made before the announcement, which names each one's frame:
-            # the client takes it by its id instead of hashing it (docs/protocol.md)
+            # the client takes it by its id instead of hashing it (docs/protocol.md). A
+            # copy that carries its task is made after it, as it is sent, under the id
+            # named in advance.
             for node, task in sorted(o.node_tasks.items()):
-                if task.source == "global":
+                if task.source != "global":
+                    continue
+                if embed and node not in o.copies and node not in o.downlinks:
+                    carry[node] = wire.new_message_id()
+                else:
                     self._copy(node)
         client_sha = {n: d.sha for n, d in o.downlinks.items() if n != "global"}
         frame_ids = {n: d.message_id for n, d in o.downlinks.items()}
@@ -705,7 +722,7 @@ class Aggregator:
             strategy=self._strategy_record(), model=model, compression=s.compression,
             global_sha=glob.sha if glob else None, tasks=o.node_tasks,
             client_index=self.members, client_sha=client_sha, frame_ids=frame_ids,
-            copy_ids={n: d.message_id for n, d in o.copies.items()})
+            copy_ids={**{n: d.message_id for n, d in o.copies.items()}, **carry})
         if self.plan.secure is not None:
             doc["secure"] = self._secure_setup().to_dict()
             if hasattr(self.plan.hooks, "client_settings"):
@@ -718,16 +735,24 @@ class Aggregator:
         o.announcement = json.dumps(doc, separators=(",", ":")).encode("utf-8")
         self.transport.publish(self.topics.round(), o.announcement, qos=1, retain=True)
         if s.task_topics:
-            self._publish_tasks(unsigned)
+            self._publish_tasks(unsigned, [n for n in sorted(o.node_tasks) if n not in carry])
         if to_each:
             # A few of many tasked: each its own copy (not retained) instead of the global
             # topic, which every client of the federation receives and drops unless tasked:
             # at 100 clients, 10 a round, ninety drops were half of a round through
             # Mosquitto. The client takes its copy by the frame id its task names.
             glob.retained = False            # (an online-again client is re-sent its copy)
+            chunked = []
             for node, task in sorted(o.node_tasks.items()):
+                if node in carry:
+                    # built as it is sent: the first client starts while the next is encoded
+                    if len(self._copy(node, task=self._task_payload(unsigned, node),
+                                      message_id=carry[node]).payloads) > 1:
+                        chunked.append(node)    # (its task is not read before the last chunk)
                 if task.source == "global":
                     self._send_copy(node)
+            if chunked:
+                self._publish_tasks(unsigned, chunked)
         for key, downlink in o.downlinks.items():
             if key != "global" or not to_each:
                 self._publish_downlink(downlink)
@@ -739,21 +764,24 @@ class Aggregator:
                  o.round, o.announce_id, len(o.node_tasks), len(o.uploaders),
                  o.deadline - o.opened)
 
-    def _publish_tasks(self, doc: dict) -> None:
-        """Each tasked client's task alone, retained on its task/<client> topic: the round's
-        announcement `doc` (unsigned) with only that client's entry in `tasks`, the same
-        announcement id (a client that also follows the round topic takes it once), signed
-        on its own when the aggregator signs."""
-        o = self.open
-        for node in sorted(o.node_tasks):
-            alone = dict(doc, tasks={node: doc["tasks"][node]})
-            if self.signer is not None:
-                alone = self.signer.sign_doc(alone, "announce", self.ckpt.run_id, o.round)
+    def _publish_tasks(self, doc: dict, nodes) -> None:
+        """The task alone of each of `nodes` (tasked clients), retained on its task/<client>
+        topic: the round's announcement `doc` (unsigned) with only that client's entry in
+        `tasks`, the same announcement id (a client that also follows the round topic takes
+        it once), signed on its own when the aggregator signs."""
+        for node in nodes:
             self.transport.publish(self.topics.topic("task", node),
-                                   json.dumps(alone, separators=(",", ":")).encode("utf-8"),
-                                   qos=1, retain=True)
+                                   self._task_payload(doc, node), qos=1, retain=True)
 
-    def _frame(self, kind: str, buffers, recipient: str | None = None) -> _Downlink:
+    def _task_payload(self, doc: dict, node: str) -> bytes:
+        """`node`'s task alone: announcement `doc` with only its entry in `tasks`."""
+        alone = dict(doc, tasks={node: doc["tasks"][node]})
+        if self.signer is not None:
+            alone = self.signer.sign_doc(alone, "announce", self.ckpt.run_id, self.open.round)
+        return json.dumps(alone, separators=(",", ":")).encode("utf-8")
+
+    def _frame(self, kind: str, buffers, recipient: str | None = None, *,
+               task: bytes | None = None, message_id: int | None = None) -> _Downlink:
         o, s = self.open, self.settings
         # Each model is hashed once a round for the announcement (its sha256) and, signing,
         # once for its frames' content digest, which takes the payload's sha256 apart from
@@ -786,9 +814,12 @@ class Aggregator:
             finally:
                 if hasher is not None:
                     hasher.join()
-        data = wire.encode(kind, o.round, s.node_id, buffers, {"run": self.ckpt.run_id},
-                           self.table, s.compression, recipient=recipient, sign=sign,
-                           payload_sha256=payload)
+        scalars = {"run": self.ckpt.run_id}
+        if task is not None:
+            scalars["task"] = task.decode("utf-8")      # task_in_copy
+        data = wire.encode(kind, o.round, s.node_id, buffers, scalars, self.table,
+                           s.compression, recipient=recipient, sign=sign,
+                           payload_sha256=payload, message_id=message_id)
         if not sha:
             sha = [buffers_sha256(wire.decode(data, wire.Expectation(self.table, kinds=kind))
                                   .buffers)]
@@ -848,13 +879,15 @@ class Aggregator:
         tasked = sum(1 for t in o.node_tasks.values() if t.source == "global")
         return 0 < 4 * tasked <= len(self.members)
 
-    def _copy(self, node: str) -> _Downlink:
-        """`node`'s own copy of its model (built once per round)."""
+    def _copy(self, node: str, task: bytes | None = None,
+              message_id: int | None = None) -> _Downlink:
+        """`node`'s own copy of its model (built once per round; with `task`, its task in
+        the round's first announcement, under `message_id`, which that task names)."""
         o = self.open
         downlink = o.downlinks.get(node) or o.copies.get(node)
         if downlink is None:
-            task = o.node_tasks[node]
-            downlink = self._frame("client_model", task.buffers, recipient=node)
+            downlink = self._frame("client_model", o.node_tasks[node].buffers, recipient=node,
+                                   task=task, message_id=message_id)
             downlink.retained = False        # a copy for one client, not its retained state
             o.copies[node] = downlink
         return downlink
@@ -1147,14 +1180,14 @@ class Aggregator:
         return self.open.round_plan.upload_refusal(self.members[node], node)
 
     def _on_status(self, node: str, payload: bytes) -> None:
-        if not payload:
-            return                               # a cleared retained status
+        if not payload or node not in self.senders:
+            # a cleared retained status; or not a member's (our own, twice a round, comes
+            # back on status/+ too): not parsed
+            return
         try:
             doc = parse_status(payload, node)
         except MessageError as exc:
             log.warning("ignored status on %s: %s", self.topics.status(node), exc)
-            return
-        if node not in self.senders:
             return
         before = self.online.get(node)
         now_online = doc["online"]

@@ -130,6 +130,11 @@ class ClientSettings:
     # come on its own task/<client> topic alone, from an aggregator with task_topics on (a
     # simulated fleet, where most clients are idle most rounds: docs/protocol.md section 1)
     follow_round: bool = True
+    # round_status False: no status after each trained round. That status only moves
+    # `last_round` on (the dashboard's and `edgefl fleet`'s column); the aggregator acts on
+    # `online`, `need_model` and `refused` alone, all still published. For a simulated fleet,
+    # where it was a quarter of a tasked client's messages (docs/scaling.md)
+    round_status: bool = True
 
     def __post_init__(self):
         validate_id(self.node_id, "client id")
@@ -666,6 +671,15 @@ class Client:
             return
         frame_round = peek[0]
         current = int(self.ann["round"]) if self.ann and not self.ann.get("finished") else 0
+        if kind == "client_model" and (self.ann is None or frame_round > current):
+            # our copy of a round we have no task of yet: it may carry the task (an
+            # aggregator's task_in_copy; docs/protocol.md section 1), taken as if it had
+            # come on task/<client>
+            task = _carried_task(payload)
+            if task is not None:
+                self._on_announcement(task)
+                current = int(self.ann["round"]) if self.ann and not self.ann.get("finished") \
+                    else 0
         if self.ann is None or frame_round > current:
             self._keep_early(kind, payload)         # its announcement has not come yet
             return
@@ -811,7 +825,8 @@ class Client:
             self._writer = threading.Thread(target=self._save_upload, args=(self.progress,),
                                             name=f"edgefl-save-{self.node}", daemon=True)
             self._writer.start()
-        self._publish_status()
+        if self.settings.round_status:
+            self._publish_status()
         log.debug("%s: round %d done (%.3f s training%s)", self.node, r, job.train_s,
                   ", uploaded" if frame is not None else ", nothing to upload")
 
@@ -951,3 +966,13 @@ def _save_signed_at(state_dir: str, at: float, run: str) -> None:
         log.warning("the signing time of the followed announcement was not stored (%s): "
                     "after a restart, an older one replayed is refused only by its run and "
                     "round", exc)
+
+
+def _carried_task(payload) -> bytes | None:
+    """The task a copy of the model carries (its scalar "task", from an aggregator with
+    task_in_copy), or None: no task, a chunk, or a frame the full checks will refuse."""
+    try:
+        task = wire.peek_scalars(payload).get("task")
+    except wire.FrameError:
+        return None
+    return task.encode("utf-8") if isinstance(task, str) else None

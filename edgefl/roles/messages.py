@@ -194,6 +194,9 @@ def _need(doc: Mapping, key: str, kind, where: str = "announcement"):
     if key not in doc:
         raise MessageError(f"{where}: missing field {key!r}")
     value = doc[key]
+    t = type(value)
+    if t is kind or (t is not bool and type(kind) is tuple and t in kind):
+        return value              # exactly a type asked for: every field of a good message
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, bool) and bool not in kinds:
         raise MessageError(f"{where}: {key} = {value!r} must be {kind}")

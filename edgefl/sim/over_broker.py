@@ -138,12 +138,16 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         # state_dir given its directory is deleted with the run: in memory only.
         keep_progress = state_dir is not None
 
+        # round_status False: no status after each trained round (it only moves `last_round`
+        # on, which nobody watches in a simulation); with task_in_copy (below), a tasked
+        # client's messages are its copy of the model in, its task in it, and its update out
         def make_clients(indices, client_stop, slots, loop, pool) -> list:
             announcements = AnnouncementCache()      # each announcement parsed once
             return [Client(ClientSettings(ids[c], federation, max_payload=max_payload,
                                           compression=compression, exit_when_finished=True,
                                           raise_on_error=True, keep_progress=keep_progress,
-                                          follow_round=not task_topics),
+                                          follow_round=not task_topics,
+                                          round_status=False),
                            (run.clients[c].x, run.clients[c].y), transport(ids[c], loop),
                            os.path.join(root, ids[c]), stop=client_stop, train_slots=slots,
                            announcements=announcements, train_pool=pool)
@@ -171,10 +175,13 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             # after the fork: a child has no copy of this loop or its thread
             network = NetworkLoop(name=f"edgefl-{federation}-net")
         # overlap_evaluation: a round's test-set evaluation runs while the next round does,
-        # as run_federation's does (its record then reaches on_round a round later, as there)
+        # as run_federation's does (its record then reaches on_round a round later, as there).
+        # task_in_copy: a tasked client's task comes in its copy of the model, not on its
+        # own (every client here is this version: docs/protocol.md section 1)
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
                                       max_payload=max_payload, compression=compression,
-                                      task_topics=task_topics, overlap_evaluation=True)
+                                      task_topics=task_topics, overlap_evaluation=True,
+                                      task_in_copy=True)
 
         def after_round(record, history):
             if on_round is not None:

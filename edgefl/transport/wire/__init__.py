@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from .checks import Expectation
 from .frame import (SIGNATURE_SCALAR, Frame, content_digest, decode, encode, frame_digest,
-                    new_message_id)
+                    new_message_id, peek_scalars)
 from .header import (ALIGN, BLOB_KINDS, COMPRESSIONS, CRC32_IMPL, DTYPES, FLAG_CHUNK,
                      HEADER_SIZE, ITEMSIZE, KINDS, KNOWN_FLAGS, MAGIC, MAX_JSON_DEPTH,
                      MAX_META_BYTES, MAX_NAME_CHARS, TENSOR_KINDS, VERSION, EncodeError,
@@ -53,5 +53,5 @@ __all__ = [
     "ITEMSIZE", "KINDS", "KNOWN_FLAGS", "MAGIC", "MAX_JSON_DEPTH", "MAX_META_BYTES",
     "MAX_NAME_CHARS", "TENSOR_KINDS", "VERSION", "EncodeError", "Expectation", "Frame",
     "FrameError", "Header", "Reassembler", "decode", "encode", "new_message_id", "read_header",
-    "split", "verify", "SIGNATURE_SCALAR", "content_digest", "frame_digest",
+    "split", "verify", "SIGNATURE_SCALAR", "content_digest", "frame_digest", "peek_scalars",
 ]

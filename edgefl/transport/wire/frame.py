@@ -99,6 +99,23 @@ def decode(data, expect: Expectation) -> Frame:
     return _decode_body(data, mv, h, expect)
 
 
+def peek_scalars(data) -> dict:
+    """The scalars of a whole frame, read before the receiver knows what to expect of it:
+    after the checks that need no Expectation (header, body CRC, metadata JSON), without
+    validating the rest; decode() still checks the whole frame. For a scalar that says what
+    to expect (a client's task carried in its copy of the model: roles.client). FrameError
+    names the first failure; a chunk has no scalars to read."""
+    mv = _as_view(data)
+    h = read_header(mv)
+    if h.is_chunk:
+        raise FrameError("chunk", f"{h.describe()}: a chunk, not a whole frame")
+    _check_body_crc(mv, h)
+    scalars = _parse_meta(mv, h).get("scalars")
+    if not isinstance(scalars, dict):
+        raise FrameError("metadata", f"{h.describe()}: 'scalars' must be an object")
+    return scalars
+
+
 def _decode_body(data, mv: memoryview, h: Header, expect: Expectation) -> Frame:
     meta = _parse_meta(mv, h)
     _meta_keys(meta, ("sender", "buffers", "scalars"),
