@@ -1293,6 +1293,8 @@ def main(argv=None) -> int:
             experiments = [e for e in experiments if "long" in e.tiers]
             if not experiments:
                 raise ExperimentError("--long: no experiment file has a `long:` block")
+        # and only those with a setting in this tier (a diagnosis may run in one tier only)
+        experiments = [e for e in experiments if e.settings]
         jobs = make_jobs(experiments, out)
     except (ExperimentError, OSError) as exc:
         print(f"reproduce: error: {exc}", file=sys.stderr)
