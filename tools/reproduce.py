@@ -1093,6 +1093,11 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
             f"Run directories: `{m['out']}` ({KEPT_RUNS if mode == 'long' else 'not committed'}"
             f"; `edgefl compare` reads them, and each setting has an overlay.png of seed 0)."),
             ""]
+    if m.get("only"):
+        head += [(f"**Part of the tier only:** this invocation ran "
+                  f"{', '.join(f'`{n}`' for n in m['only'])} (`--only`); the tier's other "
+                  f"experiments are not in this section until an invocation without `--only` "
+                  f"finishes them."), ""]
     if m.get("resumed"):
         total = sum(st.get("elapsed_s", 0.0) for st in m.get("statuses", {}).values())
         head += [(f"This invocation resumed an interrupted one: {m['resumed']} of the "
