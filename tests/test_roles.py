@@ -545,31 +545,18 @@ def test_a_task_carried_in_the_copy_of_the_model_is_taken_as_if_on_its_own_topic
     real = client_module.buffers_sha256
     monkeypatch.setattr(client_module, "buffers_sha256",
                         lambda buffers: hashed.append(1) or real(buffers))
-    config = load_small_run(tmp_path, rounds=3, clients_per_round=1,
-                            partition={"name": "iid", "clients": 4})
-    reference = simulate(config, None, progress=False)
     broker = LoopbackBroker()
-    _, aggregator, clients, threads = fleet(
-        tmp_path, config, broker,
-        settings=AggregatorSettings(federation="fed", round_timeout_s=20, task_topics=True,
-                                    task_in_copy=True, max_payload=max_payload),
-        client_settings={"follow_round": False, "max_payload": max_payload},
-        start_clients=False)
     watcher = broker.transport("watcher")
     watcher.connect()
     watcher.subscribe(Topics("fed").subscription("task"))
     watcher.subscribe(Topics("fed").subscription("client_model"))
-    for t in threads:
-        t.start()
-    # a copy is not retained: the clients listen before the run starts, as a simulation's do
-    topics = Topics("fed")
-    wait_for(lambda: all(topics.secure_to(c.node) in c.transport.subscriptions
-                         for c in clients), what="every client subscribed")
-    result = aggregator.run()
-    for t in threads:
-        t.join(10)
+    reference, result, clients, threads = _run_with_tasks_in_copies(
+        tmp_path, broker,
+        AggregatorSettings(federation="fed", round_timeout_s=20, task_topics=True,
+                           task_in_copy=True, max_payload=max_payload),
+        {"follow_round": False, "max_payload": max_payload})
     assert not any(t.is_alive() for t in threads)          # every client heard of the end
-    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert result.finished and model_sha256(result.params) == reference
     assert [h["closed_by"] for h in result.history] == ["all"] * 3
     tasks, copies = [], []
     while (item := watcher.receive(timeout=0)) is not None:
@@ -592,16 +579,28 @@ def test_a_lost_copy_carrying_its_task_costs_a_deadline_not_the_run(tmp_path):
     task. The round's deadline re-announces it, and that task goes on task/<client>
     (retained); the client then takes its copy (re-sent) as the model of a task it already
     has. The run ends with the in-process model."""
-    config = load_small_run(tmp_path, rounds=3, clients_per_round=1,
-                            partition={"name": "iid", "clients": 4})
-    reference = simulate(config, None, progress=False)
     broker = LoopbackBroker(drop_rate=0.5, faults_on=Topics("fed").subscription("client_model"),
                             seed=3)
-    _, aggregator, clients, threads = fleet(
-        tmp_path, config, broker,
-        settings=AggregatorSettings(federation="fed", round_timeout_s=1.5, task_topics=True,
-                                    task_in_copy=True, resend_interval_s=0.2),
-        client_settings={"follow_round": False, "model_wait_s": 0.3}, start_clients=False)
+    reference, result, _, _ = _run_with_tasks_in_copies(
+        tmp_path, broker,
+        AggregatorSettings(federation="fed", round_timeout_s=1.5, task_topics=True,
+                           task_in_copy=True, resend_interval_s=0.2),
+        {"follow_round": False, "model_wait_s": 0.3})
+    assert broker.stats["dropped"] > 0
+    assert result.finished and model_sha256(result.params) == reference
+    assert sum(h["announcements"] for h in result.history) > 3     # some round re-announced
+
+
+def _run_with_tasks_in_copies(tmp_path, broker, settings, client_settings):
+    """The task_in_copy tests' run: 3 rounds of one client of 4 through `broker`, the clients
+    subscribed before the run starts (a copy is not retained; a simulation's clients listen
+    before the run too). (in-process model_sha256, result, clients, client threads)."""
+    config = load_small_run(tmp_path, rounds=3, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)["model_sha256"]
+    _, aggregator, clients, threads = fleet(tmp_path, config, broker, settings=settings,
+                                            client_settings=client_settings,
+                                            start_clients=False)
     for t in threads:
         t.start()
     topics = Topics("fed")
@@ -610,9 +609,7 @@ def test_a_lost_copy_carrying_its_task_costs_a_deadline_not_the_run(tmp_path):
     result = aggregator.run()
     for t in threads:
         t.join(10)
-    assert broker.stats["dropped"] > 0
-    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
-    assert sum(h["announcements"] for h in result.history) > 3     # some round re-announced
+    return reference, result, clients, threads
 
 
 def test_overlapped_evaluation_gives_the_same_records_and_survives_a_restart(tmp_path):
