@@ -94,7 +94,7 @@ import yaml
 EXPERIMENTS_DIR = os.path.join(REPO, "tools", "experiments")
 RESULTS = os.path.join(REPO, "docs", "results.md")
 MODES = ("quick", "full", "long")
-MODE_TITLES = {"quick": "Quick run", "full": "Full run", "long": "Long run (CNN experiments)"}
+MODE_TITLES = {"quick": "Quick run", "full": "Full run", "long": "Long run (over several sittings)"}
 # 2: paired-by-seed intervals and the three verdicts of tools/verdicts.py (issue 21); a section
 # of results.md without it was judged on seed means only and says so
 STATS_VERSION = 2
@@ -1061,13 +1061,13 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
 
 SECTION_RE = re.compile(r"<!-- reproduce:(\w+) (\{.*?\}) -->\n(.*?)<!-- /reproduce:\1 -->\n",
                         re.DOTALL)
-# sections measured by other means (a hand-measured table): kept as they are,
-# after the generated ones, when a run rewrites the file
 # The long tier takes several sittings, each perhaps on another machine: its finished runs
 # are committed (.gitignore keeps out model.npz and the plots; reproduce.json holds what the
 # report needs from the model) so that --long on a fresh clone continues where the last
 # sitting stopped.
-KEPT_RUNS = "committed without model.npz, so a later sitting on another clone resumes them"
+COMMITTED_RUNS = "committed without model.npz, so a later sitting on another clone resumes them"
+# sections measured by other means (a hand-measured table): kept as they are,
+# after the generated ones, when a run rewrites the file
 KEPT_RE = re.compile(r"<!-- kept:([\w-]+) -->\n.*?<!-- /kept:\1 -->\n", re.DOTALL)
 
 
@@ -1090,7 +1090,7 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
             f"({m['wall_s']:.0f} s wall time, {m['runs']} runs, {m['workers']} worker "
             f"process{'es' if m['workers'] != 1 else ''}) on {m['cpus']} CPUs ({m['machine']}), "
             f"{load}; edgefl {m['edgefl']} ({m['backend']} backend), finished {m['date']}. "
-            f"Run directories: `{m['out']}` ({KEPT_RUNS if mode == 'long' else 'not committed'}"
+            f"Run directories: `{m['out']}` ({COMMITTED_RUNS if mode == 'long' else 'not committed'}"
             f"; `edgefl compare` reads them, and each setting has an overlay.png of seed 0)."),
             ""]
     if m.get("only"):
