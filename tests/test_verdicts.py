@@ -349,3 +349,27 @@ def test_every_partition_of_a_tier_can_be_drawn(mode):
                 partition_from_config(cfg, datasets[dkey])
             except ValueError as exc:
                 pytest.fail(f"{path} ({mode}): {job.key}: {exc}")
+
+
+def test_runs_selects_a_sittings_runs_in_the_patterns_order(tmp_path, capsys):
+    """--runs PATTERN,...: the matching runs of the tier, in the patterns' order (not by
+    cost), each once; a pattern matching nothing is refused naming it; with --runs no
+    report is written."""
+    R = _reproduce()
+    jobs = R.make_jobs([R.load_experiment(R.discover(["fedmr"])[0], "long")], "/nonexistent")
+    chosen = R.select_runs(jobs, "fedmr/cnn-dir0.5/fedmr-sgd/seed1, fedmr/cnn-dir0.1/*/seed0,"
+                                 "fedmr/cnn-dir0.1/fedavg/seed0")
+    assert [j.key for j in chosen] == ["fedmr/cnn-dir0.5/fedmr-sgd/seed1"] + [
+        f"fedmr/cnn-dir0.1/{arm}/seed0" for arm in ("fedavg", "fedmr", "fedmr-2stage",
+                                                    "fedmr-sgd")]
+    with pytest.raises(R.ExperimentError, match=r"--runs: 'fedmr/cnn-dir9/\*' matches no run"):
+        R.select_runs(jobs, "fedmr/cnn-dir0.1/*,fedmr/cnn-dir9/*")
+    # one digits run of the quick tier, chosen by --runs: it runs, and no report is written
+    out = tmp_path / "out"
+    code = R.main(["--quick", "--only", "server_optimisers", "--out", str(out), "--workers",
+                   "1", "--runs", "server_optimisers/*/fedavg/seed0"])
+    assert code == 0
+    done = sorted(p.parent.relative_to(out).as_posix() for p in out.rglob("reproduce.json"))
+    assert done and all(d.endswith("/fedavg/seed0") for d in done)
+    assert not (out / "results.md").exists() and not (out / "manifest.json").exists()
+    assert "no report written" in capsys.readouterr().out

@@ -49,7 +49,8 @@ each; results do not depend on the number of workers (simulate is deterministic 
 config (OUT/.../reproduce.json records the config's SHA-256), so an interrupted invocation
 continues with the runs it had not finished; a run cut off half-way starts again from its
 first round (edgefl simulate has no mid-run resume). --stop-after MINUTES ends a sitting
-cleanly: no run starts after that time. The long tier's run directories
+cleanly: no run starts after that time; --runs PATTERN,... runs only the matching runs,
+in that order, and writes no report (a sitting's priorities). The long tier's run directories
 (runs/reproduce-long) are committed without their model.npz: what the report needs from a
 model (the global training loss, FedMR's K models' accuracies) is computed as the run ends
 and kept in its reproduce.json, so a sitting on a fresh clone continues the last one's.
@@ -409,6 +410,22 @@ def derived_metrics(exp, arm: str) -> tuple:
     return tuple(wanted)
 
 
+def select_runs(jobs: list, patterns: str) -> list:
+    """The jobs whose key matches one of the comma-separated fnmatch `patterns`, in the
+    patterns' order (a sitting's priorities); ExperimentError naming a pattern that matches
+    nothing, so a typo does not run nothing silently."""
+    import fnmatch
+    chosen, seen = [], set()
+    for pattern in [p.strip() for p in patterns.split(",") if p.strip()]:
+        matched = [j for j in jobs if fnmatch.fnmatchcase(j.key, pattern)]
+        if not matched:
+            raise ExperimentError(f"--runs: {pattern!r} matches no run of this tier (keys "
+                                  f"look like {jobs[0].key if jobs else 'EXPERIMENT/SETTING/ARM/seedN'})")
+        chosen += [j for j in matched if j.key not in seen]
+        seen.update(j.key for j in matched)
+    return chosen
+
+
 def config_digest(config: dict) -> str:
     import hashlib
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
@@ -464,11 +481,12 @@ def execute(job: dict) -> dict:
 
 
 def run_jobs(jobs: list, workers: int, log, resume: bool = False,
-             stop_at: float | None = None) -> dict:
-    """{job key: status}; heavier jobs start first so the pool ends evenly. resume: runs
-    finished by an earlier invocation (same config) are kept. stop_at (a perf_counter
-    time): no run starts after it; the runs not started have no status."""
-    order = sorted(jobs, key=lambda j: -j.cost)
+             stop_at: float | None = None, in_order: bool = False) -> dict:
+    """{job key: status}; heavier jobs start first so the pool ends evenly (in_order: in
+    the order given). resume: runs finished by an earlier invocation (same config) are
+    kept. stop_at (a perf_counter time): no run starts after it; the runs not started have
+    no status."""
+    order = list(jobs) if in_order else sorted(jobs, key=lambda j: -j.cost)
     payloads = [{"key": j.key, "out": j.out, "config": j.resolved, "resume": resume,
                  "derive": j.derive,
                  "threads": 1 if workers > 1 else (os.cpu_count() or 1)} for j in order]
@@ -1256,6 +1274,10 @@ def main(argv=None) -> int:
                              "without a report if runs are left; the same command with "
                              "--resume (implied by --long) continues with them: one sitting "
                              "of a tier longer than a session")
+    parser.add_argument("--runs", metavar="PATTERN[,PATTERN]",
+                        help="run only the runs whose key (EXPERIMENT/SETTING/ARM/seedN, "
+                             "e.g. 'fedmr/cnn-dir0.5/*') matches a pattern, in the patterns' "
+                             "order, and write no report: a sitting that does these first")
     parser.add_argument("--report-only", action="store_true",
                         help="rebuild the report from OUT's run directories without running")
     args = parser.parse_args(argv)
@@ -1273,6 +1295,8 @@ def main(argv=None) -> int:
         parser.error(f"--stop-after {args.stop_after:g}: need a positive number of minutes")
     if args.stop_after is not None and args.report_only:
         parser.error("--stop-after runs nothing with --report-only: choose one")
+    if args.runs is not None and args.report_only:
+        parser.error("--runs runs nothing with --report-only: choose one")
     if args.seeds is not None and args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: need at least 1")
     manifest_path = os.path.join(out, "manifest.json")
@@ -1301,6 +1325,8 @@ def main(argv=None) -> int:
         # and only those with a setting in this tier (a diagnosis may run in one tier only)
         experiments = [e for e in experiments if e.settings]
         jobs = make_jobs(experiments, out)
+        if args.runs is not None:
+            jobs = select_runs(jobs, args.runs)
     except (ExperimentError, OSError) as exc:
         print(f"reproduce: error: {exc}", file=sys.stderr)
         return 2
@@ -1324,7 +1350,13 @@ def main(argv=None) -> int:
             f"{args.workers} worker process(es), output in {out}")
         os.makedirs(out, exist_ok=True)
         stop_at = started + 60 * args.stop_after if args.stop_after is not None else None
-        statuses = run_jobs(jobs, args.workers, log, resume, stop_at)
+        statuses = run_jobs(jobs, args.workers, log, resume, stop_at,
+                            in_order=args.runs is not None)
+        if args.runs is not None:
+            failed = sum(1 for st in statuses.values() if not st["ok"])
+            log(f"--runs: {len(statuses)} of {len(jobs)} runs done ({failed} failed); no "
+                f"report written (an invocation without --runs writes it, keeping these)")
+            return 1 if failed else (3 if len(statuses) < len(jobs) else 0)
         left = len(jobs) - len(statuses)
         if left:
             again = "" if resume else " --resume"
