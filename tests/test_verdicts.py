@@ -299,6 +299,52 @@ def test_derived_metrics_are_kept_so_a_run_needs_no_model_file(tmp_path):
     assert not R.execute(job).get("resumed")
 
 
+def test_a_run_that_diverges_is_kept_and_counted_at_chance(tmp_path):
+    """A non-finite loss ends a run. That is the algorithm's outcome, not the tool's failure:
+    reproduce.json keeps it (a sitting does not repeat it), and the report counts the run
+    with chance accuracy -- dropping it would flatter the arm that diverged -- with its
+    targets reached only in the rounds before, and says so in the arm's row."""
+    import json
+    R = _reproduce()
+    # an MLP at learning rate 2, 8 steps a round: NaN in round 3 (rounds 1-2 recorded)
+    config = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
+              "model": {"name": "mlp"}, "train": {"lr": 2.0, "batch_size": 32, "steps": 8},
+              "rounds": 4, "eval_every": 1, "seed": 0}
+    out = str(tmp_path / "run")
+    job = {"key": "t/s/a/seed0", "out": out, "config": config, "threads": 1, "resume": True}
+    first = R.execute(job)
+    assert first["ok"] and first["final_accuracy"] is None, first
+    assert first["diverged"]["round"] == 3 and first["diverged"]["chance"] == 0.1
+    assert "non-finite" in first["diverged"]["error"]
+    again = R.execute(job)
+    assert again["resumed"] and again["diverged"] == first["diverged"]
+    rerun = R.execute(dict(job, config=dict(config, rounds=5)))   # a changed config reruns
+    assert not rerun.get("resumed") and rerun["diverged"]["round"] == 3
+    first = R.execute(job)    # ... and its record replaced the first one's
+    assert not first.get("resumed") and first["diverged"]["round"] == 3
+
+    spec = R.Job("t", "s", "a", 0, out, config, config)
+    metrics = R.run_metrics(spec, [0.05, 0.99], ["bytes"])
+    assert metrics["final_accuracy"] == 0.1 and metrics["diverged"] == 3
+    assert metrics["rounds"] == 2 and sorted(metrics["curve"]) == [1, 2]
+    assert metrics["best_accuracy"] == max(0.1, *metrics["curve"].values())
+    assert metrics["rounds_to:0.05"] == 1 and metrics["rounds_to:0.99"] is None
+    assert metrics["bytes"] is None and metrics["final_test_loss"] is None
+    # paired against an arm that did not diverge, the chance accuracy counts against it
+    import verdicts as V
+    others = [dict(metrics, seed=s, diverged=3 + s) for s in range(5)]
+    better = [dict(metrics, seed=s, diverged=None, final_accuracy=0.9 + s / 100)
+              for s in range(5)]
+    seeds, (va, vb) = R.aligned(others, better, key="final_accuracy")
+    assert V.paired(va, vb, True).verdict == V.CONTRADICTED
+    assert R.divergence_note(others) == " — diverged in 5 of 5 seeds (rounds 3–7)"
+    assert R.divergence_note(better) == ""
+    kept = dict(metrics, diverged=None, fedmr_models={"global": 0.5, "models": [0.4, 0.6]})
+    line = R.fedmr_model_lines([metrics, kept], "fedmr")[0]
+    assert "diverged in 1 of 2 seeds" in line and "0.5000" in line
+    assert json.loads((tmp_path / "run" / "reproduce.json").read_text())["diverged"]["round"] == 3
+
+
 def test_stop_after_starts_no_run_after_its_time_and_resume_continues(tmp_path):
     """--stop-after ends a sitting: the runs not started are left for the next invocation,
     which (with --resume) keeps the finished ones and runs only the rest."""

@@ -54,6 +54,9 @@ in that order, and writes no report (a sitting's priorities). The long tier's ru
 (runs/reproduce-long) are committed without their model.npz: what the report needs from a
 model (the global training loss, FedMR's K models' accuracies) is computed as the run ends
 and kept in its reproduce.json, so a sitting on a fresh clone continues the last one's.
+A run that diverges (a non-finite loss or gradient ends it) is an outcome, kept like a
+finished run: the report counts it with chance accuracy, never drops it, and names it in
+its arm's row.
 
 docs/results.md keeps one section per mode (quick, full, long), each stating the command, its
 wall time, CPU time and the machine; running one mode replaces only its section; a section
@@ -433,15 +436,23 @@ def config_digest(config: dict) -> str:
 
 def finished_run(job: dict) -> dict | None:
     """The status of a run already finished in job["out"] with the same config (what
-    --resume keeps), else None."""
+    --resume keeps), else None. A run that diverged is finished too: its outcome is kept."""
     try:
         with open(os.path.join(job["out"], "reproduce.json"), encoding="utf-8") as f:
             done = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if done.get("config_sha256") != config_digest(job["config"]):
+        return None
+    if done.get("diverged"):
+        return {"key": job["key"], "ok": True, "elapsed_s": done["elapsed_s"], "resumed": True,
+                "final_accuracy": None, "diverged": done["diverged"]}
+    try:
         with open(os.path.join(job["out"], "summary.json"), encoding="utf-8") as f:
             summary = json.load(f)
     except (OSError, ValueError):
         return None
-    if done.get("config_sha256") != config_digest(job["config"]) or summary.get("stopped"):
+    if summary.get("stopped"):
         return None
     if any(what not in done.get("derived", {}) for what in job.get("derive", ())):
         return None   # finished before its derived metrics were kept: run it again
@@ -449,9 +460,27 @@ def finished_run(job: dict) -> dict | None:
             "final_accuracy": summary["final_accuracy"]}
 
 
+def divergence_record(job: dict, exc: Exception) -> dict:
+    """reproduce.json's `diverged` for a run that met a non-finite loss or gradient: the
+    round it happened in (the first not recorded in metrics.jsonl), the error, and the
+    chance accuracy 1/C that the report counts from that round on."""
+    from edgefl.config import dataset_from_config
+    from edgefl.runconfig import run_config_from_mapping
+    rounds_done = 0
+    try:
+        with open(os.path.join(job["out"], "metrics.jsonl"), encoding="utf-8") as f:
+            rounds_done = sum(1 for line in f if line.strip())
+    except OSError:
+        pass
+    dataset = dataset_from_config(run_config_from_mapping(job["config"]).as_config())
+    return {"round": rounds_done + 1, "error": str(exc).strip().splitlines()[-1],
+            "chance": 1.0 / dataset.num_classes}
+
+
 def execute(job: dict) -> dict:
     """Run one job (in a worker process): simulate into job["out"], return a status. With
     job["resume"], a run finished earlier with the same config is kept, not repeated."""
+    from edgefl.errors import NonFiniteError
     started = time.perf_counter()
     if job.get("resume"):
         done = finished_run(job)
@@ -475,6 +504,17 @@ def execute(job: dict) -> dict:
                        "config_sha256": config_digest(job["config"]), "derived": derived}, f)
         return {"key": job["key"], "ok": True, "elapsed_s": elapsed,
                 "final_accuracy": summary["final_accuracy"]}
+    except NonFiniteError as exc:
+        # an outcome of the algorithm, not a failure of the tool: kept (and committed with
+        # the long tier's runs) so that a sitting does not repeat it, and reported as such
+        elapsed = time.perf_counter() - started
+        diverged = divergence_record(job, exc)
+        with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
+            json.dump({"key": job["key"], "elapsed_s": elapsed,
+                       "config_sha256": config_digest(job["config"]), "derived": {},
+                       "diverged": diverged}, f)
+        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "final_accuracy": None,
+                "diverged": diverged}
     except Exception:   # noqa: BLE001 -- any failure is reported per run; the others go on
         return {"key": job["key"], "ok": False, "elapsed_s": time.perf_counter() - started,
                 "error": traceback.format_exc(limit=4)}
@@ -496,10 +536,12 @@ def run_jobs(jobs: list, workers: int, log, resume: bool = False,
     def report(status):
         results[status["key"]] = status
         done = len(results)
-        what = (f"final acc {status['final_accuracy']:.4f}"
-                + (" (kept from an earlier invocation)" if status.get("resumed") else "")
-                if status["ok"]
-                else "FAILED: " + status["error"].strip().splitlines()[-1])
+        if not status["ok"]:
+            what = "FAILED: " + status["error"].strip().splitlines()[-1]
+        else:
+            what = (f"diverged in round {status['diverged']['round']}" if status.get("diverged")
+                    else f"final acc {status['final_accuracy']:.4f}")
+            what += " (kept from an earlier invocation)" if status.get("resumed") else ""
         log(f"[{done:>{len(str(len(jobs)))}}/{len(jobs)}] {status['key']}: {what}, "
             f"{status['elapsed_s']:.1f} s (elapsed {time.perf_counter() - started:.0f} s)")
 
@@ -589,6 +631,9 @@ def global_train_loss(out: str) -> float:
 
 def run_metrics(job: Job, targets: list, columns: list) -> dict:
     from edgefl.compare import load_run
+    diverged = _divergence(job.out)
+    if diverged is not None:
+        return diverged_metrics(job, diverged, targets)
     run = load_run(job.out)
     s, last = run.summary, run.history[-1]
     try:
@@ -665,6 +710,54 @@ def fmt_stat(stat: Stat, kind: str) -> str:
     if kind == "time":
         return format_duration(mean)
     return f"{mean:g}"
+
+
+def _divergence(out: str) -> dict | None:
+    try:
+        with open(os.path.join(out, "reproduce.json"), encoding="utf-8") as f:
+            return json.load(f).get("diverged")
+    except (OSError, ValueError):
+        return None
+
+
+def diverged_metrics(job: Job, diverged: dict, targets: list) -> dict:
+    """The metrics of a run that diverged in round `diverged["round"]`. It is counted, not
+    dropped (dropping it would flatter the algorithm that diverged): its final accuracy is
+    chance, 1/C, what a model carrying non-finite parameters on scores (its predictions are
+    arbitrary); its best accuracy and any target reached are those of the rounds before; a
+    target not reached then is never reached; losses, bytes and derived metrics are None."""
+    from edgefl.compare import RunDirError, _read_history, rounds_to_target
+    with open(os.path.join(job.out, "reproduce.json"), encoding="utf-8") as f:
+        elapsed = json.load(f)["elapsed_s"]
+    try:
+        history = _read_history(job.out)
+    except RunDirError:   # diverged in round 1: nothing recorded
+        history = []
+    curve = {h["round"]: h["test_accuracy"] for h in history if h.get("test_accuracy") is not None}
+    metrics = {
+        "final_accuracy": diverged["chance"],
+        "best_accuracy": max([diverged["chance"], *curve.values()]),
+        "final_test_loss": None, "final_train_loss": None, "bytes": None,
+        "uplink_bytes": None, "downlink_bytes": None, "wall_s": elapsed,
+        "rounds": diverged["round"] - 1, "curve": curve,
+        "members": {h["round"]: h["member_accuracy"] for h in history
+                    if h.get("member_accuracy")},
+        "out": job.out, "seed": job.seed, "diverged": diverged["round"], "local_steps": None,
+    }
+    for what in job.derive:
+        metrics[what] = None
+    for t in targets:
+        metrics[f"rounds_to:{t:g}"] = rounds_to_target(history, t)
+    return metrics
+
+
+def divergence_note(runs: list) -> str:
+    """" (diverged in k of n seeds, rounds a-b)" for an arm's runs, "" when none did."""
+    rounds = sorted(r["diverged"] for r in runs if r.get("diverged"))
+    if not rounds:
+        return ""
+    where = f"round {rounds[0]}" if len(rounds) == 1 else f"rounds {rounds[0]}–{rounds[-1]}"
+    return f" — diverged in {len(rounds)} of {len(runs)} seeds ({where})"
 
 
 # ---------------------------------------------------------------------------------------
@@ -758,7 +851,8 @@ def evaluate_check(check: dict, exp: Experiment, table: dict) -> tuple:
                     if not ra or not rb:
                         return None, ["runs missing"]
                     seeds, (ca, cb) = aligned(ra, rb, key="curve")
-                    rounds = sorted(ca[0])
+                    # a run that diverged has no points after it: the rounds all evaluated
+                    rounds = sorted(set.intersection(*(set(c) for c in ca + cb)))
                     per_round = [V.paired([c[t] for c in ca], [c[t] for c in cb], True)
                                  for t in rounds]
                     words = [v.verdict for v in per_round]
@@ -886,11 +980,18 @@ DERIVED = {"global_train_loss": global_train_loss, "fedmr_models": fedmr_model_a
 def fedmr_model_lines(runs: list, arm: str) -> list:
     """Test accuracy of FedMR's K individual models at the end against their mean (the
     global model FedMR evaluates, the paper's Algorithm 1 line 11)."""
+    note = divergence_note(runs)
+    runs = [r for r in runs if not r.get("diverged")]
+    if not runs:
+        return [f"{arm}{note}: no model at the end of any seed.", ""]
+    if note:
+        note = (f" ({note.lstrip(' —')}; the {len(runs)} that did not are shown here and "
+                f"below)")
     finals = [r.get("fedmr_models") or fedmr_model_accuracies(r["out"]) for r in runs]
     if any(f is None for f in finals):
         return [f"{arm}: no recombined model list in the checkpoint (stage 1 only).", ""]
     k = len(finals[0]["models"])
-    return [(f"{arm} at the last round, mean over seeds: the global model (mean of the K = "
+    return [(f"{arm} at the last round, mean over seeds{note}: the global model (mean of the K = "
              f"{k} models) {np.mean([f['global'] for f in finals]):.4f}; the K individual "
              f"models {np.mean([np.mean(f['models']) for f in finals]):.4f} on average, best "
              f"{np.mean([max(f['models']) for f in finals]):.4f}."), ""] \
@@ -1035,7 +1136,7 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
         for arm in exp.arms_of(setting):
             runs = table.get(setting, {}).get(arm) or []
             label = exp.arms[arm].get("label", arm)
-            cells = [f"{arm}: {label}" if label != arm else arm]
+            cells = [(f"{arm}: {label}" if label != arm else arm) + divergence_note(runs)]
             if not runs:
                 cells += ["failed"] * len(keys)
             else:
@@ -1048,6 +1149,12 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
         verdict, lines = evaluate_check(check, exp, table)
         results.append((check, verdict, lines))
     verdict = verdict_word(results)
+    if any(r.get("diverged") for arms in table.values() for runs in arms.values() for r in runs):
+        out += [("**Runs that diverged.** A non-finite loss or gradient in local training "
+                 "ends a run (edgefl stops rather than carry NaN parameters on). Such a run is "
+                 "counted, not dropped: its final accuracy is chance (1/C, what a model with "
+                 "non-finite parameters scores), its best accuracy and rounds to a target are "
+                 "those of the rounds before, and it has no losses or bytes."), ""]
     out += [("**Checks** (each comparison paired by seed: the mean gain in the claimed "
              "direction and its 95% t interval; *holds* when the interval excludes zero (or "
              "the stated margin) on the claimed side, *contradicted* when it excludes it on "
