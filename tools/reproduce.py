@@ -1339,7 +1339,8 @@ def collect(experiments, jobs, statuses) -> tuple:
     for exp in experiments:
         for setting in exp.settings:
             dirs = [j.out for j in jobs if j.experiment == exp.name and j.setting == setting
-                    and j.seed == 0 and j.key not in failures[exp.name]]
+                    and j.seed == 0 and j.key not in failures[exp.name]
+                    and _divergence(j.out) is None]   # (no summary.json: nothing to draw)
             if dirs:
                 try:
                     runs = load_runs(dirs)
