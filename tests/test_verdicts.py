@@ -419,3 +419,27 @@ def test_runs_selects_a_sittings_runs_in_the_patterns_order(tmp_path, capsys):
     assert done and all(d.endswith("/fedavg/seed0") for d in done)
     assert not (out / "results.md").exists() and not (out / "manifest.json").exists()
     assert "no report written" in capsys.readouterr().out
+
+
+@pytest.mark.fashion_mnist
+def test_fedmr_norms_follows_the_k_models(capsys):
+    """tools/fedmr_norms.py (the FedMR divergence diagnosis in docs/results.md): one row per
+    round with every recombination unit of the model; in stage 1 the K models are the one
+    global model (no spread); a non-FedMR arm is refused by name."""
+    import json
+    import sys
+    sys.path.insert(0, str(REPO / "tools"))
+    import fedmr_norms
+    assert fedmr_norms.main(["--tier", "quick", "--setting", "dir0.1", "--rounds", "3",
+                             "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["round"] for r in doc["series"]] == [1, 2, 3] and doc["diverged"] is None
+    assert len(doc["units"]) == len(doc["series"][0]["layers"]) == 6   # 3 layers, w and b
+    assert all(layer["spread"] > 0 for r in doc["series"] for layer in r["layers"])
+    assert fedmr_norms.main(["--tier", "quick", "--setting", "dir0.1", "--rounds", "2",
+                             "--json", "--set", "strategy.stage1_rounds=5"]) == 0
+    stage1 = json.loads(capsys.readouterr().out)
+    assert all(layer["spread"] == 0 for r in stage1["series"] for layer in r["layers"])
+    with pytest.raises(SystemExit):
+        fedmr_norms.main(["--tier", "quick", "--setting", "dir0.1", "--arm", "fedavg"])
+    assert "not a FedMR arm" in capsys.readouterr().err

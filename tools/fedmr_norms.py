@@ -45,7 +45,10 @@ def _assign(config: dict, dotted: str) -> None:
     node = config
     for part in path:
         node = node.setdefault(part, {})
-    node[last] = json.loads(raw) if raw[:1] in "[{0123456789-tfn" else raw
+    try:
+        node[last] = json.loads(raw)
+    except ValueError:
+        node[last] = raw                  # a bare word: a string (granularity=layer)
 
 
 def main(argv=None) -> int:
