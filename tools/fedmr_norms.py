@@ -127,9 +127,11 @@ def main(argv=None) -> int:
             continue
         row = {"round": r["round"], "train_loss": round(r["train_loss"], 3)}
         for name, layer in zip(names, r["layers"]):
-            if name.endswith(".bias"):      # (in --json; the weights tell the story)
+            parts = name.split("+")
+            if all(p.endswith(".bias") for p in parts):   # (in --json; weights tell the story)
                 continue
-            row[f"{name.removesuffix('.weight')}: max abs, spread"] = \
+            label = parts[0].rsplit(".", 1)[0]             # the layer: fc1 for fc1.weight(+bias)
+            row[f"{label}: max abs, spread"] = \
                 f"{layer['max_abs']:.2f}, {layer['spread']:.2f}"
         rows.append(row)
     print(f"# FedMR's K models by round: {args.tier} tier, {args.setting}, {args.arm}, seed "
