@@ -443,3 +443,29 @@ def test_fedmr_norms_follows_the_k_models(capsys):
     with pytest.raises(SystemExit):
         fedmr_norms.main(["--tier", "quick", "--setting", "dir0.1", "--arm", "fedavg"])
     assert "not a FedMR arm" in capsys.readouterr().err
+
+
+def test_a_resumed_tier_is_summarised_by_its_runs_time_not_its_last_sitting(tmp_path):
+    """The long tier is finished over sittings: its last invocation's wall time is minutes,
+    so the summary table gives the runs' own times added up; a tier run in one go keeps its
+    wall time."""
+    R = _reproduce()
+    from edgefl.compare import format_duration
+    statuses = {f"x/s/a/seed{i}": {"ok": True, "elapsed_s": 3600.0, "resumed": i > 0}
+                for i in range(3)}
+    manifest = {"command": "python tools/reproduce.py --long", "mode": "long", "runs": 3,
+                "workers": 2, "cpus": 2, "machine": "x86_64, Linux", "edgefl": "0", "backend": "c",
+                "date": "2026-11-29 08:00", "out": "runs/reproduce-long", "load_start": None,
+                "statuses": statuses, "resumed": 2, "wall_s": 3700.0}
+    section, meta = R.render_section("long", manifest, [], {}, {})
+    assert meta["runs_s"] == 10800.0
+    assert f"add up to {format_duration(10800.0)}" in section
+    meta["titles"], meta["verdicts"], meta["scales"] = {"x": "t"}, {"x": "Holds"}, {"x": "s"}
+    results = tmp_path / "results.md"
+    R.write_results(str(results), "long", section, meta)
+    quick = dict(meta, wall_s=200.0)
+    del quick["runs_s"]
+    R.write_results(str(results), "quick", "## Quick run\n", quick)
+    text = results.read_text()
+    assert f"| long ({format_duration(10800.0)} of runs, over sittings) |" in text
+    assert f"| quick ({format_duration(200.0)}) |" in text

@@ -1223,8 +1223,8 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
                   f"{', '.join(f'`{n}`' for n in m['only'])} (`--only`); the tier's other "
                   f"experiments are not in this section until an invocation without `--only` "
                   f"finishes them."), ""]
+    total = sum(st.get("elapsed_s", 0.0) for st in m.get("statuses", {}).values())
     if m.get("resumed"):
-        total = sum(st.get("elapsed_s", 0.0) for st in m.get("statuses", {}).values())
         head += [(f"This invocation resumed an interrupted one: {m['resumed']} of the "
                   f"{m['runs']} runs were finished by earlier invocations and kept; the "
                   f"runs' own times add up to {format_duration(total)} of single-worker "
@@ -1234,6 +1234,9 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
                   f"`{m['rendered']['command']}` on {m['rendered']['date']}; no run was "
                   f"repeated, and every number is from the runs above."), ""]
     meta = {"wall_s": round(m["wall_s"], 1), "command": m["command"], "verdicts": verdicts,
+            # a resumed invocation's wall time is only its own sitting's: the summary table
+            # gives the runs' own times instead
+            **({"runs_s": round(total, 1)} if m.get("resumed") else {}),
             "titles": {e.name: e.doc.get("headline", e.doc["title"]) for e in experiments},
             "scales": {e.name: scale_of(e) for e in experiments}, "stats": STATS_VERSION}
     return "\n".join(head + body), meta
@@ -1285,8 +1288,9 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
             scale = meta_m.get("scales", {}).get(name, "older settings; 2–5 seeds, unpaired")
             verdict = meta_m["verdicts"][name] + (" *(old statistics: seed means only)*"
                                                   if old else "")
-            lines.append(f"| **{name}**: {titles[name]} | {m} "
-                         f"({format_duration(meta_m['wall_s'])}) | {scale} | {verdict} |")
+            took = (f"{format_duration(meta_m['runs_s'])} of runs, over sittings"
+                    if meta_m.get("runs_s") else format_duration(meta_m["wall_s"]))
+            lines.append(f"| **{name}**: {titles[name]} | {m} ({took}) | {scale} | {verdict} |")
     lines.append("")
     lines.append("To run again: `python tools/reproduce.py --quick` (the smoke tier; its section "
                  "gives its wall and CPU time) or "
