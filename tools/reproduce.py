@@ -723,8 +723,9 @@ def _divergence(out: str) -> dict | None:
 def diverged_metrics(job: Job, diverged: dict, targets: list) -> dict:
     """The metrics of a run that diverged in round `diverged["round"]`. It is counted, not
     dropped (dropping it would flatter the algorithm that diverged): its final accuracy is
-    chance, 1/C (a model carrying non-finite parameters on predicts nothing); its best accuracy and any target reached are those of the rounds before; a
-    target not reached then is never reached; losses, bytes and derived metrics are None."""
+    chance, 1/C (a model carrying non-finite parameters on predicts nothing); its best
+    accuracy and any target reached are those of the rounds before; a target not reached
+    then is never reached; losses, bytes and derived metrics are None."""
     from edgefl.compare import RunDirError, _read_history, rounds_to_target
     with open(os.path.join(job.out, "reproduce.json"), encoding="utf-8") as f:
         elapsed = json.load(f)["elapsed_s"]
@@ -1152,8 +1153,8 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
         out += [("**Runs that diverged.** A non-finite loss or gradient in local training "
                  "ends a run (edgefl stops rather than carry NaN parameters on). Such a run is "
                  "counted, not dropped: its final accuracy is chance, 1/C (a model whose "
-                 "outputs are not numbers predicts nothing), its best accuracy and rounds to a target are "
-                 "those of the rounds before, and it has no losses or bytes."), ""]
+                 "outputs are not numbers predicts nothing), its best accuracy and rounds to "
+                 "a target are those of the rounds before, and it has no losses or bytes."), ""]
     out += [("**Checks** (each comparison paired by seed: the mean gain in the claimed "
              "direction and its 95% t interval; *holds* when the interval excludes zero (or "
              "the stated margin) on the claimed side, *contradicted* when it excludes it on "
