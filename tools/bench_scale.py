@@ -37,6 +37,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -124,7 +125,8 @@ class PeakMemory:
     def __init__(self):
         self.peak = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread = threading.Thread(target=self._sample, name="bench-pss-sampler",
+                                        daemon=True)
 
     def __enter__(self):
         self._thread.start()
@@ -139,6 +141,105 @@ class PeakMemory:
             self.peak = max(self.peak, tree_pss())
             if self._stop.wait(0.25):
                 return
+
+
+class CpuMeter:
+    """CPU time per round of each part of a run (`--cpu`; Linux /proc): this process's
+    threads by name (a pool's numbered threads together), its worker processes (children
+    other than the broker) and the broker, between the model of round 1 and that of the
+    last round. Read only at those two calls, so the run itself is not slowed."""
+
+    def __init__(self, last_round: int, broker_pid: int | None):
+        self.last_round, self.broker_pid = last_round, broker_pid
+        self._first = self._last = None
+
+    def __call__(self, r, model) -> None:
+        if r == 1:
+            self._first = self._snapshot()
+        elif r == self.last_round:
+            self._last = self._snapshot()
+
+    def _snapshot(self) -> tuple:
+        me = os.getpid()
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        parts: dict = {}
+        for tid, seconds in _thread_cpu(me).items():
+            name = names.get(tid, "other threads")
+            name = name.rstrip("0123456789").rstrip("_") if name[-1:].isdigit() else name
+            name = re.sub(r"-sim-[0-9a-f]+-", "-sim-", name)    # a run's federation id
+            parts[f"this process: {name}"] = parts.get(f"this process: {name}", 0.0) + seconds
+        for child in _children(me):
+            part = "broker" if child == self.broker_pid else "worker processes"
+            parts[part] = parts.get(part, 0.0) + sum(_thread_cpu(child).values())
+        return time.perf_counter(), parts
+
+    def per_round(self) -> dict:
+        """{part: ms of CPU a round}, "total" included; {} when the run had < 2 rounds."""
+        if self._first is None or self._last is None:
+            return {}
+        rounds = self.last_round - 1
+        (_, a), (_, b) = self._first, self._last
+        out = {k: round((v - a.get(k, 0.0)) * 1e3 / rounds, 2) for k, v in b.items()}
+        out = {k: v for k, v in out.items() if v > 0}
+        out["total"] = round(sum(out.values()), 2)
+        return out
+
+
+def _thread_cpu(pid: int) -> dict:
+    """{thread id: seconds of user + system CPU} of process `pid` ({} if it is gone)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _children(pid: int) -> list:
+    kids = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as fh:
+                    kids += [int(x) for x in fh.read().split()]
+            except OSError:
+                continue
+    except OSError:
+        pass
+    return kids
+
+
+def both(period: "Periods", meter: CpuMeter, with_cpu: bool):
+    """The on_model of a run: its period, and with --cpu its CPU meter."""
+    if not with_cpu:
+        return period
+
+    def on_model(r, model):
+        period(r, model)
+        meter(r, model)
+    return on_model
+
+
+def cpu_rows(cpu: dict, names: dict) -> list:
+    """--cpu's table: a row per part, a column per layout, medians over the repeats."""
+    columns = {"in process": "in process", **{k: names[k] for k in names}}
+    parts = sorted({p for runs in cpu.values() for run in runs for p in run},
+                   key=lambda p: (p == "total", p))
+    rows = []
+    for part in parts:
+        row = {"part (ms of CPU a round)": part}
+        for key, label in columns.items():
+            values = [run.get(part, 0.0) for run in cpu[key] if run]
+            row[label] = round(statistics.median(values), 2) if values else ""
+        rows.append(row)
+    return rows
 
 
 def tree_pss() -> int:
@@ -182,6 +283,8 @@ def main(argv=None) -> int:
                              "a row: 0 (hosted in the simulating process), K (K forked worker "
                              "processes), or 'default' (run_over_broker's choice)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--cpu", action="store_true",
+                        help="also the CPU time a round costs, by thread and process (Linux)")
     # issue 19 items 1-2: whole `edgefl simulate` processes against tools/plain_loop.py
     parser.add_argument("--mode", choices=("broker", "simulate", "million"), default="broker",
                         help="broker: a round over Mosquitto vs in process (default); "
@@ -220,16 +323,19 @@ def main(argv=None) -> int:
     in_rounds = {k: [] for k in range(len(layouts))}
     mems = {k: [] for k in range(len(layouts))}
     closed = {k: [0, 0] for k in range(len(layouts))}
+    cpu = {k: [] for k in ["in process", *range(len(layouts))]}   # per repeat: {part: ms}
     names = {}
     try:
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             period = Periods()
+            meter = CpuMeter(args.rounds, broker.proc.pid)
             with PeakMemory() as mem:
                 a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
                                        args.per_round, workers=args.workers,
                                        test=(run.dataset.x_test, run.dataset.y_test),
-                                       eval_every=1, on_model=period)
+                                       eval_every=1, on_model=both(period, meter, args.cpu))
+            cpu["in process"].append(meter.per_round())
             inproc_wall.append(time.perf_counter() - t0)
             inproc_mem.append(mem.peak)
             inproc.append(round_s(a.history))
@@ -237,9 +343,12 @@ def main(argv=None) -> int:
             for k, processes in enumerate(layouts):
                 t0 = time.perf_counter()
                 period = Periods()
+                meter = CpuMeter(args.rounds, broker.proc.pid)
                 with PeakMemory() as mem:
                     b, info = sim.run_over_broker(run, broker.url, workers=args.workers,
-                                                  client_processes=processes, on_model=period)
+                                                  client_processes=processes,
+                                                  on_model=both(period, meter, args.cpu))
+                cpu[k].append(meter.per_round())
                 walls[k].append(time.perf_counter() - t0)
                 in_rounds[k].append(sum(h["wall_s"] for h in b.history))
                 mems[k].append(mem.peak)
@@ -280,13 +389,18 @@ def main(argv=None) -> int:
             "per_round": args.per_round, "rounds": args.rounds, "repeats": args.repeats,
             "workers": args.workers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "client_processes": args.client_processes, "target_ratio": 2.0}
+    extra = {"cpu": cpu_rows(cpu, names)} if args.cpu else {}
     if args.json:
-        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1))
     else:
         print(f"# a round over Mosquitto vs in process ({args.dataset}, softmax, "
               f"{args.clients} clients, {args.per_round} a round, {args.rounds} rounds; "
               f"{args.repeats} interleaved repeats; backend {kernels.backend}; {meta['date']})\n")
         print(markdown(rows))
+        if args.cpu:
+            print(f"\nCPU time a round, rounds 2-{args.rounds}, by part; medians over the "
+                  f"repeats (/proc: 10 ms ticks, so run 60+ rounds):\n")
+            print(markdown(extra["cpu"]))
     return 0
 
 
