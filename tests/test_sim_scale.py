@@ -135,3 +135,44 @@ def test_first_train_gives_the_source_order_after_the_layout():
     assert not np.array_equal(laid.x_train[:20], before[:20])      # the rows moved ...
     assert np.array_equal(laid.first_train(20), before[:20])       # ... the first 20 did not
     assert np.array_equal(laid.first_train(10_000), before)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_bench_scale_cpu_meter_counts_each_threads_cpu_per_round():
+    """bench_scale --cpu (docs/scaling.md's CPU-by-part table): CPU burnt by a named thread
+    between the first and the last round's model is that thread's, divided by the rounds
+    after the first; a pool's numbered threads are one part; the total adds the parts."""
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_scale
+
+    meter = bench_scale.CpuMeter(last_round=3, broker_pid=None)
+    meter(1, None)
+    done = threading.Event()
+    burnt = [threading.Event() for _ in range(2)]
+
+    def burn(i):
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        burnt[i].set()
+        done.wait(10)                # alive at the last snapshot: its /proc entry is read
+
+    workers = [threading.Thread(target=burn, args=(i,), name=f"burner_{i}") for i in range(2)]
+    for w in workers:
+        w.start()
+    for event in burnt:
+        assert event.wait(10)
+    meter(2, None)
+    meter(3, None)
+    done.set()
+    for w in workers:
+        w.join()
+    out = meter.per_round()
+    # 2 x 0.3 s over 2 rounds: 300 ms a round, give or take the 10 ms ticks
+    assert 250 <= out["this process: burner"] <= 350, out
+    assert out["total"] == pytest.approx(sum(v for k, v in out.items() if k != "total"))
+    assert bench_scale.CpuMeter(3, None).per_round() == {}
