@@ -341,7 +341,7 @@ def test_a_run_that_diverges_is_kept_and_counted_at_chance(tmp_path):
     assert R.divergence_note(better) == ""
     kept = dict(metrics, diverged=None, fedmr_models={"global": 0.5, "models": [0.4, 0.6]})
     line = R.fedmr_model_lines([metrics, kept], "fedmr")[0]
-    assert "diverged in 1 of 2 seeds" in line and "0.5000" in line
+    assert "(1 of 2 seeds diverged; the 1 that did not" in line and "0.5000" in line
     assert json.loads((tmp_path / "run" / "reproduce.json").read_text())["diverged"]["round"] == 3
 
 

@@ -980,13 +980,13 @@ DERIVED = {"global_train_loss": global_train_loss, "fedmr_models": fedmr_model_a
 def fedmr_model_lines(runs: list, arm: str) -> list:
     """Test accuracy of FedMR's K individual models at the end against their mean (the
     global model FedMR evaluates, the paper's Algorithm 1 line 11)."""
-    note = divergence_note(runs)
+    n, note = len(runs), divergence_note(runs)
     runs = [r for r in runs if not r.get("diverged")]
     if not runs:
         return [f"{arm}{note}: no model at the end of any seed.", ""]
     if note:
-        note = (f" ({note.lstrip(' —')}; the {len(runs)} that did not are shown here and "
-                f"below)")
+        note = (f" ({n - len(runs)} of {n} seeds diverged; the {len(runs)} that did not are "
+                f"shown here and below)")
     finals = [r.get("fedmr_models") or fedmr_model_accuracies(r["out"]) for r in runs]
     if any(f is None for f in finals):
         return [f"{arm}: no recombined model list in the checkpoint (stage 1 only).", ""]
