@@ -348,10 +348,12 @@ class DocumentRun:
     def start_background(self, block: Block, text: str) -> None:
         log = self.workdir.parent / f"{self.workdir.name}-bg{len(self.background)}.log"
         with open(log, "wb") as out:
+            # Ctrl-C as at a terminal: a test run started in the background (`cmd &` in a
+            # script) passes SIGINT on ignored, and a shell cannot undo that with `trap`
             proc = subprocess.Popen(["bash", "-c", self.script(text)],
                                     cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_default_sigint)
         self.background.append((text, proc, log))
         ready = block.directive("ready")
         deadline = time.monotonic() + 30
@@ -405,6 +407,10 @@ class DocumentRun:
             self.broker.stop()
             self.broker = None
         return problems
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _collect():
