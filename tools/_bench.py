@@ -1,7 +1,8 @@
-"""Helpers shared by the tools/bench_*.py benchmarks: interleaved median timing and the
-Markdown table every tool prints."""
+"""Helpers shared by the tools/bench_*.py benchmarks: interleaved median timing, the CPU
+time /proc gives a process or a thread, and the Markdown table every tool prints."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -19,6 +20,18 @@ def time_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
             fn()
             ts.append(time.perf_counter() - t0)
     return [statistics.median(ts) for ts in times]
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """User + system CPU seconds of process `pid` so far, or of its thread `tid`
+    (/proc/PID[/task/TID]/stat, in clock ticks of 10 ms); None once it is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path, "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def markdown(rows: list[dict]) -> str:

@@ -351,19 +351,13 @@ class _Sampler:
         self.pids, self.brokers, self.samples = list(pids), list(brokers), []
         self.rss_max = self.rss_sum = self.pss_sum = 0
         self._stop = threading.Event()
-        self._tick = os.sysconf("SC_CLK_TCK")
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _cpu(self, pids) -> float:
-        total = 0.0
-        for pid in pids:
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue                          # waited for: its CPU is final
-            total += (int(fields[11]) + int(fields[12])) / self._tick
-        return total
+        from _bench import cpu_seconds
+        # a process waited for is gone: its CPU is final (counted before it went)
+        return sum(cpu_seconds(pid) or 0.0 for pid in pids)
 
     def _memory(self) -> None:
         rss_sum = pss_sum = 0

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))                          # a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import markdown    # noqa: E402
+from _bench import cpu_seconds, markdown    # noqa: E402
 
 from edgefl import kernels, sim    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
@@ -187,19 +187,12 @@ class CpuMeter:
 
 def _thread_cpu(pid: int) -> dict:
     """{thread id: seconds of user + system CPU} of process `pid` ({} if it is gone)."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
+        return {}
+    seconds = {tid: cpu_seconds(pid, tid) for tid in tids}
+    return {tid: s for tid, s in seconds.items() if s is not None}
 
 
 def _children(pid: int) -> list:

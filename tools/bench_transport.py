@@ -121,7 +121,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout
-from _bench import time_medians, markdown  # noqa: E402  (tools/ is the script directory)
+from _bench import cpu_seconds, time_medians, markdown  # noqa: E402  (tools/ is the script directory)
 
 from edgefl import kernels
 from edgefl._malloc import keep_frames_in_heap
@@ -403,14 +403,8 @@ def _raw_paho_processes(url: str, clients: int, payloads: list[bytes], repeats: 
 
 
 def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc/<pid>/stat), 0 once it is
-    gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of process `pid` so far, 0 once it is gone."""
+    return cpu_seconds(pid) or 0.0
 
 
 def _roles_rounds_processes(config_map: dict, url: str, max_payload: int,
