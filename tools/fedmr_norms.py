@@ -37,20 +37,6 @@ import reproduce    # noqa: E402
 from _bench import markdown    # noqa: E402
 
 
-def _assign(config: dict, dotted: str) -> None:
-    key, _, raw = dotted.partition("=")
-    if not _ or not key:
-        raise SystemExit(f"--set {dotted!r}: expected KEY.PATH=VALUE")
-    *path, last = key.split(".")
-    node = config
-    for part in path:
-        node = node.setdefault(part, {})
-    try:
-        node[last] = json.loads(raw)
-    except ValueError:
-        node[last] = raw                  # a bare word: a string (granularity=layer)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tier", default="long", choices=("quick", "full", "long"))
@@ -58,12 +44,13 @@ def main(argv=None) -> int:
     parser.add_argument("--arm", default="fedmr")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="change one key of the run config (dotted path; JSON value)")
+                        help="change one key of the run config, as `edgefl simulate --set`")
     parser.add_argument("--rounds", type=int, help="stop after this many rounds")
     parser.add_argument("--every", type=int, default=5, help="table row every N rounds")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
+    from edgefl.config import ConfigError, apply_override
     from edgefl.errors import NonFiniteError
     from edgefl.runconfig import run_config_from_mapping
     from edgefl.runs.prepare import prepare_run
@@ -75,8 +62,11 @@ def main(argv=None) -> int:
         parser.error(f"--setting {args.setting} --arm {args.arm}: not in the {args.tier} tier "
                      f"(settings {', '.join(exp.settings)})")
     config = reproduce.resolve_owners(exp.config(args.setting, args.arm, args.seed))
-    for item in args.set:
-        _assign(config, item)
+    try:   # the `edgefl simulate --set` syntax: the value parsed as YAML
+        for item in args.set:
+            apply_override(config, item)
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.rounds:
         config["rounds"] = args.rounds
     run = prepare_run(run_config_from_mapping(config, "fedmr_norms"), workers=1, progress=False)
