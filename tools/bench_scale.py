@@ -196,16 +196,19 @@ def _thread_cpu(pid: int) -> dict:
 
 
 def _children(pid: int) -> list:
-    kids = []
+    """The direct children of process `pid` (their /proc/PID/stat parent field)."""
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as fh:
-                    kids += [int(x) for x in fh.read().split()]
-            except OSError:
-                continue
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
-        pass
+        return []
+    kids = []
+    for child in pids:
+        try:
+            with open(f"/proc/{child}/stat", encoding="ascii", errors="replace") as fh:
+                if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(child)
+        except (OSError, ValueError, IndexError):
+            continue
     return kids
 
 
@@ -238,16 +241,8 @@ def cpu_rows(cpu: dict, names: dict) -> list:
 def tree_pss() -> int:
     """Bytes: PSS of this process and its direct children (Linux; 0 elsewhere)."""
     me, total = os.getpid(), 0
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return 0
-    for pid in pids:
+    for pid in [me, *_children(me)]:
         try:
-            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
-            if int(pid) != me and parent != me:
-                continue
             with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
                 for line in fh:
                     if line.startswith("Pss:"):
