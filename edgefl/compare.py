@@ -39,6 +39,7 @@ __all__ = [
     "markdown_table",
     "overlay_figure",
     "plot_overlay",
+    "read_history",
     "rounds_to_target",
     "strategy_label",
 ]
@@ -93,7 +94,9 @@ def _read_summary(path: str) -> dict:
     return summary
 
 
-def _read_history(path: str) -> list:
+def read_history(path: str) -> list:
+    """The round records of run directory `path` (its metrics.jsonl), also of a run that
+    never wrote summary.json; RunDirError names the file and line of anything unreadable."""
     metrics_path = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(metrics_path):
         raise RunDirError(f"{path}: has summary.json but no metrics.jsonl (the per-round "
@@ -126,7 +129,7 @@ def load_run(path: str | os.PathLike, name: str | None = None) -> Run:
         raise RunDirError(f"{path}: not a directory (give the run directory that holds "
                           f"summary.json and metrics.jsonl)")
     summary = _read_summary(path)
-    history = _read_history(path)
+    history = read_history(path)
     return Run(path, name or os.path.basename(os.path.normpath(path)) or path, summary, history,
                _offline_seconds(path))
 

@@ -726,11 +726,11 @@ def diverged_metrics(job: Job, diverged: dict, targets: list) -> dict:
     chance, 1/C (a model carrying non-finite parameters on predicts nothing); its best
     accuracy and any target reached are those of the rounds before; a target not reached
     then is never reached; losses, bytes and derived metrics are None."""
-    from edgefl.compare import RunDirError, _read_history, rounds_to_target
+    from edgefl.compare import RunDirError, read_history, rounds_to_target
     with open(os.path.join(job.out, "reproduce.json"), encoding="utf-8") as f:
         elapsed = json.load(f)["elapsed_s"]
     try:
-        history = _read_history(job.out)
+        history = read_history(job.out)
     except RunDirError:   # diverged in round 1: nothing recorded
         history = []
     curve = {h["round"]: h["test_accuracy"] for h in history if h.get("test_accuracy") is not None}
