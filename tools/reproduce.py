@@ -437,12 +437,8 @@ def config_digest(config: dict) -> str:
 def finished_run(job: dict) -> dict | None:
     """The status of a run already finished in job["out"] with the same config (what
     --resume keeps), else None. A run that diverged is finished too: its outcome is kept."""
-    try:
-        with open(os.path.join(job["out"], "reproduce.json"), encoding="utf-8") as f:
-            done = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if done.get("config_sha256") != config_digest(job["config"]):
+    done = kept_record(job["out"])
+    if not done or done.get("config_sha256") != config_digest(job["config"]):
         return None
     if done.get("diverged"):
         return {"key": job["key"], "ok": True, "elapsed_s": done["elapsed_s"], "resumed": True,
@@ -631,17 +627,12 @@ def global_train_loss(out: str) -> float:
 
 def run_metrics(job: Job, targets: list, columns: list) -> dict:
     from edgefl.compare import load_run
-    diverged = _divergence(job.out)
-    if diverged is not None:
-        return diverged_metrics(job, diverged, targets)
+    done = kept_record(job.out)
+    if done.get("diverged"):
+        return diverged_metrics(job, done, targets)
     run = load_run(job.out)
     s, last = run.summary, run.history[-1]
-    try:
-        with open(os.path.join(job.out, "reproduce.json"), encoding="utf-8") as f:
-            done = json.load(f)
-        elapsed, derived = done["elapsed_s"], done.get("derived", {})
-    except (OSError, ValueError, KeyError):
-        elapsed, derived = s.get("wall_s"), {}
+    elapsed, derived = done.get("elapsed_s", s.get("wall_s")), done.get("derived", {})
     metrics = {
         "final_accuracy": s["final_accuracy"], "best_accuracy": s["best_accuracy"],
         "final_test_loss": s["final_loss"], "final_train_loss": last.get("train_loss"),
@@ -712,23 +703,26 @@ def fmt_stat(stat: Stat, kind: str) -> str:
     return f"{mean:g}"
 
 
-def _divergence(out: str) -> dict | None:
+def kept_record(out: str) -> dict:
+    """The reproduce.json a worker wrote as run `out` ended (elapsed_s, config_sha256,
+    derived, and diverged for a run that diverged); {} when there is none."""
     try:
         with open(os.path.join(out, "reproduce.json"), encoding="utf-8") as f:
-            return json.load(f).get("diverged")
+            doc = json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
-def diverged_metrics(job: Job, diverged: dict, targets: list) -> dict:
-    """The metrics of a run that diverged in round `diverged["round"]`. It is counted, not
+def diverged_metrics(job: Job, done: dict, targets: list) -> dict:
+    """The metrics of a run that diverged in round `done["diverged"]["round"]` (`done`: its
+    kept_record). It is counted, not
     dropped (dropping it would flatter the algorithm that diverged): its final accuracy is
     chance, 1/C (a model carrying non-finite parameters on predicts nothing); its best
     accuracy and any target reached are those of the rounds before; a target not reached
     then is never reached; losses, bytes and derived metrics are None."""
     from edgefl.compare import RunDirError, read_history, rounds_to_target
-    with open(os.path.join(job.out, "reproduce.json"), encoding="utf-8") as f:
-        elapsed = json.load(f)["elapsed_s"]
+    diverged, elapsed = done["diverged"], done["elapsed_s"]
     try:
         history = read_history(job.out)
     except RunDirError:   # diverged in round 1: nothing recorded
@@ -1344,7 +1338,7 @@ def collect(experiments, jobs, statuses) -> tuple:
         for setting in exp.settings:
             dirs = [j.out for j in jobs if j.experiment == exp.name and j.setting == setting
                     and j.seed == 0 and j.key not in failures[exp.name]
-                    and _divergence(j.out) is None]   # (no summary.json: nothing to draw)
+                    and not kept_record(j.out).get("diverged")]   # no summary.json to draw
             if dirs:
                 try:
                     runs = load_runs(dirs)
