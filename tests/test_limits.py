@@ -332,7 +332,8 @@ def test_a_full_tmpfs_leaves_the_previous_checkpoint_intact(small_tmpfs):
     assert kept.round == 1
     assert np.array_equal(kept.state.buffers["params"], checkpoint(1, seed=1).state.buffers[
         "params"])
-    assert sorted(os.listdir(state_dir)) == ["aggregator.npz"]   # no temporary file left
+    # no temporary file left
+    assert sorted(os.listdir(state_dir)) == ["aggregator.npz", "history.jsonl"]
     os.unlink(filler)                                    # space again: the next save works
     checkpoint(2, seed=2).save(state_dir)
     assert AggregatorCheckpoint.load(state_dir).round == 2

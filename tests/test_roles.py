@@ -22,8 +22,10 @@ from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings, 
                           default_client_ids)
 from edgefl.roles import messages as msg
 from edgefl.params import LayerTable
-from edgefl.roles.state import (append_journal, atomic_write, load_arrays, read_journal,
-                                save_arrays, tag_floats, untag_floats)
+from edgefl.roles import state as state_files
+from edgefl.roles.state import (HISTORY_FILE, StateError, StateWriteError, append_journal,
+                                atomic_write, load_arrays, read_journal, save_arrays,
+                                tag_floats, untag_floats)
 from edgefl.checkpoint import model_sha256
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim import simulate
@@ -78,6 +80,113 @@ def test_non_finite_floats_survive_json_tagging():
     assert np.isnan(back["a"]) and back["b"][:2] == [float("inf"), -float("inf")]
     assert back["b"][2] == 1.5 and back["c"] == [1, 2] and back["d"] == 0.25
     assert back["e"] is None
+
+
+def history_checkpoint(history, round_=None):
+    r = len(history) if round_ is None else round_
+    return AggregatorCheckpoint("r1", "fp", r, list(range(1, r + 1)),
+                                State({"params": np.full(5, float(r), np.float32)}, {}),
+                                {"name": "fedavg"}, {"seed": 0}, list(history), float(r))
+
+
+def history_lines(directory) -> int:
+    with open(os.path.join(directory, HISTORY_FILE), encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def test_the_history_is_appended_each_save_not_rewritten(tmp_path):
+    """A save writes the new round's record and, when its evaluation came in since, the
+    last one again; never the whole history (at 1,000 rounds that was ~30 ms a round)."""
+    history = []
+    for r in range(1, 6):
+        if history:                         # the previous round's evaluation comes in late
+            history[-1]["test_accuracy"] = 0.5 + r / 100
+        history = history + [{"round": r, "test_accuracy": None, "loss": float("nan")}]
+        history_checkpoint(history).save(tmp_path)
+    # round 1 written once, rounds 2-5 twice (appended, then again with the evaluation)
+    assert history_lines(tmp_path) == 1 + 2 * 4
+    history_checkpoint(history).save(tmp_path)             # nothing changed: nothing added
+    assert history_lines(tmp_path) == 9
+    back = AggregatorCheckpoint.load(tmp_path)
+    assert back.round == 5 and [h["round"] for h in back.history] == [1, 2, 3, 4, 5]
+    assert [h["test_accuracy"] for h in back.history] == [0.52, 0.53, 0.54, 0.55, None]
+    assert all(h["loss"] is None for h in back.history)     # NaN as in version 1: null
+
+
+def test_history_lines_of_an_interrupted_save_are_ignored_and_superseded(tmp_path,
+                                                                         monkeypatch):
+    history = [{"round": 1, "v": "a"}, {"round": 2, "v": "a"}]
+    history_checkpoint(history).save(tmp_path)
+
+    def crash(*args, **kwargs):             # killed after the history, before the rename
+        raise StateWriteError("simulated crash before the checkpoint's rename")
+    monkeypatch.setattr(state_files, "save_arrays", crash)
+    with pytest.raises(StateWriteError):
+        history_checkpoint(history + [{"round": 3, "v": "lost"}]).save(tmp_path)
+    monkeypatch.undo()
+    assert history_lines(tmp_path) == 3
+    back = AggregatorCheckpoint.load(tmp_path)              # round 2's checkpoint, as it was
+    assert back.round == 2 and back.history == history
+    # the restarted aggregator (a new process: nothing remembered) reruns round 3
+    state_files._HISTORY_WRITTEN.clear()
+    with open(os.path.join(tmp_path, HISTORY_FILE), "a", encoding="utf-8") as f:
+        f.write('{"i": 2, "record": {"round"')               # and a torn line to boot
+    history_checkpoint(back.history + [{"round": 3, "v": "rerun"}]).save(tmp_path)
+    again = AggregatorCheckpoint.load(tmp_path)
+    assert again.round == 3 and [h["v"] for h in again.history] == ["a", "a", "rerun"]
+    assert history_lines(tmp_path) == 3                      # rewritten whole, torn line gone
+
+
+def test_a_version_1_checkpoint_loads_and_moves_its_history_out(tmp_path):
+    meta = {"format": "edgefl-aggregator-checkpoint", "version": 1, "run_id": "r1",
+            "fingerprint": "fp", "round": 2, "aggregated": [1, 2], "state_meta": {},
+            "strategy": {"name": "fedavg"}, "rng": {"seed": 0},
+            "history": [{"round": 1}, {"round": 2}], "elapsed_s": 2.0}
+    save_arrays(os.path.join(tmp_path, "aggregator.npz"),
+                {"state.params": np.zeros(5, np.float32)}, meta)
+    old = AggregatorCheckpoint.load(tmp_path)
+    assert old.round == 2 and old.history == [{"round": 1}, {"round": 2}]
+    history_checkpoint(old.history + [{"round": 3}]).save(tmp_path)
+    _, meta = load_arrays(os.path.join(tmp_path, "aggregator.npz"))
+    assert meta["version"] == 2 and "history" not in meta and meta["history_len"] == 3
+    assert [h["round"] for h in AggregatorCheckpoint.load(tmp_path).history] == [1, 2, 3]
+
+
+def test_a_checkpoint_without_its_history_file_is_refused_by_name(tmp_path):
+    history_checkpoint([{"round": 1}, {"round": 2}]).save(tmp_path)
+    path = os.path.join(tmp_path, HISTORY_FILE)
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    with open(path, "w", encoding="utf-8") as f:          # entry 1 lost
+        f.write(first)
+    with pytest.raises(StateError, match=r"history\.jsonl: holds no record for 1 of the 2 "
+                                         r"entries .*entry 1"):
+        AggregatorCheckpoint.load(tmp_path)
+    os.unlink(path)
+    with pytest.raises(StateError, match=r"history\.jsonl: missing; the checkpoint beside it "
+                                         r"lists 2 round record"):
+        AggregatorCheckpoint.load(tmp_path)
+    assert os.path.exists(os.path.join(tmp_path, "aggregator.npz"))   # nothing removed
+
+
+def test_bench_checkpoint_times_the_aggregators_save_pattern(capsys):
+    """tools/bench_checkpoint.py (docs/scaling.md's checkpoint table) runs the save as the
+    aggregator makes it in a process of its own and reports one row per length; a --before
+    that is no edgefl checkout is refused by name."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_checkpoint
+
+    assert bench_checkpoint.main(["--records", "2,5", "--saves", "3", "--repeats", "1",
+                                  "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["records"], r["saves"]) for r in rows] == [(2, 3), (5, 3)]
+    assert all(0 < r["save_cpu_ms_min"] <= r["save_cpu_ms_median"] <= r["save_cpu_ms_max"]
+               for r in rows)
+    with pytest.raises(SystemExit):
+        bench_checkpoint.main(["--before", str(Path(__file__).parent)])
+    assert "no edgefl checkout there" in capsys.readouterr().err
 
 
 def test_checkpoint_and_progress_round_trip(tmp_path):

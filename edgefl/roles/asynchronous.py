@@ -20,7 +20,8 @@ step v + 1. What is this module's own is how a task reaches a board and its upda
   task already buffered, applied or dropped; a QoS 1 repeat) is a duplicate, ignored.
   An update staler than max_staleness is dropped (the strategy's staleness_refusal).
 - **State on disk** (state_dir): `aggregator.npz` is the checkpoint at the last step (the
-  base class's: state with its window of past models, history, journal `rounds.jsonl`);
+  base class's: state with its window of past models, `history.jsonl` beside it, journal
+  `rounds.jsonl`);
   `buffer/<task id>.npz` holds each update accepted into the buffer, written atomically
   before it counts, with the step it is for; `async.json` holds the driver's bookkeeping
   (next task id, draws at this version, the tasks in flight and the tasks opened since the

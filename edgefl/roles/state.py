@@ -36,9 +36,10 @@ __all__ = ["StateError", "StateWriteError", "atomic_write", "overwrite_in_place"
            "save_arrays", "load_arrays",
            "write_json", "read_json", "append_journal", "read_journal", "jsonable", "tag_floats",
            "untag_floats", "AggregatorCheckpoint",
-           "ClientProgress", "CHECKPOINT_FILE", "JOURNAL_FILE", "PROGRESS_FILE", "UPLOAD_FILE"]
+           "ClientProgress", "CHECKPOINT_FILE", "HISTORY_FILE", "JOURNAL_FILE", "PROGRESS_FILE", "UPLOAD_FILE"]
 
 CHECKPOINT_FILE = "aggregator.npz"
+HISTORY_FILE = "history.jsonl"
 JOURNAL_FILE = "rounds.jsonl"
 PROGRESS_FILE = "client.npz"
 UPLOAD_FILE = "update.frame"
@@ -208,27 +209,33 @@ def append_journal(path, record: Mapping) -> None:
     """Append one JSON line and fsync it: an append-only log that survives a crash (a torn
     last line, from a crash mid-write, is skipped by read_journal)."""
     line = (json.dumps(jsonable(record), separators=(",", ":")) + "\n").encode("utf-8")
+    _append(path, line, "a journal record", "the journal")
+
+
+def _append(path, data: bytes, what: str, whole: str) -> None:
+    """Append `data` (whole lines) to `path` and fsync it; on a write error the file is cut
+    back to its old size, so it still ends in a whole line. `what` and `whole` name the
+    lines and the file in the error."""
     path = os.fspath(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as exc:
-        raise _write_failed(path, exc, "a journal record") from exc
+        raise _write_failed(path, exc, what) from exc
     try:
         size = os.fstat(fd).st_size
         try:
-            view = memoryview(line)
+            view = memoryview(data)
             while view:                           # a full disk may take part of the line
                 view = view[os.write(fd, view):]
             os.fsync(fd)
         except OSError as exc:
-            # Cut the torn line off: the next record appended would otherwise be glued to it
-            # and both lost to read_journal.
+            # Cut the torn line off: the next line appended would otherwise be glued to it
+            # and both lost to the reader.
             try:
                 os.ftruncate(fd, size)
             except OSError:
                 pass
-            raise _write_failed(path, exc, "a journal record; the journal is as it was") \
-                from exc
+            raise _write_failed(path, exc, f"{what}; {whole} is as it was") from exc
     finally:
         os.close(fd)
 
@@ -283,6 +290,9 @@ class AggregatorCheckpoint:
                  client]) -- selection, local data order, FedMR's permutations -- so the
                  seed and `round` are the whole RNG state.
     history:     the per-round metrics records so far (metrics.jsonl is rewritten from it).
+                 Kept beside the checkpoint in HISTORY_FILE, appended to (_write_history):
+                 only the last record may still change between two saves (its evaluation,
+                 made in the background, comes in), every earlier one is final.
     elapsed_s:   wall time spent in rounds so far (the clock of `elapsed_s` in records).
     """
     run_id: str
@@ -296,14 +306,18 @@ class AggregatorCheckpoint:
     elapsed_s: float = 0.0
 
     def save(self, directory) -> str:
-        path = os.path.join(os.fspath(directory), CHECKPOINT_FILE)
-        meta = {"format": "edgefl-aggregator-checkpoint", "version": 1, "run_id": self.run_id,
+        directory = os.fspath(directory)
+        path = os.path.join(directory, CHECKPOINT_FILE)
+        meta = {"format": "edgefl-aggregator-checkpoint", "version": 2, "run_id": self.run_id,
                 "fingerprint": self.fingerprint, "round": self.round,
                 "aggregated": list(self.aggregated),
                 "state_meta": tag_floats(dict(self.state.meta)),
-                "strategy": tag_floats(self.strategy), "rng": self.rng, "history": self.history,
-                "elapsed_s": self.elapsed_s}
+                "strategy": tag_floats(self.strategy), "rng": self.rng,
+                "history_len": len(self.history), "elapsed_s": self.elapsed_s}
         try:
+            # the history's new lines first: a crash before the rename leaves lines past
+            # history_len, which load ignores and the round's rerun supersedes
+            _write_history(directory, self.history)
             save_arrays(path, _state_arrays(self.state, "state."), meta)
         except StateWriteError as exc:
             raise StateWriteError(f"checkpoint of round {self.round} not saved: {exc}; a "
@@ -319,20 +333,107 @@ class AggregatorCheckpoint:
             arrays, meta = load_arrays(path)
         except FileNotFoundError:
             return None
-        if meta.get("format") != "edgefl-aggregator-checkpoint" or meta.get("version") != 1:
-            raise StateError(f"{path}: not an edgefl aggregator checkpoint of version 1 "
+        if meta.get("format") != "edgefl-aggregator-checkpoint" or \
+                meta.get("version") not in (1, 2):
+            raise StateError(f"{path}: not an edgefl aggregator checkpoint of version 1 or 2 "
                              f"(format {meta.get('format')!r}, version {meta.get('version')!r})")
         try:
+            # version 1 (before 2026-11-29) held the history itself; the next save moves it
+            history = list(meta.get("history", [])) if meta["version"] == 1 else \
+                _read_history(os.fspath(directory), int(meta["history_len"]))
             aggregated = [int(r) for r in meta["aggregated"]]
             return cls(run_id=str(meta["run_id"]), fingerprint=str(meta["fingerprint"]),
                        round=int(meta["round"]), aggregated=aggregated,
                        state=_state_from(arrays, untag_floats(meta["state_meta"]), "state."),
                        strategy=untag_floats(dict(meta["strategy"])), rng=dict(meta["rng"]),
-                       history=list(meta.get("history", [])),
+                       history=history,
                        elapsed_s=float(meta.get("elapsed_s", 0.0)))
+        except StateError:
+            raise                  # the history file's, naming it
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"{path}: incomplete checkpoint ({type(exc).__name__}: {exc})") \
                 from None
+
+
+class _HistoryWritten:
+    """What this process last wrote to one directory's HISTORY_FILE: its first `count`
+    records, the last of them the object `last` as encoded in `last_line`."""
+    __slots__ = ("count", "last", "last_line")
+
+    def __init__(self, count: int, last, last_line: str):
+        self.count, self.last, self.last_line = count, last, last_line
+
+
+# by the state directory's absolute path (one aggregator writes a directory at a time)
+_HISTORY_WRITTEN: dict[str, _HistoryWritten] = {}
+
+
+def _history_line(i: int, record) -> str:
+    return json.dumps({"i": i, "record": jsonable(record)}, separators=(",", ":")) + "\n"
+
+
+def _write_history(directory: str, history: list) -> None:
+    """Bring `directory`'s HISTORY_FILE up to `history`: append the records not written
+    yet, and the last written one again if it changed since (its evaluation came in); the
+    last line of an index wins. Version 1 checkpoints held the whole history in their JSON
+    and encoded it at every save, which at 1,000 rounds was about 17 ms of CPU a round
+    (tools/bench_checkpoint.py, docs/scaling.md); this is the same few lines at any round. The first save of a
+    process, or of a history that is not the one written last (another run, a restart),
+    rewrites the file whole and atomically, which also drops a torn last line."""
+    path = os.path.join(directory, HISTORY_FILE)
+    key = os.path.abspath(directory)
+    done = _HISTORY_WRITTEN.get(key)
+    if done is None or done.count > len(history) or \
+            (done.count and history[done.count - 1] is not done.last):
+        lines = [_history_line(i, record) for i, record in enumerate(history)]
+        atomic_write(path, "".join(lines).encode("utf-8"))
+        last_line = lines[-1] if lines else ""
+    else:
+        lines = []
+        if done.count:
+            again = _history_line(done.count - 1, done.last)
+            if again != done.last_line:
+                lines.append(again)
+        lines += [_history_line(i, history[i]) for i in range(done.count, len(history))]
+        if lines:
+            _append(path, "".join(lines).encode("utf-8"), "history records", "the history file")
+        last_line = lines[-1] if lines else done.last_line
+    _HISTORY_WRITTEN[key] = _HistoryWritten(len(history), history[-1] if history else None,
+                                            last_line)
+
+
+def _read_history(directory: str, count: int) -> list:
+    """The first `count` records of `directory`'s HISTORY_FILE, the last line of each index
+    winning; lines past `count` (a save the crash interrupted) and a torn last line are
+    ignored. StateError naming the file when a record is missing."""
+    path = os.path.join(directory, HISTORY_FILE)
+    if count == 0:
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise StateError(f"{path}: missing; the checkpoint beside it lists {count} round "
+                         f"record(s) kept in it (copy the state directory whole)") from None
+    except (OSError, ValueError) as exc:
+        raise StateError(f"{path}: unreadable history ({exc})") from None
+    found: dict[int, Any] = {}
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            i = entry["i"]
+            if type(i) is int and 0 <= i < count:
+                found[i] = entry["record"]
+        except (ValueError, TypeError, KeyError):
+            continue               # a torn line, from a crash mid-append
+    missing = [i for i in range(count) if i not in found]
+    if missing:
+        raise StateError(f"{path}: holds no record for {len(missing)} of the {count} entries "
+                         f"the checkpoint lists (the first: entry {missing[0]}); the file is "
+                         f"not this checkpoint's, or the disk lost part of it")
+    return [found[i] for i in range(count)]
 
 
 def _stored_frame_problem(data: bytes, round_: int, size) -> str | None:
