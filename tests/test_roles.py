@@ -23,9 +23,9 @@ from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings, 
 from edgefl.roles import messages as msg
 from edgefl.params import LayerTable
 from edgefl.roles import state as state_files
-from edgefl.roles.state import (HISTORY_FILE, StateError, StateWriteError, append_journal,
-                                atomic_write, load_arrays, read_journal, save_arrays,
-                                tag_floats, untag_floats)
+from edgefl.roles.state import (HISTORY_FILE, StateWriteError, append_journal, atomic_write,
+                                load_arrays, read_journal, save_arrays, tag_floats,
+                                untag_floats)
 from edgefl.checkpoint import model_sha256
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim import simulate
