@@ -1,7 +1,9 @@
 """Helpers shared by the tools/bench_*.py benchmarks: interleaved median timing, the CPU
-time /proc gives a process or a thread, and the Markdown table every tool prints."""
+time /proc gives a process or a thread, and the Markdown table every tool prints (or the
+same as JSON, `print_result`)."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -49,3 +51,13 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(cell(r.get(k)) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def print_result(meta: dict, rows: list[dict], title: str, as_json: bool) -> None:
+    """A benchmark's result: {"meta", "rows"} as JSON (--json), else `title` as a Markdown
+    heading over the rows' table."""
+    if as_json:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    else:
+        print(f"# {title}\n")
+        print(markdown(rows))

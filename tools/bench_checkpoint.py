@@ -32,7 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _bench import markdown  # noqa: E402
+from _bench import print_result  # noqa: E402
 
 REPO = os.path.dirname(HERE)
 
@@ -130,12 +130,8 @@ def main(argv=None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "before": args.before,
             "cpu_clock": "time.process_time of the saving process"}
-    if args.json:
-        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    else:
-        print(f"# the aggregator's checkpoint save, CPU per round ({meta['date']}, "
-              f"load {meta['load_avg'][0]:.2f})\n")
-        print(markdown(rows))
+    print_result(meta, rows, f"the aggregator's checkpoint save, CPU per round "
+                             f"({meta['date']}, load {meta['load_avg'][0]:.2f})", args.json)
     return 0
 
 

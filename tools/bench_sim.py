@@ -31,7 +31,6 @@ os.environ["OPENBLAS_NUM_THREADS"] = "1"  # before numpy: the C core's GEMMs on 
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import markdown    # noqa: E402
+from _bench import print_result    # noqa: E402
 
 from edgefl import kernels, sim    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
@@ -97,12 +96,9 @@ def main(argv=None) -> int:
     kernels.impl.local_train = real_local_train
     meta = {"backend": kernels.backend, "config": "quickstart, clients_per_round=10",
             "repeats": args.repeats}
-    if args.json:
-        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    else:
-        print(f"# simulation overhead ({meta['config']}; backend {meta['backend']}; median of "
-              f"{args.repeats} runs of 20 rounds)\n")
-        print(markdown(rows))
+    print_result(meta, rows, f"simulation overhead ({meta['config']}; backend "
+                             f"{meta['backend']}; median of {args.repeats} runs of 20 rounds)",
+                 args.json)
     return 0
 
 
