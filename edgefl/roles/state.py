@@ -36,7 +36,8 @@ __all__ = ["StateError", "StateWriteError", "atomic_write", "overwrite_in_place"
            "save_arrays", "load_arrays",
            "write_json", "read_json", "append_journal", "read_journal", "jsonable", "tag_floats",
            "untag_floats", "AggregatorCheckpoint",
-           "ClientProgress", "CHECKPOINT_FILE", "HISTORY_FILE", "JOURNAL_FILE", "PROGRESS_FILE", "UPLOAD_FILE"]
+           "ClientProgress", "CHECKPOINT_FILE", "HISTORY_FILE", "JOURNAL_FILE", "PROGRESS_FILE",
+           "UPLOAD_FILE"]
 
 CHECKPOINT_FILE = "aggregator.npz"
 HISTORY_FILE = "history.jsonl"
@@ -377,9 +378,11 @@ def _write_history(directory: str, history: list) -> None:
     yet, and the last written one again if it changed since (its evaluation came in); the
     last line of an index wins. Version 1 checkpoints held the whole history in their JSON
     and encoded it at every save, which at 1,000 rounds was about 17 ms of CPU a round
-    (tools/bench_checkpoint.py, docs/scaling.md); this is the same few lines at any round. The first save of a
-    process, or of a history that is not the one written last (another run, a restart),
-    rewrites the file whole and atomically, which also drops a torn last line."""
+    (tools/bench_checkpoint.py, docs/scaling.md); this is the same few lines at any round.
+    The first save of a process, or of a history that is not the one written last (another
+    run, a restart), rewrites the file whole and atomically, which also drops a torn last
+    line. A failed write leaves the memory of what was written as it was, so the next save
+    writes the same lines again."""
     path = os.path.join(directory, HISTORY_FILE)
     key = os.path.abspath(directory)
     done = _HISTORY_WRITTEN.get(key)
