@@ -248,9 +248,12 @@ def _ctl_watch(args, transport, topics, name) -> int:
     """Follow the events topic: rounds, accuracy, clients online, until the run ends. A run
     that has ended before watch began sends no more events: its outcome, from the service's
     run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
-    at once. Exit status: WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or
-    cancelled); 1 for a --run ID the service does not know and that is not started within
-    --timeout seconds."""
+    at once. After the end's event, watch waits (up to --timeout seconds) for the run's
+    record to say it has ended: the service closes a run after its last event, and a
+    script's next `start` must find it closed, not still ahead in the queue. Exit status:
+    WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or cancelled); 1 for a
+    --run ID the service does not know and that is not started within --timeout
+    seconds."""
     import json
     import time
 
@@ -300,12 +303,15 @@ def _ctl_watch(args, transport, topics, name) -> int:
     record_topic = topics.run_record(watched) if watched is not None else None
     if record_topic is not None:
         transport.subscribe(record_topic, qos=1)
+    ended: tuple | None = None             # (exit status, time.monotonic() to give up waiting)
     try:
         while True:
             if unknown is not None and time.monotonic() > unknown[1]:
                 print(f"edgefl ctl watch: {unknown[0]}; none was started within "
                       f"{args.timeout:g} s", file=sys.stderr)
                 return 1
+            if ended is not None and time.monotonic() > ended[1]:
+                return ended[0]                 # its record never said so: the event decides
             item = transport.receive(timeout=0.5)
             if not isinstance(item, Message):
                 continue
@@ -317,6 +323,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 if isinstance(record, dict) and item.payload:
                     unknown = None              # the run exists (queued, at least)
                 if isinstance(record, dict) and record.get("state") in WATCH_EXIT:
+                    if ended is not None:       # the end's event is printed; now it is closed
+                        return ended[0]
                     return _report_ended(record, args.json, "(its record; the end's event "
                                                             "came before watch was listening)")
                 continue
@@ -331,6 +339,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
             run = event.get("run")
             if watched is None and event.get("event") in ("run_started", "run_resumed"):
                 watched = run
+                record_topic = topics.run_record(watched)
+                transport.subscribe(record_topic, qos=1)
             if watched is not None and run not in (None, watched):
                 continue
             if run is not None:
@@ -344,10 +354,14 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 print(json.dumps(event), flush=True)
             else:
                 print(_event_text(event, online), flush=True)
+            if ended is not None:
+                continue
             if kind in WATCH_ENDS:
-                return WATCH_EXIT[WATCH_ENDS[kind]]
-            if kind == "error" and run == watched and run is not None:
-                return WATCH_EXIT["failed"]
+                ended = (WATCH_EXIT[WATCH_ENDS[kind]], time.monotonic() + args.timeout)
+            elif kind == "error" and run == watched and run is not None:
+                ended = (WATCH_EXIT["failed"], time.monotonic() + args.timeout)
+            if ended is not None and record_topic is None:
+                return ended[0]                 # no run id, no record to wait for
     except KeyboardInterrupt:
         return 0
 
