@@ -1,6 +1,7 @@
 """Helpers shared by the tools/bench_*.py benchmarks: interleaved median timing, the CPU
-time /proc gives a process or a thread, and the Markdown table every tool prints (or the
-same as JSON, `print_result`)."""
+time /proc gives a process or a thread, the environment of a child process that runs a given
+checkout's edgefl (`child_env`, for --before), and the Markdown table every tool prints (or
+the same as JSON, `print_result`)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,19 @@ def time_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
             fn()
             ts.append(time.perf_counter() - t0)
     return [statistics.median(ts) for ts in times]
+
+
+def child_env(scratch: str, tree: str | None) -> dict:
+    """The environment of a benchmark's child process: one BLAS thread, bytecode cached in
+    `scratch` (not written into another checkout), and `tree`'s edgefl first on the path
+    when given (a --before checkout; None: whatever this environment imports)."""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(scratch, "pycache")
+    env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float | None:

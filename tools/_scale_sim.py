@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from _bench import markdown
+from _bench import child_env, markdown
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TOOLS)
@@ -57,16 +57,6 @@ def config(where: str, clients: int, per_round: int, rounds: int, tile: int = 1)
                    "rounds": rounds, "clients_per_round": per_round, "seed": 0,
                    "eval_every": 1}, fh)
     return path
-
-
-def child_env(scratch: str, tree: str | None) -> dict:
-    env = dict(os.environ)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = os.path.join(scratch, "pycache")
-    env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = "1"
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
 
 
 def run_child(argv: list, env: dict, cwd: str) -> tuple[float, float, str]:

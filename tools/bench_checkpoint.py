@@ -32,7 +32,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _bench import print_result  # noqa: E402
+from _bench import child_env, print_result  # noqa: E402
 
 REPO = os.path.dirname(HERE)
 
@@ -77,11 +77,10 @@ def worker(records: int, saves: int) -> list:
     return times
 
 
-def measure(tree: str, records: int, saves: int) -> list:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [tree] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+def measure(tree: str, records: int, saves: int, scratch: str) -> list:
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                           str(records), str(saves)], env=env, capture_output=True, text=True)
+                           str(records), str(saves)], env=child_env(scratch, tree),
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"bench_checkpoint: the worker for {tree} ({records} records) "
                          f"failed:\n{done.stderr.strip()}")
@@ -116,17 +115,18 @@ def main(argv=None) -> int:
                          f"(edgefl/roles/state.py missing)")
         trees.append(("before", before))
     rows = []
-    for n in lengths:
-        times = {name: [] for name, _ in trees}
-        for _ in range(args.repeats):
-            for name, tree in trees:
-                times[name] += measure(tree, n, args.saves)
-        for name, _ in trees:
-            ms = sorted(t * 1e3 for t in times[name])
-            rows.append({"checkout": name, "records": n, "saves": len(ms),
-                         "save_cpu_ms_median": round(statistics.median(ms), 3),
-                         "save_cpu_ms_min": round(ms[0], 3),
-                         "save_cpu_ms_max": round(ms[-1], 3)})
+    with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as scratch:
+        for n in lengths:
+            times = {name: [] for name, _ in trees}
+            for _ in range(args.repeats):
+                for name, tree in trees:
+                    times[name] += measure(tree, n, args.saves, scratch)
+            for name, _ in trees:
+                ms = sorted(t * 1e3 for t in times[name])
+                rows.append({"checkout": name, "records": n, "saves": len(ms),
+                             "save_cpu_ms_median": round(statistics.median(ms), 3),
+                             "save_cpu_ms_min": round(ms[0], 3),
+                             "save_cpu_ms_max": round(ms[-1], 3)})
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "before": args.before,
             "cpu_clock": "time.process_time of the saving process"}
