@@ -716,11 +716,11 @@ def kept_record(out: str) -> dict:
 
 def diverged_metrics(job: Job, done: dict, targets: list) -> dict:
     """The metrics of a run that diverged in round `done["diverged"]["round"]` (`done`: its
-    kept_record). It is counted, not
-    dropped (dropping it would flatter the algorithm that diverged): its final accuracy is
-    chance, 1/C (a model carrying non-finite parameters on predicts nothing); its best
-    accuracy and any target reached are those of the rounds before; a target not reached
-    then is never reached; losses, bytes and derived metrics are None."""
+    kept_record). It is counted, not dropped (dropping it would flatter the algorithm that
+    diverged): its final accuracy is chance, 1/C (a model carrying non-finite parameters on
+    predicts nothing); its best accuracy and any target reached are those of the rounds
+    before; a target not reached then is never reached; losses, bytes and derived metrics
+    are None."""
     from edgefl.compare import RunDirError, read_history, rounds_to_target
     diverged, elapsed = done["diverged"], done["elapsed_s"]
     try:
