@@ -6,6 +6,7 @@ never trained twice, and the aggregator's refusals (late, duplicate, unauthorise
 run's update)."""
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from edgefl.roles import state as state_files
 from edgefl.roles.state import (HISTORY_FILE, StateWriteError, append_journal, atomic_write,
                                 load_arrays, read_journal, save_arrays, tag_floats,
                                 untag_floats)
+from edgefl import kernels
 from edgefl.checkpoint import model_sha256
 from edgefl.runs.prepare import prepare_run
 from edgefl.sim import simulate
@@ -580,6 +582,34 @@ def test_duplicated_deliveries_change_nothing(tmp_path, strategy):
     assert result.finished and model_sha256(result.params) == reference["model_sha256"]
     assert broker.stats["duplicated"] > 0
     assert sum(c.stats["trained"] for c in clients) == sum(h["trained"] for h in result.history)
+
+
+def test_a_client_checks_its_data_against_the_model_once_per_run_not_per_round(
+        tmp_path, monkeypatch):
+    """A client trains on the same shard every round: its check (kernels.Samples: shape,
+    values, labels) is made by its first local round and kept, and the model is the same."""
+    config = load_small_run(tmp_path, rounds=4, clients_per_round=2)
+    reference = simulate(config, None, progress=False)
+    checked = collections.Counter()          # client shard (its x's id) -> checks made
+    real = kernels.Samples
+
+    class CountingSamples(real):
+        __slots__ = ()
+
+        def __init__(self, model, x, y):
+            checked[id(x)] += 1
+            super().__init__(model, x, y)
+
+    monkeypatch.setattr(kernels, "Samples", CountingSamples)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(tmp_path, config, broker)
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    trained = {id(c.x): c.stats["trained"] for c in clients if c.stats["trained"]}
+    assert sum(trained.values()) > len(trained)      # some client trained in several rounds
+    assert {shard: checked[shard] for shard in trained} == {shard: 1 for shard in trained}
 
 
 @pytest.mark.parametrize("follow_round", [True, False], ids=["round-and-task", "task-only"])

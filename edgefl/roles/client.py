@@ -182,6 +182,7 @@ class _Job:
         self.error: BaseException | None = None
         self.train_s = 0.0
         self.done = threading.Event()
+        self.local = local
         self._args = (local, strategy, client_state, slots)
 
     def start(self, pool=None) -> None:
@@ -255,6 +256,9 @@ class Client:
         self.next_ann: dict | None = None       # one that arrived while training
         self.finished = False
         self.job: _Job | None = None
+        # this client's data checked against the run's model (kernels.Samples): made by the
+        # first local round's training, kept for the others of the run (_local_data)
+        self._samples = None
         self.waiting = None                     # [round, since (monotonic), times asked]
         self.early: deque = deque()             # frames that came before their announcement
         self._early_bytes = 0
@@ -737,7 +741,7 @@ class Client:
             return
         # the client's stop, if it is a StopFlag (a signal's), reaches the kernel directly
         stop = self.stop if isinstance(self.stop, kernels.StopFlag) else kernels.StopFlag()
-        local = LocalData(int(entry["client"]), self._model, self.x, self.y, stop=stop)
+        local = self._local_data(int(entry["client"]), stop)
         self.waiting = None
         self.job = _Job(doc, task, local, self._strategy, self.progress.client_state,
                         self.train_slots, self.transport.messages)
@@ -745,6 +749,16 @@ class Client:
         if self.notifier is not None:
             self.notifier.status(f"round {frame.round}: training")
         log.debug("%s: training round %d", self.node, frame.round)
+
+    def _local_data(self, client: int, stop) -> LocalData:
+        """The data of a local round. Its check against the model (x's shape and values, y's
+        labels) is made once per run, not once per round: the first round's LocalData makes
+        it when it trains (a failed check is that round's training error), and _finish_job
+        keeps it for the rounds after."""
+        checked = self._samples
+        if checked is not None and checked.model is self._model:
+            return LocalData.of_samples(client, checked, self.y, stop=stop)
+        return LocalData(client, self._model, self.x, self.y, stop=stop)
 
     def _maybe_ask_for_model(self) -> None:
         if self.waiting is None or self.job is not None:
@@ -782,6 +796,7 @@ class Client:
                 raise exc
             return
         update, new_state = job.result
+        self._samples = vars(job.local).get("samples", self._samples)   # _local_data
         frame = None
         secure = doc.get("secure") is not None and job.task.upload
         if secure:
