@@ -361,16 +361,12 @@ class _Sampler:
 
     def _memory(self) -> None:
         rss_sum = pss_sum = 0
+        from _bench import memory_of
         for pid in self.pids:
-            rss = pss = 0
-            try:
-                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                    if line.startswith("Rss:"):
-                        rss = int(line.split()[1]) * 1024
-                    elif line.startswith("Pss:"):
-                        pss = int(line.split()[1]) * 1024
-            except (OSError, IndexError, ValueError):
-                continue                          # exited (a zombie has no smaps)
+            memory = memory_of(pid)
+            if memory is None:
+                continue                          # exited
+            rss, pss = memory
             self.rss_max = max(self.rss_max, rss)
             rss_sum, pss_sum = rss_sum + rss, pss_sum + pss
         self.rss_sum, self.pss_sum = max(self.rss_sum, rss_sum), max(self.pss_sum, pss_sum)

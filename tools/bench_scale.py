@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))                          # a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import cpu_seconds, markdown    # noqa: E402
+from _bench import PeakPss, children, cpu_seconds, markdown    # noqa: E402
 
 from edgefl import kernels, sim    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
@@ -117,40 +117,16 @@ class Periods:
         return statistics.median(gaps) if gaps else float("nan")
 
 
-class PeakMemory:
-    """The peak proportional set size (PSS: shared pages split between the processes that
-    share them, so the forked client workers' copy-on-write view of the data set counts
-    once) of this process and its children, sampled every 0.25 s in a thread."""
-
-    def __init__(self):
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="bench-pss-sampler",
-                                        daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        while True:
-            self.peak = max(self.peak, tree_pss())
-            if self._stop.wait(0.25):
-                return
-
-
 class CpuMeter:
     """CPU time per round of each part of a run (`--cpu`; Linux /proc): this process's
     threads by name (a pool's numbered threads together), its worker processes (children
-    other than the broker) and the broker, between the model of round 1 and that of the
-    last round. Read only at those two calls, so the run itself is not slowed."""
+    other than the broker and the memory sampler), the broker and the sampler, between the
+    model of round 1 and that of the last round. Read only at those two calls, so the run
+    itself is not slowed."""
 
-    def __init__(self, last_round: int, broker_pid: int | None):
-        self.last_round, self.broker_pid = last_round, broker_pid
+    def __init__(self, last_round: int, broker_pid: int | None,
+                 sampler_pid: int | None = None):
+        self.last_round, self.broker_pid, self.sampler_pid = last_round, broker_pid, sampler_pid
         self._first = self._last = None
 
     def __call__(self, r, model) -> None:
@@ -168,8 +144,9 @@ class CpuMeter:
             name = name.rstrip("0123456789").rstrip("_") if name[-1:].isdigit() else name
             name = re.sub(r"-sim-[0-9a-f]+-", "-sim-", name)    # a run's federation id
             parts[f"this process: {name}"] = parts.get(f"this process: {name}", 0.0) + seconds
-        for child in _children(me):
-            part = "broker" if child == self.broker_pid else "worker processes"
+        for child in children(me):
+            part = "broker" if child == self.broker_pid else \
+                "the tool's memory sampler" if child == self.sampler_pid else "worker processes"
             parts[part] = parts.get(part, 0.0) + sum(_thread_cpu(child).values())
         return time.perf_counter(), parts
 
@@ -193,23 +170,6 @@ def _thread_cpu(pid: int) -> dict:
         return {}
     seconds = {tid: cpu_seconds(pid, tid) for tid in tids}
     return {tid: s for tid, s in seconds.items() if s is not None}
-
-
-def _children(pid: int) -> list:
-    """The direct children of process `pid` (their /proc/PID/stat parent field)."""
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return []
-    kids = []
-    for child in pids:
-        try:
-            with open(f"/proc/{child}/stat", encoding="ascii", errors="replace") as fh:
-                if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(child)
-        except (OSError, ValueError, IndexError):
-            continue
-    return kids
 
 
 def both(period: "Periods", meter: CpuMeter, with_cpu: bool):
@@ -236,21 +196,6 @@ def cpu_rows(cpu: dict, names: dict) -> list:
             row[label] = round(statistics.median(values), 2) if values else ""
         rows.append(row)
     return rows
-
-
-def tree_pss() -> int:
-    """Bytes: PSS of this process and its direct children (Linux; 0 elsewhere)."""
-    me, total = os.getpid(), 0
-    for pid in [me, *_children(me)]:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup", encoding="ascii") as fh:
-                for line in fh:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
 
 
 def span(values: list, digits: int = 4) -> dict:
@@ -302,6 +247,7 @@ def main(argv=None) -> int:
     run = prepare_run(load_run_config(config_file(scratch.name, args)), workers=args.workers,
                       progress=False)
     broker = Mosquitto(scratch.name)
+    sampler = PeakPss()
     inproc, inproc_wall, inproc_mem, inproc_period = [], [], [], []
     mqtt = {k: [] for k in range(len(layouts))}
     periods = {k: [] for k in range(len(layouts))}
@@ -317,8 +263,8 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             period = Periods()
-            meter = CpuMeter(args.rounds, broker.proc.pid)
-            with PeakMemory() as mem:
+            meter = CpuMeter(args.rounds, broker.proc.pid, sampler.pid)
+            with sampler.measure() as mem:
                 a = sim.run_federation(run.strategy, run.init_params, run.clients, run.setup,
                                        args.per_round, workers=args.workers,
                                        test=(run.dataset.x_test, run.dataset.y_test),
@@ -331,8 +277,8 @@ def main(argv=None) -> int:
             for k, processes in enumerate(layouts):
                 t0 = time.perf_counter()
                 period = Periods()
-                meter = CpuMeter(args.rounds, broker.proc.pid)
-                with PeakMemory() as mem:
+                meter = CpuMeter(args.rounds, broker.proc.pid, sampler.pid)
+                with sampler.measure() as mem:
                     b, info = sim.run_over_broker(run, broker.url, workers=args.workers,
                                                   client_processes=processes,
                                                   on_model=both(period, meter, args.cpu))
@@ -355,6 +301,7 @@ def main(argv=None) -> int:
                 ratios[k].append(periods[k][-1] / inproc_period[-1])
                 ratios_wall[k].append(mqtt[k][-1] / inproc[-1])
     finally:
+        sampler.close()
         broker.stop()
         scratch.cleanup()
     rows = [{"layout": "in process", **{f"round_ms_{k}": round(v * 1e3, 2)
