@@ -406,6 +406,24 @@ def test_stop_cancels_a_queued_run_and_a_restart_keeps_the_queue(fleet, tmp_path
     assert AggregatorCheckpoint.load(f.state_dir / "runs" / "a" / "state").round >= done
 
 
+def test_a_run_started_on_the_last_runs_end_event_has_nothing_ahead(fleet):
+    """run_finished comes before the service has written the run's outputs and closed its
+    record. A script that starts the next run on that event finds nothing ahead of it: the
+    ended run no longer counts (RunControl.rounds_over), though it is still active."""
+    f = fleet()
+    f.start_daemon()
+    for node in CLIENTS:
+        f.start_client(node)
+    f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "one"})
+    f.events.wait("run_finished", run="one", timeout=60)
+    nxt = f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "two"})
+    assert nxt["ahead"] == 0, nxt
+    assert f.events.wait("run_queued", run="two")["ahead"] == 0
+    f.events.wait("run_finished", run="two", timeout=60)
+    wait_state(f, "two", "finished")
+    assert wait_state(f, "one", "finished")["rounds_done"] == 1
+
+
 # ---------------------------------------------------------------------------------------
 # access: only the operator's commands reach the aggregator
 # ---------------------------------------------------------------------------------------

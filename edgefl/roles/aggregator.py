@@ -558,6 +558,8 @@ class Aggregator:
                                        retain=True)
         for topic in sorted(self._retained):     # no stale round's model for late joiners
             self.transport.clear_retained(topic)
+        if self.control is not None:
+            self.control.rounds_over.set()       # before the event a script may act on
         self._event("run_finished", rounds=rounds, model_sha256=sha,
                     **({"stopped": self.stopped} if self.stopped else {}))
         self.transport.flush(10.0)

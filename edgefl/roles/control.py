@@ -248,7 +248,10 @@ class RunControl:
     leaves the run to resume after a restart), and `run_id` (the id a new checkpoint takes,
     so the announcement names the run the operator started). `publish_onnx`: whether each
     export of the run's model is also published on the onnx topics (the service's
-    `export.publish`); the Aggregator reads it in publish_onnx."""
+    `export.publish`); the Aggregator reads it in publish_onnx. `rounds_over`: set by the
+    Aggregator as it announces the run's end, before its run_finished event; the run then
+    only writes its outputs, and a run started from then on has it in no count of runs
+    `ahead` (a script that starts the next run on that event is told 0)."""
 
     def __init__(self, run_id: str, paused: bool = False, publish_onnx: bool = True):
         self.run_id = run_id
@@ -257,6 +260,7 @@ class RunControl:
         if paused:
             self.paused.set()
         self.stop_requested = threading.Event()
+        self.rounds_over = threading.Event()
         self.aggregator = None
         self.attached = threading.Event()
 

@@ -728,6 +728,8 @@ class Daemon:
                       "out_dir": run_dir}
             self._save(record)
             ahead = len(self._records_in("queued", *ACTIVE_STATES)) - 1
+            if self.active is not None and self.active[1].rounds_over.is_set():
+                ahead -= 1       # it only writes its outputs now (RunControl.rounds_over)
             self._wake.notify_all()
         self._publish_record(record)
         self._event("run_queued", run=run_id, ahead=ahead, strategy=config.strategy,
