@@ -255,6 +255,7 @@ def test_resume_keeps_a_finished_run_and_reruns_a_changed_one(tmp_path):
     assert first["ok"] and not first.get("resumed"), first
     again = R.execute(job)
     assert again["ok"] and again["resumed"] and again["final_accuracy"] == first["final_accuracy"]
+    assert again["cpu"] == first["cpu"] == R.cpu_model() != ""    # kept in reproduce.json
     changed = dict(job, config=dict(config, rounds=3))
     third = R.execute(changed)
     assert third["ok"] and not third.get("resumed")
@@ -469,3 +470,24 @@ def test_a_resumed_tier_is_summarised_by_its_runs_time_not_its_last_sitting(tmp_
     text = results.read_text()
     assert f"| long ({format_duration(10800.0)} of runs, over sittings) |" in text
     assert f"| quick ({format_duration(200.0)}) |" in text
+
+
+def test_a_tier_made_on_several_cpus_says_which_runs_ran_where():
+    """A run's last float bits depend on the CPU's BLAS kernels: a tier finished over
+    sittings on different machines says how many runs each CPU made (runs kept from before
+    reproduce.json recorded it counted apart); a tier made on one CPU says nothing of it."""
+    R = _reproduce()
+    cpus = ["AMD EPYC", "AMD EPYC", None]
+    statuses = {f"x/s/a/seed{i}": {"ok": True, "elapsed_s": 60.0, "resumed": i > 0,
+                                   "cpu": cpu} for i, cpu in enumerate(cpus)}
+    manifest = {"command": "python tools/reproduce.py --long", "mode": "long", "runs": 3,
+                "workers": 2, "cpus": 2, "machine": "x86_64, Linux", "edgefl": "0",
+                "backend": "c", "date": "2026-11-29 08:00", "out": "runs/reproduce-long",
+                "load_start": None, "statuses": statuses, "resumed": 2, "wall_s": 70.0}
+    section, _ = R.render_section("long", manifest, [], {}, {})
+    assert ("CPUs of the runs: 2 on AMD EPYC; 1 before runs recorded it (2026-11-29)"
+            in section), section
+    for status in statuses.values():
+        status["cpu"] = "AMD EPYC"
+    section, _ = R.render_section("long", manifest, [], {}, {})
+    assert "CPUs of the runs" not in section

@@ -70,6 +70,7 @@ invocation (OUT/manifest.json keeps its command and wall time).
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import datetime
 import io
@@ -442,7 +443,7 @@ def finished_run(job: dict) -> dict | None:
         return None
     if done.get("diverged"):
         return {"key": job["key"], "ok": True, "elapsed_s": done["elapsed_s"], "resumed": True,
-                "final_accuracy": None, "diverged": done["diverged"]}
+                "cpu": done.get("cpu"), "final_accuracy": None, "diverged": done["diverged"]}
     try:
         with open(os.path.join(job["out"], "summary.json"), encoding="utf-8") as f:
             summary = json.load(f)
@@ -453,7 +454,7 @@ def finished_run(job: dict) -> dict | None:
     if any(what not in done.get("derived", {}) for what in job.get("derive", ())):
         return None   # finished before its derived metrics were kept: run it again
     return {"key": job["key"], "ok": True, "elapsed_s": done["elapsed_s"], "resumed": True,
-            "final_accuracy": summary["final_accuracy"]}
+            "cpu": done.get("cpu"), "final_accuracy": summary["final_accuracy"]}
 
 
 def divergence_record(job: dict, exc: Exception) -> dict:
@@ -471,6 +472,27 @@ def divergence_record(job: dict, exc: Exception) -> dict:
     dataset = dataset_from_config(run_config_from_mapping(job["config"]).as_config())
     return {"round": rounds_done + 1, "error": str(exc).strip().splitlines()[-1],
             "chance": 1.0 / dataset.num_classes}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows of it. A run's last
+    float32 bits depend on the BLAS kernels the CPU gets, so each run records it."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def keep_record(job: dict, elapsed: float, derived: dict, **extra) -> None:
+    """Write run job["out"]'s reproduce.json as it ends (kept_record reads it back)."""
+    with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
+        json.dump({"key": job["key"], "elapsed_s": elapsed,
+                   "config_sha256": config_digest(job["config"]), "derived": derived,
+                   "cpu": cpu_model(), **extra}, f)
 
 
 def execute(job: dict) -> dict:
@@ -495,22 +517,17 @@ def execute(job: dict) -> dict:
                            stream=io.StringIO(), onnx=False, plot=False)
         derived = {what: DERIVED[what](job["out"]) for what in job.get("derive", ())}
         elapsed = time.perf_counter() - started
-        with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
-            json.dump({"key": job["key"], "elapsed_s": elapsed,
-                       "config_sha256": config_digest(job["config"]), "derived": derived}, f)
-        return {"key": job["key"], "ok": True, "elapsed_s": elapsed,
+        keep_record(job, elapsed, derived)
+        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "cpu": cpu_model(),
                 "final_accuracy": summary["final_accuracy"]}
     except NonFiniteError as exc:
         # an outcome of the algorithm, not a failure of the tool: kept (and committed with
         # the long tier's runs) so that a sitting does not repeat it, and reported as such
         elapsed = time.perf_counter() - started
         diverged = divergence_record(job, exc)
-        with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
-            json.dump({"key": job["key"], "elapsed_s": elapsed,
-                       "config_sha256": config_digest(job["config"]), "derived": {},
-                       "diverged": diverged}, f)
-        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "final_accuracy": None,
-                "diverged": diverged}
+        keep_record(job, elapsed, {}, diverged=diverged)
+        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "cpu": cpu_model(),
+                "final_accuracy": None, "diverged": diverged}
     except Exception:   # noqa: BLE001 -- any failure is reported per run; the others go on
         return {"key": job["key"], "ok": False, "elapsed_s": time.perf_counter() - started,
                 "error": traceback.format_exc(limit=4)}
@@ -1223,6 +1240,16 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
                   f"{m['runs']} runs were finished by earlier invocations and kept; the "
                   f"runs' own times add up to {format_duration(total)} of single-worker "
                   f"time."), ""]
+    cpus = collections.Counter(st.get("cpu") for st in m.get("statuses", {}).values())
+    if len(cpus) > 1:           # runs kept from sittings on other machines
+        made = [f"{n} on {cpu}" for cpu, n in cpus.most_common() if cpu is not None]
+        if cpus.get(None):
+            made.append(f"{cpus[None]} before runs recorded it (2026-11-29), on the machines "
+                        f"of earlier sittings")
+        head += [(f"CPUs of the runs: {'; '.join(made)}. A float32 run's last bits depend "
+                  f"on the BLAS kernels the CPU gets, so two arms of one seed made on "
+                  f"different CPUs share their initial model, data order and client "
+                  f"selection, but not every rounding."), ""]
     if m.get("rendered"):
         head += [(f"The text of this section was re-rendered from those run directories by "
                   f"`{m['rendered']['command']}` on {m['rendered']['date']}; no run was "
@@ -1478,7 +1505,8 @@ def main(argv=None) -> int:
                     if a not in ("--quick", "--long"))
         manifest = {
             "command": command, "mode": mode, "runs": len(jobs), "workers": args.workers,
-            "cpus": os.cpu_count(), "machine": f"{platform.machine()}, {platform.system()}",
+            "cpus": os.cpu_count(),
+            "machine": f"{platform.machine()}, {platform.system()}, {cpu_model()}",
             "edgefl": edgefl.__version__, "backend": kernels.backend,
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "out": os.path.relpath(out, REPO) if out.startswith(REPO) else out,
