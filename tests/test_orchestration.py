@@ -322,9 +322,7 @@ def test_an_asynchronous_fedbuff_run_started_with_ctl_finishes_through_the_acl(f
     """FedBuff with K < C (roles/asynchronous.py) started with `edgefl ctl` on the service,
     through the repo's ACL: the boards read their own task topics, every step is recorded."""
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     config = run_config(rounds=4, strategy={"name": "fedbuff", "concurrency": 2,
                                             "buffer_size": 1})
     f.ok({"cmd": "start", "config": config, "run": "async"})
@@ -411,9 +409,7 @@ def test_a_run_started_on_the_last_runs_end_event_has_nothing_ahead(fleet):
     record. A script that starts the next run on that event finds nothing ahead of it: the
     ended run no longer counts (RunControl.rounds_over), though it is still active."""
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "one"})
     f.events.wait("run_finished", run="one", timeout=60)
     nxt = f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "two"})
@@ -594,9 +590,7 @@ def test_a_run_beyond_a_boards_limits_is_refused_by_that_board(fleet):
     # client-2's board trains at most 1,000 parameters: the softmax on digits has 650, the
     # MLP 64-32-10 has 2,410
     f = fleet(client_limits={"client-2": {"max_params": 1000}})
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     big = run_config(rounds=2, model={"name": "mlp", "hidden": [32]})
     f.ok({"cmd": "start", "config": big, "run": "big"})
     refused = f.events.wait("client_refused", run="big", client="client-2")
@@ -817,9 +811,7 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
 
 def test_a_run_that_cannot_start_fails_with_its_reason_and_the_queue_goes_on(fleet):
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     missing = run_config(dataset={"name": "npz", "path": "/nonexistent/edgefl/data.npz"})
     f.ok({"cmd": "start", "config": missing, "run": "nodata"})
     f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "next"})
@@ -899,9 +891,7 @@ def test_edgefl_ctl_processes_pause_resume_export_stop_and_watch_counts_clients(
     import subprocess
 
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "long"})
     f.events.wait("round_closed", run="long", round=1)
     ctl = ctl_argv(f, tmp_path)
@@ -1056,9 +1046,7 @@ def test_every_export_of_a_run_is_announced_and_published(fleet):
     from edgefl.export import ExportPolicy
 
     f = fleet(run_options={"export": ExportPolicy(every=2)})
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     f.ok({"cmd": "start", "config": run_config(rounds=3), "run": "short"})
     f.events.wait("run_finished", run="short")
     exports = f.events.of("model_exported", run="short")
@@ -1078,9 +1066,7 @@ def test_every_export_of_a_run_is_announced_and_published(fleet):
 
 def test_with_publishing_off_exports_are_announced_but_not_published(fleet):
     f = fleet(run_options={"publish_onnx": False})
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "quiet"})
     f.events.wait("run_finished", run="quiet")
     assert f.events.wait("model_exported", run="quiet")["trigger"] == "final"
@@ -1111,9 +1097,7 @@ def test_a_stopped_run_leaves_no_round_and_its_late_update_is_refused_by_the_nex
 
     caplog.set_level(logging.INFO, "edgefl.roles.aggregator")
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "old"})
     f.events.wait("round_closed", run="old", round=1)
     f.ok({"cmd": "stop"})
@@ -1175,9 +1159,7 @@ def test_a_final_model_exported_after_the_run_is_still_announced_and_published(f
 
     monkeypatch.setattr(RoundExporter, "__call__", final_fails)
     f = fleet()
-    f.start_daemon()
-    for node in CLIENTS:
-        f.start_client(node)
+    f.start_all()
     f.ok({"cmd": "start", "config": run_config(rounds=2), "run": "late"})
     # write_outputs made model.onnx again from model.npz, after the run's aggregator closed:
     # the service announces and publishes it
