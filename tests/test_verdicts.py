@@ -480,6 +480,7 @@ def test_a_tier_made_on_several_cpus_says_which_runs_ran_where():
     cpus = ["AMD EPYC", "AMD EPYC", None]
     statuses = {f"x/s/a/seed{i}": {"ok": True, "elapsed_s": 60.0, "resumed": i > 0,
                                    "cpu": cpu} for i, cpu in enumerate(cpus)}
+    statuses["x/s/b/seed0"] = {"ok": False, "elapsed_s": 1.0, "error": "boom"}   # not a run
     manifest = {"command": "python tools/reproduce.py --long", "mode": "long", "runs": 3,
                 "workers": 2, "cpus": 2, "machine": "x86_64, Linux", "edgefl": "0",
                 "backend": "c", "date": "2026-11-29 08:00", "out": "runs/reproduce-long",

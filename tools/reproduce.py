@@ -1240,7 +1240,8 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
                   f"{m['runs']} runs were finished by earlier invocations and kept; the "
                   f"runs' own times add up to {format_duration(total)} of single-worker "
                   f"time."), ""]
-    cpus = collections.Counter(st.get("cpu") for st in m.get("statuses", {}).values())
+    cpus = collections.Counter(st.get("cpu") for st in m.get("statuses", {}).values()
+                               if st.get("ok"))
     if len(cpus) > 1:           # runs kept from sittings on other machines
         made = [f"{n} on {cpu}" for cpu, n in cpus.most_common() if cpu is not None]
         if cpus.get(None):
