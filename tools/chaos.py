@@ -61,7 +61,12 @@ aggregator's journal, checkpoint and logs):
                      it if its round is announced again; a round does not wait for an
                      offline client.
 - acked late:        updates acknowledged only after their round was aggregated (a client
-                     that came back, or a delay); the aggregator drops them as late.
+                     that came back, or a delay); the aggregator drops them as late. Also,
+                     in the last round, an update acknowledged before the round closed that
+                     the round lists as missing and no aggregator logged: it had not reached
+                     the aggregator when the round closed (the proxy delays deliveries), and
+                     an aggregator whose run has ended reads nothing more, so it is never
+                     logged late. (Silent drops are thus checked in every round but the last.)
 
 Exit status: 0 when every round was aggregated exactly once, no update was lost and every
 process finished cleanly; 1 otherwise; 2 when a run could not be completed (not finished in
@@ -496,10 +501,11 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
         r"late update from (\S+) for closed round (\d+)", agg_logs)}
     ckpt = AggregatorCheckpoint.load(workdir / "state" / AGGREGATOR_ID)
     ids = list(clients)
-    aggregated_from = {}
+    aggregated_from, missing = {}, {}
     for record in (ckpt.history if ckpt else []):
         aggregated_from[record["round"]] = {ids[c] for c in record["selected"]} - set(
             record["missing"])
+        missing[record["round"]] = set(record["missing"])
     lost, late = [], []
     if cfg.buffer_size:
         lost, late = _asynchronous_losses(acked, records, ckpt, agg_logs,
@@ -508,7 +514,11 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
     for (node, r), at in sorted(acked.complete.items()) if not cfg.buffer_size else ():
         if r not in closed_at or at >= closed_at[r]:
             late.append((node, r))
-        elif node not in aggregated_from.get(r, set()) and (node, r) not in late_logged:
+        elif node in aggregated_from.get(r, set()) or (node, r) in late_logged:
+            continue
+        elif r == cfg.rounds and node in missing.get(r, set()):
+            late.append((node, r))        # unread when the last round closed (docstring)
+        else:
             lost.append((node, r))
     client_logs = {n: role.logs() for n, role in clients.items()}
     summary_path = out_dir / "summary.json"
