@@ -487,12 +487,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def keep_record(job: dict, elapsed: float, derived: dict, **extra) -> None:
-    """Write run job["out"]'s reproduce.json as it ends (kept_record reads it back)."""
+def keep_record(job: dict, elapsed: float, derived: dict, **extra) -> dict:
+    """Write run job["out"]'s reproduce.json as it ends (kept_record reads it back); returns
+    what it wrote."""
+    record = {"key": job["key"], "elapsed_s": elapsed,
+              "config_sha256": config_digest(job["config"]), "derived": derived,
+              "cpu": cpu_model(), **extra}
     with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
-        json.dump({"key": job["key"], "elapsed_s": elapsed,
-                   "config_sha256": config_digest(job["config"]), "derived": derived,
-                   "cpu": cpu_model(), **extra}, f)
+        json.dump(record, f)
+    return record
 
 
 def execute(job: dict) -> dict:
@@ -517,16 +520,16 @@ def execute(job: dict) -> dict:
                            stream=io.StringIO(), onnx=False, plot=False)
         derived = {what: DERIVED[what](job["out"]) for what in job.get("derive", ())}
         elapsed = time.perf_counter() - started
-        keep_record(job, elapsed, derived)
-        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "cpu": cpu_model(),
+        kept = keep_record(job, elapsed, derived)
+        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "cpu": kept["cpu"],
                 "final_accuracy": summary["final_accuracy"]}
     except NonFiniteError as exc:
         # an outcome of the algorithm, not a failure of the tool: kept (and committed with
         # the long tier's runs) so that a sitting does not repeat it, and reported as such
         elapsed = time.perf_counter() - started
         diverged = divergence_record(job, exc)
-        keep_record(job, elapsed, {}, diverged=diverged)
-        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "cpu": cpu_model(),
+        kept = keep_record(job, elapsed, {}, diverged=diverged)
+        return {"key": job["key"], "ok": True, "elapsed_s": elapsed, "cpu": kept["cpu"],
                 "final_accuracy": None, "diverged": diverged}
     except Exception:   # noqa: BLE001 -- any failure is reported per run; the others go on
         return {"key": job["key"], "ok": False, "elapsed_s": time.perf_counter() - started,
