@@ -26,6 +26,8 @@
 #                        against the board's own headers and libraries (measured faster,
 #                        docs/deployment.md "A board in a box")
 #   EDGEFL_BOARD_CPU     the CPU qemu emulates (default cortex-a72, a Raspberry Pi 4's)
+#   EDGEFL_BOARD_FRESH   1: install makes its venv from nothing instead of the kept venv with
+#                        edgefl's dependencies (deps_venv)
 #   EDGEFL_BOARD_MIRROR  Debian mirror (default: the first one apt uses here)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -197,6 +199,44 @@ EOF
     esac
 }
 
+# the board's dependencies as pip reads them: pyproject.toml's [project] dependencies
+project_deps() {
+    python3 - "$REPO/pyproject.toml" <<'EOF2'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+EOF2
+}
+
+# $VENV with edgefl's dependencies and not edgefl. Installing them is most of an install's
+# time under qemu (unpacking and byte-compiling numpy, onnxruntime, cryptography) and says
+# nothing about this checkout, so the venv they make is kept in the box, keyed by the
+# dependency list, and copied back for the next install; `pip install ./edgefl` then finds
+# them installed and builds and installs edgefl alone, the way it would on a board that had
+# them. EDGEFL_BOARD_FRESH=1, or a python3 without tomllib, makes the venv from nothing.
+deps_venv() {
+    local deps key keep
+    deps=$(project_deps 2>/dev/null) || deps=
+    if [ -z "$deps" ] || [ "${EDGEFL_BOARD_FRESH:-0}" = 1 ]; then
+        say "python3 -m venv $VENV (Debian's python3.11, under qemu)"
+        (box_run -- /usr/bin/python3 -m venv "$VENV")
+        return
+    fi
+    key=$(printf '%s\n' "$deps" | sha256sum | cut -c1-12)
+    keep=/opt/edgefl-deps/$key
+    if [ -e "$BOX$keep/.deps-ok" ]; then
+        say "the venv with edgefl's dependencies, kept at $keep"
+        mkdir -p "$BOX/opt/edgefl" && cp -a "$BOX$keep/venv" "$BOX$VENV"
+        return
+    fi
+    say "python3 -m venv $VENV (Debian's python3.11, under qemu), then edgefl's dependencies"
+    rm -rf "$BOX/opt/edgefl-deps" && mkdir -p "$BOX$keep"
+    printf '%s\n' "$deps" >"$BOX$keep/requirements.txt"
+    (box_run -- /usr/bin/python3 -m venv "$VENV")
+    (box_run -- "$VENV/bin/pip" install -q -r "$keep/requirements.txt")
+    cp -a "$BOX$VENV" "$BOX$keep/venv" && touch "$BOX$keep/.deps-ok"
+}
+
 install_edgefl() {
     build_userland
     [ "$CC_MODE" = cross ] && need_tools
@@ -207,14 +247,13 @@ install_edgefl() {
     (cd "$REPO" && git ls-files -z --cached --others --exclude-standard | grep -zv '^\.ci/venv/' |
         xargs -0 tar -c --ignore-failed-read 2>/dev/null) | tar -x -C "$BOX$src"
     rm -rf "$BOX/opt/edgefl"
-    say "python3 -m venv $VENV (Debian's python3.11, under qemu)"
-    (box_run -- /usr/bin/python3 -m venv "$VENV")
+    deps_venv
     local t1=$SECONDS
     say "pip install ./edgefl (C core: $CC_MODE)"
     cc_env
     (box_run -e EDGEFL_STRICT_BUILD=1 "${CC_ARGS[@]}" -- \
         /bin/sh -c "cd /opt/src && $VENV/bin/pip install -q ./edgefl")
-    say "installed in $((SECONDS - t0)) s (venv $((t1 - t0)) s, pip install $((SECONDS - t1)) s)"
+    say "installed in $((SECONDS - t0)) s (venv $((t1 - t0)) s, pip install ./edgefl $((SECONDS - t1)) s)"
 }
 
 info() {
