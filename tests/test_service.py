@@ -303,6 +303,65 @@ def test_second_signal_forces_exit(tmp_path):
     assert "SIGTERM again while stopping: exiting now" in proc.stderr.read()
 
 
+HANDLER_IN_THE_LOCK = r"""
+import os, signal, sys
+from edgefl.service.signals import install_stop_handlers
+stop = install_stop_handlers()
+# the main thread as it is for a few bytecodes of every stop.wait(): holding the event's
+# lock. The handler runs at the next bytecode, inside this block.
+with stop._event._cond:
+    os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(1000):
+        pass
+print("the handler returned", flush=True)
+print("stopped by " + str(stop.name) if stop.wait(5) else "not stopped", flush=True)
+"""
+
+
+def test_a_signal_while_the_main_thread_holds_the_events_lock_still_stops():
+    # A service's main loop waits on its stop flag (stop.wait(poll)); a handler that set
+    # the threading.Event itself took that lock again, and a signal arriving while the loop
+    # held it (rare: CI's README test once hung 15 s on `edgefl broker`, and a loop of
+    # wait(1e-6) hung 2 of 150 times) left the process stuck for good.
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        done = subprocess.run([sys.executable, "-c", HANDLER_IN_THE_LOCK], env=env,
+                              capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the process hung in its signal handler; it printed {exc.stdout!r}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["the handler returned", "stopped by SIGTERM"]
+
+
+WORKER_AFTER_FORK = r"""
+import os, signal
+from edgefl.service.signals import install_stop_handlers
+from edgefl.sim.hosting import worker_stop_signal
+stop = install_stop_handlers()                  # edgefl simulate's, in the parent
+ready_r, ready_w = os.pipe()
+pid = os.fork()
+if pid == 0:                                    # a worker process of run_over_broker
+    mine = worker_stop_signal()
+    os.write(ready_w, b"ready")
+    os._exit(0 if mine.wait(10) and mine.name == "SIGTERM" else 1)
+print(os.read(ready_r, 5).decode(), flush=True)
+os.kill(pid, signal.SIGTERM)
+_, status = os.waitpid(pid, 0)
+print("worker stopped" if os.waitstatus_to_exitcode(status) == 0 else "worker not stopped")
+print("parent stopped" if stop.wait(1.0) else "parent running")
+"""
+
+
+def test_a_worker_process_stopped_alone_does_not_stop_the_parent():
+    # A forked worker inherits the parent's wakeup fd: with only a Python handler of its
+    # own, a SIGTERM to the worker woke the parent's watcher, which stopped the whole run.
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", WORKER_AFTER_FORK], env=env,
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["ready", "worker stopped", "parent running"]
+
+
 def test_handlers_are_restored_and_code_can_request_a_stop():
     before = signal.getsignal(signal.SIGTERM)
     with install_stop_handlers() as stop:

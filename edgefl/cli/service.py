@@ -84,19 +84,15 @@ def _broker_accounts(args: argparse.Namespace) -> int:
 
 
 def _broker(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
+    from ..service.signals import install_stop_handlers
     from ..transport.broker import EmbeddedBroker
 
     if getattr(args, "broker_action", None) == "accounts":
         return _broker_accounts(args)
 
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    with EmbeddedBroker(port=args.port, kind=args.kind, host=args.host,
-                        max_packet_bytes=args.max_packet_bytes) as broker:
+    with install_stop_handlers() as stop, \
+            EmbeddedBroker(port=args.port, kind=args.kind, host=args.host,
+                           max_packet_bytes=args.max_packet_bytes) as broker:
         print(f"edgefl broker: {broker.kind} listening on {broker.url} (max packet "
               f"{broker.max_packet_bytes} bytes); Ctrl-C or SIGTERM stops it", flush=True)
         while not stop.wait(1.0):

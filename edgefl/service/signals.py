@@ -17,7 +17,11 @@ is therefore also a kernels.StopFlag: a watcher thread, woken through the interp
 wakeup file descriptor (signal.set_wakeup_fd, written by the C-level handler the moment the
 signal arrives), sets its stop word at once, and every local round that was handed the flag
 (LocalData.stop) stops before its next step, on whatever thread it runs -- the main one
-included. The Python handler then records which signal it was and wakes `wait`.
+included. The watcher also sets the event that wakes `wait`. The Python handler must not:
+it runs in the main thread between any two bytecodes, possibly while that thread holds the
+event's lock inside `wait()`, and taking the lock again there deadlocks the process (seen in
+CI: `edgefl broker`, whose handler then set a plain Event, stuck after Ctrl-C). So the
+handler takes no lock; it counts the signal and records which one it was.
 
 A second stop signal while stopping restores the default action and re-raises it, so an
 operator's second Ctrl-C (or `systemctl kill`) ends a process whose clean-up hangs.
@@ -49,6 +53,7 @@ class StopSignal(StopFlag):
         super().__init__()
         self.signals = tuple(signals)
         self.signum: int | None = None
+        self._received = 0                      # signals seen by the handler
         self._previous: dict[int, object] = {}
         self._wakeup: tuple | None = None      # (reader, writer, previous fd, watcher thread)
 
@@ -78,19 +83,25 @@ class StopSignal(StopFlag):
                 return
             if not data:                    # restore() closed the writer
                 return
-            if any(b in self.signals for b in data):
+            ours = [b for b in data if b in self.signals]
+            if ours and not self.is_set():
+                if self.signum is None:
+                    self.signum = ours[0]
                 self.set()
+                log.info("%s: stopping after the current step", signal.Signals(ours[0]).name)
 
     def _handle(self, signum, frame) -> None:
-        if self.is_set() and self.signum is not None:
+        # no lock here, not even the event's (the module docstring): the watcher sets it
+        self._received += 1
+        if self._received > 1:
             # second signal: the clean stop is taking too long; die by this signal
             log.warning("%s again while stopping: exiting now", signal.Signals(signum).name)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum
-        self.set()
-        log.info("%s: stopping after the current step", signal.Signals(signum).name)
+        if self.signum is None:
+            self.signum = signum
+        self.word[0] = 1
 
     def install(self) -> "StopSignal":
         if threading.current_thread() is not threading.main_thread():

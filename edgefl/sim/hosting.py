@@ -232,21 +232,27 @@ def start_clients(clients: list, host: ClientHost, errors: list, stop, stall_s: 
         on_progress(len(clients))
 
 
+def worker_stop_signal():
+    """The stop flag of a forked worker process, and its signals: a Ctrl-C reaches the whole
+    process group, so the parent stops the run and then tells us (SIGINT is ignored here);
+    SIGTERM to this process alone stops its clients. Both of the parent's handlers came
+    through the fork: its Python handler would set the parent's flag in this copy of it,
+    and its wakeup fd (one end of the parent's socket pair) would wake the parent's watcher
+    and stop the parent's run; these replace both."""
+    import signal
+
+    from ..service.signals import install_stop_handlers
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return install_stop_handlers((signal.SIGTERM,))
+
+
 def serve_clients(make_clients, conn, stall_s: float, address) -> None:
     """The body of a worker process: make_clients(stop) -> (clients, network loop); start
     them, report ("ready", n) over `conn` as they connect, drive them with a ClientHost
     until the run is finished or the parent sends "stop", then send ("done", client states,
     error or None). Runs in a forked child."""
-    import signal
-
-    from ..kernels import StopFlag
-
-    stop = StopFlag()
-    # A Ctrl-C reaches the whole process group: the parent stops the run and then tells
-    # us. SIGTERM to this process alone stops its clients (the parent's handler, inherited
-    # through the fork, would set the parent's flag in this copy of it).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = worker_stop_signal()
     errors: list = []
     send_lock = threading.Lock()
 
