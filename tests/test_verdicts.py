@@ -422,6 +422,25 @@ def test_runs_selects_a_sittings_runs_in_the_patterns_order(tmp_path, capsys):
     assert "no report written" in capsys.readouterr().out
 
 
+def test_report_only_of_other_experiments_than_the_manifests_is_refused(tmp_path, capsys):
+    """--report-only takes the section's header (command, wall time, machines) from
+    OUT/manifest.json; rendering other experiments under it would credit them with another
+    invocation's times, so it is refused naming both; with no --only (or the same) the
+    manifest's experiments are rendered."""
+    R = _reproduce()
+    out = tmp_path / "long"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({
+        "mode": "long", "only": ["fedmr_momentum"], "seeds": None,
+        "command": "python tools/reproduce.py --long --only fedmr_momentum --workers 1"}))
+    code = R.main(["--long", "--report-only", "--only", "fedmr", "--out", str(out),
+                   "--results", str(tmp_path / "r.md")])
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "r.md").exists()
+    assert f"--only fedmr: {out / 'manifest.json'} records the invocation " in err
+    assert "(--only fedmr_momentum)" in err and "--long --only fedmr` (its finished" in err
+
+
 @pytest.mark.fashion_mnist
 def test_fedmr_norms_follows_the_k_models(capsys):
     """tools/fedmr_norms.py (the FedMR divergence diagnosis in docs/results.md): one row per

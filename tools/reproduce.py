@@ -1450,7 +1450,18 @@ def main(argv=None) -> int:
             print(f"reproduce: error: {out} holds a {manifest.get('mode')} run; add or drop "
                   f"--quick to match", file=sys.stderr)
             return 2
-        only = only or manifest.get("only") or []
+        recorded = manifest.get("only") or []
+        if only and sorted(only) != sorted(recorded):
+            # the section's header (command, wall time, machines) is the manifest's: it
+            # would describe another invocation's runs than the experiments rendered
+            ran = " ".join(f"--only {','.join(recorded)}".split()) if recorded else "all"
+            print(f"reproduce: error: --only {','.join(only)}: {manifest_path} records the "
+                  f"invocation `{manifest.get('command')}` ({ran}), whose times and machines "
+                  f"the section's header gives; re-render that one (drop --only), or run "
+                  f"`python tools/reproduce.py --{mode} --only {','.join(only)}` (its finished "
+                  f"runs are kept, not repeated)", file=sys.stderr)
+            return 2
+        only = recorded
         args.seeds = args.seeds if args.seeds is not None else manifest.get("seeds")
     try:
         experiments = sorted((load_experiment(p, mode, args.seeds) for p in discover(only)),
