@@ -425,8 +425,7 @@ def test_runs_selects_a_sittings_runs_in_the_patterns_order(tmp_path, capsys):
 def test_report_only_of_other_experiments_than_the_manifests_is_refused(tmp_path, capsys):
     """--report-only takes the section's header (command, wall time, machines) from
     OUT/manifest.json; rendering other experiments under it would credit them with another
-    invocation's times, so it is refused naming both; with no --only (or the same) the
-    manifest's experiments are rendered."""
+    invocation's times, so it is refused, naming both and the ways out."""
     R = _reproduce()
     out = tmp_path / "long"
     out.mkdir()

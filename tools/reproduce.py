@@ -1454,11 +1454,12 @@ def main(argv=None) -> int:
         if only and sorted(only) != sorted(recorded):
             # the section's header (command, wall time, machines) is the manifest's: it
             # would describe another invocation's runs than the experiments rendered
-            ran = " ".join(f"--only {','.join(recorded)}".split()) if recorded else "all"
+            ran = f"--only {','.join(recorded)}" if recorded else "the whole tier"
+            tier = {"quick": " --quick", "long": " --long"}.get(mode, "")
             print(f"reproduce: error: --only {','.join(only)}: {manifest_path} records the "
                   f"invocation `{manifest.get('command')}` ({ran}), whose times and machines "
                   f"the section's header gives; re-render that one (drop --only), or run "
-                  f"`python tools/reproduce.py --{mode} --only {','.join(only)}` (its finished "
+                  f"`python tools/reproduce.py{tier} --only {','.join(only)}` (its finished "
                   f"runs are kept, not repeated)", file=sys.stderr)
             return 2
         only = recorded
