@@ -333,6 +333,26 @@ def test_a_signal_while_the_main_thread_holds_the_events_lock_still_stops():
     assert done.stdout.splitlines() == ["the handler returned", "stopped by SIGTERM"]
 
 
+ANOTHER_WAKEUP_FD = r"""
+import os, signal, socket
+from edgefl.service.signals import install_stop_handlers
+stop = install_stop_handlers()
+theirs, _ = socket.socketpair()
+theirs.setblocking(False)
+signal.set_wakeup_fd(theirs.fileno())           # as asyncio's add_signal_handler does
+os.kill(os.getpid(), signal.SIGTERM)
+print("stopped by " + str(stop.name) if stop.wait(5) else "not stopped", flush=True)
+"""
+
+
+def test_a_stop_signal_stops_after_other_code_took_the_wakeup_fd():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", ANOTHER_WAKEUP_FD], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["stopped by SIGTERM"]
+
+
 WORKER_AFTER_FORK = r"""
 import os, signal
 from edgefl.service.signals import install_stop_handlers

@@ -102,6 +102,14 @@ class StopSignal(StopFlag):
         if self.signum is None:
             self.signum = signum
         self.word[0] = 1
+        # the C-level handler has already woken the watcher through the wakeup fd, unless
+        # code installed another wakeup fd since (asyncio's add_signal_handler does): wake it
+        # on its own socket too (a second byte is ignored), without blocking
+        if self._wakeup is not None:
+            try:
+                self._wakeup[1].send(bytes([signum]))
+            except OSError:
+                pass
 
     def install(self) -> "StopSignal":
         if threading.current_thread() is not threading.main_thread():
