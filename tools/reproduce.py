@@ -100,6 +100,8 @@ EXPERIMENTS_DIR = os.path.join(REPO, "tools", "experiments")
 RESULTS = os.path.join(REPO, "docs", "results.md")
 MODES = ("quick", "full", "long")
 MODE_TITLES = {"quick": "Quick run", "full": "Full run", "long": "Long run (over several sittings)"}
+# how each tier is asked for on the command line (the full run is the default)
+MODE_FLAGS = {"quick": " --quick", "full": "", "long": " --long"}
 # 2: paired-by-seed intervals and the three verdicts of tools/verdicts.py (issue 21); a section
 # of results.md without it was judged on seed means only and says so
 STATS_VERSION = 2
@@ -1455,12 +1457,11 @@ def main(argv=None) -> int:
             # the section's header (command, wall time, machines) is the manifest's: it
             # would describe another invocation's runs than the experiments rendered
             ran = f"--only {','.join(recorded)}" if recorded else "the whole tier"
-            tier = {"quick": " --quick", "long": " --long"}.get(mode, "")
             print(f"reproduce: error: --only {','.join(only)}: {manifest_path} records the "
                   f"invocation `{manifest.get('command')}` ({ran}), whose times and machines "
                   f"the section's header gives; re-render that one (drop --only), or run "
-                  f"`python tools/reproduce.py{tier} --only {','.join(only)}` (its finished "
-                  f"runs are kept, not repeated)", file=sys.stderr)
+                  f"`python tools/reproduce.py{MODE_FLAGS[mode]} --only {','.join(only)}` "
+                  f"(its finished runs are kept, not repeated)", file=sys.stderr)
             return 2
         only = recorded
         args.seeds = args.seeds if args.seeds is not None else manifest.get("seeds")
@@ -1515,8 +1516,7 @@ def main(argv=None) -> int:
             return 3
         import edgefl
         from edgefl import kernels
-        flag = {"quick": " --quick", "long": " --long", "full": ""}[mode]
-        command = "python tools/reproduce.py" + flag + \
+        command = "python tools/reproduce.py" + MODE_FLAGS[mode] + \
             "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])
                     if a not in ("--quick", "--long"))
         manifest = {
