@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -510,3 +511,46 @@ def test_a_tier_made_on_several_cpus_says_which_runs_ran_where():
         status["cpu"] = "AMD EPYC"
     section, _ = R.render_section("long", manifest, [], {}, {})
     assert "CPUs of the runs" not in section
+
+
+# ---------------------------------------------------------------------------------------
+# the interval of a censored comparison: the median's, dual of the sign test
+# ---------------------------------------------------------------------------------------
+
+def test_median_rank_matches_the_binomial_tails():
+    """k of the 95% median interval: P(X <= k - 1) < 0.025 for X ~ Binomial(m, 1/2)."""
+    assert [V.median_rank(m) for m in (1, 5, 6, 7, 8, 9, 10, 20)] == [0, 0, 1, 1, 1, 2, 2, 6]
+    for m in range(1, 40):
+        k = V.median_rank(m)
+        tail = sum(math.comb(m, i) for i in range(k)) / 2 ** m
+        assert tail < 0.025 <= tail + math.comb(m, k) / 2 ** m
+
+
+def test_censored_interval_uses_the_horizon_as_a_bound_not_a_value():
+    """FedAvg misses the target in 7 of 10 seeds within 50 rounds: each of those gains is
+    at least 51 - a, not 51 - a (a value); the interval's lower end is the 2nd smallest
+    bound (k = 2 for 10 seeds) and its upper end stays open."""
+    better = [30, 31, 29, 33, 35, 30, 28, 40, 39, 31]
+    than = [None, None, 35, None, None, 38, None, None, None, 35]
+    v = V.paired(better, than, higher_is_better=False, horizons=([50] * 10, [50] * 10))
+    assert v.verdict == V.HOLDS and v.median == (6, math.inf)
+    assert "median gain over the 10 seeds with a sign 95% CI [+6, +∞)" in V.describe(v)
+    # without horizons the censored seeds only say "at least one round saved"
+    w = V.paired(better, than, higher_is_better=False)
+    assert w.median == (1, math.inf) and w.verdict == V.HOLDS
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_censored_interval_excludes_zero_exactly_when_the_sign_test_decides(seed):
+    """Random censored comparisons (ties, one-sided and two-sided censoring, 5-12 seeds):
+    the median interval lies above zero iff the sign test holds, below iff contradicted."""
+    rng = random.Random(seed)
+    n, horizon = rng.randint(5, 12), 40
+    a = [rng.choice([None, rng.randint(5, horizon)]) for _ in range(n)]
+    b = [rng.choice([None, rng.randint(5, horizon)]) for _ in range(n)]
+    if all(x is not None for x in a + b):
+        b[0] = None
+    v = V.paired(a, b, higher_is_better=False, horizons=([horizon] * n, [horizon] * n))
+    lo, hi = v.median
+    assert (lo > 0) == (v.verdict == V.HOLDS), (a, b, v)
+    assert (hi < 0) == (v.verdict == V.CONTRADICTED), (a, b, v)

@@ -891,7 +891,8 @@ def evaluate_check(check: dict, exp: Experiment, table: dict) -> tuple:
                         if not ra or not rb:
                             return None, ["runs missing"]
                         seeds, (va, vb) = aligned(ra, rb, key=key)
-                        v = V.paired(va, vb, _higher_better(key), margin)
+                        v = V.paired(va, vb, _higher_better(key), margin,
+                                     horizons=aligned(ra, rb, key="rounds")[1])
                         results.append(v)
                         sa, sb = Stat(va), Stat(vb)
                         extra = ""
@@ -906,11 +907,13 @@ def evaluate_check(check: dict, exp: Experiment, table: dict) -> tuple:
                 if not all(groups):
                     return None, ["runs missing"]
                 seeds, values = aligned(*groups, key=key)
+                horizons = aligned(*groups, key="rounds")[1]
                 summary = ", ".join(f"{a} {_num(Stat(v), key)}" for a, v in zip(arms, values))
                 if kind == "order":
                     decreasing = check.get("direction", "decreasing") == "decreasing"
                     word = "decreasing" if decreasing else "increasing"
-                    steps = [V.paired(values[i + 1], values[i], not decreasing)
+                    steps = [V.paired(values[i + 1], values[i], not decreasing,
+                                      horizons=(horizons[i + 1], horizons[i]))
                              for i in range(len(arms) - 1)]
                     results += steps
                     lines.append(f"{setting}, {_label(key)} {word} along {summary}:")
@@ -1175,7 +1178,9 @@ def render_experiment(exp: Experiment, table: dict, failures: dict) -> tuple:
              "direction and its 95% t interval; *holds* when the interval excludes zero (or "
              "the stated margin) on the claimed side, *contradicted* when it excludes it on "
              "the other, otherwise *not resolved at this scale*; a target not reached is "
-             "never given a value, see tools/verdicts.py):"), ""]
+             "never given a value: such a comparison goes by the signs of the seeds' "
+             "differences, with the 95% interval of the median gain, see "
+             "tools/verdicts.py):"), ""]
     for check, word, lines in results:
         role = "" if check.get("role", "claim") == "claim" else " *(our addition, not the paper's)*"
         mark = word if word is not None else "not evaluated"
@@ -1302,8 +1307,14 @@ def write_results(path: str, mode: str, section: str, meta: dict) -> None:
               "verdicts are about these settings (the scale column), not about the papers' "
               "own. A target not reached within the run is reported as such; a comparison "
               "with such a run is decided by the sign of each seed's difference (an exact "
-              "sign test, which needs at least 6 seeds on one side), never by counting it as "
-              "rounds + 1. The rule is written out in `tools/verdicts.py`."), "",
+              "sign test, which needs at least 6 seeds on one side) and shows the 95% "
+              "interval of the median gain that is the test's dual (a run that missed the "
+              "target within H rounds only bounds its gain: it needed at least H + 1), never "
+              "by counting it as rounds + 1. Each comparison is its own 95% interval: a "
+              "claim made of several comparisons holds when all of them hold and is "
+              "contradicted when any is, with no correction for multiplicity, so a claim of "
+              "many comparisons is more often contradicted by chance than one of a single "
+              "comparison. The rule is written out in `tools/verdicts.py`."), "",
              "| paper / claim | tier (wall time) | scale | verdict |",
              "|---|---|---|---|"]
     for name in names:

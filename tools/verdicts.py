@@ -22,10 +22,15 @@ no value (None), and none is invented (never R + 1). The rule:
   the other did not (the one that reached it was faster), and where both did (ties carry no
   sign); seeds where neither did carry none. The verdict is then an exact sign test on those
   signs at the same level as the interval (one-sided p < 0.025 each way, i.e. two-sided 95%):
-  it holds (or is contradicted) "by sign", with the counts shown, and no mean or interval is
-  given. With every informative seed on one side the test needs at least 6 of them
-  (1/2^5 = 0.031 > 0.025), so 5 seeds that all favour one arm are reported as such but
-  "not resolved at this scale".
+  it holds (or is contradicted) "by sign", with the counts shown. With every informative seed
+  on one side the test needs at least 6 of them (1/2^5 = 0.031 > 0.025), so 5 seeds that all
+  favour one arm are reported as such but "not resolved at this scale".
+  No mean is given (a censored seed has no value), but the interval is: the 95%
+  distribution-free interval of the median gain over the seeds with a sign, the dual of the
+  sign test, so it excludes zero exactly when the test decides. A censored seed's gain is
+  only bounded (a run that did not reach the target within its H rounds needs at least
+  H + 1), and the interval is built from those bounds (the k-th smallest lower bound, the
+  k-th largest upper bound), so it is valid whatever the censored values are.
 
 A ratio of rounds (a speed-up) is formed only for seeds where both runs reached the target;
 a speed-up comparison with a censored seed is not resolved and says how many seeds were
@@ -116,6 +121,9 @@ class Verdict:
     method: str = "t"            # t | sign | exact | equivalence | none
     signs: dict = field(default_factory=dict)
     note: str = ""
+    # method "sign": the 95% interval of the median gain over the seeds with a sign (lo,
+    # hi; infinite where a censored bound leaves that side open)
+    median: tuple | None = None
 
     def __post_init__(self):
         if self.verdict not in VERDICTS:
@@ -140,9 +148,44 @@ def _check_lengths(a, b, what):
         raise ValueError(f"{what}: no seeds")
 
 
-def paired(better, than, higher_is_better: bool, margin: float = 0.0) -> Verdict:
+def median_rank(m: int) -> int:
+    """k of the 95% interval of a median from m values, [k-th smallest, k-th largest]: the
+    largest k with P(X <= k - 1) < 0.025 for X ~ Binomial(m, 1/2) (0: no interval)."""
+    k = 0
+    while k < m and sign_test_p(m - k, m) < 0.025:
+        k += 1
+    return k
+
+
+def median_interval(bounds) -> tuple:
+    """The 95% distribution-free interval of the median of values known only by bounds
+    [(lo, hi), ...] (lo == hi for a known value): (k-th smallest lo, k-th largest hi), or
+    (-inf, inf) when there are too few values for any."""
+    k = median_rank(len(bounds))
+    if k == 0:
+        return (-math.inf, math.inf)
+    return (sorted(lo for lo, _ in bounds)[k - 1], sorted(hi for _, hi in bounds)[-k])
+
+
+def _censored_gain(a, b, ha, hb) -> tuple | None:
+    """Bounds of the gain b - a (rounds saved by `better`) of one seed; a None value did not
+    reach the target within its horizon (h rounds: it needs at least h + 1; without a
+    horizon, at least one round more than the other arm). None: no sign (a tie, or neither
+    reached)."""
+    if a is None and b is None:
+        return None
+    if b is None:
+        return ((hb + 1 - a) if hb is not None else 1, math.inf)
+    if a is None:
+        return (-math.inf, (b - ha - 1) if ha is not None else -1)
+    return None if a == b else (b - a, b - a)
+
+
+def paired(better, than, higher_is_better: bool, margin: float = 0.0,
+           horizons: tuple | None = None) -> Verdict:
     """The claim "`better` beats `than`" (by more than `margin`) from per-seed values aligned
-    by seed. None is a run that did not reach a target (only for lower-is-better rounds)."""
+    by seed. None is a run that did not reach a target (only for lower-is-better rounds);
+    `horizons`, a pair of per-seed round counts, bounds what such a run would have needed."""
     _check_lengths(better, than, "paired")
     censored = any(v is None for v in list(better) + list(than))
     if censored and higher_is_better:
@@ -180,7 +223,12 @@ def paired(better, than, higher_is_better: bool, margin: float = 0.0) -> Verdict
     note = ""
     if verdict == UNRESOLVED and m and (signs["for"] == m or signs["against"] == m):
         note = f"all {m} informative seeds on one side; a sign test needs at least 6"
-    return Verdict(verdict, n, None, method="sign", signs=signs, note=note)
+    ha, hb = horizons if horizons is not None else ([None] * n, [None] * n)
+    _check_lengths(better, ha, "paired horizons")
+    _check_lengths(than, hb, "paired horizons")
+    bounds = [g for g in map(_censored_gain, better, than, ha, hb) if g is not None]
+    return Verdict(verdict, n, None, method="sign", signs=signs, note=note,
+                   median=median_interval(bounds))
 
 
 def ratio_difference(num1, den1, num2, den2) -> Verdict:
@@ -240,6 +288,14 @@ def combine(verdicts) -> str:
     return UNRESOLVED
 
 
+def _open_interval(bounds: tuple) -> str:
+    """[lo, hi] of a median's 95% interval, an infinite side written as open."""
+    lo, hi = bounds
+    left = "(-∞" if lo == -math.inf else f"[{lo:+g}"
+    right = "+∞)" if hi == math.inf else f"{hi:+g}]"
+    return f"95% CI {left}, {right}"
+
+
 def describe(v: Verdict, fmt: str = "+.4f", unit: str = "") -> str:
     """One line: the gain's mean and interval (or the sign counts), then the verdict."""
     if v.method == "exact":
@@ -252,6 +308,9 @@ def describe(v: Verdict, fmt: str = "+.4f", unit: str = "") -> str:
             parts.append(f"sign of the paired difference {s['for']} for, {s['against']} "
                          f"against, {s['tie'] + s['neither']} undecided; sign test "
                          f"p = {s['p_for']:.3f} for, {s['p_against']:.3f} against")
+            if v.median is not None:
+                parts.append(f"median gain over the {s['for'] + s['against']} seeds with a "
+                             f"sign {_open_interval(v.median)}")
         if v.note:
             parts.append(v.note)
         return f"censored: {'; '.join(parts)} — {v.verdict}"
