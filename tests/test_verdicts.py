@@ -236,6 +236,35 @@ def test_fedmr_member_curve_means_over_seeds_by_round():
     assert R.fedmr_member_curve([{"curve": {2: 0.5}, "members": {}}], "fedmr") == []
 
 
+def test_gap_curve_says_whether_a_gap_closes_and_pairs_by_seed():
+    """Issue 21 item 4: an arm 0.10 behind at round 100 and 0.02-0.03 behind at round 300
+    in every seed has closed in (resolved), with the extrapolated crossing; a seed that
+    diverged leaves both arms, and an arm whose gap only wobbles is "no change resolved"."""
+    R = _reproduce()
+    rounds = [20, 60, 100, 140, 180, 220, 260, 300]
+
+    def run(seed, accs, diverged=False):
+        return {"seed": seed, "curve": dict(zip(rounds, accs)), "diverged": diverged}
+
+    base = [run(s, [0.5 + 0.001 * s + 0.02 * i for i in range(8)]) for s in range(5)]
+    closing = [run(s, [a - g for a, g in zip(base[s]["curve"].values(),
+                                             [0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03,
+                                              0.02 + 0.002 * s])]) for s in range(5)]
+    flat = [run(s, [a - 0.05 + (0.01 if (s + i) % 2 else -0.01)
+                    for i, a in enumerate(base[s]["curve"].values())]) for s in range(5)]
+    flat.append(run(5, [0.1] * 8, diverged=True))     # no partner: ignored
+    lines = R.gap_curve_lines({"fedavg": base, "fedmr": closing, "flat": flat}, "fedavg")
+    text = "\n".join(lines)
+    assert "| round | fedmr | flat |" in text
+    assert "| 100 | -0.100 [95% CI -0.100, -0.100] |" in text
+    closing_note = next(x for x in lines if x.startswith("- fedmr"))
+    assert "from round 100 to round 300 (n = 5): fedmr gained on fedavg" in closing_note
+    assert "reaches zero about round" in closing_note
+    flat_note = next(x for x in lines if x.startswith("- flat"))
+    assert "no change resolved" in flat_note and "reaches zero" not in flat_note
+    assert R.gap_curve_lines({"fedavg": base}, "fedavg") == []
+
+
 def test_checks_pair_by_seed_not_by_position():
     """A failed seed drops out of both arms of a comparison, not shifts the pairing."""
     R = _reproduce()

@@ -133,7 +133,7 @@ METRICS = {
     "wall_s": ("wall / run", False, "time"),
 }
 CHECKS = ("compare", "order", "equal", "similar", "speedup", "curve")
-EXTRAS = ("duw_table", "fedmr_models")
+EXTRAS = ("duw_table", "fedmr_models", "gap_curve")
 
 
 class ExperimentError(ValueError):
@@ -249,9 +249,11 @@ def load_experiment(path: str, mode: str, seeds: int | None = None) -> Experimen
     for i, extra in enumerate(doc.get("extras", [])):
         if not isinstance(extra, dict) or extra.get("kind") not in EXTRAS:
             raise ExperimentError(f"{path}: extras[{i}]: kind must be one of {', '.join(EXTRAS)}")
-        for arm in _as_list(extra.get("arms")):
+        for arm in _as_list(extra.get("arms")) + _as_list(extra.get("baseline")):
             if arm not in exp.arms:
                 raise ExperimentError(f"{path}: extras[{i}]: unknown arm {arm!r}")
+        if extra["kind"] == "gap_curve" and not extra.get("baseline"):
+            raise ExperimentError(f"{path}: extras[{i}]: gap_curve needs a baseline arm")
     return exp
 
 
@@ -1039,9 +1041,65 @@ def fedmr_member_curve(runs: list, arm: str, points: int = 8) -> list:
     return lines + [""]
 
 
+def gap_curve_lines(runs_by_arm: dict, baseline: str, points: int = 8) -> list:
+    """Issue 21 item 4, whether a gap closes as the rounds grow: each arm's test accuracy
+    minus the baseline's, paired by seed (seeds where either run diverged are left out), at
+    up to `points` rounds both evaluated; then the change of the gap from about a third of
+    the run to its end, paired by seed, and where a least-squares line through the mean gaps
+    of that stretch would cross zero (an extrapolation, said as such)."""
+    import verdicts as V
+    base = {r["seed"]: r for r in runs_by_arm.get(baseline) or [] if not r.get("diverged")}
+    rows, notes = {}, []
+    for arm, runs in runs_by_arm.items():
+        pairs = [(r, base[r["seed"]]) for r in runs or []
+                 if not r.get("diverged") and r["seed"] in base]
+        if arm == baseline or len(pairs) < 2:
+            continue
+        common = sorted(set.intersection(*(set(a["curve"]) & set(b["curve"])
+                                           for a, b in pairs)))
+        if len(common) < 3:
+            continue
+        step = max(1, math.ceil(len(common) / points))
+        shown = sorted(set(common[::step]) | {common[-1]})
+        gap = {t: [a["curve"][t] - b["curve"][t] for a, b in pairs] for t in shown}
+        rows[arm] = {t: V.t_interval(g) for t, g in gap.items()}
+        last = shown[-1]
+        since = min(shown, key=lambda t: abs(t - last / 3))
+        change = V.t_interval([x - y for x, y in zip(gap[last], gap[since])])
+        word = {V.HOLDS: f"{arm} gained on {baseline}", V.CONTRADICTED:
+                f"{arm} lost ground to {baseline}", V.UNRESOLVED: "no change resolved"}[
+                    V.judge(change)]
+        text = (f"{arm} − {baseline}: the gap changed by {change.text('+.4f')} from round "
+                f"{since} to round {last} (n = {len(pairs)}): {word}")
+        tail = [t for t in shown if t >= since]
+        slope, icept = np.polyfit(tail, [rows[arm][t].mean for t in tail], 1)
+        if change.lo > 0 and rows[arm][last].mean < 0 < slope:
+            text += (f"; the least-squares line through the mean gaps of rounds {since}-{last} "
+                     f"(a trend, not a model of the curve) reaches zero about round "
+                     f"{math.ceil(-icept / slope)}")
+        notes.append(text + ".")
+    if not rows:
+        return []
+    arms = list(rows)
+    shown = sorted(set.union(*(set(r) for r in rows.values())))
+    lines = [f"Test accuracy minus {baseline}'s over rounds, paired by seed (mean and 95% t "
+             f"interval):", "", "| round | " + " | ".join(arms) + " |",
+             "|--:|" + "|".join("--:" for _ in arms) + "|"]
+    for t in shown:
+        cells = [rows[a][t].text("+.3f") if t in rows[a] else "" for a in arms]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return lines + [""] + [f"- {n}" for n in notes] + [""]
+
+
 def extra_lines(exp: Experiment, setting: str, table: dict) -> list:
     lines = []
     for extra in exp.doc.get("extras", []):
+        if extra["kind"] == "gap_curve":
+            runs = table.get(setting, {})
+            lines += gap_curve_lines({a: runs.get(a) for a in
+                                      [extra["baseline"], *_as_list(extra.get("arms"))]},
+                                     extra["baseline"])
+            continue
         for arm in _as_list(extra.get("arms")):
             runs = table.get(setting, {}).get(arm) or []
             if not runs:
@@ -1411,8 +1469,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", metavar="NAME[,NAME]",
                         help="run only these experiments (file names in tools/experiments)")
     parser.add_argument("--out", metavar="DIR",
-                        help="run directories (default: runs/reproduce-quick or "
-                             "runs/reproduce-full in the repository)")
+                        help="run directories (default: runs/reproduce-quick, "
+                             "runs/reproduce-full or runs/reproduce-long in the repository)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="runs in parallel processes, one training thread each "
                              "(default: the CPU count)")
