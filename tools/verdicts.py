@@ -308,7 +308,7 @@ def describe(v: Verdict, fmt: str = "+.4f", unit: str = "") -> str:
             parts.append(f"sign of the paired difference {s['for']} for, {s['against']} "
                          f"against, {s['tie'] + s['neither']} undecided; sign test "
                          f"p = {s['p_for']:.3f} for, {s['p_against']:.3f} against")
-            if v.median is not None:
+            if v.median is not None and s["for"] + s["against"]:
                 parts.append(f"median gain over the {s['for'] + s['against']} seeds with a "
                              f"sign {_open_interval(v.median)}")
         if v.note:
