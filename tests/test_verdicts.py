@@ -518,6 +518,13 @@ def test_a_resumed_tier_is_summarised_by_its_runs_time_not_its_last_sitting(tmp_
     text = results.read_text()
     assert f"| long ({format_duration(10800.0)} of runs, over sittings) |" in text
     assert f"| quick ({format_duration(200.0)}) |" in text
+    assert section.count("Produced by") == 1 and "Rendered by" not in section
+    # every run kept: the last invocation only rendered them, and says so
+    statuses["x/s/a/seed0"]["resumed"] = True
+    section, _ = R.render_section("long", dict(manifest, resumed=3, wall_s=4.0), [], {}, {})
+    assert "Rendered by `python tools/reproduce.py --long`" in section
+    assert "Produced by" not in section
+    assert "All 3 runs were made by earlier invocations (sittings) and kept" in section
 
 
 def test_a_tier_made_on_several_cpus_says_which_runs_ran_where():

@@ -1289,8 +1289,11 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
         load += (f"; {format_duration(m['cpu_s'])} of CPU time in all (about "
                  f"{format_duration(m['cpu_s'] / max(1, min(m['workers'], m['cpus'] or 1)))} "
                  f"of wall time on {min(m['workers'], m['cpus'] or 1)} otherwise idle cores)")
+    # every run kept from earlier sittings: this invocation only rendered them
+    rendered = bool(m.get("resumed")) and m["resumed"] == m["runs"]
     head = [f"## {MODE_TITLES[mode]}", "",
-            (f"Produced by `{m['command']}` in **{format_duration(m['wall_s'])}** "
+            (f"{'Rendered' if rendered else 'Produced'} by `{m['command']}` in "
+             f"**{format_duration(m['wall_s'])}** "
             f"({m['wall_s']:.0f} s wall time, {m['runs']} runs, {m['workers']} worker "
             f"process{'es' if m['workers'] != 1 else ''}) on {m['cpus']} CPUs ({m['machine']}), "
             f"{load}; edgefl {m['edgefl']} ({m['backend']} backend), finished {m['date']}. "
@@ -1303,7 +1306,13 @@ def render_section(mode, manifest, experiments, tables, failures) -> tuple:
                   f"experiments are not in this section until an invocation without `--only` "
                   f"finishes them."), ""]
     total = sum(st.get("elapsed_s", 0.0) for st in m.get("statuses", {}).values())
-    if m.get("resumed"):
+    if rendered:
+        head += [(f"All {m['runs']} runs were made by earlier invocations (sittings) and "
+                  f"kept; this one only read them back and wrote this section. The runs' own "
+                  f"times add up to {format_duration(total)} of single-worker time, measured "
+                  f"as elapsed time: a run that shared the cores with other jobs, or whose "
+                  f"sitting was paused, counts longer than its work."), ""]
+    elif m.get("resumed"):
         head += [(f"This invocation resumed an interrupted one: {m['resumed']} of the "
                   f"{m['runs']} runs were finished by earlier invocations and kept; the "
                   f"runs' own times add up to {format_duration(total)} of single-worker "
