@@ -1019,6 +1019,13 @@ def fedmr_model_lines(runs: list, arm: str) -> list:
         + fedmr_member_curve(runs, arm)
 
 
+def shown_rounds(rounds: list, points: int) -> list:
+    """Up to `points` of the sorted `rounds`, evenly spaced, the last always among them (the
+    rows of a table over rounds)."""
+    step = max(1, math.ceil(len(rounds) / points))
+    return sorted(set(rounds[::step]) | {rounds[-1]})
+
+
 def fedmr_member_curve(runs: list, arm: str, points: int = 8) -> list:
     """The K models' test accuracy over rounds (runs made with `evaluate_models: true`, whose
     records carry member_accuracy) against the global model's: a table at up to `points`
@@ -1027,8 +1034,7 @@ def fedmr_member_curve(runs: list, arm: str, points: int = 8) -> list:
         if runs else []
     if not rounds:
         return []
-    step = max(1, math.ceil(len(rounds) / points))
-    shown = sorted(set(rounds[::step]) | {rounds[-1]})
+    shown = shown_rounds(rounds, points)
     lines = [f"{arm}: test accuracy of the K models over rounds (mean over {len(runs)} seeds):",
              "", "| round | global model | K models, mean | K models, best | K models, worst |",
              "|--:|--:|--:|--:|--:|"]
@@ -1059,8 +1065,7 @@ def gap_curve_lines(runs_by_arm: dict, baseline: str, points: int = 8) -> list:
                                            for a, b in pairs)))
         if len(common) < 3:
             continue
-        step = max(1, math.ceil(len(common) / points))
-        shown = sorted(set(common[::step]) | {common[-1]})
+        shown = shown_rounds(common, points)
         gap = {t: [a["curve"][t] - b["curve"][t] for a, b in pairs] for t in shown}
         rows[arm] = {t: V.t_interval(g) for t, g in gap.items()}
         last = shown[-1]
