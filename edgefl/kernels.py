@@ -18,6 +18,7 @@ import numpy as np
 
 from . import reference
 from .errors import KernelError, NonFiniteError, TrainingStopped  # noqa: F401  (re-exported)
+from .forksafe import openssl
 
 _REQUESTED = os.environ.get("EDGEFL_BACKEND", "").strip().lower()
 if _REQUESTED not in ("", "c", "numpy"):
@@ -281,8 +282,9 @@ def _enable_c_masks() -> bool:
     keys, subtract = bytes(range(32)) + bytes(range(32, 64)), bytes([0, 1])
     got = [np.arange(1000, dtype=np.uint32), np.arange(3, dtype=np.uint64)]
     want = [a.copy() for a in got]
-    ok = impl.secagg_mask(*got, keys, subtract, None, 1.0, 1.0, 1, 0, False)
-    reference.secagg_mask(*want, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+    with openssl():
+        ok = impl.secagg_mask(*got, keys, subtract, None, 1.0, 1.0, 1, 0, False)
+        reference.secagg_mask(*want, keys, subtract, None, 1.0, 1.0, 1, 0, False)
     if not (ok and all(np.array_equal(a, b) for a, b in zip(got, want))):
         warnings.warn(f"edgefl: the C core's AES-CTR through {found[1]} does not match "
                       f"`cryptography`; secure aggregation masks use `cryptography`",
@@ -318,8 +320,9 @@ def secagg_mask(words: np.ndarray, scalars: np.ndarray, keys: bytes, subtract: b
         scale = float(levels) / float(clip)
     seed = int(seed) & _U64
     if impl is reference or not (scalars.size <= MAX_MASK_SCALARS and masks_in_c()):
-        reference.secagg_mask(words, scalars, keys, subtract, x, float(clip), scale,
-                              int(weight), seed, bool(stochastic))
+        with openssl():
+            reference.secagg_mask(words, scalars, keys, subtract, x, float(clip), scale,
+                                  int(weight), seed, bool(stochastic))
         return words
     # In C the GIL is released, so a long vector is cut into one piece per mask thread, each
     # piece's streams starting at its own byte offset (a multiple of 16: CTR's block) and its
@@ -339,7 +342,9 @@ def secagg_mask(words: np.ndarray, scalars: np.ndarray, keys: bytes, subtract: b
                                 int(weight), (seed + a * _GOLDEN64) & _U64, bool(stochastic),
                                 a * flat.itemsize // 16)
 
-    done = [piece(0)] if pieces == 1 else list(_mask_pool().map(piece, range(pieces)))
+    pool = None if pieces == 1 else _mask_pool()
+    with openssl():          # the pieces run OpenSSL in this thread or the pool's
+        done = [piece(0)] if pool is None else list(pool.map(piece, range(pieces)))
     if not all(done):
         raise KernelError("secagg_mask: OpenSSL's AES-CTR failed in the C core")
     return words

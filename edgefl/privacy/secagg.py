@@ -80,6 +80,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .. import kernels
+from ..forksafe import openssl
 from ..strategies import Contribution, SumTotal
 from . import shamir
 
@@ -179,7 +180,8 @@ def decode_scalars(words: np.ndarray) -> list[float]:
 # ======================================================================== keys and PRG
 def _hkdf(secret: bytes, label: str, *parts) -> bytes:
     info = "|".join(["edgefl-secagg", label, *map(str, parts)]).encode()
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+    with openssl():
+        return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 
 def _prg(key: bytes):
@@ -191,7 +193,8 @@ def _prg(key: bytes):
 def mask_stream(key: bytes, nbytes: int, out: bytearray | None = None) -> bytearray:
     """The first nbytes of `key`'s mask keystream."""
     out = bytearray(nbytes) if out is None else out
-    _prg(key).update_into(_zeros(nbytes), out)
+    with openssl():
+        _prg(key).update_into(_zeros(nbytes), out)
     return out
 
 
@@ -205,7 +208,8 @@ def _zeros(n: int) -> memoryview:
 
 
 def _public_bytes(key: X25519PublicKey) -> bytes:
-    return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
+    with openssl():
+        return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
 def neighbours_of(participants: Sequence[int], k: int, seed: int, round: int) -> dict:
@@ -574,13 +578,15 @@ class SecAggClient:
         self.client, self.setup = int(client), setup
         self.neighbourhood = setup.neighbourhoods()[self.client]
         if entropy is None:
-            self._c = X25519PrivateKey.generate()
-            self._s = X25519PrivateKey.generate()
+            with openssl():
+                self._c = X25519PrivateKey.generate()
+                self._s = X25519PrivateKey.generate()
             self._seed = os.urandom(shamir.SECRET_BYTES)      # b_i, the self-mask seed
         else:
             draw = [_hkdf(bytes(entropy), what, setup.round, client) for what in "csb"]
-            self._c = X25519PrivateKey.from_private_bytes(draw[0])
-            self._s = X25519PrivateKey.from_private_bytes(draw[1])
+            with openssl():
+                self._c = X25519PrivateKey.from_private_bytes(draw[0])
+                self._s = X25519PrivateKey.from_private_bytes(draw[1])
             self._seed = draw[2]
         self._keys: dict = {}
         self._aeads: dict = {}
@@ -590,14 +596,17 @@ class SecAggClient:
         self._answered = False
 
     def advertise(self) -> AdvertiseKeys:
-        return AdvertiseKeys(self.setup.round, self.client, _public_bytes(self._c.public_key()),
-                             _public_bytes(self._s.public_key()))
+        with openssl():
+            c_public, s_public = self._c.public_key(), self._s.public_key()
+        return AdvertiseKeys(self.setup.round, self.client, _public_bytes(c_public),
+                             _public_bytes(s_public))
 
     def share_keys(self, msg: KeysBroadcast) -> ShareKeys:
         self._check_round(msg)
-        keys = {int(c): (X25519PublicKey.from_public_bytes(bytes(k[0])),
-                         X25519PublicKey.from_public_bytes(bytes(k[1])))
-                for c, k in msg.keys.items() if int(c) in self.neighbourhood}
+        with openssl():
+            keys = {int(c): (X25519PublicKey.from_public_bytes(bytes(k[0])),
+                             X25519PublicKey.from_public_bytes(bytes(k[1])))
+                    for c, k in msg.keys.items() if int(c) in self.neighbourhood}
         if self.client not in keys:
             raise SecAggError(f"round {msg.round}: the key broadcast to client {self.client} "
                               f"lacks its own keys")
@@ -608,12 +617,16 @@ class SecAggClient:
             raise SecAggAborted(f"round {msg.round}: client {self.client} has {len(holders)} "
                                 f"neighbours with keys, {need} needed")
         seed_shares = shamir.split(self._seed, [h + 1 for h in holders], need)
-        key_shares = shamir.split(self._s.private_bytes_raw(), [h + 1 for h in holders], need)
+        with openssl():
+            s_private = self._s.private_bytes_raw()
+        key_shares = shamir.split(s_private, [h + 1 for h in holders], need)
         out = {}
         for h in holders:
             plain = json.dumps([self.client, h, str(seed_shares[h + 1]),
                                 str(key_shares[h + 1])]).encode()
-            out[h] = self._aead(h).encrypt(self._nonce(self.client), plain, self._aad(self.client, h))
+            aead = self._aead(h)
+            with openssl():
+                out[h] = aead.encrypt(self._nonce(self.client), plain, self._aad(self.client, h))
         return ShareKeys(self.setup.round, self.client, out)
 
     def masked_input(self, msg: SharesForward, contribution: Contribution,
@@ -711,9 +724,11 @@ class SecAggClient:
         for sender, ciphertext in self._held.items():
             if sender not in survivors and sender not in dropped:
                 continue
+            aead = self._aead(sender)
             try:
-                plain = self._aead(sender).decrypt(self._nonce(sender), ciphertext,
-                                                   self._aad(sender, self.client))
+                with openssl():
+                    plain = aead.decrypt(self._nonce(sender), ciphertext,
+                                         self._aad(sender, self.client))
             except InvalidTag:
                 raise SecAggError(f"round {msg.round}: the shares client {sender} sent to "
                                   f"client {self.client} do not authenticate") from None
@@ -737,10 +752,12 @@ class SecAggClient:
         # one key agreement per peer and round: the same key decrypts in the unmask phase
         aead = self._aeads.get(other)
         if aead is None:
-            shared = self._c.exchange(self._keys[other][0])
+            with openssl():
+                shared = self._c.exchange(self._keys[other][0])
             lo, hi = sorted((self.client, other))
-            aead = self._aeads[other] = AESGCM(_hkdf(shared, "shares", self.setup.run_id,
-                                                     self.setup.round, lo, hi))
+            key = _hkdf(shared, "shares", self.setup.run_id, self.setup.round, lo, hi)
+            with openssl():
+                aead = self._aeads[other] = AESGCM(key)
         return aead
 
     @staticmethod
@@ -760,7 +777,9 @@ def _self_key(setup: RoundSetup, client: int, seed: bytes) -> bytes:
 def _pair_key(setup: RoundSetup, private: X25519PrivateKey, public: X25519PublicKey,
               a: int, b: int) -> bytes:
     lo, hi = sorted((a, b))
-    return _hkdf(private.exchange(public), "pair", setup.run_id, setup.round, lo, hi)
+    with openssl():
+        shared = private.exchange(public)
+    return _hkdf(shared, "pair", setup.run_id, setup.round, lo, hi)
 
 
 def apply_masks(words: np.ndarray, scalars: np.ndarray, masks, encode=None) -> None:
@@ -935,11 +954,13 @@ class SecAggServer:
         for d in self.dropped:
             secret = shamir.combine(pieces[(d, "key")], _neighbour_threshold(
                 setup, len(self.neighbourhoods[d])))
-            private = X25519PrivateKey.from_private_bytes(secret)
+            with openssl():
+                private = X25519PrivateKey.from_private_bytes(secret)
             for j in self.survivors:
                 # j masked with d iff d is j's neighbour and d's shares reached j
                 if j in self.neighbourhoods[d] and d in self._shared_with(j):
-                    public = X25519PublicKey.from_public_bytes(self.keys[j].s_public)
+                    with openssl():
+                        public = X25519PublicKey.from_public_bytes(self.keys[j].s_public)
                     key = _pair_key(setup, private, public, d, j)
                     # j added sign(j, d) PRG: + when j < d; take it away
                     masks.append((key, j < d))

@@ -137,9 +137,12 @@ def hash_password(password: str, salt: bytes | None = None,
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.kdf.pbkdf2 import PBKDF2HMAC
 
+    from ..forksafe import openssl
+
     salt = os.urandom(_SALT_BYTES) if salt is None else salt
-    digest = PBKDF2HMAC(algorithm=hashes.SHA512(), length=64, salt=salt,
-                        iterations=iterations).derive(password.encode())
+    with openssl():
+        digest = PBKDF2HMAC(algorithm=hashes.SHA512(), length=64, salt=salt,
+                            iterations=iterations).derive(password.encode())
     return {"password": base64.b64encode(digest).decode(),
             "salt": base64.b64encode(salt).decode(), "iterations": iterations}
 

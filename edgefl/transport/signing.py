@@ -46,6 +46,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (Ed25519PrivateKey,
                                                                Ed25519PublicKey)
 
+from ..forksafe import openssl
+
 __all__ = ["SignatureError", "KeyFileError", "Signer", "Verifier", "DOMAIN", "VERSION",
            "KINDS", "generate_key", "write_key_pair", "load_private_key", "load_public_key",
            "fingerprint", "canonical", "doc_digest", "NonceStore"]
@@ -73,17 +75,20 @@ class KeyFileError(ValueError):
 # ---------------------------------------------------------------------------------------
 
 def generate_key() -> Ed25519PrivateKey:
-    return Ed25519PrivateKey.generate()
+    with openssl():
+        return Ed25519PrivateKey.generate()
 
 
 def _raw_public(key: Ed25519PublicKey) -> bytes:
-    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    with openssl():
+        return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def fingerprint(key) -> str:
     """16 hex digits of the sha256 of the raw public key (of a private key: its public's)."""
     if isinstance(key, Ed25519PrivateKey):
-        key = key.public_key()
+        with openssl():
+            key = key.public_key()
     return hashlib.sha256(_raw_public(key)).hexdigest()[:16]
 
 
@@ -100,10 +105,12 @@ def write_key_pair(path: str | os.PathLike, key: Ed25519PrivateKey | None = None
             if os.path.exists(p):
                 raise FileExistsError(f"{p} exists; pass --force to replace it (the key it "
                                       "holds is then gone)")
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    public = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    with openssl():
+        private = key.private_bytes(serialization.Encoding.PEM,
+                                    serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
+        public = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
     from ..io import atomic_write     # mkstemp: the file is 0600 from its creation
 
     atomic_write(path, private, mode=0o600)
@@ -123,9 +130,10 @@ def _read(path) -> bytes:
 def load_private_key(path) -> Ed25519PrivateKey:
     data = _read(path)
     try:
-        if len(data) == 32:
-            return Ed25519PrivateKey.from_private_bytes(data)
-        key = serialization.load_pem_private_key(data, password=None)
+        with openssl():
+            if len(data) == 32:
+                return Ed25519PrivateKey.from_private_bytes(data)
+            key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
         raise KeyFileError(f"{os.fspath(path)}: not an unencrypted Ed25519 private key "
                            f"(PEM PKCS#8 or 32 raw bytes): {exc}") from None
@@ -139,11 +147,14 @@ def load_public_key(path) -> Ed25519PublicKey:
     """A public key file; a private key file is read as its public key (`keys show`)."""
     data = _read(path)
     try:
-        if len(data) == 32:
-            return Ed25519PublicKey.from_public_bytes(data)
-        if b"PRIVATE KEY" in data:
-            return load_private_key(path).public_key()
-        key = serialization.load_pem_public_key(data)
+        if b"PRIVATE KEY" in data and len(data) != 32:
+            private = load_private_key(path)
+            with openssl():
+                return private.public_key()
+        with openssl():
+            if len(data) == 32:
+                return Ed25519PublicKey.from_public_bytes(data)
+            key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
         raise KeyFileError(f"{os.fspath(path)}: not an Ed25519 public key (PEM or 32 raw "
                            f"bytes): {exc}") from None
@@ -188,7 +199,10 @@ class Signer:
                "round": int(round), "by": self.by, "key": self.fingerprint,
                "nonce": nonce or os.urandom(8).hex(), "at": at,
                "exp": None if expires_in is None else at + float(expires_in), "hash": digest}
-        env["sig"] = base64.b64encode(self.key.sign(DOMAIN + canonical(env))).decode("ascii")
+        message = DOMAIN + canonical(env)
+        with openssl():
+            raw = self.key.sign(message)
+        env["sig"] = base64.b64encode(raw).decode("ascii")
         return env
 
     def sign_doc(self, doc: dict, kind: str, run: str, round: int, **options) -> dict:
@@ -289,9 +303,10 @@ class Verifier:
         # would otherwise give a second string for the same bytes
         if base64.b64encode(raw).decode("ascii") != env["sig"]:
             raise SignatureError(f"{where}: signature is not in canonical base64")
-        body = {k: v for k, v in env.items() if k != "sig"}
+        message = DOMAIN + canonical({k: v for k, v in env.items() if k != "sig"})
         try:
-            key.verify(raw, DOMAIN + canonical(body))
+            with openssl():
+                key.verify(raw, message)
         except InvalidSignature:
             raise SignatureError(f"{where}: bad signature (key {env['key']} of "
                                  f"{env['by']!r}): forged or altered") from None
