@@ -34,7 +34,8 @@ def _wait_child(pid: int, timeout: float = 30.0) -> int:
     pytest.fail(f"forked child {pid} did not finish within {timeout:g} s")
 
 
-def test_a_fork_waits_for_a_thread_inside_openssl_and_the_child_can_enter():
+def _hold_section() -> tuple:
+    """A thread inside `forksafe.openssl()` until the returned event is set: (event, thread)."""
     inside, release = threading.Event(), threading.Event()
 
     def in_openssl():
@@ -45,6 +46,11 @@ def test_a_fork_waits_for_a_thread_inside_openssl_and_the_child_can_enter():
     holder = threading.Thread(target=in_openssl)
     holder.start()
     assert inside.wait(10)
+    return release, holder
+
+
+def test_a_fork_waits_for_a_thread_inside_openssl_and_the_child_can_enter():
+    release, holder = _hold_section()
     forked = {}
 
     def fork():
@@ -76,23 +82,13 @@ def test_a_fork_waits_for_a_thread_inside_openssl_and_the_child_can_enter():
 
 
 def test_sections_do_not_wait_for_each_other():
-    inside = threading.Event()
-    release = threading.Event()
-
-    def long_section():
-        with forksafe.openssl():
-            inside.set()
-            release.wait(30)
-
-    t = threading.Thread(target=long_section)
-    t.start()
-    assert inside.wait(10)
+    release, holder = _hold_section()
     started = time.monotonic()
     with forksafe.openssl():                     # a second section: no fork pending
         pass
     assert time.monotonic() - started < 1.0
     release.set()
-    t.join(10)
+    holder.join(10)
 
 
 def test_a_failing_section_leaves_the_guard_usable():
