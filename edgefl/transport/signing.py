@@ -147,13 +147,14 @@ def load_public_key(path) -> Ed25519PublicKey:
     """A public key file; a private key file is read as its public key (`keys show`)."""
     data = _read(path)
     try:
-        if b"PRIVATE KEY" in data and len(data) != 32:
+        if len(data) == 32:
+            with openssl():
+                return Ed25519PublicKey.from_public_bytes(data)
+        if b"PRIVATE KEY" in data:
             private = load_private_key(path)
             with openssl():
                 return private.public_key()
         with openssl():
-            if len(data) == 32:
-                return Ed25519PublicKey.from_public_bytes(data)
             key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
         raise KeyFileError(f"{os.fspath(path)}: not an Ed25519 public key (PEM or 32 raw "
