@@ -751,6 +751,79 @@ def _run_with_tasks_in_copies(tmp_path, broker, settings, client_settings):
     return reference, result, clients, threads
 
 
+def test_sending_copies_leaves_the_global_frame_unencoded_until_it_is_asked_for(
+        tmp_path, monkeypatch):
+    """When each tasked client gets its own copy, the global model's frame is announced by
+    its hash and message id but not encoded (nothing publishes it). Asked for after all,
+    it is encoded then: under the announced id, with the announced hash."""
+    from edgefl.roles import aggregator as aggregator_module
+
+    encoded = collections.Counter()
+    real_encode = wire.encode
+    monkeypatch.setattr(aggregator_module.wire, "encode",       # the aggregator's frames
+                        lambda kind, r, sender, *a, **k:
+                        encoded.update([kind] if sender == "aggregator" else []) or
+                        real_encode(kind, r, sender, *a, **k))
+    globals_ = []
+    real_build = Aggregator._build_downlinks
+
+    def build(self):
+        real_build(self)
+        globals_.append((self.open.round, self.open.downlinks["global"]))
+    monkeypatch.setattr(Aggregator, "_build_downlinks", build)
+    config = load_small_run(tmp_path, rounds=2, clients_per_round=1,
+                            partition={"name": "iid", "clients": 4})
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(tmp_path, config, broker)
+    watcher = broker.transport("watcher")
+    watcher.connect()
+    watcher.subscribe(Topics("fed").round())
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert encoded == {"client_model": 2}                # one copy a round, no global frame
+    announced = {}
+    while (item := watcher.receive(timeout=0)) is not None:
+        if isinstance(item, Message) and item.payload:
+            doc = json.loads(item.payload)
+            if not doc.get("finished"):
+                announced[doc["round"]] = doc
+    assert [r for r, _ in globals_] == [1, 2]
+    for r, downlink in globals_:
+        (payload,) = downlink.payloads                   # encoded now
+        frame = wire.decode(payload, wire.Expectation(aggregator.table, kinds="model",
+                                                      rounds=r))
+        assert frame.message_id == int(announced[r]["model_frame"], 16)
+        assert msg.buffers_sha256(frame.buffers) == downlink.sha == \
+            announced[r]["model_sha256"]
+    assert encoded == {"client_model": 2, "model": 2}
+
+
+def test_rounds_kept_in_memory_only_when_asked_write_no_checkpoint_and_end_the_same(
+        tmp_path):
+    """checkpoint_rounds=False (a simulation whose state is deleted with the run): the
+    rounds' checkpoints and journal lines are not written, only the run's start, and the
+    run ends with the in-process model and records."""
+    config = load_small_run(tmp_path, rounds=3, clients_per_round=2)
+    reference = simulate(config, None, progress=False)
+    broker = LoopbackBroker()
+    _, aggregator, _, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=20,
+                                    checkpoint_rounds=False))
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    assert [h["round"] for h in result.history] == [1, 2, 3] and result.aggregated == [1, 2, 3]
+    on_disk = AggregatorCheckpoint.load(tmp_path / "agg")
+    assert on_disk.round == 0 and on_disk.run_id == result.run_id
+    events = [e["event"] for e in state_files.read_journal(aggregator.journal_path)]
+    assert "aggregated" not in events and events[0] == "started"
+
+
 def test_overlapped_evaluation_gives_the_same_records_and_survives_a_restart(tmp_path):
     """overlap_evaluation (a simulated fleet's aggregator): a round's evaluation runs while
     the next round does. The records, test metrics included, and the model are the ones in

@@ -160,6 +160,13 @@ class AggregatorSettings:
     # a re-announcement's task, and a copy too large for one message, still go on
     # task/<client>. (A simulated fleet, all of whose clients are this version.)
     task_in_copy: bool = False
+    # checkpoint_rounds: write each round's checkpoint and journal line to state_dir, as a
+    # fleet's aggregator must (a restart resumes from them). False: they are kept in memory
+    # only, for a run whose state directory is deleted with it, which nothing can resume
+    # (a simulated fleet: edgefl.sim.over_broker without a state_dir; writing them was about
+    # 1.4 ms of CPU between a round's last update and the next announcement at 100 clients,
+    # docs/scaling.md). The run's first checkpoint is written either way.
+    checkpoint_rounds: bool = True
 
     def __post_init__(self):
         validate_id(self.node_id, "aggregator node id")
@@ -260,14 +267,23 @@ class AggregatorResult:
     stopped: dict | None = None     # why the run ended before its last round (errors.budget_stop)
 
 
-@dataclass
 class _Downlink:
-    """The payloads of one model frame, kept to re-send it."""
-    topic: str
-    payloads: list
-    retained: bool
-    sha: str
-    message_id: int         # of the frame the payloads carry (the announcement names it)
+    """The payloads of one model frame, kept to re-send it. Made with `build` instead of
+    payloads, the frame is encoded when they are first asked for: the global model of a
+    round that sends each tasked client a copy is announced by its hash, and its frame is
+    needed only if something publishes it after all (_build_downlinks)."""
+
+    def __init__(self, topic: str, payloads: list | None, retained: bool, sha: str,
+                 message_id: int, build=None):
+        self.topic, self.retained, self.sha = topic, retained, sha
+        self.message_id = message_id    # of the frame the payloads carry (the announcement
+        self._payloads, self._build = payloads, build      # names it)
+
+    @property
+    def payloads(self) -> list:
+        if self._payloads is None:
+            self._payloads, self._build = self._build(), None
+        return self._payloads
 
 
 @dataclass
@@ -783,7 +799,10 @@ class Aggregator:
         return json.dumps(alone, separators=(",", ":")).encode("utf-8")
 
     def _frame(self, kind: str, buffers, recipient: str | None = None, *,
-               task: bytes | None = None, message_id: int | None = None) -> _Downlink:
+               task: bytes | None = None, message_id: int | None = None,
+               lazy: bool = False) -> _Downlink:
+        """The downlink of one model frame. `lazy`: when the model's sha256 is known without
+        encoding it (uncompressed), the frame is encoded only if its payloads are used."""
         o, s = self.open, self.settings
         # Each model is hashed once a round for the announcement (its sha256) and, signing,
         # once for its frames' content digest, which takes the payload's sha256 apart from
@@ -819,15 +838,24 @@ class Aggregator:
         scalars = {"run": self.ckpt.run_id}
         if task is not None:
             scalars["task"] = task.decode("utf-8")      # task_in_copy
-        data = wire.encode(kind, o.round, s.node_id, buffers, scalars, self.table,
-                           s.compression, recipient=recipient, sign=sign,
-                           payload_sha256=payload, message_id=message_id)
+        topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
+        round_ = o.round
+
+        def encode(message_id=message_id) -> bytes:
+            return wire.encode(kind, round_, s.node_id, buffers, scalars, self.table,
+                               s.compression, recipient=recipient, sign=sign,
+                               payload_sha256=payload, message_id=message_id)
+        if lazy and sha:
+            o.hashes[key] = (dict(buffers), sha[0], payload)
+            message_id = wire.new_message_id() if message_id is None else message_id
+            return _Downlink(topic, None, False, sha[0], message_id,
+                             build=lambda: wire.split(encode(message_id), s.max_payload))
+        data = encode()
         if not sha:
             sha = [buffers_sha256(wire.decode(data, wire.Expectation(self.table, kinds=kind))
                                   .buffers)]
         o.hashes[key] = (dict(buffers), sha[0], payload)
         payloads = wire.split(data, s.max_payload)
-        topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
         return _Downlink(topic, payloads, len(payloads) == 1, sha[0],
                          wire.read_header(data).message_id)
 
@@ -849,11 +877,14 @@ class Aggregator:
     def _build_downlinks(self) -> None:
         o = self.open
         shared = None
+        # sent as copies (_announce), the global model's own frame is announced by its hash
+        # and id, and encoded only if something publishes it after all
+        to_each = self._model_to_each(o)
         for node, task in sorted(o.node_tasks.items()):
             if task.source == "global":
                 if shared is None:
                     shared = task.buffers
-                    o.downlinks["global"] = self._frame("model", shared)
+                    o.downlinks["global"] = self._frame("model", shared, lazy=to_each)
                 elif not all(task.buffers.get(k) is v for k, v in shared.items()) \
                         or set(task.buffers) != set(shared):
                     raise StrategyError(f"{self.plan.strategy.name}: round {o.round}: tasks with "
@@ -1403,7 +1434,8 @@ class Aggregator:
         else:
             digest.append(hashlib.sha256(params))
         try:
-            new.save(self.state_dir)      # the round is aggregated once this rename is done
+            if self.settings.checkpoint_rounds:
+                new.save(self.state_dir)  # the round is aggregated once this rename is done
         except StateWriteError as exc:
             # Stop rather than go on: later rounds would build on a state no restart can
             # recover, and the journal would list rounds the checkpoint does not hold.
@@ -1418,10 +1450,11 @@ class Aggregator:
         self.open = None
         sha = digest[0].hexdigest()
         self._journal_hash = (params, sha)   # a model frame's payload hash (_frame)
-        append_journal(self.journal_path, {"event": "aggregated", "run": new.run_id, "round": r,
-                                           "updates": record["updates"],
-                                           "closed_by": record["closed_by"],
-                                           "model_sha256": sha, "at": time.time()})
+        if self.settings.checkpoint_rounds:
+            append_journal(self.journal_path, {"event": "aggregated", "run": new.run_id,
+                                               "round": r, "updates": record["updates"],
+                                               "closed_by": record["closed_by"],
+                                               "model_sha256": sha, "at": time.time()})
         acc = record["test_accuracy"]
         log.info("round %d aggregated: %d update(s), closed by %s%s, %.3f s", r,
                  record["updates"], record["closed_by"],
@@ -1462,7 +1495,8 @@ class Aggregator:
         with it) and the report."""
         record = self._settle_evaluation()
         if record is not None:
-            self.ckpt.save(self.state_dir)
+            if self.settings.checkpoint_rounds:
+                self.ckpt.save(self.state_dir)
             self._report(record)
 
     def _report(self, record: dict, status: bool = False) -> None:

@@ -178,10 +178,12 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
         # as run_federation's does (its record then reaches on_round a round later, as there).
         # task_in_copy: a tasked client's task comes in its copy of the model, not on its
         # own (every client here is this version: docs/protocol.md section 1)
+        # checkpoint_rounds: the rounds' checkpoints protect nothing in a state directory
+        # that is deleted with the run, as the clients' progress (keep_progress, above)
         settings = AggregatorSettings(federation=federation, round_timeout_s=round_timeout_s,
                                       max_payload=max_payload, compression=compression,
                                       task_topics=task_topics, overlap_evaluation=True,
-                                      task_in_copy=True)
+                                      task_in_copy=True, checkpoint_rounds=keep_progress)
 
         def after_round(record, history):
             if on_round is not None:
