@@ -4,6 +4,7 @@ Frames that the encoder would never write are built here by hand from the layout
 docs/protocol.md (struct + zlib, no edgefl code), so these tests also pin the documented
 byte layout: a second implementation written from the document produces what they build.
 """
+import collections
 import json
 import random
 import re
@@ -391,6 +392,86 @@ def test_expectation_for_topic_and_its_own_checks():
         Expectation(TABLE, kinds="gradients")
     with pytest.raises(ValueError, match="ints"):
         Expectation(TABLE, rounds={"5"})
+
+
+def _json_value_reference(v, path, depth=0):
+    """The scalars' check as it was written first, before its fast paths: the oracle for
+    wire.checks._json_value (the same data back, or EncodeError with the same message)."""
+    from collections.abc import Mapping
+    import math
+
+    from edgefl.transport.wire.header import MAX_JSON_DEPTH
+    if depth > MAX_JSON_DEPTH:
+        raise EncodeError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(v, np.generic):
+        v = v.item()
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise EncodeError(f"{path} is {v}: JSON metadata carries finite numbers only "
+                              "(send None for 'no value')")
+        return float(v)
+    if isinstance(v, (list, tuple)):
+        return [_json_value_reference(x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if isinstance(v, Mapping):
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise EncodeError(f"{path}: key {k!r} is not a string")
+            out[k] = _json_value_reference(x, f"{path}.{k}", depth + 1)
+        return out
+    raise EncodeError(f"{path}: {type(v).__name__} is not a JSON value (numbers, strings, "
+                      "bools, None, lists, dicts)")
+
+
+def test_scalars_check_gives_what_its_first_version_gave_data_and_errors():
+    """wire.checks._json_value takes the exact JSON types first and spells a value's path
+    only for an error: on random scalars, good and bad, it returns the same data as the
+    first version of the check (kept above as the oracle), with the same types, or fails
+    with the same message."""
+    import types
+
+    from edgefl.transport.wire.checks import _json_value
+
+    class Key(str):
+        pass
+
+    rng = random.Random(7)
+    leaves = [None, True, False, 0, -3, 2 ** 40, 1.5, -0.0, "x", "", np.float32(0.25),
+              np.int64(7), np.bool_(True), float("nan"), float("inf"), object(), b"raw",
+              {1: 2}, {Key("k"): 1}]
+
+    def value(depth):
+        roll = rng.random()
+        if depth > 18 or roll < 0.4:
+            return rng.choice(leaves)
+        n = rng.randrange(4)
+        if roll < 0.6:
+            return [value(depth + 1) for _ in range(n)]
+        if roll < 0.7:
+            return tuple(value(depth + 1) for _ in range(n))
+        items = {f"k{i}": value(depth + 1) for i in range(n)}
+        return types.MappingProxyType(items) if roll < 0.75 else items
+
+    outcomes = collections.Counter()
+    for _ in range(3000):
+        v = {"a": value(0)}
+        try:
+            want = _json_value_reference(v, "scalars")
+        except EncodeError as exc:
+            with pytest.raises(EncodeError) as got:
+                _json_value(v, "scalars")
+            assert str(got.value) == str(exc)
+            outcomes["refused"] += 1
+            continue
+        got = _json_value(v, "scalars")
+        assert json.dumps(got) == json.dumps(want)
+        assert repr(got) == repr(want)                  # the same types, not only values
+        outcomes["taken"] += 1
+    assert outcomes["taken"] > 500 and outcomes["refused"] > 500
 
 
 def test_reject_bad_metadata():

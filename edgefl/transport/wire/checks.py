@@ -222,10 +222,29 @@ def _check_parties(meta: dict, h: Header, expect: Expectation) -> tuple:
     return sender, recipient
 
 
-def _json_value(v, path: str, depth: int = 0, err=EncodeError):
-    """v as plain JSON data (numpy scalars unwrapped), or err naming the path."""
+def _json_value(v, path, depth: int = 0, err=EncodeError):
+    """v as plain JSON data (numpy scalars unwrapped), or err naming the path. `path`: the
+    value's name, a string or (the parent's path, a key or index), spelled out only for an
+    error. Every frame's scalars pass through here twice (encoded, then decoded), so the
+    exact JSON types are taken first, before the isinstance checks (numpy scalars, int and
+    float subclasses, other sequences and mappings)."""
     if depth > MAX_JSON_DEPTH:
-        raise err(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels")
+        raise err(f"{_spell(path)}: nested deeper than {MAX_JSON_DEPTH} levels")
+    t = type(v)
+    if t is str or t is bool or t is int or v is None:
+        return v
+    if t is float:
+        if not math.isfinite(v):
+            raise err(f"{_spell(path)} is {v}: JSON metadata carries finite numbers only "
+                      "(send None for 'no value')")
+        return v
+    if t is dict:
+        out = {}
+        for k, x in v.items():
+            if type(k) is not str and not isinstance(k, str):
+                raise err(f"{_spell(path)}: key {k!r} is not a string")
+            out[k] = _json_value(x, (path, k), depth + 1, err)
+        return out
     if isinstance(v, np.generic):
         v = v.item()
     if v is None or isinstance(v, (bool, str)):
@@ -233,21 +252,21 @@ def _json_value(v, path: str, depth: int = 0, err=EncodeError):
     if isinstance(v, int):
         return int(v)
     if isinstance(v, float):
-        if not math.isfinite(v):
-            raise err(f"{path} is {v}: JSON metadata carries finite numbers only (send None "
-                      "for 'no value')")
-        return float(v)
+        return _json_value(float(v), path, depth, err)
     if isinstance(v, (list, tuple)):
-        return [_json_value(x, f"{path}[{i}]", depth + 1, err) for i, x in enumerate(v)]
+        return [_json_value(x, (path, i), depth + 1, err) for i, x in enumerate(v)]
     if isinstance(v, Mapping):
-        out = {}
-        for k, x in v.items():
-            if not isinstance(k, str):
-                raise err(f"{path}: key {k!r} is not a string")
-            out[k] = _json_value(x, f"{path}.{k}", depth + 1, err)
-        return out
-    raise err(f"{path}: {type(v).__name__} is not a JSON value (numbers, strings, bools, None, "
-              "lists, dicts)")
+        return _json_value(dict(v), path, depth, err)
+    raise err(f"{_spell(path)}: {type(v).__name__} is not a JSON value (numbers, strings, "
+              "bools, None, lists, dicts)")
+
+
+def _spell(path) -> str:
+    """A _json_value path as the error names it: scalars.a[2].b."""
+    if isinstance(path, str):
+        return path
+    parent, key = path
+    return f"{_spell(parent)}[{key}]" if isinstance(key, int) else f"{_spell(parent)}.{key}"
 
 
 @dataclass(frozen=True)
