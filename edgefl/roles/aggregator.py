@@ -839,17 +839,18 @@ class Aggregator:
         if task is not None:
             scalars["task"] = task.decode("utf-8")      # task_in_copy
         topic = self.topics.model() if kind == "model" else self.topics.client_model(recipient)
-        round_ = o.round
+        lazy = lazy and bool(sha)              # its hash is known without the frame
+        if lazy and message_id is None:
+            message_id = wire.new_message_id()    # announced now, carried when built
 
-        def encode(message_id=message_id) -> bytes:
-            return wire.encode(kind, round_, s.node_id, buffers, scalars, self.table,
+        def encode() -> bytes:
+            return wire.encode(kind, o.round, s.node_id, buffers, scalars, self.table,
                                s.compression, recipient=recipient, sign=sign,
                                payload_sha256=payload, message_id=message_id)
-        if lazy and sha:
+        if lazy:
             o.hashes[key] = (dict(buffers), sha[0], payload)
-            message_id = wire.new_message_id() if message_id is None else message_id
             return _Downlink(topic, None, False, sha[0], message_id,
-                             build=lambda: wire.split(encode(message_id), s.max_payload))
+                             build=lambda: wire.split(encode(), s.max_payload))
         data = encode()
         if not sha:
             sha = [buffers_sha256(wire.decode(data, wire.Expectation(self.table, kinds=kind))
