@@ -647,11 +647,22 @@ def test_each_tasked_clients_copy_is_named_in_its_task_and_taken_without_a_hash(
     real = client_module.buffers_sha256
     monkeypatch.setattr(client_module, "buffers_sha256",
                         lambda buffers: hashed.append(1) or real(buffers))
+    reference, _, result, clients, seen = _one_of_four_watched(tmp_path)
+    assert result.finished and model_sha256(result.params) == reference
+    tasks = [entry for doc in seen for entry in doc["tasks"].values()]
+    assert len(tasks) == 2 and all(e["source"] == "global" and len(e["model_frame"]) == 16
+                                   for e in tasks)
+    assert sum(c.stats["trained"] for c in clients) == 2 and hashed == []
+
+
+def _one_of_four_watched(tmp_path):
+    """2 rounds of one client of 4 through a LoopbackBroker (each tasked client gets its
+    own copy), with a watcher on the round topic: (in-process model_sha256, the aggregator,
+    its result, the clients, the rounds' announcements as the watcher saw them)."""
     config = load_small_run(tmp_path, rounds=2, clients_per_round=1,
                             partition={"name": "iid", "clients": 4})
-    reference = simulate(config, None, progress=False)
+    reference = simulate(config, None, progress=False)["model_sha256"]
     broker = LoopbackBroker()
-    seen = []
     _, aggregator, clients, threads = fleet(tmp_path, config, broker)
     watcher = broker.transport("watcher")
     watcher.connect()
@@ -659,14 +670,13 @@ def test_each_tasked_clients_copy_is_named_in_its_task_and_taken_without_a_hash(
     result = aggregator.run()
     for t in threads:
         t.join(10)
+    seen = []
     while (item := watcher.receive(timeout=0)) is not None:
         if isinstance(item, Message) and item.payload:
-            seen.append(json.loads(item.payload))
-    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
-    tasks = [entry for doc in seen if not doc.get("finished") for entry in doc["tasks"].values()]
-    assert len(tasks) == 2 and all(e["source"] == "global" and len(e["model_frame"]) == 16
-                                   for e in tasks)
-    assert sum(c.stats["trained"] for c in clients) == 2 and hashed == []
+            doc = json.loads(item.payload)
+            if not doc.get("finished"):
+                seen.append(doc)
+    return reference, aggregator, result, clients, seen
 
 
 @pytest.mark.parametrize("max_payload", [128 * 1024, 1024], ids=["whole", "chunked"])
@@ -771,25 +781,10 @@ def test_sending_copies_leaves_the_global_frame_unencoded_until_it_is_asked_for(
         real_build(self)
         globals_.append((self.open.round, self.open.downlinks["global"]))
     monkeypatch.setattr(Aggregator, "_build_downlinks", build)
-    config = load_small_run(tmp_path, rounds=2, clients_per_round=1,
-                            partition={"name": "iid", "clients": 4})
-    reference = simulate(config, None, progress=False)
-    broker = LoopbackBroker()
-    _, aggregator, clients, threads = fleet(tmp_path, config, broker)
-    watcher = broker.transport("watcher")
-    watcher.connect()
-    watcher.subscribe(Topics("fed").round())
-    result = aggregator.run()
-    for t in threads:
-        t.join(10)
-    assert result.finished and model_sha256(result.params) == reference["model_sha256"]
+    reference, aggregator, result, _, seen = _one_of_four_watched(tmp_path)
+    assert result.finished and model_sha256(result.params) == reference
     assert encoded == {"client_model": 2}                # one copy a round, no global frame
-    announced = {}
-    while (item := watcher.receive(timeout=0)) is not None:
-        if isinstance(item, Message) and item.payload:
-            doc = json.loads(item.payload)
-            if not doc.get("finished"):
-                announced[doc["round"]] = doc
+    announced = {doc["round"]: doc for doc in seen}
     assert [r for r, _ in globals_] == [1, 2]
     for r, downlink in globals_:
         (payload,) = downlink.payloads                   # encoded now
