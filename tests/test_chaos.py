@@ -270,7 +270,7 @@ def test_the_asynchronous_soak_reports_updates_the_broker_acknowledged_and_lost(
     cfg = chaos.SoakConfig(clients=3, rounds=4, seed=1, client_kills=0, aggregator_kills=0,
                            broker_restarts=0, delay_rate=0.0, duplicate_rate=0.0,
                            drop_acked_rate=0.34, deadline_s=1.5, timeout_s=400,
-                           buffer_size=1)   # (a hang guard: ~70 s on a quiet machine)
+                           buffer_size=1)   # (a hang guard: ~25 s on a quiet machine)
     report = chaos.run_soak(cfg, tmp_path / "lossy", say=lambda text: None)
     assert report["faults_injected"]["dropped_acked"] > 0
     assert report["updates_lost"], report

@@ -548,13 +548,18 @@ def test_client_refuses_a_run_whose_model_does_not_fit_its_data(tmp_path, caplog
 # ---------------------------------------------------------------------------------------
 
 def fleet(tmp_path, config, broker, settings=None, client_settings=None, start_clients=True):
+    """The run's aggregator (the asynchronous one for an asynchronous strategy) and a client
+    role per shard, all on `broker`: (run, aggregator, clients, their threads)."""
+    from edgefl.roles.asynchronous import aggregator_class
+
     run = prepare_run(config, progress=False)
     ids = default_client_ids(len(run.setup.clients))
     plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
                    config.clients_per_round, ids, test=(run.dataset.x_test, run.dataset.y_test),
                    description=config.to_dict())
-    aggregator = Aggregator(plan, broker.transport("aggregator"), tmp_path / "agg",
-                            settings or AggregatorSettings(federation="fed", round_timeout_s=20))
+    aggregator = aggregator_class(plan)(
+        plan, broker.transport("aggregator"), tmp_path / "agg",
+        settings or AggregatorSettings(federation="fed", round_timeout_s=20))
     clients = []
     for c, node in enumerate(ids):
         data = run.clients[c]
@@ -794,6 +799,79 @@ def test_sending_copies_leaves_the_global_frame_unencoded_until_it_is_asked_for(
         assert msg.buffers_sha256(frame.buffers) == downlink.sha == \
             announced[r]["model_sha256"]
     assert encoded == {"client_model": 2, "model": 2}
+
+
+class _LosesAChunk(LoopbackBroker):
+    """Loses the second chunk of the updates of `nodes` on their way to the aggregator: in
+    `rounds`, or (rounds None) in the first `first` updates of each (by round, which is the
+    task of an asynchronous run)."""
+
+    def __init__(self, nodes, rounds=None, first: int = 0, **kw):
+        super().__init__(**kw)
+        self.nodes, self.rounds, self.first = set(nodes), rounds, first
+        self.lost: dict = collections.defaultdict(list)         # node -> rounds
+
+    def _deliver(self, transport, msg, faults):
+        node = msg.topic.rsplit("/", 1)[-1]
+        if "/update/" in msg.topic and node in self.nodes and msg.payload:
+            h = wire.read_header(msg.payload)
+            lost = self.lost[node]
+            if h.is_chunk and h.chunk_index == 1 and h.round not in lost and \
+                    (h.round in self.rounds if self.rounds is not None
+                     else len(lost) < self.first):
+                lost.append(h.round)
+                return
+        super()._deliver(transport, msg, faults)
+
+
+def test_a_client_that_lost_a_chunk_in_five_rounds_in_a_row_is_heard_in_the_next(tmp_path):
+    """A client whose update misses a chunk in rounds 1-5 (the broker lost it) leaves five
+    incomplete messages, more than the four the aggregator holds per sender. Each is dropped
+    when its round closes, so its complete update of round 6 is taken at once, not refused
+    until the first ones time out (reassembly_timeout_s)."""
+    config = load_small_run(tmp_path, rounds=7, clients_per_round=2,
+                            partition={"name": "iid", "clients": 2})
+    broker = _LosesAChunk({"client-0"}, range(1, 6))
+    _, aggregator, _, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=1.0, min_updates=1,
+                                    max_payload=1024),
+        client_settings={"max_payload": 1024})
+    result = aggregator.run()
+    for t in threads:
+        t.join(10)
+    assert result.finished and broker.lost["client-0"] == [1, 2, 3, 4, 5]
+    assert [h["updates"] for h in result.history] == [1, 1, 1, 1, 1, 2, 2]
+    assert [h["closed_by"] for h in result.history][5:] == ["all", "all"]
+    assert aggregator.reassembler.pending == 0
+
+
+def test_an_asynchronous_client_that_lost_a_chunk_in_five_tasks_is_heard_in_the_next(
+        tmp_path):
+    """The same for FedBuff's tasks: each client's updates of its first five tasks miss a
+    chunk. A task given up at its timeout takes its incomplete update with it, so a sixth
+    update is taken at once, and the step it makes ends the run seconds after the start,
+    not after the reassembly timeout (60 s)."""
+    config = load_small_run(tmp_path, rounds=1, clients_per_round=2,
+                            partition={"name": "iid", "clients": 2},
+                            strategy={"name": "fedbuff", "concurrency": 2, "buffer_size": 1,
+                                      "max_staleness": 4})
+    broker = _LosesAChunk({"client-0", "client-1"}, first=5)
+    _, aggregator, _, threads = fleet(
+        tmp_path, config, broker,
+        settings=AggregatorSettings(federation="fed", round_timeout_s=1.0, max_payload=1024),
+        client_settings={"max_payload": 1024})
+    timer = threading.Timer(30.0, aggregator.stop.set)   # the reassembly timeout is 60 s
+    timer.start()
+    try:
+        result = aggregator.run()
+    finally:
+        timer.cancel()
+    for t in threads:
+        t.join(10)
+    assert result.finished, broker.lost
+    assert max(len(lost) for lost in broker.lost.values()) == 5   # its sixth made the step
+    assert [h["updates"] for h in result.history] == [1]
 
 
 def test_rounds_kept_in_memory_only_when_asked_write_no_checkpoint_and_end_the_same(

@@ -819,6 +819,32 @@ def test_pending_messages_per_sender_are_bounded():
                          KB128)[0], ex)
 
 
+def test_discarded_incomplete_messages_free_their_senders_slots_and_memory():
+    """discard(sender, rounds): the incomplete messages of that sender in those rounds go,
+    their memory is released and the sender may start new ones up to its limit again;
+    other senders' and other rounds' stay, and complete as before."""
+    ex = Expectation(BIG, kinds="update")
+    r = wire.Reassembler(max_pending_per_sender=2)
+    messages = {(sender, rnd): wire.split(wire.encode("update", rnd, sender,
+                                                      {"params": params(BIG, seed=rnd)},
+                                                      None, BIG), KB128)
+                for sender in ("pi-01", "pi-02") for rnd in (1, 2, 3)}
+    for key in [("pi-01", 1), ("pi-01", 2), ("pi-02", 1)]:
+        assert r.add(messages[key][0], ex) is None            # first chunks only
+    with pytest.raises(FrameError, match="already has 2 incomplete message"):
+        r.add(messages[("pi-01", 3)][0], ex)
+    reserved = r.bytes_in_flight
+    assert r.discard("pi-01", {1}) == 1 and r.pending == 2
+    assert r.bytes_in_flight < reserved
+    assert r.add(messages[("pi-01", 3)][0], ex) is None        # a slot free again
+    assert r.discard("pi-01", range(2)) == 0                    # nothing of round 1 left
+    assert r.discard(None, {1}) == 1                            # pi-02's round 1
+    frames = [r.add(c, ex) for c in messages[("pi-01", 2)][1:]]
+    assert frames[-1] is not None and frames[-1].round == 2     # kept, completes
+    assert r.discard() == 1 and r.pending == 0 and r.bytes_in_flight == 0
+    assert r.stats["discarded"] == 3
+
+
 def test_chunks_are_checked_before_they_are_buffered():
     data = wire.encode("update", 4, "pi-01", {"params": params(BIG)}, None, BIG)
     chunks = wire.split(data, KB128)

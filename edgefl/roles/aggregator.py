@@ -636,6 +636,10 @@ class Aggregator:
         if self.notifier is not None:
             self.notifier.status(f"round {r}/{self.rounds}: collecting updates")
         closed_by = self._collect() if self.plan.secure is None else self._collect_secure()
+        # an update of this round (or an earlier one) still missing chunks is dropped when it
+        # completes: its parts go now, not after the reassembly timeout, in which a client
+        # that lost a chunk in a few rounds in a row would have its next updates refused
+        self.reassembler.discard(rounds=range(r + 1))
         if closed_by is None:
             log.info("round %d abandoned: stop requested; the checkpoint of round %d stands",
                      r, self.ckpt.round)

@@ -339,6 +339,9 @@ class AsynchronousAggregator(Aggregator):
                    if now - e["opened"] >= self.settings.round_timeout_s]
         for node in overdue:
             entry = self.book["flight"].pop(node)
+            # its update, if part of it came, would be ignored when complete: its chunks go
+            # now, not after the reassembly timeout (they would hold the board's slots)
+            self.reassembler.discard(node, {entry["task"]})
             self.counts["abandoned"] += 1
             log.warning("task %d of %s (version %d) unanswered after %.0f s: given up",
                         entry["task"], node, entry["version"], self.settings.round_timeout_s)

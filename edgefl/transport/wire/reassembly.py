@@ -222,6 +222,23 @@ class Reassembler:
             reasons.append(reason)
         return reasons
 
+    def discard(self, sender: str | None = None, rounds=None) -> int:
+        """Drop the incomplete messages of `sender` (None: of every sender) whose round is in
+        `rounds` (a container, e.g. a range or set; None: any round), and release their
+        memory. For messages the receiver can no longer use (a round closed, a task given
+        up): a chunk of one that never comes would otherwise keep one of its sender's
+        max_pending_per_sender slots until timeout_s, and a sender that lost a chunk in a
+        few such messages in a row would have its next updates refused for as long.
+        Returns how many were dropped."""
+        with self._lock:
+            dropped = [k for k, p in self._partial.items()
+                       if (sender is None or k[0] == sender)
+                       and (rounds is None or p.header.round in rounds)]
+            for k in dropped:
+                self._reserved -= self._partial.pop(k).reserved
+            self.stats["discarded"] += len(dropped)
+            return len(dropped)
+
     def _mark_done(self, key: tuple) -> None:
         self._done[key] = None
         while len(self._done) > self.remember:
