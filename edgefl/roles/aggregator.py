@@ -636,10 +636,6 @@ class Aggregator:
         if self.notifier is not None:
             self.notifier.status(f"round {r}/{self.rounds}: collecting updates")
         closed_by = self._collect() if self.plan.secure is None else self._collect_secure()
-        # an update of this round (or an earlier one) still missing chunks is dropped when it
-        # completes: its parts go now, not after the reassembly timeout, in which a client
-        # that lost a chunk in a few rounds in a row would have its next updates refused
-        self.reassembler.discard(rounds=range(r + 1))
         if closed_by is None:
             log.info("round %d abandoned: stop requested; the checkpoint of round %d stands",
                      r, self.ckpt.round)
@@ -1021,6 +1017,17 @@ class Aggregator:
         return True
 
     def _collect(self) -> str | None:
+        """Handle messages until the open round closes (returns why) or the run stops
+        (None). Then its updates still missing chunks, and any of earlier rounds, are
+        dropped: each would be refused when complete, and until the reassembly timeout it
+        holds one of its sender's slots (a client that lost a chunk in a few rounds in a row
+        would have its next updates refused)."""
+        try:
+            return self._collect_until_closed()
+        finally:
+            self.reassembler.discard(rounds=range(self.open.round + 1))
+
+    def _collect_until_closed(self) -> str | None:
         o, s = self.open, self.settings
         while True:
             if self.notifier is not None:
