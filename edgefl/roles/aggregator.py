@@ -1022,10 +1022,11 @@ class Aggregator:
         dropped: each would be refused when complete, and until the reassembly timeout it
         holds one of its sender's slots (a client that lost a chunk in a few rounds in a row
         would have its next updates refused)."""
+        r = self.open.round
         try:
             return self._collect_until_closed()
         finally:
-            self.reassembler.discard(rounds=range(self.open.round + 1))
+            self.reassembler.discard(rounds=range(r + 1))
 
     def _collect_until_closed(self) -> str | None:
         o, s = self.open, self.settings
