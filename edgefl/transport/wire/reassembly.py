@@ -231,13 +231,21 @@ class Reassembler:
         few such messages in a row would have its next updates refused for as long.
         Returns how many were dropped."""
         with self._lock:
-            dropped = [k for k, p in self._partial.items()
-                       if (sender is None or k[0] == sender)
-                       and (rounds is None or p.header.round in rounds)]
-            for k in dropped:
-                self._reserved -= self._partial.pop(k).reserved
-            self.stats["discarded"] += len(dropped)
-            return len(dropped)
+            dropped, _ = self._drop(sender, rounds)
+            self.stats["discarded"] += dropped
+            return dropped
+
+    def _drop(self, sender: str | None, rounds) -> tuple:
+        """Drop the incomplete messages of `sender` (None: any) in `rounds` (None: any) and
+        release their reservations: (how many, bytes released). The caller holds the lock."""
+        keys = [k for k, p in self._partial.items()
+                if (sender is None or k[0] == sender)
+                and (rounds is None or p.header.round in rounds)]
+        released = 0
+        for k in keys:
+            released += self._partial.pop(k).reserved
+        self._reserved -= released
+        return len(keys), released
 
     def _mark_done(self, key: tuple) -> None:
         self._done[key] = None
@@ -280,18 +288,12 @@ class Reassembler:
         self._flooding[key] = None
         while len(self._flooding) > self.remember:
             self._flooding.popitem(last=False)
-        dropped = [k for k, p in self._partial.items()
-                   if k[0] == sender and p.header.round == round]
-        released = 0
-        for k in dropped:
-            p = self._partial.pop(k)
-            self._reserved -= p.reserved
-            released += p.reserved
+        dropped, released = self._drop(sender, (round,))
         self.stats["floods"] += 1
         log.warning("sender %r floods round %d: %s number %d is over its budget of %d per "
                     "round; dropped for this round (%d incomplete message(s), %d bytes "
                     "released); its further payloads for round %d are ignored", sender, round,
-                    what, used, self.max_chunks_per_sender, len(dropped), released, round)
+                    what, used, self.max_chunks_per_sender, dropped, released, round)
         raise FrameError("flood", f"{what} {used} of {sender!r} for round {round} is over "
                                   f"its budget of {self.max_chunks_per_sender} per round; the "
                                   f"sender is ignored for the rest of round {round}")
