@@ -7,9 +7,9 @@ say, blocks for ever on its own first use of that lock. `cryptography` releases 
 interpreter lock around such calls, so holding the GIL while forking does not prevent this.
 It happened: `edgefl simulate --transport mqtt` forks its worker processes (sim.over_broker),
 and in one CI run a worker's first X25519 key generation hung for ever; the parent's thread
-that was inside OpenSSL at the fork was not identified. Reproduced stand-alone: two threads generating X25519 keys in a
-loop, repeated forks, each child generating a key: 1 child of 300 hung (HKDF: 1 of 400);
-with nothing inside OpenSSL at the forks, 0 of 1,000.
+that was inside OpenSSL at the fork was not identified. Reproduced stand-alone: two threads
+generating X25519 keys in a loop, repeated forks, each child generating a key: 1 child of
+300 hung (HKDF: 1 of 400); with nothing inside OpenSSL at the forks, 0 of 1,000.
 
 So every call of edgefl into OpenSSL (`cryptography`'s keys, signatures, key agreement,
 ciphers and key derivation; the C core's mask expansion through the process's libcrypto)

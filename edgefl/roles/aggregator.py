@@ -276,8 +276,9 @@ class _Downlink:
     def __init__(self, topic: str, payloads: list | None, retained: bool, sha: str,
                  message_id: int, build=None):
         self.topic, self.retained, self.sha = topic, retained, sha
-        self.message_id = message_id    # of the frame the payloads carry (the announcement
-        self._payloads, self._build = payloads, build      # names it)
+        # the id of the frame the payloads carry (the announcement names it)
+        self.message_id = message_id
+        self._payloads, self._build = payloads, build
 
     @property
     def payloads(self) -> list:
