@@ -176,3 +176,31 @@ def test_bench_scale_cpu_meter_counts_each_threads_cpu_per_round():
     assert 250 <= out["this process: burner"] <= 350, out
     assert out["total"] == pytest.approx(sum(v for k, v in out.items() if k != "total"))
     assert bench_scale.CpuMeter(3, None).per_round() == {}
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2,
+                    reason="tools/bench_cold.py puts a load on a second CPU")
+def test_bench_cold_times_every_pair_restores_the_affinity_and_refuses_bad_arguments(capsys):
+    """tools/bench_cold.py (docs/scaling.md's table of a message's work hot and after a
+    pause): a row for every (work, before) pair with the hot row its own unit; the calling
+    process may use all its CPUs again afterwards; a bad count is refused by name."""
+    import os
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_cold
+
+    cpus = os.sched_getaffinity(0)
+    assert bench_cold.main(["--repeats", "1", "--calls", "2", "--json"]) == 0
+    assert os.sched_getaffinity(0) == cpus
+    out = json.loads(capsys.readouterr().out)
+    rows = {(r["work"], r["before each call"]): r for r in out["rows"]}
+    assert set(rows) == {(w, b) for w in bench_cold.WORKS for b in bench_cold.BEFORE}
+    for (work, before), row in rows.items():
+        assert 0 < row["us_min"] <= row["us_median"] <= row["us_max"], row
+        if before == "nothing":
+            assert row["times_hot"] == 1.0
+    for bad in (["--repeats", "0"], ["--calls", "0"]):
+        with pytest.raises(SystemExit):
+            bench_cold.main(bad)
+        assert "--repeats and --calls must be at least 1" in capsys.readouterr().err
