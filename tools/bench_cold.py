@@ -100,8 +100,9 @@ PAUSES = {"nothing": None, "sleep 1 ms": lambda: time.sleep(0.001),
           "other CPU busy": None}
 
 
-def _serve_load(name: str) -> None:
-    """The load process: `name` in a loop until killed."""
+def _serve_load(name: str, cpu: int) -> None:
+    """The load process, on CPU `cpu`: `name` in a loop until killed."""
+    os.sched_setaffinity(0, {cpu})
     fn = work(name)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
@@ -110,10 +111,10 @@ def _serve_load(name: str) -> None:
 
 
 def _load(name: str, cpu: int) -> subprocess.Popen:
-    proc = subprocess.Popen(["taskset", "-c", str(cpu), sys.executable, __file__,
-                             "--serve-load", name],
+    proc = subprocess.Popen([sys.executable, __file__, "--serve-load", name, str(cpu)],
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     if proc.stdout.readline().strip() != b"ready":
+        proc.stdout.close()
         raise RuntimeError(f"the load process ({name!r} on CPU {cpu}) did not start "
                            f"(exit status {proc.wait()})")
     time.sleep(0.2)                                   # in its loop by now
@@ -142,6 +143,7 @@ def _measure(repeats: int, calls: int, load_cpu: int) -> dict:
                     if load is not None:
                         load.kill()
                         load.wait()
+                        load.stdout.close()
                 medians[(w, before)].append(statistics.median(ts) / 1e3)
     return medians
 
@@ -183,6 +185,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve-load"]:
-        _serve_load(sys.argv[2])
+        _serve_load(sys.argv[2], int(sys.argv[3]))
     else:
         sys.exit(main())
