@@ -3,7 +3,11 @@ training array, not a copy; the training set is checked once, not once per clien
 layout trains the same model as per-client copies did; a million virtual clients over a
 tiny data set select and train at small cost. Nothing here is timed (tools/bench_scale.py
 --mode simulate / million measures)."""
+import importlib
 import json
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +25,14 @@ from edgefl.sim import run_federation, simulate
 from edgefl.strategies import Setup, select_clients
 
 SMALL = {**test_sim.SMALL, "rounds": 3}     # digits, 6 IID clients, 3 a round
+
+
+def _tool(name: str):
+    """The module of tools/<name>.py (the benchmarks are scripts, not a package)."""
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
 
 
 def config(tmp_path, **sections):
@@ -142,12 +154,9 @@ def test_bench_scale_cpu_meter_counts_each_threads_cpu_per_round():
     """bench_scale --cpu (docs/scaling.md's CPU-by-part table): CPU burnt by a named thread
     between the first and the last round's model is that thread's, divided by the rounds
     after the first; a pool's numbered threads are one part; the total adds the parts."""
-    import sys
     import threading
     import time
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import bench_scale
+    bench_scale = _tool("bench_scale")
 
     meter = bench_scale.CpuMeter(last_round=3, broker_pid=None)
     meter(1, None)
@@ -178,18 +187,13 @@ def test_bench_scale_cpu_meter_counts_each_threads_cpu_per_round():
     assert bench_scale.CpuMeter(3, None).per_round() == {}
 
 
-@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2,
-                    reason="tools/bench_cold.py puts a load on a second CPU")
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="tools/bench_cold.py puts a load on a second CPU (Linux)")
 def test_bench_cold_times_every_pair_restores_the_affinity_and_refuses_bad_arguments(capsys):
     """tools/bench_cold.py (docs/scaling.md's table of a message's work hot and after a
     pause): a row for every (work, before) pair with the hot row its own unit; the calling
     process may use all its CPUs again afterwards; a bad count is refused by name."""
-    import os
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import bench_cold
-
+    bench_cold = _tool("bench_cold")
     cpus = os.sched_getaffinity(0)
     assert bench_cold.main(["--repeats", "1", "--calls", "2", "--json"]) == 0
     assert os.sched_getaffinity(0) == cpus
