@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What one message's work costs hot, and after a pause: the interpreted per-message work
-of a round over a broker, called right after itself and after the thread slept, spun or
-waited for the other CPU (issue 19, item 3; docs/scaling.md).
+of a round over a broker, called right after itself, after the thread slept or spun, and
+beside the same work on the other CPU (issue 19, item 3; docs/scaling.md).
 
     python tools/bench_cold.py [--repeats 5] [--calls 40] [--json]
 
