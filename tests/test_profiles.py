@@ -344,17 +344,28 @@ def test_apply_threads():
 
 
 def test_memory_budget():
-    rss = profiles.resident_mb()
-    assert 16 < rss <= profiles.resident_mb(peak=True)   # Python + NumPy alone exceed 16 MiB
-    block = np.ones(16 << 20, dtype=np.float32)           # 64 MiB, touched: resident
-    assert profiles.resident_mb() > rss + 48
+    import gc
+
+    # The process's resident memory moves by itself when something else frees memory
+    # meanwhile: garbage of earlier tests collected (a memory-mapped data set unmapped), a
+    # leftover thread's buffers. Seen once in CI: 64 MiB touched, VmRSS only 40 MiB up. So
+    # the garbage goes first, and a block is allowed three tries to show.
+    gc.collect()
+    for _ in range(3):
+        rss = profiles.resident_mb()
+        assert 16 < rss <= profiles.resident_mb(peak=True)   # Python + NumPy exceed 16 MiB
+        block = np.ones(16 << 20, dtype=np.float32)           # 64 MiB, touched: resident
+        grown = profiles.resident_mb() - rss
+        if grown > 48:
+            break
+        del block
+    assert grown > 48, f"VmRSS grew {grown:.1f} MiB for a 64 MiB block touched"
     budget = int(profiles.resident_mb()) + 256
     assert profiles.check_memory_budget(budget, "now") < budget
     with pytest.raises(profiles.MemoryBudgetError,
                        match=r"^\d+ MiB resident after loading data, over "
                              r"compute.memory_budget_mb = 16: train on fewer samples"):
         profiles.check_memory_budget(16, "after loading data")
-    del block
 
 
 # ---------------------------------------------------------------------------------------
