@@ -65,14 +65,13 @@ TASK = (b'{"v":1,"run":"d56e295f38ba9ce2","aggregator":"aggregator","round":1,"r
         b'"d7fafc300c2dec2e"}')
 
 WORKS = ("decode a copy", "parse a task")
-BEFORE = ("nothing", "sleep 1 ms", "sleep 20 ms", "spin 20 ms", "other CPU busy")
 
 
 def work(name: str):
     """A function doing `name` once."""
-    from edgefl.roles.messages import parse_announcement
-
     if name == "parse a task":
+        from edgefl.roles.messages import parse_announcement
+
         return lambda: parse_announcement(TASK)
     if name == "decode a copy":
         from edgefl.models import build_model
@@ -95,9 +94,11 @@ def _spin(seconds: float) -> None:
         pass
 
 
+# what happens before each call ("other CPU busy": the load process, started per pair)
 PAUSES = {"nothing": None, "sleep 1 ms": lambda: time.sleep(0.001),
           "sleep 20 ms": lambda: time.sleep(0.02), "spin 20 ms": lambda: _spin(0.02),
           "other CPU busy": None}
+BEFORE = tuple(PAUSES)
 
 
 def _serve_load(name: str, cpu: int) -> None:
