@@ -27,7 +27,19 @@ from edgefl.runconfig import load_run_config
 
 __all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
            "load_small_run", "read_jsonl", "AggregatorProcesses", "start_mqtt_clients",
-           "stop_clients", "aggregated_rounds", "StopAtLine"]
+           "stop_clients", "aggregated_rounds", "StopAtLine", "import_tool"]
+
+
+def import_tool(name: str):
+    """The module of tools/<name>.py: the benchmarks and checks there are scripts, not a
+    package, so their directory goes on sys.path (once)."""
+    import importlib
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
 
 
 def read_jsonl(path) -> list:

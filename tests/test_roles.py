@@ -36,7 +36,7 @@ from edgefl.transport import wire
 from edgefl.transport.base import Message
 from edgefl.transport.loopback import LoopbackBroker
 from edgefl.transport.topics import Topics
-from helpers import load_small_run, wait_for
+from helpers import import_tool, load_small_run, wait_for
 
 
 # ---------------------------------------------------------------------------------------
@@ -175,10 +175,7 @@ def test_bench_checkpoint_times_the_aggregators_save_pattern(capsys):
     """tools/bench_checkpoint.py (docs/scaling.md's checkpoint table) runs the save as the
     aggregator makes it in a process of its own and reports one row per length; a --before
     that is no edgefl checkout is refused by name."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    import bench_checkpoint
+    bench_checkpoint = import_tool("bench_checkpoint")
 
     assert bench_checkpoint.main(["--records", "2,5", "--saves", "3", "--repeats", "1",
                                   "--json"]) == 0
@@ -187,7 +184,7 @@ def test_bench_checkpoint_times_the_aggregators_save_pattern(capsys):
     assert all(0 < r["save_cpu_ms_min"] <= r["save_cpu_ms_median"] <= r["save_cpu_ms_max"]
                for r in rows)
     with pytest.raises(SystemExit):
-        bench_checkpoint.main(["--before", str(Path(__file__).parent)])
+        bench_checkpoint.main(["--before", os.path.dirname(__file__)])
     assert "no edgefl checkout there" in capsys.readouterr().err
 
 

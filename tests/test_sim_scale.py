@@ -3,11 +3,8 @@ training array, not a copy; the training set is checked once, not once per clien
 layout trains the same model as per-client copies did; a million virtual clients over a
 tiny data set select and train at small cost. Nothing here is timed (tools/bench_scale.py
 --mode simulate / million measures)."""
-import importlib
 import json
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,19 +17,12 @@ from edgefl.data.layout import contiguous, permute_rows
 from edgefl.data.partition import Partition, Shards, Tiled
 from edgefl.runconfig import load_run_config
 import test_sim                                  # its small run
+from helpers import import_tool
 from edgefl.runs.prepare import ShardClients, local_datasets, prepare_run
 from edgefl.sim import run_federation, simulate
 from edgefl.strategies import Setup, select_clients
 
 SMALL = {**test_sim.SMALL, "rounds": 3}     # digits, 6 IID clients, 3 a round
-
-
-def _tool(name: str):
-    """The module of tools/<name>.py (the benchmarks are scripts, not a package)."""
-    tools = str(Path(__file__).resolve().parents[1] / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    return importlib.import_module(name)
 
 
 def config(tmp_path, **sections):
@@ -156,7 +146,7 @@ def test_bench_scale_cpu_meter_counts_each_threads_cpu_per_round():
     after the first; a pool's numbered threads are one part; the total adds the parts."""
     import threading
     import time
-    bench_scale = _tool("bench_scale")
+    bench_scale = import_tool("bench_scale")
 
     meter = bench_scale.CpuMeter(last_round=3, broker_pid=None)
     meter(1, None)
@@ -193,7 +183,7 @@ def test_bench_cold_times_every_pair_restores_the_affinity_and_refuses_bad_argum
     """tools/bench_cold.py (docs/scaling.md's table of a message's work hot and after a
     pause): a row for every (work, before) pair with the hot row its own unit; the calling
     process may use all its CPUs again afterwards; a bad count is refused by name."""
-    bench_cold = _tool("bench_cold")
+    bench_cold = import_tool("bench_cold")
     cpus = os.sched_getaffinity(0)
     assert bench_cold.main(["--repeats", "1", "--calls", "2", "--json"]) == 0
     assert os.sched_getaffinity(0) == cpus
