@@ -168,6 +168,10 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
     for text in logs:
         for node, t in re.findall(r"(client-\d+) \(task (\d+)\)", text):
             tasked.setdefault(node, set()).add(int(t))
+    # the log names a task before any board can hear of it: the tasks in flight when the
+    # first process was killed are in its log, though it may have been frozen mid-publish
+    for node, entry in in_flight.items():
+        assert entry["task"] in tasked.get(node, ()), (node, entry["task"], tasked)
     for c, client in clients.items():
         node = f"client-{c}"
         assert client.stats["trained"] <= len(tasked.get(node, ())), (node, client.stats)

@@ -261,10 +261,12 @@ class AsynchronousAggregator(Aggregator):
             self.book["tasked"].append(entry)
             new.append((node, frame))
         self._save_book()               # before any board hears of these task ids
-        for node, frame in new:
-            self._publish_task(node, frame=frame)
+        # logged before the publishes too: a process stopped between them has logged every
+        # task a board may have heard of (a restart re-publishes what is in flight)
         log.info("version %d: tasked %s (%d in flight)", v,
                  ", ".join(f"{n} (task {flight[n]['task']})" for n, _ in new), len(flight))
+        for node, frame in new:
+            self._publish_task(node, frame=frame)
 
     def _model_frame(self, task_id: int, node: str, buffers) -> tuple:
         """(payloads, sha256 of the decoded buffers, message id) of a task's model."""
