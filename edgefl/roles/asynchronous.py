@@ -181,8 +181,7 @@ class AsynchronousAggregator(Aggregator):
                         else "run_started", round=self.ckpt.round + 1)
             # a synchronous announcement of an earlier run must not task anyone here
             self.transport.clear_retained(self.topics.round())
-            for node in sorted(self.book["flight"]):
-                self._publish_task(node, again=True)
+            self._publish_flight_again("resumed")
             drained = True
             while self.ckpt.round < self.rounds and not self.stop.is_set():
                 if self.notifier is not None:
@@ -261,12 +260,24 @@ class AsynchronousAggregator(Aggregator):
             self.book["tasked"].append(entry)
             new.append((node, frame))
         self._save_book()               # before any board hears of these task ids
-        # logged before the publishes too: a process stopped between them has logged every
-        # task a board may have heard of (a restart re-publishes what is in flight)
+        # logged before the publishes: a process stopped after the book and before this
+        # line logs its tasks in flight when it resumes (_publish_flight_again)
         log.info("version %d: tasked %s (%d in flight)", v,
                  ", ".join(f"{n} (task {flight[n]['task']})" for n, _ in new), len(flight))
         for node, frame in new:
             self._publish_task(node, frame=frame)
+
+    def _publish_flight_again(self, why: str) -> None:
+        """Publish every task in flight once more, logged as `_refill` logs new ones, so the
+        logs name every task a board may train: a process stopped between saving its book and
+        logging (_refill) leaves tasks in flight that no log names yet."""
+        flight = self.book["flight"]
+        if not flight:
+            return
+        log.info("version %d: tasks in flight published again (%s): %s", self.ckpt.round, why,
+                 ", ".join(f"{n} (task {flight[n]['task']})" for n in sorted(flight)))
+        for node in sorted(flight):
+            self._publish_task(node, again=True)
 
     def _model_frame(self, task_id: int, node: str, buffers) -> tuple:
         """(payloads, sha256 of the decoded buffers, message id) of a task's model."""
@@ -363,8 +374,7 @@ class AsynchronousAggregator(Aggregator):
         super()._handle(item)
         if isinstance(item, ConnectionEvent) and item.connected and not item.session_present \
                 and self._connects > 1:
-            for node in sorted(self.book["flight"]):   # the broker lost the retained tasks
-                self._publish_task(node, again=True)
+            self._publish_flight_again("the broker lost the retained tasks")
 
     def _on_async_update(self, node: str, payload: bytes) -> None:
         if node not in self.members:
