@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 import uuid
@@ -30,16 +29,18 @@ import uuid
 import pytest
 
 pytest.register_assert_rewrite("brokers")
-from brokers import (REPO, MosquittoProcess, messages_within, next_message,  # noqa: E402
+from brokers import (MosquittoProcess, messages_within, next_message,  # noqa: E402
                      wait_event)
 from edgefl.runconfig import load_run_config    # noqa: E402
 from edgefl.transport.base import DISCONNECTED    # noqa: E402
 from edgefl.transport.broker import find_mosquitto    # noqa: E402
 from edgefl.transport.mqtt import MqttTransport    # noqa: E402
+from helpers import import_tool    # noqa: E402
 
-sys.path.insert(0, str(REPO / "tools"))
-import chaos  # noqa: E402
-from mqtt_proxy import MqttFaultProxy, split_packets, FramingError    # noqa: E402
+chaos = import_tool("chaos")
+_proxy = import_tool("mqtt_proxy")
+MqttFaultProxy, split_packets, FramingError = \
+    _proxy.MqttFaultProxy, _proxy.split_packets, _proxy.FramingError
 
 pytest_plugins = ["brokers"]
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+from helpers import import_tool
 
-import verdicts as V    # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
+V = import_tool("verdicts")
 
 
 def test_t_table_matches_scipy():
@@ -476,7 +476,7 @@ def test_fedmr_norms_follows_the_k_models(capsys):
     round with every recombination unit of the model; in stage 1 the K models are the one
     global model (no spread); a non-FedMR arm is refused by name."""
     import json
-    import fedmr_norms               # tools/ is on sys.path (the module's imports)
+    fedmr_norms = import_tool("fedmr_norms")
     assert fedmr_norms.main(["--tier", "quick", "--setting", "dir0.1", "--rounds", "3",
                              "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
