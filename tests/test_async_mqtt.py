@@ -164,15 +164,15 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
     assert set(pending) <= set(applied), "an update buffered before the kill was lost"
 
     # the boards re-sent their stored updates for tasks in flight, and trained no task twice
+    named = re.compile(r"(client-\d+) \(task (\d+)\)")     # the log's "client-1 (task 7)"
     tasked = {}
     for text in logs:
-        for node, t in re.findall(r"(client-\d+) \(task (\d+)\)", text):
+        for node, t in named.findall(text):
             tasked.setdefault(node, set()).add(int(t))
     # the second process published again exactly the tasks in flight at the kill that no
     # buffer file answered, and logged them (the first may have been frozen before its log)
     again = re.findall(r"tasks in flight published again \(resumed\): (.*)", logs[1])
-    republished = {n: int(t) for n, t in re.findall(r"(client-\d+) \(task (\d+)\)",
-                                                     again[0] if again else "")}
+    republished = {n: int(t) for n, t in named.findall(again[0] if again else "")}
     assert len(again) <= 1
     assert republished == {n: e["task"] for n, e in in_flight.items()
                            if e["task"] not in pending}, (republished, in_flight, pending)

@@ -263,7 +263,7 @@ class AsynchronousAggregator(Aggregator):
         # logged before the publishes: a process stopped after the book and before this
         # line logs its tasks in flight when it resumes (_publish_flight_again)
         log.info("version %d: tasked %s (%d in flight)", v,
-                 ", ".join(f"{n} (task {flight[n]['task']})" for n, _ in new), len(flight))
+                 self._named_tasks(n for n, _ in new), len(flight))
         for node, frame in new:
             self._publish_task(node, frame=frame)
 
@@ -275,9 +275,14 @@ class AsynchronousAggregator(Aggregator):
         if not flight:
             return
         log.info("version %d: tasks in flight published again (%s): %s", self.ckpt.round, why,
-                 ", ".join(f"{n} (task {flight[n]['task']})" for n in sorted(flight)))
+                 self._named_tasks(sorted(flight)))
         for node in sorted(flight):
             self._publish_task(node, again=True)
+
+    def _named_tasks(self, nodes) -> str:
+        """The tasks in flight of `nodes` as the log names them: client-1 (task 7), ..."""
+        flight = self.book["flight"]
+        return ", ".join(f"{n} (task {flight[n]['task']})" for n in nodes)
 
     def _model_frame(self, task_id: int, node: str, buffers) -> tuple:
         """(payloads, sha256 of the decoded buffers, message id) of a task's model."""
