@@ -271,12 +271,12 @@ class AsynchronousAggregator(Aggregator):
         """Publish every task in flight once more, logged as `_refill` logs new ones, so the
         logs name every task a board may train: a process stopped between saving its book and
         logging (_refill) leaves tasks in flight that no log names yet."""
-        flight = self.book["flight"]
-        if not flight:
+        nodes = sorted(self.book["flight"])
+        if not nodes:
             return
         log.info("version %d: tasks in flight published again (%s): %s", self.ckpt.round, why,
-                 self._named_tasks(sorted(flight)))
-        for node in sorted(flight):
+                 self._named_tasks(nodes))
+        for node in nodes:
             self._publish_task(node, again=True)
 
     def _named_tasks(self, nodes) -> str:
