@@ -475,7 +475,6 @@ def test_fedmr_norms_follows_the_k_models(capsys):
     """tools/fedmr_norms.py (the FedMR divergence diagnosis in docs/results.md): one row per
     round with every recombination unit of the model; in stage 1 the K models are the one
     global model (no spread); a non-FedMR arm is refused by name."""
-    import json
     fedmr_norms = import_tool("fedmr_norms")
     assert fedmr_norms.main(["--tier", "quick", "--setting", "dir0.1", "--rounds", "3",
                              "--json"]) == 0
