@@ -62,7 +62,10 @@ from edgefl.transport.broker import (adapt_mosquitto_conf, find_mosquitto, free_
 def config_file(where: str, args) -> str:
     path = os.path.join(where, "run.yaml")
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"dataset": {"name": args.dataset},
+        dataset = {"name": args.dataset}
+        if args.limit_test is not None:
+            dataset["limit_test"] = args.limit_test
+        json.dump({"dataset": dataset,
                    "partition": {"name": "iid", "clients": args.clients},
                    "model": {"name": "softmax"}, "strategy": {"name": "fedavg"},
                    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
@@ -211,6 +214,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--dataset", default="fashion-mnist")
+    parser.add_argument("--limit-test", type=int, default=None, metavar="N",
+                        help="evaluate on the first N test images only (both layouts): how "
+                             "the ratio moves when work both layouts share gets cheaper")
     parser.add_argument("--client-processes", default="default",
                         help="comma-separated layouts of the clients over the broker, each "
                              "a row: 0 (hosted in the simulating process), K (K forked worker "
@@ -323,12 +329,15 @@ def main(argv=None) -> int:
     meta = {"backend": kernels.backend, "dataset": args.dataset, "clients": args.clients,
             "per_round": args.per_round, "rounds": args.rounds, "repeats": args.repeats,
             "workers": args.workers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "client_processes": args.client_processes, "target_ratio": 2.0}
+            "client_processes": args.client_processes, "limit_test": args.limit_test,
+            "target_ratio": 2.0}
     extra = {"cpu": cpu_rows(cpu, names)} if args.cpu else {}
     if args.json:
         print(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1))
     else:
-        print(f"# a round over Mosquitto vs in process ({args.dataset}, softmax, "
+        tested = "" if args.limit_test is None else \
+            f", evaluated on {args.limit_test} test images"
+        print(f"# a round over Mosquitto vs in process ({args.dataset}{tested}, softmax, "
               f"{args.clients} clients, {args.per_round} a round, {args.rounds} rounds; "
               f"{args.repeats} interleaved repeats; backend {kernels.backend}; {meta['date']})\n")
         print(markdown(rows))
