@@ -256,3 +256,36 @@ def test_a_warning_is_one_line_naming_the_file_not_the_source(cwd):
     assert done.stderr.splitlines() == [
         "edgefl: warning: old.yaml: fleet: is deprecated, rename it sim_fleet: (the simulated "
         "fleet of the virtual clock; `edgefl fleet` is another thing) (FutureWarning)"]
+
+
+def test_lines_stay_whole_when_two_commands_write_to_one_output_unbuffered(tmp_path):
+    """Under PYTHONUNBUFFERED (set on some machines, and so in CI) print() wrote a line and
+    its newline in two system calls, and `edgefl ctl watch ... & edgefl ctl start ...` in
+    docs/orchestration.md printed a line of one glued to a line of the other. Through the
+    console entry point each line is written whole: two processes printing 3,000 lines each
+    into one shared output at once (a file both inherit, as from a shell's redirection)
+    never split one. Without it, even the `--version` lines came out glued."""
+    import subprocess
+    import sys
+    script = ("import sys\n"
+              "from edgefl import cli\n"
+              "try:\n"
+              "    cli.console_main(['--version'])\n"
+              "except SystemExit:\n"
+              "    pass\n"
+              "print(sys.stdout.write_through, sys.stdout.line_buffering)\n"
+              "for i in range(3000):\n"
+              "    print(f'{sys.argv[1]} {i:04d} ' + 'x' * 40)\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "out.txt", "wb") as out:
+        procs = [subprocess.Popen([sys.executable, "-c", script, tag], stdout=out, env=env)
+                 for tag in ("a", "b")]
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    lines = (tmp_path / "out.txt").read_text().splitlines()
+    version = [line for line in lines if line.startswith("edgefl ")]
+    assert len(version) == 2
+    assert lines.count("False True") == 2          # write-through off, line buffering on
+    body = [line for line in lines if line not in version and line != "False True"]
+    bad = [line for line in body if not re.fullmatch(r"[ab] \d{4} x{40}", line)]
+    assert not bad, bad[:5]
+    assert sorted(body) == sorted(f"{t} {i:04d} " + "x" * 40 for t in "ab" for i in range(3000))

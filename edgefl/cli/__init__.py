@@ -99,12 +99,27 @@ def console_main(argv=None) -> int:
     role or simulation returns from main() normally: its training threads stop within one
     local step (kernels.StopFlag) and are joined, so none is left inside the C core."""
     warnings.formatwarning = _format_warning
+    _whole_lines()
     try:
         code = main(argv)
         sys.stdout.flush()      # output still buffered meets a closed pipe here, not at exit
     except BrokenPipeError:
         code = _closed_pipe()
     return code
+
+
+def _whole_lines() -> None:
+    """Write each line of stdout and stderr in one system call. Under PYTHONUNBUFFERED (or
+    `python -u`) the text streams write through: print() writes a line, then its newline, in
+    two calls, and another process writing to the same terminal or pipe lands between them
+    (`edgefl ctl watch ... & edgefl ctl start ...` printed one line glued to the other's).
+    Line buffering is as prompt, a line (or a carriage return) at a time."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(write_through=False, line_buffering=True)
+            except (ValueError, OSError):      # closed, or not a reconfigurable stream
+                pass
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:
