@@ -177,26 +177,32 @@ def test_bench_scale_cpu_meter_counts_each_threads_cpu_per_round():
     assert bench_scale.CpuMeter(3, None).per_round() == {}
 
 
-def test_bench_scale_limit_test_evaluates_both_layouts_on_the_first_n_test_images(tmp_path):
+def test_bench_scale_limit_test_evaluates_both_layouts_on_the_first_n_test_images(tmp_path,
+                                                                                   capsys):
     """bench_scale --limit-test N (docs/scaling.md: how the ratio moves when work both runs
     share gets cheaper): the run file both layouts load has a test set of N images; without
-    it the whole test set; a bad N is refused by the config loader, naming the run file."""
+    it the whole test set. N below 1, or the option with another --mode, is refused with a
+    line that says why, before anything starts."""
     import argparse
     bench_scale = import_tool("bench_scale")
 
-    def test_rows(limit, where):
+    def loaded_test_set(limit, where):
         args = argparse.Namespace(dataset="digits", limit_test=limit, clients=6, per_round=2,
                                   rounds=2)
         where.mkdir()
         run_file = bench_scale.config_file(str(where), args)
         return dataset_from_config(load_run_config(run_file).as_config())
 
-    full = test_rows(None, tmp_path / "full").x_test
-    limited = test_rows(50, tmp_path / "limited").x_test
+    full = loaded_test_set(None, tmp_path / "full").x_test
+    limited = loaded_test_set(50, tmp_path / "limited").x_test
     assert len(full) > 50 and len(limited) == 50
     np.testing.assert_array_equal(limited, full[:50])
-    with pytest.raises(ConfigError, match=r"run\.yaml: dataset: limit_test must be a positive"):
-        test_rows(0, tmp_path / "zero")
+    for argv, says in ((["--limit-test", "0"], "--limit-test 0: need a positive number"),
+                       (["--limit-test", "50", "--mode", "million"],
+                        "--limit-test is for --mode broker")):
+        with pytest.raises(SystemExit) as exc:
+            bench_scale.main(argv)
+        assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -235,6 +235,12 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", choices=("100", "1000", "10000"),
                         help="--mode simulate: only this workload (by clients; repeatable)")
     args = parser.parse_args(argv)
+    if args.limit_test is not None:
+        if args.mode != "broker":
+            parser.error(f"--limit-test is for --mode broker (the round over Mosquitto against "
+                         f"in process), not --mode {args.mode}")
+        if args.limit_test < 1:
+            parser.error(f"--limit-test {args.limit_test}: need a positive number of test images")
     if args.mode != "broker":
         import _scale_sim
         return _scale_sim.main(args)
