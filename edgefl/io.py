@@ -35,13 +35,21 @@ def atomic_write(path: str | os.PathLike, data: Content, *, mode: int = 0o644) -
     the content to the binary file object it is given (a large file need not be built in
     memory first). `mode`: the new file's permission bits, whatever the umask. The parent
     directory must exist. An OSError on the way (a full disk at write, flush or fsync; no
-    permission) propagates with the old file intact and the temporary file removed."""
+    permission) propagates with the old file intact and the temporary file removed; one that
+    stops the temporary file being made (no such directory, no permission) names `path` and
+    its directory."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if isinstance(data, str):
         data = data.encode("utf-8")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                               dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=directory)
+    except OSError as exc:
+        # mkstemp's own message names the temporary file, which the caller never asked
+        # for: name the file asked for and the directory that refused it
+        raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}: {directory}") \
+            from None
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(fd, mode)

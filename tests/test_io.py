@@ -84,9 +84,16 @@ def test_a_write_interrupted_by_any_exception_leaves_no_temporary(tmp_path):
 
 
 def test_atomic_write_into_a_missing_directory_fails_naming_it(tmp_path):
+    # the message names the file asked for and its missing directory, not the temporary
+    # file that atomic_write would have made there (a name the caller never gave)
     with pytest.raises(FileNotFoundError) as info:
         io.atomic_write(tmp_path / "absent" / "f", b"x")
-    assert str(tmp_path / "absent") in str(info.value)
+    message = str(info.value)
+    assert f"cannot write {tmp_path / 'absent' / 'f'}" in message
+    assert message.endswith(f": {tmp_path / 'absent'}")
+    assert ".tmp" not in message and ".f." not in message
+    assert info.value.errno == errno.ENOENT
+    assert os.listdir(tmp_path) == []
 
 
 def test_replace_atomic_renames_then_fsyncs_the_directory(tmp_path, fsynced):

@@ -106,6 +106,16 @@ def test_keys_gen_writes_0600_refuses_to_overwrite_and_show_prints_the_fingerpri
     (tmp_path / "junk").write_text("not a key\n")
     assert main(["keys", "show", str(tmp_path / "junk")]) == 1
     assert "junk: not an Ed25519 public key" in capsys.readouterr().err
+    # a directory that does not exist yet (~/.config/edgefl on a fresh machine) is named,
+    # with the key asked for; nothing is written
+    absent = tmp_path / "config" / "edgefl"
+    assert main(["keys", "gen", "--out", str(absent / "operator.key")]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {absent / 'operator.key'}: No such file or directory: {absent}" \
+        in err and ".tmp" not in err
+    assert not (tmp_path / "config").exists()
+    assert main(["keys", "show", str(tmp_path / "junk")]) == 1
+    assert "junk: not an Ed25519 public key" in capsys.readouterr().err
 
 
 def test_site_file_keys_are_resolved_and_a_bad_key_file_is_named(tmp_path):
