@@ -362,7 +362,8 @@ def _tls_broker(tmp_path_factory, mutual):
     pytest.importorskip("cryptography", reason="the test CA is made with `cryptography`")
     d = tmp_path_factory.mktemp("tls-mutual" if mutual else "tls")
     make_pki(d)
-    users = {"aggregator": "agg-secret", "client-1": "c1-secret", "client-2": "c2-secret"}
+    users = {"aggregator": "agg-secret", "client-1": "c1-secret", "client-2": "c2-secret",
+             "operator": "op-secret"}
     server = TlsMosquitto(d, users, mutual)
     server.start()
     server.dir = d
@@ -455,6 +456,38 @@ def test_the_tls_listener_speaks_no_plain_mqtt_and_needs_a_password(tls_broker):
                               reconnect_min=0.05)
     with pytest.raises(TransportError, match=r"refused .*reason code (5|135)\b"):
         anonymous.connect()
+
+
+def test_status_over_tls_takes_the_brokers_ca_from_the_command_line(tls_broker, tmp_path,
+                                                                    capsys, monkeypatch):
+    """`edgefl status --broker mqtts://...` from an operator's machine with no site file:
+    the broker's CA comes from --ca-file (as for `edgefl ctl`); without it the system's
+    CAs do not know the broker's, and the error says so."""
+    from edgefl.cli import main
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    federation = TLS_FEDERATION
+    board = _tls(tls_broker, "client-1")
+    board.connect()
+    try:
+        board.publish(federation.status("client-1"),
+                      json.dumps({"node": "client-1", "online": True}).encode(),
+                      retain=True).wait(10)
+    finally:
+        board.close(timeout=1, announce_offline=False)
+    password = tmp_path / "operator.pw"
+    password.write_text("op-secret\n")
+    asked = ["status", "--broker", f"mqtts://localhost:{tls_broker.tls_port}",
+             "--federation", federation.federation, "--username", "operator",
+             "--password-file", str(password), "--wait", "5", "--json"]
+    assert main(asked) == 1
+    err = capsys.readouterr().err
+    assert "TLS handshake with MQTT broker localhost" in err
+    assert "certificate verify failed" in err
+    assert main(asked + ["--ca-file", str(tls_broker.dir / "ca.crt")]) == 0
+    assert [row["node"] for row in json.loads(capsys.readouterr().out)] == ["client-1"]
+    assert main(asked + ["--cert-file", str(tls_broker.dir / "client-1.crt")]) == 1
+    assert "--cert-file and --key-file go together" in capsys.readouterr().err
 
 
 def test_mutual_tls_logs_in_by_certificate_and_the_acl_applies_to_its_cn(mutual_tls_broker):

@@ -204,7 +204,8 @@ INSTALL_SERVICE = Command(
 
 def _mqtt_transport(config, client_id: str, **options):
     """An MqttTransport from a service config's broker section (url, user, password file,
-    TLS files). The aggregator service's control connection (client id <node>-ctl) logs in
+    TLS files; `options` win over the section's, e.g. a TLS file given on the command
+    line). The aggregator service's control connection (client id <node>-ctl) logs in
     with broker.control_username when set: a broker that binds each account to one client
     id (docs/brokers.md, `edgefl broker accounts`) needs an account per connection."""
     from ..service.accounts import control_username
@@ -218,7 +219,7 @@ def _mqtt_transport(config, client_id: str, **options):
         username = broker["control_username"]
         password_file = broker.get("control_password_file")
     transport = MqttTransport(broker["url"], client_id, username=username,
-                              password_file=password_file, **tls, **options)
+                              password_file=password_file, **{**tls, **options})
     transport.set_queue_limits(config["limits.queue_messages"], config.mib("limits.queue_mb"))
     return transport
 
@@ -559,6 +560,12 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
                              "refuses under status's own client id (docs/brokers.md)")
     parser.add_argument("--password-file", metavar="FILE",
                         help="with --username: file whose first line is its password")
+    parser.add_argument("--ca-file", metavar="FILE",
+                        help="CA bundle of the broker (mqtts://); default: the site file's")
+    parser.add_argument("--cert-file", metavar="FILE",
+                        help="TLS client certificate (brokers that take its CN as the "
+                             "username), with --key-file; default: the site file's")
+    parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
     parser.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
                         help="longest wait for the retained statuses (default 2)")
     parser.add_argument("--json", action="store_true", help="print the statuses as JSON")
@@ -582,22 +589,28 @@ def _status(args: argparse.Namespace) -> int:
         if args.username else {}
     if args.password_file and not args.username:
         raise ValueError("--password-file goes with --username")
+    if bool(args.cert_file) != bool(args.key_file):
+        raise ValueError("--cert-file and --key-file go together")
+    # the TLS files given here win over the site file's, one by one
+    given = {k: getattr(args, k) for k in ("ca_file", "cert_file", "key_file")
+             if getattr(args, k)}
     site_account = None
     if args.broker is not None:
         broker_url = args.broker
-        transport = MqttTransport(args.broker, client_id, clean_session=True, **login)
+        transport = MqttTransport(args.broker, client_id, clean_session=True, **given, **login)
     elif config is not None:
         broker_url = config["broker.url"]
         if login:
             broker = config.section("broker")
             tls = {k: broker[k] for k in ("ca_file", "cert_file", "key_file") if broker.get(k)}
-            transport = MqttTransport(broker_url, client_id, clean_session=True, **tls, **login)
+            transport = MqttTransport(broker_url, client_id, clean_session=True,
+                                      **{**tls, **given}, **login)
         else:
             site_account = config.section("broker").get("username")
-            transport = _mqtt_transport(config, client_id, clean_session=True)
+            transport = _mqtt_transport(config, client_id, clean_session=True, **given)
     else:
         broker_url = default("broker.url")
-        transport = MqttTransport(broker_url, client_id, clean_session=True, **login)
+        transport = MqttTransport(broker_url, client_id, clean_session=True, **given, **login)
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
     try:
