@@ -642,6 +642,17 @@ def test_checkpoint_whose_table_does_not_match_its_model_config_is_refused(run_d
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_an_output_in_a_missing_directory_is_refused_naming_it(run_dir, tmp_path, capsys):
+    # the file asked for and its directory, not the temporaries the export builds beside it
+    out, _ = run_dir
+    target = tmp_path / "absent" / "m.onnx"
+    assert main(["export", str(out), "--out", str(target)]) == 1
+    err = capsys.readouterr().err
+    assert f"export: error: {target}: no directory {tmp_path / 'absent'} to write it in" in err
+    assert ".tmp" not in err
+    assert not (tmp_path / "absent").exists()
+
+
 def test_corrupt_or_missing_checkpoints_name_the_file(run_dir, tmp_path):
     out, _ = run_dir
     data = (out / "model.npz").read_bytes()

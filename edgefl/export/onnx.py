@@ -589,8 +589,11 @@ def export_run(run: Run, out, *, quantize: str | None = None, softmax: bool = Tr
     # Build, measure and annotate in temporaries next to `out`; then one atomic replace, so
     # a Predictor watching `out` sees only the finished file.
     out = os.fspath(out)
-    stem = os.path.join(os.path.dirname(os.path.abspath(out)),
-                        f".{os.path.basename(out)}.{os.getpid()}")
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        # said before the temporaries' names could stand in for `out` in the error
+        raise ExportError(f"{out}: no directory {directory} to write it in")
+    stem = os.path.join(directory, f".{os.path.basename(out)}.{os.getpid()}")
     fp32_path, int8_path = f"{stem}.fp32.tmp", f"{stem}.int8.tmp"
     try:
         export_onnx(model, run.params, fp32_path, norm_mean=run.norm_mean,
