@@ -412,6 +412,8 @@ def read_inputs(path, input_shape: tuple, input_range=None) -> np.ndarray:
     """
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
+    if os.path.isdir(path):
+        raise InputError(f"{path}: a directory; give one input file (.npy, .csv or an image)")
     if not os.path.isfile(path):
         raise InputError(f"{path}: input file does not exist")
     if suffix == ".npy":

@@ -718,6 +718,11 @@ def test_wrong_input_shapes_and_values_are_named(two_models, tmp_path):
         p.predict(bad)
     with pytest.raises(InputError, match=r"dtype <U1 is not numeric"):
         p.predict(np.full((1, 1, 8, 8), "a"))
+    # an input path that is wrong says how: missing, or a directory
+    with pytest.raises(InputError, match=rf"{tmp_path / 'none.npy'}: input file does not exist"):
+        read_inputs(tmp_path / "none.npy", (1, 8, 8))
+    with pytest.raises(InputError, match=rf"{tmp_path}: a directory; give one input file"):
+        read_inputs(tmp_path, (1, 8, 8))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
