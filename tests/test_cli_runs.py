@@ -8,6 +8,7 @@ import re
 import pytest
 import yaml
 
+import edgefl
 from edgefl.cli import destinations, main
 from helpers import SMALL_RUN
 
@@ -289,3 +290,55 @@ def test_lines_stay_whole_when_two_commands_write_to_one_output_unbuffered(tmp_p
     bad = [line for line in body if not re.fullmatch(r"[ab] \d{4} x{40}", line)]
     assert not bad, bad[:5]
     assert sorted(body) == sorted(f"{t} {i:04d} " + "x" * 40 for t in "ab" for i in range(3000))
+
+
+# ---------------------------------------------------------------------------------------
+# simulate --transport mqtt: a run that cannot reach its broker says why in one line
+# ---------------------------------------------------------------------------------------
+
+# the checkout under test, for a subprocess to import (not an installed edgefl)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(edgefl.__file__)))
+QUICK = ["quickstart", "--set", "rounds=2", "--no-plot", "--no-export", "--quiet"]
+
+
+def refused_broker() -> str:
+    """mqtt:// URL of a port on 127.0.0.1 where nobody listens: connecting is refused."""
+    from edgefl.transport.broker import free_port
+
+    return f"mqtt://127.0.0.1:{free_port()}"
+
+
+@pytest.mark.parametrize("processes", [None, "1", "0"])
+def test_an_unreachable_broker_is_one_line_naming_it(cwd, processes):
+    # a subprocess, as a user runs it: with worker processes (the default) this was a
+    # traceback ending in "client worker 0 ... died with exit code 0", the cause lost
+    import subprocess
+    import sys
+
+    url = refused_broker()
+    extra = [] if processes is None else ["--client-processes", processes]
+    proc = subprocess.run([sys.executable, "-m", "edgefl.cli", "simulate", *QUICK,
+                           "--transport", "mqtt", "--broker", url, "--out", "m2", *extra],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [REPO, os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [f"edgefl simulate: error: cannot reach MQTT broker "
+                     f"{url.removeprefix('mqtt://')}: Connection refused"], lines
+
+
+def test_a_worker_whose_clients_cannot_connect_reports_the_brokers_error(cwd, capsys,
+                                                                        monkeypatch):
+    # the broker goes away after the simulating process found it and before the worker
+    # processes' clients connect: skip that first check, and the workers meet the refusal
+    from edgefl.sim import over_broker
+
+    monkeypatch.setattr(over_broker, "reach_broker", lambda *args, **kwargs: None)
+    url = refused_broker()
+    assert main(["simulate", *QUICK, "--transport", "mqtt", "--broker", url, "--out", "m2",
+                 "--client-processes", "2"]) == 1
+    err = one_line_error(capsys, "simulate")
+    assert err.endswith(f"cannot reach MQTT broker {url.removeprefix('mqtt://')}: "
+                        f"Connection refused"), err

@@ -93,7 +93,8 @@ def test_clients_spread_over_worker_processes_end_with_the_in_process_model(
     federation = over["transport"]["federation"]
     sessions = {line.split(" as ")[1].split()[0] for line in log.splitlines()
                 if "New client connected" in line and f"edgefl-{federation}-" in line}
-    assert len(sessions) == clients + 1
+    # (and the one connection that checked the broker was there before the workers forked)
+    assert len(sessions - {f"edgefl-{federation}-probe"}) == clients + 1
     assert "Outgoing messages are being dropped" not in log
 
 
@@ -120,3 +121,52 @@ def test_a_negative_number_of_client_processes_is_refused(tmp_path):
     run = prepare_run(config, workers=1, progress=False)
     with pytest.raises(ValueError, match="client_processes = -1"):
         run_over_broker(run, "mqtt://127.0.0.1:1", client_processes=-1)
+
+
+def test_a_worker_whose_clients_cannot_connect_sends_the_error_and_exits_non_zero(tmp_path):
+    # a worker process (sim.hosting.serve_clients) hosting real client roles whose broker
+    # refuses the connection: the parent must get the TransportError naming the broker over
+    # the pipe, and the process must end with status 1 (it ended with 0, and the parent
+    # reported only "died with exit code 0")
+    import multiprocessing
+    import threading
+
+    import numpy as np
+
+    from edgefl.roles import Client, ClientSettings
+    from edgefl.sim.hosting import serve_clients
+    from edgefl.transport.base import TransportError
+    from edgefl.transport.broker import free_port
+    from edgefl.transport.mqtt import MqttTransport, parse_broker_url
+    from edgefl.transport.netloop import NetworkLoop
+
+    url = f"mqtt://127.0.0.1:{free_port()}"             # nobody listens: refused
+
+    def make(stop):
+        loop = NetworkLoop(name="test-worker-net")
+        data = (np.zeros((4, 2), np.float32), np.zeros(4, np.int64))
+        clients = [Client(ClientSettings(f"c{i}", "fed", exit_when_finished=True),
+                          data, MqttTransport(url, f"c{i}", network_loop=loop),
+                          tmp_path / f"c{i}", stop=stop, train_slots=threading.Semaphore(1))
+                   for i in range(2)]
+        return clients, loop
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=serve_clients, args=(make, child, 10.0, parse_broker_url(url)))
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(20), "the worker sent nothing"
+        msg = parent.recv()
+        while msg[0] == "ready":
+            assert parent.poll(20), "the worker sent no 'done'"
+            msg = parent.recv()
+        assert msg[0] == "done" and isinstance(msg[2], TransportError), msg
+        assert f"cannot reach MQTT broker {url.removeprefix('mqtt://')}" in str(msg[2])
+        proc.join(20)
+        assert proc.exitcode == 1
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        parent.close()

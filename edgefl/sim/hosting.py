@@ -251,7 +251,7 @@ def serve_clients(make_clients, conn, stall_s: float, address) -> None:
     """The body of a worker process: make_clients(stop) -> (clients, network loop); start
     them, report ("ready", n) over `conn` as they connect, drive them with a ClientHost
     until the run is finished or the parent sends "stop", then send ("done", client states,
-    error or None). Runs in a forked child."""
+    error or None), and exit with status 1 if there was an error. Runs in a forked child."""
     stop = worker_stop_signal()
     errors: list = []
     send_lock = threading.Lock()
@@ -306,6 +306,10 @@ def serve_clients(make_clients, conn, stall_s: float, address) -> None:
             conn.send_bytes(last)                # the parent's recv() unpickles it
         except (OSError, ValueError):
             pass                                 # the parent is gone
+    if error is not None:
+        # a worker that failed says so in its exit status too (1, as a command that failed),
+        # for whoever looks at the process rather than the pipe
+        raise SystemExit(1)
 
 
 def _mappingproxy(d: dict):

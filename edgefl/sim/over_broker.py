@@ -17,7 +17,43 @@ import numpy as np
 
 from ..runs.prepare import PreparedRun, RunResult
 
-__all__ = ["run_over_broker"]
+__all__ = ["run_over_broker", "check_options", "reach_broker"]
+
+
+def check_options(url: str | None = None, *, max_payload: int = 128 * 1024,
+                  compression: str = "none", round_timeout_s: float = 120.0,
+                  client_processes: int | None = None, **_others) -> None:
+    """Refuse settings of `run_over_broker` that would fail it only once it has started
+    (a bad broker URL, a chunk size below the minimum, an unknown compression), with the
+    same errors the roles would raise: `simulate` calls it before it loads the data or
+    touches its output directory. Options not checked here are accepted (`_others`)."""
+    from ..roles import AggregatorSettings, ClientSettings
+    from ..transport.mqtt import parse_broker_url
+
+    if client_processes is not None and int(client_processes) < 0:
+        raise ValueError(f"client_processes = {client_processes!r}: need >= 0 (0: the "
+                         "clients are hosted in this process)")
+    if url is not None:
+        parse_broker_url(url)
+    # the settings every role of the run is built with, built once here to be checked
+    ClientSettings("check", "check", max_payload=max_payload, compression=compression)
+    AggregatorSettings(federation="check", round_timeout_s=round_timeout_s,
+                       max_payload=max_payload, compression=compression)
+
+
+def reach_broker(url: str, client_id: str, timeout: float) -> None:
+    """Connect to the broker at `url` once (as the roles will: credentials, TLS) and
+    disconnect. Raises TransportError naming the broker and the cause. Called before the
+    clients' worker processes are forked: one clear error at once, not one per worker, and
+    not after a fleet has started connecting. Its network thread is joined by close(), so
+    none is left running when the workers are forked."""
+    from ..transport.mqtt import MqttTransport
+
+    probe = MqttTransport(url, client_id, clean_session=True, connect_timeout=timeout)
+    try:
+        probe.connect()
+    finally:
+        probe.close(timeout=min(5.0, timeout), announce_offline=False)
 
 def default_client_processes(clients: int) -> int:
     """How many worker processes host the clients of a simulation over a broker by default:
@@ -78,14 +114,12 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     federation = federation or f"sim-{os.urandom(4).hex()}"   # fresh topics: no leftovers
     ids = default_client_ids(len(run.setup.clients))
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    # bad settings fail before anything starts
+    check_options(url, max_payload=max_payload, compression=compression,
+                  round_timeout_s=round_timeout_s, client_processes=client_processes)
     processes = default_client_processes(len(ids)) if client_processes is None \
         else int(client_processes)
-    if processes < 0:
-        raise ValueError(f"client_processes = {client_processes!r}: need >= 0 (0: the "
-                         "clients are hosted in this process)")
     processes = min(processes, len(ids))
-    if url is not None:
-        parse_broker_url(url)                      # a bad URL fails before anything starts
     from ..errors import RunStopped
     from ..kernels import StopFlag
 
@@ -99,6 +133,11 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             broker = EmbeddedBroker(kind=broker_kind,
                                     max_packet_bytes=packet_bytes_for(max_payload)).start()
             url = broker.url
+        else:
+            # a broker of the user's: is it there (and does it take us)? Its own error, once,
+            # before a worker is forked or a client built (the workers still report theirs:
+            # the broker may go away in between)
+            reach_broker(url, f"edgefl-{federation}-probe", connect_timeout)
         address = parse_broker_url(url)
         if state_dir is None:
             # The roles' state (client progress, checkpoints, journal) is thrown away with
@@ -281,20 +320,26 @@ def _wait_ready(procs: list, clients: int, stop, stall_s: float, address) -> Non
         if stop.is_set():
             raise RuntimeError("stopped while the simulation's clients were connecting")
         for k, (proc, conn, share) in enumerate(procs):
+            done = None
             try:
-                while conn.poll(0):
+                while done is None and conn.poll(0):
                     msg = conn.recv()
                     if msg[0] == "ready":
                         if msg[1] > ready[k]:
                             ready[k] = msg[1]
                             progress_at = time.monotonic()
                     elif msg[0] == "done":
-                        raise msg[2] if msg[2] is not None else RuntimeError(
-                            f"client worker {k} ended before its clients connected")
+                        done = msg
             except (EOFError, OSError):
                 raise RuntimeError(f"client worker {k} (pid {proc.pid}) died with exit code "
                                    f"{proc.exitcode} while its clients were connecting") \
                     from None
+            if done is not None:
+                # raised here, outside the try: the worker's error is most often a
+                # TransportError (cannot reach the broker), an OSError, which the except
+                # above would have turned into "died", losing the cause
+                raise done[2] if done[2] is not None else RuntimeError(
+                    f"client worker {k} ended before its clients connected")
         if time.monotonic() - progress_at > stall_s + 5:
             raise TimeoutError(f"simulation clients did not connect to {address}: "
                                f"none became ready for {stall_s:g} s ({sum(ready)} of "
