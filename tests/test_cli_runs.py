@@ -293,7 +293,8 @@ def test_lines_stay_whole_when_two_commands_write_to_one_output_unbuffered(tmp_p
 
 
 # ---------------------------------------------------------------------------------------
-# simulate --transport mqtt: a run that cannot reach its broker says why in one line
+# simulate --transport mqtt: a run that cannot start (bad transport settings, no broker)
+# says why in one line and leaves every directory as it was
 # ---------------------------------------------------------------------------------------
 
 # the checkout under test, for a subprocess to import (not an installed edgefl)
@@ -308,8 +309,14 @@ def refused_broker() -> str:
     return f"mqtt://127.0.0.1:{free_port()}"
 
 
+def tree(path) -> dict:
+    """Every file under `path` and its bytes: what a failed run must leave as it found it."""
+    return {os.path.relpath(os.path.join(d, f), path): open(os.path.join(d, f), "rb").read()
+            for d, _dirs, files in os.walk(path) for f in files}
+
+
 @pytest.mark.parametrize("processes", [None, "1", "0"])
-def test_an_unreachable_broker_is_one_line_naming_it(cwd, processes):
+def test_an_unreachable_broker_is_one_line_naming_it_and_creates_nothing(cwd, processes):
     # a subprocess, as a user runs it: with worker processes (the default) this was a
     # traceback ending in "client worker 0 ... died with exit code 0", the cause lost
     import subprocess
@@ -327,6 +334,7 @@ def test_an_unreachable_broker_is_one_line_naming_it(cwd, processes):
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"edgefl simulate: error: cannot reach MQTT broker "
                      f"{url.removeprefix('mqtt://')}: Connection refused"], lines
+    assert not (cwd / "m2").exists()              # so the corrected command is not refused
 
 
 def test_a_worker_whose_clients_cannot_connect_reports_the_brokers_error(cwd, capsys,
@@ -342,3 +350,36 @@ def test_a_worker_whose_clients_cannot_connect_reports_the_brokers_error(cwd, ca
     err = one_line_error(capsys, "simulate")
     assert err.endswith(f"cannot reach MQTT broker {url.removeprefix('mqtt://')}: "
                         f"Connection refused"), err
+    assert not (cwd / "m2").exists()
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--broker", "foo://x"], "broker URL 'foo://x': scheme 'foo' is not one of"),
+    (["--chunk-size", "0"], "chunk_size): 0 is below the minimum 1024"),
+    (["--broker", "mqtt://127.0.0.1:1"], "cannot reach MQTT broker 127.0.0.1:1"),
+])
+def test_a_bad_transport_setting_creates_no_run_directory(cwd, capsys, option, message):
+    assert main(["simulate", *QUICK, "--transport", "mqtt", *option, "--out", "m3"]) == 1
+    assert message in one_line_error(capsys, "simulate")
+    assert not (cwd / "m3").exists()
+    # and without --out: no runs/quickstart-* directory is left behind either
+    assert main(["simulate", *QUICK, "--transport", "mqtt", *option]) == 1
+    assert message in one_line_error(capsys, "simulate")
+    assert not (cwd / "runs").exists() or os.listdir(cwd / "runs") == []
+
+
+def test_force_over_a_finished_run_keeps_its_files_when_the_broker_is_unreachable(cwd,
+                                                                                   capsys):
+    assert main(["simulate", *QUICK, "--out", "prev"]) == 0
+    before = tree(cwd / "prev")
+    assert {"metrics.jsonl", "summary.json", "model.npz"} <= set(before)
+    assert before["metrics.jsonl"].count(b"\n") == 2
+    capsys.readouterr()
+    for option in (["--broker", refused_broker()], ["--broker", "foo://x"],
+                   ["--chunk-size", "0"]):
+        assert main(["simulate", *QUICK, "--transport", "mqtt", *option, "--out", "prev",
+                     "--force"]) == 1
+        one_line_error(capsys, "simulate")
+        assert tree(cwd / "prev") == before, option     # byte for byte, metrics.jsonl too
+    # and the old run is still whole: compare reads it
+    assert main(["compare", "prev", "--no-plot"]) == 0

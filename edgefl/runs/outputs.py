@@ -8,6 +8,9 @@
                    or a RoundExporter that exported the final round already)
     curves.png     test accuracy and loss by round, with matplotlib (plot_curves)
 
+While the rounds go on, `MetricsLog` writes metrics.jsonl a line per round; it creates the
+directory and the file only with the first round's line, so a run that fails before that
+leaves the directory as it found it (none, or an earlier run's files under --force).
 A `RoundExporter` exports the rounds an ExportPolicy names while the run goes on. A `result`
 here is a run's end: `params` (the global model), `history` (one record per round) and
 `state` (the server State), as runs.prepare.RunResult has them. Every file is replaced
@@ -15,6 +18,7 @@ atomically (edgefl.io).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -22,7 +26,7 @@ import numpy as np
 
 from .. import __version__, kernels
 from ..checkpoint import model_sha256, save_checkpoint
-from ..io import atomic_write, write_json
+from ..io import atomic_write, jsonable, write_json
 from ..models import Model
 from ..runconfig import RunConfig
 from ..strategies import Strategy
@@ -30,8 +34,42 @@ from .phases import phase
 
 log = logging.getLogger("edgefl.runs.outputs")
 
-__all__ = ["RoundExporter", "absolute_dataset_paths", "dp_summary", "export_final_onnx",
-           "plot_curves", "run_summary", "write_outputs"]
+__all__ = ["MetricsLog", "RoundExporter", "absolute_dataset_paths", "dp_summary",
+           "export_final_onnx", "plot_curves", "run_summary", "write_outputs"]
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, one JSON line per round record, flushed as each is written.
+
+    Nothing is created or truncated until `open()`, which the first `write` calls: a run
+    that fails before its first round ends (a broker that cannot be reached, a transport
+    setting refused once the run was prepared, a worker that could not connect) leaves no
+    empty directory behind to refuse the corrected command, and with --force does not
+    empty an earlier run's metrics.jsonl while that run's summary.json and model.npz stay.
+    The one place a run's directory and its metrics.jsonl are opened by `edgefl simulate`
+    (the aggregator role rewrites its metrics.jsonl whole after each round: roles.runner)."""
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.out_dir = os.fspath(out_dir)
+        self.path = os.path.join(self.out_dir, "metrics.jsonl")
+        self._file = None
+
+    def open(self) -> "MetricsLog":
+        """Create the directory and start metrics.jsonl afresh (replacing a file there):
+        from here the directory is this run's. Once only; later calls do nothing."""
+        if self._file is None:
+            os.makedirs(self.out_dir, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")
+        return self
+
+    def write(self, record: dict) -> None:
+        self.open()
+        self._file.write(json.dumps(jsonable(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def write_outputs(out_dir: str, config: RunConfig, model: Model, strategy: Strategy,

@@ -28,7 +28,6 @@ directory (metrics.jsonl as the rounds end, the rest by edgefl.runs.outputs):
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Mapping
@@ -37,17 +36,17 @@ from ..checkpoint import save_checkpoint
 from ..data.layout import without_training_rows
 from ..errors import RunStopped, TrainingStopped
 from ..export import CALIBRATION_SAMPLES
-from ..io import jsonable, write_json
+from ..io import write_json
 from ..privacy import PrivacyHooks
 from ..runconfig import RunConfig
-from ..runs.outputs import (RoundExporter, absolute_dataset_paths, run_summary,
-                            stopped_summary, write_outputs)
+from ..runs.outputs import (MetricsLog, RoundExporter, absolute_dataset_paths,
+                            run_summary, stopped_summary, write_outputs)
 from ..runs.prepare import prepare_run
 from ..virtual_fleet import refuse_over_broker
 from .asynchronous import run_asynchronous
 from .clock import Clock
 from .loop import run_federation
-from .over_broker import run_over_broker
+from .over_broker import check_options, run_over_broker
 from .progress import Progress
 
 __all__ = ["TRANSPORTS", "simulate", "run_federation", "run_asynchronous", "run_over_broker",
@@ -94,6 +93,9 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     # add their noise shares (roles.aggregator, roles.client)
     if transport != "inproc":
         refuse_over_broker(config)
+        # the transport's settings are refused before the data is loaded (and, as for
+        # anything that fails before round 1, before out_dir is touched: MetricsLog)
+        check_options(broker, **dict(mqtt or {}))
     try:
         run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                           stream=stream, stop=stop)
@@ -104,11 +106,13 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     init_params, clients, setup = run.init_params, run.clients, run.setup
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
 
-    metrics_file = None
+    # out_dir and its metrics.jsonl are created with the first round's record, not here: a
+    # run over a broker can still fail before round 1 (no broker, a worker's clients that
+    # cannot connect), and must leave out_dir as it found it
+    metrics = None
     if out_dir is not None:
         out_dir = os.fspath(out_dir)
-        os.makedirs(out_dir, exist_ok=True)
-        metrics_file = open(os.path.join(out_dir, "metrics.jsonl"), "w", encoding="utf-8")
+        metrics = MetricsLog(out_dir)
     bar = Progress(config.rounds, stream or sys.stderr, enabled=progress is not False)
     exporter = RoundExporter(run, out_dir, export, stream or sys.stderr, "edgefl simulate",
                              lines=bar.stream if bar.enabled else None,
@@ -116,9 +120,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         if out_dir is not None and onnx else None
 
     def on_round(record):
-        if metrics_file is not None:
-            metrics_file.write(json.dumps(jsonable(record)) + "\n")
-            metrics_file.flush()
+        if metrics is not None:
+            metrics.write(record)
         bar.update(record)
 
     broker_info = None
@@ -146,6 +149,7 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
     except RunStopped as stopped:
         stopped.summary = stopped_summary(config, model, stopped, workers)
         if out_dir is not None:
+            metrics.open()        # (stopped before round 1: an empty one, as summary says)
             write_json(os.path.join(out_dir, "summary.json"), stopped.summary, indent=2)
             if stopped.result is not None and stopped.result.history:
                 save_checkpoint(os.path.join(out_dir, "model.npz"), model, strategy,
@@ -155,8 +159,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         raise
     finally:
         bar.close()
-        if metrics_file is not None:
-            metrics_file.close()
+        if metrics is not None:
+            metrics.close()
 
     summary = run_summary(config, model, result, workers)     # (with a DP budget's stop)
     if out_dir is not None:
