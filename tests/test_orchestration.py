@@ -1168,3 +1168,58 @@ def test_a_final_model_exported_after_the_run_is_still_announced_and_published(f
     published = f.events.wait("onnx_published", run="late", round=2)
     path = f.state_dir / "runs" / "late" / "model.onnx"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == published["sha256"]
+
+
+# ---------------------------------------------------------------------------------------
+# the site file's run (`run:`) and `edgefl aggregator --once`, as a script runs them
+# ---------------------------------------------------------------------------------------
+
+class SiteRunScript:
+    """`edgefl aggregator --once` with the site file's run given as `--set run=FILE`, as a
+    process in tmp_path (its own federation on the anonymous test Mosquitto, state in
+    tmp_path/S, outputs in tmp_path/out): what a script written for the one-run aggregator
+    does, run again and again."""
+
+    def __init__(self, server, tmp_path):
+        self.server, self.tmp = server, tmp_path
+        self.fed = "site" + uuid.uuid4().hex[:6]
+        self.state, self.out = tmp_path / "S", tmp_path / "out"
+        self.file = tmp_path / "mn.yaml"
+
+    def write(self, doc: dict) -> None:
+        import yaml
+
+        self.file.write_text(yaml.safe_dump(doc))
+
+    def run(self, timeout=120):
+        import subprocess
+        import sys
+
+        return subprocess.run(
+            [sys.executable, "-m", "edgefl.cli", "aggregator", "--set", "node.id=agg4",
+             "--set", f"node.federation={self.fed}", "--set", f"broker.url={self.server.url}",
+             "--set", f"state_dir={self.state}", "--set", f"run={self.file.name}",
+             "--out", str(self.out), "--deadline", "60", "--once"],
+            cwd=self.tmp, env=_ctl_env(), capture_output=True, text=True, timeout=timeout,
+            stdin=subprocess.DEVNULL)
+
+    def records(self) -> dict:
+        return {r["id"]: r for r in RunStore(str(self.state)).load_all()}
+
+
+def test_a_site_run_failing_on_a_config_error_logs_its_one_line(mosquitto_server, tmp_path):
+    """The site file's run whose dataset cannot be loaded: the ConfigError is the user's
+    mistake, not a crash, so the service logs its one line (the file and the key, no
+    traceback), records it, and --once exits 1."""
+    s = SiteRunScript(mosquitto_server, tmp_path)
+    s.write(run_config(rounds=2, dataset={"name": "npz", "path": "/nonexistent/edgefl/d.npz"}))
+    done = s.run()
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    [(run_id, record)] = s.records().items()
+    assert record["state"] == "failed"
+    assert "npz: file /nonexistent/edgefl/d.npz does not exist" in record["error"]
+    failed = [line for line in done.stderr.splitlines() if f"run {run_id} failed" in line]
+    assert len(failed) == 1, done.stderr
+    assert f"{s.file}: dataset: npz: file /nonexistent/edgefl/d.npz does not exist" \
+        in failed[0]

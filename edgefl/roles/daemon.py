@@ -52,13 +52,14 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
+from ..errors import ConfigError
 from ..io import jsonable
 from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
 from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
 from .messages import finished_announcement, status_payload
-from .state import AggregatorCheckpoint, write_json
+from .state import AggregatorCheckpoint, StateError, write_json
 
 __all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "export_run_checkpoint"]
 
@@ -357,6 +358,12 @@ class Daemon:
             while not self.stop.is_set() and time.monotonic() < end:
                 time.sleep(0.1)
             return
+        except (ConfigError, StateError) as exc:
+            # the user's to fix (a dataset that is not there, a state directory holding
+            # another run's checkpoint): the message names the file and the key, and is
+            # all there is to say -- a traceback would present the user's mistake as a crash
+            log.error("run %s failed: %s", record["id"], exc)
+            error = str(exc)
         except Exception as exc:      # noqa: BLE001 -- a failed run must not end the service
             log.exception("run %s failed", record["id"])
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError)) \
