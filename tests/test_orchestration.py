@@ -1223,3 +1223,74 @@ def test_a_site_run_failing_on_a_config_error_logs_its_one_line(mosquitto_server
     assert len(failed) == 1, done.stderr
     assert f"{s.file}: dataset: npz: file /nonexistent/edgefl/d.npz does not exist" \
         in failed[0]
+
+
+def test_once_with_the_site_run_failed_earlier_exits_1_saying_what_to_do(mosquitto_server,
+                                                                         tmp_path):
+    """Run again with the file unchanged, the failed site-file run (remembered by its record)
+    is not redone; --once must not then report success with nothing run (a script would
+    go on without outputs): it exits 1, saying the run failed earlier, why, and how to run
+    it again."""
+    s = SiteRunScript(mosquitto_server, tmp_path)
+    s.write(run_config(rounds=2, dataset={"name": "npz", "path": "/nonexistent/edgefl/d.npz"}))
+    assert s.run().returncode == 1
+    [(run_id, record)] = s.records().items()
+
+    again = s.run()
+    assert again.returncode == 1, again.stderr + again.stdout
+    assert "Traceback" not in again.stderr, again.stderr
+    assert (f"edgefl aggregator: error: the site file's run {run_id} ({s.file}) failed "
+            f"earlier and is not run again: {record['error']}; a changed run config is "
+            f"queued as a new run") in again.stderr, again.stderr
+    assert "edgefl ctl start" in again.stderr and str(s.state / "runs" / run_id) \
+        in again.stderr
+    assert s.records() == {run_id: record}          # nothing queued, the record as it was
+
+
+def test_a_changed_site_run_config_is_queued_as_a_new_run(mosquitto_server, tmp_path):
+    """The user fixes the file of a failed site-file run and runs the same command: the
+    changed run config is a new run (a new id and record; the failed one stays as it ended),
+    and it runs. Run once more unchanged, the finished run is recognised (exit 0, nothing
+    redone); changed again, the new config cannot use the state directory that holds the
+    finished run's checkpoint, and the command says so in one line before running anything."""
+    from edgefl.runs.prepare import prepare_run
+    from helpers import start_mqtt_clients, stop_clients
+
+    s = SiteRunScript(mosquitto_server, tmp_path)
+    s.write(run_config(rounds=2, dataset={"name": "npz", "path": "/nonexistent/edgefl/d.npz"}))
+    assert s.run().returncode == 1
+    [failed_id] = s.records()
+
+    s.write(run_config(rounds=2))                                  # fixed: digits
+    clients, threads = start_mqtt_clients(
+        s.server.url, s.fed, "site", prepare_run(run_config_from_mapping(run_config(rounds=2)),
+                                                 progress=False), tmp_path, [0, 1])
+    try:
+        done = s.run()
+    finally:
+        stop_clients(clients, threads)
+    assert done.returncode == 0, done.stderr
+    records = s.records()
+    assert set(records) - {failed_id} and records[failed_id]["state"] == "failed"
+    [new_id] = set(records) - {failed_id}
+    assert records[new_id]["state"] == "finished" and records[new_id]["rounds_done"] == 2
+    assert f"run {new_id}: finished" in done.stdout
+    assert (s.out / "summary.json").is_file()
+    assert AggregatorCheckpoint.load(str(s.state)).run_id == new_id
+
+    # unchanged: the finished run is not redone, and that is success
+    again = s.run()
+    assert again.returncode == 0, again.stderr
+    assert f"the site file's run {new_id} ({s.file}) finished earlier" in again.stdout
+    assert s.records() == records
+
+    # changed once more: the finished run's checkpoint in the state directory belongs to the
+    # old config (a new run there would be refused by its fingerprint, or resume another
+    # run's checkpoint under a new id), so the command stops at once, naming both
+    s.write(run_config(rounds=3))
+    changed = s.run()
+    assert changed.returncode == 1
+    assert "Traceback" not in changed.stderr, changed.stderr
+    assert (f"edgefl aggregator: error: {s.file}: the site file's run config changed since "
+            f"run {new_id} (finished)") in changed.stderr, changed.stderr
+    assert s.records() == records

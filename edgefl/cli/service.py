@@ -262,7 +262,8 @@ def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
                              "control topic write to <state_dir>/runs/<id>/)")
     parser.add_argument("--once", action="store_true",
                         help="exit once no run is active or queued (the site file's run done) "
-                             "instead of waiting for the next run")
+                             "instead of waiting for the next run; status 1 when the site "
+                             "file's run failed, now or in an earlier start")
     two = parser.add_argument_group("two levels: edge aggregators over bridged brokers "
                                     "(docs/scaling.md)")
     two.add_argument("--sites", metavar="FILE",
@@ -347,6 +348,25 @@ def _aggregator(args: argparse.Namespace) -> int:
             print(f"run {run_id}: {record['state']}; {detail}", flush=True)
     if stop.is_set():
         print(f"edgefl aggregator: stopped ({stop.name or 'stop requested'})", flush=True)
+    site = daemon.site_record
+    if args.once and site is not None and site["id"] not in daemon.executed \
+            and site["state"] in ("finished", "stopped", "cancelled", "failed"):
+        # the site file's run ended in an earlier start and is not run again (the service
+        # queues it once): --once says how it ended, as if it had just run it -- a script
+        # must not take "nothing run" for success when the run failed
+        if site["state"] == "failed":
+            print(f"edgefl aggregator: error: the site file's run {site['id']} "
+                  f"({site['site']}) failed earlier and is not run again: {site.get('error')}; "
+                  f"a changed run config is queued as a new run, and this one runs again "
+                  f"once its record {site['run_dir']} is removed (or queue it with `edgefl "
+                  f"ctl start {site['site']}` on the running service)",
+                  file=sys.stderr, flush=True)
+            return 1
+        outputs = "no outputs" if site["state"] == "cancelled" else \
+            f"outputs in {site['out_dir']}"
+        print(f"edgefl aggregator: the site file's run {site['id']} ({site['site']}) "
+              f"{site['state']} earlier and is not run again (a changed run config is a new "
+              f"run); {outputs}", flush=True)
     return 1 if any(daemon.records[r]["state"] == "failed" for r in daemon.executed) \
         and args.once else 0
 

@@ -36,7 +36,9 @@ of the run's Aggregator, which is made afresh for each run.
 
 The run named by the site file (`run:`) is the first in the queue, with the layout
 `edgefl aggregator` always had: its checkpoint directly in the state directory and its
-outputs in `--out` (default `<state_dir>/run`); it is queued once (its record remembers it).
+outputs in `--out` (default `<state_dir>/run`). It is queued once: its record remembers the
+file and a digest of the run config in it, so a restart finds the run again (to resume it,
+or to leave it as it ended); the file changed after its run ended is a new run.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
 from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
 from .messages import finished_announcement, status_payload
-from .state import AggregatorCheckpoint, StateError, write_json
+from .state import (CHECKPOINT_FILE, HISTORY_FILE, JOURNAL_FILE, AggregatorCheckpoint,
+                    StateError, write_json)
 
 __all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "export_run_checkpoint"]
 
@@ -151,6 +154,15 @@ def run_config_of(record: dict):
     return run_config_from_mapping(record["config"], f"run {record['id']} (run.json)")
 
 
+def site_config_digest(config) -> str:
+    """What the site file's run asks for, as a sha256 of its resolved config: a changed run
+    config (not a comment or the file's layout) makes the site file's run another run."""
+    import hashlib
+
+    doc = json.dumps(jsonable(config.to_dict()), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
 def export_run_checkpoint(record: dict) -> dict:
     """model.npz and model.onnx (atomic replace each) of the run's latest checkpoint, in its
     output directory. Returns {round, model_npz, model_onnx, model_sha256, bytes,
@@ -222,6 +234,7 @@ class Daemon:
         self._answered: dict = {}                 # command -> its reply (repeats)
         self._answering = None
         self._own_status = False                  # the idle status is ours to withdraw
+        self.site_record: dict | None = None      # the site file's run (_queue_site_run)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -288,26 +301,62 @@ class Daemon:
         return min(seqs) - 1 if first else max(seqs) + 1
 
     def _queue_site_run(self, config_path: str, out_dir: str) -> None:
-        """Queue the site file's run first, once: a record remembers it by its file."""
+        """Queue the site file's run first, once. A record remembers it by its file and the
+        digest of the run config it holds: started again with that file unchanged, the
+        service finds the run's record (and resumes it, or leaves it as it ended); with the
+        file changed after that run ended, it is another run, queued under a new id --
+        unless the state directory holds the ended run's checkpoint, which the new config
+        cannot use (ConfigError). self.site_record is the record either way."""
         from ..runconfig import load_run_config
 
         config_path = os.path.abspath(config_path)
-        load_run_config(config_path)               # a bad file fails the start, naming it
-        for record in self.records.values():
-            if record.get("site") == config_path and record["state_dir"] == self.state_dir:
-                if record["state"] in DONE_STATES:
-                    log.info("the site file's run %s (%s) is %s; waiting for runs on %s",
-                             record["id"], config_path, record["state"], self.topics.ctl())
-                return
+        config = load_run_config(config_path)      # a bad file fails the start, naming it
+        digest = site_config_digest(config)
+        mine = sorted((r for r in self.records.values() if r.get("site") == config_path
+                       and r["state_dir"] == self.state_dir),
+                      key=lambda r: (r.get("created") or 0, r.get("seq", 0)))
+        last = mine[-1] if mine else None
+        # a record made before the digest was kept is recognised by its file alone, as then;
+        # a run not yet ended is this file's run whatever the file says now (its checkpoint
+        # refuses another config: the fingerprint)
+        if last is not None and (last["state"] not in DONE_STATES
+                                 or last.get("site_config_sha256") in (None, digest)):
+            self.site_record = last
+            if last["state"] in DONE_STATES:
+                log.info("the site file's run %s (%s) ended %s; it is not run again (a "
+                         "changed run config is a new run)%s", last["id"], config_path,
+                         last["state"], "" if self.settings.once else
+                         f"; waiting for runs on {self.topics.ctl()}")
+            return
         ckpt = AggregatorCheckpoint.load(self.state_dir)
+        if ckpt is not None and ckpt.run_id in self.records:
+            # the checkpoint directly in the state directory is another run's (this file's
+            # ended run, or another file's): a new run there would be refused by its
+            # fingerprint (or, the config the same in effect, resume that run's checkpoint
+            # under another id)
+            other = self.records[ckpt.run_id]
+            why = (f"the site file's run config changed since run {last['id']} "
+                   f"({last['state']})" if last is not None else
+                   f"the site file's run config is not the one of run {other['id']} "
+                   f"({other.get('site') or 'started with edgefl ctl'})")
+            raise ConfigError(
+                f"{config_path}: {why}, and the state directory {self.state_dir} holds the "
+                f"checkpoint of run {other['id']} ({other['state']}): a new run needs a state "
+                f"directory of its own (set state_dir to another), or move that run's "
+                f"checkpoint ({CHECKPOINT_FILE}, {HISTORY_FILE}, {JOURNAL_FILE}) out of it")
+        if last is not None:
+            log.info("the site file's run config %s changed since run %s (%s): queued as a "
+                     "new run", config_path, last["id"], last["state"])
+        # a checkpoint no record knows: the one-run aggregator's, resumed under its id
         run_id = ckpt.run_id if ckpt is not None else self.store.new_id(self.records)
         record = {"id": run_id, "seq": self._next_seq(first=True), "state": "queued",
-                  "site": config_path, "config": None,
+                  "site": config_path, "site_config_sha256": digest, "config": None,
                   "clients": list(self.settings.client_ids) if self.settings.client_ids
                   else None, "round": {}, "created": time.time(),
                   "run_dir": self.store.run_dir(run_id), "state_dir": self.state_dir,
                   "out_dir": os.path.abspath(out_dir)}
         self._save(record)
+        self.site_record = record
 
     def _save(self, record: dict) -> None:
         with self._lock:
