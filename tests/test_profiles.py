@@ -178,6 +178,36 @@ def test_set_on_a_dataset_option_keeps_the_site_dataset(tmp_path):
     assert client(site, overrides=["data.name=digits"])["data"] == {"name": "digits"}
 
 
+
+def test_successive_set_items_of_one_section_build_it(tmp_path, capsys):
+    # `--set data.name=X --set data.OPTION=V` is how a board without a site file (or one
+    # changing its data set) names its data on one command line; the second item used to
+    # replace the first, leaving a section without a name (or npz without its path)
+    bare = write(tmp_path / "bare.yaml", "profile: rpi4\n")     # a site file without data
+    assert main(["config", "show", "--role", "client", "--config", bare, "--set", "node.id=a",
+                 "--set", "data.name=digits", "--set", "data.limit_train=100", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert json.loads(out)["values"]["data"] == {"name": "digits", "limit_train": 100}
+    # over a site file's data section: the named section built on the command line
+    # replaces the site's (npz's path is checked with its name, not before it comes)
+    site = write(tmp_path / "c0.yaml", "profile: rpi4\nnode: {id: c0}\n"
+                                       "data: {name: digits, limit_train: 50}\n")
+    shard = str(tmp_path / "x.npz")
+    config = client(site, overrides=["data.name=npz", f"data.path={shard}"])
+    assert config["data"] == {"name": "npz", "path": shard}
+    assert str(config.source("data")) == f"--set data.name=npz --set data.path={shard}"
+    # nameless items still update the site's section, all of them
+    config = client(site, overrides=["data.limit_train=100", "data.limit_test=20"])
+    assert config["data"] == {"name": "digits", "limit_train": 100, "limit_test": 20}
+    # a whole section given later replaces what the earlier items built
+    assert client(site, overrides=["data.limit_train=100", "data={name: mnist}"]
+                  )["data"] == {"name": "mnist"}
+    # and a bad option of the built section is named with the items that built it
+    with pytest.raises(ConfigError, match=r"^--set data.name=digits --set data.colour=red: "
+                                          r"data: unknown option 'colour'"):
+        client(site, overrides=["data.name=digits", "data.colour=red"])
+
 def test_state_dir_falls_back_to_systemd_state_directory(tmp_path, monkeypatch):
     config = client(None, profile="rpi4", overrides=["node.id=a", "data.name=digits"])
     monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/edgefl/client-a:/var/lib/other")

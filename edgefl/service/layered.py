@@ -378,7 +378,11 @@ def _layer_value(key: str, value, where: str, base_dir: str, raw: str | None):
 
 
 def _set_layer(overrides, role: str) -> dict:
-    out = {}
+    """The command line's --set items. Successive items inside one data or suggested_model
+    section (`--set data.name=npz --set data.path=x.npz`) build one section, which is checked
+    whole (npz's path is required, so its name alone would fail); a later item giving the
+    whole section (`--set data={...}`) replaces what earlier ones built."""
+    given: dict = {}        # key: (value, the items that gave it, raw text of a whole value)
     for item in overrides:
         scratch = Config()
         apply_override(scratch, item)       # ConfigError "--set ...: ..." on bad syntax
@@ -393,11 +397,21 @@ def _set_layer(overrides, role: str) -> dict:
                 raise ConfigError(f"--set {item}: {key} is not a setting of the "
                                   f"{ROLE_NAMES[role]} ({_readers(key)}); valid keys for the "
                                   f"{ROLE_NAMES[role]}: {', '.join(_role_keys(role))}")
-            raw = item.partition("=")[2].strip() if item.partition("=")[0].strip() == key \
-                else None
-            value = _layer_value(key, value, where(key), os.getcwd(), raw)
-            out[key] = _Entry(value, Source("command line", f"--set {item}", key),
-                              os.getcwd(), where(key), raw)
+            whole = item.partition("=")[0].strip() == key
+            raw = item.partition("=")[2].strip() if whole else None
+            items = [item]
+            old = given.get(key)
+            if old is not None and not whole and KEYS[key].kind in ("dataset", "model") \
+                    and isinstance(value, Mapping) and isinstance(old[0], (Mapping, str)):
+                before = {"name": old[0]} if isinstance(old[0], str) else old[0]
+                value, items = {**before, **value}, old[1] + items
+            given[key] = (value, items, raw)
+    out = {}
+    for key, (value, items, raw) in given.items():
+        text = " ".join(f"--set {item}" for item in items)
+        where = f"{text}: {key}"
+        value = _layer_value(key, value, where, os.getcwd(), raw)
+        out[key] = _Entry(value, Source("command line", text, key), os.getcwd(), where, raw)
     return out
 
 
