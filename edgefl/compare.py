@@ -14,6 +14,10 @@ plus, shown separately, an offline phase that ran before round 1 (DUW's weight t
 whose time duw_weights.json in the run directory records). `overlay_figure` draws test
 accuracy and test loss by round, one line per run.
 
+A field of summary.json or metrics.jsonl that a row reads and that is not of its type (an
+accuracy "abc") is refused naming the file (and line) and the field; an absent or null one
+is unknown ("–"), as in a run stopped before any evaluated round.
+
 The functions here are also what `tools/reproduce.py` builds its tables from.
 """
 from __future__ import annotations
@@ -91,7 +95,47 @@ def _read_summary(path: str) -> dict:
             from None
     if not isinstance(summary, dict):
         raise RunDirError(f"{summary_path}: expected a JSON object, got {type(summary).__name__}")
+    for key in ("config", "rounds"):
+        if summary.get(key) is None:
+            raise RunDirError(f"{summary_path}: no {key} (the run's {_REQUIRED[key]}, which "
+                              f"every summary.json of `edgefl simulate` holds)")
+    _check_fields(summary, _SUMMARY_FIELDS, summary_path)
+    _check_fields(summary["config"], _CONFIG_FIELDS, summary_path, "config.")
     return summary
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_NUMBER = (_is_number, "a number")
+_COUNT = (_is_count, "a whole number >= 0")
+_SECONDS = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+
+# What a table row reads, and its type. A field may be absent or null: a run stopped before
+# any evaluated round has no accuracy, bytes or wall time (runs.outputs.stopped_summary), and
+# the row shows "–". config and rounds every summary has, a stopped run's too.
+_REQUIRED = {"config": "configuration", "rounds": "number of rounds done"}
+_SUMMARY_FIELDS = {"config": _OBJECT, "rounds": _COUNT, "final_accuracy": _NUMBER,
+                   "best_accuracy": _NUMBER, "best_round": _COUNT, "uplink_bytes": _COUNT,
+                   "downlink_bytes": _COUNT, "wall_s": _SECONDS}
+_CONFIG_FIELDS = {"strategy": _OBJECT, "dataset": _OBJECT, "partition": _OBJECT}
+_METRICS_FIELDS = {"round": _COUNT, "test_accuracy": _NUMBER, "test_loss": _NUMBER,
+                   "sim_time_s": _SECONDS}
+
+
+def _check_fields(record: dict, fields: dict, where: str, prefix: str = "") -> None:
+    """RunDirError naming `where` and the field when one of `fields` is present, not null,
+    and not of its type (a string "abc" for an accuracy)."""
+    for key, (valid, what) in fields.items():
+        value = record.get(key)
+        if value is not None and not valid(value):
+            raise RunDirError(f"{where}: {prefix}{key} must be {what}, got {value!r}")
 
 
 def read_history(path: str) -> list:
@@ -111,9 +155,10 @@ def read_history(path: str) -> list:
             except json.JSONDecodeError as exc:
                 raise RunDirError(f"{metrics_path}, line {number}: not valid JSON ({exc.msg})") \
                     from None
-            if not isinstance(record, dict) or "round" not in record:
+            if not isinstance(record, dict) or record.get("round") is None:
                 raise RunDirError(f"{metrics_path}, line {number}: expected an object with a "
                                   f"'round' key")
+            _check_fields(record, _METRICS_FIELDS, f"{metrics_path}, line {number}")
             history.append(record)
     if not history:
         raise RunDirError(f"{metrics_path}: no rounds recorded")

@@ -210,3 +210,84 @@ def test_human_units():
     assert format_bytes(2 * 1024 ** 3) == "2.00 GiB"
     assert format_duration(0.5) == "0.50 s" and format_duration(75) == "1m15s"
     assert format_duration(3725) == "1h02m"
+
+
+def broken_copy(runs, tmp_path, name="L", summary=None, metrics_line=None):
+    """A copy of the FedAvg run with summary.json replaced and/or a metrics line appended."""
+    run = tmp_path / name
+    shutil.copytree(runs["fedavg"], run)
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps(summary))
+    if metrics_line is not None:
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(metrics_line + "\n")
+    return run
+
+
+def refused(argv, capsys):
+    """(exit status, the one stderr line) of `edgefl compare`, which must print no table."""
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err, (out, err)
+    assert len(err.splitlines()) == 1, err
+    return code, err.strip()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("final_accuracy", "abc", "final_accuracy must be a number, got 'abc'"),
+    ("best_accuracy", True, "best_accuracy must be a number, got True"),
+    ("best_round", "3", "best_round must be a whole number >= 0, got '3'"),
+    ("uplink_bytes", -5, "uplink_bytes must be a whole number >= 0, got -5"),
+    ("wall_s", [1], "wall_s must be a number >= 0, got [1]"),
+    ("rounds", 2.5, "rounds must be a whole number >= 0, got 2.5"),
+    ("config", "fedavg", "config must be an object, got 'fedavg'"),
+])
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_malformed_summary_field_is_named_with_its_file(runs, tmp_path, capsys, field, value,
+                                                          message, json_out):
+    # the table used to fail formatting it ("Unknown format code 'f' for object of type
+    # 'str'", no file named) and --json passed it through as if it were the run's result
+    summary, _ = read_files(runs["fedavg"])
+    run = broken_copy(runs, tmp_path, summary={**summary, field: value})
+    png = tmp_path / "p.png"
+    argv = ["compare", runs["fedavg"], str(run), "--out", str(png)] + (["--json"] * json_out)
+    assert refused(argv, capsys) == (1, f"edgefl compare: error: {run}/summary.json: {message}")
+    assert not png.exists()
+
+
+def test_a_summary_without_the_runs_config_is_refused(runs, tmp_path, capsys):
+    # {} gave a row of "?": every summary.json edgefl writes, a stopped run's too, has the
+    # run's config and its rounds, so one without them is not a run's summary
+    run = broken_copy(runs, tmp_path, summary={})
+    assert refused(["compare", str(run), "--no-plot"], capsys) == (
+        1, f"edgefl compare: error: {run}/summary.json: no config (the run's configuration, "
+           f"which every summary.json of `edgefl simulate` holds)")
+
+
+def test_a_metrics_line_with_a_malformed_field_is_located(runs, tmp_path, capsys):
+    _, history = read_files(runs["fedavg"])
+    where = f"metrics.jsonl, line {len(history) + 1}"
+    for line, message in [('{"round": "x"}', "round must be a whole number >= 0, got 'x'"),
+                          ('{"round": 7, "test_accuracy": "0.9"}',
+                           "test_accuracy must be a number, got '0.9'")]:
+        run = broken_copy(runs, tmp_path, name=f"m{len(line)}", metrics_line=line)
+        assert refused(["compare", str(run), "--no-plot", "--json"], capsys) == (
+            1, f"edgefl compare: error: {run}/{where}: {message}")
+
+
+def test_a_stopped_runs_summary_without_accuracy_is_compared(runs, tmp_path, capsys):
+    # A run stopped (SIGINT/SIGTERM) before any evaluated round writes summary.json without
+    # accuracy, bytes or wall time (runs.outputs.stopped_summary, docs/reliability.md): that
+    # is a legitimate summary, shown with "–" where the numbers are unknown
+    summary, _ = read_files(runs["fedavg"])
+    stopped = {key: summary[key] for key in ("rounds", "n_params", "workers", "backend",
+                                             "edgefl_version", "config")}
+    stopped["stopped"] = {"reason": "stop_requested", "in_round": 2, "rounds_done": 1,
+                          "rounds_planned": 6, "message": "stopped by SIGTERM in round 2"}
+    run = broken_copy(runs, tmp_path, summary=stopped)
+    assert main(["compare", str(run), "--no-plot"]) == 0
+    row = table_rows(capsys.readouterr().out)["L"]
+    assert row["final acc"] == "–" and row["best acc (round)"] == "–" and row["wall"] == "–"
+    assert main(["compare", str(run), "--no-plot", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["runs"][0]
+    assert row["final_accuracy"] is None and row["wall_s"] is None
