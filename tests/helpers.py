@@ -27,7 +27,7 @@ from edgefl.runconfig import load_run_config
 
 __all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
            "load_small_run", "read_jsonl", "AggregatorProcesses", "start_mqtt_clients",
-           "stop_clients", "aggregated_rounds", "StopAtLine", "import_tool"]
+           "stop_clients", "aggregated_rounds", "StopAtLine", "import_tool", "usage_error"]
 
 
 def import_tool(name: str):
@@ -40,6 +40,19 @@ def import_tool(name: str):
     if tools not in sys.path:
         sys.path.insert(0, tools)
     return importlib.import_module(name)
+
+
+def usage_error(argv, capsys) -> str:
+    """The error line of `edgefl ARGV` refused while its command line is parsed: exit status
+    2 (argparse's), usage and one error line on stderr, no traceback, nothing on stdout."""
+    from edgefl.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and "Traceback" not in err, (out, err)
+    assert err.startswith("usage: "), err
+    return err.splitlines()[-1]
 
 
 def read_jsonl(path) -> list:

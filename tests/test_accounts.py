@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 pytest.register_assert_rewrite("brokers")
 
 from brokers import ServerProcess, messages_within, next_message, wait_event  # noqa: E402
+from helpers import usage_error  # noqa: E402
 from edgefl.fleet import mosquitto_conf  # noqa: E402
 from edgefl.service.accounts import (dynsec_state, federation_accounts,  # noqa: E402
                                      find_dynsec_plugin, hash_password, write_accounts)
@@ -254,6 +255,18 @@ def test_the_command_writes_private_files_and_never_replaces_them(tmp_path):
     assert "dynamic-security.json: exists" in again.stderr
     assert (out / "credentials" / "client-1.pw").read_text() == before
 
+
+
+@pytest.mark.parametrize("clients", ["-2", "0", " -1 "])
+def test_a_count_of_clients_below_one_is_refused_naming_the_option(tmp_path, capsys, clients):
+    # "-2" is a mistyped count, not a board: it used to make an account named -2 (and 0
+    # failed later, as "a federation needs at least one client id")
+    out = tmp_path / "acc"
+    assert usage_error(["broker", "accounts", "--federation", FED, "--clients", clients,
+                        "--out", str(out)], capsys) == (
+        f"edgefl broker accounts: error: argument --clients: need a whole number >= 1, "
+        f"got {int(clients)}")
+    assert not out.exists()
 
 # ------------------------------------------------------------------ without the plugin
 class PasswordFileMosquitto(ServerProcess):

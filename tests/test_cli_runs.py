@@ -10,7 +10,7 @@ import yaml
 
 import edgefl
 from edgefl.cli import destinations, main
-from helpers import SMALL_RUN
+from helpers import SMALL_RUN, usage_error
 
 # the roles' small run (all three clients every round), as tiny.yaml
 TINY = {**SMALL_RUN, "clients_per_round": 3}
@@ -383,3 +383,12 @@ def test_force_over_a_finished_run_keeps_its_files_when_the_broker_is_unreachabl
         assert tree(cwd / "prev") == before, option     # byte for byte, metrics.jsonl too
     # and the old run is still whole: compare reads it
     assert main(["compare", "prev", "--no-plot"]) == 0
+
+
+@pytest.mark.parametrize("command", ["simulate", "duw-train"])
+def test_workers_below_one_is_refused_while_parsing(cwd, capsys, command):
+    # --workers is checked by the same argument type as predict's --top and --limit
+    # (edgefl.cli.command.count): one message, before the config is read or --out made
+    assert usage_error([command, "tiny.yaml", "--workers", "0", "--out", "o"], capsys) == (
+        f"edgefl {command}: error: argument --workers: need a whole number >= 1, got 0")
+    assert sorted(os.listdir(cwd)) == ["tiny.yaml"]

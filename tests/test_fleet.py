@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import wait_for  # noqa: E402
+from helpers import usage_error, wait_for  # noqa: E402
 from edgefl import fleet as fleet_module  # noqa: E402
 from edgefl.service.accounts import find_dynsec_plugin  # noqa: E402
 from edgefl.transport.broker import adapt_mosquitto_conf, find_mosquitto, have_python_broker  # noqa: E402,E501
@@ -211,6 +211,19 @@ def test_clear_errors(tmp_path, args, message):
     assert done.returncode != 0
     assert message in done.stderr
 
+
+
+@pytest.mark.parametrize("action", ["up", "down"])
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_a_timeout_of_zero_or_less_is_refused_naming_the_option(tmp_path, capsys, action,
+                                                                  value):
+    # up --timeout -1 was accepted (and gave up waiting for the nodes it had started);
+    # refused while parsing, nothing is written or started
+    fleet_dir = tmp_path / "f"
+    assert usage_error(["fleet", action, "--dir", str(fleet_dir), "--timeout", value],
+                       capsys) == (f"edgefl fleet: error: argument --timeout: need a number "
+                                   f"of seconds > 0, got {value}")
+    assert not fleet_dir.exists()
 
 def test_up_refuses_a_directory_that_holds_something_else(tmp_path):
     (tmp_path / "f").mkdir()

@@ -39,6 +39,7 @@ from edgefl.io import atomic_write
 from edgefl.models import OP_DENSE, build_model
 from edgefl.runconfig import run_config_from_mapping
 from edgefl.sim import simulate
+from helpers import usage_error
 
 PROB_ATOL = 1e-5   # the parity bound of issue #5 item 2, on probabilities
 
@@ -522,6 +523,19 @@ def test_cli_export_writes_next_to_the_checkpoint_by_default(run_dir, capsys):
     assert f"to {target}" in capsys.readouterr().out
     assert [o.name for o in onnx.load(target).graph.output] == ["scores"]
 
+
+@pytest.mark.parametrize("option, value", [("--top", "-1"), ("--top", "0"), ("--limit", "0"),
+                                           ("--limit", "-3")])
+def test_cli_predict_refuses_a_count_below_one_naming_the_option(tmp_path, capsys, option,
+                                                                   value):
+    # --top -1 and --top 0 printed every sample with one class (rc 0), as if asked for it;
+    # a count below one is a mistyped command line, refused before the model is loaded
+    model, params, raw, x, mean, std = random_case("logreg", n=4)
+    path = str(tmp_path / "m.onnx")
+    export_onnx(model, params, path, norm_mean=mean, norm_std=std)
+    assert usage_error(["predict", path, "--from-dataset", "digits", option, value],
+                       capsys) == (f"edgefl predict: error: argument {option}: need a whole "
+                                   f"number >= 1, got {value}")
 
 def test_cli_predict_prints_values_for_a_regression_model(tmp_path, capsys):
     model, params, raw, x, mean, std = random_case("linear-multi", n=4)

@@ -18,6 +18,7 @@ import pytest
 pytest_plugins = ["brokers"]
 
 from brokers import messages_within    # noqa: E402
+from helpers import usage_error    # noqa: E402
 from edgefl.roles import (AggregatorCheckpoint, AggregatorSettings, Client,  # noqa: E402
                           ClientSettings)
 from edgefl.roles.control import ControlClient    # noqa: E402
@@ -1294,3 +1295,13 @@ def test_a_changed_site_run_config_is_queued_as_a_new_run(mosquitto_server, tmp_
     assert (f"edgefl aggregator: error: {s.file}: the site file's run config changed since "
             f"run {new_id} (finished)") in changed.stderr, changed.stderr
     assert s.records() == records
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan"])
+def test_ctl_refuses_a_timeout_of_zero_or_less_naming_the_option(capsys, value):
+    # `ctl status --timeout -1` used to publish and then report "no reply ... within -1 s
+    # ... (connection lost?)", blaming the broker; it is refused before connecting (the
+    # --broker here is a closed port, so an accepted value could not reach a real broker)
+    assert usage_error(["ctl", "status", "--broker", "mqtt://127.0.0.1:1", "--timeout", value],
+                       capsys) == (f"edgefl ctl: error: argument --timeout: need a number of "
+                                   f"seconds > 0, got {value}")

@@ -27,7 +27,7 @@ from edgefl.service.logs import setup_logging, stream_is_journal
 from edgefl.service.notify import Notifier, watchdog_interval
 from edgefl.service.signals import install_stop_handlers
 from edgefl.service.status import format_fleet
-from helpers import wait_for
+from helpers import usage_error, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "edgefl" / "service" / "units"
@@ -962,3 +962,12 @@ def test_installed_unit_passes_verify(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), \
         result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_status_refuses_a_wait_of_zero_or_less_naming_the_option(capsys, value):
+    # `status --wait -1` was accepted and listed no nodes, as if none had published; it is
+    # refused before connecting (a closed port here, never the system broker)
+    assert usage_error(["status", "--broker", "mqtt://127.0.0.1:1", "--wait", value],
+                       capsys) == (f"edgefl status: error: argument --wait: need a number of "
+                                   f"seconds > 0, got {value}")

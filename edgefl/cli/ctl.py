@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .command import Command
+from .command import Command, seconds
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start: round quorum of this run")
     parser.add_argument("--min-updates", type=int, metavar="N",
                         help="start: fewest updates a round of this run is aggregated with")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=seconds, default=10.0, metavar="SECONDS",
                         help="how long to wait for a reply (default 10)")
     parser.add_argument("--json", action="store_true",
                         help="print the reply (watch: each event) as JSON")

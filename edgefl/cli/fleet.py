@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .command import Command
+from .command import Command, seconds
 
 FLEET_ACTIONS = ("up", "status", "down")
 
@@ -24,7 +24,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"up: number of client services (default {DEFAULT_CLIENTS})")
     parser.add_argument("--federation", metavar="ID",
                         help=f"up: the federation id (default {DEFAULT_FEDERATION})")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+    parser.add_argument("--timeout", type=seconds, metavar="SECONDS",
                         help="up: longest wait for every node to be online (default 180); "
                              "down: for each process to stop after SIGTERM (default 30)")
     # The dashboard (`edgefl dashboard`) joins here: a --dashboard flag that passes

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
-from .command import Command, UsageError
+from .command import Command, UsageError, count
 from .destinations import FORCE_HELP, check_new_file, check_out_dir
 
 
@@ -78,7 +78,7 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-export", action="store_true",
                         help="do not export model.onnx (`edgefl export RUN_DIR` can make it "
                              "later from model.npz)")
-    parser.add_argument("--workers", type=int, metavar="N",
+    parser.add_argument("--workers", type=count, metavar="N",
                         help="client training threads (default: the number of CPUs)")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
     parser.add_argument("--transport", choices=["inproc", "mqtt"], default="inproc",
@@ -132,8 +132,6 @@ def _simulate(args: argparse.Namespace) -> int:
                          f"each other; drop one")
     config = load_run_config(args.config, args.overrides)
     name = os.path.splitext(os.path.basename(config.path or "run"))[0]
-    if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers {args.workers}: need at least 1 thread")
     if args.broker is not None and args.transport != "mqtt":
         raise ValueError("--broker needs --transport mqtt")
     mqtt = {"max_payload": args.chunk_size} if args.transport == "mqtt" else None
@@ -207,7 +205,7 @@ def _duw_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight file to write (use it with strategy.weights=JSON); an "
                              "existing file is refused without --force")
     parser.add_argument("--force", action="store_true", help=FORCE_HELP)
-    parser.add_argument("--workers", type=int, metavar="N",
+    parser.add_argument("--workers", type=count, metavar="N",
                         help="client simulation threads (default: the number of CPUs)")
     parser.add_argument("--quiet", action="store_true", help="no progress output on stderr")
 
@@ -228,8 +226,6 @@ def _duw_train(args: argparse.Namespace) -> int:
         if config.strategy_params.get(key) is not None:
             raise ConfigError(f"{where}: strategy.{key}: duw-train writes a new table; remove "
                               f"the key (--set strategy.{key}=)")
-    if args.workers is not None and args.workers < 1:
-        raise ValueError(f"--workers {args.workers}: need at least 1 thread")
     # the strategy's offline phase (DUW.prepare) trains the table and writes it to --out
     prepare_run(config, workers=args.workers, progress=not args.quiet,
                 out_files={WEIGHTS_FILE: args.out})
@@ -351,11 +347,11 @@ def _predict_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead of a file, the first --limit test samples of a built-in "
                              "data set, raw as the model takes them: NAME, or without it the "
                              "data set the model was trained on (its metadata)")
-    parser.add_argument("--limit", type=int, metavar="N",
+    parser.add_argument("--limit", type=count, metavar="N",
                         help="with --from-dataset: how many test samples (default 10)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="onnxruntime threads (default 1)")
-    parser.add_argument("--top", type=int, default=3, metavar="K",
+    parser.add_argument("--top", type=count, default=3, metavar="K",
                         help="classes listed per sample (default 3)")
     parser.add_argument("--json", action="store_true",
                         help="print classes and all probabilities as JSON")
@@ -370,8 +366,6 @@ def _dataset_samples(name: str, limit: int, predictor) -> tuple:
     from ..data import load_dataset
     from ..export.onnx import raw_inputs
 
-    if limit < 1:
-        raise ValueError(f"--limit {limit}: give a number of samples >= 1")
     if name:
         options = {"name": name}
     else:
@@ -425,7 +419,7 @@ def _predict(args: argparse.Namespace) -> int:
                "probabilities": probs.tolist()}
         print(json.dumps(doc if labels is None else {**doc, "labels": labels.tolist()}))
         return 0
-    top = max(1, min(args.top, probs.shape[1]))
+    top = min(args.top, probs.shape[1])      # --top is >= 1 (command.count)
     for i, (c, p) in enumerate(zip(classes, probs)):
         best = sorted(range(len(p)), key=lambda k: -p[k])[:top]
         listed = ", ".join(f"{names[k]} {p[k]:.4f}" for k in best)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from .command import Command
+from .command import Command, count_or_ids, seconds
 
 
 # ---------------------------------------------------------------------------------------
@@ -33,7 +33,8 @@ def _broker_arguments(parser: argparse.ArgumentParser) -> None:
                          "to its client id), hashed passwords and access, for Mosquitto's "
                          "dynamic security plugin (docs/brokers.md)")
     accounts.add_argument("--federation", required=True, metavar="ID", help="federation id")
-    accounts.add_argument("--clients", required=True, metavar="N|ID,ID,...",
+    accounts.add_argument("--clients", required=True, type=count_or_ids,
+                          metavar="N|ID,ID,...",
                           help="the boards: a number N (client-1 ... client-N) or their ids")
     accounts.add_argument("--aggregator", default="aggregator", metavar="ID",
                           help="the aggregator's node id (default aggregator)")
@@ -586,7 +587,7 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TLS client certificate (brokers that take its CN as the "
                              "username), with --key-file; default: the site file's")
     parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
-    parser.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
+    parser.add_argument("--wait", type=seconds, default=2.0, metavar="SECONDS",
                         help="longest wait for the retained statuses (default 2)")
     parser.add_argument("--json", action="store_true", help="print the statuses as JSON")
 
