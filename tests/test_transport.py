@@ -20,6 +20,7 @@ import pytest
 pytest.register_assert_rewrite("brokers")
 from brokers import (REPO, Backend, ServerProcess, messages_within,  # noqa: E402
                      next_message, wait_event)
+from edgefl.cli import main  # noqa: E402
 from edgefl.transport.base import (CONNECTED, DISCONNECTED, ConnectionEvent, PayloadTooLarge,
                                    TransportError, check_filter, check_topic, topic_matches)
 from edgefl.transport.broker import (BrokerError, EmbeddedBroker, find_mosquitto, free_port,
@@ -722,6 +723,23 @@ def test_embedded_broker_prefers_mosquitto_and_configures_it():
     with pytest.raises(ValueError, match="kind"):
         EmbeddedBroker(kind="rabbit")
 
+
+
+@pytest.mark.parametrize("host, cause", [
+    ("999.1.1.1", "cannot listen on 999.1.1.1: Name or service not known (--host)"),
+    ("192.0.2.1", "cannot listen on 192.0.2.1: not an address of this machine (--host)"),
+])
+@pytest.mark.parametrize("port", ["0", None])
+def test_edgefl_broker_names_a_host_it_cannot_listen_on(capsys, host, cause, port):
+    # '--host 999.1.1.1' said only "[Errno -2] Name or service not known", and with a port
+    # given the failed bind read as "port ... is already in use"; the words are the
+    # dashboard's (transport.broker.listen_error). 192.0.2.1 is TEST-NET-1, no machine's.
+    if find_mosquitto() is None and not have_python_broker():
+        pytest.skip("neither mosquitto nor amqtt is installed")
+    port = port or str(free_port())
+    assert main(["broker", "--port", port, "--host", host]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"edgefl broker: error: {cause}\n"
 
 def test_edgefl_broker_command_runs_until_sigterm():
     if find_mosquitto() is None and not have_python_broker():

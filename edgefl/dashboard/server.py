@@ -21,7 +21,6 @@ event topics and folds every received item into the FleetView until stopped.
 """
 from __future__ import annotations
 
-import errno
 import ipaddress
 import json
 import logging
@@ -33,6 +32,7 @@ from importlib import resources
 
 from ..io import jsonable
 from ..transport.base import CONNECTED, DISCONNECTED, ConnectionEvent, Transport
+from ..transport.broker import listen_error
 from .view import FleetView
 
 __all__ = ["DashboardServer", "BrokerFeed", "is_loopback", "ASSETS", "KEEPALIVE_S"]
@@ -184,23 +184,6 @@ def _sse(kind: str, doc) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _json(doc) + b"\n\n"
 
 
-def _listen_error(exc: OSError, host: str, port: int) -> OSError:
-    """The error of a failed bind in words naming the address and the option to change,
-    with the errno kept (the CLI prints the message alone)."""
-    texts = {
-        errno.EADDRINUSE: f"port {port} on {host} is in use (another dashboard, or another "
-                          f"server?): choose another with --port",
-        errno.EADDRNOTAVAIL: f"cannot listen on {host}: not an address of this machine "
-                             f"(--host)",
-        errno.EACCES: f"port {port} on {host}: permission denied (ports below 1024 need "
-                      f"root): choose another with --port",
-    }
-    error = OSError(texts.get(exc.errno, f"cannot listen on {host}:{port}: "
-                                         f"{exc.strerror or exc}"))
-    error.errno = exc.errno
-    return error
-
-
 class DashboardServer(ThreadingHTTPServer):
     """The page and its live feed for `view`, on host:port (port 0: a free one; `port`
     then says which). OSError naming the address when the port is taken or the host is
@@ -219,7 +202,7 @@ class DashboardServer(ThreadingHTTPServer):
         try:
             super().__init__((host, port), _Handler)
         except OSError as exc:
-            raise _listen_error(exc, host, port) from None
+            raise listen_error(exc, host, port, "dashboard") from None
         self.thread: threading.Thread | None = None
 
     @property

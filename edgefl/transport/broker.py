@@ -25,6 +25,7 @@ chaos soak (tools/chaos.py), which must run against the options production runs 
 """
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -78,22 +79,51 @@ def have_python_broker() -> bool:
     return sys.version_info >= (3, 10) and importlib.util.find_spec("amqtt") is not None
 
 
+def listen_error(exc: OSError, host: str, port: int, server: str) -> OSError:
+    """The error of a failed bind in words naming the address and the option to change
+    (--host, --port), with the errno kept (the CLI prints the message alone). `server`
+    names what was to listen ("dashboard", "broker"). A host that is no address ("Name or
+    service not known") is named too."""
+    texts = {
+        errno.EADDRINUSE: f"port {port} on {host} is in use (another {server}, or another "
+                          f"server?): choose another with --port",
+        errno.EADDRNOTAVAIL: f"cannot listen on {host}: not an address of this machine "
+                             f"(--host)",
+        errno.EACCES: f"port {port} on {host}: permission denied (ports below 1024 need "
+                      f"root): choose another with --port",
+    }
+    if isinstance(exc, socket.gaierror):
+        text = f"cannot listen on {host}: {exc.strerror or exc} (--host)"
+    else:
+        text = texts.get(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    error = OSError(text)
+    error.errno = exc.errno
+    return error
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the kernel's choice for port 0)."""
+    """A TCP port nobody listens on right now (the kernel's choice for port 0); OSError
+    naming the host when it cannot be listened on (listen_error)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, 0))
+        except OSError as exc:
+            raise listen_error(exc, host, 0, "broker") from None
         return sock.getsockname()[1]
 
 
 def _port_is_free(host: str, port: int) -> bool:
     """Nobody listens on host:port (a socket in TIME_WAIT does not count, as for the broker,
-    which binds with SO_REUSEADDR)."""
+    which binds with SO_REUSEADDR). A host that cannot be listened on at all (no such name,
+    not this machine's address) is OSError naming it, not a port in use."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return False
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise listen_error(exc, host, port, "broker") from None
         return True
 
 
