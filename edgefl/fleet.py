@@ -402,13 +402,20 @@ def up(directory: str, clients: int | None = None, federation: str | None = None
                              "another --dir")
         say(f"fleet up: starting the fleet in {directory} again (files kept)")
     else:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise FleetError(f"--dir {directory}: is a file, not a directory; choose a new "
+                             f"or empty directory")
         if os.path.isdir(directory) and os.listdir(directory):
             raise FleetError(f"--dir {directory}: directory is not empty and holds no fleet "
                              f"({FLEET_RECORD}); choose a new or empty directory")
         ids = client_ids(DEFAULT_CLIENTS if clients is None else clients)
         federation = DEFAULT_FEDERATION if federation is None else federation
         broker, plugin, why = _choose_broker(directory)
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:      # a parent is a file, or not writable
+            raise FleetError(f"--dir {directory}: cannot make the directory: "
+                             f"{exc.strerror or exc}") from None
         port = free_port()
         fleet = Fleet(directory, federation, ids, port, broker)
         _write_files(directory, federation, ids, port, plugin,

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import usage_error, wait_for  # noqa: E402
 from edgefl import fleet as fleet_module  # noqa: E402
+from edgefl.cli import main  # noqa: E402
 from edgefl.service.accounts import find_dynsec_plugin  # noqa: E402
 from edgefl.transport.broker import adapt_mosquitto_conf, find_mosquitto, have_python_broker  # noqa: E402,E501
 
@@ -224,6 +225,21 @@ def test_a_timeout_of_zero_or_less_is_refused_naming_the_option(tmp_path, capsys
                        capsys) == (f"edgefl fleet: error: argument --timeout: need a number "
                                    f"of seconds > 0, got {value}")
     assert not fleet_dir.exists()
+
+@pytest.mark.parametrize("under", [False, True])
+def test_up_refuses_a_dir_that_is_a_file(tmp_path, capsys, under):
+    # `--dir some-file` said "[Errno 17] File exists: '...'"; it is a file, say so (and a
+    # --dir under a file cannot be made: say that, naming the --dir), writing nothing
+    (tmp_path / "some-file").write_text("mine")
+    fleet_dir = tmp_path / "some-file" / "sub" if under else tmp_path / "some-file"
+    assert main(["fleet", "up", "--dir", str(fleet_dir)]) == 1
+    out, err = capsys.readouterr()
+    cause = ("cannot make the directory: Not a directory" if under
+             else "is a file, not a directory; choose a new or empty directory")
+    assert out == "" and err == f"edgefl fleet up: error: --dir {fleet_dir}: {cause}\n"
+    assert os.listdir(tmp_path) == ["some-file"]
+    assert (tmp_path / "some-file").read_text() == "mine"
+
 
 def test_up_refuses_a_directory_that_holds_something_else(tmp_path):
     (tmp_path / "f").mkdir()
