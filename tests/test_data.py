@@ -426,6 +426,13 @@ def test_synthetic_lognormal_sizes_vary_with_size_sigma():
     ({"classes": 1}, "classes must be at least 2"),
     ({"dim": 0}, "dim must be a positive integer"),
     ({"alpha": -1.0}, "alpha must be >= 0"),
+    # of the wrong type: were TypeErrors ('>=' not supported between 'str' and 'int')
+    ({"alpha": "abc"}, "synthetic: alpha must be a number, got 'abc'"),
+    ({"beta": [1]}, r"synthetic: beta must be a finite number, got \[1\]"),
+    ({"beta": True}, "synthetic: beta must be a finite number, got True"),
+    ({"size_sigma": "abc"}, "synthetic: size_sigma must be a number, got 'abc'"),
+    ({"test_fraction": "abc"}, "synthetic: test_fraction must be a number, got 'abc'"),
+    ({"seed": "abc"}, "synthetic: seed must be an integer, got 'abc'"),
 ])
 def test_synthetic_rejects_bad_parameters(options, message):
     with pytest.raises(ValueError, match=message):

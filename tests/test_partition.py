@@ -341,6 +341,26 @@ def test_cli_partition_error_is_one_line_and_exit_1(tmp_path, capsys):
     assert "absent.yaml: config file does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, options, message", [
+    ("dirichlet", {"alpha": "abc"}, "dirichlet: alpha must be a number, got 'abc'"),
+    ("dirichlet", {"alpha": True}, "dirichlet: alpha must be a finite number, got True"),
+    ("dirichlet", {"alpha": 0}, "dirichlet: alpha must be > 0, got 0"),
+    ("quantity", {"sigma": [1]}, r"quantity: sigma must be a finite number, got \[1\]"),
+    ("quantity", {"sigma": -1}, "quantity: sigma must be >= 0, got -1"),
+    ("label-noise", {"rate": "abc"}, "label-noise: rate must be a number, got 'abc'"),
+    ("label-noise", {"rate": [0.1, False, 0, 0]},
+     r"label-noise: rate\[1\] must be a finite number, got False"),
+    ("label-noise", {"max_rate": [1]}, r"label-noise: max_rate must be a finite number"),
+    ("label-noise", {"rate": 0.1, "num_classes": "abc"},
+     "label-noise: num_classes must be a positive integer, got 'abc'"),
+    ("mod", {"num_classes": [1]}, r"mod: num_classes must be a positive integer, got \[1\]"),
+])
+def test_partition_options_of_the_wrong_type_are_named(digits, name, options, message):
+    # were TypeErrors ('>' not supported between 'str' and 'int') or float()'s own words
+    with pytest.raises(ValueError, match=message):
+        partition(digits, name, 4, 0, **options)
+
+
 def test_cli_info_reports_backend_and_datasets(capsys):
     import edgefl
     assert main(["info"]) == 0

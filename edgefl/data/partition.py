@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .datasets import check_real
+
 
 @dataclass(frozen=True)
 class Partition:
@@ -165,7 +167,7 @@ def dirichlet(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
     the class is spread uniformly over the clients with room instead of dividing by zero.
     """
     labels = _class_labels("dirichlet", labels)
-    if not alpha > 0:
+    if not check_real("dirichlet", "alpha", alpha) > 0:
         raise ValueError(f"dirichlet: alpha must be > 0, got {alpha!r}")
     min_size = _positive_int("dirichlet", "min_size", min_size)
     max_draws = _positive_int("dirichlet", "max_draws", max_draws)
@@ -200,8 +202,9 @@ def quantity(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
     """Quantity skew, the "unbalanced" setting of the FedUmf paper's Appendix A: sizes
     n_i ~ LogNormal(log(m/N), sigma) normalised to sum to m (integer sizes by largest
     remainder, each >= 1), then an IID split. sigma = 0 gives equal sizes."""
-    if not sigma >= 0:
+    if not check_real("quantity", "sigma", sigma) >= 0:
         raise ValueError(f"quantity: sigma must be >= 0, got {sigma!r}")
+    sigma = float(sigma)
     m = len(labels)
     _check_clients("quantity", m, n_clients)
     weights = rng.lognormal(np.log(m / n_clients), sigma, n_clients)
@@ -226,15 +229,18 @@ def label_noise(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
                          "max_rate")
     _check_clients("label-noise", len(labels), n_clients)
     if rate is None:
-        rates = np.linspace(0.0, float(max_rate), n_clients)
+        rates = np.linspace(0.0, check_real("label-noise", "max_rate", max_rate), n_clients)
+    elif isinstance(rate, (list, tuple, np.ndarray)):
+        rates = np.array([check_real("label-noise", f"rate[{i}]", r) for i, r in enumerate(rate)],
+                         dtype=np.float64)
     else:
-        rates = np.asarray(rate, dtype=np.float64)
-        rates = np.full(n_clients, float(rates)) if rates.ndim == 0 else rates
+        rates = np.full(n_clients, check_real("label-noise", "rate", rate))
     if rates.shape != (n_clients,):
         raise ValueError(f"label-noise: {len(rates)} rates for {n_clients} clients")
     if not np.all((rates >= 0) & (rates <= 1)):
         raise ValueError(f"label-noise: rates must be in [0, 1], got {rates.tolist()}")
-    n_classes = int(labels.max()) + 1 if num_classes is None else int(num_classes)
+    n_classes = int(labels.max()) + 1 if num_classes is None else \
+        _positive_int("label-noise", "num_classes", num_classes)
     if n_classes < 2 or labels.max() >= n_classes:
         raise ValueError(f"label-noise: needs at least 2 classes covering the labels, got "
                          f"num_classes={n_classes} with labels up to {int(labels.max())}")
@@ -261,7 +267,8 @@ def mod(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
     """
     labels = _class_labels("mod", labels)
     _check_clients("mod", len(labels), n_clients)
-    n_classes = int(labels.max()) + 1 if num_classes is None else int(num_classes)
+    n_classes = int(labels.max()) + 1 if num_classes is None else \
+        _positive_int("mod", "num_classes", num_classes)
     if labels.max() >= n_classes:
         raise ValueError(f"mod: label {int(labels.max())} is outside num_classes={n_classes}")
     if n_clients <= n_classes:
