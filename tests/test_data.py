@@ -344,6 +344,54 @@ def test_missing_npz_file_is_named(tmp_path):
         load_dataset("npz", path=str(tmp_path / "absent.npz"))
 
 
+def test_a_file_that_is_not_an_npz_archive_is_named(tmp_path):
+    # np.load read random bytes as a pickle and spoke of allow_pickle, naming no file
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(np.random.default_rng(0).bytes(256))
+    with pytest.raises(ValueError, match=r"junk\.npz: not an \.npz archive"):
+        load_dataset("npz", path=str(junk))
+    np.save(tmp_path / "one.npy", np.zeros(3))       # an .npy is one array, not an archive
+    with pytest.raises(ValueError, match=r"one\.npy: not an \.npz archive"):
+        load_dataset("npz", path=str(tmp_path / "one.npy"))
+
+
+@pytest.mark.parametrize("name", ["npz", "csv"])
+def test_a_directory_given_as_the_data_file_is_called_a_directory(tmp_path, name):
+    # was "file /tmp does not exist": it exists, it is a directory
+    with pytest.raises(ValueError, match=f"{name}: {tmp_path} is a directory, not a .{name} file"):
+        load_dataset(name, path=str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["junk-npz", "csv-directory"])
+def test_bad_data_files_reach_the_cli_as_one_line(tmp_path, capsys, kind):
+    import re
+
+    from edgefl.cli import main
+
+    if kind == "junk-npz":
+        (tmp_path / "d.npz").write_bytes(b"\x00\xffjunk" * 40)
+        overrides = ["dataset.name=npz", f"dataset.path={tmp_path / 'd.npz'}"]
+        message = r"d\.npz: not an \.npz archive"
+    else:
+        overrides = ["dataset.name=csv", f"dataset.path={tmp_path}"]
+        message = f"{re.escape(str(tmp_path))} is a directory, not a \\.csv file"
+    out = tmp_path / "o"
+    args = ["simulate", "quickstart", "--out", str(out), "--quiet", "--no-plot", "--no-export"]
+    for item in overrides:
+        args += ["--set", item]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+    assert not out.exists()
+
+
+def test_a_csv_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "latin.csv").write_bytes(b"a,b\n1,\xe9\n")
+    with pytest.raises(ValueError, match=r"latin\.csv: not UTF-8 text"):
+        load_dataset("csv", path=str(tmp_path / "latin.csv"), label="a")
+
+
 # ---------------------------------------------------------------------------------------
 # csv
 # ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -435,9 +436,17 @@ def load_npz(*, path: str, x_train: str = "x_train", y_train: str = "y_train",
     """
     _check_choice("npz", "task", task, _TASKS)
     _check_choice("npz", "normalize", normalize, _NORMALISATIONS)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"npz: file {path} does not exist")
-    with np.load(path, allow_pickle=False) as npz:
+    _data_file("npz", path)
+    # an .npz is a zip archive; anything else np.load would read as an .npy array or (without
+    # pickle) refuse with words about allow_pickle that name neither the file nor the cause
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path}: not an .npz archive (np.savez writes one); its first bytes "
+                         f"are not a zip file's")
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable .npz archive ({exc})") from None
+    with npz:
         stored = set(npz.files)
 
         def get(key):
@@ -566,11 +575,14 @@ def _tabular_raw(name, path, xs, ys, xt, yt, y_keys, task, num_classes, class_na
 
 def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray]:
     """(header or None, float64 table) of a CSV file; errors name the file, line and column."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"csv: file {path} does not exist")
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = [(n, row) for n, row in enumerate(csv.reader(f, delimiter=delimiter), start=1)
-                if any(cell.strip() for cell in row)]
+    _data_file("csv", path)
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [(n, row) for n, row in enumerate(csv.reader(f, delimiter=delimiter), start=1)
+                    if any(cell.strip() for cell in row)]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                         f"offset {exc.start})") from None
     if not rows:
         raise ValueError(f"{path}: the file is empty")
     header = None
@@ -593,6 +605,15 @@ def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray]:
                     raise ValueError(f"{path}: line {line}, column {name!r}: {cell!r} is not a "
                                      f"number") from None
         raise
+
+
+def _data_file(kind: str, path) -> None:
+    """FileNotFoundError if `path` does not exist; ValueError if it is a directory (an
+    existing path called missing sent users looking for a typo)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{kind}: {path} is a directory, not a .{kind} file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{kind}: file {path} does not exist")
 
 
 def _is_number(cell: str) -> bool:
