@@ -1,6 +1,7 @@
 """Partitioners (disjoint, complete, seeded, and each one's defining property), the config
 sections that describe a run's data, and `edgefl partition`."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -336,9 +337,33 @@ def test_cli_partition_error_is_one_line_and_exit_1(tmp_path, capsys):
     config = write(tmp_path, CONFIG.replace("limit_train: 600", "path: /nowhere"))
     assert main(["partition", str(config), "--no-plot"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("edgefl partition: error: ") and "unknown key dataset.path" in err
+    assert err.startswith("edgefl partition: error: ") and \
+        "run.yaml: dataset.path: unknown option of dataset 'digits'" in err
     assert main(["partition", str(tmp_path / "absent.yaml")]) == 1
     assert "absent.yaml: config file does not exist" in capsys.readouterr().err
+
+
+def test_cli_partition_accepts_a_built_in_config_by_name(tmp_path, capsys, monkeypatch):
+    # simulate, ctl start and client --partition take `quickstart`; partition said
+    # "quickstart: config file does not exist"
+    monkeypatch.chdir(tmp_path)
+    assert main(["partition", "quickstart", "--no-plot"]) == 0
+    assert capsys.readouterr().out.startswith("digits: iid() over 10 clients, seed 0")
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    (CONFIG + "bogus: 3\n", [], "run.yaml: bogus: unknown key; valid keys: dataset, partition"),
+    (CONFIG, ["--set", "bogus=1"], r"run.yaml: bogus \(from --set\): unknown key; valid keys"),
+])
+def test_cli_partition_refuses_unknown_keys_as_simulate_does(tmp_path, capsys, text, overrides,
+                                                            message):
+    # docs/data.md: an unknown key is an error naming the file and the key; partition
+    # accepted it (rc 0) where simulate refused it -- they now read configs alike
+    png = tmp_path / "heat.png"
+    assert main(["partition", str(write(tmp_path, text)), "--out", str(png), *overrides]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+    assert not png.exists()
 
 
 @pytest.mark.parametrize("name, options, message", [

@@ -32,19 +32,22 @@ def _partition_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _partition(args: argparse.Namespace) -> int:
-    from ..config import dataset_from_config, load_config, partition_from_config, section, seed_of
+    from ..config import dataset_from_config, partition_from_config
     from ..data.report import format_table, label_counts, save_heatmap
+    from ..runconfig import load_run_config
 
     if not args.no_plot:
         check_new_file(args.out, args.force)
-    config = load_config(args.config, args.overrides)
-    dataset = dataset_from_config(config)
-    split = partition_from_config(config, dataset)
+    # read as simulate reads it (a built-in config by name, unknown keys refused, every
+    # section checked): the split shown is the one that config's run would train on
+    config = load_run_config(args.config, args.overrides)
+    dataset = dataset_from_config(config.as_config())
+    split = partition_from_config(config.as_config(), dataset)
     counts = label_counts(dataset, split)
-    spec = section(config, "partition")
+    spec = config.partition
     options = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name", "clients"))
     title = (f"{dataset.name}: {spec['name']}({options}) over {len(split.indices)} clients, "
-             f"seed {seed_of(config)}")
+             f"seed {config.seed}")
     print(title)
     print(format_table(counts, split.sizes, dataset.class_names))
     if not args.no_plot:
