@@ -194,12 +194,7 @@ def _mlp(b, num_classes, *, hidden=(200, 200)):
 def _cnn(b, num_classes, *, conv=(), fc=()):
     """conv: list of {out, k, stride=1, pad=0, pool=0}; each conv is followed by ReLU and,
     if pool > 0, a pool x pool max-pool; fc: hidden sizes of the dense layers after it."""
-    for i, layer in enumerate(conv):
-        opts = dict(layer)
-        unknown = set(opts) - {"out", "k", "stride", "pad", "pool"}
-        if unknown or "out" not in opts or "k" not in opts:
-            raise KernelError(f"model cnn: conv[{i}] = {layer}: needs out and k; "
-                              f"optional stride, pad, pool; unknown {sorted(unknown)}")
+    for opts in conv:          # checked by check_model_spec
         b.conv(int(opts["out"]), int(opts["k"]), int(opts.get("stride", 1)), int(opts.get("pad", 0)))
         b.relu()
         if int(opts.get("pool", 0)) > 0:
@@ -231,10 +226,77 @@ def model_names() -> list:
     return sorted(KINDS) + sorted(PRESETS)
 
 
-def build_model(spec, input_shape, num_classes: int) -> Model:
-    """spec: a name ("mlp") or a mapping {name: ..., options...}."""
+class ModelSpecError(KernelError):
+    """A model option the builder cannot take: `key` is its path inside the model's options
+    ("hidden", "conv[0].k"), `problem` what is wrong with it. Run configs name it as
+    "model.<key>" (edgefl.runconfig), at the file's reading."""
+
+    def __init__(self, name, key: str, problem: str):
+        super().__init__(f"model {name}: {key}: {problem}")
+        self.key, self.problem = key, problem
+
+
+CONV_KEYS = ("out", "k", "stride", "pad", "pool")
+_CONV_MINIMUM = {"out": 1, "k": 1, "stride": 1, "pad": 0, "pool": 0}
+
+
+def _whole(value, minimum: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer)) \
+        and value >= minimum
+
+
+def _check_sizes(name, key, value) -> None:
+    # a string is refused, not iterated: hidden: "64" was two layers, [6, 4]; 6.5 was 6
+    if not isinstance(value, (list, tuple)) or not all(_whole(h, 1) for h in value):
+        raise ModelSpecError(name, key, f"must be a list of positive integers, got {value!r}")
+
+
+def _check_conv(name, value) -> None:
+    if not isinstance(value, (list, tuple)):
+        raise ModelSpecError(name, "conv", f"must be a list of layers {{{', '.join(CONV_KEYS)}}}, "
+                                           f"got {value!r}")
+    for i, layer in enumerate(value):
+        if not isinstance(layer, dict):
+            raise ModelSpecError(name, f"conv[{i}]", f"must be a mapping of out, k and optionally "
+                                                     f"stride, pad, pool; got {layer!r}")
+        unknown = sorted(set(layer) - set(CONV_KEYS))
+        if unknown:
+            raise ModelSpecError(name, f"conv[{i}].{unknown[0]}", f"unknown key; valid: "
+                                                                  f"{', '.join(CONV_KEYS)}")
+        if "out" not in layer or "k" not in layer:
+            raise ModelSpecError(name, f"conv[{i}]", f"needs out and k (optionally stride, "
+                                                     f"pad, pool), got {layer!r}")
+        for key, minimum in _CONV_MINIMUM.items():
+            if key in layer and not _whole(layer[key], minimum):
+                raise ModelSpecError(name, f"conv[{i}].{key}", f"must be an integer >= "
+                                                               f"{minimum}, got {layer[key]!r}")
+
+
+def _check_option(name, key, value) -> None:
+    if key in ("hidden", "fc"):
+        _check_sizes(name, key, value)
+    elif key == "conv":
+        _check_conv(name, value)
+    elif key == "bias" and not isinstance(value, bool):
+        raise ModelSpecError(name, key, f"must be true or false, got {value!r}")
+    elif key == "outputs" and not _whole(value, 1):
+        raise ModelSpecError(name, key, f"must be a positive integer, got {value!r}")
+    elif key == "l2" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                          or not value >= 0 or value == float("inf")):
+        raise ModelSpecError(name, key, f"must be a finite number >= 0, got {value!r}")
+
+
+def check_model_spec(spec, extra=()) -> tuple:
+    """(name, kind, options) of a model spec (a name, or a mapping {name, options...}), a
+    preset's options filled in; ModelSpecError naming the option when one is unknown or of
+    the wrong type or range, before any layer is built (so a config's reader can check it
+    without a dataset, and every entry point that reads a run config does). `extra`: keys
+    of the caller's that may stand beside the options (a run config's `init`), named among
+    the valid ones and left out of the options."""
     spec = {"name": spec} if isinstance(spec, str) else dict(spec)
     name = spec.pop("name", None)
+    for key in extra:
+        spec.pop(key, None)
     if name in PRESETS:
         opts = dict(PRESETS[name])
         opts.update(spec)
@@ -242,12 +304,23 @@ def build_model(spec, input_shape, num_classes: int) -> Model:
     elif name in KINDS:
         opts, kind = spec, name
     else:
-        raise KernelError(f"model: unknown name {name!r}; valid: {', '.join(model_names())}")
+        raise ModelSpecError(name, "name", f"unknown model {name!r}; valid: "
+                                           f"{', '.join(model_names())}")
     fn = KINDS[kind]
     allowed = fn.__code__.co_varnames[2:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
-    unknown = sorted(set(opts) - set(allowed))
-    if unknown:
-        raise KernelError(f"model {name}: unknown option(s) {unknown}; valid: {sorted(allowed)}")
+    for key in opts:
+        if key not in allowed:
+            raise ModelSpecError(name, key, f"unknown option of model {name}; valid: "
+                                            f"{', '.join(('name', *extra, *allowed))}")
+    for key, value in spec.items():        # (a preset's own options are right)
+        _check_option(name, key, value)
+    return name, kind, opts
+
+
+def build_model(spec, input_shape, num_classes: int) -> Model:
+    """spec: a name ("mlp") or a mapping {name: ..., options...}."""
+    name, kind, opts = check_model_spec(spec)
+    fn = KINDS[kind]
     if kind not in ("linear",) and int(num_classes) < 2:
         raise KernelError(f"model {name}: needs a classification dataset (num_classes >= 2)")
     b = _Builder(input_shape)

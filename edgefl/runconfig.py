@@ -35,7 +35,7 @@ from .attacks import AttackError, attack_section
 from .config import Config, ConfigError, check_number, load_config
 from .virtual_fleet import FLEET_KEY, OLD_FLEET_KEY, fleet_in, fleet_section
 from .data import dataset_options, partition_options
-from .models import model_names
+from .models import ModelSpecError, check_model_spec, model_names
 from .privacy import settings as privacy_settings
 from .privacy.settings import AdaptiveClip, DifferentialPrivacy, Privacy, SecureAggregation
 from .strategies import StrategyError, get_strategy, strategy_names, strategy_params
@@ -187,6 +187,10 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
         v.fail("model.name", f"unknown model {model['name']!r}; valid: {', '.join(model_names())}")
     if model.get("init", "uniform") not in MODEL_INITS:
         v.fail("model.init", f"{model['init']!r}; valid: {', '.join(MODEL_INITS)}")
+    try:   # the options' names and types, here: every command that reads a config checks them
+        check_model_spec(model, extra=("init",))
+    except ModelSpecError as exc:
+        v.fail(f"model.{exc.key}", exc.problem)
 
     strategy = v.section(data, "strategy")
     name = strategy.pop("name")
@@ -431,7 +435,7 @@ class _Validator:
         self.overridden = {item.partition("=")[0].strip() for item in overrides}
 
     def fail(self, key: str, problem: str):
-        parts = key.split(".")
+        parts = re.sub(r"\[\d+\]", "", key).split(".")   # model.conv[0].k: --set model.conv=...
         from_set = any(".".join(parts[:i]) in self.overridden for i in range(1, len(parts) + 1))
         raise ConfigError(f"{self.path}: {key}{' (from --set)' if from_set else ''}: {problem}")
 

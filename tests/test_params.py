@@ -1,9 +1,11 @@
 """LayerTable over one flat buffer, and the model zoo's tables and initialisation."""
+import re
+
 import numpy as np
 import pytest
 
 from edgefl.errors import KernelError
-from edgefl.models import build_model, model_names
+from edgefl.models import ModelSpecError, build_model, model_names
 from edgefl.params import LayerTable
 
 
@@ -73,10 +75,34 @@ def test_pytorch_default_init_bounds_and_zero_init():
     assert np.abs(cw).max() <= 1 / np.sqrt(32 * 25)
 
 
+@pytest.mark.parametrize("spec, key, problem", [
+    # a string was iterated (hidden: "64" built layers of 6 and 4), 6.5 truncated to 6, and
+    # the rest failed in int() or a comparison, naming no option
+    ({"name": "mlp", "hidden": "64"}, "hidden", "must be a list of positive integers, got '64'"),
+    ({"name": "mlp", "hidden": [6.5]}, "hidden", r"must be a list of positive integers, got \[6.5\]"),
+    ({"name": "mlp", "hidden": [0]}, "hidden", r"must be a list of positive integers, got \[0\]"),
+    ({"name": "mlp", "hidden": [True]}, "hidden", "must be a list of positive integers"),
+    ({"name": "cnn", "fc": "abc"}, "fc", "must be a list of positive integers, got 'abc'"),
+    ({"name": "cnn-mnist", "fc": [[1]]}, "fc", "must be a list of positive integers"),
+    ({"name": "cnn", "conv": "abc"}, "conv", "must be a list of layers"),
+    ({"name": "cnn", "conv": [{"out": 4, "k": "abc"}]}, r"conv\[0\]\.k",
+     "must be an integer >= 1, got 'abc'"),
+    ({"name": "cnn", "conv": [{"out": 4}]}, r"conv\[0\]", "needs out and k"),
+    ({"name": "softmax", "bias": "no"}, "bias", "must be true or false, got 'no'"),
+    ({"name": "linear", "outputs": 1.5}, "outputs", "must be a positive integer, got 1.5"),
+    ({"name": "svm", "l2": "abc"}, "l2", "must be a finite number >= 0, got 'abc'"),
+])
+def test_model_options_of_the_wrong_type_name_the_option(spec, key, problem):
+    with pytest.raises(ModelSpecError, match=f"model {spec['name']}: {key}: {problem}") as info:
+        build_model(spec, (1, 8, 8), 10)
+    assert re.fullmatch(key, info.value.key)      # what a run config names as model.<key>
+
+
 def test_model_options_are_checked():
-    with pytest.raises(KernelError, match="unknown name 'resnet'; valid: .*cnn-mnist"):
+    with pytest.raises(KernelError, match="unknown model 'resnet'; valid: .*cnn-mnist"):
         build_model("resnet", (4,), 2)
-    with pytest.raises(KernelError, match=r"unknown option\(s\) \['hiden'\]"):
+    with pytest.raises(KernelError, match="model mlp: hiden: unknown option of model mlp; "
+                                          "valid: name, hidden"):
         build_model({"name": "mlp", "hiden": [3]}, (4,), 2)
     with pytest.raises(KernelError, match="binary task"):
         build_model("logreg", (4,), 10)

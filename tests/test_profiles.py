@@ -264,7 +264,8 @@ def test_unknown_profile_lists_the_valid_ones(tmp_path):
     ("data: {name: imagenet}\n", r":1: data: unknown dataset 'imagenet'; valid: digits, mnist"),
     ("data: {name: digits, colour: red}\n",
      r":1: data: unknown option 'colour' of dataset 'digits'; valid: name"),
-    ("suggested_model: {name: mlp, width: 3}\n", r":1: suggested_model: model mlp: unknown"),
+    ("suggested_model: {name: mlp, width: 3}\n",
+     r":1: suggested_model: model mlp: width: unknown option of model mlp; valid: name, hidden"),
     ("compute: [1, 2\n", r":2: invalid YAML: expected ',' or ']'"),
     ("- a\n- b\n", r": the top level must be a mapping of settings, got list$"),
 ])

@@ -113,10 +113,10 @@ def test_config_errors_name_the_file_the_key_and_the_choices(tmp_path, data, ove
     assert str(info.value).startswith(path)
 
 
-def test_model_option_errors_surface_at_build_naming_the_file(tmp_path):
-    config = load_run_config(write(tmp_path, small(model={"name": "mlp", "width": 3})))
-    with pytest.raises(ConfigError, match=r"run\.yaml: model: model mlp: unknown option\(s\) \['width'\]"):
-        simulate(config, None, progress=False)
+def test_unknown_model_options_are_named_when_the_config_is_read(tmp_path):
+    with pytest.raises(ConfigError, match=r"run\.yaml: model\.width: unknown option of model "
+                                          r"mlp; valid: name, init, hidden"):
+        load_run_config(write(tmp_path, small(model={"name": "mlp", "width": 3})))
 
 
 def test_builtin_configs_resolve_by_name_and_unknown_names_list_them():
@@ -370,6 +370,87 @@ def test_cli_reports_config_errors_in_one_line(tmp_path, capsys):
     assert main(["simulate", path, "--set", "strategy.name=fedsgd", "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "strategy.name (from --set): unknown strategy 'fedsgd'" in err[0]
+
+
+# Options of the wrong type (a string, a list, a boolean where a number goes; a string where
+# a list of layer sizes goes) were TypeError tracebacks, or messages naming neither the file
+# nor the key, or -- model.hidden: "64" -- a run of two hidden layers [6, 4]. Each is a
+# user's mistake: one line naming the file, the key and the value, exit 1, nothing written,
+# from `edgefl simulate` and from `edgefl partition` (which reads the same config).
+BAD_OPTIONS = [
+    (("partition.name=dirichlet", "partition.alpha=abc"),
+     "run.yaml: partition: dirichlet: alpha must be a number, got 'abc'"),
+    (("partition.name=dirichlet", "partition.alpha=[1]"),
+     r"run.yaml: partition: dirichlet: alpha must be a finite number, got \[1\]"),
+    (("partition.name=dirichlet", "partition.alpha=true"),     # a bool is not a number
+     "run.yaml: partition: dirichlet: alpha must be a finite number, got True"),
+    (("partition.name=quantity", "partition.sigma=abc"),
+     "run.yaml: partition: quantity: sigma must be a number, got 'abc'"),
+    (("partition.name=label-noise", "partition.rate=abc"),
+     "run.yaml: partition: label-noise: rate must be a number, got 'abc'"),
+    (("partition.name=label-noise", "partition.rate=[0.1, abc, 0, 0, 0, 0]"),
+     r"run.yaml: partition: label-noise: rate\[1\] must be a number, got 'abc'"),
+    (("partition.name=label-noise", "partition.rate=0.1", "partition.num_classes=abc"),
+     "run.yaml: partition: label-noise: num_classes must be a positive integer, got 'abc'"),
+    (("partition.name=mod", "partition.num_classes=abc"),
+     "run.yaml: partition: mod: num_classes must be a positive integer, got 'abc'"),
+    (("dataset={name: synthetic, alpha: abc}",),
+     "run.yaml: dataset: synthetic: alpha must be a number, got 'abc'"),
+    (("dataset={name: synthetic, beta: abc}",),
+     "run.yaml: dataset: synthetic: beta must be a number, got 'abc'"),
+    (("dataset={name: synthetic, beta: true}",),
+     "run.yaml: dataset: synthetic: beta must be a finite number, got True"),
+    (("model.name=mlp", "model.hidden=abc"),
+     r"run.yaml: model.hidden \(from --set\): must be a list of positive integers, got 'abc'"),
+    (("model.name=mlp", "model.hidden=[[1]]"),
+     r"run.yaml: model.hidden \(from --set\): must be a list of positive integers, got \[\[1\]\]"),
+    (("model.name=mlp", 'model.hidden="64"'),   # a string is not iterated into [6, 4]
+     r"run.yaml: model.hidden \(from --set\): must be a list of positive integers, got '64'"),
+    (("model.name=mlp", "model.hidden=[6.5]"),  # not truncated to 6
+     r"run.yaml: model.hidden \(from --set\): must be a list of positive integers, got \[6.5\]"),
+    (("model.name=cnn", "model.fc=abc"),
+     r"run.yaml: model.fc \(from --set\): must be a list of positive integers, got 'abc'"),
+    (("model.name=cnn", "model.conv=abc"),
+     r"run.yaml: model.conv \(from --set\): must be a list of layers \{out, k, stride, pad, "
+     r"pool\}, got 'abc'"),
+    (("model.name=cnn", "model.conv=[{out: 4, k: abc}]"),
+     r"run.yaml: model.conv\[0\].k \(from --set\): must be an integer >= 1, got 'abc'"),
+    (("model.name=cnn", "model.conv=[{out: 4, k: 3, pool: true}]"),
+     r"run.yaml: model.conv\[0\].pool \(from --set\): must be an integer >= 0, got True"),
+    (("model.name=cnn", "model.conv=[4]"),
+     r"run.yaml: model.conv\[0\] \(from --set\): must be a mapping of out, k"),
+]
+
+
+@pytest.mark.parametrize("command", ["simulate", "partition"])
+@pytest.mark.parametrize("overrides, message", BAD_OPTIONS)
+def test_cli_options_of_the_wrong_type_are_one_line_naming_file_key_and_value(
+        tmp_path, capsys, command, overrides, message):
+    import re
+
+    path = write(tmp_path, small())
+    out = tmp_path / ("o" if command == "simulate" else "o.png")
+    extra = ["--quiet", "--no-plot", "--no-export"] if command == "simulate" else []
+    args = [command, path, "--out", str(out), *extra]
+    for item in overrides:
+        args += ["--set", item]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"edgefl {command}: error: "), lines
+    assert re.search(message, lines[0]), lines[0]
+    assert not out.exists()
+
+
+def test_model_option_errors_are_found_when_the_config_is_read(tmp_path):
+    # ctl start, the client's --partition and the aggregator check a config by reading it
+    # (load_run_config) without building the model: the model's options are checked there
+    with pytest.raises(ConfigError, match=r"run\.yaml: model\.hidden: must be a list of "
+                                          r"positive integers, got '64'"):
+        load_run_config(write(tmp_path, small(model={"name": "mlp", "hidden": "64"})))
+    config = load_run_config(write(tmp_path, small(model={"name": "cnn-mnist", "fc": [32]})))
+    assert config.model["fc"] == [32]       # a preset's options may still be replaced
 
 
 def test_cli_reports_divergence_naming_round_and_client(tmp_path, capsys):

@@ -21,7 +21,7 @@ from ..config import dataset_from_config, partition_from_config
 from ..data.layout import contiguous
 from ..data.partition import Shards, Tiled
 from ..errors import ConfigError, KernelError
-from ..models import Model, build_model
+from ..models import Model, ModelSpecError, build_model
 from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
@@ -131,6 +131,9 @@ def build_run_model(config: RunConfig, dataset) -> Model:
     model_spec = {k: v for k, v in config.model.items() if k != "init"}
     try:
         return build_model(model_spec, dataset.input_shape, dataset.num_classes)
+    except ModelSpecError as exc:      # (a RunConfig not read by load_run_config)
+        raise ConfigError(f"{config.path or '<config>'}: model.{exc.key}: {exc.problem}") \
+            from None
     except KernelError as exc:
         raise ConfigError(f"{config.path or '<config>'}: model: {exc}") from None
 
