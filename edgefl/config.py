@@ -36,6 +36,9 @@ def load_config(path: str | os.PathLike, overrides=()) -> Config:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file does not exist") from None
+    except UnicodeDecodeError as exc:     # the decoder's own message names no file
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                          f"offset {exc.start}); a config is a YAML file in UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""

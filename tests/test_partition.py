@@ -366,6 +366,19 @@ def test_cli_partition_refuses_unknown_keys_as_simulate_does(tmp_path, capsys, t
     assert not png.exists()
 
 
+def test_a_config_that_is_not_utf8_is_named(tmp_path, capsys):
+    # the decoder's message ("'utf-8' codec can't decode byte 0xff...") named no file
+    path = tmp_path / "latin.yaml"
+    path.write_bytes(b"\xff\xfeseed: 1\n")
+    with pytest.raises(ConfigError, match=r"latin\.yaml: not UTF-8 text \(byte 0xff at "
+                                          r"offset 0\)"):
+        load_config(path)
+    assert main(["simulate", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "latin.yaml: not UTF-8 text" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("name, options, message", [
     ("dirichlet", {"alpha": "abc"}, "dirichlet: alpha must be a number, got 'abc'"),
     ("dirichlet", {"alpha": True}, "dirichlet: alpha must be a finite number, got True"),
