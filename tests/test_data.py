@@ -386,6 +386,20 @@ def test_bad_data_files_reach_the_cli_as_one_line(tmp_path, capsys, kind):
     assert not out.exists()
 
 
+def test_a_clients_data_setting_of_the_wrong_type_names_the_setting(tmp_path, capsys):
+    # `edgefl client --set data=...` loads its data before it connects; the loader's words
+    # alone ("synthetic: alpha must be ...") did not say which setting or file held them
+    from edgefl.cli import main
+
+    args = ["client", "--set", "data={name: synthetic, alpha: abc}", "--set", "node.id=c1",
+            "--set", f"state_dir={tmp_path / 'state'}"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "--set data={name: synthetic, alpha: abc}: synthetic: alpha must be a number, " \
+           "got 'abc'" in err, err
+
+
 def test_a_csv_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "latin.csv").write_bytes(b"a,b\n1,\xe9\n")
     with pytest.raises(ValueError, match=r"latin\.csv: not UTF-8 text"):

@@ -495,9 +495,13 @@ def _client(args: argparse.Namespace) -> int:
         x, y = client_shard(run_config, args.shard)
     else:
         from ..data import load_dataset
+        from ..errors import ConfigError
 
         data = dict(config["data"])
-        dataset = load_dataset(data.pop("name"), **data)
+        try:
+            dataset = load_dataset(data.pop("name"), **data)
+        except (ValueError, FileNotFoundError) as exc:   # an option's value: name the setting
+            raise ConfigError(f"{config.source('data')}: {exc}") from None
         x, y = dataset.x_train, dataset.y_train
     rss = profiles.check_memory_budget(config["compute.memory_budget_mb"], "after loading data")
     node = config["node.id"]
