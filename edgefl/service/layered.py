@@ -409,9 +409,9 @@ def _set_layer(overrides, role: str) -> dict:
     out = {}
     for key, (value, items, raw) in given.items():
         text = " ".join(f"--set {item}" for item in items)
-        where = f"{text}: {key}"
-        value = _layer_value(key, value, where, os.getcwd(), raw)
-        out[key] = _Entry(value, Source("command line", text, key), os.getcwd(), where, raw)
+        place = f"{text}: {key}"
+        value = _layer_value(key, value, place, os.getcwd(), raw)
+        out[key] = _Entry(value, Source("command line", text, key), os.getcwd(), place, raw)
     return out
 
 
