@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import yaml
 
@@ -16,6 +17,35 @@ from .data import Dataset, Partition, dataset_options, load_dataset, partition, 
 from .errors import ConfigError  # noqa: F401 -- raised here; callers import it from here too
 
 _REMOVE = object()   # an override with an empty value deletes the key
+
+
+# ---------------------------------------------------------------------------------------
+# YAML, as every edgefl file and --set value is read
+# ---------------------------------------------------------------------------------------
+
+# PyYAML reads YAML 1.1, where a float needs a dot: `1e-3` -- a learning rate or tolerance as
+# papers and docs/algorithms.md write it -- was the string '1e-3', refused as "not a number".
+# These loaders read it as YAML 1.2 does, a float; otherwise they are yaml's safe loaders.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+def _with_exponent_floats(base):
+    loader = type(f"Edgefl{base.__name__}", (base,), {})
+    # (add_implicit_resolver copies the base's resolver table first: yaml's own loaders
+    # are left as they are)
+    loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT,
+                                 list("-+0123456789"))
+    return loader
+
+
+YamlLoader = _with_exponent_floats(yaml.SafeLoader)
+# libyaml's parser when PyYAML has it (much faster; the same documents and marks)
+FastYamlLoader = _with_exponent_floats(getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def load_yaml(stream, loader=YamlLoader):
+    """yaml.safe_load, with `1e-3` a float (YAML 1.2): the one way edgefl reads YAML."""
+    return yaml.load(stream, Loader=loader)
 
 
 class Config(dict):
@@ -27,13 +57,13 @@ class Config(dict):
 
 
 def load_config(path: str | os.PathLike, overrides=()) -> Config:
-    """Read the YAML mapping in `path` (yaml.safe_load), then apply each override
+    """Read the YAML mapping in `path` (load_yaml), then apply each override
     "dotted.key=value", the value parsed as YAML ("3" is an int, "[1, 2]" a list); an empty
     value ("dotted.key=") removes the key, e.g. an option of a partitioner being replaced."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = load_yaml(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file does not exist") from None
     except UnicodeDecodeError as exc:     # the decoder's own message names no file
@@ -63,7 +93,7 @@ def apply_override(config: Config, item: str) -> None:
     if not sep or not all(parts):
         raise ConfigError(f"{source}: expected dotted.key=value")
     try:
-        value = yaml.safe_load(text) if text.strip() else _REMOVE
+        value = load_yaml(text) if text.strip() else _REMOVE
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: value is not valid YAML ({exc})") from None
     node = config

@@ -30,9 +30,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-import yaml
-
-from .config import check_number
+from .config import check_number, load_yaml
 from .errors import ConfigError
 from .service import profiles
 
@@ -162,7 +160,7 @@ def refuse_over_broker(config) -> None:
 def compression_ratio(profile: str) -> float:
     """Bytes on the wire per float32 byte for a profile (its transport.compression)."""
     with open(profiles.profile_path(profile), encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+        data = load_yaml(f) or {}
     codec = (data.get("transport") or {}).get("compression", "none")
     if codec not in COMPRESSION_RATIO:
         raise ConfigError(f"{profiles.profile_path(profile)}: transport.compression {codec!r}; "

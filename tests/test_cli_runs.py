@@ -259,6 +259,15 @@ def test_a_warning_is_one_line_naming_the_file_not_the_source(cwd):
         "fleet of the virtual clock; `edgefl fleet` is another thing) (FutureWarning)"]
 
 
+def test_a_parameter_written_as_the_docs_write_it_runs(cwd):
+    # docs/algorithms.md gives FedAdam's tau as 1e-3; typed so it was refused as a string
+    assert main(["simulate", "quickstart", "--set", "rounds=1", "--set", "strategy.name=fedadam",
+                 "--set", "strategy.tau=1e-3", "--no-plot", "--no-export", "--quiet",
+                 "--out", "adam"]) == 0
+    summary = json.loads((cwd / "adam" / "summary.json").read_text())
+    assert summary["config"]["strategy"]["tau"] == 0.001
+
+
 def test_lines_stay_whole_when_two_commands_write_to_one_output_unbuffered(tmp_path):
     """Under PYTHONUNBUFFERED (set on some machines, and so in CI) print() wrote a line and
     its newline in two system calls, and `edgefl ctl watch ... & edgefl ctl start ...` in

@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 import pytest
+import yaml
 
 from edgefl.cli import main
 from edgefl.config import ConfigError, dataset_from_config, load_config, partition_from_config
@@ -274,6 +275,19 @@ def test_overrides_are_parsed_as_yaml_and_create_sections(tmp_path):
         load_config(write(tmp_path, CONFIG), ["seed.value=1"])
     with pytest.raises(ConfigError, match="expected dotted.key=value"):
         load_config(write(tmp_path, CONFIG), ["partition.clients"])
+
+
+def test_exponent_floats_are_numbers_in_files_and_overrides(tmp_path):
+    # YAML 1.1 (PyYAML) needs a dot in a float: 1e-3, as papers and docs write a rate, was
+    # the string '1e-3' and refused as not a number; edgefl reads it as YAML 1.2 does
+    config = load_config(write(tmp_path, CONFIG + "train: {lr: 1e-3, momentum: 9E-1}\n"),
+                         ["strategy.tau=1e-9", "strategy.eta=-2.5e+1", "partition.clients=6"])
+    assert config["train"] == {"lr": 0.001, "momentum": 0.9}
+    assert config["strategy"] == {"tau": 1e-9, "eta": -25.0}
+    assert type(config["partition"]["clients"]) is int       # ints stay ints
+    words = load_config(write(tmp_path, "tag: e5\nversion: 1.2.3\nid: '1e3'\n"))
+    assert words == {"tag": "e5", "version": "1.2.3", "id": "1e3"}   # quoted: a string
+    assert yaml.safe_load("x: 1e-3") == {"x": "1e-3"}      # yaml's own loader is unchanged
 
 
 def test_yaml_syntax_error_names_the_file_and_line(tmp_path):

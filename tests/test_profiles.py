@@ -159,6 +159,13 @@ def test_profile_choice_command_line_then_site_then_auto(tmp_path):
     assert auto["train.batch_size"] == 16          # rpi-zero2w.yaml's value
 
 
+def test_site_file_and_set_read_exponent_floats_as_numbers(tmp_path):
+    # as run configs do (edgefl.config.load_yaml): `deadline: 1e2` is 100 s, not a string
+    site = write(tmp_path / "s.yaml", "node: {id: a}\nround: {deadline: 1e2}\n")
+    config = load_service_config("aggregator", str(site), overrides=["round.quorum=5e-1"])
+    assert config["round.deadline"] == 100.0 and config["round.quorum"] == 0.5
+
+
 def test_site_file_default_path_is_used_when_present(tmp_path):
     write(tmp_path / "client.yaml", "node: {id: from-etc}\ndata: {name: digits}\nprofile: rpi4\n")
     config = load_service_config("client", None, etc_dir=str(tmp_path))

@@ -96,6 +96,8 @@ if TOOLS not in sys.path:   # tools/verdicts.py
 import numpy as np
 import yaml
 
+from edgefl.config import load_yaml  # noqa: E402 -- 1e-3 a float, as simulate reads it
+
 EXPERIMENTS_DIR = os.path.join(REPO, "tools", "experiments")
 RESULTS = os.path.join(REPO, "docs", "results.md")
 MODES = ("quick", "full", "long")
@@ -191,7 +193,7 @@ def load_experiment(path: str, mode: str, seeds: int | None = None) -> Experimen
     name = os.path.splitext(os.path.basename(path))[0]
     try:
         with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
+            raw = load_yaml(f)
     except yaml.YAMLError as exc:
         raise ExperimentError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(raw, dict):

@@ -111,10 +111,12 @@ def load_sites(path: str | os.PathLike) -> dict:
     ValueError naming the file and the entry that is wrong."""
     import yaml
 
+    from ..config import load_yaml
+
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh)
+            doc = load_yaml(fh)
     except OSError as exc:
         raise ValueError(f"sites file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:

@@ -27,6 +27,7 @@ from importlib import resources
 
 import yaml
 
+from ..config import load_yaml
 from ..io import atomic_write
 from . import profiles
 from .layered import ETC_DIR, KEYS, ROLES
@@ -335,7 +336,7 @@ def site_skeleton(role: str, node_id: str, profile: str, keys: dict | None = Non
     installed with it."""
     site = _role(role).site_path(node_id)
     with open(profiles.profile_path(profile), encoding="utf-8") as f:
-        board = yaml.safe_load(f) or {}
+        board = load_yaml(f) or {}
     who = {"client": f"edgefl client {node_id}", "aggregator": "the edgefl aggregator",
            "infer": f"the edgefl inference service (model of client {node_id})"}[role]
     lines = [
@@ -459,8 +460,9 @@ def _in_package(path: str) -> str:
 
 
 def _yaml_scalar(value: str) -> str:
-    # quoted when YAML would read it as something else ("07" is an int, "on" a bool)
-    return value if yaml.safe_load(value) == value else f'"{value}"'
+    # quoted when edgefl's YAML would read it as something else ("07" is an int, "on" a
+    # bool, "1e5" a float)
+    return value if load_yaml(value) == value else f'"{value}"'
 
 
 def _flow(value) -> str:

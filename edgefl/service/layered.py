@@ -43,7 +43,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..config import Config, ConfigError, apply_override
+from ..config import (Config, ConfigError, FastYamlLoader, YamlLoader, apply_override,
+                      load_yaml)
 from . import profiles
 from .keys import (KEYS, ROLE_NAMES, ROLES, Key, _SECTIONS, _check_value, _readers,
                    _role_keys, check_setting)
@@ -225,7 +226,6 @@ def _check_role(role: str) -> None:
 # libyaml's safe loader when PyYAML has it: the same documents and marks, and every edgefl
 # command reads defaults.yaml on start-up (20 ms with the pure-Python loader, 1 ms with it);
 # a file it rejects is parsed again by the pure-Python one, whose message names the problem
-_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _read_yaml(path: str) -> tuple[dict, dict, dict]:
@@ -240,11 +240,11 @@ def _read_yaml(path: str) -> tuple[dict, dict, dict]:
         raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
         try:
-            data = yaml.load(text, Loader=_SAFE_LOADER)
-            node = yaml.compose(text, Loader=_SAFE_LOADER)
+            data = load_yaml(text, FastYamlLoader)
+            node = yaml.compose(text, Loader=FastYamlLoader)
         except yaml.YAMLError:       # the pure-Python loader's message, as the tests pin it
-            data = yaml.safe_load(text)
-            node = yaml.compose(text, Loader=yaml.SafeLoader)
+            data = load_yaml(text)
+            node = yaml.compose(text, Loader=YamlLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
