@@ -573,7 +573,7 @@ def test_a_bad_sites_file_is_refused_naming_the_file_and_entry(tmp_path, text, m
         load_sites(tmp_path / "missing.yaml")
 
 
-def test_the_cli_refuses_an_edge_without_its_site(tmp_path, capsys):
+def test_the_cli_refuses_an_edge_without_its_site(tmp_path, capsys, monkeypatch):
     from edgefl.cli import main
     site = tmp_path / "edge.yaml"
     site.write_text(yaml.safe_dump({"node": {"id": "site-a", "federation": "fed"},
@@ -597,6 +597,14 @@ def test_the_cli_refuses_an_edge_without_its_site(tmp_path, capsys):
                  str(tmp_path / "sites.yaml"), "--centre-key", str(tmp_path / "no.pub")]) != 0
     err = capsys.readouterr().err
     assert "--centre-key" in err and "no.pub" in err
+    # the centre's private key on an edge is a leaked signing key, not a key to trust
+    monkeypatch.setattr("edgefl.cli.service._mqtt_transport", lambda *a, **k: pytest.fail(
+        "the edge started with a private key as the centre's key"))
+    assert main(["keys", "gen", "--out", str(tmp_path / "centre")]) == 0
+    capsys.readouterr()
+    assert main(["aggregator", "--config", str(site), "--edge", "site-a", "--sites",
+                 str(tmp_path / "sites.yaml"), "--centre-key", str(tmp_path / "centre")]) == 1
+    assert f"--centre-key: {tmp_path / 'centre'}: a private key" in capsys.readouterr().err
 
 
 def test_a_corrupt_stored_partial_is_refused_naming_the_file(tmp_path):

@@ -814,6 +814,70 @@ def test_install_service_places_the_key_0600_for_the_service_user_and_never_prin
                           trusted_keys=(str(tmp_path / "junk"),))
 
 
+@pytest.mark.parametrize("role, setting", [("client", "aggregator"),
+                                           ("aggregator", "operators")])
+def test_install_service_refuses_a_private_key_to_trust_and_writes_nothing(
+        tmp_path, capsys, role, setting):
+    """`--trust-key k1` instead of k1.pub would put a signing key, world-readable, on every
+    board it is installed on: refused before any file is written, naming the option, the
+    file and the public key to pass; a file that is no key at all is refused the same way."""
+    k1 = tmp_path / "k1"
+    assert main(["keys", "gen", "--out", str(k1)]) == 0
+    capsys.readouterr()
+    stage = tmp_path / "stage"
+    args = ["install-service", "--role", role, "--id", "pi1", "--profile", "rpi4",
+            "--prefix", str(stage), "--python", "/opt/edgefl/venv/bin/python",
+            "--no-python-check", "--signing-key", "new"]
+    for dry in ([], ["--dry-run"]):
+        assert main(args + ["--trust-key", f"{k1}.pub", "--trust-key", str(k1)] + dry) == 1
+        err = capsys.readouterr().err
+        assert f"--trust-key {k1}: a private key" in err
+        assert f"use its public key, {k1}.pub" in err and "BEGIN" not in err
+        assert not stage.exists()
+    # without its .pub beside it, the message still says what to pass
+    os.rename(f"{k1}.pub", tmp_path / "elsewhere.pub")
+    assert main(args + ["--trust-key", str(k1)]) == 1
+    err = capsys.readouterr().err
+    assert f"--trust-key {k1}: a private key" in err and "its public key" in err
+    assert not stage.exists()
+    (tmp_path / "notes.txt").write_text("-----BEGIN NOTHING-----\n")
+    assert main(args + ["--trust-key", str(tmp_path / "notes.txt")]) == 1
+    err = capsys.readouterr().err
+    assert f"--trust-key {tmp_path / 'notes.txt'}: not an Ed25519 public key" in err
+    assert not stage.exists()
+    # the public key is installed, as a public key
+    assert main(args + ["--trust-key", str(tmp_path / "elsewhere.pub")]) == 0
+    installed = stage / f"etc/edgefl/keys/{setting}-0.pub"
+    assert installed.read_bytes() == (tmp_path / "elsewhere.pub").read_bytes()
+    assert signing.fingerprint(signing.load_public_key(installed)) == \
+        signing.fingerprint(signing.load_private_key(k1))
+
+
+def test_a_private_key_where_a_node_expects_a_public_one_stops_it_at_start(tmp_path, capsys):
+    """A private key named in keys.aggregator, keys.fleet or keys.operators (or --centre-key)
+    is another node's signing key copied where it does not belong: the role refuses to start,
+    naming the setting and the file, rather than trust its public half and say nothing."""
+    _, agg, agg_pub = keypair(tmp_path, "aggregator")
+    _, c0, c0_pub = keypair(tmp_path, "client-0")
+    for kwargs, setting, path in ((dict(aggregator=[agg_pub, agg]), "keys.aggregator", agg),
+                                  (dict(fleet={"client-0": c0}), "keys.fleet (client-0)", c0),
+                                  (dict(operators=[agg]), "keys.operators", agg)):
+        with pytest.raises(KeyFileError) as refused:
+            Trust.load(fed="lab", node="n", **kwargs)
+        assert str(refused.value).startswith(f"{setting}: {path}: a private key")
+        assert f"use its public key, {path}.pub" in str(refused.value)
+    # a fleet directory holding a board's private key under the <id>.pub name
+    fleet = _mkdir(tmp_path / "fleet")
+    (fleet / "client-0.pub").write_bytes(open(c0, "rb").read())
+    with pytest.raises(KeyFileError, match=r"keys.fleet \(client-0\): .*client-0.pub: a "
+                                           "private key"):
+        Trust.load(fed="lab", node="aggregator", fleet=str(fleet))
+    # `keys show` reads either: the fingerprint of a private key is that of its public key
+    assert main(["keys", "show", agg]) == 0
+    assert capsys.readouterr().out.split()[0] == \
+        signing.fingerprint(signing.load_public_key(agg_pub))
+
+
 def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_off(
         tmp_path, mosquitto_server, caplog, capsys):
     """Backward compatible: the aggregator signs, the boards have no keys (an older site

@@ -38,7 +38,7 @@ def _keys(args: argparse.Namespace) -> int:
         fp = fingerprint(load_public_key(public))
         doc = {"private": private, "public": public, "fingerprint": fp}
     else:
-        fp = fingerprint(load_public_key(args.path))
+        fp = fingerprint(load_public_key(args.path, private_ok=True))
         doc = {"path": args.path, "fingerprint": fp}
     if args.json:
         print(json.dumps(doc))

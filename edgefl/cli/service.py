@@ -176,9 +176,10 @@ def _install_service_arguments(parser: argparse.ArgumentParser) -> None:
                              "keys.signing_key: /etc/edgefl/keys/<role>-<id>.key, mode 0600, "
                              "owned by the service user")
     parser.add_argument("--trust-key", action="append", default=[], metavar="FILE",
-                        help="a public key the node checks signatures with: a client's "
-                             "keys.aggregator, the aggregator's keys.operators (repeat it "
-                             "during a key change-over: old and new)")
+                        help="a public key (PATH.pub of `edgefl keys gen --out PATH`; a "
+                             "private key is refused) the node checks signatures with: a "
+                             "client's keys.aggregator, the aggregator's keys.operators "
+                             "(repeat it during a key change-over: old and new)")
 
 
 def _install_service(args: argparse.Namespace) -> int:

@@ -224,7 +224,9 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
     generate one: placed in /etc/edgefl/keys/ with mode 0600, owned by the service user (a
     printed chown, as the user exists once systemd-sysusers has run), its public key beside
     it. trusted_keys: public key files the node checks signatures with (a client: the
-    aggregator's, keys.aggregator; the aggregator: the operators', keys.operators).
+    aggregator's, keys.aggregator; the aggregator: the operators', keys.operators), each
+    installed as the public key it parses as; a private key is refused, before anything is
+    written.
     dry_run: an interpreter the unit could not run (a development venv under /home or
     /tmp) is a warning, not an error, so that anyone can see what install-service would
     write; install() of such a plan refuses to write it."""
@@ -289,7 +291,7 @@ SERVICE_OWNER = "edgefl:edgefl"      # the units' User= and Group= (sysusers-edg
 def _key_files(role: str, node_id: str, signing_key, trusted_keys, staged):
     """The key files of an installation and the keys.* settings naming them."""
     from ..transport.signing import (KeyFileError, generate_key, load_private_key,
-                                     load_public_key, serialization)
+                                     load_public_key, private_key_pem, public_key_pem)
 
     files, keys = [], {}
     if signing_key is not None:
@@ -300,12 +302,8 @@ def _key_files(role: str, node_id: str, signing_key, trusted_keys, staged):
         except KeyFileError as exc:
             raise InstallError(f"--signing-key: {exc}") from None
         path = f"{KEYS_DIR}/{role}-{node_id}.key"
-        private = key.private_bytes(serialization.Encoding.PEM,
-                                    serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption()).decode("ascii")
-        public = key.public_key().public_bytes(
-            serialization.Encoding.PEM,
-            serialization.PublicFormat.SubjectPublicKeyInfo).decode("ascii")
+        private = private_key_pem(key).decode("ascii")
+        public = public_key_pem(key).decode("ascii")
         files += [PlannedFile(path, staged(path), private, 0o600, owner=SERVICE_OWNER,
                               secret=True),
                   PlannedFile(path + ".pub", staged(path + ".pub"), public, 0o644)]
@@ -318,13 +316,14 @@ def _key_files(role: str, node_id: str, signing_key, trusted_keys, staged):
         paths = []
         for i, source in enumerate(trusted_keys):
             try:
-                load_public_key(source)
-                with open(source, encoding="ascii") as f:
-                    text = f.read()
-            except (KeyFileError, OSError, UnicodeDecodeError) as exc:
-                raise InstallError(f"--trust-key {source}: {exc}") from None
+                key = load_public_key(source)
+            except KeyFileError as exc:          # it names the file
+                raise InstallError(f"--trust-key {exc}") from None
+            # the key as parsed, in the format `keys gen` writes, not the file's bytes:
+            # only a public key reaches the board, whatever else the file held around it
             path = f"{KEYS_DIR}/{setting}-{i}.pub"
-            files.append(PlannedFile(path, staged(path), text, 0o644))
+            files.append(PlannedFile(path, staged(path), public_key_pem(key).decode("ascii"),
+                                     0o644))
             paths.append(path)
         keys[setting] = paths
     return tuple(files), keys

@@ -50,7 +50,7 @@ from ..forksafe import openssl
 
 __all__ = ["SignatureError", "KeyFileError", "Signer", "Verifier", "DOMAIN", "VERSION",
            "KINDS", "generate_key", "write_key_pair", "load_private_key", "load_public_key",
-           "fingerprint", "canonical", "doc_digest", "NonceStore"]
+           "public_key_pem", "private_key_pem", "fingerprint", "canonical", "doc_digest", "NonceStore"]
 
 VERSION = 1
 DOMAIN = b"edgefl-signature-v1\n"
@@ -143,17 +143,23 @@ def load_private_key(path) -> Ed25519PrivateKey:
     return key
 
 
-def load_public_key(path) -> Ed25519PublicKey:
-    """A public key file; a private key file is read as its public key (`keys show`)."""
+def load_public_key(path, *, private_ok: bool = False) -> Ed25519PublicKey:
+    """A public key file (KeyFileError naming it otherwise). A private key file is refused
+    unless `private_ok` (`keys show`, which reads either): where a node is told whom to
+    trust, a private key is another node's signing key copied where it does not belong,
+    and install-service would spread it further. (A raw 32-byte file cannot say which it
+    is: it is read as a public key.)"""
     data = _read(path)
+    if len(data) != 32 and b"PRIVATE KEY" in data:
+        if not private_ok:
+            raise KeyFileError(_private_not_public(os.fspath(path)))
+        private = load_private_key(path)
+        with openssl():
+            return private.public_key()
     try:
         if len(data) == 32:
             with openssl():
                 return Ed25519PublicKey.from_public_bytes(data)
-        if b"PRIVATE KEY" in data:
-            private = load_private_key(path)
-            with openssl():
-                return private.public_key()
         with openssl():
             key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
@@ -163,6 +169,30 @@ def load_public_key(path) -> Ed25519PublicKey:
         raise KeyFileError(f"{os.fspath(path)}: a {type(key).__name__}, not an Ed25519 "
                            "public key")
     return key
+
+
+def _private_not_public(path: str) -> str:
+    pub = path + ".pub"
+    hint = f"use its public key, {pub}" if os.path.isfile(pub) else \
+        "use its public key (the .pub file `edgefl keys gen` wrote beside it)"
+    return f"{path}: a private key, not a public key (a signing key stays with its node); {hint}"
+
+
+def public_key_pem(key: Ed25519PublicKey | Ed25519PrivateKey) -> bytes:
+    """The public key file's content (PEM SubjectPublicKeyInfo) of a key or of its private
+    key."""
+    with openssl():
+        if isinstance(key, Ed25519PrivateKey):
+            key = key.public_key()
+        return key.public_bytes(serialization.Encoding.PEM,
+                                serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def private_key_pem(key: Ed25519PrivateKey) -> bytes:
+    """The private key file's content (PEM PKCS#8, unencrypted)."""
+    with openssl():
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
 
 
 # ---------------------------------------------------------------------------------------
