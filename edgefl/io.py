@@ -5,6 +5,8 @@ installed units): a temporary file in the target's directory, written, flushed a
 renamed over the target (atomic on POSIX), then the directory fsync'ed so the rename itself
 survives a power cut (boards lose power). A reader sees the old file or the new one, never a
 part; a write that fails leaves the old file as it was and no temporary file behind.
+`atomic_write_all` replaces files that belong together (a private key and its .pub): all
+are written before any is renamed.
 
 `jsonable` is the one conversion to plain JSON types: NumPy scalars and arrays become
 Python numbers and lists, tuples lists, mapping keys strings, and NaN/inf null (JSON has no
@@ -21,11 +23,12 @@ import math
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Callable, Union
+from typing import Callable, Iterable, Union
 
 import numpy as np
 
-__all__ = ["atomic_write", "fsync_directory", "jsonable", "replace_atomic", "write_json"]
+__all__ = ["atomic_write", "atomic_write_all", "fsync_directory", "jsonable",
+           "replace_atomic", "write_json"]
 
 Content = Union[bytes, bytearray, memoryview, str, Callable]
 
@@ -38,7 +41,42 @@ def atomic_write(path: str | os.PathLike, data: Content, *, mode: int = 0o644) -
     permission) propagates with the old file intact and the temporary file removed; one that
     stops the temporary file being made (no such directory, no permission) names `path` and
     its directory."""
-    path = os.fspath(path)
+    atomic_write_all([(path, data, mode)])
+
+
+def atomic_write_all(files: Iterable[tuple[str | os.PathLike, Content, int]]) -> None:
+    """atomic_write for files that belong together, (path, data, mode) each: every one is
+    written whole under its temporary name before any is renamed, in the order given, so a
+    failure while writing (a full disk, no permission, no such directory) leaves all the old
+    files as they were. Only a rename failing part-way (rare: each temporary file is already
+    in its target's directory) leaves the earlier ones replaced."""
+    staged = []          # (temporary, path), written and fsync'ed, not yet renamed
+    try:
+        for path, data, mode in files:
+            path = os.fspath(path)
+            staged.append((_write_temporary(path, data, mode), path))
+        directories = []
+        while staged:
+            tmp, path = staged[0]
+            os.replace(tmp, path)
+            del staged[0]
+            directory = os.path.dirname(os.path.abspath(path))
+            if directory not in directories:
+                directories.append(directory)
+    except BaseException:
+        for tmp, _ in staged:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
+    for directory in directories:
+        fsync_directory(directory)
+
+
+def _write_temporary(path: str, data: Content, mode: int) -> str:
+    """A temporary file beside `path` holding `data`, flushed and fsync'ed (none left behind
+    when that fails)."""
     directory = os.path.dirname(os.path.abspath(path))
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -59,14 +97,13 @@ def atomic_write(path: str | os.PathLike, data: Content, *, mode: int = 0o644) -
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
-    fsync_directory(directory)
+    return tmp
 
 
 def replace_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:

@@ -96,6 +96,47 @@ def test_atomic_write_into_a_missing_directory_fails_naming_it(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_atomic_write_all_renames_only_once_every_file_is_written(tmp_path, fsynced):
+    io.atomic_write_all([(tmp_path / "key", b"private", 0o600),
+                         (tmp_path / "key.pub", "public", 0o644)])
+    assert (tmp_path / "key").read_bytes() == b"private"
+    assert (tmp_path / "key.pub").read_text() == "public"
+    assert stat.S_IMODE(os.stat(tmp_path / "key").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "key.pub").st_mode) == 0o644
+    # both files' temporaries, then their directory once
+    assert os.path.basename(fsynced[0]).startswith(".key.")
+    assert os.path.basename(fsynced[1]).startswith(".key.pub.")
+    assert fsynced[2:] == [str(tmp_path)]
+    assert sorted(os.listdir(tmp_path)) == ["key", "key.pub"]
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_atomic_write_all_replaces_none_when_one_file_fails(tmp_path, failing):
+    # files that belong together (a key and its .pub): one that cannot be written whole
+    # must not leave the other replaced
+    paths = [tmp_path / "key", tmp_path / "key.pub"]
+    for p in paths:
+        p.write_text("old")
+
+    def full(f):
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    files = [(p, full if i == failing else b"new", 0o644) for i, p in enumerate(paths)]
+    with pytest.raises(OSError) as info:
+        io.atomic_write_all(files)
+    assert info.value.errno == errno.ENOSPC
+    assert [p.read_text() for p in paths] == ["old", "old"]
+    assert sorted(os.listdir(tmp_path)) == ["key", "key.pub"]
+
+
+def test_atomic_write_all_into_a_missing_directory_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"cannot write {tmp_path / 'absent' / 'k'}:"):
+        io.atomic_write_all([(tmp_path / "k.pub", b"x", 0o644),
+                             (tmp_path / "absent" / "k", b"x", 0o600)])
+    assert os.listdir(tmp_path) == []
+
+
 def test_replace_atomic_renames_then_fsyncs_the_directory(tmp_path, fsynced):
     src, dst = tmp_path / ".dst.tmp", tmp_path / "dst"
     src.write_bytes(b"finished")
