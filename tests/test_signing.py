@@ -13,9 +13,11 @@ envelope and each of its bindings, and, through a real Mosquitto, what they stop
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -116,6 +118,58 @@ def test_keys_gen_writes_0600_refuses_to_overwrite_and_show_prints_the_fingerpri
     assert not (tmp_path / "config").exists()
     assert main(["keys", "show", str(tmp_path / "junk")]) == 1
     assert "junk: not an Ed25519 public key" in capsys.readouterr().err
+
+
+def test_keys_gen_checks_both_files_before_writing_either_and_keeps_the_old_pair(
+        tmp_path, capsys, monkeypatch):
+    """A private key and its .pub are one pair: `keys gen` refuses a directory at either
+    name (with or without --force, which replaces files) before writing anything, and a
+    write that fails part-way leaves the old pair whole, not a new private key beside the
+    old public one."""
+    kp = tmp_path / "kp"
+    assert main(["keys", "gen", "--out", str(kp)]) == 0
+    capsys.readouterr()
+    old = kp.read_bytes()
+    os.unlink(f"{kp}.pub")
+    os.mkdir(f"{kp}.pub")
+    for force in ([], ["--force"]):
+        assert main(["keys", "gen", "--out", str(kp)] + force) == 1
+        err = capsys.readouterr().err
+        assert f"{kp}.pub is a directory" in err
+        assert "pass --force" not in err and ".tmp" not in err
+        assert kp.read_bytes() == old and os.listdir(f"{kp}.pub") == []
+        assert sorted(os.listdir(tmp_path)) == ["kp", "kp.pub"]
+    # --out naming a directory: following the advice to pass --force must not be a trap
+    folder = _mkdir(tmp_path / "folder")
+    for force in ([], ["--force"]):
+        assert main(["keys", "gen", "--out", str(folder)] + force) == 1
+        err = capsys.readouterr().err
+        assert f"{folder} is a directory" in err
+        assert "pass --force" not in err and ".tmp" not in err
+        assert os.listdir(folder) == [] and not os.path.exists(f"{folder}.pub")
+
+    # the disk fills while the second file is written: neither file of the old pair changes
+    pair = tmp_path / "pair"
+    assert main(["keys", "gen", "--out", str(pair)]) == 0
+    capsys.readouterr()
+    before = {name: (tmp_path / name).read_bytes() for name in ("pair", "pair.pub")}
+    files_synced, real_fsync = [], os.fsync
+
+    def full_on_the_second_file(fd):
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            files_synced.append(fd)
+            if len(files_synced) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_on_the_second_file)
+    assert main(["keys", "gen", "--out", str(pair), "--force"]) == 1
+    monkeypatch.undo()
+    assert "No space left on device" in capsys.readouterr().err
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(os.listdir(tmp_path)) == ["folder", "kp", "kp.pub", "pair", "pair.pub"]
+    assert signing.fingerprint(signing.load_private_key(pair)) == \
+        signing.fingerprint(signing.load_public_key(f"{pair}.pub"))
 
 
 def test_site_file_keys_are_resolved_and_a_bad_key_file_is_named(tmp_path):

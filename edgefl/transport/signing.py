@@ -50,7 +50,8 @@ from ..forksafe import openssl
 
 __all__ = ["SignatureError", "KeyFileError", "Signer", "Verifier", "DOMAIN", "VERSION",
            "KINDS", "generate_key", "write_key_pair", "load_private_key", "load_public_key",
-           "public_key_pem", "private_key_pem", "fingerprint", "canonical", "doc_digest", "NonceStore"]
+           "public_key_pem", "private_key_pem", "fingerprint", "canonical", "doc_digest",
+           "NonceStore"]
 
 VERSION = 1
 DOMAIN = b"edgefl-signature-v1\n"
@@ -96,25 +97,28 @@ def write_key_pair(path: str | os.PathLike, key: Ed25519PrivateKey | None = None
                    force: bool = False) -> tuple[str, str]:
     """Write the private key at `path` (PEM, mode 0600, created so: never readable by others
     even for a moment) and its public key at `path`.pub; (private path, public path).
-    FileExistsError unless `force` when either exists."""
+    Both names are checked before either file is written: IsADirectoryError when either is
+    a directory (`force` replaces files only), FileExistsError unless `force` when either
+    exists. A write that fails leaves the old pair as it was."""
     path = os.fspath(path)
     pub_path = path + ".pub"
-    key = key or generate_key()
+    for p in (path, pub_path):
+        if os.path.isdir(p):
+            raise IsADirectoryError(f"{p} is a directory, not a key file: --out PATH names "
+                                    "the private key file, its public key goes to PATH.pub "
+                                    "(--force replaces files, never a directory)")
     if not force:
         for p in (path, pub_path):
             if os.path.exists(p):
                 raise FileExistsError(f"{p} exists; pass --force to replace it (the key it "
                                       "holds is then gone)")
-    with openssl():
-        private = key.private_bytes(serialization.Encoding.PEM,
-                                    serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
-        public = key.public_key().public_bytes(serialization.Encoding.PEM,
-                                               serialization.PublicFormat.SubjectPublicKeyInfo)
-    from ..io import atomic_write     # mkstemp: the file is 0600 from its creation
+    key = key or generate_key()
+    from ..io import atomic_write_all     # mkstemp: the files are 0600 from their creation
 
-    atomic_write(path, private, mode=0o600)
-    atomic_write(pub_path, public, mode=0o644)
+    # the two files are one pair: neither is renamed into place until both are written
+    # (a full disk halfway left a new private key beside the old public one)
+    atomic_write_all([(path, private_key_pem(key), 0o600),
+                      (pub_path, public_key_pem(key), 0o644)])
     return path, pub_path
 
 
