@@ -306,6 +306,15 @@ def test_missing_required_setting_names_key_and_where_to_set_it(tmp_path):
                               f"{site} or with --set data=...")
     with pytest.raises(ConfigError, match=r"^infer.model: not set, and the inference service"):
         load_service_config("infer", None, profile="rpi4", etc_dir=NO_SITE)
+    # with no site file at all, the message says none was read (not "set it in the site
+    # file", as if one were there)
+    with pytest.raises(ConfigError) as exc:
+        load_service_config("aggregator", None, profile="rpi4", etc_dir=NO_SITE)
+    assert str(exc.value) == (f"node.id: not set, and the aggregator needs it (this node's id "
+                              f"(one MQTT topic level)); no site file was read "
+                              f"({NO_SITE}/aggregator.yaml does not exist): write one there or "
+                              f"name one with --config FILE, or set node.id with --set "
+                              f"node.id=...")
     # the aggregator needs no run: it waits for runs started on the control topic
     assert load_service_config("aggregator", None, profile="rpi4", etc_dir=NO_SITE,
                                overrides=["node.id=agg"])["run"] is None

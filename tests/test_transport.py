@@ -86,6 +86,11 @@ def test_parse_broker_url():
     for bad in ("http://x", "mqtt://", "mqtt://h:99999", "mqtt://h/path", ""):
         with pytest.raises(ValueError):
             parse_broker_url(bad)
+    # a port variable left unset ("mqtt://127.0.0.1:$PORT") is a mistake, not port 1883
+    for bare in ("mqtt://127.0.0.1:", "127.0.0.1:", "mqtts://u:p@gw:"):
+        with pytest.raises(ValueError, match=r"empty port after ':' \(leave out the ':' for "
+                                             r"the default, (1883|8883)\)"):
+            parse_broker_url(bare)
 
 
 def test_settings_are_checked_before_connecting():

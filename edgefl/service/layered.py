@@ -547,6 +547,13 @@ def load_service_config(role: str, site: str | os.PathLike | None = None, *,
                                   f"no site file was read ({where} does not exist); "
                                   f"{_installed_client_hint(etc_dir)}, or set {key} with "
                                   f"--set {key}=...")
+            if site_file is None and not os.path.exists(where):
+                # say that no file was read, or "set it in the site file" reads as if the
+                # file were there and lacked the key
+                raise ConfigError(f"{key}: not set, and the {ROLE_NAMES[role]} needs it "
+                                  f"({KEYS[key].help}); no site file was read ({where} does "
+                                  f"not exist): write one there or name one with --config "
+                                  f"FILE, or set {key} with --set {key}=...")
             raise ConfigError(f"{key}: not set, and the {ROLE_NAMES[role]} needs it "
                               f"({KEYS[key].help}); set it in the site file {where} or with "
                               f"--set {key}=...")

@@ -89,6 +89,11 @@ def parse_broker_url(url: str) -> BrokerAddress:
         raise ValueError(f"broker URL {url!r}: bad port ({exc})") from None
     if not parts.hostname:
         raise ValueError(f"broker URL {url!r} names no host")
+    if port is None and parts.netloc.endswith(":"):
+        # "mqtt://127.0.0.1:$PORT" with PORT unset: not the default port, a mistake (it
+        # reached whatever listens on 1883)
+        raise ValueError(f"broker URL {url!r}: empty port after ':' (leave out the ':' for "
+                         f"the default, {_DEFAULT_PORTS[scheme]})")
     return BrokerAddress(
         host=parts.hostname,
         port=port if port is not None else _DEFAULT_PORTS[scheme],
