@@ -15,6 +15,18 @@ from .command import Command, seconds
 CTL_ACTIONS = ("start", "pause", "resume", "stop", "export", "status", "runs", "watch")
 
 
+def add_tls_arguments(parser: argparse.ArgumentParser, default: str = "") -> None:
+    """--cert-file, --key-file and --ca-file of an operator's tool (`ctl`, `dashboard`,
+    `status`); `default`: what they default to, for the help ("the site file's")."""
+    also = f"; default: {default}" if default else ""
+    parser.add_argument("--cert-file", metavar="FILE",
+                        help="TLS client certificate of the operator (brokers that take the "
+                             f"certificate's CN as the username), with --key-file{also}")
+    parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
+    parser.add_argument("--ca-file", metavar="FILE",
+                        help=f"CA bundle of the broker (TLS, mqtts://){also}")
+
+
 def add_operator_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """The options of a tool of the operator's account (`ctl`, `dashboard`): the site file
     (its broker URL, CA file and federation), the broker, the account and TLS files.
@@ -34,11 +46,7 @@ def add_operator_arguments(parser: argparse.ArgumentParser, what: str) -> None:
                              "whose account is the node's own")
     parser.add_argument("--password-file", metavar="FILE",
                         help="file whose first line is the MQTT password of --username")
-    parser.add_argument("--cert-file", metavar="FILE",
-                        help="TLS client certificate of the operator (brokers that take the "
-                             "certificate's CN as the username), with --key-file")
-    parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
-    parser.add_argument("--ca-file", metavar="FILE", help="CA bundle of the broker (TLS)")
+    add_tls_arguments(parser)
     parser.add_argument("--federation", metavar="ID",
                         help="federation id (default: the site file's node.federation, else "
                              "'default')")

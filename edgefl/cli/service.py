@@ -571,6 +571,7 @@ SERVE = Command(
 
 def _status_arguments(parser: argparse.ArgumentParser) -> None:
     from ..service.layered import add_service_config_arguments
+    from .ctl import add_tls_arguments
 
     add_service_config_arguments(parser)
     parser.add_argument("--role", choices=["aggregator", "client"], default="aggregator",
@@ -586,12 +587,7 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
                              "refuses under status's own client id (docs/brokers.md)")
     parser.add_argument("--password-file", metavar="FILE",
                         help="with --username: file whose first line is its password")
-    parser.add_argument("--ca-file", metavar="FILE",
-                        help="CA bundle of the broker (mqtts://); default: the site file's")
-    parser.add_argument("--cert-file", metavar="FILE",
-                        help="TLS client certificate (brokers that take its CN as the "
-                             "username), with --key-file; default: the site file's")
-    parser.add_argument("--key-file", metavar="FILE", help="private key of --cert-file")
+    add_tls_arguments(parser, default="the site file's")
     parser.add_argument("--wait", type=seconds, default=2.0, metavar="SECONDS",
                         help="longest wait for the retained statuses (default 2)")
     parser.add_argument("--json", action="store_true", help="print the statuses as JSON")
