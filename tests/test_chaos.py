@@ -180,6 +180,10 @@ def test_acked_and_dropped_publish_never_arrives(proxied, mosquitto_server):
     (["--clients", "1"], "clients = 1: the soak needs at least 2"),
     (["--client-kills", "-1"], "client_kills = -1: need >= 0"),
     (["--deadline", "0"], "deadline_s = 0.0: need > 0 seconds"),
+    # refused by the aggregator's own check of the run config, said here once instead of at
+    # every restart of the aggregator until the soak's timeout
+    (["--secure", "0.3"], "the soak's run config: privacy.secure_aggregation.threshold: 0.3: "
+                          "a fraction of the round's clients must be in (0.5, 1]"),
 ])
 def test_soak_options_are_checked_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -160,6 +160,13 @@ class SoakConfig:
         for name in ("deadline_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: need > 0 seconds")
+        # the run config the aggregator will be given, checked as it will check it: a
+        # setting it refuses (a secure threshold of 0.3) would fail every start of the
+        # aggregator, and the soak would restart it until its timeout
+        from edgefl.runconfig import run_config_from_mapping
+
+        run_config_from_mapping(soak_run_config(self, {"name": "digits"}),
+                                "the soak's run config")
 
 
 @dataclass(order=True)
@@ -337,6 +344,20 @@ def _write(path: Path, data) -> str:
     return str(path)
 
 
+def soak_run_config(cfg: SoakConfig, dataset: dict) -> dict:
+    """The run config the soak's aggregator runs, on `dataset` (a dataset section)."""
+    return {
+        "dataset": dataset, "partition": {"name": "iid", "clients": cfg.clients},
+        "model": {"name": "softmax"},
+        # asynchronous: nothing is dropped as too stale, so every update counts or is lost
+        "strategy": {"name": "fedbuff", "concurrency": cfg.clients,
+                     "buffer_size": cfg.buffer_size, "max_staleness": cfg.rounds}
+        if cfg.buffer_size else {"name": "fedavg"},
+        "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": cfg.rounds,
+        "clients_per_round": cfg.clients, "seed": cfg.seed,
+        **({"privacy": {"secure_aggregation": {"threshold": cfg.secure}}} if cfg.secure else {})}
+
+
 def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> dict:
     """One run of cfg in `workdir`, with the fault schedule and the proxy's faults or
     without any; returns the report as a dict."""
@@ -356,16 +377,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, faults: bool = True, say=print) -> 
                            hold_s={("up", "task" if cfg.buffer_size else "round"):
                                    cfg.announce_hold_s})
     federation = f"chaos-{cfg.seed}"
-    run_path = _write(workdir / "run.yaml", {
-        "dataset": digits_npz(workdir), "partition": {"name": "iid", "clients": cfg.clients},
-        "model": {"name": "softmax"},
-        # asynchronous: nothing is dropped as too stale, so every update counts or is lost
-        "strategy": {"name": "fedbuff", "concurrency": cfg.clients,
-                     "buffer_size": cfg.buffer_size, "max_staleness": cfg.rounds}
-        if cfg.buffer_size else {"name": "fedavg"},
-        "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": cfg.rounds,
-        "clients_per_round": cfg.clients, "seed": cfg.seed,
-        **({"privacy": {"secure_aggregation": {"threshold": cfg.secure}}} if cfg.secure else {})})
+    run_path = _write(workdir / "run.yaml", soak_run_config(cfg, digits_npz(workdir)))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     keys = {}
