@@ -205,6 +205,23 @@ def test_bench_scale_limit_test_evaluates_both_layouts_on_the_first_n_test_image
         assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--repeats", "0"], "--repeats 0: need at least 1"),
+    (["--clients", "0"], "--clients 0: need at least 1"),
+    (["--clients", "10", "--per-round", "20"], "--per-round 20: more than the 10 clients"),
+    # options of --mode simulate were ignored in the other modes: a "before" never measured
+    (["--before", "."], "--before: for --mode simulate, not --mode broker"),
+    (["--outputs", "--mode", "million"], "--outputs: for --mode simulate, not --mode million"),
+    (["--mode", "simulate", "--before", "/nonexistent"],
+     "--before /nonexistent: not a checkout of edgefl"),
+])
+def test_bench_scale_refuses_bad_arguments_before_measuring(argv, says, capsys):
+    bench_scale = import_tool("bench_scale")
+    with pytest.raises(SystemExit) as exc:
+        bench_scale.main(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="tools/bench_cold.py puts a load on a second CPU (Linux)")
 def test_bench_cold_times_every_pair_restores_the_affinity_and_refuses_bad_arguments(capsys):

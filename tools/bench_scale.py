@@ -235,6 +235,20 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", choices=("100", "1000", "10000"),
                         help="--mode simulate: only this workload (by clients; repeatable)")
     args = parser.parse_args(argv)
+    for name in ("clients", "per_round", "rounds", "repeats", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: need at least 1")
+    if args.per_round > args.clients:
+        parser.error(f"--per-round {args.per_round}: more than the {args.clients} clients")
+    simulate_only = [f"--{n}" for n in ("before", "outputs", "only") if getattr(args, n)]
+    if simulate_only and args.mode != "simulate":
+        # silently ignored before: a "before" row that was never measured
+        parser.error(f"{', '.join(simulate_only)}: for --mode simulate, not --mode {args.mode}")
+    if args.before is not None and not os.path.isfile(
+            os.path.join(args.before, "edgefl", "__init__.py")):
+        # else the "before" run imports whatever edgefl the environment has, and says so not
+        parser.error(f"--before {args.before}: not a checkout of edgefl (no "
+                     f"{os.path.join(args.before, 'edgefl', '__init__.py')})")
     if args.limit_test is not None:
         if args.mode != "broker":
             parser.error(f"--limit-test is for --mode broker (the round over Mosquitto against "
