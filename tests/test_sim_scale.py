@@ -222,6 +222,31 @@ def test_bench_scale_refuses_bad_arguments_before_measuring(argv, says, capsys):
     assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tool, argv, says", [
+    ("fuzz", ["--frames", "0"], "--frames 0: need at least 1"),
+    ("plain_loop", ["--clients", "10", "--per-round", "20"],
+     "--per-round 20: more than the 10 clients"),
+    ("bench_privacy", ["--repeats", "0"], "--repeats 0: need at least 1"),
+    ("bench_transport", ["--pairs", "0"], "--pairs 0: need at least 1"),
+    ("bench_edge", ["--capacity", "--sites", "0"], "--sites 0: need at least 1"),
+    ("experiments/secagg_round_cost", ["--repeats", "0"], "--repeats 0: need at least 1"),
+    ("experiments/dp_accuracy", ["--epsilons", "abc"], "--epsilons 'abc': need numbers"),
+    ("experiments/dp_accuracy", ["--partitions", "nosuch"], "--partitions: nosuch unknown"),
+])
+def test_tools_refuse_a_count_that_would_measure_nothing(tool, argv, says):
+    # a usage error naming the option, before anything runs: a run of 0 repeats or frames
+    # printed empty tables and "failures: 0", or died in a traceback ("no median for
+    # empty data"), and a misspelt partition failed after the first ones had run
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / f"{tool}.py"
+    done = subprocess.run([sys.executable, str(script), *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="tools/bench_cold.py puts a load on a second CPU (Linux)")
 def test_bench_cold_times_every_pair_restores_the_affinity_and_refuses_bad_arguments(capsys):

@@ -1,8 +1,9 @@
 """Helpers shared by the tools/bench_*.py benchmarks: interleaved median timing, the CPU
 time /proc gives a process or a thread, the memory /proc gives a process (`memory_of`) and
 a tree of them sampled from outside (`PeakPss`), the environment of a child process that runs
-a given checkout's edgefl (`child_env`, for --before), and the Markdown table every tool
-prints (or the same as JSON, `print_result`)."""
+a given checkout's edgefl (`child_env`, for --before), the Markdown table every tool
+prints (or the same as JSON, `print_result`), and the check of counts given on a command
+line (`need_counts`)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +16,16 @@ import sys
 import time
 import types
 from typing import Callable
+
+
+def need_counts(parser, args, *names) -> None:
+    """parser.error (usage, exit status 2) for an option of `names` below 1: a run of 0
+    repeats, frames or clients measures nothing, and its empty table or a median of no
+    data ('no median for empty data') would say so only in a traceback."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: need at least 1")
 
 
 def time_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:

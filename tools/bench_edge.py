@@ -63,6 +63,10 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=float, default=900.0,
                         help="with --capacity: seconds before every role is stopped")
     args = parser.parse_args(argv)
+    from _bench import need_counts
+    need_counts(parser, args, "clients", "per_round", "sites", "rows")
+    if args.per_round > args.clients:
+        parser.error(f"--per-round {args.per_round}: more than the {args.clients} clients")
     if args.capacity:
         return capacity(args)
 

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source chec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np    # noqa: E402
-from _bench import markdown    # noqa: E402
+from _bench import markdown, need_counts    # noqa: E402
 
 from edgefl import kernels    # noqa: E402
 from edgefl.data import load_dataset, partition    # noqa: E402
@@ -226,6 +226,7 @@ def main(argv=None) -> int:
                              "parameters in process (1 epoch), and through Mosquitto")
     parser.add_argument("--json", action="store_true", help="rows as JSON instead of a table")
     args = parser.parse_args(argv)
+    need_counts(parser, args, "repeats")
     cases = [(10, 100_000, 0, "1 epoch"), (10, 1_000_000, 0, "1 epoch"),
              (10, 1_000_000, 0, "1 step"), (100, 100_000, 0, "1 epoch"),
              (100, 100_000, 10, "1 epoch")]

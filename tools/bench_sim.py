@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import print_result    # noqa: E402
+from _bench import need_counts, print_result    # noqa: E402
 
 from edgefl import kernels, sim    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="runs per measure (default 7)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
+    need_counts(parser, args, "repeats")
 
     config = load_run_config("quickstart")
     run = prepare_run(config, workers=2, progress=False)

@@ -31,7 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _bench import markdown  # noqa: E402
+from _bench import markdown, need_counts  # noqa: E402
 
 TARGETS = {"edgefl --help": 0.5, "edgefl info": 0.5, "edgefl simulate quickstart": 2.0}
 
@@ -90,6 +90,7 @@ def main() -> int:
                              "report this tree's median over its")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args()
+    need_counts(parser, args, "repeats")
     edgefl = edgefl_command()
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as work:
         cache, cold = os.path.join(work, "cache"), os.path.join(work, "cold-cache")

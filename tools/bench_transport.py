@@ -121,7 +121,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a source checkout
-from _bench import cpu_seconds, time_medians, markdown  # noqa: E402  (tools/ is the script directory)
+from _bench import cpu_seconds, time_medians, markdown, need_counts  # noqa: E402  (tools/ is the script directory)
 
 from edgefl import kernels
 from edgefl._malloc import keep_frames_in_heap
@@ -899,6 +899,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-openblas-env", action="store_true",
                     help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE (read before NumPy loads)")
     args = ap.parse_args(argv)
+    need_counts(ap, args, "pairs")
     if args.local_epochs is None:
         args.local_epochs = [0, 1]
     if any(n < 0 for n in args.local_epochs):

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from _bench import markdown    # noqa: E402
+from _bench import markdown, need_counts    # noqa: E402
 from edgefl.params import LayerTable    # noqa: E402
 from edgefl.transport import signing, wire    # noqa: E402
 
@@ -298,6 +298,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
+    need_counts(parser, args, "frames")
     result = run(args.frames, args.seed)
     if args.json:
         print(json.dumps(result, indent=1))

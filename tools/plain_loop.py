@@ -100,6 +100,11 @@ def main(argv=None) -> int:
     parser.add_argument("--path", default="/usr/share/datasets/fashion-mnist")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    for name in ("clients", "per_round", "rounds", "batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: need at least 1")
+    if args.per_round > args.clients:
+        parser.error(f"--per-round {args.per_round}: more than the {args.clients} clients")
 
     x = images(os.path.join(args.path, "train-images-idx3-ubyte"))
     y = read_idx(os.path.join(args.path, "train-labels-idx1-ubyte")).astype(np.int64)

@@ -90,7 +90,18 @@ def main(argv=None) -> int:
     ap.add_argument("--partitions", default=",".join(PARTITIONS))
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
-    epsilons = [float(e) for e in args.epsilons.split(",")]
+    for name in ("clients", "per_round", "rounds", "workers"):
+        if getattr(args, name, 1) < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)}: need at least 1")
+    if args.per_round > args.clients:
+        ap.error(f"--per-round {args.per_round}: more than the {args.clients} clients")
+    try:
+        epsilons = [float(e) for e in args.epsilons.split(",")]
+    except ValueError:
+        ap.error(f"--epsilons {args.epsilons!r}: need numbers separated by commas (1,2,4,8)")
+    unknown = [p for p in args.partitions.split(",") if p not in PARTITIONS]
+    if unknown:
+        ap.error(f"--partitions: {', '.join(unknown)} unknown; valid: {', '.join(PARTITIONS)}")
     config = base_config(args)
     started = time.time()
     rows = []          # (partition, label, z, epsilon reported, final acc, best acc)

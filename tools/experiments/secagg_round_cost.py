@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--local", choices=("epoch", "step"), default="epoch")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
+    if args.repeats < 1:     # (no _bench here: this script runs with an older checkout too)
+        parser.error(f"--repeats {args.repeats}: need at least 1")
 
     import edgefl
     from edgefl.data import load_dataset, partition
