@@ -339,6 +339,30 @@ def test_bad_npz_names_the_file_and_key(tmp_path, arrays, message):
         load_dataset("npz", path=str(tmp_path / "bad.npz"))
 
 
+@pytest.mark.parametrize("kind, options, message", [
+    # options of the wrong kind: each was a TypeError from inside os, numpy or csv
+    ("npz", {"path": [1]}, "npz: path must be a non-empty string, got [1]"),
+    ("npz", {"x_train": [1]}, "npz: x_train must be a non-empty string, got [1]"),
+    ("npz", {"class_names": True}, "npz: class_names must be a list of names (strings), "
+                                   "got True"),
+    ("csv", {"delimiter": "abc"}, "csv: delimiter must be one character, got 'abc'"),
+    ("csv", {"label": [1]}, "csv: label must be a column's name or index, got [1]"),
+    ("csv", {"class_names": "x"}, "csv: class_names must be a list of names (strings), "
+                                  "got 'x'"),
+])
+def test_options_of_the_wrong_kind_are_named(tmp_path, kind, options, message):
+    np.savez(tmp_path / "d.npz", x_train=np.zeros((4, 2)), y_train=np.arange(4) % 2,
+             x_test=np.zeros((2, 2)), y_test=np.arange(2))
+    (tmp_path / "d.csv").write_text("a,label\n" + "".join(f"{i},{i % 2}\n" for i in range(8)))
+    options = {"path": str(tmp_path / f"d.{kind}"), **options}
+    with pytest.raises(ValueError) as exc:
+        load_dataset(kind, **options)
+    assert str(exc.value) == message
+    # a pathlib.Path, as code passes a file, is a path
+    assert load_dataset(kind, path=tmp_path / f"d.{kind}").x_train.shape[1] == \
+        (2 if kind == "npz" else 1)
+
+
 def test_missing_npz_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="absent.npz does not exist"):
         load_dataset("npz", path=str(tmp_path / "absent.npz"))

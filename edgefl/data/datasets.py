@@ -214,6 +214,28 @@ def check_real(source: str, key: str, value, *, integer: bool = False):
     return float(value)
 
 
+def check_text(source: str, key: str, value, *, path: bool = False) -> str:
+    """`value` if a non-empty string (an array's name; with path=True also an os.PathLike,
+    as code passes a file), or ValueError "<source>: <key> must be ..., got [1]": a list
+    there was a TypeError from deep inside os or numpy."""
+    if path and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{source}: {key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def check_class_names(source: str, value) -> list | None:
+    """class_names: None, or a list of strings (YAML's `true` or a bare word is refused
+    here, not as a TypeError when the names are counted)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
+        raise ValueError(f"{source}: class_names must be a list of names (strings), "
+                         f"got {value!r}")
+    return list(value)
+
+
 def check_arrays(source: str, x_key: str, x: np.ndarray, y_key: str, y: np.ndarray) -> None:
     """Raise ValueError naming `source` and the key if x/y are empty, ragged or non-finite."""
     if len(x) == 0:
@@ -436,6 +458,11 @@ def load_npz(*, path: str, x_train: str = "x_train", y_train: str = "y_train",
     """
     _check_choice("npz", "task", task, _TASKS)
     _check_choice("npz", "normalize", normalize, _NORMALISATIONS)
+    path = check_text("npz", "path", path, path=True)
+    for key, value in (("x_train", x_train), ("y_train", y_train), ("x_test", x_test),
+                       ("y_test", y_test)):
+        check_text("npz", key, value)
+    class_names = check_class_names("npz", class_names)
     _data_file("npz", path)
     # an .npz is a zip archive; anything else np.load would read as an .npy array or (without
     # pickle) refuse with words about allow_pickle that name neither the file nor the cause
@@ -492,6 +519,14 @@ def load_csv(*, path: str, label: str | int = "label", test_path: str | None = N
     """
     _check_choice("csv", "task", task, _TASKS)
     _check_choice("csv", "normalize", normalize, _NORMALISATIONS)
+    path = check_text("csv", "path", path, path=True)
+    if test_path is not None:
+        test_path = check_text("csv", "test_path", test_path, path=True)
+    if not isinstance(delimiter, str) or len(delimiter) != 1:
+        raise ValueError(f"csv: delimiter must be one character, got {delimiter!r}")
+    if isinstance(label, bool) or not isinstance(label, (str, int)):
+        raise ValueError(f"csv: label must be a column's name or index, got {label!r}")
+    class_names = check_class_names("csv", class_names)
     if test_path is not None and test_fraction is not None:
         raise ValueError("csv: set test_path or test_fraction, not both")
     header, table = _read_csv(path, delimiter)
