@@ -67,8 +67,11 @@ class Run:
         return self.summary.get("config") or {}
 
     @property
-    def bytes_moved(self) -> int:
-        return int(self.summary.get("uplink_bytes", 0)) + int(self.summary.get("downlink_bytes", 0))
+    def bytes_moved(self) -> int | None:
+        """Uplink plus downlink bytes, or None when the summary lacks either (a run stopped
+        before its byte counts were written): unknown, not 0 B."""
+        up, down = self.summary.get("uplink_bytes"), self.summary.get("downlink_bytes")
+        return None if up is None or down is None else int(up) + int(down)
 
     @property
     def evaluated(self) -> list:
@@ -385,7 +388,7 @@ def markdown_table(rows: Sequence[dict], target: float | None = None) -> str:
         wall = "–" if row["wall_s"] is None else format_duration(row["wall_s"])
         if row.get("offline_s") is not None:
             wall += f" (+{format_duration(row['offline_s'])} offline)"
-        cells += [format_bytes(row["bytes"]), wall]
+        cells += ["–" if row["bytes"] is None else format_bytes(row["bytes"]), wall]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     if target is not None:
         lines.append("")

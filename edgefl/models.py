@@ -281,9 +281,21 @@ def _check_option(name, key, value) -> None:
         raise ModelSpecError(name, key, f"must be true or false, got {value!r}")
     elif key == "outputs" and not _whole(value, 1):
         raise ModelSpecError(name, key, f"must be a positive integer, got {value!r}")
-    elif key == "l2" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                          or not value >= 0 or value == float("inf")):
+    elif key == "l2" and not _finite_at_least_zero(value):
         raise ModelSpecError(name, key, f"must be a finite number >= 0, got {value!r}")
+
+
+def _finite_at_least_zero(value) -> bool:
+    # a number written as text is taken: before edgefl read YAML 1.2 floats, `l2: 1e-4`
+    # was the string '1e-4' (float() took it), and checkpoints, summaries and queued runs
+    # of then still hold it
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return not isinstance(value, bool) and isinstance(value, (int, float)) \
+        and 0 <= value < float("inf")
 
 
 def check_model_spec(spec, extra=()) -> tuple:

@@ -288,6 +288,11 @@ def test_a_stopped_runs_summary_without_accuracy_is_compared(runs, tmp_path, cap
     assert main(["compare", str(run), "--no-plot"]) == 0
     row = table_rows(capsys.readouterr().out)["L"]
     assert row["final acc"] == "–" and row["best acc (round)"] == "–" and row["wall"] == "–"
+    assert row["up+down bytes"] == "–"       # unknown, not "0 B"
     assert main(["compare", str(run), "--no-plot", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["runs"][0]
-    assert row["final_accuracy"] is None and row["wall_s"] is None
+    assert row["final_accuracy"] is None and row["wall_s"] is None and row["bytes"] is None
+    # null byte counts (as a hand-edited or foreign summary may have) are unknown as well
+    run = broken_copy(runs, tmp_path / "null", summary={**summary, "uplink_bytes": None})
+    assert main(["compare", str(run), "--no-plot"]) == 0
+    assert table_rows(capsys.readouterr().out)["L"]["up+down bytes"] == "–"

@@ -358,6 +358,8 @@ def test_options_of_the_wrong_kind_are_named(tmp_path, kind, options, message):
     with pytest.raises(ValueError) as exc:
         load_dataset(kind, **options)
     assert str(exc.value) == message
+    # a quoted number is the number (check_real), here as everywhere
+    assert len(load_dataset("csv", path=str(tmp_path / "d.csv"), test_fraction="0.25").y_test) == 2
     # a pathlib.Path, as code passes a file, is a path
     assert load_dataset(kind, path=tmp_path / f"d.{kind}").x_train.shape[1] == \
         (2 if kind == "npz" else 1)

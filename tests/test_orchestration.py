@@ -1305,3 +1305,18 @@ def test_ctl_refuses_a_timeout_of_zero_or_less_naming_the_option(capsys, value):
     assert usage_error(["ctl", "status", "--broker", "mqtt://127.0.0.1:1", "--timeout", value],
                        capsys) == (f"edgefl ctl: error: argument --timeout: need a number of "
                                    f"seconds > 0, got {value}")
+
+
+def test_the_site_runs_digest_is_of_the_file_as_written(tmp_path):
+    # what the file asks for, not the config as this edgefl resolves it: a default a later
+    # release adds would otherwise make an unchanged file another run, and the finished
+    # run's checkpoint in the state directory would refuse the upgraded service's start
+    from edgefl.roles.daemon import site_config_digest
+
+    path = tmp_path / "run.yaml"
+    path.write_text("rounds: 3\nmodel: {name: softmax}\n")
+    digest = site_config_digest(str(path))
+    path.write_text("# the lab's run\nmodel:\n  name: softmax\nrounds: 3   # three\n")
+    assert site_config_digest(str(path)) == digest          # comments and layout aside
+    path.write_text("rounds: 4\nmodel: {name: softmax}\n")
+    assert site_config_digest(str(path)) != digest

@@ -91,11 +91,18 @@ def test_pytorch_default_init_bounds_and_zero_init():
     ({"name": "softmax", "bias": "no"}, "bias", "must be true or false, got 'no'"),
     ({"name": "linear", "outputs": 1.5}, "outputs", "must be a positive integer, got 1.5"),
     ({"name": "svm", "l2": "abc"}, "l2", "must be a finite number >= 0, got 'abc'"),
+    ({"name": "svm", "l2": -1.0}, "l2", "must be a finite number >= 0, got -1.0"),
 ])
 def test_model_options_of_the_wrong_type_name_the_option(spec, key, problem):
     with pytest.raises(ModelSpecError, match=f"model {spec['name']}: {key}: {problem}") as info:
         build_model(spec, (1, 8, 8), 10)
     assert re.fullmatch(key, info.value.key)      # what a run config names as model.<key>
+
+
+def test_a_model_spec_stored_before_yaml_1_2_floats_still_builds():
+    # `l2: 1e-4` was the string '1e-4' in checkpoints, summaries and queued runs made before
+    # edgefl read YAML 1.2 floats: exporting or resuming them must still build the model
+    assert build_model({"name": "svm", "l2": "1e-4"}, (4,), 2).l2 == pytest.approx(1e-4)
 
 
 def test_model_options_are_checked():

@@ -456,7 +456,11 @@ def test_model_option_errors_are_found_when_the_config_is_read(tmp_path):
 def test_cli_reports_divergence_naming_round_and_client(tmp_path, capsys):
     path = write(tmp_path, small(model={"name": "mlp"}, train={"lr": 1e10}))
     assert main(["simulate", path, "--out", str(tmp_path / "o"), "--quiet"]) == 1
-    assert "training diverged: round 1, client" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "training diverged: round 1, client" in err
+    # the run had started: its directory is there, with the rounds before it (none here)
+    assert f"(the rounds before it, if any, are in {tmp_path / 'o'}/metrics.jsonl)" in err
+    assert (tmp_path / "o" / "metrics.jsonl").read_text() == ""
 
 
 def test_progress_prints_one_line_per_round_when_not_a_tty():

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from _bench import need_counts
     need_counts(parser, args, "clients", "per_round", "sites", "rows")
-    if args.per_round > args.clients:
+    if args.per_round > args.clients and not args.capacity:     # (--capacity: every client)
         parser.error(f"--per-round {args.per_round}: more than the {args.clients} clients")
     if args.capacity:
         return capacity(args)
@@ -122,16 +122,15 @@ def capacity(args) -> int:
     (--clients-as processes, the default) or threads in this process."""
     import statistics
 
-    import yaml
-
     from _bench import markdown
+    from edgefl.config import load_yaml
     from edgefl.runconfig import load_run_config
     from edgefl.runs.prepare import prepare_run
     from edgefl.sim.loop import run_federation
     from helpers import SMALL_RUN, write_run_yaml
     from test_edge import Broker, _wait_bridge, site_bridge, two_level_run
 
-    model = yaml.safe_load(args.model)
+    model = load_yaml(args.model)
     model = {"name": model} if isinstance(model, str) else model
     if not isinstance(model, dict) or "name" not in model:
         raise SystemExit(f"--model {args.model!r}: a model name or a YAML mapping with a name")

@@ -499,6 +499,9 @@ def keep_record(job: dict, elapsed: float, derived: dict, **extra) -> dict:
     record = {"key": job["key"], "elapsed_s": elapsed,
               "config_sha256": config_digest(job["config"]), "derived": derived,
               "cpu": cpu_model(), **extra}
+    # (simulate makes its directory with the first round, or when the run stops or
+    # diverges; a job that failed before that still gets its record)
+    os.makedirs(job["out"], exist_ok=True)
     with open(os.path.join(job["out"], "reproduce.json"), "w", encoding="utf-8") as f:
         json.dump(record, f)
     return record

@@ -171,8 +171,8 @@ def _simulate(args: argparse.Namespace) -> int:
                  f"no round was done ({out})"), file=sys.stderr)
         return exit_status(stop)
     except NonFiniteError as exc:
-        print(f"edgefl simulate: training diverged: {exc} (the rounds before it are in "
-              f"{out})", file=sys.stderr)
+        print(f"edgefl simulate: training diverged: {exc} (the rounds before it, if any, are "
+              f"in {out}/metrics.jsonl)", file=sys.stderr)
         return 1
     except BaseException:
         if args.out is None:            # failed before writing: no empty run directory left

@@ -264,8 +264,8 @@ def _aggregator_arguments(parser: argparse.ArgumentParser) -> None:
                              "control topic write to <state_dir>/runs/<id>/)")
     parser.add_argument("--once", action="store_true",
                         help="exit once no run is active or queued (the site file's run done) "
-                             "instead of waiting for the next run; status 1 when the site "
-                             "file's run failed, now or in an earlier start")
+                             "instead of waiting for the next run; status 1 when a run of this "
+                             "start failed, or the site file's run failed in an earlier one")
     two = parser.add_argument_group("two levels: edge aggregators over bridged brokers "
                                     "(docs/scaling.md)")
     two.add_argument("--sites", metavar="FILE",

@@ -177,7 +177,8 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int,
 
     Regression targets (float) are split uniformly at random instead.
     """
-    if not 0.0 < check_real(source, "test_fraction", test_fraction) < 1.0:
+    test_fraction = check_real(source, "test_fraction", test_fraction)   # "0.25" too
+    if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     rng = np.random.default_rng(check_real(source, "split_seed", seed, integer=True))
     groups = ([np.flatnonzero(y == c) for c in np.unique(y)]

@@ -154,13 +154,19 @@ def run_config_of(record: dict):
     return run_config_from_mapping(record["config"], f"run {record['id']} (run.json)")
 
 
-def site_config_digest(config) -> str:
-    """What the site file's run asks for, as a sha256 of its resolved config: a changed run
-    config (not a comment or the file's layout) makes the site file's run another run."""
+def site_config_digest(path: str) -> str:
+    """What the site file's run config asks for, as a sha256 of the YAML as written (parsed:
+    comments and layout aside), not as resolved: a default a later edgefl adds must not make
+    an unchanged file another run (a finished run's checkpoint in the state directory would
+    then refuse the service's start after an upgrade). A changed file is another run."""
     import hashlib
 
-    doc = json.dumps(jsonable(config.to_dict()), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(doc.encode()).hexdigest()
+    from ..config import load_yaml
+
+    with open(path, encoding="utf-8") as f:
+        doc = load_yaml(f)
+    text = json.dumps(jsonable(doc), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def export_run_checkpoint(record: dict) -> dict:
@@ -310,8 +316,8 @@ class Daemon:
         from ..runconfig import load_run_config
 
         config_path = os.path.abspath(config_path)
-        config = load_run_config(config_path)      # a bad file fails the start, naming it
-        digest = site_config_digest(config)
+        load_run_config(config_path)               # a bad file fails the start, naming it
+        digest = site_config_digest(config_path)
         mine = sorted((r for r in self.records.values() if r.get("site") == config_path
                        and r["state_dir"] == self.state_dir),
                       key=lambda r: (r.get("created") or 0, r.get("seq", 0)))
@@ -321,6 +327,13 @@ class Daemon:
         # refuses another config: the fingerprint)
         if last is not None and (last["state"] not in DONE_STATES
                                  or last.get("site_config_sha256") in (None, digest)):
+            if last["state"] not in DONE_STATES and \
+                    last.get("site_config_sha256") not in (None, digest):
+                # it runs (or resumes) with the file as it is now (run_config_of reads the
+                # file): its record says so, or its next start would take the file it ran
+                # with for a changed one
+                last = {**last, "site_config_sha256": digest}
+                self._save(last)
             self.site_record = last
             if last["state"] in DONE_STATES:
                 log.info("the site file's run %s (%s) ended %s; it is not run again (a "

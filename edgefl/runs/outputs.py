@@ -42,10 +42,12 @@ class MetricsLog:
     """out_dir/metrics.jsonl, one JSON line per round record, flushed as each is written.
 
     Nothing is created or truncated until `open()`, which the first `write` calls: a run
-    that fails before its first round ends (a broker that cannot be reached, a transport
-    setting refused once the run was prepared, a worker that could not connect) leaves no
-    empty directory behind to refuse the corrected command, and with --force does not
-    empty an earlier run's metrics.jsonl while that run's summary.json and model.npz stay.
+    that cannot start (a broker that cannot be reached, a transport setting refused once
+    the run was prepared, a worker that could not connect) leaves no empty directory
+    behind to refuse the corrected command, and with --force does not empty an earlier
+    run's metrics.jsonl while that run's summary.json and model.npz stay. A run that did
+    start and then stopped or diverged opens it itself (`simulate`), so its directory says
+    what it did, even before round 1 ended.
     The one place a run's directory and its metrics.jsonl are opened by `edgefl simulate`
     (the aggregator role rewrites its metrics.jsonl whole after each round: roles.runner)."""
 

@@ -34,7 +34,7 @@ from typing import Mapping
 
 from ..checkpoint import save_checkpoint
 from ..data.layout import without_training_rows
-from ..errors import RunStopped, TrainingStopped
+from ..errors import NonFiniteError, RunStopped, TrainingStopped
 from ..export import CALIBRATION_SAMPLES
 from ..io import write_json
 from ..privacy import PrivacyHooks
@@ -46,7 +46,7 @@ from ..virtual_fleet import refuse_over_broker
 from .asynchronous import run_asynchronous
 from .clock import Clock
 from .loop import run_federation
-from .over_broker import check_options, run_over_broker
+from .over_broker import check_options, reach_broker, run_over_broker
 from .progress import Progress
 
 __all__ = ["TRANSPORTS", "simulate", "run_federation", "run_asynchronous", "run_over_broker",
@@ -96,6 +96,11 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
         # the transport's settings are refused before the data is loaded (and, as for
         # anything that fails before round 1, before out_dir is touched: MetricsLog)
         check_options(broker, **dict(mqtt or {}))
+        if broker is not None:
+            # and the user's broker is reached before the run is prepared: a strategy's
+            # offline phase (DUW's) would otherwise run first, and write into out_dir
+            reach_broker(broker, f"edgefl-sim-probe-{os.getpid()}",
+                         float(dict(mqtt or {}).get("connect_timeout", 30.0)))
     try:
         run = prepare_run(config, workers=workers, out_dir=out_dir, progress=progress,
                           stream=stream, stop=stop)
@@ -156,6 +161,12 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
                                 stopped.result, dataset,
                                 dataset_config=absolute_dataset_paths(config.dataset,
                                                                       config.path))
+        raise
+    except NonFiniteError:
+        # the run had started (whatever could refuse it had passed): out_dir is this run's
+        # and holds the rounds before the one that diverged, none if it was round 1
+        if metrics is not None:
+            metrics.open()
         raise
     finally:
         bar.close()
