@@ -384,7 +384,7 @@ def test_an_unreachable_broker_is_found_before_the_run_is_prepared(cwd, capsys, 
 
 @pytest.mark.parametrize("option, message", [
     (["--broker", "foo://x"], "broker URL 'foo://x': scheme 'foo' is not one of"),
-    (["--chunk-size", "0"], "chunk_size): 0 is below the minimum 1024"),
+    (["--chunk-size", "0"], "--chunk-size (transport.chunk_size): 0 is below the minimum 1024"),
     (["--broker", "mqtt://127.0.0.1:1"], "cannot reach MQTT broker 127.0.0.1:1"),
 ])
 def test_a_bad_transport_setting_creates_no_run_directory(cwd, capsys, option, message):

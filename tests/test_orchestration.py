@@ -1307,6 +1307,21 @@ def test_ctl_refuses_a_timeout_of_zero_or_less_naming_the_option(capsys, value):
                                    f"seconds > 0, got {value}")
 
 
+@pytest.mark.parametrize("option, value, problem", [
+    ("--deadline", "-1", "--deadline (round.deadline): -1.0 is below the minimum 0.1"),
+    ("--quorum", "0", "--quorum (round.quorum): 0.0 is below the minimum 0.01"),
+    ("--min-updates", "0", "--min-updates (round.min_updates): 0 is below the minimum 1"),
+])
+def test_ctl_start_checks_the_rounds_settings_before_sending(capsys, option, value, problem):
+    # the aggregator's own rule (its site file's round.*), applied before the command is
+    # published: the --broker is a closed port, so only a refusal here can say this
+    from edgefl.cli import main
+
+    assert main(["ctl", "start", "quickstart", option, value, "--broker",
+                 "mqtt://127.0.0.1:1"]) == 1
+    assert capsys.readouterr().err == f"edgefl ctl: error: {problem}\n"
+
+
 def test_the_site_runs_digest_is_of_the_file_as_written(tmp_path):
     # what the file asks for, not the config as this edgefl resolves it: a default a later
     # release adds would otherwise make an unchanged file another run, and the finished

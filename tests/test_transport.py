@@ -731,6 +731,15 @@ def test_embedded_broker_prefers_mosquitto_and_configures_it():
 
 
 
+def test_edgefl_broker_refuses_a_packet_limit_below_one(capsys):
+    # a negative limit reached the broker's own configuration before
+    with pytest.raises(SystemExit) as exc:
+        main(["broker", "--max-packet-bytes", "-5"])
+    assert exc.value.code == 2
+    assert "argument --max-packet-bytes: need a whole number >= 1, got -5" in \
+        capsys.readouterr().err
+
+
 @pytest.mark.parametrize("host, cause", [
     # the resolver's own words differ by machine (no DNS: "Temporary failure in name
     # resolution")

@@ -150,8 +150,13 @@ def _ctl_command(args: argparse.Namespace) -> dict:
         doc["config"] = body
         if args.clients:
             doc["clients"] = [c.strip() for c in args.clients.split(",")]
-        rounds = {k: v for k, v in (("deadline", args.deadline), ("quorum", args.quorum),
-                                    ("min_updates", args.min_updates)) if v is not None}
+        from ..service.layered import check_setting
+
+        # checked here as the aggregator will check them (its site file's round.*): a bad
+        # value is one line now, not a refusal from the service after a round trip
+        rounds = {k: check_setting(f"round.{k}", v, f"--{k.replace('_', '-')}")
+                  for k, v in (("deadline", args.deadline), ("quorum", args.quorum),
+                               ("min_updates", args.min_updates)) if v is not None}
         if rounds:
             doc["round"] = rounds
     elif args.run_config is not None:

@@ -137,6 +137,11 @@ def _simulate(args: argparse.Namespace) -> int:
     name = os.path.splitext(os.path.basename(config.path or "run"))[0]
     if args.broker is not None and args.transport != "mqtt":
         raise ValueError("--broker needs --transport mqtt")
+    if args.transport == "mqtt":
+        from ..service.layered import check_setting
+
+        # a board's transport.chunk_size rule, named by this command's option
+        check_setting("transport.chunk_size", args.chunk_size, "--chunk-size")
     mqtt = {"max_payload": args.chunk_size} if args.transport == "mqtt" else None
     if args.client_processes is not None:
         if args.transport != "mqtt":

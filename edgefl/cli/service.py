@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from .command import Command, count_or_ids, seconds
+from .command import Command, count, count_or_ids, seconds
 
 
 # ---------------------------------------------------------------------------------------
@@ -24,7 +24,7 @@ def _broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=KINDS, default="auto",
                         help="mosquitto (found on PATH), python (amqtt, pip install "
                              "'edgefl[broker]'), or auto: mosquitto when installed")
-    parser.add_argument("--max-packet-bytes", type=int, default=DEFAULT_MAX_PACKET_BYTES,
+    parser.add_argument("--max-packet-bytes", type=count, default=DEFAULT_MAX_PACKET_BYTES,
                         metavar="N", help="largest MQTT packet accepted (default "
                                           f"{DEFAULT_MAX_PACKET_BYTES})")
     actions = parser.add_subparsers(dest="broker_action", metavar="ACTION")
