@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))                          # a source checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import PeakPss, children, cpu_seconds, markdown    # noqa: E402
+from _bench import PeakPss, children, cpu_seconds, markdown, need_counts    # noqa: E402
 
 from edgefl import kernels, sim    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
@@ -235,9 +235,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", action="append", choices=("100", "1000", "10000"),
                         help="--mode simulate: only this workload (by clients; repeatable)")
     args = parser.parse_args(argv)
-    for name in ("clients", "per_round", "rounds", "repeats", "workers"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: need at least 1")
+    need_counts(parser, args, "clients", "per_round", "rounds", "repeats", "workers")
     if args.per_round > args.clients:
         parser.error(f"--per-round {args.per_round}: more than the {args.clients} clients")
     simulate_only = [f"--{n}" for n in ("before", "outputs", "only") if getattr(args, n)]

@@ -41,8 +41,9 @@ def _partition(args: argparse.Namespace) -> int:
     # read as simulate reads it (a built-in config by name, unknown keys refused, every
     # section checked): the split shown is the one that config's run would train on
     config = load_run_config(args.config, args.overrides)
-    dataset = dataset_from_config(config.as_config())
-    split = partition_from_config(config.as_config(), dataset)
+    sections = config.as_config()
+    dataset = dataset_from_config(sections)
+    split = partition_from_config(sections, dataset)
     counts = label_counts(dataset, split)
     spec = config.partition
     options = ", ".join(f"{k}={v}" for k, v in spec.items() if k not in ("name", "clients"))

@@ -204,7 +204,8 @@ def check_real(source: str, key: str, value, *, integer: bool = False):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
         return int(value)
-    if isinstance(value, str):              # YAML 1.1 reads 1e-3 (no dot) as a string
+    if isinstance(value, str):              # a quoted number, or one stored as text by an
+        # edgefl that read YAML 1.1 (where 1e-3, with no dot, is a string)
         try:
             value = float(value)
         except ValueError:

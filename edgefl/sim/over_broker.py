@@ -43,10 +43,10 @@ def check_options(url: str | None = None, *, max_payload: int = 128 * 1024,
 
 def reach_broker(url: str, client_id: str, timeout: float) -> None:
     """Connect to the broker at `url` once (as the roles will: credentials, TLS) and
-    disconnect. Raises TransportError naming the broker and the cause. Called before the
-    clients' worker processes are forked: one clear error at once, not one per worker, and
-    not after a fleet has started connecting. Its network thread is joined by close(), so
-    none is left running when the workers are forked."""
+    disconnect. Raises TransportError naming the broker and the cause. `simulate` calls it
+    before the run is prepared (a strategy's offline phase writes into the run's directory)
+    and before any worker process is forked: one clear error at once, not one per worker.
+    Its network thread is joined by close(), so none is left running at the fork."""
     from ..transport.mqtt import MqttTransport
 
     probe = MqttTransport(url, client_id, clean_session=True, connect_timeout=timeout)
@@ -54,6 +54,7 @@ def reach_broker(url: str, client_id: str, timeout: float) -> None:
         probe.connect()
     finally:
         probe.close(timeout=min(5.0, timeout), announce_offline=False)
+
 
 def default_client_processes(clients: int) -> int:
     """How many worker processes host the clients of a simulation over a broker by default:
@@ -133,11 +134,8 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             broker = EmbeddedBroker(kind=broker_kind,
                                     max_packet_bytes=packet_bytes_for(max_payload)).start()
             url = broker.url
-        else:
-            # a broker of the user's: is it there (and does it take us)? Its own error, once,
-            # before a worker is forked or a client built (the workers still report theirs:
-            # the broker may go away in between)
-            reach_broker(url, f"edgefl-{federation}-probe", connect_timeout)
+        # (a broker of the user's was reached by `simulate` before the run was prepared;
+        # a worker whose clients cannot connect reports the broker's own error)
         address = parse_broker_url(url)
         if state_dir is None:
             # The roles' state (client progress, checkpoints, journal) is thrown away with
