@@ -525,11 +525,14 @@ def test_cli_export_writes_next_to_the_checkpoint_by_default(run_dir, capsys):
 
 
 @pytest.mark.parametrize("option, value", [("--top", "-1"), ("--top", "0"), ("--limit", "0"),
-                                           ("--limit", "-3")])
+                                           ("--limit", "-3"), ("--threads", "-1"),
+                                           ("--threads", "0")])
 def test_cli_predict_refuses_a_count_below_one_naming_the_option(tmp_path, capsys, option,
                                                                    value):
     # --top -1 and --top 0 printed every sample with one class (rc 0), as if asked for it;
-    # a count below one is a mistyped command line, refused before the model is loaded
+    # a count below one is a mistyped command line, refused before the model is loaded;
+    # --threads -1 reached Predictor's ValueError (0, onnxruntime's "all", is not offered:
+    # a board's threads are its device profile's infer.threads, at least 1)
     model, params, raw, x, mean, std = random_case("logreg", n=4)
     path = str(tmp_path / "m.onnx")
     export_onnx(model, params, path, norm_mean=mean, norm_std=std)

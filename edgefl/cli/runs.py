@@ -358,7 +358,7 @@ def _predict_arguments(parser: argparse.ArgumentParser) -> None:
                              "data set the model was trained on (its metadata)")
     parser.add_argument("--limit", type=count, metavar="N",
                         help="with --from-dataset: how many test samples (default 10)")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
+    parser.add_argument("--threads", type=count, default=1, metavar="N",
                         help="onnxruntime threads (default 1)")
     parser.add_argument("--top", type=count, default=3, metavar="K",
                         help="classes listed per sample (default 3)")
