@@ -932,6 +932,24 @@ def test_a_private_key_where_a_node_expects_a_public_one_stops_it_at_start(tmp_p
         signing.fingerprint(signing.load_public_key(agg_pub))
 
 
+def test_a_public_key_given_to_sign_with_is_named_as_one(tmp_path):
+    """--signing-key k.pub (or keys.signing_key) is refused saying it is a public key and
+    which file to use; it said "not an unencrypted Ed25519 private key (...): Could not
+    deserialize key data", as for a corrupt file."""
+    _, key, pub = keypair(tmp_path, "aggregator")
+    with pytest.raises(KeyFileError) as refused:
+        signing.load_private_key(pub)
+    assert str(refused.value) == (f"{pub}: a public key, not a private key to sign with; "
+                                  f"use {key}, the private key beside it")
+    lone = tmp_path / "lone.pem"
+    lone.write_bytes(open(pub, "rb").read())
+    with pytest.raises(KeyFileError, match=r"lone.pem: a public key, not a private key to "
+                                           r"sign with; a node signs with its private key"):
+        signing.load_private_key(lone)
+    assert signing.fingerprint(signing.load_private_key(key)) == \
+        signing.fingerprint(signing.load_public_key(pub))
+
+
 def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_off(
         tmp_path, mosquitto_server, caplog, capsys):
     """Backward compatible: the aggregator signs, the boards have no keys (an older site

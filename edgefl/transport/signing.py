@@ -133,6 +133,15 @@ def _read(path) -> bytes:
 
 def load_private_key(path) -> Ed25519PrivateKey:
     data = _read(path)
+    if len(data) != 32 and b"PUBLIC KEY" in data:
+        # a node's own key to sign with, given its .pub: the message names the mix-up,
+        # not PEM parsing's "could not deserialize"
+        stem = os.fspath(path)[:-4] if os.fspath(path).endswith(".pub") else None
+        hint = f"use {stem}, the private key beside it" if stem and os.path.isfile(stem) \
+            else "a node signs with its private key (the file `edgefl keys gen` wrote " \
+                 "without .pub)"
+        raise KeyFileError(f"{os.fspath(path)}: a public key, not a private key to sign "
+                           f"with; {hint}")
     try:
         with openssl():
             if len(data) == 32:
