@@ -48,6 +48,18 @@ def load_yaml(stream, loader=YamlLoader):
     return yaml.load(stream, Loader=loader)
 
 
+# ... and the dumper that writes what they read back: yaml's safe dumper left a string such
+# as '1e5' (a board id, a path) unquoted, which the loaders above read back as a float.
+YamlDumper = type("EdgeflSafeDumper", (yaml.SafeDumper,), {})
+YamlDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT,
+                                 list("-+0123456789"))
+
+
+def dump_yaml(value, **options) -> str:
+    """yaml.safe_dump (options as its own), quoting what load_yaml would read as a number."""
+    return yaml.dump(value, Dumper=YamlDumper, **options)
+
+
 class Config(dict):
     """A config mapping that remembers which file it came from (`path`, None if built in code)."""
 

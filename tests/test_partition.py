@@ -290,6 +290,19 @@ def test_exponent_floats_are_numbers_in_files_and_overrides(tmp_path):
     assert yaml.safe_load("x: 1e-3") == {"x": "1e-3"}      # yaml's own loader is unchanged
 
 
+def test_dumped_yaml_reads_back_as_written():
+    # what edgefl writes (install-service's config, config show) is read back by the loaders
+    # above: yaml's safe_dump left the string '1e5' (an id, a path) unquoted, read back as
+    # 100000.0
+    from edgefl.config import dump_yaml, load_yaml
+    value = {"ids": ["1e5", "2E-3", "07", "on", "e5", "x"], "lr": 1e-3, "n": 7, "id": "1e5"}
+    for flow in (True, False):
+        text = dump_yaml(value, default_flow_style=flow, sort_keys=False)
+        assert load_yaml(text) == value
+    assert "'1e5'" in dump_yaml("1e5") and "e5" == dump_yaml("e5").split()[0]
+    assert yaml.safe_dump("1e5").startswith("1e5")         # yaml's own dumper is unchanged
+
+
 def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
     path = write(tmp_path, "seed: 0\ndataset:\n  name: digits\n  limit_train: [1, 2\n")
     with pytest.raises(ConfigError, match=r"run.yaml, line \d+: invalid YAML"):

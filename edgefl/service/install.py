@@ -25,9 +25,8 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 
-import yaml
 
-from ..config import load_yaml
+from ..config import dump_yaml, load_yaml
 from ..io import atomic_write
 from . import profiles
 from .layered import ETC_DIR, KEYS, ROLES
@@ -471,7 +470,7 @@ def _flow(value) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
+    return dump_yaml(value, default_flow_style=True, sort_keys=False).strip()
 
 
 def install(plan: InstallPlan, dry_run: bool = False) -> list[tuple[str, str]]:

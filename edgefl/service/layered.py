@@ -44,7 +44,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..config import (Config, ConfigError, FastYamlLoader, YamlLoader, apply_override,
-                      load_yaml)
+                      dump_yaml, load_yaml)
 from . import profiles
 from .keys import (KEYS, ROLE_NAMES, ROLES, Key, _SECTIONS, _check_value, _readers,
                    _role_keys, check_setting)
@@ -188,7 +188,7 @@ def _show(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (dict, list)):
-        return yaml.safe_dump(value, default_flow_style=True, sort_keys=False).strip()
+        return dump_yaml(value, default_flow_style=True, sort_keys=False).strip()
     return str(value)
 
 
