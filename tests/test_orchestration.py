@@ -1297,6 +1297,45 @@ def test_a_changed_site_run_config_is_queued_as_a_new_run(mosquitto_server, tmp_
     assert s.records() == records
 
 
+def test_a_site_run_not_yet_ended_takes_the_file_as_it_is_now(mosquitto_server, tmp_path):
+    """The service queued the site file's run, stopped before it ended, and the file was
+    edited meanwhile: the run is still this file's (a run not ended is resumed, not
+    replaced), runs with the file as it is now, and its record takes that file's digest.
+    Otherwise the next start, the file unchanged since, would take it for a changed run
+    config and refuse to start (the state directory holds the run's checkpoint)."""
+    import time as _time
+
+    from edgefl.roles.daemon import RunStore, site_config_digest
+    from edgefl.runs.prepare import prepare_run
+    from helpers import start_mqtt_clients, stop_clients
+
+    s = SiteRunScript(mosquitto_server, tmp_path)
+    s.write(run_config(rounds=2))
+    store = RunStore(str(s.state))
+    queued = {"id": "r-queued", "seq": 1, "state": "queued", "site": str(s.file),
+              "site_config_sha256": "0" * 64,      # the digest of the file as it was then
+              "config": None, "clients": None, "round": {}, "created": _time.time(),
+              "run_dir": store.run_dir("r-queued"), "state_dir": str(s.state),
+              "out_dir": str(s.out)}
+    store.save(queued)
+    clients, threads = start_mqtt_clients(
+        s.server.url, s.fed, "site", prepare_run(run_config_from_mapping(run_config(rounds=2)),
+                                                 progress=False), tmp_path, [0, 1])
+    try:
+        done = s.run()
+    finally:
+        stop_clients(clients, threads)
+    assert done.returncode == 0, done.stderr
+    [(run_id, record)] = s.records().items()              # no second run queued
+    assert run_id == "r-queued" and record["state"] == "finished", record
+    assert record["site_config_sha256"] == site_config_digest(str(s.file))
+
+    again = s.run()                                        # the file unchanged since
+    assert again.returncode == 0, again.stderr
+    assert f"the site file's run r-queued ({s.file}) finished earlier" in again.stdout
+    assert s.records() == {run_id: record}
+
+
 @pytest.mark.parametrize("value", ["-1", "0", "nan"])
 def test_ctl_refuses_a_timeout_of_zero_or_less_naming_the_option(capsys, value):
     # `ctl status --timeout -1` used to publish and then report "no reply ... within -1 s
