@@ -1374,3 +1374,81 @@ def test_the_site_runs_digest_is_of_the_file_as_written(tmp_path):
     assert site_config_digest(str(path)) == digest          # comments and layout aside
     path.write_text("rounds: 4\nmodel: {name: softmax}\n")
     assert site_config_digest(str(path)) != digest
+
+
+# ---------------------------------------------------------------------------------------
+# an operator's stop survives the service's death (kill -9) before it was carried out
+# ---------------------------------------------------------------------------------------
+
+def test_a_stop_acknowledged_before_a_kill_is_carried_out_by_the_restarted_service(
+        fleet, tmp_path):
+    """`stop` is answered "stopping" at once; the run's end (export, record `stopped`) comes
+    after the open round is abandoned and the model exported. The service process is killed
+    with SIGKILL as soon as the answer arrives: started again, it must not resume the run
+    the operator stopped (no round aggregated after the restart), and the run ends
+    `stopped` with its last checkpoint exported."""
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from brokers import REPO
+
+    f = fleet()
+    secret = tmp_path / "aggregator.password"
+    secret.write_text(f.server.users["aggregator"] + "\n")
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": "aggregator", "federation": f.fed},
+        "state_dir": str(f.state_dir), "log": {"level": "info"},
+        "clients": list(CLIENTS),
+        "broker": {"url": f.server.url, "username": "aggregator",
+                   "password_file": str(secret)}}))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+
+    def service(log_name):
+        with open(tmp_path / log_name, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "aggregator",
+                                     "--config", str(site)], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        procs.append(proc)
+        wait_for(lambda: "taking commands on" in (tmp_path / log_name).read_text(),
+                 timeout=60, poll=0.1, what="the aggregator service to take commands")
+        return proc
+
+    run_dir = f.state_dir / "runs" / "long"
+    journal = run_dir / "state" / JOURNAL_FILE
+    try:
+        first = service("aggregator-1.log")
+        for node in CLIENTS:
+            f.start_client(node)
+        f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "long"})
+        f.events.wait("round_closed", run="long", round=2, timeout=60)
+        assert f.ok({"cmd": "stop"})["state"] == "stopping"
+        first.send_signal(signal.SIGKILL)            # the stop acknowledged, then the crash
+        assert first.wait(10) == -signal.SIGKILL
+        done = AggregatorCheckpoint.load(run_dir / "state").round
+        killed_at = len(read_journal(journal))
+
+        second = service("aggregator-2.log")
+        # the restarted service either carries the stop out or resumes the run
+        wait_for(lambda: json.loads((run_dir / "run.json").read_text())["state"] == "stopped"
+                 or any(r.get("event") == "aggregated"
+                        for r in read_journal(journal)[killed_at:]),
+                 timeout=60, poll=0.1, what="run long stopped, or a round aggregated")
+        record = json.loads((run_dir / "run.json").read_text())
+        after = [r["round"] for r in read_journal(journal)[killed_at:]
+                 if r.get("event") == "aggregated"]
+        assert after == [] and record["state"] == "stopped", \
+            (record["state"], after, (tmp_path / "aggregator-2.log").read_text()[-2000:])
+        assert record["rounds_done"] == done
+        assert (run_dir / "model.onnx").stat().st_size > 0
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0, (tmp_path / "aggregator-2.log").read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

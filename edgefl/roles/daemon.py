@@ -99,6 +99,11 @@ class DaemonSettings:
         return self.aggregator.node_id
 
 
+class _StoppedBefore(Exception):
+    """_execute: the run's record says the operator stopped it (a stop the service died
+    before carrying out); nothing is run, the stop is carried out."""
+
+
 class RunStore:
     """The run records under `<state_dir>/runs/`: one directory per run, `run.json` in it."""
 
@@ -381,6 +386,10 @@ class Daemon:
 
         control = RunControl(record["id"], paused=record["state"] == "paused",
                              publish_onnx=self._publishes_onnx)
+        if record.get("stop_requested"):
+            # stopped by the operator, and the service died before it ended the run: end it
+            # now (export its checkpoint, record it stopped), train nothing more
+            control.stop_requested.set()
         self._own_status = False                  # the run's Aggregator publishes it now
         with self._lock:
             record["state"] = "paused" if control.paused.is_set() else "running"
@@ -390,6 +399,8 @@ class Daemon:
         self._publish_record(record)
         summary, error = None, None
         try:
+            if control.stop_requested.is_set():
+                raise _StoppedBefore()
             config = run_config_of(record)
             rounds = record.get("round") or {}
             settings = dataclasses.replace(
@@ -410,6 +421,9 @@ class Daemon:
                                      stop=EitherStop(self.stop, control.stop_requested),
                                      notifier=self.notifier, control=control,
                                      stream=self.stream, **options)
+        except _StoppedBefore:
+            log.info("run %s was stopped by the operator before this start: ending it from "
+                     "its checkpoint", record["id"])
         except TransportError as exc:
             # the broker is unreachable: not the run's fault; it is tried again
             log.error("run %s: %s; trying again in %g s", record["id"], exc,
@@ -872,6 +886,13 @@ class Daemon:
             raise CommandError(f"stop: no run {wanted!r} (runs: "
                                f"{', '.join(self.records) or 'none'})")
         record, control = self._target_active(command)
+        # On disk before the answer: the run's end (its round abandoned, its model exported,
+        # its record `stopped`) comes later, and a service killed in between (kill -9, power
+        # loss) would otherwise resume, and train on, a run the operator was told is
+        # stopping. A restart finds the mark and ends the run instead (_execute).
+        with self._lock:
+            record["stop_requested"] = time.time()
+            self._save(record)
         control.stop_requested.set()
         return {"run": record["id"], "state": "stopping",
                 "note": "the checkpoint of the last aggregated round stands; model.onnx is "
