@@ -265,6 +265,20 @@ def test_journal_skips_a_torn_last_line(tmp_path):
     assert read_journal(tmp_path / "none.jsonl") == []
 
 
+def test_a_record_appended_after_a_torn_last_line_is_read(tmp_path):
+    """A power cut mid-append leaves a line without its newline. The next start appends
+    (the aggregator's `recovered` round, `resumed`): that line must not be glued to the
+    torn one, or it is lost to the reader and the journal misses a round it promised."""
+    path = tmp_path / "rounds.jsonl"
+    append_journal(path, {"event": "aggregated", "round": 1})
+    with open(path, "a") as f:
+        f.write('{"event": "aggregated", "rou')         # round 2's line, cut short
+    append_journal(path, {"event": "aggregated", "round": 2, "recovered": True})
+    append_journal(path, {"event": "resumed", "round": 2})
+    assert [(r["event"], r["round"]) for r in read_journal(path)] == \
+        [("aggregated", 1), ("aggregated", 2), ("resumed", 2)]
+
+
 # ---------------------------------------------------------------------------------------
 # messages.py: the announcement, status and update scalars
 # ---------------------------------------------------------------------------------------

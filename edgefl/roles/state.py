@@ -219,12 +219,17 @@ def _append(path, data: bytes, what: str, whole: str) -> None:
     lines and the file in the error."""
     path = os.fspath(path)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as exc:
         raise _write_failed(path, exc, what) from exc
     try:
         size = os.fstat(fd).st_size
         try:
+            # A file that does not end in a newline ends in a line a power cut tore (a
+            # process's own failed write is cut off below): end that line first, or the new
+            # one is glued to it and lost to the reader with it.
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data
             view = memoryview(data)
             while view:                           # a full disk may take part of the line
                 view = view[os.write(fd, view):]
