@@ -27,7 +27,8 @@ from edgefl.runconfig import load_run_config
 
 __all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
            "load_small_run", "read_jsonl", "AggregatorProcesses", "start_mqtt_clients",
-           "stop_clients", "aggregated_rounds", "StopAtLine", "import_tool", "usage_error"]
+           "stop_clients", "aggregated_rounds", "StopAtLine", "import_tool", "usage_error",
+           "killed_at_append"]
 
 
 def import_tool(name: str):
@@ -314,3 +315,28 @@ def stop_clients(clients, threads, timeout=5.0) -> None:
         client.stop.set()
     for t in threads:
         t.join(timeout)
+
+
+def killed_at_append(tmp_path, file_name: str, *words: str) -> list:
+    """The command line prefix (python and a launcher script) of an `edgefl` process that
+    kills itself with SIGKILL -- a crash: no clean-up, no atexit, no flush -- at one point
+    of its own: when it is about to append (roles/state.py's _append, behind
+    append_journal and the history) a line to a file named `file_name` that holds every
+    one of `words` (bytes of the line's JSON, e.g. '"round":2'). Everything it wrote
+    before that point is on disk as it would be after a kill -9 there. Append the
+    `edgefl` arguments: killed_at_append(...) + ["aggregator", "--config", ...]."""
+    script = tmp_path / f"killed-at-{file_name}.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from edgefl.roles import state\n"
+        "_append = state._append\n"
+        f"WORDS = {[w.encode() for w in words]!r}\n"
+        "def append(path, data, what, whole):\n"
+        f"    if os.path.basename(os.fspath(path)) == {file_name!r} and \\\n"
+        "            all(w in data for w in WORDS):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return _append(path, data, what, whole)\n"
+        "state._append = append\n"
+        "from edgefl.cli import console_main\n"
+        "sys.exit(console_main(sys.argv[1:]))\n")
+    return [sys.executable, str(script)]

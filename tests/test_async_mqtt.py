@@ -29,8 +29,8 @@ from edgefl.roles.asynchronous import BOOK_FILE, BUFFER_DIR    # noqa: E402
 from edgefl.roles.state import JOURNAL_FILE, load_arrays, read_journal    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
 from edgefl.runs.prepare import prepare_run    # noqa: E402
-from helpers import (AggregatorProcesses, aggregated_rounds, read_jsonl,  # noqa: E402
-                     start_mqtt_clients, stop_clients, wait_for, write_run_yaml)
+from helpers import (AggregatorProcesses, aggregated_rounds, killed_at_append,  # noqa: E402
+                     read_jsonl, start_mqtt_clients, stop_clients, wait_for, write_run_yaml)
 
 pytest_plugins = ["brokers"]
 
@@ -192,6 +192,53 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
         stats = clients[c].stats
         assert stats["resent"] >= 1 or task in pending or task in logged[1], \
             (f"client-{c}", task, stats, pending, logged)
+
+
+def test_aggregator_killed_after_a_steps_checkpoint_applies_its_buffer_once(
+        tmp_path, mosquitto_server):
+    """The aggregator process dies (SIGKILL, by its own hand) inside step 2's commit: its
+    checkpoint renamed into place, its journal line, the deletion of its buffer files and
+    async.json not yet done (docs/async.md "A step commits in this order"). Started again,
+    it deletes those buffer files as applied (the checkpoint holds their step), lists step
+    2 in the journal once (recovered), and applies no task twice."""
+    rounds = BASE["rounds"]
+    path = write_run_yaml(tmp_path, BASE)
+    config = load_run_config(path)
+    tag = uuid.uuid4().hex[:8]
+    fed = f"async-{tag}"
+    procs = AggregatorProcesses(tmp_path, mosquitto_server.url, path, f"agg-{tag}", fed)
+    state = procs.state
+    run = prepare_run(config, progress=False)
+    clients, threads = {}, []
+    try:
+        first = procs.spawn("aggregator-1.log", killed_at_append(
+            tmp_path, JOURNAL_FILE, '"event":"aggregated"', '"round":2,') +
+            procs.command[3:])
+        clients, threads = start_mqtt_clients(mosquitto_server.url, fed, tag, run, tmp_path,
+                                              range(6))
+        assert first.wait(60) == -signal.SIGKILL, procs.log("aggregator-1.log")[-3000:]
+        ckpt = AggregatorCheckpoint.load(str(state))
+        assert ckpt.round == 2 and aggregated_rounds(procs.journal) == [1]
+        step2 = set(ckpt.history[-1]["tasks"])
+        left = {int(load_arrays(p)[1]["task"])
+                for p in glob.glob(str(state / BUFFER_DIR / "*.npz"))}
+        assert step2 <= left, (step2, left)          # killed before they were deleted
+        assert json.loads((state / BOOK_FILE).read_text())["version"] == 1
+        second = procs.spawn("aggregator-2.log")
+        assert second.wait(90) == 0, procs.log("aggregator-2.log")[-3000:]
+        for t in threads:
+            t.join(20)
+    finally:
+        procs.close()
+        stop_clients(clients, threads)
+    journal = [r for r in read_journal(procs.journal) if r.get("event") == "aggregated"]
+    assert [r["round"] for r in journal] == list(range(1, rounds + 1))
+    assert [r["round"] for r in journal if r.get("recovered")] == [2]
+    rows = read_jsonl(procs.out / "metrics.jsonl")
+    assert [r["round"] for r in rows] == list(range(1, rounds + 1))
+    applied = [t for r in rows for t in r["tasks"]]
+    assert len(applied) == len(set(applied)) == 2 * rounds, applied
+    assert [set(r["tasks"]) for r in rows][1] == step2
 
 
 # ---------------------------------------------------------------------------------------

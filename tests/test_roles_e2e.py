@@ -43,8 +43,8 @@ from edgefl.transport.base import Message    # noqa: E402
 from edgefl.transport.broker import have_python_broker    # noqa: E402
 from edgefl.transport.mqtt import MqttTransport    # noqa: E402
 from edgefl.transport.topics import Topics    # noqa: E402
-from helpers import (AggregatorProcesses, aggregated_rounds, start_mqtt_clients,  # noqa: E402
-                     stop_clients, wait_for, write_run_yaml)
+from helpers import (AggregatorProcesses, aggregated_rounds, killed_at_append,  # noqa: E402
+                     start_mqtt_clients, stop_clients, wait_for, write_run_yaml)
 
 pytest_plugins = ["brokers"]
 
@@ -338,6 +338,52 @@ def test_aggregator_killed_mid_round_resumes_and_aggregates_each_round_once(
     assert set(rows) == {agg_id, "client-0", "client-1", "client-2", "client-3"}
     assert rows[agg_id][-1] == str(rounds) and rows[agg_id][2] == "no"
     assert table[-1] == "5 nodes: 0 online, 5 offline"
+
+
+def test_aggregator_killed_between_checkpoint_and_journal_lists_the_round_once(
+        tmp_path, mosquitto_server):
+    """The aggregator process dies (SIGKILL, by its own hand at that point) after round 2's
+    checkpoint is renamed into place and before its journal line is appended: round 2 is
+    aggregated, the journal does not say so. Started again, it appends round 2 to the
+    journal (marked recovered), does not aggregate it again, and the run ends with the
+    model of the uninterrupted in-process run; no client trains a round twice."""
+    rounds = 4
+    path = write_config(tmp_path, rounds=rounds)
+    config = load_run_config(path)
+    selected = [select_clients(config.seed, r, range(4), 3) for r in range(1, rounds + 1)]
+    tag = uid()
+    fed, agg_id = f"ckj-{tag}", f"agg-{tag}"
+    procs = AggregatorProcesses(tmp_path, mosquitto_server.url, path, agg_id, fed)
+    run = prepare_run(config, progress=False)
+    clients, threads = {}, []
+    try:
+        first = procs.spawn("aggregator-1.log", killed_at_append(
+            tmp_path, JOURNAL_FILE, '"event":"aggregated"', '"round":2,') +
+            procs.command[3:])
+        clients, threads = start_mqtt_clients(mosquitto_server.url, fed, tag, run, tmp_path,
+                                              range(4))
+        assert first.wait(60) == -signal.SIGKILL, procs.log("aggregator-1.log")[-3000:]
+        assert AggregatorCheckpoint.load(procs.state).round == 2
+        assert aggregated_rounds(procs.journal) == [1]
+        second = procs.spawn("aggregator-2.log")
+        assert second.wait(60) == 0, procs.log("aggregator-2.log")[-3000:]
+        for t in threads:
+            t.join(10)
+    finally:
+        procs.close()
+        stop_clients(clients, threads)
+
+    journal = [r for r in read_journal(procs.journal) if r.get("event") == "aggregated"]
+    assert [r["round"] for r in journal] == list(range(1, rounds + 1))
+    assert [r.get("recovered", False) for r in journal] == [False, True, False, False]
+    logs = [procs.log(f"aggregator-{i}.log") for i in (1, 2)]
+    assert [re.findall(r"round (\d+) aggregated", text) for text in logs] == \
+        [["1"], ["3", "4"]]
+    assert "2 of 4 rounds aggregated" in logs[1]
+    for c, client in clients.items():
+        assert client.stats["trained"] == sum(c in s for s in selected), (c, client.stats)
+    summary = json.loads((procs.out / "summary.json").read_text())
+    assert summary["model_sha256"] == reference_sha(config)
 
 
 def test_a_client_logs_the_broker_and_federation_it_waits_on(tmp_path, mosquitto_server,
