@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from brokers import MOSQUITTO_CONF, MosquittoProcess, _require_mosquitto
-from helpers import SMALL_RUN, load_small_run, wait_for, write_run_yaml
+from helpers import SMALL_RUN, killed_at_append, load_small_run, wait_for, write_run_yaml
 
 from edgefl.roles import AggregatorSettings, Client, ClientSettings, RunPlan, \
     default_client_ids
@@ -457,6 +457,105 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
     assert "round 1 partial aggregate forwarded" in (tmp_path / "edge-a-2.log").read_text()
     params = load_checkpoint(str(out / "model.npz"))["params"]
     assert float(np.max(np.abs(params - flat))) <= TOLERANCE
+
+
+def test_an_edge_killed_between_storing_and_journalling_its_partial_lists_it_once(
+        three_brokers, tmp_path):
+    """site-a's edge process dies (SIGKILL, by its own hand) after its round 1 partial
+    aggregate is stored (`partial.frame`) and before that round's line in `edge.jsonl`
+    and its publish. Started again, it sends the stored frame, the centre counts it once,
+    and `edge.jsonl` lists every forwarded round once, round 1 included (docs/scaling.md
+    "Restarts": each forwarded round is a line of it)."""
+    central, sites = three_brokers
+    rounds = 2
+    path = write_run_yaml(tmp_path, SMALL_RUN, partition={"name": "iid", "clients": 4},
+                          rounds=rounds, clients_per_round=4)
+    config = load_run_config(path)
+    run = prepare_run(config, progress=False)
+    flat = flat_params(prepare_run(config, progress=False))
+    ids = default_client_ids(4)
+    site_nodes = {"site-a": ids[:2], "site-b": ids[2:]}
+    sites_file = tmp_path / "sites.yaml"
+    sites_file.write_text(yaml.safe_dump({k: list(v) for k, v in site_nodes.items()}))
+
+    def site_file(name, node, url, **more):
+        (tmp_path / name).write_text(yaml.safe_dump({
+            "profile": "generic-x86", "node": {"id": node, "federation": "fed"},
+            "state_dir": str(tmp_path / f"{node}-state"), "broker": {"url": url},
+            "run": path, "log": {"level": "info"}, **more}))
+        return str(tmp_path / name)
+
+    out = tmp_path / "out"
+    centre_cmd = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                  site_file("centre.yaml", "centre", central.url,
+                            round={"offline_grace": 60.0}),
+                  "--sites", str(sites_file), "--deadline", "60", "--once", "--out", str(out)]
+    edge_args = ["aggregator", "--config", site_file("edge-a.yaml", "site-a",
+                                                     sites["site-a"].url),
+                 "--edge", "site-a", "--sites", str(sites_file), "--deadline", "60"]
+    edge_cmd = [sys.executable, "-m", "edgefl.cli"] + edge_args
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids)
+    settings = AggregatorSettings(federation="fed", round_timeout_s=60)
+    stop = threading.Event()
+    procs, threads, errors = [], [], []
+
+    def spawn(command, log_name):
+        with open(tmp_path / log_name, "wb") as log:
+            proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    edge_b = EdgeAggregator(plan, MqttTransport(sites["site-b"].url, "e-site-b",
+                                                clean_session=True),
+                            str(tmp_path / "edge-b"), settings, edge_id="site-b",
+                            site=site_nodes["site-b"], stop=stop)
+    state = tmp_path / "site-a-state" / "edge"
+    journal = state / "edge.jsonl"
+    try:
+        first = spawn(killed_at_append(tmp_path, "edge.jsonl", '"event":"forwarded"',
+                                       '"round":1,') + edge_args, "edge-a-1.log")
+        threads.append(_started(edge_b.run, "site-b", errors))
+        for i in range(4):
+            node = ids[i]
+            url = sites["site-a" if i < 2 else "site-b"].url
+            c = Client(ClientSettings(node, "fed", exit_when_finished=True,
+                                      raise_on_error=True),
+                       (run.clients[i].x, run.clients[i].y),
+                       MqttTransport(url, f"c-{node}", clean_session=True,
+                                     reconnect_min=0.05, reconnect_max=0.5),
+                       str(tmp_path / node), stop=stop)
+            threads.append(_started(c.run, node, errors))
+        centre = spawn(centre_cmd, "centre.log")
+        assert first.wait(60) == -signal.SIGKILL, (tmp_path / "edge-a-1.log").read_text()[-3000:]
+        assert (state / "partial.frame").exists()
+        assert not journal.exists() or journal.read_text() == ""
+        second = spawn(edge_cmd, "edge-a-2.log")
+        assert centre.wait(120) == 0, (tmp_path / "centre.log").read_text()[-3000:]
+        assert second.wait(30) == 0, (tmp_path / "edge-a-2.log").read_text()[-3000:]
+        for thread in threads:
+            thread.join(60)
+    finally:
+        stop.set()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for thread in threads:
+            thread.join(10)
+    if errors:
+        raise errors[0]
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["updates"], r["edges"]) for r in history] == \
+        [(r, 4, ["site-a", "site-b"]) for r in range(1, rounds + 1)]
+    params = load_checkpoint(str(out / "model.npz"))["params"]
+    assert float(np.max(np.abs(params - flat))) <= TOLERANCE
+    forwarded = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [(j["round"], j["clients"]) for j in forwarded] == \
+        [(r, ["client-0", "client-1"]) for r in range(1, rounds + 1)], forwarded
+    assert [j.get("recovered", False) for j in forwarded] == [True, False]
+    assert forwarded[0]["weight"] == forwarded[1]["weight"] > 0
 
 
 def test_an_edge_restarted_after_forwarding_resends_the_same_frame_once(three_brokers,

@@ -37,7 +37,8 @@ central round (still retained through the bridge) with a new announcement id; it
 re-send the update they stored, each at most once into the new sum. Killed after forwarding,
 it re-sends the stored frame, the same bytes and message id, whenever the centre announces
 that round again; the centre keeps the first copy of an edge's upload (a duplicate). So no
-client's update is lost or counted twice. The centre's own checkpoint and journal are the
+client's update is lost or counted twice. Killed between storing the frame and journalling
+it, it journals the stored round at its next start (marked recovered). The centre's own checkpoint and journal are the
 flat aggregator's.
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ from .aggregator import Aggregator, _OpenRound
 from .messages import (MessageError, buffers_sha256, finished_announcement,
                        parse_announcement, parse_status, status_payload,
                        task_from_announcement, update_scalars)
-from .state import StateError, append_journal, atomic_write, tag_floats, untag_floats
+from .state import (StateError, append_journal, atomic_write, read_journal, tag_floats,
+                    untag_floats)
 
 __all__ = ["CentralAggregator", "EdgeAggregator", "edge_refusal", "partial_update",
            "partial_total", "load_sites", "UP_PREFIX", "PARTIAL_FILE", "EDGE_JOURNAL"]
@@ -370,12 +372,29 @@ class EdgeAggregator(Aggregator):
                              f"{exc.reason}; remove it to start over") from None
         return frame.scalars.get("run"), frame.round, data
 
+    def _journal_stored(self, run: str, r: int, data: bytes) -> None:
+        """A crash between storing the partial aggregate and journalling it leaves a round
+        forwarded (or about to be: the restart re-sends it) that edge.jsonl does not list:
+        append its line now, marked recovered, from the stored frame, so the journal lists
+        every forwarded round once (as the aggregator's _reconcile_journal does)."""
+        if any(rec.get("event") == "forwarded" and rec.get("run") == run
+               and rec.get("round") == r for rec in read_journal(self.edge_journal)):
+            return
+        frame = wire.decode(data, wire.Expectation(self.table, kinds="update",
+                                                   topic_sender=self.edge_id))
+        edge = (frame.scalars.get("strategy") or {}).get("edge") or {}
+        append_journal(self.edge_journal, {
+            "event": "forwarded", "run": run, "round": r, "clients": edge.get("clients"),
+            "weight": edge.get("weight"), "recovered": True,
+            "sum_sha256": buffers_sha256(frame.buffers), "at": time.time()})
+
     # ------------------------------------------------------------------ run
     def run(self):
         os.makedirs(self.state_dir, exist_ok=True)
         stored = self._stored_partial()
         if stored is not None:
             self.ckpt = _EdgeState(stored[0], stored[1])
+            self._journal_stored(*stored)
         self._connect()
         t = self.transport
         for topic in (self.up.round(), self.up.model(), self.up.client_model(self.edge_id)):
