@@ -38,8 +38,8 @@ re-send the update they stored, each at most once into the new sum. Killed after
 it re-sends the stored frame, the same bytes and message id, whenever the centre announces
 that round again; the centre keeps the first copy of an edge's upload (a duplicate). So no
 client's update is lost or counted twice. Killed between storing the frame and journalling
-it, it journals the stored round at its next start (marked recovered). The centre's own checkpoint and journal are the
-flat aggregator's.
+it, it journals the stored round at its next start (marked recovered). The centre's own
+checkpoint and journal are the flat aggregator's.
 """
 from __future__ import annotations
 
