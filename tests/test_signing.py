@@ -674,9 +674,69 @@ def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_re
     assert model_sha256(result.params) == reference_sha(config)
 
 
-def _update(w):
+def _update(w, **scalars):
     from edgefl.strategies import Update
-    return Update({"params": w}, 10, 0.5, 1, {})
+    return Update({"params": w}, 10, 0.5, 1, scalars)
+
+
+def test_an_asynchronous_aggregator_refuses_unsigned_forged_and_replayed_updates(
+        tmp_path, mosquitto_server):
+    """FedBuff's aggregator (roles/asynchronous.py) takes updates on its own path: with
+    keys.fleet it must refuse, as the synchronous one does, an update that is unsigned,
+    signed by another board's key, or signed for another run, and keep the task in flight
+    for the board's own."""
+    from edgefl.roles.asynchronous import aggregator_class
+    from edgefl.roles.aggregator import secure_plan
+    config = load_run_config(write_config(
+        tmp_path, strategy={"name": "fedbuff", "concurrency": 2, "buffer_size": 1,
+                            "max_staleness": 4}))
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    run = prepare_run(config, progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, ("client-0", "client-1"),
+                   description=config.to_dict(), **secure_plan(run))
+    trust = Trust(fed, signer=Signer(signing.generate_key(), "aggregator", fed),
+                  uplink=Verifier(fed, {n: [k.public_key()] for n, k in keys.items()}))
+    cls = aggregator_class(plan)
+    assert cls.__name__ == "AsynchronousAggregator"
+    agg = cls(plan, mqtt(mosquitto_server.url, "aggregator"), tmp_path / "agg",
+              AggregatorSettings(node_id="aggregator", federation=fed, round_timeout_s=60.0,
+                                 trust=trust))
+    thread = threading.Thread(target=agg.run, daemon=True)
+    thread.start()
+    raw = RawPublisher(mosquitto_server.url)
+    try:
+        entry = wait_for(lambda: getattr(agg, "book", {}).get("flight", {}).get("client-0"),
+                         what="client-0's task in flight", timeout=20.0)
+        task, version = entry["task"], entry["version"]
+        w = np.zeros(run.model.n_params, dtype=np.float32)
+        scalars = msg.update_scalars(_update(w, version=version), agg.ckpt.run_id, 0.1)
+        table = run.model.table
+        forgeries = [
+            wire.encode("update", task, "client-0", {"params": w}, scalars, table),
+            wire.encode("update", task, "client-0", {"params": w}, scalars, table,
+                        sign=Signer(keys["client-1"], "client-0", fed).frame_signer(
+                            agg.ckpt.run_id)),
+            wire.encode("update", task, "client-0", {"params": w}, scalars, table,
+                        sign=Signer(keys["client-0"], "client-0", fed).frame_signer(
+                            "an-earlier-run"))]
+        for i, payload in enumerate(forgeries, 1):
+            raw.publish(topics.update("client-0"), payload)
+            wait_for(lambda: agg.stats.get("bad_signatures", 0) >= i or agg.ckpt.round > 0,
+                     what=f"forgery {i} refused for its signature, or taken")
+            assert agg.ckpt.round == 0, f"forgery {i} was applied as client-0's update"
+        assert agg.book["flight"]["client-0"]["task"] == task and not agg.buffer
+        # the board's own, signed with its key for this run: taken (K = 1: a step)
+        raw.publish(topics.update("client-0"), wire.encode(
+            "update", task, "client-0", {"params": w}, scalars, table,
+            sign=Signer(keys["client-0"], "client-0", fed).frame_signer(agg.ckpt.run_id)))
+        wait_for(lambda: agg.ckpt.round >= 1, what="the signed update applied")
+    finally:
+        raw.close()
+        agg.stop.set()
+        thread.join(20)
 
 
 def test_signed_copies_of_the_model_to_a_few_of_many_boards_verify_and_give_the_reference(

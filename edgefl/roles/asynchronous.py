@@ -16,7 +16,8 @@ step v + 1. What is this module's own is how a task reaches a board and its upda
   "client", with the model's sha256 in the task): the board trains the version it was tasked
   with, and reports that version in its update's scalars ("version").
 - **An update** comes up on `update/<node>` as in a synchronous round, its frame's round the
-  task id. It counts only if it answers the task in flight for that board; anything else (a
+  task id. It counts only if it answers the task in flight for that board (and, with
+  keys.fleet, is signed by that board's key for this run and task); anything else (a
   task already buffered, applied or dropped; a QoS 1 repeat) is a duplicate, ignored.
   An update staler than max_staleness is dropped (the strategy's staleness_refusal).
 - **State on disk** (state_dir): `aggregator.npz` is the checkpoint at the last step (the
@@ -53,6 +54,7 @@ from ..rounds import RoundPlan
 from ..strategies import StrategyError, Update
 from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, TransportError
+from ..transport.signing import SignatureError
 from ..transport.topics import TopicError
 from .aggregator import Aggregator, AggregatorResult
 from .messages import (MessageError, build_announcement, buffers_sha256, new_announce_id,
@@ -402,6 +404,17 @@ class AsynchronousAggregator(Aggregator):
             log.info("%s ignored: not the task in flight for it (already buffered, applied, "
                      "dropped or given up)", where)
             return
+        if self.uplink is not None:
+            # as the synchronous aggregator checks (_on_update): the node's own key, this run
+            # and this task (the frame's round); a refused update leaves the task in flight,
+            # so a forgery cannot stand in for the board's own
+            try:
+                self.uplink.verify_frame(frame, kind="update", where=where,
+                                         run=self.ckpt.run_id, round=task_id, by=node)
+            except SignatureError as exc:
+                self.stats["bad_signatures"] = self.stats.get("bad_signatures", 0) + 1
+                self._reject(node, str(exc))
+                return
         try:
             scalars = parse_update_scalars(frame.scalars, where)
             if scalars["run"] != self.ckpt.run_id:
