@@ -230,6 +230,41 @@ def test_clients_never_reveal_both_secrets_of_one_client_nor_answer_twice():
         clients[0].unmask(UnmaskRequest(3, (0, 1, 3), (2,)))
 
 
+def test_a_client_answers_each_phase_once_so_a_second_forward_cannot_strip_its_pair_masks():
+    """A second SharesForward naming only the client itself would get back its input under
+    its self mask alone, and the unmask phase hands the server that seed: the client's
+    update in the clear. So a client shares its keys once, sends one masked input, and
+    answers the unmask request only after it sent that input."""
+    contribs = contributions(4)
+    setup = setup_for(contribs, threshold=0.75)
+    clients = {c: SecAggClient(c, setup, ENTROPY) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    broadcast = server.advance()
+    with pytest.raises(SecAggError, match="client 0 has not shared its keys"):
+        clients[0].masked_input(secagg.SharesForward(3, {}), contribs[0], 0)
+    for c in clients:
+        server.receive(clients[c].share_keys(broadcast[c]))
+    with pytest.raises(SecAggError, match="client 0 has shared its keys already"):
+        clients[0].share_keys(broadcast[0])
+    forward = server.advance()
+    with pytest.raises(SecAggError, match="client 0 has not sent its masked input"):
+        clients[0].unmask(UnmaskRequest(3, (0, 1, 2, 3), ()))
+    for c in clients:
+        server.receive(clients[c].masked_input(forward[c], contribs[c], c))
+    alone = secagg.SharesForward(3, {0: forward[0].ciphertexts[0]})
+    with pytest.raises(SecAggError, match="client 0 has sent its masked input already"):
+        clients[0].masked_input(alone, contribs[0], 0)
+    with pytest.raises(SecAggError, match="client 0 has sent its masked input already"):
+        clients[0].expand_masks(alone, 2000)
+    requests = server.advance()
+    for c in clients:
+        server.receive(clients[c].unmask(requests[c]))
+    server.advance()
+    assert server.total.count == 4
+
+
 def test_bad_messages_are_refused_naming_the_client():
     contribs = contributions(3)
     setup = setup_for(contribs, threshold=2)

@@ -33,7 +33,8 @@ Threat model: an honest-but-curious aggregator (and clients that may collude wit
 than t): it sees masked inputs, which are uniformly distributed in the ring whatever the
 contribution, and at most t_N - 1 shares of any secret it is not meant to learn. The client's
 never-both rule stops a server from unmasking one client by calling it both alive and
-dropped. An actively malicious server that lies about the survivor set to different clients
+dropped, and a client answers each phase once, in order (a second masked input under a
+SharesForward naming no neighbour would carry its self mask alone). An actively malicious server that lies about the survivor set to different clients
 needs Bonawitz et al.'s consistency round (signatures), not implemented here.
 
 Failures are clean: a phase that ends with fewer than t clients (or a neighbourhood with fewer
@@ -593,6 +594,11 @@ class SecAggClient:
         self._held: dict = {}        # {sender: (b-share, s-share)} decrypted on demand
         self._shared_with: tuple = ()
         self._ready = None           # (shared with, words, scalars): masks expanded ahead
+        # Each phase is answered once, in order: a second sharing could go to other keys,
+        # and a second masked input under another SharesForward (one naming no neighbour)
+        # would carry the self mask alone, which the unmask phase then removes.
+        self._shared = False
+        self._masked = False
         self._answered = False
 
     def advertise(self) -> AdvertiseKeys:
@@ -603,6 +609,9 @@ class SecAggClient:
 
     def share_keys(self, msg: KeysBroadcast) -> ShareKeys:
         self._check_round(msg)
+        if self._shared:
+            raise SecAggError(f"round {msg.round}: client {self.client} has shared its keys "
+                              f"already; it shares them once a round")
         with openssl():
             keys = {int(c): (X25519PublicKey.from_public_bytes(bytes(k[0])),
                              X25519PublicKey.from_public_bytes(bytes(k[1])))
@@ -627,6 +636,7 @@ class SecAggClient:
             aead = self._aead(h)
             with openssl():
                 out[h] = aead.encrypt(self._nonce(self.client), plain, self._aad(self.client, h))
+        self._shared = True
         return ShareKeys(self.setup.round, self.client, out)
 
     def masked_input(self, msg: SharesForward, contribution: Contribution,
@@ -634,6 +644,7 @@ class SecAggClient:
         """y = quantised contribution + self mask + pairwise masks with the neighbours that
         shared (their ciphertexts are in `msg`)."""
         self._check_round(msg)
+        self._check_can_mask(msg)
         setup = self.setup
         if setup.vector_size is not None and contribution.vector.size != setup.vector_size:
             raise SecAggError(f"round {setup.round}: client {self.client}'s contribution has "
@@ -660,6 +671,7 @@ class SecAggClient:
             # quantised and masked in one pass (the same words as q.encode, then the masks)
             words = np.empty(n, q.dtype)
             apply_masks(words, scalars, self._masks(), encode=(q, contribution, quantise_seed))
+        self._masked = True
         return MaskedInput(setup.round, self.client, words, scalars, names)
 
     def expand_masks(self, msg: SharesForward, size: int, scalars: int = 16,
@@ -673,6 +685,7 @@ class SecAggClient:
         dtype and `size` to expand into (overwritten; they become the masked input's), for a
         caller that keeps them from round to round rather than map fresh pages each time."""
         self._check_round(msg)
+        self._check_can_mask(msg)
         self._take_shares(msg)
         dtype = self.setup.quantiser.dtype
         if out is None:
@@ -716,6 +729,9 @@ class SecAggClient:
         if self._answered:
             raise SecAggError(f"round {msg.round}: client {self.client} has answered an unmask "
                               f"request already; a second could name other survivors")
+        if not self._masked:
+            raise SecAggError(f"round {msg.round}: client {self.client} has not sent its "
+                              f"masked input, so it has nothing in the sum to unmask")
         if self.client not in survivors:
             raise SecAggError(f"round {msg.round}: client {self.client} is not listed as a "
                               f"survivor, so its masked input is not in the sum")
@@ -743,6 +759,16 @@ class SecAggClient:
         return UnmaskResponse(msg.round, self.client, seeds, keys)
 
     # -- helpers
+    def _check_can_mask(self, msg) -> None:
+        """The masked-input phase follows this client's sharing and happens once."""
+        if not self._shared:
+            raise SecAggError(f"round {msg.round}: client {self.client} has not shared its "
+                              f"keys, so it masks with no one yet")
+        if self._masked:
+            raise SecAggError(f"round {msg.round}: client {self.client} has sent its masked "
+                              f"input already; a second, under other neighbours' shares, "
+                              f"would lose the pairwise masks that hide its update")
+
     def _check_round(self, msg) -> None:
         if msg.round != self.setup.round:
             raise SecAggError(f"client {self.client}: a {msg.kind} message of round "
