@@ -327,9 +327,14 @@ def _secure_aggregation(v: "_Validator", section, per_round: int) -> SecureAggre
         if threshold != int(threshold):
             v.fail(f"{where}.threshold", f"{threshold}: a count (> 1) must be whole; a "
                                          f"fraction of the round's clients is in (0.5, 1]")
-        if not 2 <= threshold <= per_round:
-            v.fail(f"{where}.threshold", f"{int(threshold)} clients: must be between 2 and "
-                                         f"the {per_round} clients of a round")
+        # more than half, as a fraction must be: the never-both rule protects a client
+        # only when two disjoint groups of holders cannot each reach t
+        lo = max(2, per_round // 2 + 1)
+        if not lo <= threshold <= per_round:
+            v.fail(f"{where}.threshold", f"{int(threshold)} clients: must be between {lo} and "
+                                         f"the {per_round} clients of a round (more than half "
+                                         f"of them: at most half would let two disjoint "
+                                         f"halves each unmask)")
     elif not 0.5 < threshold <= 1:
         v.fail(f"{where}.threshold", f"{threshold}: a fraction of the round's clients must be "
                                      f"in (0.5, 1] (at most half would let two disjoint halves "

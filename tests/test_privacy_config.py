@@ -36,7 +36,10 @@ def test_no_section_no_key():
     (["privacy.secure_aggregation.threshold=2.5"], "privacy.secure_aggregation.threshold",
      "whole"),
     (["privacy.secure_aggregation.threshold=99"], "privacy.secure_aggregation.threshold",
-     "between 2"),
+     "between 3"),
+    # quickstart's 5 a round: a count of 2 lets two disjoint pairs each unmask
+    (["privacy.secure_aggregation.threshold=2"], "privacy.secure_aggregation.threshold",
+     "between 3 and the 5 clients of a round"),
     (["privacy.secure_aggregation.neighbours=1"], "privacy.secure_aggregation.neighbours", ">= 2"),
     (["privacy.secure_aggregation.ring_bits=16"], "privacy.secure_aggregation.ring_bits",
      "32, 64"),

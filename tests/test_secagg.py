@@ -265,6 +265,21 @@ def test_a_client_answers_each_phase_once_so_a_second_forward_cannot_strip_its_p
     assert server.total.count == 4
 
 
+def test_a_setup_whose_threshold_is_at_most_half_is_refused_by_server_and_client():
+    """At most half would let two disjoint groups of holders each reach t, one asked for a
+    client's self-mask seed and the other for its mask key; a board takes the setup from
+    the aggregator's announcement, so it checks it too."""
+    import dataclasses
+    contribs = contributions(5)
+    setup = dataclasses.replace(setup_for(contribs, threshold=0.6), threshold=2)
+    with pytest.raises(SecAggError, match="threshold 2 for 5 participants: must be more "
+                                          "than half"):
+        SecAggServer(setup)
+    with pytest.raises(SecAggError, match="threshold 2 for 5 participants: must be more "
+                                          "than half"):
+        SecAggClient(0, setup)
+
+
 def test_bad_messages_are_refused_naming_the_client():
     contribs = contributions(3)
     setup = setup_for(contribs, threshold=2)

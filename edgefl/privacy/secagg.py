@@ -238,6 +238,16 @@ def _graph(ids: tuple, k: int, seed: int, round: int) -> dict:
         {c: frozenset(ring[(pos[c] + d) % n] for d in range(-half, half + 1)) for c in ids})
 
 
+def _check_threshold(setup: "RoundSetup") -> None:
+    """t must be more than half the participants (so t_N is more than half of every
+    neighbourhood): two disjoint groups of holders, one asked for a client's self-mask seed
+    and the other for its mask key, could otherwise each reach it."""
+    n = len(setup.participants)
+    if not n // 2 < setup.threshold <= n:
+        raise SecAggError(f"round {setup.round}: threshold {setup.threshold} for {n} "
+                          f"participants: must be more than half of them and at most all")
+
+
 def _neighbour_threshold(setup: "RoundSetup", holders: int) -> int:
     """t_N, the shares needed of a secret held by `holders` clients: t scaled to the
     neighbourhood, rounded up (t itself on a complete graph)."""
@@ -576,6 +586,7 @@ class SecAggClient:
         the keys and the self-mask seed are derived (HKDF), so a test's masks repeat."""
         if client not in setup.participants:
             raise SecAggError(f"round {setup.round}: client {client} is not a participant")
+        _check_threshold(setup)      # the setup is the aggregator's: the board checks it
         self.client, self.setup = int(client), setup
         self.neighbourhood = setup.neighbourhoods()[self.client]
         if entropy is None:
@@ -839,9 +850,7 @@ class SecAggServer:
         if len(setup.participants) < 2:
             raise SecAggError(f"round {setup.round}: a secure round needs 2 or more "
                               f"participants (the sum of one update is that update)")
-        if not 1 <= setup.threshold <= len(setup.participants):
-            raise SecAggError(f"round {setup.round}: threshold {setup.threshold} for "
-                              f"{len(setup.participants)} participants")
+        _check_threshold(setup)
         self.setup = setup
         self.vector_size, self.scalar_names = setup.vector_size, setup.scalar_names
         self.phase = "keys"

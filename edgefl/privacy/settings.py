@@ -5,7 +5,7 @@ the key in every error); the protocols that use these values are this package's 
     privacy:
       secure_aggregation:        # SecAgg+: the aggregator learns only the sum of the updates
         threshold: 0.67          # t, the survivors needed to unmask: a fraction of the round's
-                                 #   participants in (0.5, 1], or a count >= 2
+                                 #   participants in (0.5, 1], or a count > half of them
         neighbours: 0            # k, each client's masking neighbours; 0 = all (SecAgg)
         ring_bits: 32            # arithmetic in Z_(2^32) or Z_(2^64)
         clip_range: 8.0          # each quantised value is clipped to [-clip_range, clip_range]
