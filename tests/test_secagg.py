@@ -321,6 +321,22 @@ def test_a_tampered_share_does_not_authenticate():
         clients[0].unmask(request[0])
 
 
+def test_scalars_whose_sum_would_wrap_the_fixed_point_are_refused_not_summed():
+    """Each scalar fits 64-bit fixed point on its own; the sum of the round's must too, or
+    it wraps (three loss sums of 2e11 came back as -5e11)."""
+    contribs = {c: Contribution(np.zeros(8, np.float32), 1,
+                                {"train_loss_x_steps": 2e11, "train_steps": 10.0})
+                for c in range(3)}
+    setup = setup_for(contribs, threshold=1.0)
+    with pytest.raises(SecAggError, match="the sum of 3 must stay within the 64-bit fixed point"):
+        run_in_process(setup, contribs)
+    fine = {c: Contribution(np.zeros(8, np.float32), 1,
+                            {"train_loss_x_steps": 1e11, "train_steps": 10.0})
+            for c in range(3)}
+    assert run_in_process(setup_for(fine, threshold=1.0), fine).total.scalars[
+        "train_loss_x_steps"] == 3e11
+
+
 def test_a_ring_too_small_for_the_round_is_refused_with_the_bound():
     with pytest.raises(SecAggError, match=r"ring_bits 32 cannot hold the sum of 100 "
                                           r"contributions of weight up to 2000000: n \* weight "

@@ -163,15 +163,21 @@ class Quantiser:
         return kernels.dequantize(out, words, self.unit)
 
 
-def encode_scalars(weight: int, scalars: Mapping[str, float], names: Sequence[str]) \
-        -> np.ndarray:
-    """[weight, scalars in `names` order] as 64-bit two's-complement fixed point."""
+def encode_scalars(weight: int, scalars: Mapping[str, float], names: Sequence[str],
+                   participants: int = 2) -> np.ndarray:
+    """[weight, scalars in `names` order] as 64-bit two's-complement fixed point, each small
+    enough that the sum of `participants` of them stays within the 64 bits (a sum past
+    2^63 would wrap, silently, to the other sign)."""
     values = [float(weight)] + [float(scalars[n]) for n in names]
-    scaled = [round(v * 2 ** SCALAR_FRACTION_BITS) for v in values]
-    if any(abs(s) >= 2 ** 62 for s in scaled) or not all(math.isfinite(v) for v in values):
-        raise SecAggError(f"scalars {dict(zip(['weight', *names], values))} do not fit the "
-                          f"fixed point (|value| < 2^{62 - SCALAR_FRACTION_BITS})")
-    return np.array([s % 2 ** 64 for s in scaled], np.uint64)
+    bound = min(2 ** 62, 2 ** 63 // max(int(participants), 1))
+    # finite first: round() of an infinity or a NaN raises its own error
+    if not all(math.isfinite(v) for v in values) or \
+            any(abs(round(v * 2 ** SCALAR_FRACTION_BITS)) >= bound for v in values):
+        raise SecAggError(f"scalars {dict(zip(['weight', *names], values))} do not fit: "
+                          f"the sum of {participants} must stay within the 64-bit fixed "
+                          f"point (|value| < {bound / 2 ** SCALAR_FRACTION_BITS:.4g})")
+    return np.array([round(v * 2 ** SCALAR_FRACTION_BITS) % 2 ** 64 for v in values],
+                    np.uint64)
 
 
 def decode_scalars(words: np.ndarray) -> list[float]:
@@ -670,7 +676,8 @@ class SecAggClient:
         if contribution.weight > setup.max_weight:
             raise SecAggError(f"contribution weight {contribution.weight} exceeds the round's "
                               f"max_weight {setup.max_weight}")
-        scalars = encode_scalars(contribution.weight, contribution.scalars, names)
+        scalars = encode_scalars(contribution.weight, contribution.scalars, names,
+                                 len(setup.participants))
         n = contribution.vector.size
         ready, self._ready = self._ready, None        # the words are handed out: used once
         if ready is not None and ready[0] == self._shared_with and ready[1].size == n \
