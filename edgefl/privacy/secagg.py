@@ -30,12 +30,14 @@ messages (each has `to_bytes` / `message_from_bytes`):
                       the survivor's public key): the exact ring sum of the survivors' q_i
 
 Threat model: an honest-but-curious aggregator (and clients that may collude with it, fewer
-than t; with a neighbour graph, fewer than t_N of any client's neighbourhood): it sees masked inputs, which are uniformly distributed in the ring whatever the
-contribution, and at most t_N - 1 shares of any secret it is not meant to learn. The client's
-never-both rule stops a server from unmasking one client by calling it both alive and
-dropped, and a client answers each phase once, in order (a second masked input under a
-SharesForward naming no neighbour would carry its self mask alone). An actively malicious server that lies about the survivor set to different clients
-needs Bonawitz et al.'s consistency round (signatures), not implemented here.
+than t; with a neighbour graph, fewer than t_N of any client's neighbourhood): it sees
+masked inputs, which are uniformly distributed in the ring whatever the contribution, and at
+most t_N - 1 shares of any secret it is not meant to learn. The client's never-both rule
+stops a server from unmasking one client by calling it both alive and dropped, and a client
+answers each phase once, in order (a second masked input under a SharesForward naming no
+neighbour would carry its self mask alone). An actively malicious server that lies about
+the survivor set to different clients needs Bonawitz et al.'s consistency round
+(signatures), not implemented here.
 
 Failures are clean: a phase that ends with fewer than t clients (or a neighbourhood with fewer
 than t_N holders of a secret that is needed) raises SecAggAborted naming the phase and the
