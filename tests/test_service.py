@@ -971,3 +971,45 @@ def test_status_refuses_a_wait_of_zero_or_less_naming_the_option(capsys, value):
     assert usage_error(["status", "--broker", "mqtt://127.0.0.1:1", "--wait", value],
                        capsys) == (f"edgefl status: error: argument --wait: need a number of "
                                    f"seconds > 0, got {value}")
+
+
+def test_a_second_process_of_a_role_on_a_state_directory_in_use_is_refused(tmp_path, capsys):
+    """Two aggregators (or two clients) on one state directory overwrote each other's
+    checkpoint and records and took the broker client id from each other over and over (one
+    never exited). The second is refused at start, naming the directory and the process that
+    holds it, before it reads data or reaches the broker (a closed port here) or writes
+    anything; another role may share the directory; a holder killed with SIGKILL holds
+    nothing."""
+    from edgefl.roles.state import hold_state_dir
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\n"
+         "from edgefl.roles.state import hold_state_dir\n"
+         "with hold_state_dir(sys.argv[1], 'aggregator'), "
+         "hold_state_dir(sys.argv[1] + '/edge', 'edge'), hold_state_dir(sys.argv[2], 'client'):\n"
+         "    print('held', flush=True); time.sleep(120)\n",
+         str(tmp_path / "S"), str(tmp_path / "C")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        common = ["--set", "node.federation=lab", "--set", "broker.url=mqtt://127.0.0.1:1"]
+        for role, argv, where in (
+                ("aggregator", ["aggregator", "--set", "node.id=agg", "--once"], "S"),
+                ("client", ["client", "--set", "node.id=b1", "--set", "data.name=digits"], "C")):
+            assert main(argv + ["--set", f"state_dir={tmp_path / where}"] + common) == 1
+            d = tmp_path / where
+            assert capsys.readouterr().err == (
+                f"edgefl {role}: error: {d}: the state directory is in use by another edgefl "
+                f"{role} (process {holder.pid}; {d / (role + '.lock')}): two would overwrite "
+                f"each other's state; stop that one, or give this one a state_dir of its "
+                f"own\n")
+        assert sorted(os.listdir(tmp_path / "S")) == ["aggregator.lock", "edge"]
+        assert os.listdir(tmp_path / "C") == ["client.lock"]
+        with hold_state_dir(tmp_path / "S", "client"):        # another role: not in its way
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with hold_state_dir(tmp_path / "S", "aggregator") as lock, \
+            hold_state_dir(tmp_path / "C", "client"):
+        assert Path(lock).read_text() == f"process {os.getpid()}\n"

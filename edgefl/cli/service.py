@@ -296,6 +296,7 @@ def _aggregator(args: argparse.Namespace) -> int:
 
     from ..roles import AggregatorSettings
     from ..roles.daemon import Daemon, DaemonSettings
+    from ..roles.state import hold_state_dir
     from ..transport.base import TransportError
     from ..service.notify import Notifier
     from ..service.signals import install_stop_handlers
@@ -326,7 +327,7 @@ def _aggregator(args: argparse.Namespace) -> int:
     notifier = Notifier.from_environment()
     site_run = (config["run"], out) if config["run"] else None
     # the pings stop when the main loop (the daemon's, or its run's) stops beating
-    with install_stop_handlers() as stop, \
+    with hold_state_dir(state_dir, "aggregator"), install_stop_handlers() as stop, \
             notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
         daemon = Daemon(daemon_settings, state_dir, transport, stop=stop, notifier=notifier,
                         site_run=site_run)
@@ -399,6 +400,7 @@ def _edge(args, config, sites) -> int:
     from ..errors import ConfigError
     from ..roles import AggregatorSettings
     from ..roles.runner import run_edge
+    from ..roles.state import hold_state_dir
     from ..runconfig import load_run_config
     from ..service.signals import install_stop_handlers
 
@@ -421,9 +423,10 @@ def _edge(args, config, sites) -> int:
     settings = AggregatorSettings.from_service_config(config, node_id=args.edge)
     run_config = load_run_config(config["run"])
     clients = config["clients"]
-    with install_stop_handlers() as stop:
+    edge_dir = os.path.join(config.state_dir, "edge")
+    with hold_state_dir(edge_dir, "edge"), install_stop_handlers() as stop:
         finished = run_edge(run_config, _mqtt_transport(config, args.edge),
-                            os.path.join(config.state_dir, "edge"), settings=settings,
+                            edge_dir, settings=settings,
                             edge_id=args.edge, site=sites[args.edge],
                             client_ids=tuple(clients) if clients else None, stop=stop,
                             centre_keys=centre_keys)
@@ -469,10 +472,7 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from ..roles import Client, ClientSettings
-    from ..service import profiles
-    from ..service.notify import Notifier
-    from ..service.signals import install_stop_handlers
+    from ..roles.state import hold_state_dir
 
     if (args.partition is None) != (args.shard is None):
         raise ValueError("--partition and --shard go together")
@@ -486,7 +486,16 @@ def _client(args: argparse.Namespace) -> int:
         flags["data"] = (f"--partition {args.partition}",
                          _absolute_paths(run_config.dataset, run_config.path))
     config = _role_start("client", args, flags=flags)
+    with hold_state_dir(config.state_dir, "client"):     # before the data is loaded
+        return _run_client(args, config, run_config)
+
+
+def _run_client(args: argparse.Namespace, config, run_config) -> int:
     from .. import kernels
+    from ..roles import Client, ClientSettings
+    from ..service import profiles
+    from ..service.notify import Notifier
+    from ..service.signals import install_stop_handlers
 
     # a board on the NumPy reference it did not ask for says so in its log (docs/limits.md)
     kernels.check_run_backend(0, "edgefl client", sys.stderr)

@@ -13,11 +13,14 @@ reads them.
     arrays, meta = load_arrays(path)                       # StateError names file and cause
     append_journal(path, {"round": 3, "event": "aggregated"})   # one fsync'ed JSON line
 
-`AggregatorCheckpoint` and `ClientProgress` are the two records the roles persist.
+`AggregatorCheckpoint` and `ClientProgress` are the two records the roles persist;
+`hold_state_dir` keeps a second process of the same role off a state directory in use.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import math
 import os
@@ -35,7 +38,7 @@ from ..transport import wire
 __all__ = ["StateError", "StateWriteError", "atomic_write", "overwrite_in_place",
            "save_arrays", "load_arrays",
            "write_json", "read_json", "append_journal", "read_journal", "jsonable", "tag_floats",
-           "untag_floats", "AggregatorCheckpoint",
+           "untag_floats", "AggregatorCheckpoint", "hold_state_dir",
            "ClientProgress", "CHECKPOINT_FILE", "HISTORY_FILE", "JOURNAL_FILE", "PROGRESS_FILE",
            "UPLOAD_FILE"]
 
@@ -132,6 +135,35 @@ def overwrite_in_place(path: str | os.PathLike, data, what: str = "its new conte
 
 
 _NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+@contextlib.contextmanager
+def hold_state_dir(directory: str | os.PathLike, role: str):
+    """This process's claim on `directory` as `role`'s state directory, for as long as the
+    block runs: a second process of that role there (a service and a hand-started copy, two
+    boards' clients given one directory) is refused, naming the process that holds it. Two
+    would overwrite each other's checkpoint, journal and records, and fight over the broker
+    client id. The claim is an flock on `<directory>/<role>.lock`, which the kernel lets go
+    when the holder dies however it dies (kill -9 included): a stale file never blocks."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{role}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+            raise StateError(
+                f"{directory}: the state directory is in use by another edgefl {role} "
+                f"({holder or 'its process id not yet written'}; {path}): two would overwrite "
+                f"each other's state; stop that one, or give this one a state_dir of its "
+                f"own") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)          # (lets the lock go)
 
 
 def tag_floats(x):
