@@ -220,6 +220,86 @@ def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_
     assert "edgefl dashboard: stopped" in procs.log("dashboard"), procs.log("dashboard")[-2000:]
 
 
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
+                    "package chromium): the dashboard's browser test needs a real browser")
+def test_a_page_opened_during_a_paused_run_shows_its_progress(tmp_path, mosquitto_acl_server):
+    """A dashboard started (or restarted) while a run is paused saw none of its rounds close:
+    its row comes from the run's retained record alone, which said nothing of the rounds done,
+    so the page showed 0/ROUNDS and no accuracy (and `ctl runs` -/ROUNDS) for as long as the
+    pause lasted. Both must show what metrics.jsonl and `ctl status` say."""
+    server = mosquitto_acl_server
+    fed = f"dash-{os.urandom(4).hex()}"
+    rounds = 1000
+    run_file = tmp_path / "long.yaml"
+    run_file.write_text(yaml.safe_dump({**RUN, "rounds": rounds, "eval_every": 1}))
+
+    def account(user: str) -> dict:
+        path = tmp_path / f"{user}.pw"
+        path.write_text(server.users[user] + "\n")
+        return {"url": server.url, "username": user, "password_file": str(path)}
+
+    def site(name: str, doc: dict) -> str:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
+                                        "broker": account(name), **doc}))
+        return str(path)
+
+    agg_site = site("aggregator", {"node": {"id": "aggregator", "federation": fed},
+                                   "state_dir": str(tmp_path / "agg-state"),
+                                   "clients": list(CLIENTS)})
+    operator = ["--username", "operator", "--password-file", account("operator")["password_file"],
+                "--federation", fed]
+
+    def ctl(*args) -> str:
+        done = subprocess.run([sys.executable, "-m", "edgefl.cli", "ctl", *args,
+                               "--broker", server.url, *operator], cwd=tmp_path,
+                              env=_env(), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    metrics = tmp_path / "agg-state" / "runs" / "long" / "metrics.jsonl"
+
+    def history():
+        return [json.loads(line) for line in metrics.read_text().splitlines()] \
+            if metrics.exists() else []
+
+    procs = Processes(tmp_path)
+    try:
+        procs.start("aggregator", "aggregator", "--config", agg_site)
+        for shard, c in enumerate(CLIENTS):
+            procs.start(c, "client", "--config",
+                        site(c, {"node": {"id": c, "federation": fed},
+                                 "state_dir": str(tmp_path / f"{c}-state")}),
+                        "--partition", str(run_file), "--shard", str(shard))
+        ctl("start", str(run_file), "--run", "long")
+        wait_for(lambda: len(history()) >= 3, 120, "3 rounds of run long")
+        ctl("pause")
+        done = len(history())
+        accuracy = history()[-1]["test_accuracy"]
+        assert f"{done} of {rounds} rounds done" in ctl("status") or \
+            f"round {done + 1} of {rounds} open" in ctl("status")
+
+        table = ctl("runs")
+        row = next(line for line in table.splitlines() if line.startswith("long "))
+        assert row.split()[2:] == [f"{done}/{rounds}", f"{accuracy:.4f}"], table
+
+        procs.start("dashboard", "dashboard", "--broker", server.url.split("://")[1],
+                    "--port", "0", *operator)
+        line = wait_for(lambda: next((ln for ln in procs.log("dashboard").splitlines()
+                                      if "(read-only)" in ln), None), 60, "the dashboard's URL")
+        with Browser(tmp_path) as browser:
+            page = browser.open(line.split()[2])
+            cells = ("[...document.querySelectorAll('#runs tr[data-run=\"long\"] td')]"
+                     ".map(c => c.textContent)")
+            wait_for(lambda: (page.evaluate(cells) or [None, None])[1] == "paused", 60,
+                     "run long shown as paused")
+            assert page.evaluate(cells)[2:4] == [f"{done}/{rounds}", f"{accuracy:.4f}"]
+            assert len(history()) == done                   # still paused: nothing moved
+            assert page.errors == [], page.errors
+    finally:
+        procs.stop_all()
+
+
 # ---------------------------------------------------------------------------------------
 # the command's errors
 # ---------------------------------------------------------------------------------------

@@ -1023,7 +1023,7 @@ def test_pause_between_rounds_says_where_the_run_is_held(tmp_path):
     daemon.records["r"] = record
     daemon.active = (record, control)
     # the run's aggregator between rounds 3 and 4: no open round
-    control.attach(SimpleNamespace(open=None, ckpt=SimpleNamespace(round=3)))
+    control.attach(SimpleNamespace(open=None, ckpt=SimpleNamespace(round=3, history=[])))
     result = daemon._cmd_pause(Command("pause"))
     assert result == {"run": "r", "state": "paused", "round": None, "rounds_done": 3}
     assert _ctl_text("pause", result) == ("run r: state paused, between rounds: 3 round(s) "

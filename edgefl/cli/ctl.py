@@ -213,11 +213,15 @@ def _ctl_text(action: str, result: dict) -> str:
         rows = result.get("runs", [])
         if not rows:
             return "no runs"
-        lines = [f"{'run':<24} {'state':<10} {'rounds':>7} {'accuracy':>9}"]
+        # rounds: 9 wide, "1000/1000" fits; accuracy: the final one, else (an active run)
+        # the latest evaluated round's
+        lines = [f"{'run':<24} {'state':<10} {'rounds':>9} {'accuracy':>9}"]
         for r in rows:
             acc = r.get("final_accuracy")
+            if acc is None:
+                acc = r.get("test_accuracy")
             done = f"{r.get('rounds_done', '-')}/{r.get('rounds') or '?'}"
-            lines.append(f"{r['id']:<24} {r['state']:<10} {done:>7} "
+            lines.append(f"{r['id']:<24} {r['state']:<10} {done:>9} "
                          f"{f'{acc:.4f}' if acc is not None else '-':>9}")
         return "\n".join(lines)
     if action == "status":

@@ -978,6 +978,11 @@ class Aggregator:
     def _paused(self) -> bool:
         return self.control is not None and self.control.paused.is_set()
 
+    def _held(self) -> None:
+        hook = self.control.on_hold if self.control is not None else None
+        if hook is not None:
+            hook()
+
     def _service(self, timeout: float) -> None:
         """Handle what arrives for up to `timeout` seconds (statuses, updates, connection
         events) without closing or opening a round: the broker is serviced while paused."""
@@ -993,6 +998,7 @@ class Aggregator:
         if self._paused():
             log.info("run %s paused before round %d", self.run_id, self.ckpt.round + 1)
             self._publish_status()
+            self._held()
             while self._paused() and not self.stop.is_set():
                 self._service(self.settings.poll_s)
             if not self.stop.is_set():
@@ -1008,6 +1014,7 @@ class Aggregator:
         log.info("round %d paused (%d of %d updates in)", o.round, len(o.received),
                  len(o.uploaders))
         self._publish_status()
+        self._held()
         while self._paused() and not self.stop.is_set():
             self._service(self.settings.poll_s)
         if self.stop.is_set():

@@ -263,6 +263,10 @@ class RunControl:
         self.rounds_over = threading.Event()
         self.aggregator = None
         self.attached = threading.Event()
+        # called by the Aggregator, in its thread, once a pause holds it (between rounds or
+        # in the open round): a round that was already closing when the pause came has been
+        # committed by then, so the service records the rounds done as they stand
+        self.on_hold = None
 
     def attach(self, aggregator) -> None:
         """Called by the Aggregator when its run starts: status answers read from it."""

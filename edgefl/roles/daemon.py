@@ -386,6 +386,7 @@ class Daemon:
 
         control = RunControl(record["id"], paused=record["state"] == "paused",
                              publish_onnx=self._publishes_onnx)
+        control.on_hold = lambda: self._record_progress(record, control)
         if record.get("stop_requested"):
             # stopped by the operator, and the service died before it ended the run: end it
             # now (export its checkpoint, record it stopped), train nothing more
@@ -680,6 +681,7 @@ class Daemon:
     @staticmethod
     def _public(record: dict) -> dict:
         keys = ("id", "state", "created", "started", "ended", "rounds_done", "final_accuracy",
+                "test_accuracy",
                 "model_sha256", "model_onnx", "run_dir", "out_dir", "error", "export_error",
                 "clients")
         out = {k: record.get(k) for k in keys if record.get(k) is not None}
@@ -842,6 +844,9 @@ class Daemon:
         control.paused.set()
         with self._lock:
             record["state"] = "paused"
+            # the rounds done so far in the record: a dashboard or `ctl runs` that comes
+            # during the pause sees no round close, and has only the record to go by
+            record.update(self._progress(control))
             self._save(record)
         self._publish_record(record)
         agg = control.aggregator
@@ -862,6 +867,7 @@ class Daemon:
         control.paused.clear()
         with self._lock:
             record["state"] = "running"
+            record.update(self._progress(control))
             self._save(record)
         self._publish_record(record)
         self._event("run_continued", run=record["id"])
@@ -925,18 +931,39 @@ class Daemon:
             out["active"] = self._live(record, control)
         return out
 
+    def _record_progress(self, record: dict, control: RunControl) -> None:
+        """The paused run's rounds done and accuracy into its record, saved and published
+        (RunControl.on_hold)."""
+        with self._lock:
+            if record.get("state") != "paused":
+                return
+            record.update(self._progress(control))
+            self._save(record)
+        self._publish_record(record)
+
     @staticmethod
-    def _live(record: dict, control: RunControl) -> dict:
+    def _progress(control: RunControl) -> dict:
+        """{rounds_done, test_accuracy} of an active run from its aggregator's checkpoint (the
+        latest evaluated round's accuracy); {} while the aggregator has not loaded it."""
+        agg = control.aggregator
+        ckpt = agg.ckpt if agg is not None else None
+        if ckpt is None:
+            return {}
+        accuracy = next((h.get("test_accuracy") for h in reversed(list(ckpt.history))
+                         if h.get("test_accuracy") is not None), None)
+        return {"rounds_done": ckpt.round, "test_accuracy": accuracy}
+
+    @classmethod
+    def _live(cls, record: dict, control: RunControl) -> dict:
         doc = {"run": record["id"], "state": record["state"],
                "rounds": (record.get("config") or {}).get("rounds")}
         agg = control.aggregator
         if agg is None:
             return doc
-        ckpt, o = agg.ckpt, agg.open
-        history = list(ckpt.history) if ckpt is not None else []
-        accuracy = next((h.get("test_accuracy") for h in reversed(history)
-                         if h.get("test_accuracy") is not None), None)
-        doc.update(rounds=agg.rounds, rounds_done=ckpt.round if ckpt else 0,
+        o = agg.open
+        progress = cls._progress(control)
+        accuracy = progress.get("test_accuracy")
+        doc.update(rounds=agg.rounds, rounds_done=progress.get("rounds_done", 0),
                    round=o.round if o is not None else None,
                    deadline=o.deadline if o is not None else None,
                    updates=len(o.received) if o is not None else None,
@@ -948,4 +975,14 @@ class Daemon:
     def _cmd_runs(self, command) -> dict:
         with self._lock:
             records = sorted(self.records.values(), key=lambda r: r.get("seq", 0))
-            return {"runs": [self._public(r) for r in records]}
+            runs = [self._public(r) for r in records]
+            active = self.active
+        if active is not None:
+            # the active run's record is written on its state changes, not every round:
+            # its rounds done and accuracy come from its aggregator, as `status` gives them
+            record, control = active
+            for doc in runs:
+                if doc["id"] == record["id"]:
+                    doc.update({k: v for k, v in self._progress(control).items()
+                                if v is not None})
+        return {"runs": runs}
