@@ -349,3 +349,32 @@ def test_a_new_fleet_whose_port_is_taken_before_the_broker_binds_moves_to_anothe
             fleet_module.down(str(directory), say=lambda text: None)
     finally:
         taken.close()
+
+
+def test_a_restarted_fleet_still_says_which_round_each_board_has_installed(tmp_path):
+    """After `fleet down` and `fleet up`, each board still has the last run's model.onnx, and
+    its status named the sha256 but no longer the round (the dashboard's "model installed"
+    lost "round 5 ·"): the retained manifest the board gets again names it."""
+    if find_mosquitto() is None or find_dynsec_plugin() is None:
+        pytest.skip("needs mosquitto >= 2.0 with its dynamic security plugin (apt-get "
+                    "install mosquitto)")
+    up = edgefl(tmp_path, "fleet", "up", "--clients", "2", "--dir", "fleet")
+    assert up.returncode == 0, up.stdout + up.stderr
+    ids = ("client-1", "client-2")
+
+    def installed():
+        _, _, statuses = fleet_module.fleet_status(str(tmp_path / "fleet"), wait=1.0)
+        return {n: ((statuses or {}).get(n) or {}).get("onnx_round") for n in ids}
+
+    try:
+        _run_digits(tmp_path, _next_command(up.stdout))
+        wait_for(lambda: installed() == {n: 5 for n in ids}, 60,
+                 "both boards reporting the model of round 5 installed")
+        down = edgefl(tmp_path, "fleet", "down", "--dir", "fleet")
+        assert down.returncode == 0, down.stdout + down.stderr
+        again = edgefl(tmp_path, "fleet", "up", "--dir", "fleet")
+        assert again.returncode == 0, again.stdout + again.stderr
+        wait_for(lambda: installed() == {n: 5 for n in ids}, 60,
+                 f"both boards reporting round 5 after the restart (got {installed()})")
+    finally:
+        edgefl(tmp_path, "fleet", "down", "--dir", "fleet")

@@ -479,12 +479,15 @@ class Client:
                 self._publish_status()        # the model installed before a restart
         try:
             if not part:
+                known = self.onnx.installed_round
                 doc = self.onnx.on_manifest(payload)
                 if doc is not None:
                     log.info("%s: ONNX model of round %d announced (sha256 %s, %d part(s))%s",
                              self.node, doc["round"], doc["sha256"][:12], doc["parts"],
                              "; installed already" if doc["sha256"] == self.onnx.installed_sha
                              else "")
+                if self.onnx.installed_round != known:
+                    self._publish_status()    # the installed model's round, known again
                 return
             if self.onnx.on_part(payload) is not None:
                 self.stats["onnx_installed"] = self.onnx.installs

@@ -200,6 +200,10 @@ class OnnxReceiver:
                                               f"{frame.sender!r}: needs no buffers and scalars "
                                               f"sha256 and parts, got {sorted(scalars)}")
         self.manifest = {"round": frame.round, "sender": frame.sender, **scalars}
+        if self.installed_round is None and scalars["sha256"] == self.installed_sha:
+            # the model installed before a restart, announced again (the retained manifest,
+            # checked as above): its round is known again, for the board's status
+            self.installed_round = frame.round
         return self.manifest
 
     def on_part(self, payload: bytes) -> str | None:
