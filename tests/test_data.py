@@ -339,6 +339,43 @@ def test_bad_npz_names_the_file_and_key(tmp_path, arrays, message):
         load_dataset("npz", path=str(tmp_path / "bad.npz"))
 
 
+@pytest.mark.parametrize("arrays, message", [
+    # an object array: np.load's "Object arrays cannot be loaded..." named neither file nor key
+    ({"x_train": np.array([None] * 2, dtype=object)}, r"x_train holds Python objects"),
+    # the wrong array's dtype was named ("features must be numeric, got float64")
+    ({"x_test": np.array([["a", "b"]])}, r"x_test must hold real numbers .*got <U1"),
+    # complex features loaded, the imaginary part silently dropped
+    ({"x_train": np.zeros((2, 2)) + 1j}, r"x_train must hold real numbers .*got complex128"),
+    # a scalar label array was a TypeError (len() of unsized object)
+    ({"y_train": np.array(1)}, r"y_train has shape \(\); expected one entry per sample"),
+    # finite float64 that float32 cannot hold became inf in the training set
+    ({"x_train": np.array([[0.0, 1e39], [0.0, 1.0]])},
+     r"x_train has values beyond float32's range \(first in sample 0\)"),
+    # labels no class count can mean: a silent 3,000,001-class model (a label of 3e9 was a
+    # hang building its class names), 2**63 called "negative", 1e30 cast to garbage
+    ({"y_train": np.array([0, 3_000_000])}, r"y_train has label 3000000; edgefl takes class "
+                                             r"labels 0\.\.1048575"),
+    ({"y_train": np.array([0, 2 ** 63], dtype=np.uint64)}, r"y_train has label 9223372036854775808"),
+    ({"y_train": np.array([0.0, 1e30])}, r"y_train has label 1e\+30"),
+    # a label outside num_classes named no array
+    ({"y_test": np.array([5])}, r"y_test: label 5 is outside 0\.\.1 \(num_classes=2\)"),
+])
+def test_bad_npz_dtypes_and_labels_name_the_file_and_key(tmp_path, arrays, message):
+    good = {"x_train": np.zeros((2, 2)), "y_train": np.array([0, 1]), "x_test": np.zeros((1, 2)),
+            "y_test": np.array([1])}
+    np.savez(tmp_path / "bad.npz", **{**good, **arrays})
+    options = {"num_classes": 2} if "y_test" in arrays else {}
+    with pytest.raises(ValueError, match=f"bad.npz: {message}"):
+        load_dataset("npz", path=str(tmp_path / "bad.npz"), **options)
+
+
+def test_num_classes_beyond_what_a_model_can_have_is_named(tmp_path):
+    np.savez(tmp_path / "d.npz", x_train=np.zeros((2, 2)), y_train=np.array([0, 1]),
+             x_test=np.zeros((1, 2)), y_test=np.array([1]))
+    with pytest.raises(ValueError, match=r"npz: num_classes must be 1\.\.1048576, got 4294967296"):
+        load_dataset("npz", path=str(tmp_path / "d.npz"), num_classes=2 ** 32)
+
+
 @pytest.mark.parametrize("kind, options, message", [
     # options of the wrong kind: each was a TypeError from inside os, numpy or csv
     ("npz", {"path": [1]}, "npz: path must be a non-empty string, got [1]"),

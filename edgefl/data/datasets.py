@@ -28,6 +28,11 @@ FASHION_NAMES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
 CIFAR10_NAMES = ("airplane", "automobile", "bird", "cat", "deer",
                  "dog", "frog", "horse", "ship", "truck")
 EVEN_ODD_NAMES = ("odd", "even")   # label 1 = even digit, as the MFL paper's even/odd SVM task
+# The most classes a dataset may have. Labels are int32 and every class gets a name and a
+# model output, so a file's label of 3e9 (an id column taken for labels) or num_classes: 2**32
+# built billions of class names before anything else ran and took the machine's memory; a
+# million is far past any data set this runtime trains on.
+MAX_CLASSES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,17 @@ def check_class_names(source: str, value) -> list | None:
 
 
 def check_arrays(source: str, x_key: str, x: np.ndarray, y_key: str, y: np.ndarray) -> None:
-    """Raise ValueError naming `source` and the key if x/y are empty, ragged or non-finite."""
+    """Raise ValueError naming `source` and the key if x/y are scalars, empty, ragged or
+    non-finite, x is not real numbers (strings, booleans, complex: the imaginary part was
+    dropped in silence) or holds floats float32 cannot (they became inf in the training set)."""
+    for key, a in ((x_key, x), (y_key, y)):
+        if a.ndim == 0:
+            raise ValueError(f"{source}: {key} has shape (); expected one entry per sample")
+    if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
+        raise ValueError(f"{source}: {x_key} must hold real numbers (integers or floats), "
+                         f"got {x.dtype}")
+    if np.issubdtype(y.dtype, np.complexfloating):
+        raise ValueError(f"{source}: {y_key} must hold real numbers, got {y.dtype}")
     if len(x) == 0:
         raise ValueError(f"{source}: {x_key} is empty (shape {x.shape})")
     if len(x) != len(y):
@@ -247,6 +262,11 @@ def check_arrays(source: str, x_key: str, x: np.ndarray, y_key: str, y: np.ndarr
     if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
         bad = int(np.argwhere(~np.isfinite(x.reshape(len(x), -1)))[0, 0])
         raise ValueError(f"{source}: {x_key} has non-finite values (first in sample {bad})")
+    if np.issubdtype(x.dtype, np.floating) and x.dtype.itemsize > 4:
+        big = np.abs(x.reshape(len(x), -1)) > np.finfo(np.float32).max
+        if big.any():
+            raise ValueError(f"{source}: {x_key} has values beyond float32's range (first in "
+                             f"sample {int(np.argwhere(big)[0, 0])}); scale the features")
     if np.issubdtype(y.dtype, np.floating) and not np.isfinite(y).all():
         raise ValueError(f"{source}: {y_key} has non-finite values")
 
@@ -261,6 +281,11 @@ def class_labels(source: str, key: str, y: np.ndarray) -> np.ndarray:
         if not np.issubdtype(y.dtype, np.number) or not np.all(np.mod(y, 1) == 0):
             raise ValueError(f"{source}: {key} holds non-integer values ({y.dtype}); class labels "
                              f"must be whole numbers (use task='regression' for targets)")
+    # before the cast: 2**63 (uint64) wrapped to "negative", 1e30 to anything
+    if len(y) and y.max() >= MAX_CLASSES:
+        raise ValueError(f"{source}: {key} has label {y.max().item()}; edgefl takes class labels "
+                         f"0..{MAX_CLASSES - 1} (is this a label column? use task='regression' "
+                         f"for targets)")
     y = y.astype(np.int64)
     if len(y) and y.min() < 0:
         raise ValueError(f"{source}: {key} has negative label {int(y.min())}")
@@ -481,7 +506,16 @@ def load_npz(*, path: str, x_train: str = "x_train", y_train: str = "y_train",
         def get(key):
             if key not in stored:
                 raise ValueError(f"{path}: no array {key!r} (the file holds {sorted(stored)})")
-            return npz[key]
+            try:
+                return npz[key]
+            except (ValueError, zipfile.BadZipFile, OSError) as exc:
+                # NumPy's words ("Object arrays cannot be loaded when allow_pickle=False")
+                # name neither the file nor the array
+                if "Object arrays" in str(exc):
+                    raise ValueError(f"{path}: {key} holds Python objects (dtype object), "
+                                     f"which are not loaded (no pickle); store numbers") \
+                        from None
+                raise ValueError(f"{path}: array {key!r} cannot be read ({exc})") from None
 
         xs, ys = get(x_train), get(y_train)
         has_test = x_test in stored or y_test in stored
@@ -587,9 +621,12 @@ def _tabular_raw(name, path, xs, ys, xt, yt, y_keys, task, num_classes, class_na
         elif check_real(name, "num_classes", num_classes, integer=True) < 1:
             raise ValueError(f"{name}: num_classes must be a positive integer, "
                              f"got {num_classes!r}")
-        if seen > num_classes:
-            raise ValueError(f"{path}: label {seen - 1} is outside 0..{num_classes - 1} "
-                             f"(num_classes={num_classes})")
+        elif num_classes > MAX_CLASSES:
+            raise ValueError(f"{name}: num_classes must be 1..{MAX_CLASSES}, got {num_classes}")
+        for key, y in zip(y_keys, (ys, yt)):
+            if y.max() >= num_classes:
+                raise ValueError(f"{path}: {key}: label {int(y.max())} is outside "
+                                 f"0..{num_classes - 1} (num_classes={num_classes})")
         names = tuple(class_names) if class_names else tuple(str(i) for i in range(num_classes))
         if len(names) != num_classes:
             raise ValueError(f"{path}: {len(names)} class_names for {num_classes} classes")
