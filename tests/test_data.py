@@ -508,6 +508,26 @@ def test_bad_csv_names_the_file_line_and_column(tmp_path, text, options, message
         load_dataset("csv", path=str(tmp_path / "bad.csv"), **options)
 
 
+@pytest.mark.parametrize("text, options, message", [
+    # a non-finite cell was reported as "first in sample k" of the shuffled training split,
+    # which is no line of the file
+    ("a,b,label\n1,0,0\n2,0,1\n3,1,1\n4,1,0\n5,0,1\n6,inf,0\n", {},
+     r"features has non-finite values \(line 7, column 'b': inf\)"),
+    ("a,label\n1,0\n2,1\n3,1\n4,nan\n5,0\n", {"task": "regression"},
+     r"label column 'label' has non-finite values \(line 5, column 'label': nan\)"),
+    ("1,0\n2,1\n-inf,1\n4,0\n5,0\n", {"label": 1},
+     r"features has non-finite values \(line 3, column 0: -inf\)"),
+    # the label column was called "labels", a key the file does not have
+    ("a,label\n1,0\n2,1\n3,3000000000\n4,1\n5,0\n", {},
+     r"label column 'label' has label 3000000000"),
+])
+def test_a_csv_cell_that_is_not_finite_is_named_by_line_and_column(tmp_path, text, options,
+                                                                     message):
+    (tmp_path / "bad.csv").write_text(text)
+    with pytest.raises(ValueError, match=f"bad.csv: {message}"):
+        load_dataset("csv", path=str(tmp_path / "bad.csv"), **options)
+
+
 # ---------------------------------------------------------------------------------------
 # synthetic(alpha, beta)
 # ---------------------------------------------------------------------------------------

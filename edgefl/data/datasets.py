@@ -536,7 +536,7 @@ def load_npz(*, path: str, x_train: str = "x_train", y_train: str = "y_train",
             raise ValueError(f"{path}: {x_test} has per-sample shape {xt.shape[1:]} but "
                              f"{x_train} has {xs.shape[1:]}")
     else:
-        train, test = stratified_split(_labels_for_split(ys, task, path), test_fraction,
+        train, test = stratified_split(_labels_for_split(ys, task, path, y_train), test_fraction,
                                        split_seed, "npz")
         xs, ys, xt, yt = xs[train], ys[train], xs[test], ys[test]
     raw = _tabular_raw("npz", path, xs, ys, xt, yt, (y_train, y_test), task, num_classes,
@@ -565,21 +565,23 @@ def load_csv(*, path: str, label: str | int = "label", test_path: str | None = N
     class_names = check_class_names("csv", class_names)
     if test_path is not None and test_fraction is not None:
         raise ValueError("csv: set test_path or test_fraction, not both")
-    header, table = _read_csv(path, delimiter)
+    label_key = f"label column {label!r}"
+    header, table, lines = _read_csv(path, delimiter)
     column = _label_column(path, header, label, table.shape[1])
+    _finite_cells(path, header, table, lines, column, label_key)
     xs, ys = np.delete(table, column, axis=1), table[:, column]
     if test_path is not None:
-        test_header, test_table = _read_csv(test_path, delimiter)
+        test_header, test_table, test_lines = _read_csv(test_path, delimiter)
         if test_table.shape[1] != table.shape[1] or (header and test_header != header):
             raise ValueError(f"{test_path}: columns {test_header or test_table.shape[1]} differ "
                              f"from {path}'s {header or table.shape[1]}")
+        _finite_cells(test_path, header, test_table, test_lines, column, label_key)
         xt, yt = np.delete(test_table, column, axis=1), test_table[:, column]
     else:
-        y_split = _labels_for_split(ys, task, path)
+        y_split = _labels_for_split(ys, task, path, label_key)
         train, test = stratified_split(y_split, 0.2 if test_fraction is None else test_fraction,
                                        split_seed, "csv")
         xs, ys, xt, yt = xs[train], ys[train], xs[test], ys[test]
-    label_key = f"label column {label!r}"
     check_arrays(path, "features", xs, label_key, ys)
     check_arrays(test_path or path, "test features", xt, label_key, yt)
     return _tabular_raw("csv", path, xs, ys, xt, yt, (label_key, label_key), task, num_classes,
@@ -603,10 +605,10 @@ def _feature_layout(path, key, x, channels_last):
                      f"(n, C, H, W)")
 
 
-def _labels_for_split(y, task, source):
+def _labels_for_split(y, task, source, key):
     """The array stratified_split should stratify on: class labels, or float targets."""
     if task == "classification":
-        return class_labels(source, "labels", y)
+        return class_labels(source, key, y)
     return np.asarray(y, dtype=np.float64)
 
 
@@ -647,8 +649,9 @@ def _tabular_raw(name, path, xs, ys, xt, yt, y_keys, task, num_classes, class_na
                (float(xs.min()), float(xs.max())))
 
 
-def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray]:
-    """(header or None, float64 table) of a CSV file; errors name the file, line and column."""
+def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray, list]:
+    """(header or None, float64 table, each row's line number) of a CSV file; errors name
+    the file, line and column."""
     _data_file("csv", path)
     try:
         with open(path, newline="", encoding="utf-8") as f:
@@ -670,7 +673,8 @@ def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray]:
         if len(row) != width:
             raise ValueError(f"{path}: line {line} has {len(row)} columns, expected {width}")
     try:
-        return header, np.array([row for _, row in rows], dtype=np.float64)
+        return header, np.array([row for _, row in rows], dtype=np.float64), \
+            [line for line, _ in rows]
     except ValueError:
         for line, row in rows:
             for col, cell in enumerate(row):
@@ -679,6 +683,20 @@ def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray]:
                     raise ValueError(f"{path}: line {line}, column {name!r}: {cell!r} is not a "
                                      f"number") from None
         raise
+
+
+def _finite_cells(path, header, table, lines, column, label_key) -> None:
+    """ValueError naming the line and column of the first nan or inf cell: float() reads
+    them as numbers, and check_arrays, after the split, could only say "sample k" of the
+    shuffled training rows, which is no line of the file."""
+    bad = ~np.isfinite(table)
+    if not bad.any():
+        return
+    row, col = (int(i) for i in np.argwhere(bad)[0])
+    what = label_key if col == column else "features"
+    name = header[col] if header else col
+    raise ValueError(f"{path}: {what} has non-finite values (line {lines[row]}, column "
+                     f"{name!r}: {table[row, col]})")
 
 
 def _data_file(kind: str, path) -> None:
