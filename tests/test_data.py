@@ -355,7 +355,8 @@ def test_bad_npz_names_the_file_and_key(tmp_path, arrays, message):
     # hang building its class names), 2**63 called "negative", 1e30 cast to garbage
     ({"y_train": np.array([0, 3_000_000])}, r"y_train has label 3000000; edgefl takes class "
                                              r"labels 0\.\.1048575"),
-    ({"y_train": np.array([0, 2 ** 63], dtype=np.uint64)}, r"y_train has label 9223372036854775808"),
+    ({"y_train": np.array([0, 2 ** 63], dtype=np.uint64)},
+     r"y_train has label 9223372036854775808"),
     ({"y_train": np.array([0.0, 1e30])}, r"y_train has label 1e\+30"),
     # a label outside num_classes named no array
     ({"y_test": np.array([5])}, r"y_test: label 5 is outside 0\.\.1 \(num_classes=2\)"),
