@@ -438,3 +438,24 @@ def test_cli_info_reports_backend_and_datasets(capsys):
 def test_cli_without_a_command_prints_help_and_exits_2(capsys):
     assert main([]) == 2
     assert "partition" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("clients, tile, options, message", [
+    # the partitioner sees clients / tile shards and called them clients: "iid: 2000 clients
+    # but only 1000 training samples" for a request of 2,000,000 clients
+    (2_000_000, 1000, {}, r"^partition: clients = 2000000 with tile = 1000 splits the data into "
+                          r"2000 shards, each shared by 1000 clients: iid: 2000 clients but only "
+                          r"1000 training samples"),
+    # a per-client list is one entry per shard under tile: "100 rates for 10 clients"
+    (100, 10, {"rate": [0.1] * 100}, r"^partition: clients = 100 with tile = 10 splits the data "
+                                     r"into 10 shards, .*: label-noise: 100 rates for 10 clients"),
+    # were "clients must be a positive integer, got 1000.0" and "..., got -1"
+    (1e6, 1000, {}, r"^partition: clients must be a positive integer, got 1000000\.0"),
+    (-1000, 1000, {}, r"^partition: clients must be a positive integer, got -1000"),
+])
+def test_a_tiled_split_that_cannot_be_made_names_clients_tile_and_shards(clients, tile, options,
+                                                                           message):
+    labels = np.repeat(np.arange(10), 100)
+    name = "label-noise" if options else "iid"
+    with pytest.raises(ValueError, match=message):
+        partition(labels, name, clients, 0, tile=tile, **options)

@@ -93,14 +93,25 @@ def partition(dataset_or_labels, name: str, n_clients: int, seed: int, **options
     times = options.pop("tile", 1)
     if isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 1:
         raise ValueError(f"partition: tile must be a positive integer, got {times!r}")
-    if isinstance(n_clients, (int, np.integer)) and not isinstance(n_clients, bool) \
-            and n_clients % times:
-        raise ValueError(f"partition: tile = {times} does not divide clients = {n_clients} "
-                         f"(each of the clients / tile shards is held by tile clients)")
     if times == 1:
         return fn(labels, n_clients, np.random.default_rng(seed), **options)
-    return tile(fn(labels, n_clients // times, np.random.default_rng(seed), **options),
-                n_clients)
+    # checked here, not by the partitioner: it is given clients // tile, so 1e6 was "got
+    # 1000.0" and -1000 "got -1"
+    if isinstance(n_clients, bool) or not isinstance(n_clients, (int, np.integer)) \
+            or n_clients < 1:
+        raise ValueError(f"partition: clients must be a positive integer, got {n_clients!r}")
+    if n_clients % times:
+        raise ValueError(f"partition: tile = {times} does not divide clients = {n_clients} "
+                         f"(each of the clients / tile shards is held by tile clients)")
+    try:
+        split = fn(labels, n_clients // times, np.random.default_rng(seed), **options)
+    except ValueError as exc:
+        # the partitioner's "clients" are the shards: say so, or "iid: 2000 clients but only
+        # 1000 training samples" answers a request for 2,000,000 clients
+        raise ValueError(f"partition: clients = {n_clients} with tile = {times} splits the "
+                         f"data into {n_clients // times} shards, each shared by {times} "
+                         f"clients: {exc}") from None
+    return tile(split, n_clients)
 
 
 def dataset_status() -> dict[str, str]:
