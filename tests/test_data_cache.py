@@ -163,3 +163,73 @@ def test_a_source_hash_is_remembered_only_for_a_settled_file(cache, tmp_path, mo
     os.utime(labels, (old, old))
     module.cache_path("mnist", [str(labels)])
     assert hashed == [str(labels)]
+
+
+# A process that loads mnist from a directory, its decode slowed and counted (one line per
+# decode in a shared file), so that processes started together overlap in it; with "crash" it
+# kills itself (SIGKILL: no cleanup runs) half-way through writing the cache file.
+_LOADER = r"""
+import hashlib, os, signal, sys, time
+from edgefl.data import datasets, load_dataset
+from edgefl.data import cache as module
+directory, counter, mode = sys.argv[1:4]
+decode = datasets._decode_idx_dataset
+def counted(*args):
+    with open(counter, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(1.0)
+    return decode(*args)
+datasets._decode_idx_dataset = counted
+if mode == "crash":
+    def half_then_die(f, raw):
+        f.write(b"PK\x03\x04" + b"\0" * 4096)
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    module._write = half_then_die
+ds = load_dataset("mnist", path=directory)
+print(hashlib.sha256(ds.x_train.tobytes() + ds.y_train.tobytes()).hexdigest())
+"""
+
+
+def _loaders(tmp_path, cache, modes):
+    import subprocess
+    import sys
+    script = tmp_path / "loader.py"
+    script.write_text(_LOADER)
+    env = {**os.environ, "EDGEFL_CACHE_DIR": str(cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+               os.path.abspath(__file__))), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "mnist"),
+                               str(tmp_path / "decodes"), mode], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for mode in modes]
+    return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+def test_processes_that_start_together_decode_once_and_read_one_whole_file(cache, tmp_path):
+    # `edgefl fleet up` or two simulate runs on a cold cache: each process decoded and wrote
+    # its own copy (Fashion-MNIST: 55 MB of temporary file and a decode each)
+    write_mnist_dir(tmp_path / "mnist")
+    results = _loaders(tmp_path, cache, ["load"] * 4)
+    assert [rc for rc, _, _ in results] == [0] * 4, results
+    assert len({out for _, out, _ in results}) == 1
+    assert len((tmp_path / "decodes").read_text().split()) == 1
+    (name,) = data_files(cache)
+    assert name.startswith("mnist-") and name.endswith(".npz")
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_the_next_load_keeps(cache, tmp_path):
+    # atomic_write leaves the old file or none, but a SIGKILL (the OOM killer, a power cut)
+    # skips its cleanup: the half-written temporary file stayed in the cache for good, up to
+    # 55 MB for Fashion-MNIST at every crash
+    write_mnist_dir(tmp_path / "mnist")
+    ((rc, _, _),) = _loaders(tmp_path, cache, ["crash"])
+    assert rc == -9
+    (left,) = data_files(cache)                        # the crash's half-written file
+    assert left.startswith(".mnist-") and left.endswith(".tmp")
+    ((rc, out, err),) = _loaders(tmp_path, cache, ["load"])
+    assert rc == 0, err
+    (name,) = data_files(cache)
+    assert name.startswith("mnist-") and name.endswith(".npz")
+    assert load_dataset("mnist", path=str(tmp_path / "mnist")).y_train.tolist() == \
+        [i % 10 for i in range(12)]

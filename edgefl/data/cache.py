@@ -17,6 +17,11 @@ anyway (a truncated copy, a disk error, another program's file of that name) is 
 and rewritten, with a warning, never an error. `EDGEFL_CACHE_DIR=off` turns caching off, and a
 cache directory that cannot be written only costs the speed.
 
+A process that has to decode holds an flock on the cache directory while it decodes and
+writes (_Writing), so processes started together on a cold cache (`edgefl fleet up`, two
+simulate runs) decode once: the others wait, then read the file. Under that lock the
+temporary file of a writer that was killed (SIGKILL skips atomic_write's cleanup) is removed.
+
 Hashing the sources is itself a tenth of a second for Fashion-MNIST, so a source's hash is
 remembered (`source-hashes.json` in the cache directory) under its file's device, inode,
 size, mtime and ctime, once the file has been left unchanged for a while (_SourceHashes says
@@ -25,6 +30,8 @@ why that is as safe as hashing it).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -44,6 +51,7 @@ __all__ = ["CACHE_FORMAT", "SOURCE_HASHES", "cache_dir", "cache_path", "cached_r
 CACHE_FORMAT = 1          # bump when the file layout or a loader's output changes
 SOURCE_HASHES = "source-hashes.json"   # _SourceHashes' memo, beside the cache files
 SETTLED_S = 2.0           # a source is remembered once unchanged this long (_SourceHashes)
+WRITER_WAIT_S = 120.0     # the longest a load waits for another process's decode (_Writing)
 _ARRAYS = ("x_train", "y_train", "x_test", "y_test", "norm_mean", "norm_std", "client_ids")
 
 
@@ -82,19 +90,85 @@ def cached_raw(name: str, sources: Sequence[str], decode: Callable[[], object],
         return decode()
     if path is None:
         return decode()
-    if os.path.isfile(path):
+    there = os.path.isfile(path)
+    cached = _read_if_there(path, name)
+    if cached is not None:
+        return cached
+    with _Writing(os.path.dirname(path)) as writing:
+        if writing.waited or not there:    # another process may have written it meanwhile
+            cached = _read_if_there(path, name)
+            if cached is not None:
+                return cached
+        if writing.held:           # every writer holds the lock: a temporary file is orphaned
+            writing.remove_orphans()
+        raw = decode()
         try:
-            return _read(path)
-        except Exception as exc:       # noqa: BLE001 - any unreadable file is rebuilt
-            log.warning("data cache %s is unreadable (%s: %s); decoding %s again",
-                        path, type(exc).__name__, exc, name)
-    raw = decode()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        atomic_write(path, lambda f: _write(f, raw))
-    except OSError as exc:
-        log.info("data cache %s not written (%s); %s is decoded on every load", path, exc, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write(path, lambda f: _write(f, raw))
+        except OSError as exc:
+            log.info("data cache %s not written (%s); %s is decoded on every load", path, exc,
+                     name)
     return raw
+
+
+def _read_if_there(path: str, name: str):
+    if not os.path.isfile(path):
+        return None
+    try:
+        return _read(path)
+    except Exception as exc:       # noqa: BLE001 - any unreadable file is rebuilt
+        log.warning("data cache %s is unreadable (%s: %s); decoding %s again",
+                    path, type(exc).__name__, exc, name)
+    return None
+
+
+class _Writing:
+    """An exclusive flock on the cache directory itself (no lock file to list or clean up),
+    held while a decoded data set is written. Waited for up to WRITER_WAIT_S (a stopped
+    holder must not stall every launch); a directory that does not exist yet, cannot be
+    opened or locked (a read-only board, some network file systems) is written without it,
+    as before. The kernel lets go of a killed holder's lock."""
+
+    def __init__(self, directory: str):
+        self.directory, self.fd, self.held, self.waited = directory, None, False, False
+
+    def __enter__(self) -> "_Writing":
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            self.fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return self
+        deadline = time.monotonic() + WRITER_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.held = True
+                return self
+            except BlockingIOError:
+                self.waited = True
+                if time.monotonic() > deadline:
+                    log.info("data cache %s: another process has been writing for over %.0f s; "
+                             "decoding without waiting", self.directory, WRITER_WAIT_S)
+                    return self
+                time.sleep(0.05)
+            except OSError:        # no flock here: write as before, unlocked
+                return self
+
+    def remove_orphans(self) -> None:
+        """The temporary data files (atomic_write's .<name>.npz.<random>.tmp) of writers
+        that were killed before their cleanup ran: up to 55 MB each, for good. (An edgefl
+        from before this lock, writing into the same directory at this moment, loses its
+        temporary file and only logs that its cache file was not written.)"""
+        for orphan in glob.glob(os.path.join(glob.escape(self.directory), ".*.npz.*.tmp")):
+            try:
+                os.unlink(orphan)
+                log.info("data cache: removed %s, left by a writer that was killed", orphan)
+            except OSError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)       # closing the descriptor lets go of the lock
 
 
 def _identity(path: str) -> str:
