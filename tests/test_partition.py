@@ -459,3 +459,15 @@ def test_a_tiled_split_that_cannot_be_made_names_clients_tile_and_shards(clients
     name = "label-noise" if options else "iid"
     with pytest.raises(ValueError, match=message):
         partition(labels, name, clients, 0, tile=tile, **options)
+
+
+def test_mod_with_a_class_too_small_for_its_clients_names_the_class():
+    # with clients > classes client n holds only class n mod C; a class with no samples (or
+    # fewer than its clients) was reported as empty clients only, not why
+    labels = np.repeat([0, 1, 2, 4, 5, 6, 7, 8, 9], 10)          # no 3 among 10 classes
+    with pytest.raises(ValueError, match=r"^mod: class 3 has 0 samples for its 2 clients "
+                                         r"\[3, 13\] \(client n holds class n mod 10\)"):
+        partition(labels, "mod", 20, 0, num_classes=10)
+    with pytest.raises(ValueError, match=r"^mod: class 0 has 10 samples for its 11 clients "
+                                         r"\[0, 10, 20, 30, 40, \.\.\.\]"):
+        partition(np.repeat(np.arange(10), [10] + [20] * 9), "mod", 110, 0)

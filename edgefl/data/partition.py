@@ -276,6 +276,12 @@ def mod(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
     groups = [[] for _ in range(n_clients)]
     for c in range(n_classes):
         owners = np.arange(c, n_clients, n_classes)
+        members = np.count_nonzero(labels == c)
+        if members < len(owners):    # else _finish could only name the empty clients, not why
+            shown = ", ".join(map(str, owners[:5].tolist())) + (", ..." if len(owners) > 5 else "")
+            raise ValueError(f"mod: class {c} has {members} samples for its {len(owners)} "
+                             f"clients [{shown}] (client n holds class n mod {n_classes}); use "
+                             f"fewer clients or another partition")
         for owner, part in zip(owners, np.array_split(rng.permutation(np.flatnonzero(labels == c)),
                                                       len(owners))):
             groups[owner] = part
