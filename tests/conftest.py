@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
+
+# Every process a test starts imports this checkout's edgefl, as the tests themselves do:
+# beside an editable install of another clone, `python -m edgefl.cli` in a temporary
+# directory took that clone's code, so a test of a fix here passed or failed on the other
+# code (tests/test_fleet.py did). Tests that need another PYTHONPATH set their own env.
+_CHECKOUT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_CHECKOUT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                   if p and p != _CHECKOUT])
 
 
 # Modules whose subject is how processes, brokers, files and browsers behave: the transport
