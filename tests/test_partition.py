@@ -471,3 +471,18 @@ def test_mod_with_a_class_too_small_for_its_clients_names_the_class():
     with pytest.raises(ValueError, match=r"^mod: class 0 has 10 samples for its 11 clients "
                                          r"\[0, 10, 20, 30, 40, \.\.\.\]"):
         partition(np.repeat(np.arange(10), [10] + [20] * 9), "mod", 110, 0)
+
+
+def test_quantity_with_a_sigma_whose_sizes_overflow_is_refused():
+    # sigma = 1000: exp() overflowed, the weights were NaN (RuntimeWarnings) and client 0 got
+    # nearly everything whatever the seed; a large sigma that does not overflow still splits
+    import warnings
+
+    labels = np.zeros(1000, int)
+    with pytest.raises(ValueError, match=r"quantity: sigma = 1000 is too large: the "
+                                         r"log-normal sizes overflow float64"):
+        quantity(labels, 10, np.random.default_rng(1), sigma=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sizes = quantity(labels, 10, np.random.default_rng(1), sigma=100).sizes
+    assert sizes.sum() == 1000 and sizes.min() >= 1

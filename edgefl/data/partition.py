@@ -207,7 +207,14 @@ def quantity(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
     sigma = float(sigma)
     m = len(labels)
     _check_clients("quantity", m, n_clients)
-    weights = rng.lognormal(np.log(m / n_clients), sigma, n_clients)
+    with np.errstate(over="ignore"):
+        weights = rng.lognormal(np.log(m / n_clients), sigma, n_clients)
+        total = weights.sum()
+    if not np.isfinite(total):
+        # exp() overflowed: the sizes would be NaN and client 0 given nearly everything
+        # whatever the seed
+        raise ValueError(f"quantity: sigma = {sigma:g} is too large: the log-normal sizes "
+                         f"overflow float64")
     sizes = _apportion(m, weights, lower=1, upper=np.full(n_clients, m))
     return _finish("quantity", np.split(rng.permutation(m), np.cumsum(sizes)[:-1]))
 
