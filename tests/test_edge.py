@@ -345,6 +345,81 @@ def test_sites_must_cover_every_client_once(tmp_path):
 # an edge aggregator process killed mid-round (kill -9) and started again
 # ---------------------------------------------------------------------------------------
 
+class _TwoLevelProcesses:
+    """The set-up the process-level edge tests share: a 4-client run split over site-a
+    (client-0, client-1) and site-b; the centre's and site-a's edge's commands as real
+    processes (`edgefl aggregator --sites`, `--edge site-a`), site-b's edge and the clients
+    as threads; the flat run's model to compare with. stop_all() ends what is still going."""
+
+    def __init__(self, tmp_path, central, sites, rounds: int):
+        self.tmp, self.sites = tmp_path, sites
+        path = write_run_yaml(tmp_path, SMALL_RUN, partition={"name": "iid", "clients": 4},
+                              rounds=rounds, clients_per_round=4)
+        config = load_run_config(path)
+        self.run = prepare_run(config, progress=False)
+        self.flat = flat_params(prepare_run(config, progress=False))
+        self.ids = ids = default_client_ids(4)
+        self.site_nodes = {"site-a": ids[:2], "site-b": ids[2:]}
+        sites_file = tmp_path / "sites.yaml"
+        sites_file.write_text(yaml.safe_dump({k: list(v) for k, v in self.site_nodes.items()}))
+
+        def site_file(name, node, url, **more):
+            (tmp_path / name).write_text(yaml.safe_dump({
+                "profile": "generic-x86", "node": {"id": node, "federation": "fed"},
+                "state_dir": str(tmp_path / f"{node}-state"), "broker": {"url": url},
+                "run": path, "log": {"level": "info"}, **more}))
+            return str(tmp_path / name)
+
+        self.out = tmp_path / "out"
+        # the centre waits for an edge that went offline (its Last Will, through the bridge)
+        # longer than the edge takes to start again
+        self.centre_cmd = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
+                           site_file("centre.yaml", "centre", central.url,
+                                     round={"offline_grace": 60.0}),
+                           "--sites", str(sites_file), "--deadline", "60", "--once",
+                           "--out", str(self.out)]
+        self.edge_args = ["aggregator", "--config", site_file("edge-a.yaml", "site-a",
+                                                              sites["site-a"].url),
+                          "--edge", "site-a", "--sites", str(sites_file), "--deadline", "60"]
+        self.edge_cmd = [sys.executable, "-m", "edgefl.cli"] + self.edge_args
+        self.stop = threading.Event()
+        self.procs, self.threads, self.errors = [], [], []
+
+    def spawn(self, command, log_name):
+        with open(self.tmp / log_name, "wb") as log:
+            proc = subprocess.Popen(command, cwd=self.tmp, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def client(self, i: int) -> Client:
+        node, run = self.ids[i], self.run
+        url = self.sites["site-a" if i < 2 else "site-b"].url
+        return Client(ClientSettings(node, "fed", exit_when_finished=True, raise_on_error=True),
+                      (run.clients[i].x, run.clients[i].y),
+                      MqttTransport(url, f"c-{node}", clean_session=True, reconnect_min=0.05,
+                                    reconnect_max=0.5),
+                      str(self.tmp / node), stop=self.stop)
+
+    def edge_b(self) -> EdgeAggregator:
+        run = self.run
+        plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, self.ids)
+        return EdgeAggregator(plan, MqttTransport(self.sites["site-b"].url, "e-site-b",
+                                                  clean_session=True),
+                              str(self.tmp / "edge-b"),
+                              AggregatorSettings(federation="fed", round_timeout_s=60),
+                              edge_id="site-b", site=self.site_nodes["site-b"], stop=self.stop)
+
+    def stop_all(self) -> None:
+        self.stop.set()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        for thread in self.threads:
+            thread.join(10)
+
+
 def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_brokers,
                                                                           tmp_path):
     """The centre and site-a's edge run as real processes (`edgefl aggregator --sites` and
@@ -355,69 +430,21 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
     ends with the flat model."""
     central, sites = three_brokers
     rounds = 3
-    path = write_run_yaml(tmp_path, SMALL_RUN, partition={"name": "iid", "clients": 4},
-                          rounds=rounds, clients_per_round=4)
-    config = load_run_config(path)
-    run = prepare_run(config, progress=False)
-    flat = flat_params(prepare_run(config, progress=False))
-    ids = default_client_ids(4)
-    site_nodes = {"site-a": ids[:2], "site-b": ids[2:]}
-    sites_file = tmp_path / "sites.yaml"
-    sites_file.write_text(yaml.safe_dump({k: list(v) for k, v in site_nodes.items()}))
-
-    def site_file(name, node, url, **more):
-        (tmp_path / name).write_text(yaml.safe_dump({
-            "profile": "generic-x86", "node": {"id": node, "federation": "fed"},
-            "state_dir": str(tmp_path / f"{node}-state"), "broker": {"url": url},
-            "run": path, "log": {"level": "info"}, **more}))
-        return str(tmp_path / name)
-
-    out = tmp_path / "out"
-    # the centre waits for an edge that went offline (its Last Will, through the bridge)
-    # longer than the edge takes to start again
-    centre_cmd = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
-                  site_file("centre.yaml", "centre", central.url,
-                            round={"offline_grace": 60.0}),
-                  "--sites", str(sites_file), "--deadline", "60", "--once", "--out", str(out)]
-    edge_cmd = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
-                site_file("edge-a.yaml", "site-a", sites["site-a"].url),
-                "--edge", "site-a", "--sites", str(sites_file), "--deadline", "60"]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids)
-    settings = AggregatorSettings(federation="fed", round_timeout_s=60)
-    stop = threading.Event()
-    procs, threads, errors, clients = [], [], [], {}
-
-    def spawn(command, log_name):
-        log = open(tmp_path / log_name, "wb")
-        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        procs.append(proc)
-        return proc
-
-    def start(target, name):
-        threads.append(_started(target, name, errors))
+    t = _TwoLevelProcesses(tmp_path, central, sites, rounds)
+    ids, out, flat = t.ids, t.out, t.flat
+    spawn, threads, errors, edge_cmd, centre_cmd = \
+        t.spawn, t.threads, t.errors, t.edge_cmd, t.centre_cmd
+    clients = {}
 
     def start_client(i):
-        node = ids[i]
-        url = sites["site-a" if i < 2 else "site-b"].url
-        clients[i] = Client(ClientSettings(node, "fed", exit_when_finished=True,
-                                           raise_on_error=True),
-                            (run.clients[i].x, run.clients[i].y),
-                            MqttTransport(url, f"c-{node}", clean_session=True,
-                                          reconnect_min=0.05, reconnect_max=0.5),
-                            str(tmp_path / node), stop=stop)
-        start(clients[i].run, node)
+        clients[i] = t.client(i)
+        threads.append(_started(clients[i].run, ids[i], errors))
 
-    edge_b = EdgeAggregator(plan, MqttTransport(sites["site-b"].url, "e-site-b",
-                                                clean_session=True),
-                            str(tmp_path / "edge-b"), settings, edge_id="site-b",
-                            site=site_nodes["site-b"], stop=stop)
+    edge_b = t.edge_b()
     journal = tmp_path / "site-a-state" / "edge" / "edge.jsonl"
     try:
         first = spawn(edge_cmd, "edge-a-1.log")
-        start(edge_b.run, "site-b")
+        threads.append(_started(edge_b.run, "site-b", errors))
         for i in (0, 2, 3):
             start_client(i)
         centre = spawn(centre_cmd, "centre.log")
@@ -437,13 +464,7 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
         for thread in threads:
             thread.join(60)
     finally:
-        stop.set()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        for thread in threads:
-            thread.join(10)
+        t.stop_all()
     if errors:
         raise errors[0]
     forwarded = [json.loads(line) for line in journal.read_text().splitlines()]
@@ -468,82 +489,28 @@ def test_an_edge_killed_between_storing_and_journalling_its_partial_lists_it_onc
     "Restarts": each forwarded round is a line of it)."""
     central, sites = three_brokers
     rounds = 2
-    path = write_run_yaml(tmp_path, SMALL_RUN, partition={"name": "iid", "clients": 4},
-                          rounds=rounds, clients_per_round=4)
-    config = load_run_config(path)
-    run = prepare_run(config, progress=False)
-    flat = flat_params(prepare_run(config, progress=False))
-    ids = default_client_ids(4)
-    site_nodes = {"site-a": ids[:2], "site-b": ids[2:]}
-    sites_file = tmp_path / "sites.yaml"
-    sites_file.write_text(yaml.safe_dump({k: list(v) for k, v in site_nodes.items()}))
-
-    def site_file(name, node, url, **more):
-        (tmp_path / name).write_text(yaml.safe_dump({
-            "profile": "generic-x86", "node": {"id": node, "federation": "fed"},
-            "state_dir": str(tmp_path / f"{node}-state"), "broker": {"url": url},
-            "run": path, "log": {"level": "info"}, **more}))
-        return str(tmp_path / name)
-
-    out = tmp_path / "out"
-    centre_cmd = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
-                  site_file("centre.yaml", "centre", central.url,
-                            round={"offline_grace": 60.0}),
-                  "--sites", str(sites_file), "--deadline", "60", "--once", "--out", str(out)]
-    edge_args = ["aggregator", "--config", site_file("edge-a.yaml", "site-a",
-                                                     sites["site-a"].url),
-                 "--edge", "site-a", "--sites", str(sites_file), "--deadline", "60"]
-    edge_cmd = [sys.executable, "-m", "edgefl.cli"] + edge_args
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids)
-    settings = AggregatorSettings(federation="fed", round_timeout_s=60)
-    stop = threading.Event()
-    procs, threads, errors = [], [], []
-
-    def spawn(command, log_name):
-        with open(tmp_path / log_name, "wb") as log:
-            proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
-
-    edge_b = EdgeAggregator(plan, MqttTransport(sites["site-b"].url, "e-site-b",
-                                                clean_session=True),
-                            str(tmp_path / "edge-b"), settings, edge_id="site-b",
-                            site=site_nodes["site-b"], stop=stop)
+    t = _TwoLevelProcesses(tmp_path, central, sites, rounds)
+    out, flat, spawn, threads, errors = t.out, t.flat, t.spawn, t.threads, t.errors
+    edge_b = t.edge_b()
     state = tmp_path / "site-a-state" / "edge"
     journal = state / "edge.jsonl"
     try:
         first = spawn(killed_at_append(tmp_path, "edge.jsonl", '"event":"forwarded"',
-                                       '"round":1,') + edge_args, "edge-a-1.log")
+                                       '"round":1,') + t.edge_args, "edge-a-1.log")
         threads.append(_started(edge_b.run, "site-b", errors))
         for i in range(4):
-            node = ids[i]
-            url = sites["site-a" if i < 2 else "site-b"].url
-            c = Client(ClientSettings(node, "fed", exit_when_finished=True,
-                                      raise_on_error=True),
-                       (run.clients[i].x, run.clients[i].y),
-                       MqttTransport(url, f"c-{node}", clean_session=True,
-                                     reconnect_min=0.05, reconnect_max=0.5),
-                       str(tmp_path / node), stop=stop)
-            threads.append(_started(c.run, node, errors))
-        centre = spawn(centre_cmd, "centre.log")
+            threads.append(_started(t.client(i).run, t.ids[i], errors))
+        centre = spawn(t.centre_cmd, "centre.log")
         assert first.wait(60) == -signal.SIGKILL, (tmp_path / "edge-a-1.log").read_text()[-3000:]
         assert (state / "partial.frame").exists()
         assert not journal.exists() or journal.read_text() == ""
-        second = spawn(edge_cmd, "edge-a-2.log")
+        second = spawn(t.edge_cmd, "edge-a-2.log")
         assert centre.wait(120) == 0, (tmp_path / "centre.log").read_text()[-3000:]
         assert second.wait(30) == 0, (tmp_path / "edge-a-2.log").read_text()[-3000:]
         for thread in threads:
             thread.join(60)
     finally:
-        stop.set()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        for thread in threads:
-            thread.join(10)
+        t.stop_all()
     if errors:
         raise errors[0]
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
