@@ -282,6 +282,13 @@ class AggregatorProcesses:
         self.procs.append(proc)
         return proc
 
+    def spawn_killed_at_round(self, log_name, round_: int) -> subprocess.Popen:
+        """The aggregator, killing itself with SIGKILL as it is about to journal round
+        `round_` as aggregated (its checkpoint already renamed into place): killed_at_append."""
+        return self.spawn(log_name, killed_at_append(
+            self.tmp, JOURNAL_FILE, '"event":"aggregated"', f'"round":{round_},') +
+            self.command[3:])
+
     def log(self, log_name) -> str:
         return (self.tmp / log_name).read_text()
 

@@ -29,7 +29,7 @@ from edgefl.roles.asynchronous import BOOK_FILE, BUFFER_DIR    # noqa: E402
 from edgefl.roles.state import JOURNAL_FILE, load_arrays, read_journal    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
 from edgefl.runs.prepare import prepare_run    # noqa: E402
-from helpers import (AggregatorProcesses, aggregated_rounds, killed_at_append,  # noqa: E402
+from helpers import (AggregatorProcesses, aggregated_rounds,  # noqa: E402
                      read_jsonl, start_mqtt_clients, stop_clients, wait_for, write_run_yaml)
 
 pytest_plugins = ["brokers"]
@@ -211,9 +211,7 @@ def test_aggregator_killed_after_a_steps_checkpoint_applies_its_buffer_once(
     run = prepare_run(config, progress=False)
     clients, threads = {}, []
     try:
-        first = procs.spawn("aggregator-1.log", killed_at_append(
-            tmp_path, JOURNAL_FILE, '"event":"aggregated"', '"round":2,') +
-            procs.command[3:])
+        first = procs.spawn_killed_at_round("aggregator-1.log", 2)
         clients, threads = start_mqtt_clients(mosquitto_server.url, fed, tag, run, tmp_path,
                                               range(6))
         assert first.wait(60) == -signal.SIGKILL, procs.log("aggregator-1.log")[-3000:]

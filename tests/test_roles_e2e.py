@@ -43,7 +43,7 @@ from edgefl.transport.base import Message    # noqa: E402
 from edgefl.transport.broker import have_python_broker    # noqa: E402
 from edgefl.transport.mqtt import MqttTransport    # noqa: E402
 from edgefl.transport.topics import Topics    # noqa: E402
-from helpers import (AggregatorProcesses, aggregated_rounds, killed_at_append,  # noqa: E402
+from helpers import (AggregatorProcesses, aggregated_rounds,  # noqa: E402
                      start_mqtt_clients, stop_clients, wait_for, write_run_yaml)
 
 pytest_plugins = ["brokers"]
@@ -357,9 +357,7 @@ def test_aggregator_killed_between_checkpoint_and_journal_lists_the_round_once(
     run = prepare_run(config, progress=False)
     clients, threads = {}, []
     try:
-        first = procs.spawn("aggregator-1.log", killed_at_append(
-            tmp_path, JOURNAL_FILE, '"event":"aggregated"', '"round":2,') +
-            procs.command[3:])
+        first = procs.spawn_killed_at_round("aggregator-1.log", 2)
         clients, threads = start_mqtt_clients(mosquitto_server.url, fed, tag, run, tmp_path,
                                               range(4))
         assert first.wait(60) == -signal.SIGKILL, procs.log("aggregator-1.log")[-3000:]
