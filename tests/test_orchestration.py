@@ -1204,6 +1204,19 @@ class SiteRunScript:
             cwd=self.tmp, env=_ctl_env(), capture_output=True, text=True, timeout=timeout,
             stdin=subprocess.DEVNULL)
 
+    def run_with_clients(self, config: dict):
+        """run(), with the two clients of `config` (a run_config mapping) as threads."""
+        from edgefl.runs.prepare import prepare_run
+        from helpers import start_mqtt_clients, stop_clients
+
+        clients, threads = start_mqtt_clients(
+            self.server.url, self.fed, "site",
+            prepare_run(run_config_from_mapping(config), progress=False), self.tmp, [0, 1])
+        try:
+            return self.run()
+        finally:
+            stop_clients(clients, threads)
+
     def records(self) -> dict:
         return {r["id"]: r for r in RunStore(str(self.state)).load_all()}
 
@@ -1254,22 +1267,13 @@ def test_a_changed_site_run_config_is_queued_as_a_new_run(mosquitto_server, tmp_
     and it runs. Run once more unchanged, the finished run is recognised (exit 0, nothing
     redone); changed again, the new config cannot use the state directory that holds the
     finished run's checkpoint, and the command says so in one line before running anything."""
-    from edgefl.runs.prepare import prepare_run
-    from helpers import start_mqtt_clients, stop_clients
-
     s = SiteRunScript(mosquitto_server, tmp_path)
     s.write(run_config(rounds=2, dataset={"name": "npz", "path": "/nonexistent/edgefl/d.npz"}))
     assert s.run().returncode == 1
     [failed_id] = s.records()
 
     s.write(run_config(rounds=2))                                  # fixed: digits
-    clients, threads = start_mqtt_clients(
-        s.server.url, s.fed, "site", prepare_run(run_config_from_mapping(run_config(rounds=2)),
-                                                 progress=False), tmp_path, [0, 1])
-    try:
-        done = s.run()
-    finally:
-        stop_clients(clients, threads)
+    done = s.run_with_clients(run_config(rounds=2))
     assert done.returncode == 0, done.stderr
     records = s.records()
     assert set(records) - {failed_id} and records[failed_id]["state"] == "failed"
@@ -1306,8 +1310,6 @@ def test_a_site_run_not_yet_ended_takes_the_file_as_it_is_now(mosquitto_server, 
     import time as _time
 
     from edgefl.roles.daemon import RunStore, site_config_digest
-    from edgefl.runs.prepare import prepare_run
-    from helpers import start_mqtt_clients, stop_clients
 
     s = SiteRunScript(mosquitto_server, tmp_path)
     s.write(run_config(rounds=2))
@@ -1318,13 +1320,7 @@ def test_a_site_run_not_yet_ended_takes_the_file_as_it_is_now(mosquitto_server, 
               "run_dir": store.run_dir("r-queued"), "state_dir": str(s.state),
               "out_dir": str(s.out)}
     store.save(queued)
-    clients, threads = start_mqtt_clients(
-        s.server.url, s.fed, "site", prepare_run(run_config_from_mapping(run_config(rounds=2)),
-                                                 progress=False), tmp_path, [0, 1])
-    try:
-        done = s.run()
-    finally:
-        stop_clients(clients, threads)
+    done = s.run_with_clients(run_config(rounds=2))
     assert done.returncode == 0, done.stderr
     [(run_id, record)] = s.records().items()              # no second run queued
     assert run_id == "r-queued" and record["state"] == "finished", record
