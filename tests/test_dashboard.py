@@ -94,16 +94,10 @@ DOM = {
 }
 
 
-@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
-                    "package chromium): the dashboard's browser test needs a real browser")
-def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_server):
-    server = mosquitto_acl_server
-    fed = f"dash-{os.urandom(4).hex()}"
-    run_file = tmp_path / "run.yaml"
-    run_file.write_text(yaml.safe_dump(RUN))
-    run2_file = tmp_path / "run2.yaml"            # 3 rounds, every one evaluated
-    run2_file.write_text(yaml.safe_dump({**RUN, "rounds": 3, "eval_every": 1}))
-
+def _accounts_and_sites(tmp_path, server):
+    """account(user): the broker section of `user`'s account on the ACL `server` (its
+    password in a file in tmp_path); site(name, doc): a site file tmp_path/<name>.yaml with
+    that account and `doc`, returning its path."""
     def account(user: str) -> dict:
         path = tmp_path / f"{user}.pw"
         path.write_text(server.users[user] + "\n")
@@ -114,6 +108,21 @@ def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_
         path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
                                         "broker": account(name), **doc}))
         return str(path)
+
+    return account, site
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
+                    "package chromium): the dashboard's browser test needs a real browser")
+def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_server):
+    server = mosquitto_acl_server
+    fed = f"dash-{os.urandom(4).hex()}"
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(yaml.safe_dump(RUN))
+    run2_file = tmp_path / "run2.yaml"            # 3 rounds, every one evaluated
+    run2_file.write_text(yaml.safe_dump({**RUN, "rounds": 3, "eval_every": 1}))
+
+    account, site = _accounts_and_sites(tmp_path, server)
 
     agg_site = site("aggregator", {"node": {"id": "aggregator", "federation": fed},
                                    "state_dir": str(tmp_path / "agg-state"),
@@ -233,16 +242,7 @@ def test_a_page_opened_during_a_paused_run_shows_its_progress(tmp_path, mosquitt
     run_file = tmp_path / "long.yaml"
     run_file.write_text(yaml.safe_dump({**RUN, "rounds": rounds, "eval_every": 1}))
 
-    def account(user: str) -> dict:
-        path = tmp_path / f"{user}.pw"
-        path.write_text(server.users[user] + "\n")
-        return {"url": server.url, "username": user, "password_file": str(path)}
-
-    def site(name: str, doc: dict) -> str:
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({"profile": "generic-x86", "log": {"level": "info"},
-                                        "broker": account(name), **doc}))
-        return str(path)
+    account, site = _accounts_and_sites(tmp_path, server)
 
     agg_site = site("aggregator", {"node": {"id": "aggregator", "federation": fed},
                                    "state_dir": str(tmp_path / "agg-state"),

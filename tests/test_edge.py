@@ -410,6 +410,13 @@ class _TwoLevelProcesses:
                               AggregatorSettings(federation="fed", round_timeout_s=60),
                               edge_id="site-b", site=self.site_nodes["site-b"], stop=self.stop)
 
+    def wait_ended(self, centre, edge) -> None:
+        """The centre and site-a's (restarted) edge exit 0, the threads end."""
+        assert centre.wait(120) == 0, (self.tmp / "centre.log").read_text()[-3000:]
+        assert edge.wait(30) == 0, (self.tmp / "edge-a-2.log").read_text()[-3000:]
+        for thread in self.threads:
+            thread.join(60)
+
     def stop_all(self) -> None:
         self.stop.set()
         for proc in self.procs:
@@ -459,10 +466,7 @@ def test_edge_killed_mid_round_resumes_without_losing_or_double_counting(three_b
         wait_for(lambda: "round 1 announced" in (tmp_path / "edge-a-2.log").read_text(),
                  timeout=60, what="the restarted edge to announce round 1 again")
         start_client(1)
-        assert centre.wait(120) == 0, (tmp_path / "centre.log").read_text()[-3000:]
-        assert second.wait(30) == 0, (tmp_path / "edge-a-2.log").read_text()[-3000:]
-        for thread in threads:
-            thread.join(60)
+        t.wait_ended(centre, second)
     finally:
         t.stop_all()
     if errors:
@@ -504,11 +508,7 @@ def test_an_edge_killed_between_storing_and_journalling_its_partial_lists_it_onc
         assert first.wait(60) == -signal.SIGKILL, (tmp_path / "edge-a-1.log").read_text()[-3000:]
         assert (state / "partial.frame").exists()
         assert not journal.exists() or journal.read_text() == ""
-        second = spawn(t.edge_cmd, "edge-a-2.log")
-        assert centre.wait(120) == 0, (tmp_path / "centre.log").read_text()[-3000:]
-        assert second.wait(30) == 0, (tmp_path / "edge-a-2.log").read_text()[-3000:]
-        for thread in threads:
-            thread.join(60)
+        t.wait_ended(centre, spawn(t.edge_cmd, "edge-a-2.log"))
     finally:
         t.stop_all()
     if errors:
