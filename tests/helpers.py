@@ -289,6 +289,14 @@ class AggregatorProcesses:
             self.tmp, JOURNAL_FILE, '"event":"aggregated"', f'"round":{round_},') +
             self.command[3:])
 
+    def run_again(self, threads, timeout: float = 90) -> None:
+        """The aggregator started again (logging to aggregator-2.log) runs to its end (exit
+        0) and the clients' `threads` end."""
+        again = self.spawn("aggregator-2.log")
+        assert again.wait(timeout) == 0, self.log("aggregator-2.log")[-3000:]
+        for t in threads:
+            t.join(20)
+
     def log(self, log_name) -> str:
         return (self.tmp / log_name).read_text()
 

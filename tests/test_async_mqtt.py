@@ -126,10 +126,7 @@ def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_not
         assert aggregated() == list(range(1, applied_before + 1))
         in_flight = json.loads((state / BOOK_FILE).read_text())["flight"]
 
-        second = procs.spawn("aggregator-2.log")
-        assert second.wait(90) == 0, procs.log("aggregator-2.log")[-3000:]
-        for t in threads:
-            t.join(20)
+        procs.run_again(threads)
     finally:
         procs.close()
         stop_clients(clients, threads)
@@ -222,10 +219,7 @@ def test_aggregator_killed_after_a_steps_checkpoint_applies_its_buffer_once(
                 for p in glob.glob(str(state / BUFFER_DIR / "*.npz"))}
         assert step2 <= left, (step2, left)          # killed before they were deleted
         assert json.loads((state / BOOK_FILE).read_text())["version"] == 1
-        second = procs.spawn("aggregator-2.log")
-        assert second.wait(90) == 0, procs.log("aggregator-2.log")[-3000:]
-        for t in threads:
-            t.join(20)
+        procs.run_again(threads)
     finally:
         procs.close()
         stop_clients(clients, threads)
