@@ -334,3 +334,56 @@ def test_broker_restart_wills_neither_hide_clients_nor_close_the_round(tmp_path)
     first = result.history[0]
     assert (first["closed_by"], first["updates"]) == ("all", 3), first
     assert [h["updates"] for h in result.history] == [3, 3]
+
+
+def test_a_broker_that_lost_the_sessions_gets_the_round_answered_again(tmp_path):
+    """The embedded broker (persistence off) restarts mid-round 1 with client-2 still
+    training. client-2 finishes while the broker is down; its update waits in paho's queue
+    and goes out as soon as client-2 is back -- before the aggregator is (it reconnects
+    later), so the broker, which forgot the aggregator's session and subscriptions, has
+    no one to give it to, yet acknowledges it. The aggregator, back with no session, must
+    announce the round again under a new id, so that the clients re-send their stored
+    updates: round 1 closes with all three, and the run ends with the model of an
+    uninterrupted one (not at the deadline, without client-2's update)."""
+    _need_mosquitto()
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, reference_sha, write_config
+
+    config = load_run_config(write_config(tmp_path, rounds=2, clients_per_round=3,
+                                          partition={"name": "iid", "clients": 3}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 40})
+    # the aggregator comes back 2 s after the clients (they retry every 0.05-0.5 s)
+    fleet.aggregator.transport = MqttTransport(
+        broker.url, f"aggregator-{fleet.uid}", reconnect_min=2.0, reconnect_max=2.0,
+        connect_timeout=5.0)
+    try:
+        gate = threading.Semaphore(0)
+        fleet.start_client("client-0")
+        fleet.start_client("client-1")
+        late = fleet.start_client("client-2", train_slots=gate)
+        fleet.start_aggregator()
+        deadline = time.monotonic() + 30
+        while set(fleet.aggregator.open.received) != {"client-0", "client-1"} \
+                or late.job is None:
+            assert time.monotonic() < deadline, "round 1: client-0/1's updates not received"
+            time.sleep(0.02)
+        broker.stop()
+        gate.release(10)
+        deadline = time.monotonic() + 20
+        while late.stats["uploads"] < 1:        # queued by paho: the broker is down
+            assert time.monotonic() < deadline, "client-2 did not finish training"
+            time.sleep(0.02)
+        started = time.monotonic()
+        broker.start()
+        result = fleet.finish(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        fleet.close()
+        broker.stop()
+    first = result.history[0]
+    assert (first["closed_by"], first["updates"]) == ("all", 3), first
+    assert took < 20, f"the run took {took:.1f} s after the restart (round 1's deadline?)"
+    assert late.stats["resent"] >= 1 and late.stats["trained"] == 2
+    from edgefl.checkpoint import model_sha256
+    assert model_sha256(result.params) == reference_sha(config)

@@ -1090,14 +1090,20 @@ class Aggregator:
                 self._publish_status()        # our own will, published on shutdown
             if item.connected and not item.session_present:
                 log.warning("broker lost our session (restarted without persistence?): "
-                            "publishing status, announcement and models again")
+                            "publishing status%s again",
+                            ", and round %d under a new announcement id" % self.open.round
+                            if self.open is not None else "")
                 self._publish_status()
                 if self.open is not None:
+                    # The broker lost what it held for us with the session: update chunks
+                    # queued for us, and updates a client sent while it was back and we were
+                    # not yet (acknowledged to the client, with no subscriber to receive
+                    # them). The same announcement again would not bring them back (a
+                    # client answers an announcement id once); a new id makes the clients
+                    # that uploaded re-send their stored update (a duplicate here if it did
+                    # arrive). The round keeps its deadline.
                     self._cleared.clear()
-                    self.transport.publish(self.topics.round(), self.open.announcement, qos=1,
-                                           retain=True)
-                    for downlink in self.open.downlinks.values():
-                        self._publish_downlink(downlink)
+                    self._announce(deadline=self.open.deadline)
             elif not item.connected:
                 log.warning("broker connection lost (%s); the transport reconnects",
                             item.reason)
