@@ -387,3 +387,123 @@ def test_a_broker_that_lost_the_sessions_gets_the_round_answered_again(tmp_path)
     assert late.stats["resent"] >= 1 and late.stats["trained"] == 2
     from edgefl.checkpoint import model_sha256
     assert model_sha256(result.params) == reference_sha(config)
+
+
+def test_an_upload_cut_off_mid_chunks_completes_and_counts_once(tmp_path, proxied,
+                                                                 mosquitto_server):
+    """client-2 uploads its round-1 update in 1 KiB chunks through a slow link (every
+    update chunk held 0.3 s) and the link is cut once the aggregator holds part of it:
+    the chunks not acknowledged go out again after the reconnect (persistent session), the
+    update is completed and counted once, and the run ends with the model of an
+    uninterrupted one."""
+    from edgefl.checkpoint import model_sha256
+    from edgefl.roles import Client, ClientSettings
+    from test_roles_e2e import Fleet, reference_sha, write_config
+
+    make_proxy, _ = proxied
+    proxy = make_proxy(hold_s={("up", "update"): 0.3})
+    config = load_run_config(write_config(tmp_path, rounds=2, clients_per_round=3,
+                                          partition={"name": "iid", "clients": 3}))
+    fleet = Fleet(tmp_path, config, mosquitto_server.url, settings={"round_timeout_s": 40})
+    try:
+        fleet.start_client("client-0")
+        fleet.start_client("client-1")
+        data = fleet.run.clients[2]
+        slow = Client(ClientSettings("client-2", fleet.federation, exit_when_finished=True,
+                                     max_payload=1024),
+                      (data.x, data.y),
+                      MqttTransport(proxy.url, f"client-2-{fleet.uid}", reconnect_min=0.05,
+                                    reconnect_max=0.5, connect_timeout=5.0),
+                      tmp_path / "client-2")
+        thread = threading.Thread(target=slow.run, daemon=True)
+        thread.start()
+        fleet.threads["client-2"] = thread
+        assert slow.ready.wait(10)
+        fleet.start_aggregator()
+        agg = fleet.aggregator
+        deadline = time.monotonic() + 30
+        while agg.reassembler.pending == 0 or agg.open.round != 1:
+            assert time.monotonic() < deadline, "no partial update from client-2"
+            time.sleep(0.01)
+        assert "client-2" not in agg.open.received
+        assert proxy.sever() >= 1
+        result = fleet.finish(timeout=60)
+    finally:
+        fleet.close()
+        slow.stop.set()
+    first = result.history[0]
+    assert (first["closed_by"], first["updates"]) == ("all", 3), first
+    assert result.stats["rejected"] == 0, result.stats
+    assert slow.stats["trained"] == 2
+    assert model_sha256(result.params) == reference_sha(config)
+
+
+def test_a_crashed_broker_back_with_a_stale_retained_round_is_corrected(tmp_path):
+    """Mosquitto with the repo's config (persistence on) saves its state during round 2
+    (SIGUSR1, as an autosave would), then is killed -9 during round 3 and restarted: it
+    comes back with the sessions and with round 2's announcement retained. A client that
+    joins now, needed in round 3 and in no earlier round, must hear of round 3 without
+    waiting for the deadline: the aggregator, reconnected, puts its open round's
+    announcement back."""
+    _need_mosquitto()
+    import signal
+
+    from edgefl.strategies import select_clients
+    from test_roles_e2e import Fleet, write_config
+
+    (tmp_path / "broker").mkdir()
+    server = MosquittoProcess(tmp_path / "broker")
+    server.start()
+    config = load_run_config(write_config(tmp_path, rounds=3))      # 4 clients, 3 a round
+    picked = [select_clients(config.seed, r, range(4), 3) for r in (1, 2, 3)]
+    late = next(c for c in range(4) if c not in picked[0] + picked[1] and c in picked[2])
+    held = next(c for c in picked[0] if c in picked[1])
+    fleet = Fleet(tmp_path, config, server.url, settings={"round_timeout_s": 40})
+    try:
+        class Gate:                       # held trains round 1, then waits for open
+            def __init__(self):
+                self.rounds, self.open = 0, threading.Event()
+
+            def acquire(self):
+                self.rounds += 1
+                if self.rounds > 1:
+                    self.open.wait(60)
+
+            def release(self):
+                pass
+
+        gate = Gate()
+        for c in sorted(set(picked[0] + picked[1]) - {late}):
+            fleet.start_client(f"client-{c}", train_slots=gate if c == held else None)
+        fleet.start_aggregator()
+        agg = fleet.aggregator
+
+        def wait_round(r, updates):
+            deadline = time.monotonic() + 30
+            while agg.open is None or agg.open.round != r or len(agg.open.received) < updates:
+                assert time.monotonic() < deadline, f"round {r}: {updates} updates not in"
+                time.sleep(0.02)
+
+        wait_round(2, 2)
+        db = tmp_path / "broker" / "mosquitto.db"
+        server.proc.send_signal(signal.SIGUSR1)         # save now: round 2 retained
+        deadline = time.monotonic() + 10
+        while not (db.exists() and db.stat().st_size > 0):
+            assert time.monotonic() < deadline, "mosquitto saved no database"
+            time.sleep(0.02)
+        gate.open.set()
+        wait_round(3, 0)
+        server.proc.send_signal(signal.SIGKILL)         # a crash: round 3 not saved
+        server.proc.wait(10)
+        server.proc = None
+        server.start()
+        started = time.monotonic()
+        fleet.start_client(f"client-{late}")
+        result = fleet.finish(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        fleet.close()
+        server.stop()
+    third = result.history[2]
+    assert (third["closed_by"], third["updates"]) == ("all", 3), third
+    assert took < 20, f"round 3 took {took:.1f} s after the restart (its deadline?)"

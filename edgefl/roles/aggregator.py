@@ -1088,6 +1088,15 @@ class Aggregator:
             self._reconnected_at = time.monotonic() if item.connected else math.inf
             if item.connected and item.session_present:
                 self._publish_status()        # our own will, published on shutdown
+                if self.open is not None:
+                    # A broker killed and restarted restores its last save: our session,
+                    # and an older round's announcement retained, which a client joining
+                    # now would take for the open round. The same announcement again (its
+                    # id unchanged, so the clients that have it do nothing) puts it back;
+                    # the model is not re-sent (it can be large): a client that finds the
+                    # retained one stale asks for it (need_model).
+                    self.transport.publish(self.topics.round(), self.open.announcement, qos=1,
+                                           retain=True)
             if item.connected and not item.session_present:
                 log.warning("broker lost our session (restarted without persistence?): "
                             "publishing status%s again",
