@@ -731,6 +731,37 @@ def test_embedded_broker_prefers_mosquitto_and_configures_it():
 
 
 
+def test_a_message_over_the_brokers_packet_limit_is_named_not_just_retried(caplog):
+    """MQTT 3.1.1 has no way to say "too large": Mosquitto closes the connection of a client
+    that sends a packet over its max_packet_size, paho reconnects and sends the same message
+    again, and so on every second for as long as the node runs. The transport cannot stop
+    the broker from dropping it, but it names the cause: an error with the broker, the size
+    of the message and the setting to change, once."""
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed")
+    with EmbeddedBroker(kind="mosquitto", max_packet_bytes=64 << 10) as broker:
+        t = MqttTransport(broker.url, "oversized", clean_session=True, reconnect_min=0.1,
+                          reconnect_max=0.1, connect_timeout=5.0)
+        t.connect()
+        try:
+            with caplog.at_level(logging.WARNING, logger="edgefl.transport"):
+                t.publish("edgefl-test/oversized", b"\0" * (100 << 10))
+                deadline = time.monotonic() + 10
+                while not [r for r in caplog.records
+                           if r.name == "edgefl.transport" and r.levelno >= logging.ERROR]:
+                    assert time.monotonic() < deadline, "no error naming the packet size"
+                    time.sleep(0.05)
+                time.sleep(1.0)                 # more drops: still one error
+        finally:
+            t.kill()
+    # (paho's own "Connection reset by peer" lines are under edgefl.transport.paho)
+    errors = [r.getMessage() for r in caplog.records
+              if r.name == "edgefl.transport" and r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert f"127.0.0.1:{broker.port}" in errors[0] and "102,400 bytes" in errors[0]
+    assert "max_packet_size" in errors[0] and "max_payload" in errors[0]
+
+
 def test_edgefl_broker_refuses_a_packet_limit_below_one(capsys):
     # a negative limit reached the broker's own configuration before
     with pytest.raises(SystemExit) as exc:

@@ -49,6 +49,12 @@ __all__ = ["BrokerAddress", "MqttSettings", "MqttTransport", "parse_broker_url"]
 log = logging.getLogger("edgefl.transport")
 _paho_log = logging.getLogger("edgefl.transport.paho")
 
+# A connection lost within this many seconds of the broker accepting it, with a QoS 1
+# message unacknowledged, counts as a quick drop; _QUICK_DROPS of them in a row are named
+# as the likely cause (_on_disconnect): a message over the broker's packet limit.
+_QUICK_DROP_S = 2.0
+_QUICK_DROPS = 3
+
 _DEFAULT_PORTS = {"mqtt": 1883, "tcp": 1883, "mqtts": 8883, "ssl": 8883, "tls": 8883}
 _TLS_SCHEMES = {"mqtts", "ssl", "tls"}
 
@@ -176,11 +182,12 @@ class _PahoDelivery(Delivery):
     paho's own MQTTMessageInfo reports a QoS 1 message published while disconnected as failed
     even though paho sends it after reconnecting, so we track completion ourselves."""
 
-    __slots__ = ("_event", "qos")
+    __slots__ = ("_event", "qos", "size")
 
-    def __init__(self, qos: int):
+    def __init__(self, qos: int, size: int = 0):
         self._event = threading.Event()
         self.qos = qos
+        self.size = size
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._event.wait(timeout)
@@ -219,6 +226,8 @@ class MqttTransport(Transport):
         self._subacks: dict[int, list] = {}
         self._losses = 0                     # connections lost so far (_subscribe_now)
         self._resubscribing: dict[int, bool] = {}     # SUBACK mid -> session_present
+        self._up_since = 0.0                 # time.monotonic() of the last CONNACK
+        self._quick_drops = 0                # connections lost right after it, in a row
         # paho's own log, under edgefl.transport.paho, muted while we tear the connection
         # down on purpose (paho 2.2 then logs socket errors and "Client is not connected").
         self._paho_logger = logging.Logger(f"{_paho_log.name}.{client_id}")
@@ -467,6 +476,7 @@ class MqttTransport(Transport):
             return
         max_packet = getattr(properties, "MaximumPacketSize", None) if properties else None
         self._server_max_packet = int(max_packet) if max_packet else None
+        self._up_since = time.monotonic()
         with self._state_lock:
             self._connected = True
             wanted = list(self._subscriptions.items())
@@ -502,7 +512,29 @@ class MqttTransport(Transport):
         if not self._closing and was_connected:
             log.warning("MQTT connection of %r to %s lost (%s); reconnecting with backoff",
                         self.client_id, self.address, reason_code)
+            self._note_quick_drop()
             self._emit(DISCONNECTED, f"connection lost ({reason_code})")
+
+    def _note_quick_drop(self) -> None:
+        """A broker closes the connection of a client that sends a packet over its limit
+        (Mosquitto's max_packet_size), under MQTT 3.1.1 without saying why; paho sends the
+        same message again after reconnecting, and the node flaps for as long as it runs,
+        its Last Will fired each time. Losing the connection right after CONNACK a few times
+        in a row with a QoS 1 message unacknowledged is named, once per episode."""
+        with self._flow:
+            largest = max((d.size for d in self._deliveries.values() if d.qos), default=0)
+        if largest == 0 or time.monotonic() - self._up_since > _QUICK_DROP_S:
+            self._quick_drops = 0
+            return
+        self._quick_drops += 1
+        if self._quick_drops == _QUICK_DROPS:
+            log.error("MQTT broker %s dropped the connection of %r %d times in a row right "
+                      "after accepting it, with a message of %s bytes unacknowledged: probably "
+                      "over the broker's maximum packet size (Mosquitto: max_packet_size), "
+                      "which an MQTT %s broker enforces by disconnecting without a reason; "
+                      "set max_payload (transport.chunk_size) below it, or raise the broker's "
+                      "limit", self.address, self.client_id, _QUICK_DROPS, f"{largest:,}",
+                      self.settings.protocol)
 
     def _on_message(self, client, userdata, msg) -> None:
         try:
@@ -573,7 +605,7 @@ class MqttTransport(Transport):
         if qos > 0:
             self._reserve_slot(topic)
         info = client.publish(topic, data, qos=qos, retain=retain, properties=properties)
-        delivery = _PahoDelivery(qos)
+        delivery = _PahoDelivery(qos, len(data))
         failed = info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN)
         with self._flow:
             if info.mid in self._early_acks:
