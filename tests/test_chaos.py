@@ -507,3 +507,45 @@ def test_a_crashed_broker_back_with_a_stale_retained_round_is_corrected(tmp_path
     third = result.history[2]
     assert (third["closed_by"], third["updates"]) == ("all", 3), third
     assert took < 20, f"round 3 took {took:.1f} s after the restart (its deadline?)"
+
+
+def test_no_announcements_pile_up_while_the_broker_is_away(tmp_path):
+    """Round 1 has a 0.5 s deadline and no update (its clients held), and Mosquitto is
+    down for 4 s. Announcing the round again at each deadline while disconnected only
+    queues another announcement and model behind the last, each under a new id, for as
+    long as the broker is away (and every client that uploaded then re-sends its update
+    once per id, past its chunk budget). None is made while the connection is down; after
+    the restart the round is announced again and finishes."""
+    _need_mosquitto()
+    from test_roles_e2e import Fleet, write_config
+
+    (tmp_path / "broker").mkdir()
+    server = MosquittoProcess(tmp_path / "broker")
+    server.start()
+    config = load_run_config(write_config(tmp_path, rounds=1, clients_per_round=2,
+                                          partition={"name": "iid", "clients": 2}))
+    fleet = Fleet(tmp_path, config, server.url, settings={"round_timeout_s": 0.5})
+    try:
+        gate = threading.Semaphore(0)
+        fleet.start_client("client-0", train_slots=gate)
+        fleet.start_client("client-1", train_slots=gate)
+        fleet.start_aggregator()
+        agg = fleet.aggregator
+        deadline = time.monotonic() + 10
+        while agg.transport.connected:
+            if time.monotonic() > deadline:
+                pytest.fail("the aggregator never saw a connection to stop")
+            if agg.open.counts["announcements"] >= 2:
+                server.stop()
+            time.sleep(0.01)
+        before = agg.open.counts["announcements"]
+        time.sleep(4)
+        during = agg.open.counts["announcements"] - before
+        server.start()
+        gate.release(10)
+        result = fleet.finish(timeout=30)
+    finally:
+        fleet.close()
+        server.stop()
+    assert during == 0, f"{during} announcements made while the broker was down"
+    assert result.history[0]["updates"] == 2

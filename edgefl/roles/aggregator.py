@@ -1050,9 +1050,15 @@ class Aggregator:
             if self.stop.is_set():
                 return None
             now = time.time()
-            if now >= o.deadline:
-                if len(o.received) >= min(s.min_updates, len(o.uploaders)):
-                    return "deadline"
+            overdue = now >= o.deadline
+            if overdue and len(o.received) >= min(s.min_updates, len(o.uploaders)):
+                return "deadline"
+            # Not while the broker is away: each announcement then only waits in the
+            # transport's queue behind the last, under a new id, one per deadline for as
+            # long as the outage lasts (and each makes every client that uploaded re-send
+            # its update, past its chunk budget). The first deadline after the reconnect
+            # announces it once.
+            if overdue and self.transport.connected:
                 log.warning("round %d: %d update(s) by the deadline, %d needed; announcing it "
                             "again with a new deadline", o.round, len(o.received),
                             min(s.min_updates, len(o.uploaders)))
@@ -1060,7 +1066,7 @@ class Aggregator:
                 continue
             # while the last round's evaluation runs, look again soon: its report (the
             # progress line, on_round) is due once it is done, not at the next commit
-            wait = min(s.poll_s, o.deadline - now,
+            wait = min(s.poll_s, math.inf if overdue else o.deadline - now,
                        _EVALUATION_POLL_S if self._evaluating is not None else math.inf)
             item = self.transport.receive(timeout=max(0.0, wait))
             while item is not None:
@@ -1110,9 +1116,10 @@ class Aggregator:
                     # them). The same announcement again would not bring them back (a
                     # client answers an announcement id once); a new id makes the clients
                     # that uploaded re-send their stored update (a duplicate here if it did
-                    # arrive). The round keeps its deadline.
+                    # arrive). The round keeps its deadline, unless that has passed.
                     self._cleared.clear()
-                    self._announce(deadline=self.open.deadline)
+                    self._announce(deadline=self.open.deadline
+                                   if self.open.deadline > time.time() else None)
             elif not item.connected:
                 log.warning("broker connection lost (%s); the transport reconnects",
                             item.reason)
