@@ -451,13 +451,13 @@ def test_a_crashed_broker_back_with_a_stale_retained_round_is_corrected(tmp_path
     from edgefl.strategies import select_clients
     from test_roles_e2e import Fleet, write_config
 
-    (tmp_path / "broker").mkdir()
-    server = MosquittoProcess(tmp_path / "broker")
-    server.start()
     config = load_run_config(write_config(tmp_path, rounds=3))      # 4 clients, 3 a round
     picked = [select_clients(config.seed, r, range(4), 3) for r in (1, 2, 3)]
     late = next(c for c in range(4) if c not in picked[0] + picked[1] and c in picked[2])
     held = next(c for c in picked[0] if c in picked[1])
+    (tmp_path / "broker").mkdir()
+    server = MosquittoProcess(tmp_path / "broker")
+    server.start()
     fleet = Fleet(tmp_path, config, server.url, settings={"round_timeout_s": 40})
     try:
         class Gate:                       # held trains round 1, then waits for open
