@@ -221,7 +221,8 @@ def _mqtt_transport(config, client_id: str, **options):
         username = broker["control_username"]
         password_file = broker.get("control_password_file")
     transport = MqttTransport(broker["url"], client_id, username=username,
-                              password_file=password_file, **{**tls, **options})
+                              password_file=password_file,
+                              **{"keepalive": broker["keepalive"], **tls, **options})
     transport.set_queue_limits(config["limits.queue_messages"], config.mib("limits.queue_mb"))
     return transport
 

@@ -69,6 +69,9 @@ KEYS = {k.name: k for k in (
         nullable=True),
     Key("broker.cert_file", "path", "client certificate (mutual TLS)", _MQTT, nullable=True),
     Key("broker.key_file", "path", "client certificate's private key", _MQTT, nullable=True),
+    Key("broker.keepalive", "int", "seconds between MQTT keepalive pings; a node whose link "
+        "dies without closing its socket is seen offline 1.5x this later", _MQTT, minimum=5,
+        maximum=65535),
     # Signatures (docs/security.md): every key null (the default) leaves them off.
     Key("keys.signing_key", "path", "this node's Ed25519 private key (edgefl keys gen): the "
         "aggregator signs announcements, models and ONNX files with it, a board its updates "
