@@ -37,6 +37,15 @@ def find_chromium() -> str | None:
     return None
 
 
+def _above_9(fd: int) -> int:
+    """`fd` moved to the lowest free descriptor above 9 (the original closed)."""
+    import fcntl
+
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD, 10)
+    os.close(fd)
+    return moved
+
+
 class BrowserError(RuntimeError):
     pass
 
@@ -51,6 +60,9 @@ class Browser:
         self.width, self.height = width, height
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
+        # the browser's ends moved above 9: one that was fd 3 or 4 itself (a process with
+        # few files open) would be closed by the redirects below after becoming 3 or 4
+        to_browser_r, from_browser_w = (_above_9(fd) for fd in (to_browser_r, from_browser_w))
         args = ["--headless", "--remote-debugging-pipe", "--disable-gpu", "--no-first-run",
                 "--no-default-browser-check", "--disable-extensions", "--mute-audio",
                 "--disable-background-networking", "--disable-component-update",

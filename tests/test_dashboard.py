@@ -507,3 +507,22 @@ def test_server_on_ipv6_loopback():
         conn.request("GET", "/state")
         assert conn.getresponse().status == 200
         conn.close()
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
+                    "package chromium)")
+def test_the_browser_starts_from_a_process_with_few_files_open(tmp_path):
+    # tests/browser.py hands the browser its pipe as fds 3 and 4; in a process with no other
+    # files open the pipe's own ends were 3 and 4, and the redirects closed one of them
+    # ("Remote debugging pipe file descriptors are not open"): any script outside pytest
+    probe = ("import os, sys\n"
+             "os.closerange(3, 256)\n"
+             f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+             "from pathlib import Path\n"
+             "from browser import Browser\n"
+             "b = Browser(Path(sys.argv[1]))\n"
+             "print(b.open('about:blank').evaluate('6 * 7'))\n"
+             "b.close()\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip() == "42", done.stdout + done.stderr
