@@ -1448,3 +1448,26 @@ def test_a_stop_acknowledged_before_a_kill_is_carried_out_by_the_restarted_servi
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_a_stop_whose_mark_cannot_be_written_still_stops_the_run(tmp_path, monkeypatch):
+    """The stop mark in the run's record guards against a crash before the stop is carried
+    out; it must not be a condition of the stop. A full disk (a run's checkpoints fill it)
+    made `_save` raise before the run's stop was set: `ctl stop` answered an OSError and the
+    run trained on."""
+    from edgefl.roles.control import Command, RunControl
+
+    daemon = Daemon(DaemonSettings(), str(tmp_path), transport_factory=None)
+    record = {"id": "r", "state": "running", "config": {"rounds": 5}}
+    control = RunControl("r")
+    daemon.records["r"] = record
+    daemon.active = (record, control)
+
+    def full(_record):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(daemon.store, "save", full)
+    result = daemon._cmd_stop(Command("stop"))
+    assert control.stop_requested.is_set()
+    assert result["state"] == "stopping"
+    assert "could not be written" in result["note"] and "No space left" in result["note"]

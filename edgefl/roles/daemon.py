@@ -896,13 +896,21 @@ class Daemon:
         # its record `stopped`) comes later, and a service killed in between (kill -9, power
         # loss) would otherwise resume, and train on, a run the operator was told is
         # stopping. A restart finds the mark and ends the run instead (_execute).
-        with self._lock:
-            record["stop_requested"] = time.time()
-            self._save(record)
+        note = ("the checkpoint of the last aggregated round stands; model.onnx is exported "
+                "from it (event run_stopped)")
+        try:
+            with self._lock:
+                record["stop_requested"] = time.time()
+                self._save(record)
+        except OSError as exc:
+            # The mark is a guard against a crash, not a condition of the stop: a disk that
+            # is full (a run's checkpoints are what fills it) must not keep the operator
+            # from stopping the run.
+            log.error("run %s: its stop is not on disk (%s): a restart of the service before "
+                      "the run has ended would resume it", record["id"], exc)
+            note += f"; the stop could not be written to the run's record ({exc})"
         control.stop_requested.set()
-        return {"run": record["id"], "state": "stopping",
-                "note": "the checkpoint of the last aggregated round stands; model.onnx is "
-                        "exported from it (event run_stopped)"}
+        return {"run": record["id"], "state": "stopping", "note": note}
 
     def _cmd_export(self, command) -> dict:
         wanted = command.run
