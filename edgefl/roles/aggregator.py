@@ -1116,10 +1116,13 @@ class Aggregator:
                     # them). The same announcement again would not bring them back (a
                     # client answers an announcement id once); a new id makes the clients
                     # that uploaded re-send their stored update (a duplicate here if it did
-                    # arrive). The round keeps its deadline, unless that has passed.
+                    # arrive). The round keeps its deadline, unless that has passed. Not
+                    # while paused: the resume announces it again anyway, and moves the
+                    # deadline by the paused time, which it would add to a fresh one.
                     self._cleared.clear()
-                    self._announce(deadline=self.open.deadline
-                                   if self.open.deadline > time.time() else None)
+                    if not self._paused():
+                        self._announce(deadline=self.open.deadline
+                                       if self.open.deadline > time.time() else None)
             elif not item.connected:
                 log.warning("broker connection lost (%s); the transport reconnects",
                             item.reason)
@@ -1331,13 +1334,19 @@ class Aggregator:
         (nothing is unmasked) and the round is announced again: a new attempt with fresh
         keys. Returns "secure" once the sum is unmasked, None when stopped."""
         o, s = self.open, self.settings
-        phase_deadline = o.deadline
+        phase_deadline, attempt = o.deadline, o.secure
         while True:
             if self.notifier is not None:
                 self.notifier.beat()
             if self.stop.is_set():
                 return None
             server = o.secure
+            if server is not attempt:
+                # a new attempt started under us (the round announced again by _handle: the
+                # broker lost our session): its first phase has the announcement's deadline,
+                # not what was left of the old attempt's phase (which may have passed, and
+                # would fail the new attempt before any board could answer)
+                phase_deadline, attempt = o.deadline, server
             waiting, book = self._secure_waiting(server)
             now, mono = time.time(), time.monotonic()
             # stop waiting for offline clients (their Last Will, offline_grace_s ago; not
@@ -1358,7 +1367,7 @@ class Aggregator:
                     self._event("secure_round_failed", round=o.round, phase=phase,
                                 reason=str(exc))
                     self._announce()
-                    phase_deadline = o.deadline
+                    phase_deadline, attempt = o.deadline, o.secure
                     continue
                 log.info("round %d: secure phase %r closed (%d of %d answered)", o.round,
                          phase, len(book), len(book) + len(waiting))

@@ -445,6 +445,10 @@ class Daemon:
             log.exception("run %s failed", record["id"])
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError)) \
                 else str(exc)
+        # the rounds done and accuracy as the run ends: a failed run, or a stopped one whose
+        # export fails, would otherwise keep a pause's figures (a finished or exported run's
+        # own replace them below)
+        record.update(self._progress(control))
         with self._lock:
             self.active = None
         self.executed.append(record["id"])
@@ -947,7 +951,10 @@ class Daemon:
                 return
             record.update(self._progress(control))
             self._save(record)
-        self._publish_record(record)
+            # published under the lock: this runs on the aggregator's thread, and a resume
+            # on the control thread (which changes the state under the lock) must not
+            # publish `running` before this copy's `paused` lands after it
+            self._publish_record(record)
 
     @staticmethod
     def _progress(control: RunControl) -> dict:

@@ -521,6 +521,8 @@ class MqttTransport(Transport):
         same message again after reconnecting, and the node flaps for as long as it runs,
         its Last Will fired each time. Losing the connection right after CONNACK a few times
         in a row with a QoS 1 message unacknowledged is named, once per episode."""
+        if self.settings.protocol != "3.1.1":
+            return              # an MQTT 5 broker refuses such a packet with a reason code
         with self._flow:
             largest = max((d.size for d in self._deliveries.values() if d.qos), default=0)
         if largest == 0 or time.monotonic() - self._up_since > _QUICK_DROP_S:
@@ -531,10 +533,11 @@ class MqttTransport(Transport):
             log.error("MQTT broker %s dropped the connection of %r %d times in a row right "
                       "after accepting it, with a message of %s bytes unacknowledged: probably "
                       "over the broker's maximum packet size (Mosquitto: max_packet_size), "
-                      "which an MQTT %s broker enforces by disconnecting without a reason; "
+                      "which an MQTT 3.1.1 broker enforces by disconnecting without a reason: "
                       "set max_payload (transport.chunk_size) below it, or raise the broker's "
-                      "limit", self.address, self.client_id, _QUICK_DROPS, f"{largest:,}",
-                      self.settings.protocol)
+                      "limit (else: another client connected under the same id, each taking "
+                      "the session from the other)", self.address, self.client_id,
+                      _QUICK_DROPS, f"{largest:,}")
 
     def _on_message(self, client, userdata, msg) -> None:
         try:
