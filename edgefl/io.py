@@ -8,6 +8,10 @@ part; a write that fails leaves the old file as it was and no temporary file beh
 `atomic_write_all` replaces files that belong together (a private key and its .pub): all
 are written before any is renamed.
 
+`lock_exclusive` is the one way a process claims a file or directory against other
+processes (a role's state directory, the data cache's writer): an flock, which the kernel
+lets go when the holder dies, however it dies.
+
 `jsonable` is the one conversion to plain JSON types: NumPy scalars and arrays become
 Python numbers and lists, tuples lists, mapping keys strings, and NaN/inf null (JSON has no
 NaN). `write_json` is the two together.
@@ -18,17 +22,20 @@ NaN). `write_json` is the two together.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Callable, Iterable, Union
 
 import numpy as np
 
 __all__ = ["atomic_write", "atomic_write_all", "fsync_directory", "jsonable",
-           "replace_atomic", "write_json"]
+           "lock_exclusive", "replace_atomic", "write_json"]
 
 Content = Union[bytes, bytearray, memoryview, str, Callable]
 
@@ -128,6 +135,28 @@ def fsync_directory(directory: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def lock_exclusive(fd: int, wait_s: float = 0.0, poll_s: float = 0.05) -> str:
+    """An exclusive flock on the open file or directory `fd`, waiting up to `wait_s` for
+    another process to let go. Returns "locked" (at once), "waited" (locked after waiting),
+    "busy" (still held by another process after wait_s) or "unsupported" (a file system
+    without flock, some network ones: the caller goes on unlocked, as before locks were)."""
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return "waited" if waited else "locked"
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return "busy"
+            waited = True
+            time.sleep(poll_s)
+        except OSError as exc:
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return "unsupported"
+            raise
 
 
 def jsonable(x, nonfinite=None):

@@ -169,3 +169,41 @@ def test_write_json_writes_sanitised_json_with_a_final_newline(tmp_path, fsynced
     text = path.read_text()
     assert text == '{\n  "accuracy": 0.25,\n  "loss": null\n}\n'
     assert fsynced[-1] == str(tmp_path)
+
+
+def test_lock_exclusive_is_held_against_other_processes_until_the_holder_lets_go(tmp_path):
+    """One process holds the lock (as a role holds its state directory); another finds it
+    busy, or waits for it, and gets it once the holder exits, killed included."""
+    import subprocess
+    import sys
+
+    from edgefl.io import lock_exclusive
+
+    path = tmp_path / "d.lock"
+    path.touch()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\n"
+         "f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "print('held', flush=True); time.sleep(float(sys.argv[2]))\n", str(path), "1.0"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert lock_exclusive(fd) == "busy"
+        assert lock_exclusive(fd, wait_s=30) == "waited"     # the holder exits after 1 s
+    finally:
+        os.close(fd)
+        holder.wait(10)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\n"
+         "f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "print('held', flush=True); time.sleep(60)\n", str(path)],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    holder.kill()
+    holder.wait(10)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert lock_exclusive(fd) == "locked"
+    finally:
+        os.close(fd)

@@ -30,7 +30,6 @@ why that is as safe as hashing it).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import glob
 import hashlib
 import json
@@ -41,7 +40,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..io import atomic_write
+from ..io import atomic_write, lock_exclusive
 
 log = logging.getLogger("edgefl.data.cache")
 
@@ -138,21 +137,15 @@ class _Writing:
             self.fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:
             return self
-        deadline = time.monotonic() + WRITER_WAIT_S
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self.held = True
-                return self
-            except BlockingIOError:
-                self.waited = True
-                if time.monotonic() > deadline:
-                    log.info("data cache %s: another process has been writing for over %.0f s; "
-                             "decoding without waiting", self.directory, WRITER_WAIT_S)
-                    return self
-                time.sleep(0.05)
-            except OSError:        # no flock here: write as before, unlocked
-                return self
+        try:
+            claim = lock_exclusive(self.fd, WRITER_WAIT_S)
+        except OSError:            # no flock here: write as before, unlocked
+            return self
+        self.held, self.waited = claim in ("locked", "waited"), claim in ("waited", "busy")
+        if claim == "busy":
+            log.info("data cache %s: another process has been writing for over %.0f s; "
+                     "decoding without waiting", self.directory, WRITER_WAIT_S)
+        return self
 
     def remove_orphans(self) -> None:
         """The temporary data files (atomic_write's .<name>.npz.<random>.tmp) of writers

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
+import logging
 import math
 import os
 import zipfile
@@ -41,6 +41,8 @@ __all__ = ["StateError", "StateWriteError", "atomic_write", "overwrite_in_place"
            "untag_floats", "AggregatorCheckpoint", "hold_state_dir",
            "ClientProgress", "CHECKPOINT_FILE", "HISTORY_FILE", "JOURNAL_FILE", "PROGRESS_FILE",
            "UPLOAD_FILE"]
+
+log = logging.getLogger("edgefl.roles.state")
 
 CHECKPOINT_FILE = "aggregator.npz"
 HISTORY_FILE = "history.jsonl"
@@ -150,17 +152,20 @@ def hold_state_dir(directory: str | os.PathLike, role: str):
     path = os.path.join(directory, f"{role}.lock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        claim = io.lock_exclusive(fd)
+        if claim == "busy":
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
             raise StateError(
                 f"{directory}: the state directory is in use by another edgefl {role} "
                 f"({holder or 'its process id not yet written'}; {path}): two would overwrite "
                 f"each other's state; stop that one, or give this one a state_dir of its "
-                f"own") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"process {os.getpid()}\n".encode(), 0)
+                f"own")
+        if claim == "unsupported":
+            log.warning("%s: this file system has no file locks; nothing stops a second "
+                        "edgefl %s on this state directory", directory, role)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"process {os.getpid()}\n".encode(), 0)
         yield path
     finally:
         os.close(fd)          # (lets the lock go)
