@@ -196,14 +196,18 @@ def _loaders(tmp_path, cache, modes):
     import sys
     script = tmp_path / "loader.py"
     script.write_text(_LOADER)
-    env = {**os.environ, "EDGEFL_CACHE_DIR": str(cache),
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
-               os.path.abspath(__file__))), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "EDGEFL_CACHE_DIR": str(cache)}     # (conftest: this checkout)
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "mnist"),
                                str(tmp_path / "decodes"), mode], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for mode in modes]
-    return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    try:
+        return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    finally:
+        for p in procs:               # a loader that hung is not left running
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
 
 
 def test_processes_that_start_together_decode_once_and_read_one_whole_file(cache, tmp_path):
