@@ -366,6 +366,13 @@ def test_stop_leaves_a_valid_checkpoint_and_an_exported_model(fleet):
     assert predictor.metadata.get("round") in (str(ckpt.round), ckpt.round)
     record = json.loads((run_dir / "run.json").read_text())
     assert record["state"] == "stopped" and record["model_onnx"] == str(run_dir / "model.onnx")
+    # summary.json of the rounds done, as simulate writes for a stopped run: `edgefl compare`
+    # refused the run ("no summary.json ... did not finish")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rounds"] == ckpt.round and summary["stopped"]["reason"] == "stop_requested"
+    assert summary["stopped"]["rounds_done"] == ckpt.round
+    from edgefl.cli import main as cli_main
+    assert cli_main(["compare", str(run_dir)]) == 0
     # stopped means stopped: nothing to resume or pause, and the daemon waits for runs
     reply = f.control().request({"cmd": "resume"})
     assert not reply["ok"] and reply["error"] == "resume: no run is active (waiting for a run)"

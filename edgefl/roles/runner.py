@@ -10,11 +10,11 @@ import logging
 import os
 import sys
 
-from ..errors import ConfigError, TrainingStopped
-from ..io import atomic_write, jsonable
+from ..errors import ConfigError, RunStopped, TrainingStopped
+from ..io import atomic_write, jsonable, write_json
 from ..kernels import StopFlag
 from ..runconfig import RunConfig
-from ..runs.outputs import RoundExporter, run_summary, write_outputs
+from ..runs.outputs import RoundExporter, run_summary, stopped_summary, write_outputs
 from ..runs.prepare import RunResult, prepare_run
 from ..strategies import get_strategy
 from ..virtual_fleet import refuse_over_broker
@@ -105,6 +105,15 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                                             control=control)   # control: roles/daemon.py
     result = aggregator.run()
     if not result.finished:
+        if control is not None and control.stop_requested.is_set() and out_dir is not None:
+            # the operator's stop ends the run for good (an interrupted service resumes it):
+            # summary.json of the rounds done, as simulate writes for a stopped run, so that
+            # `edgefl compare` and `export` read it like any other run's
+            stopped = RunStopped(len(result.history) + 1,
+                                 RunResult(result.state, {}, result.history, result.params),
+                                 config.rounds)
+            write_json(os.path.join(out_dir, "summary.json"),
+                       stopped_summary(config, run.model, stopped, workers or 1), indent=2)
         return None
     run_result = RunResult(result.state, {}, result.history, result.params, result.stopped)
     summary = run_summary(config, run.model, run_result, workers or 1)
