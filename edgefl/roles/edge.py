@@ -358,7 +358,8 @@ class EdgeAggregator(Aggregator):
         return os.path.join(self.state_dir, EDGE_JOURNAL)
 
     def _stored_partial(self) -> tuple | None:
-        """(run, round, frame bytes) of the stored partial aggregate, or None."""
+        """(run, round, frame bytes, decoded frame) of the stored partial aggregate, or
+        None."""
         try:
             with open(self.partial_path, "rb") as fh:
                 data = fh.read()
@@ -370,9 +371,9 @@ class EdgeAggregator(Aggregator):
         except wire.FrameError as exc:
             raise StateError(f"{self.partial_path}: not this edge's partial aggregate: "
                              f"{exc.reason}; remove it to start over") from None
-        return frame.scalars.get("run"), frame.round, data
+        return frame.scalars.get("run"), frame.round, data, frame
 
-    def _journal_stored(self, run: str, r: int, data: bytes) -> None:
+    def _journal_stored(self, run: str, r: int, frame) -> None:
         """A crash between storing the partial aggregate and journalling it leaves a round
         forwarded (or about to be: the restart re-sends it) that edge.jsonl does not list:
         append its line now, marked recovered, from the stored frame, so the journal lists
@@ -380,8 +381,6 @@ class EdgeAggregator(Aggregator):
         if any(rec.get("event") == "forwarded" and rec.get("run") == run
                and rec.get("round") == r for rec in read_journal(self.edge_journal)):
             return
-        frame = wire.decode(data, wire.Expectation(self.table, kinds="update",
-                                                   topic_sender=self.edge_id))
         edge = (frame.scalars.get("strategy") or {}).get("edge") or {}
         append_journal(self.edge_journal, {
             "event": "forwarded", "run": run, "round": r, "clients": edge.get("clients"),
@@ -394,7 +393,7 @@ class EdgeAggregator(Aggregator):
         stored = self._stored_partial()
         if stored is not None:
             self.ckpt = _EdgeState(stored[0], stored[1])
-            self._journal_stored(*stored)
+            self._journal_stored(stored[0], stored[1], stored[3])
         self._connect()
         t = self.transport
         for topic in (self.up.round(), self.up.model(), self.up.client_model(self.edge_id)):
