@@ -526,3 +526,32 @@ def test_the_browser_starts_from_a_process_with_few_files_open(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True,
                           text=True, timeout=120)
     assert done.stdout.strip() == "42", done.stdout + done.stderr
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
+                    "package chromium)")
+def test_curves_leave_a_gap_for_rounds_the_page_never_saw_close(tmp_path):
+    """After a broker outage the page has no round_closed event for the rounds that closed
+    meanwhile (events are not retained): their curves were one straight line across the
+    gap, drawn as if measured. Each stretch of rounds seen closing is a line of its own; a
+    run evaluated every other round, every round seen, is still one line."""
+    topics = Topics("lab")
+    for rounds, evaluated, lines in ((list(range(1, 4)) + list(range(7, 10)), None, 2),
+                                     (list(range(1, 7)), {2, 4, 6}, 1)):
+        view = FleetView(topics, broker="127.0.0.1:1883")
+        view.apply(_message(topics, "runs", "r1", {"id": "r1", "state": "running",
+                                                   "rounds": 9}, retain=True))
+        for r in rounds:
+            acc = 0.5 + r / 100 if evaluated is None or r in evaluated else None
+            view.apply(_message(topics, "events", doc={
+                "event": "round_closed", "run": "r1", "round": r, "test_accuracy": acc,
+                "test_loss": None if acc is None else 1.0 - acc, "train_loss": 1.0 / r}))
+        with DashboardServer(view, "127.0.0.1", 0) as server, Browser(tmp_path) as browser:
+            page = browser.open(f"http://127.0.0.1:{server.port}/")
+            n_points = len([r for r in rounds if evaluated is None or r in evaluated])
+            wait_for(lambda: page.evaluate(DOM["accuracy"]) == n_points, timeout=30,
+                     what="the accuracy points")
+            assert page.evaluate(
+                "document.querySelectorAll('#chart-accuracy polyline.line').length") == lines
+            assert page.evaluate(
+                "document.querySelectorAll('#chart-loss polyline.line').length") == lines

@@ -245,8 +245,15 @@
     box.appendChild(svg("text", { x: W - M.right, y: H - 2, "text-anchor": "end" }, "round"));
     for (const s of series) {
       const pts = s.points.slice().sort((a, b) => a.round - b.round);
-      if (s.line && pts.length > 1) {
-        box.appendChild(svg("polyline", { class: `line ${s.cls}`, points: pts.map((p) => `${x(p.round)},${y(p.value)}`).join(" ") }));
+      if (s.line) {
+        // one line per stretch of rounds the page saw close: rounds it missed (the broker
+        // or this page away; events are not retained) leave a gap, not a straight line
+        // drawn across them as if measured (options.closed: the rounds seen closing)
+        for (const part of stretches(pts, options.closed)) {
+          if (part.length > 1) {
+            box.appendChild(svg("polyline", { class: `line ${s.cls}`, points: part.map((p) => `${x(p.round)},${y(p.value)}`).join(" ") }));
+          }
+        }
       }
       for (const p of pts) {
         const dot = svg("circle", { class: `point ${s.cls}`, cx: x(p.round), cy: y(p.value), r: 3.5, "data-round": p.round });
@@ -254,6 +261,23 @@
         box.appendChild(dot);
       }
     }
+  }
+
+  function stretches(pts, closed) {
+    // pts (sorted by round) cut wherever a round between two of them was not seen closing
+    const parts = [];
+    let part = [];
+    for (const p of pts) {
+      if (part.length && closed) {
+        const prev = part[part.length - 1].round;
+        for (let r = prev + 1; r < p.round; r++) {
+          if (!closed.has(r)) { parts.push(part); part = []; break; }
+        }
+      }
+      part.push(p);
+    }
+    if (part.length) parts.push(part);
+    return parts;
   }
 
   function series(run, key) {
@@ -268,13 +292,14 @@
     $("curve-run").textContent = run ? `run ${run}${record ? ` (${record.state})` : ""}` : "";
     $("curves-section").dataset.run = run || "";
     const rounds = record && record.rounds;
+    const closed = run && view.points.has(run) ? new Set(view.points.get(run).keys()) : null;
     const empty = run ? "no round evaluated yet" : "no run yet";
     chart("chart-accuracy", [{ cls: "accuracy", label: "test accuracy", line: true, points: run ? series(run, "test_accuracy") : [] }],
-      { rounds, digits: 2, empty, range: () => [0, 1] });
+      { rounds, digits: 2, empty, closed, range: () => [0, 1] });
     chart("chart-loss", [
       { cls: "train-loss", label: "train loss", line: true, points: run ? series(run, "train_loss") : [] },
       { cls: "test-loss", label: "test loss", line: false, points: run ? series(run, "test_loss") : [] },
-    ], { rounds, digits: 2, empty: run ? "no round closed yet" : "no run yet",
+    ], { rounds, digits: 2, closed, empty: run ? "no round closed yet" : "no run yet",
       range: (values) => [0, Math.max(...values) * 1.1 || 1] });
   }
 
