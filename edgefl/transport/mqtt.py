@@ -424,7 +424,12 @@ class MqttTransport(Transport):
             self._flow.notify_all()
 
     def _paho_log_filter(self, record: logging.LogRecord) -> bool:
-        return not (self._closing or self._refusal is not None)
+        if self._closing or self._refusal is not None:
+            return False
+        # paho's loop logs "Client is not connected. Socket: None)" at every pass while it
+        # reconnects (a line a second, at error level); _on_disconnect said the connection
+        # was lost and is retried with backoff, which is all there is to say
+        return self._connected or not record.getMessage().startswith("Client is not connected")
 
     def _credentials(self) -> tuple[str | None, str | None]:
         s = self.settings
