@@ -100,6 +100,12 @@ def check_array(name: str, a, dtype, *, size: int | None = None, ndim: int | Non
     if not flags.c_contiguous:
         raise KernelError(f"{name}: array is not C-contiguous (strides {a.strides}); "
                           f"pass np.ascontiguousarray({name})")
+    if not flags.aligned:
+        # the C kernels read it through typed pointers: undefined behaviour, and a fault
+        # where the CPU wants aligned vector loads (armhf NEON)
+        raise KernelError(f"{name}: array is not aligned for {want.name} (data at byte "
+                          f"{a.ctypes.data % want.alignment} of {want.alignment}); pass a "
+                          f"copy, np.array({name})")
     if writable and not flags.writeable:
         raise KernelError(f"{name}: array is read-only but the kernel writes into it")
     if ndim is not None and a.ndim != ndim:
@@ -678,7 +684,7 @@ def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, g
     # these tests, which are check_array's, without its call; anything else gets its message
     if not (type(params) is np.ndarray and params.dtype is _F32
             and params.size == model.n_params and (flags := params.flags).c_contiguous
-            and flags.writeable):
+            and flags.writeable and flags.aligned):
         _check_params(model, params, writable=True)
     if cfg.get("momentum", 0.0) and momentum is None:
         raise KernelError("momentum: a momentum buffer is required when momentum > 0")

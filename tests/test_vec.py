@@ -235,6 +235,34 @@ def test_first_nonfinite_checks_its_argument():
     assert kernels.first_nonfinite(np.array([[1, 2], [3, np.inf]], np.float32)) == 3
 
 
+def _misaligned(n, dtype):
+    """n elements of `dtype` starting one byte into an allocation: a view NumPy accepts
+    (C-contiguous, writable) whose data pointer is not aligned for the type."""
+    a = np.zeros(n * np.dtype(dtype).itemsize + 1, np.uint8)[1:].view(dtype)
+    assert not a.flags.aligned
+    return a
+
+
+@pytest.mark.parametrize("impl", [pytest.param(_core, marks=needs_core, id="c"),
+                                  pytest.param(reference, id="numpy")])
+def test_misaligned_buffers_are_refused_naming_the_argument(impl):
+    """The C kernels read float32/uint64 through typed pointers: a buffer not aligned for its
+    type is undefined behaviour there (UBSan reports it; an armhf NEON load may fault), so
+    edgefl.kernels refuses it before either backend runs, as it does a strided one."""
+    with backend(impl):
+        with pytest.raises(KernelError, match=r"x: array is not aligned for float32"):
+            kernels.axpy(np.zeros(9, np.float32), _misaligned(9, np.float32), 1.0)
+        with pytest.raises(KernelError, match=r"y: array is not aligned for float32"):
+            kernels.axpy(_misaligned(9, np.float32), np.zeros(9, np.float32), 1.0)
+        with pytest.raises(KernelError, match=r"xs\[1\]: array is not aligned"):
+            kernels.median(np.zeros(9, np.float32), [np.zeros(9, np.float32),
+                                                      _misaligned(9, np.float32)])
+        with pytest.raises(KernelError, match=r"h: array is not aligned for uint16"):
+            kernels.f16_to_f32(np.zeros(9, np.float32), _misaligned(9, np.uint16))
+        with pytest.raises(KernelError, match=r"m: array is not aligned for uint64"):
+            kernels.ring_add(np.zeros(9, np.uint64), _misaligned(9, np.uint64))
+
+
 def _robust_inputs(rng, k, n, ties):
     if ties:  # many equal values per coordinate
         return [rng.integers(-3, 4, n).astype(np.float32) for _ in range(k)]
