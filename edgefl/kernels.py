@@ -201,6 +201,10 @@ def trimmed_mean(out: np.ndarray, xs, trim: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 
 RING_DTYPES = {32: np.dtype(np.uint32), 64: np.dtype(np.uint64)}
+# The quantiser converts x * levels / clip + u (float64, up to about levels + 1) to int64: with
+# levels near 2^63, allowed by levels * weight < 2^63, it overflowed (undefined in C; +clip
+# came back as -2^63 from both backends). At most 2^62 leaves the rounding room to spare.
+MAX_QUANT_LEVELS = 2 ** 62
 
 
 def _ring_bits(name: str, a) -> int:
@@ -220,6 +224,9 @@ def _check_quantize_args(op: str, x, size: int, bits: int, clip, levels, weight)
     for name, value, low in (("levels", levels, 1), ("weight", weight, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise KernelError(f"{name}: {value!r} must be a whole number >= {low}")
+    if int(levels) > MAX_QUANT_LEVELS:
+        raise KernelError(f"levels: {levels!r} must be at most 2^62: the quantiser rounds "
+                          f"x * levels / clip to an int64, which it would overflow")
     if int(levels) * max(int(weight), 1) >= 2 ** (bits - 1):
         raise KernelError(f"levels * weight = {int(levels) * int(weight)}: must be below "
                           f"2^{bits - 1} for the ring's signed read-back")

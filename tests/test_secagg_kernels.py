@@ -171,6 +171,18 @@ def test_bad_arguments_are_named():
         kernels.quantize(np.zeros(4, np.uint32), x, 1.0, 0)
     with pytest.raises(KernelError, match=r"levels \* weight = 4294967296: must be below 2\^31"):
         kernels.quantize(np.zeros(4, np.uint32), x, 1.0, 2 ** 16, weight=2 ** 16)
+    # in a 64-bit ring levels * weight < 2^63 left room for levels near 2^63, where
+    # x * levels / clip + u reaches 2^63 and its conversion to int64 overflows: +clip came
+    # back as -2^63 from both backends (and C's conversion is undefined behaviour)
+    with pytest.raises(KernelError, match=r"levels: 9223372036854775807 must be at most 2\^62"):
+        kernels.quantize(np.zeros(4, np.uint64), x, 1.0, 2 ** 63 - 1)
+    with pytest.raises(KernelError, match=r"levels: 4611686018427387905 must be at most 2\^62"):
+        kernels.secagg_mask(np.zeros(4, np.uint64), np.zeros(0, np.uint64), bytes(32), b"\0",
+                            x, 1.0, 2 ** 62 + 1)
+    for stochastic in (False, True):
+        q = kernels.quantize(np.zeros(2, np.uint64), np.array([1, -1], np.float32), 1.0,
+                             2 ** 62, stochastic=stochastic)
+        assert q.view(np.int64).tolist() == [2 ** 62, -2 ** 62]
     with pytest.raises(NonFiniteError, match=r"x\[2\] = nan"):
         kernels.quantize(np.zeros(4, np.uint32), np.array([0, 1, np.nan, 0], np.float32), 1.0, 10)
     with pytest.raises(KernelError, match="m: dtype uint64 where uint32"):
