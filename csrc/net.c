@@ -62,19 +62,28 @@ static int check_net(const ef_net *net)
         if (in_size(l) <= 0 || out_size(l) <= 0) return EF_ERR_ARGS;
         if (i > 0 && in_size(l) != out_size(&net->layers[i - 1])) return EF_ERR_ARGS;
         switch (l->op) {
-        case EF_DENSE:
+        case EF_DENSE: /* [out_c] per sample: forward writes out_c values, no more */
+            if (l->out_h != 1 || l->out_w != 1) return EF_ERR_ARGS;
             if (l->w_off < 0 || l->w_off + in_size(l) * l->out_c > net->n_params) return EF_ERR_ARGS;
             break;
-        case EF_CONV2D:
-            if (l->k <= 0 || l->stride <= 0 || l->pad < 0) return EF_ERR_ARGS;
-            if (l->out_h != (l->in_h + 2 * l->pad - l->k) / l->stride + 1) return EF_ERR_ARGS;
-            if (l->out_w != (l->in_w + 2 * l->pad - l->k) / l->stride + 1) return EF_ERR_ARGS;
+        case EF_CONV2D: {
+            /* in int64 (2 * pad may not fit an int32), and the window within the padded input:
+             * C's division truncates toward zero, so (1 - 3) / 3 + 1 = 1 where the builder's
+             * floor gives 0, and the window would read past the input */
+            const int64_t ph = (int64_t)l->in_h + 2 * (int64_t)l->pad;
+            const int64_t pw = (int64_t)l->in_w + 2 * (int64_t)l->pad;
+            if (l->k <= 0 || l->stride <= 0 || l->pad < 0 || ph < l->k || pw < l->k)
+                return EF_ERR_ARGS;
+            if (l->out_h != (ph - l->k) / l->stride + 1) return EF_ERR_ARGS;
+            if (l->out_w != (pw - l->k) / l->stride + 1) return EF_ERR_ARGS;
             if (l->w_off < 0 ||
                 l->w_off + (int64_t)l->out_c * l->in_c * l->k * l->k > net->n_params)
                 return EF_ERR_ARGS;
             break;
-        case EF_MAXPOOL2D:
+        }
+        case EF_MAXPOOL2D: /* the window within the input, as for a conv */
             if (l->k <= 0 || l->stride <= 0 || l->pad != 0 || l->in_c != l->out_c) return EF_ERR_ARGS;
+            if (l->in_h < l->k || l->in_w < l->k) return EF_ERR_ARGS;
             if (l->out_h != (l->in_h - l->k) / l->stride + 1) return EF_ERR_ARGS;
             if (l->out_w != (l->in_w - l->k) / l->stride + 1) return EF_ERR_ARGS;
             if (EF_MAX_CHUNK * in_size(l) > INT32_MAX) return EF_ERR_ARGS; /* int32 argmax */
@@ -764,7 +773,8 @@ static uint64_t splitmix64(uint64_t z)
 
 uint64_t ef_shuffle_key(uint64_t seed, int64_t epoch, int64_t i)
 {
-    uint64_t stream = splitmix64(seed ^ (0x9E3779B97F4A7C15ULL * (uint64_t)(epoch + 1)));
+    /* epoch + 1 in uint64 (wraps as reference.py's does; int64 would overflow at INT64_MAX) */
+    uint64_t stream = splitmix64(seed ^ (0x9E3779B97F4A7C15ULL * ((uint64_t)epoch + 1u)));
     return splitmix64(stream + (uint64_t)i);
 }
 

@@ -722,4 +722,9 @@ def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, g
 
 def shuffle(seed: int, epoch: int, n: int) -> np.ndarray:
     """The permutation local_train visits samples in for (seed, epoch)."""
-    return impl.shuffle(int(seed), int(epoch), int(n))
+    seed, epoch, n = int(seed), int(epoch), int(n)
+    if not 0 <= epoch < 2 ** 63:
+        raise KernelError(f"shuffle: epoch {epoch} must be in [0, 2^63)")
+    if n < 0:
+        raise KernelError(f"shuffle: n {n} must be >= 0")
+    return impl.shuffle(seed, epoch, n)

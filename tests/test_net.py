@@ -216,6 +216,30 @@ def test_shuffle_is_the_same_permutation_in_both_backends():
     assert not np.array_equal(_core.shuffle(1, 0, 100), _core.shuffle(1, 1, 100))
 
 
+@pytest.mark.parametrize("impl", [pytest.param(_core, marks=needs_core, id="c"),
+                                  pytest.param(reference, id="numpy")])
+def test_shuffle_takes_epochs_and_sizes_both_backends_can(impl, monkeypatch):
+    """The last epoch an int64 holds has its key (C computed epoch + 1 in int64: signed
+    overflow, which UBSan reports); a negative epoch or size is refused by name, where C
+    returned a permutation and the twin raised OverflowError from NumPy."""
+    want = reference.shuffle(9, 2 ** 63 - 1, 50)
+    monkeypatch.setattr(kernels, "impl", impl)
+    np.testing.assert_array_equal(kernels.shuffle(9, 2 ** 63 - 1, 50), want)
+    with pytest.raises(KernelError, match=r"shuffle: epoch -2 must be in \[0, 2\^63\)"):
+        kernels.shuffle(9, -2, 50)
+    with pytest.raises(KernelError, match=r"shuffle: n -1 must be >= 0"):
+        kernels.shuffle(9, 0, -1)
+    assert kernels.shuffle(9, 0, 0).tolist() == []
+
+
+def test_misaligned_params_are_refused_by_the_training_fast_path():
+    model, x, y = make_data("mlp", n=8)
+    p = np.zeros(model.n_params * 4 + 1, np.uint8)[1:].view(np.float32)
+    p[...] = model.init(0)
+    with pytest.raises(KernelError, match="params: array is not aligned for float32"):
+        kernels.local_train(model, p, x, y, kernels.train_config(batch_size=4, epochs=1))
+
+
 # ----------------------------------------------------------------------------- semantics
 
 def test_same_seed_same_bytes_different_seed_different_bytes():

@@ -404,6 +404,62 @@ static void test_shuffle(void)
     }
     CHECK(ok, "shuffle is not a permutation");
     CHECK(moved > N / 2, "shuffle left %d of %d in place", N - moved, N);
+    /* the last epoch an int64 holds: its key (epoch + 1 wraps to 2^63, as reference.py's
+     * uint64) without signed overflow; run under -fsanitize=undefined by test_c_core.py */
+    uint64_t k0 = ef_shuffle_key(42, INT64_MAX, 0), k1 = ef_shuffle_key(42, INT64_MAX, 1);
+    CHECK(k0 != k1, "shuffle key at epoch INT64_MAX: %llu twice", (unsigned long long)k0);
+}
+
+/* A layer table whose window is larger than its input passed check_net where C's division
+ * truncates toward zero ((1 - 2) / 2 + 1 = 1 output row, where Python's builder floors to 0
+ * and refuses): a pool or conv read past its input plane, and the pool's recorded argmax
+ * scattered its gradient past the input's. A dense layer's output is [out_c] per sample. */
+static int64_t table_status(ef_layer l0, ef_layer l1, ef_layer l2, int32_t n_layers,
+                            int64_t n_params)
+{
+    static ef_layer t[3];
+    int64_t nf = 0, ni = 0;
+    ef_net net;
+    t[0] = l0;
+    t[1] = l1;
+    t[2] = l2;
+    net.layers = t;
+    net.n_layers = n_layers;
+    net.loss = EF_LOSS_SOFTMAX_CE;
+    net.n_params = n_params;
+    net.l2 = 0.0f;
+    return ef_workspace_size(&nf, &ni, &net, 4, 4);
+}
+
+static void test_layer_table_checks(void)
+{
+    const ef_layer fc = {EF_DENSE, 1, 1, 1, 2, 1, 1, 0, 0, 0, 0, 2};
+    const ef_layer fc9 = {EF_DENSE, 1, 1, 1, 2, 1, 1, 0, 0, 0, 9, 11}; /* after 9 conv weights */
+    const ef_layer none = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1};
+    /* the consistent tables these are made from */
+    const ef_layer pool_ok = {EF_MAXPOOL2D, 1, 2, 2, 1, 1, 1, 2, 2, 0, -1, -1};
+    const ef_layer conv_ok = {EF_CONV2D, 1, 3, 3, 1, 1, 1, 3, 3, 0, 0, -1};
+    CHECK(table_status(pool_ok, fc, none, 2, 4) == EF_OK, "2x2 pool of a 2x2 input refused");
+    CHECK(table_status(conv_ok, fc9, none, 2, 13) == EF_OK, "3x3 conv of a 3x3 input refused");
+    /* a 2x2 pool over a 1x1 (and a 1x3, 3x1) input */
+    const ef_layer pool_1x1 = {EF_MAXPOOL2D, 1, 1, 1, 1, 1, 1, 2, 2, 0, -1, -1};
+    const ef_layer pool_1x3 = {EF_MAXPOOL2D, 1, 1, 3, 1, 1, 1, 2, 2, 0, -1, -1};
+    const ef_layer pool_3x1 = {EF_MAXPOOL2D, 1, 3, 1, 1, 1, 1, 2, 2, 0, -1, -1};
+    CHECK(table_status(pool_1x1, fc, none, 2, 4) == EF_ERR_ARGS, "2x2 pool of 1x1 accepted");
+    CHECK(table_status(pool_1x3, fc, none, 2, 4) == EF_ERR_ARGS, "2x2 pool of 1x3 accepted");
+    CHECK(table_status(pool_3x1, fc, none, 2, 4) == EF_ERR_ARGS, "2x2 pool of 3x1 accepted");
+    /* a 3x3 conv, stride 3, over a 1x1 input without padding */
+    const ef_layer conv_1x1 = {EF_CONV2D, 1, 1, 1, 1, 1, 1, 3, 3, 0, 0, -1};
+    CHECK(table_status(conv_1x1, fc9, none, 2, 13) == EF_ERR_ARGS, "3x3 conv of 1x1 accepted");
+    /* a padding whose 2 * pad overflows int32 */
+    const ef_layer conv_pad = {EF_CONV2D, 1, 1, 1, 1, 1, 1, 1, 1, 0x40000000, 0, -1};
+    CHECK(table_status(conv_pad, fc, none, 2, 4) == EF_ERR_ARGS, "pad 2^30 accepted");
+    /* a dense layer claiming a spatial output: forward wrote out_c values per sample, the
+     * next layer read out_c * out_h * out_w */
+    const ef_layer fc_2x1 = {EF_DENSE, 1, 1, 1, 1, 2, 1, 0, 0, 0, 0, -1};
+    const ef_layer fc_after = {EF_DENSE, 2, 1, 1, 2, 1, 1, 0, 0, 0, 1, -1};
+    CHECK(table_status(fc_2x1, fc_after, none, 2, 5) == EF_ERR_ARGS,
+          "dense with a 2x1 output accepted");
 }
 
 int main(void)
@@ -415,6 +471,7 @@ int main(void)
     test_proximal_term();
     test_stop_word();
     test_shuffle();
+    test_layer_table_checks();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
 }
