@@ -80,16 +80,21 @@ def _pending(state) -> list:
                   if int(load_arrays(p)[1]["step"]) > done)
 
 
+def _async_service(tmp_path, server):
+    """The BASE run as `edgefl aggregator --once` processes (AggregatorProcesses) of a
+    federation of their own on `server`, and the prepared run its clients train."""
+    path = write_run_yaml(tmp_path, BASE)
+    tag = uuid.uuid4().hex[:8]
+    fed = f"async-{tag}"
+    procs = AggregatorProcesses(tmp_path, server.url, path, f"agg-{tag}", fed)
+    return procs, prepare_run(load_run_config(path), progress=False), tag, fed
+
+
 def test_aggregator_killed_with_updates_buffered_resumes_losing_and_doubling_nothing(
         tmp_path, mosquitto_server):
     rounds = BASE["rounds"]
-    path = write_run_yaml(tmp_path, BASE)
-    config = load_run_config(path)
-    tag = uuid.uuid4().hex[:8]
-    fed = f"async-{tag}"
-    procs = AggregatorProcesses(tmp_path, mosquitto_server.url, path, f"agg-{tag}", fed)
+    procs, run, tag, fed = _async_service(tmp_path, mosquitto_server)
     state, out = procs.state, procs.out
-    run = prepare_run(config, progress=False)
     clients, threads = {}, []
 
     def aggregated():
@@ -199,13 +204,8 @@ def test_aggregator_killed_after_a_steps_checkpoint_applies_its_buffer_once(
     it deletes those buffer files as applied (the checkpoint holds their step), lists step
     2 in the journal once (recovered), and applies no task twice."""
     rounds = BASE["rounds"]
-    path = write_run_yaml(tmp_path, BASE)
-    config = load_run_config(path)
-    tag = uuid.uuid4().hex[:8]
-    fed = f"async-{tag}"
-    procs = AggregatorProcesses(tmp_path, mosquitto_server.url, path, f"agg-{tag}", fed)
+    procs, run, tag, fed = _async_service(tmp_path, mosquitto_server)
     state = procs.state
-    run = prepare_run(config, progress=False)
     clients, threads = {}, []
     try:
         first = procs.spawn_killed_at_round("aggregator-1.log", 2)

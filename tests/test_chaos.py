@@ -197,6 +197,21 @@ def _need_mosquitto():
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
 
 
+def _mosquitto_fleet(tmp_path, clients: int, rounds: int, round_timeout_s: float):
+    """A Mosquitto of the tests' own in tmp_path/broker (started; the caller stops it) and
+    a test_roles_e2e Fleet of `clients` IID clients, all of them in each of `rounds`."""
+    _need_mosquitto()
+    from test_roles_e2e import Fleet, write_config
+
+    (tmp_path / "broker").mkdir()
+    server = MosquittoProcess(tmp_path / "broker")
+    server.start()
+    config = load_run_config(write_config(tmp_path, rounds=rounds, clients_per_round=clients,
+                                          partition={"name": "iid", "clients": clients}))
+    return server, Fleet(tmp_path, config, server.url,
+                         settings={"round_timeout_s": round_timeout_s})
+
+
 def test_short_chaos_soak_loses_no_update_and_aggregates_each_round_once(tmp_path):
     _need_mosquitto()
     cfg = chaos.SoakConfig(clients=4, rounds=8, seed=3, client_kills=3, aggregator_kills=1,
@@ -291,15 +306,7 @@ def test_broker_restart_wills_neither_hide_clients_nor_close_the_round(tmp_path)
     (held by its training slot), when Mosquitto restarts (SIGTERM: it saves its sessions
     and publishes every connected client's will). Afterwards client-0's retained status is
     online again, and round 1 closes with all three updates once client-2 is done."""
-    _need_mosquitto()
-    from test_roles_e2e import Fleet, write_config
-
-    (tmp_path / "broker").mkdir()
-    server = MosquittoProcess(tmp_path / "broker")
-    server.start()
-    config = load_run_config(write_config(tmp_path, rounds=2, clients_per_round=3,
-                                          partition={"name": "iid", "clients": 3}))
-    fleet = Fleet(tmp_path, config, server.url, settings={"round_timeout_s": 60})
+    server, fleet = _mosquitto_fleet(tmp_path, clients=3, rounds=2, round_timeout_s=60)
     watcher = None
     try:
         gate = threading.Semaphore(0)
@@ -516,15 +523,7 @@ def test_no_announcements_pile_up_while_the_broker_is_away(tmp_path):
     long as the broker is away (and every client that uploaded then re-sends its update
     once per id, past its chunk budget). None is made while the connection is down; after
     the restart the round is announced again and finishes."""
-    _need_mosquitto()
-    from test_roles_e2e import Fleet, write_config
-
-    (tmp_path / "broker").mkdir()
-    server = MosquittoProcess(tmp_path / "broker")
-    server.start()
-    config = load_run_config(write_config(tmp_path, rounds=1, clients_per_round=2,
-                                          partition={"name": "iid", "clients": 2}))
-    fleet = Fleet(tmp_path, config, server.url, settings={"round_timeout_s": 0.5})
+    server, fleet = _mosquitto_fleet(tmp_path, clients=2, rounds=1, round_timeout_s=0.5)
     try:
         gate = threading.Semaphore(0)
         fleet.start_client("client-0", train_slots=gate)
