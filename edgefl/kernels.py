@@ -482,6 +482,13 @@ def labels_and_targets(model, y, n: int, what: str = "y"):
     if model.loss == 3:  # MSE
         if np.issubdtype(y.dtype, np.integer):
             if model.n_out != 1:
+                # one-hot: a label outside 0..n_out-1 would index past the row, and a
+                # negative one would set a column from the end
+                if y.ndim != 1 or (y.size and (int(y.min()) < 0
+                                               or int(y.max()) >= model.n_out)):
+                    raise KernelError(f"{what}: labels span [{int(y.min())}, {int(y.max())}] "
+                                      f"but model {model.kind} with {model.n_out} outputs "
+                                      f"takes 0..{model.n_out - 1}")
                 t = np.zeros((n, model.n_out), dtype=np.float32)
                 t[np.arange(n), y] = 1.0
             else:

@@ -706,3 +706,18 @@ def test_the_stop_flag_is_checked_at_the_kernels_face():
     with pytest.raises(TrainingStopped, match="after 0 steps"):
         kernels.local_train(model, p, x, y, cfg, stop=flag)
     np.testing.assert_array_equal(p, model.init(0))
+
+
+def test_mse_with_integer_labels_and_several_outputs_refuses_labels_out_of_range():
+    # one-hot targets for integer labels: a label >= n_out was an IndexError from NumPy and a
+    # negative one silently set the wrong column (-1: the last), training on wrong targets
+    model = build_model(dict(name="linear", outputs=3, bias=False), (5,), 0)
+    p = model.init(0)
+    x = np.zeros((4, 5), np.float32)
+    cfg = kernels.train_config(lr=0.1, batch_size=2, epochs=1)
+    for bad in ([0, 1, 2, 3], [0, -1, 2, 1]):
+        with pytest.raises(KernelError, match=r"y: labels span \[-?\d, \d\] but model linear "
+                                              r"with 3 outputs takes 0\.\.2"):
+            kernels.local_train(model, p, x, np.array(bad), cfg)
+    _, t = kernels.labels_and_targets(model, np.array([0, 2, 1, 2]), 4)
+    assert t.tolist() == [[1, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 1]]
