@@ -372,7 +372,7 @@ def test_stop_leaves_a_valid_checkpoint_and_an_exported_model(fleet):
     assert summary["rounds"] == ckpt.round and summary["stopped"]["reason"] == "stop_requested"
     assert summary["stopped"]["rounds_done"] == ckpt.round
     from edgefl.cli import main as cli_main
-    assert cli_main(["compare", str(run_dir)]) == 0
+    assert cli_main(["compare", str(run_dir), "--no-plot"]) == 0
     # stopped means stopped: nothing to resume or pause, and the daemon waits for runs
     reply = f.control().request({"cmd": "resume"})
     assert not reply["ok"] and reply["error"] == "resume: no run is active (waiting for a run)"
