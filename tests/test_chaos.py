@@ -197,9 +197,11 @@ def _need_mosquitto():
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
 
 
-def _mosquitto_fleet(tmp_path, clients: int, rounds: int, round_timeout_s: float):
+def _mosquitto_fleet(tmp_path, clients: int, rounds: int, round_timeout_s: float,
+                     **settings):
     """A Mosquitto of the tests' own in tmp_path/broker (started; the caller stops it) and
-    a test_roles_e2e Fleet of `clients` IID clients, all of them in each of `rounds`."""
+    a test_roles_e2e Fleet of `clients` IID clients, all of them in each of `rounds`
+    (`settings`: the aggregator's others)."""
     _need_mosquitto()
     from test_roles_e2e import Fleet, write_config
 
@@ -209,7 +211,7 @@ def _mosquitto_fleet(tmp_path, clients: int, rounds: int, round_timeout_s: float
     config = load_run_config(write_config(tmp_path, rounds=rounds, clients_per_round=clients,
                                           partition={"name": "iid", "clients": clients}))
     return server, Fleet(tmp_path, config, server.url,
-                         settings={"round_timeout_s": round_timeout_s})
+                         settings={"round_timeout_s": round_timeout_s, **settings})
 
 
 def test_short_chaos_soak_loses_no_update_and_aggregates_each_round_once(tmp_path):
@@ -523,7 +525,10 @@ def test_no_announcements_pile_up_while_the_broker_is_away(tmp_path):
     long as the broker is away (and every client that uploaded then re-sends its update
     once per id, past its chunk budget). None is made while the connection is down; after
     the restart the round is announced again and finishes."""
-    server, fleet = _mosquitto_fleet(tmp_path, clients=2, rounds=1, round_timeout_s=0.5)
+    # min_updates 2: after the restart the 0.5 s deadline would otherwise close the round
+    # on whichever update came first (seen under CI's load: 1 of 2)
+    server, fleet = _mosquitto_fleet(tmp_path, clients=2, rounds=1, round_timeout_s=0.5,
+                                     min_updates=2)
     try:
         gate = threading.Semaphore(0)
         fleet.start_client("client-0", train_slots=gate)
