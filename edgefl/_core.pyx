@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Cython binding of csrc/ (the only Cython file). Arguments arrive validated by
 edgefl.kernels; every kernel runs with the GIL released."""
-from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, INT32_MIN, INT32_MAX
 from libc.stdlib cimport malloc, free
 import threading
 
@@ -293,12 +293,22 @@ cdef struct NetBox:
     ef_layer layers[MAX_LAYERS]
 
 
+_INT32_COLUMNS = ("op", "in_c", "in_h", "in_w", "out_c", "out_h", "out_w", "k", "stride", "pad")
+
+
 cdef int fill_net(NetBox *box, object net) except -1:
     cdef const int64_t[:, ::1] t = net.layers
     cdef Py_ssize_t i
     if t.shape[0] > MAX_LAYERS or t.shape[1] != 12:
         raise KernelError(f"net.layers: shape ({t.shape[0]}, {t.shape[1]}), need (<= {MAX_LAYERS}, 12)")
+    cdef Py_ssize_t j
     for i in range(t.shape[0]):
+        # the first ten fields are int32 in C: cast down, 2**32 + 10 became 10 and the C core
+        # found the table consistent and ran it (the offsets are int64 there)
+        for j in range(10):
+            if t[i, j] < INT32_MIN or t[i, j] > INT32_MAX:
+                raise KernelError(f"net.layers[{i}, {j}] ({_INT32_COLUMNS[j]}): {t[i, j]} "
+                                  f"is outside int32")
         box.layers[i].op = <int32_t>t[i, 0]
         box.layers[i].in_c = <int32_t>t[i, 1]
         box.layers[i].in_h = <int32_t>t[i, 2]

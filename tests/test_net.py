@@ -1,5 +1,6 @@
 """Networks: gradients against finite differences, the C core against the NumPy reference,
 determinism, the momentum convention, the optional statistics, and bad input."""
+import dataclasses
 import threading
 
 import numpy as np
@@ -576,6 +577,25 @@ def test_the_c_core_refuses_a_bad_mu_itself():
         _core.local_train(p, None, model, x, labels, None, dict(cfg, prox_mu=0.5))
     assert p.tobytes() == model.init(0).tobytes()
 
+
+
+@needs_core
+def test_the_c_core_refuses_a_layer_table_value_beyond_int32():
+    """The table is int64 and the C layer's fields int32: a value past 2**31 - 1 (a
+    hand-built table, a caller of _core directly) was cast down, so 2**32 + 10 outputs
+    became 10 -- a table the C core then found consistent and ran. Refused by layer and
+    column before any C call."""
+    model, x, y = make_data("mlp", n=12)
+    layers = model.layers.copy()
+    last = len(layers) - 1
+    layers[last, 4] += 2 ** 32
+    layers.setflags(write=False)
+    bad = dataclasses.replace(model, layers=layers)
+    out = np.full((len(x), model.n_out), 7.0, np.float32)
+    with pytest.raises(KernelError, match=rf"net.layers\[{last}, 4\] \(out_c\): "
+                                          rf"{layers[last, 4]} is outside int32"):
+        _core.forward(out, bad, model.init(0), x)
+    assert (out == 7.0).all()
 
 # ---------------------------------------------------------------------------------------
 # the stop word: a local round stops before any step once asked (issue #18 item 6)
