@@ -257,7 +257,6 @@ class AggregatorProcesses:
     still running. spawn() also starts other commands (an `edgefl client`) the same way."""
 
     def __init__(self, tmp_path, broker_url, run_path, node_id, federation, deadline=60):
-        from brokers import REPO
         self.tmp = tmp_path
         self.state, self.out = tmp_path / "agg-state", tmp_path / "out"
         self.journal = self.state / JOURNAL_FILE
@@ -266,8 +265,7 @@ class AggregatorProcesses:
             "profile": "generic-x86", "node": {"id": node_id, "federation": federation},
             "state_dir": str(self.state), "broker": {"url": broker_url}, "run": str(run_path),
             "log": {"level": "info"}}))
-        self.env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep +
-                        os.environ.get("PYTHONPATH", ""))
+        self.env = dict(os.environ)
         self.command = [sys.executable, "-m", "edgefl.cli", "aggregator", "--config",
                         str(site), "--deadline", str(deadline), "--out", str(self.out),
                         "--once"]

@@ -83,7 +83,7 @@ def board_argv(tmp_path: Path, *argv: str) -> list[str]:
 
 
 def host_env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
         env.pop(key, None)
     return env

@@ -8,7 +8,6 @@ import re
 import pytest
 import yaml
 
-import edgefl
 from edgefl.cli import destinations, main
 from helpers import SMALL_RUN, usage_error
 
@@ -306,8 +305,6 @@ def test_lines_stay_whole_when_two_commands_write_to_one_output_unbuffered(tmp_p
 # says why in one line and leaves every directory as it was
 # ---------------------------------------------------------------------------------------
 
-# the checkout under test, for a subprocess to import (not an installed edgefl)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(edgefl.__file__)))
 QUICK = ["quickstart", "--set", "rounds=2", "--no-plot", "--no-export", "--quiet"]
 
 
@@ -335,9 +332,7 @@ def test_an_unreachable_broker_is_one_line_naming_it_and_creates_nothing(cwd, pr
     extra = [] if processes is None else ["--client-processes", processes]
     proc = subprocess.run([sys.executable, "-m", "edgefl.cli", "simulate", *QUICK,
                            "--transport", "mqtt", "--broker", url, "--out", "m2", *extra],
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [REPO, os.environ.get("PYTHONPATH", "")])})
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()

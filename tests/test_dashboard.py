@@ -30,17 +30,12 @@ from edgefl.transport.broker import free_port    # noqa: E402
 from edgefl.transport.topics import Topics    # noqa: E402
 from helpers import wait_for          # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 ROUNDS, EVAL_EVERY = 5, 2           # evaluated: rounds 2, 4 and 5 (every 2nd and the last)
 RUN = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
        "model": {"name": "softmax"}, "strategy": {"name": "fedavg"},
        "train": {"lr": 0.1, "batch_size": 32, "epochs": 1}, "rounds": ROUNDS,
        "eval_every": EVAL_EVERY, "seed": 3}
 CLIENTS = ("client-1", "client-2")          # accounts of the mosquitto_acl_server fixture
-
-
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 class Processes:
@@ -53,7 +48,7 @@ class Processes:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         with open(self.tmp / f"{name}.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", *args], cwd=self.tmp,
-                                    env=_env(), stdin=subprocess.DEVNULL, stdout=log,
+                                    stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT)
         self.procs[name] = proc
         return proc
@@ -165,7 +160,7 @@ def test_dashboard_follows_a_live_run_in_a_real_browser(tmp_path, mosquitto_acl_
             def ctl(*args):
                 done = subprocess.run([sys.executable, "-m", "edgefl.cli", "ctl", *args,
                                        "--broker", server.url, *operator], cwd=tmp_path,
-                                      env=_env(), capture_output=True, text=True, timeout=120)
+                                      capture_output=True, text=True, timeout=120)
                 assert done.returncode == 0, done.stderr
 
             def state_of(run, state):
@@ -253,7 +248,7 @@ def test_a_page_opened_during_a_paused_run_shows_its_progress(tmp_path, mosquitt
     def ctl(*args) -> str:
         done = subprocess.run([sys.executable, "-m", "edgefl.cli", "ctl", *args,
                                "--broker", server.url, *operator], cwd=tmp_path,
-                              env=_env(), capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

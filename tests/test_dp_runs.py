@@ -347,7 +347,7 @@ def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
 
     import yaml
 
-    from test_orchestration import CLIENTS, Lines, _ctl_env, ctl_argv, run_config, run_ctl
+    from test_orchestration import CLIENTS, Lines, ctl_argv, run_config, run_ctl
     f = fleet()
     f.start_all()
     ctl = ctl_argv(f, tmp_path)
@@ -357,7 +357,7 @@ def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
         privacy={"dp": {"clip": 1.0, "noise_multiplier": 2.0, "target_epsilon": 8.0}})))
     acc = PrivacyAccountant(DifferentialPrivacy(clip=1.0, noise_multiplier=2.0), 2, 2)
     last = acc.rounds_within(8.0, 30)
-    watch = subprocess.Popen(ctl + ["watch"], env=_ctl_env(), stdout=subprocess.PIPE,
+    watch = subprocess.Popen(ctl + ["watch"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     out = Lines(watch)
     try:

@@ -626,7 +626,6 @@ def test_edgefl_ctl_drives_the_aggregator_service_process(fleet, tmp_path):
 
     import yaml
 
-    from brokers import REPO
 
     f = fleet()
     secrets = {}
@@ -641,7 +640,7 @@ def test_edgefl_ctl_drives_the_aggregator_service_process(fleet, tmp_path):
                    "password_file": str(secrets["aggregator"])}}))
     run_file = tmp_path / "run.yaml"
     run_file.write_text(yaml.safe_dump(run_config(rounds=2)))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     ctl = [sys.executable, "-m", "edgefl.cli", "ctl", "--broker", f.server.url,
            "--username", "operator", "--password-file", str(secrets["operator"]),
            "--federation", f.fed, "--timeout", "30"]
@@ -719,7 +718,6 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
 
     import yaml
 
-    from brokers import REPO
 
     f = fleet()
     secrets = {}
@@ -736,7 +734,7 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
     good.write_text(yaml.safe_dump(run_config(rounds=2)))
     bad.write_text(yaml.safe_dump(run_config(
         rounds=2, dataset={"name": "npz", "path": "/nonexistent/edgefl/data.npz"})))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     ctl = [sys.executable, "-m", "edgefl.cli", "ctl", "--broker", f.server.url,
            "--username", "operator", "--password-file", str(secrets["operator"]),
            "--federation", f.fed, "--timeout", "30"]
@@ -851,13 +849,6 @@ def test_a_corrupt_run_record_is_reported_and_skipped(tmp_path, caplog):
 # `edgefl ctl` as a process: every command, watch's count of clients online, the account
 # ---------------------------------------------------------------------------------------
 
-def _ctl_env() -> dict:
-    from brokers import REPO
-
-    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH",
-                                                                                ""))
-
-
 def ctl_argv(f, tmp_path, user="operator", mqtt="5") -> list:
     """`edgefl ctl` logged in as `user` (its password in a file, as an operator keeps it)."""
     import sys
@@ -872,7 +863,7 @@ def ctl_argv(f, tmp_path, user="operator", mqtt="5") -> list:
 def run_ctl(argv, *args, timeout=120):
     import subprocess
 
-    return subprocess.run(list(argv) + list(args), env=_ctl_env(), capture_output=True,
+    return subprocess.run(list(argv) + list(args), capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -905,7 +896,7 @@ def test_edgefl_ctl_processes_pause_resume_export_stop_and_watch_counts_clients(
     ctl = ctl_argv(f, tmp_path)
 
     # watch starts while both clients are online: it counts them from the status reply
-    watch = subprocess.Popen(ctl + ["watch"], env=_ctl_env(), stdout=subprocess.PIPE,
+    watch = subprocess.Popen(ctl + ["watch"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     out = Lines(watch)
     try:
@@ -1208,7 +1199,7 @@ class SiteRunScript:
              "--set", f"node.federation={self.fed}", "--set", f"broker.url={self.server.url}",
              "--set", f"state_dir={self.state}", "--set", f"run={self.file.name}",
              "--out", str(self.out), "--deadline", "60", "--once"],
-            cwd=self.tmp, env=_ctl_env(), capture_output=True, text=True, timeout=timeout,
+            cwd=self.tmp, capture_output=True, text=True, timeout=timeout,
             stdin=subprocess.DEVNULL)
 
     def run_with_clients(self, config: dict):
@@ -1396,7 +1387,6 @@ def test_a_stop_acknowledged_before_a_kill_is_carried_out_by_the_restarted_servi
 
     import yaml
 
-    from brokers import REPO
 
     f = fleet()
     secret = tmp_path / "aggregator.password"
@@ -1408,7 +1398,7 @@ def test_a_stop_acknowledged_before_a_kill_is_carried_out_by_the_restarted_servi
         "clients": list(CLIENTS),
         "broker": {"url": f.server.url, "username": "aggregator",
                    "password_file": str(secret)}}))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     procs = []
 
     def service(log_name):

@@ -271,8 +271,6 @@ class DocumentRun:
             os.chmod(shim, 0o755)
         self.env = {**os.environ, "PATH": bindir + os.pathsep + os.path.dirname(sys.executable)
                     + os.pathsep + os.environ.get("PATH", ""),
-                    "PYTHONPATH": os.pathsep.join(
-                        [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                     "COLUMNS": "100"}
         self.assignments: list[str] = []
         self.ports: dict[str, int] = {}

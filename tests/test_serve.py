@@ -30,7 +30,6 @@ from edgefl.models import build_model
 from edgefl.serve import UnixHTTPConnection
 from helpers import NotifySocket, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def request(conn, method, path, body=None, content_type="application/json"):
@@ -69,8 +68,7 @@ def test_serve_process_waits_serves_swaps_and_stops_on_sigterm(tmp_path, digits)
                   "listen": f"127.0.0.1:{port}", "check_interval": 0.1,
                   "max_request_bytes": 200_000}}))
     notify = NotifySocket(str(short / "notify"))
-    env = dict(os.environ, NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="2000000",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, NOTIFY_SOCKET=notify.path, WATCHDOG_USEC="2000000")
     env.pop("WATCHDOG_PID", None)
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "serve", "--config", str(site)],

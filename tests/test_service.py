@@ -238,14 +238,8 @@ sys.exit(0)
 """
 
 
-def _env_with_repo() -> dict:
-    """This environment with the checkout first on PYTHONPATH, for a child Python."""
-    return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def _start_worker(state, mode="stop"):
-    env = _env_with_repo()
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(state), mode], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(state), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for want in ("working\n", "epoch 1 done\n"):     # then mid-work: in epoch 2
         line = _next_line(proc)
@@ -328,9 +322,8 @@ def test_a_signal_while_the_main_thread_holds_the_events_lock_still_stops():
     # the threading.Event itself took that lock again, and a signal arriving while the loop
     # held it (rare: CI's README test once hung 15 s on `edgefl broker`, and a loop of
     # wait(1e-6) hung 2 of 150 times) left the process stuck for good.
-    env = _env_with_repo()
     try:
-        done = subprocess.run([sys.executable, "-c", HANDLER_IN_THE_LOCK], env=env,
+        done = subprocess.run([sys.executable, "-c", HANDLER_IN_THE_LOCK],
                               capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the process hung in its signal handler; it printed {exc.stdout!r}")
@@ -351,8 +344,7 @@ print("stopped by " + str(stop.name) if stop.wait(5) else "not stopped", flush=T
 
 
 def test_a_stop_signal_stops_after_other_code_took_the_wakeup_fd():
-    env = _env_with_repo()
-    done = subprocess.run([sys.executable, "-c", ANOTHER_WAKEUP_FD], env=env,
+    done = subprocess.run([sys.executable, "-c", ANOTHER_WAKEUP_FD],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["stopped by SIGTERM"]
@@ -380,8 +372,7 @@ print("parent stopped" if stop.wait(1.0) else "parent running")
 def test_a_worker_process_stopped_alone_does_not_stop_the_parent():
     # A forked worker inherits the parent's wakeup fd: with only a Python handler of its
     # own, a SIGTERM to the worker woke the parent's watcher, which stopped the whole run.
-    env = _env_with_repo()
-    done = subprocess.run([sys.executable, "-c", WORKER_AFTER_FORK], env=env,
+    done = subprocess.run([sys.executable, "-c", WORKER_AFTER_FORK],
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["ready", "worker stopped", "parent running"]

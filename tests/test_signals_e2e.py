@@ -37,7 +37,6 @@ from helpers import NotifySocket, StderrGate, wait_for
 
 pytest_plugins = ["brokers"]
 
-REPO = Path(__file__).resolve().parents[1]
 # How long a signalled process may take to exit before the test calls it hung: a bound for
 # a broken stop, not a measure of promptness (no timed assertions on a shared machine). That
 # a stop is prompt shows in what did not happen: a client's round stopped with fewer steps
@@ -62,7 +61,7 @@ RUN = {
 def _role_env() -> dict:
     """The environment of the role processes: this checkout first on the path, and none of
     systemd's variables from whatever runs the tests (a test that wants them sets its own)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
         env.pop(key, None)
     return env
@@ -428,8 +427,7 @@ PING_S = WATCHDOG_S / 2
 def _service_env(notify: NotifySocket) -> dict:
     """The environment systemd gives a Type=notify unit with WatchdogSec= (no WATCHDOG_PID:
     the child's pid is not known before it starts, and an unset one is accepted)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               NOTIFY_SOCKET=notify.path, WATCHDOG_USEC=str(int(WATCHDOG_S * 1e6)))
+    env = dict(os.environ, NOTIFY_SOCKET=notify.path, WATCHDOG_USEC=str(int(WATCHDOG_S * 1e6)))
     for key in ("WATCHDOG_PID", "JOURNAL_STREAM"):
         env.pop(key, None)
     return env

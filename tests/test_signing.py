@@ -31,7 +31,6 @@ import yaml
 from paho.mqtt.enums import CallbackAPIVersion
 
 pytest.register_assert_rewrite("brokers")
-from brokers import REPO    # noqa: E402
 from edgefl.cli import main    # noqa: E402
 from edgefl.config import ConfigError    # noqa: E402
 from edgefl.export import export_onnx    # noqa: E402
@@ -505,12 +504,11 @@ def test_a_running_edgefl_client_refuses_forged_announcements_and_onnx_and_keeps
         "state_dir": str(state), "broker": {"url": mosquitto_server.url},
         "log": {"level": "info"},
         "keys": {"aggregator": [agg_pub], "signing_key": c0_private}}))
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     log_path = tmp_path / "client-0.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "client", "--config",
                                  str(site), "--partition", path, "--shard", "0"],
-                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
 
     def logged(text):

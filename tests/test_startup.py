@@ -8,11 +8,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("sklearn", "matplotlib", "onnx", "onnxruntime", "scipy")
 
 PROBE = """
@@ -29,9 +27,7 @@ print("\\nIMPORTED " + json.dumps({"code": code, "heavy": heavy}))
 
 
 def imported(args, cwd, cache):
-    env = {**os.environ, "EDGEFL_CACHE_DIR": str(cache),
-           "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in [os.environ.get(
-               "PYTHONPATH")] if p])}
+    env = {**os.environ, "EDGEFL_CACHE_DIR": str(cache)}
     done = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     line = [x for x in done.stdout.splitlines() if x.startswith("IMPORTED ")]

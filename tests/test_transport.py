@@ -19,7 +19,7 @@ import time
 import pytest
 
 pytest.register_assert_rewrite("brokers")
-from brokers import (REPO, Backend, ServerProcess, messages_within,  # noqa: E402
+from brokers import (Backend, ServerProcess, messages_within,  # noqa: E402
                      next_message, wait_event)
 from edgefl.cli import main  # noqa: E402
 from edgefl.transport.base import (CONNECTED, DISCONNECTED, ConnectionEvent, PayloadTooLarge,
@@ -517,9 +517,7 @@ def test_will_fires_when_a_process_is_sigkilled(mosquitto_server):
             f"t.publish({status!r}, b'online', retain=True).wait(5)\n"
             "print('ready', flush=True)\n"
             "time.sleep(30)\n")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env,
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                 text=True)
         try:
             assert proc.stdout.readline().strip() == "ready"
@@ -798,10 +796,8 @@ def test_edgefl_broker_names_a_host_it_cannot_listen_on(capsys, host, cause, por
 def test_edgefl_broker_command_runs_until_sigterm():
     if find_mosquitto() is None and not have_python_broker():
         pytest.skip("neither mosquitto nor amqtt is installed")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "broker", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on mqtt://127.0.0.1:" in line, proc.stderr.read()
