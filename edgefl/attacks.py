@@ -219,6 +219,16 @@ class Attacked(Strategy):
     def global_model(self, state):
         return self._inner.global_model(state)
 
+    def evaluated_members(self, state):
+        return self._inner.evaluated_members(state)
+
+    # What the wrapped strategy is, where the Strategy base defines a default that
+    # __getattr__ would never reach: an attacked FedBuff ran as synchronous rounds, and an
+    # attacked FedMR's evaluate_models scored nothing, silently.
+    @property
+    def asynchronous(self) -> bool:
+        return self._inner.asynchronous
+
     def __getattr__(self, name):
         # strategy-specific helpers of the wrapped strategy (not dunders, not during init)
         if name.startswith("__") or name == "_inner":

@@ -454,3 +454,47 @@ def test_a_directory_named_like_the_shipped_config_does_not_shadow_it(tmp_path, 
     (tmp_path / "mine").mkdir()
     with pytest.raises(ConfigError, match=r"mine: is a directory, not a config file"):
         load_run_config("mine")
+
+
+# ---------------------------------------------------------------------------------------
+# the attack wrapper keeps what the wrapped strategy is: the run is the same run, attacked
+# ---------------------------------------------------------------------------------------
+
+SMALL_FEDBUFF = {"dataset": {"name": "digits", "limit_train": 300},
+                 "partition": {"name": "iid", "clients": 6},
+                 "model": {"name": "softmax"},
+                 "strategy": {"name": "fedbuff", "concurrency": 4, "buffer_size": 2},
+                 "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+                 "rounds": 3, "clients_per_round": 4, "seed": 0}
+
+
+def test_an_attacked_fedbuff_run_stays_asynchronous():
+    """FedBuff with an `attack:` section was run as synchronous rounds (the wrapper's
+    `asynchronous` was the base class's False), silently: no buffer, no staleness. With an
+    honest factor (scale x1) the attacked run is the plain asynchronous run bit for bit."""
+    plain = simulate(run_config_from_mapping(SMALL_FEDBUFF), None, progress=False, workers=1)
+    honest = run_config_from_mapping({**SMALL_FEDBUFF,
+                                      "attack": {"kind": "scale", "factor": 1.0,
+                                                 "clients": [0, 1]}})
+    assert prepare_run(honest, progress=False).strategy.asynchronous
+    attacked = simulate(honest, None, progress=False, workers=1)
+    assert attacked["model_sha256"] == plain["model_sha256"]
+
+
+def test_an_attacked_fedmr_run_still_scores_its_models():
+    """FedMR's `evaluate_models` went missing under an attack (the wrapper's
+    evaluated_members was the base class's None): each evaluated round after stage 1
+    carries member_accuracy, attacked or not."""
+    data = {"dataset": {"name": "digits", "limit_train": 300},
+            "partition": {"name": "iid", "clients": 6}, "model": {"name": "softmax"},
+            "strategy": {"name": "fedmr", "stage1_rounds": 1, "evaluate_models": True},
+            "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+            "rounds": 3, "clients_per_round": 3, "seed": 0,
+            "attack": {"kind": "sign_flip", "clients": [0]}}
+    from edgefl.sim import run_federation
+    run = prepare_run(run_config_from_mapping(data), progress=False)
+    result = run_federation(run.strategy, run.init_params, run.clients, run.setup, 3,
+                            test=(run.dataset.x_test, run.dataset.y_test), workers=1)
+    members = [h.get("member_accuracy") for h in result.history]
+    assert members[0] is None and all(m is not None and len(m) == 3 for m in members[1:]), \
+        members
