@@ -835,3 +835,48 @@ def build_forgery(run, signer) -> bytes:
         tasks={ids[c]: t for c, t in plan.tasks.items()},
         client_index={n: i for i, n in enumerate(ids)}, client_sha={})
     return json.dumps(signer.sign_doc(doc, "announce", "forged", 1)).encode()
+
+
+def test_an_edge_refuses_a_centre_whose_strategy_parameters_differ(three_brokers, tmp_path):
+    """An edge weights its clients' contributions with its own strategy: started with a run
+    config whose strategy.weighting (samples) is not the centre's (uniform), it forwarded
+    sample-weighted partial sums and the centre's model was silently not the one its config
+    names. It refuses, naming the parameter and both values."""
+    central, sites = three_brokers
+    centre_run = prepare_run(load_small_run(tmp_path, partition={"name": "iid", "clients": 2},
+                                            strategy={"name": "fedavg", "weighting": "uniform"},
+                                            rounds=1), progress=False)
+    edge_run = prepare_run(load_small_run(tmp_path, partition={"name": "iid", "clients": 2},
+                                          strategy={"name": "fedavg", "weighting": "samples"},
+                                          rounds=1), progress=False)
+    ids = default_client_ids(2)
+
+    def plan_of(run):
+        return RunPlan(run.strategy, run.init_params, run.setup, run.model, 2, ids,
+                       description=run.config.to_dict())
+
+    settings = AggregatorSettings(federation="fed", round_timeout_s=5.0)
+    stop, errors = threading.Event(), []
+    centre = CentralAggregator(plan_of(centre_run),
+                               MqttTransport(central.url, "centre", clean_session=True),
+                               str(tmp_path / "centre"),
+                               AggregatorSettings(federation="fed", round_timeout_s=5.0,
+                                                  node_id="centre"),
+                               sites={"site-a": ids}, stop=stop)
+    thread = _started(centre.run, "centre", errors)
+    edge = EdgeAggregator(plan_of(edge_run),
+                          MqttTransport(sites["site-a"].url, "e-site-a", clean_session=True),
+                          str(tmp_path / "site-a"), settings, edge_id="site-a", site=ids,
+                          stop=stop)
+    watchdog = threading.Timer(15.0, stop.set)     # the edge that follows ends here
+    watchdog.start()
+    try:
+        with pytest.raises(StateError, match=r"strategy\.weighting = 'uniform', this edge's "
+                                             r"run config with strategy\.weighting = "
+                                             r"'samples'"):
+            edge.run()
+    finally:
+        watchdog.cancel()
+        stop.set()
+        thread.join(30)
+    assert not os.path.exists(tmp_path / "site-a" / "partial.frame")   # nothing forwarded

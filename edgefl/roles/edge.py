@@ -483,6 +483,19 @@ class EdgeAggregator(Aggregator):
                              f"with layer table {doc['model']['table'][:12]}, this edge's run "
                              f"config {self.plan.strategy.name!r} with "
                              f"{self.table.digest[:12]}: start it with the centre's config")
+        # the edge weights and measures its clients' contributions with its own strategy:
+        # a parameter that differs from the centre's (weighting: samples against uniform)
+        # would make the centre's model another one than its config says, silently
+        mine = json.loads(json.dumps(tag_floats(self.plan.strategy.hyperparameters())))
+        theirs = doc["strategy"]["params"]
+        if mine != theirs:
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise StateError(f"edge {self.edge_id}: the centre runs {doc['strategy']['name']!r} "
+                             f"with " + ", ".join(f"strategy.{k} = {theirs.get(k)!r}"
+                                                  for k in keys)
+                             + ", this edge's run config with " + ", ".join(
+                                 f"strategy.{k} = {mine.get(k)!r}" for k in keys)
+                             + ": start it with the centre's config")
         if self.ckpt.run_id != doc["run"]:
             log.info("edge %s: following run %s", self.edge_id, doc["run"])
             self.ckpt = _EdgeState(doc["run"], 0)
