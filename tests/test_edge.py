@@ -880,3 +880,16 @@ def test_an_edge_refuses_a_centre_whose_strategy_parameters_differ(three_brokers
         stop.set()
         thread.join(30)
     assert not os.path.exists(tmp_path / "site-a" / "partial.frame")   # nothing forwarded
+
+
+def test_an_attack_with_edges_is_refused_naming_the_attack(tmp_path):
+    """The centre refused an attacked FedAvg run over edges as if FedAvg's server step read
+    each update (the wrapper's secure_sum is False): the cause is the attack."""
+    from edgefl.errors import ConfigError
+    from edgefl.roles.runner import run_aggregator
+    config = load_small_run(tmp_path, attack={"kind": "sign_flip", "clients": [0]})
+    with pytest.raises(ConfigError, match=r"the attack simulation \(attack:\).*run it flat"):
+        run_aggregator(config, None, str(tmp_path / "state"),
+                       settings=AggregatorSettings(federation="fed"),
+                       sites={"site-a": default_client_ids(3)})
+    assert not (tmp_path / "state").exists()

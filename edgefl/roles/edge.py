@@ -52,6 +52,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..attacks import Attacked
 from ..privacy import NO_HOOKS
 from ..rounds import RoundPlan, UploadTotals, client_contribution, LOSS_SCALARS
 from ..strategies import StrategyError, SumTotal, Update
@@ -84,6 +85,9 @@ def edge_refusal(strategy, *, robust=None, privacy=None, attack=None) -> str | N
     aggregation uses). Robust aggregation ranks each update, which the sum hides; secure
     aggregation and DP are not carried over two levels in this version."""
     robust = getattr(strategy, "robust", None) if robust is None else robust
+    if attack or isinstance(strategy, Attacked):   # first: the wrapper hides what it wraps
+        return ("the attack simulation (attack:) tampers with individual updates, which "
+                "the centre of a two-level run never sees; run it flat")
     if not getattr(strategy, "secure_sum", False):
         why = getattr(strategy, "secure_sum_refusal", "") or \
             "its server step reads each client's update, not only their weighted sum"
@@ -98,9 +102,6 @@ def edge_refusal(strategy, *, robust=None, privacy=None, attack=None) -> str | N
     if privacy is not None:
         return ("privacy (secure aggregation, DP) is not supported over edge aggregators: "
                 "run it flat")
-    if attack:
-        return ("the attack simulation (attack:) tampers with individual updates, which "
-                "the centre of a two-level run never sees; run it flat")
     return None
 
 
