@@ -46,6 +46,28 @@ def test_weights_are_data_share_times_loss_to_the_q_plus_1():
         dr_weights(n, [1.0, float("nan"), 1.0], 1.0)
 
 
+def test_weights_are_the_ratio_of_12_when_the_powers_overflow_or_underflow():
+    """(12) is a ratio: scaling every loss by one factor changes no weight. The powers
+    l_k^(q+1) of very large or very small losses (a diverging client, a large q) overflow to
+    inf or underflow to 0 in float64, which must not turn the weights into NaN or into the
+    data shares."""
+    n = [100, 300]
+    want = np.array([0.25 * 1.0, 0.75 * 4.0]) / 3.25          # losses 1 : 2, q = 1
+    for scale in (1e200, 1e-200):
+        np.testing.assert_allclose(dr_weights(n, [scale, 2 * scale], 1.0), want, rtol=1e-14)
+    big = 2.0 ** 61                                             # losses 1 : 2, q = 60
+    for scale in (1e5, 1e-6):
+        np.testing.assert_allclose(dr_weights([10, 10], [scale, 2 * scale], 60.0),
+                                   [1 / (1 + big), big / (1 + big)], rtol=1e-14)
+    # the largest loss on a client without data: the others' terms still underflow
+    np.testing.assert_allclose(dr_weights([10, 10, 0], [1e-200, 2e-200, 1.0], 1.0),
+                               [0.2, 0.8, 0.0], rtol=1e-14)
+    # a client whose loss is 0 gets no weight, however small the others' losses
+    assert dr_weights([10, 10], [0.0, 1e-300], 1.0).tolist() == [0.0, 1.0]
+    # every term 0 (a client with data but zero loss, one with loss but no data): shares
+    assert dr_weights([10, 0], [0.0, 1.0], 1.0).tolist() == [1.0, 0.0]
+
+
 def test_round_weights_clients_by_their_loss_at_the_broadcast_model(digits, softmax):
     """One round by hand: the aggregate is sum_k Theta_k w_k with Theta from (12), the losses
     being the broadcast model's on each client's data; the client holding labels the model

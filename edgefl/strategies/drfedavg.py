@@ -43,7 +43,13 @@ START_LOSS = "start_loss"
 
 def dr_weights(num_samples, losses, q: float) -> np.ndarray:
     """The weights (12): (N_k/N) l_k^(q+1), normalised to sum to 1 (float64). A loss must be
-    finite and >= 0; if every term is 0 (all losses 0), the data shares N_k / N."""
+    finite and >= 0; if every term is 0 (all losses 0), the data shares N_k / N.
+
+    (12) is a ratio: where a power l_k^(q+1) overflows float64 (1e200^2) or underflows
+    (1e-200^2), which made the weights NaN or silently the data shares, the losses are
+    divided by the largest first, and if the scaled terms still underflow (the largest loss
+    on a client without data) the ratio is taken in log space. Otherwise the terms are
+    computed as written."""
     n = np.asarray(num_samples, dtype=np.float64)
     loss = np.asarray(losses, dtype=np.float64)
     if n.shape != loss.shape or n.ndim != 1 or not n.size:
@@ -54,11 +60,23 @@ def dr_weights(num_samples, losses, q: float) -> np.ndarray:
     if not np.all(n >= 0) or not n.sum() > 0:
         raise StrategyError(f"strategy 'drfedavg': sample counts {n.tolist()} cannot weight "
                             f"an average")
-    terms = (n / n.sum()) * loss ** (q + 1.0)
-    total = terms.sum()
-    if not total > 0:
-        return n / n.sum()
-    return terms / total
+    share = n / n.sum()
+    live = (share > 0) & (loss > 0)          # the terms that are not 0 in exact arithmetic
+    if not live.any():
+        return share
+    with np.errstate(over="ignore", under="ignore"):
+        terms = share * loss ** (q + 1.0)
+        total = terms.sum()
+    if np.isfinite(total) and np.all(terms[live] >= np.finfo(np.float64).tiny):
+        return terms / total
+    scaled = np.where(live, loss / loss[live].max(), 0.0)     # the live ones in (0, 1]
+    with np.errstate(under="ignore"):
+        terms = share * scaled ** (q + 1.0)
+    if not np.all(terms[live] >= np.finfo(np.float64).tiny):
+        with np.errstate(divide="ignore"):
+            logs = np.where(live, np.log(share) + (q + 1.0) * np.log(scaled), -np.inf)
+        terms = np.exp(logs - logs.max())
+    return terms / terms.sum()
 
 
 @register("drfedavg")
