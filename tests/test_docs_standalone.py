@@ -5,6 +5,11 @@ so a citation of them leads nowhere. Cite the paper itself (its own section, equ
 figure or table numbers) or the repository's docs/ instead.
 
 The patterns are assembled from pieces so that this file does not match itself.
+
+The documents also read as written: no tracked Markdown file holds an ASCII control
+character but the line feed. Formulas written through a Python or shell string lose their
+backslashes that way (LaTeX's \\frac became a form feed and "rac"; \\tau would become a
+tab and "au"), and the page then renders a broken formula with nothing to show why.
 """
 import re
 import subprocess
@@ -72,3 +77,21 @@ def test_no_tracked_file_cites_what_is_outside_the_repository():
     found = outside_citations(tracked_files())
     assert not found, (f"{len(found)} line(s) cite files outside the repository; cite the "
                        f"paper or docs/ instead:\n" + "\n".join(found))
+
+
+# ASCII control characters but the line feed: the docs hold no tab or carriage return either
+# (\tau and \rho lose their backslash as a tab and a carriage return)
+CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f]")
+
+
+def test_no_tracked_markdown_file_holds_a_control_character():
+    found = []
+    for path in tracked_files():
+        if path.suffix != ".md" or not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+            for hit in CONTROL.finditer(line):
+                found.append(f"{path.relative_to(REPO)}:{number}: {hit.group()!r} before "
+                             f"{line[hit.end():hit.end() + 20]!r}")
+    assert not found, (f"{len(found)} control character(s) in the docs (a backslash escape "
+                       f"lost on the way in, e.g. \\f of \\frac):\n" + "\n".join(found))
