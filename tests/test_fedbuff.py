@@ -67,6 +67,21 @@ def test_fedbuff_with_k_equal_c_and_no_staleness_is_fedavg_bit_for_bit(tmp_path)
         assert [r["sim_time_s"] for r in recs] == [1.0 * r for r in range(1, 7)]
 
 
+@pytest.mark.parametrize("eta, weighting", [(0.5, "samples"), (1.7, "uniform")])
+def test_with_a_server_rate_the_reduction_is_fedavg_with_that_server_rate(tmp_path, eta,
+                                                                          weighting):
+    """With every update fresh and K = C, the step is w + eta sum_k p_k (w^k - w): FedAvg's
+    average taken with server learning rate eta, which is FedAvgM without momentum (beta =
+    0). Both compute it as one weighted sum with exact coefficients (eta p_k on the models,
+    1 - eta on w), so the runs agree bit for bit, for the paper's uniform 1/K too."""
+    sync = run(config(tmp_path, "a.yaml", strategy={"name": "fedavgm", "eta": eta,
+                                                     "beta": 0.0, "weighting": weighting}))
+    fedbuff = run(config(tmp_path, "b.yaml", strategy={"name": "fedbuff", "eta": eta,
+                                                        "weighting": weighting}))
+    plain = run(config(tmp_path, "c.yaml", strategy={"name": "fedavg", "weighting": weighting}))
+    assert fedbuff["model_sha256"] == sync["model_sha256"] != plain["model_sha256"]
+
+
 def test_the_reduction_holds_on_a_fleet_whose_tasks_all_take_as_long(tmp_path):
     """One board for everybody and equal IID shards: equal task times, so on the virtual
     clock too FedBuff (K = C) is FedAvg, model and simulated time."""
