@@ -1,5 +1,5 @@
-"""Robust aggregation: the `robust` option FedAvg, MFL and FedNova share, so a run keeps
-learning when some clients upload garbage or attack (issue #7 item 4).
+"""Robust aggregation: the `robust` option FedAvg, FedProx, MFL and FedNova share, so a run
+keeps learning when some clients upload garbage or attack (issue #7 item 4).
 
     strategy: {name: fedavg, robust: {rule: median, clip_norm: auto, max_norm_ratio: 10}}
 
