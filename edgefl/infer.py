@@ -281,8 +281,11 @@ class Predictor:
         want = (f"expected (n, {', '.join(map(str, shape))}), one sample {shape}"
                 + (f" or (n, {size}) flattened" if len(shape) > 1 else ""))
         a = np.asarray(x)
-        if a.dtype == object or not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
-            raise InputError(f"input: dtype {a.dtype} is not numeric; {want}")
+        # real numbers only: numpy counts complex (cast to float32 it loses the imaginary
+        # part) and timedelta64 (cast, a count of its unit) as numbers too
+        if a.dtype.kind not in "biuf":
+            raise InputError(f"input: dtype {a.dtype} is not numeric (need real numbers: bool, "
+                             f"integer or float); {want}")
         if a.shape == shape:
             a = a[None]
         elif a.shape[1:] != shape:

@@ -5,6 +5,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -740,6 +741,21 @@ def test_wrong_input_shapes_and_values_are_named(two_models, tmp_path):
         read_inputs(tmp_path / "none.npy", (1, 8, 8))
     with pytest.raises(InputError, match=rf"{tmp_path}: a directory; give one input file"):
         read_inputs(tmp_path, (1, 8, 8))
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "complex128", "m8[s]"])
+def test_complex_or_time_inputs_are_refused_not_cast(dtype, two_models, tmp_path):
+    """A complex array passed numpy's "number" check and was cast to float32, dropping the
+    imaginary part; timedelta64 was taken as numbers of its unit. Both are refused, naming
+    the dtype, and the model keeps serving."""
+    blobs, raw, (p1, _) = two_models
+    atomic_write(tmp_path / "m.onnx", blobs[0])
+    p = Predictor(tmp_path / "m.onnx")
+    with pytest.raises(InputError, match=rf"input: dtype {re.escape(str(np.dtype(dtype)))} is "
+                                         r"not numeric \(need real numbers: bool, integer or "
+                                         r"float\); expected \(n, 1, 8, 8\)"):
+        p.predict(raw.astype(np.int64).astype(dtype))
+    np.testing.assert_array_equal(p.predict(raw)[1], p1)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
