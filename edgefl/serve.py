@@ -226,6 +226,8 @@ def _parse_inputs(body: bytes, content_type: str) -> np.ndarray:
                          f"expected, got keys {sorted(doc) if isinstance(doc, dict) else doc!r}")
     try:
         a = np.asarray(inputs, dtype=np.float64)
+    except OverflowError as exc:   # JSON integers have no size limit
+        raise InputError(f"inputs: a number too large for float64 ({exc})") from None
     except (ValueError, TypeError, RecursionError) as exc:
         raise InputError(f"inputs: not a rectangular array of numbers ({exc})") from None
     return a

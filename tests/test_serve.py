@@ -213,3 +213,42 @@ def test_serve_refuses_what_it_cannot_serve_and_names_it(tmp_path, capsys):
     assert main(["serve", "--profile", "generic-x86"]) == 1
     assert "infer.model: not set, and the inference service needs it" in \
         capsys.readouterr().err
+
+
+def serving_in_process(model_path):
+    """(service, socket path, stop) of `serve` running in a thread of this process: the real
+    HTTP server and Predictor, for requests whose answer is checked without a process."""
+    from edgefl.serve import InferenceService, serve
+
+    short = Path(tempfile.mkdtemp(prefix="efs-", dir="/tmp"))
+    sock = str(short / "p.sock")
+    service = InferenceService(str(model_path), check_interval=0.2)
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(service, sock), kwargs={"stop": stop},
+                              daemon=True)
+    thread.start()
+    wait_for(lambda: os.path.exists(sock) and service.predictor is not None, 10)
+    return service, sock, stop, thread
+
+
+def test_numbers_beyond_float_range_are_a_bad_request_not_a_server_error(tmp_path, digits):
+    """JSON allows integers of any length: one beyond float64 raised OverflowError in the
+    service, answered 500 "prediction failed" with a traceback logged."""
+    path = tmp_path / "m.onnx"
+    atomic_write(path, export(path, digits, 1))
+    service, sock, stop, thread = serving_in_process(path)
+    try:
+        conn = UnixHTTPConnection(sock)
+        row = [0] * 64
+        row[5] = 10 ** 400
+        status, doc, _ = request(conn, "POST", "/predict", json.dumps({"inputs": [row]}))
+        assert status == 400, doc
+        assert "inputs: a number too large for float64" in doc["error"]
+        assert doc["expected_shape"] == ["n", 1, 8, 8]
+        good = raw_inputs(digits, digits.x_test[:2]).reshape(2, 64).tolist()
+        status, doc, _ = request(conn, "POST", "/predict", json.dumps({"inputs": good}))
+        assert status == 200 and len(doc["classes"]) == 2      # and the service goes on
+        conn.close()
+    finally:
+        stop.set()
+        thread.join(10)
