@@ -42,6 +42,11 @@ log = logging.getLogger("edgefl.infer")
 
 RACY_WINDOW_NS = 2_000_000_000   # file timestamps are coarse: see Predictor._changed
 RACY_RECHECK_S = 0.05
+# Samples per onnxruntime call. onnxruntime holds every activation of the batch it runs, and
+# `edgefl serve` takes any batch that fits infer.max_request_bytes (16 MiB: 5,349 cnn-mnist
+# samples, 1.08 GB resident in one call); in slices of 64 a batch needs what 64 samples
+# need, at batch 64's throughput (docs/onnx.md, "Speed").
+RUN_BATCH = 64
 
 
 class ModelFileError(ValueError):
@@ -255,14 +260,14 @@ class Predictor:
         m = self._serving()
         out = {"sha256": m.sha256, "metadata": dict(m.metadata), "class_names": m.class_names}
         if m.decision == "none":
-            out["values"] = m.session.run([m.scores_name], {m.input_name: self._prepare(x, m)})[0]
+            out["values"] = self._run(m, [m.scores_name], x)[0]
         else:
             out["classes"], out["probabilities"] = self._classify(x, m)
         return out
 
     def _classify(self, x, m: _Loaded) -> tuple[np.ndarray, np.ndarray]:
         names = [m.scores_name] + (["probabilities"] if m.has_probabilities else [])
-        out = m.session.run(names, {m.input_name: self._prepare(x, m)})
+        out = self._run(m, names, x)
         scores = out[0]
         if m.decision == "positive-score":
             classes = (scores[:, 0] > 0).astype(np.int64)
@@ -274,7 +279,17 @@ class Predictor:
     def scores(self, x) -> np.ndarray:
         """The graph's `scores` output (logits, margins or regression predictions)."""
         m = self._serving()
-        return m.session.run([m.scores_name], {m.input_name: self._prepare(x, m)})[0]
+        return self._run(m, [m.scores_name], x)[0]
+
+    def _run(self, m: _Loaded, names: list, x) -> list:
+        """The outputs `names` of model `m` for raw inputs x, run in slices of RUN_BATCH
+        samples so that memory does not grow with the batch; every slice on the same `m`."""
+        a = self._prepare(x, m)
+        if len(a) <= RUN_BATCH:
+            return m.session.run(names, {m.input_name: a})
+        parts = [m.session.run(names, {m.input_name: a[i:i + RUN_BATCH]})
+                 for i in range(0, len(a), RUN_BATCH)]
+        return [np.concatenate([part[k] for part in parts]) for k in range(len(names))]
 
     def _prepare(self, x, m: _Loaded) -> np.ndarray:
         shape, size = m.input_shape, math.prod(m.input_shape)
