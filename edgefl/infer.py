@@ -311,11 +311,19 @@ class Predictor:
                                  f"({self.path}); {want}")
         if a.shape[0] == 0:
             raise InputError(f"input: no samples (shape {a.shape})")
-        a = np.ascontiguousarray(a, dtype=np.float32)
-        finite = np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
+        rows = a.reshape(a.shape[0], -1)
+        finite = np.isfinite(rows).all(axis=1)
         if not finite.all():
             raise InputError(f"input: sample {int(np.argmin(finite))} has non-finite values")
-        return a
+        if a.dtype.kind == "f" and a.dtype.itemsize > 4:   # float64 may not fit float32
+            big = np.abs(rows).max(axis=1) > np.finfo(np.float32).max
+            if big.any():
+                i = int(np.argmax(big))
+                raise InputError(f"input: sample {i} has values beyond float32 (largest "
+                                 f"magnitude {float(np.abs(rows[i]).max()):g}, float32 holds "
+                                 f"{float(np.finfo(np.float32).max):g}); the model computes "
+                                 f"in float32")
+        return np.ascontiguousarray(a, dtype=np.float32)
 
     # -------------------------------------------------------------------- reloading
     def _serving(self) -> _Loaded:

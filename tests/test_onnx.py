@@ -758,6 +758,23 @@ def test_complex_or_time_inputs_are_refused_not_cast(dtype, two_models, tmp_path
     np.testing.assert_array_equal(p.predict(raw)[1], p1)
 
 
+def test_a_finite_value_beyond_float32_is_named_as_such(two_models, tmp_path):
+    """1e39 is a finite float64 that float32 cannot hold: the cast made it inf and the
+    error said the sample "has non-finite values", which the caller's data did not."""
+    blobs, raw, (p1, _) = two_models
+    atomic_write(tmp_path / "m.onnx", blobs[0])
+    p = Predictor(tmp_path / "m.onnx")
+    bad = raw.astype(np.float64)
+    bad[3, 0, 1, 1] = -1e39
+    with pytest.raises(InputError, match=r"input: sample 3 has values beyond float32 "
+                                         r"\(largest magnitude 1e\+39"):
+        p.predict(bad)
+    bad[3, 0, 1, 1] = np.inf
+    with pytest.raises(InputError, match=r"sample 3 has non-finite values"):
+        p.predict(bad)
+    np.testing.assert_array_equal(p.predict(raw)[1], p1)
+
+
 def test_a_large_batch_runs_in_bounded_memory(tmp_path):
     """`edgefl serve` takes any batch that fits infer.max_request_bytes (16 MiB: 5,349
     cnn-mnist samples), and onnxruntime held every activation of the whole batch at once
