@@ -75,8 +75,12 @@ def install_model(data: bytes, state_dir, name: str = "model.onnx", *,
             raise ModelFileError(f"{target}: received {len(data)} bytes with sha256 {got[:12]}, "
                                  f"the sender announced {sha256[:12]}; not installed")
     _session_from_bytes(data, f"{target} (received)", threads=1)
-    os.makedirs(os.fspath(state_dir), exist_ok=True)
-    atomic_write(target, data)
+    try:
+        os.makedirs(os.fspath(state_dir), exist_ok=True)
+        atomic_write(target, data)
+    except OSError as exc:   # a full disk, no permission: the installed file is as it was
+        raise ModelFileError(f"{target}: cannot write the received model ({exc}); not "
+                             f"installed, the model there before is kept") from exc
     return target
 
 

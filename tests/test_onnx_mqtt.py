@@ -297,3 +297,42 @@ def test_acl_lets_clients_read_the_parts_and_only_the_aggregator_write_them(
     finally:
         client.stop.set()
         thread.join(10)
+
+
+def test_a_model_that_cannot_be_written_is_refused_and_the_installed_one_kept(tmp_path):
+    """A board's disk fills up: writing the received model failed with an OSError, which
+    left OnnxReceiver.on_part uncaught; the client catches only the errors that name a bad
+    model (FrameError, ModelFileError, SignatureError), so its main loop, and with it the
+    board's training client, ended, and did again on every restart as the retained model
+    came back. The failure must be a ModelFileError naming the file and the cause, with the
+    installed model and the receiver's state as they were."""
+    import resource
+
+    model = build_model({"name": "softmax"}, (1, 8, 8), 10)
+    old, new = tmp_path / "old.onnx", tmp_path / "new.onnx"
+    export_onnx(model, model.init(0), old, norm_mean=[0.0], norm_std=[1.0])
+    big = build_model({"name": "mlp", "hidden": [64]}, (1, 8, 8), 10)
+    export_onnx(big, big.init(1), new, norm_mean=[0.0], norm_std=[1.0])
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "model.onnx").write_bytes(old.read_bytes())
+    receiver = OnnxReceiver(str(state))
+    pub = encode_publication(new.read_bytes(), {}, round=7, sender="aggregator", run="r1",
+                             max_payload=1 << 20)
+    limit = old.stat().st_size + 1024          # room for the old model, not the new one
+    assert new.stat().st_size > limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))   # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(ModelFileError, match=rf"onnx model of round 7 from 'aggregator': "
+                                                 rf"{state / 'model.onnx'}: cannot write the "
+                                                 rf"received model \(.*File too large"):
+            receiver.on_part(pub.parts[0])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert sha_of(state / "model.onnx") == sha_of(old)                 # untouched
+    assert receiver.installed_sha == sha_of(old) and receiver.installs == 0
+    assert sorted(p.name for p in state.iterdir()) == ["model.onnx"]   # no temporaries left
+    # room again, the retained model received again (as by a restarted client): installed
+    assert OnnxReceiver(str(state)).on_part(pub.parts[0]) == str(state / "model.onnx")
+    assert sha_of(state / "model.onnx") == sha_of(new)
