@@ -206,11 +206,31 @@ def _float_or(text):
     return value if math.isfinite(value) else None
 
 
+def _check_npy_size(body: bytes) -> None:
+    """np.load allocates the array its header declares before reading any data: a header of
+    a few bytes declaring 4 TB was a MemoryError (a 500). The declared size must be what the
+    body holds after the header."""
+    f = io.BytesIO(body)
+    read_header = (np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(f) == (1, 0)
+                   else np.lib.format.read_array_header_2_0)      # 2.0 and 3.0: the same layout
+    shape, _, dtype = read_header(f)
+    if dtype.hasobject:
+        return                                   # np.load refuses it (allow_pickle=False)
+    declared = math.prod(shape) * dtype.itemsize
+    if declared != len(body) - f.tell():
+        raise InputError(f"request body: the .npy header declares shape {tuple(shape)} of "
+                         f"{dtype} ({declared} bytes), the body holds {len(body) - f.tell()} "
+                         f"after the header")
+
+
 def _parse_inputs(body: bytes, content_type: str) -> np.ndarray:
     kind = content_type.split(";")[0].strip().lower()
     if kind in NPY_TYPES or body[:6] == b"\x93NUMPY":
         try:
+            _check_npy_size(body)
             return np.load(io.BytesIO(body), allow_pickle=False)
+        except InputError:
+            raise
         except (ValueError, OSError, EOFError) as exc:
             raise InputError(f"request body: not a numeric .npy array ({exc})") from None
     # anything else is read as JSON: curl -d sends application/x-www-form-urlencoded

@@ -252,3 +252,32 @@ def test_numbers_beyond_float_range_are_a_bad_request_not_a_server_error(tmp_pat
     finally:
         stop.set()
         thread.join(10)
+
+
+def test_a_npy_header_declaring_more_than_the_body_holds_is_a_bad_request(tmp_path, digits):
+    """np.load allocates the shape a .npy header declares before it reads any data: a
+    20-byte body declaring 10^6 x 10^6 float32 (4 TB) was a MemoryError, answered 500
+    "prediction failed". The header is checked against the body first: 400 naming both."""
+    path = tmp_path / "m.onnx"
+    atomic_write(path, export(path, digits, 1))
+    service, sock, stop, thread = serving_in_process(path)
+    try:
+        conn = UnixHTTPConnection(sock)
+        head = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            head, {"descr": "<f4", "fortran_order": False, "shape": (10 ** 6, 10 ** 6)})
+        body = head.getvalue() + b"\0" * 20
+        status, doc, _ = request(conn, "POST", "/predict", body,
+                                 "application/x-npy")
+        assert status == 400, doc
+        assert "declares shape (1000000, 1000000) of float32 (4000000000000 bytes)" \
+            in doc["error"] and "holds 20" in doc["error"], doc
+        good = io.BytesIO()
+        np.save(good, raw_inputs(digits, digits.x_test[:2]))
+        status, doc, _ = request(conn, "POST", "/predict", good.getvalue(),
+                                 "application/x-npy")
+        assert status == 200 and len(doc["classes"]) == 2      # and the service goes on
+        conn.close()
+    finally:
+        stop.set()
+        thread.join(10)
