@@ -377,3 +377,42 @@ def test_edgefl_ctl_watch_prints_epsilon_each_round(fleet, tmp_path):
     assert not any(f" dpw round {last + 1} opened" in x for x in out.lines), out.lines
     finished = next(x for x in out.lines if " dpw run_finished: " in x)
     assert f"rounds {last}" in finished and "privacy budget" in finished, finished
+
+
+def test_the_quantised_contribution_that_enters_the_secure_sum_stays_within_the_clip():
+    """Under secure aggregation a board's clipped delta is quantised (rounded stochastically
+    to the ring's levels) before it is masked, and what enters the sum is that quantised
+    vector: its L2 norm, not the float delta's, is the one the accountant takes to be at
+    most C. Each value moves by under one level, so up to sqrt(d) levels in L2; a clip small
+    against that (here 2e-6 at 4,810 values and a level of 1.9e-8, where it passed C by 5%;
+    at 1M values and 1,000 clients a round a level is 3.7e-6, and the same happens at
+    C = 0.01) shows it. The board (hooks from the announcement) must clip as the in-process
+    client does, and a clip the rounding alone could pass is refused before round 1."""
+    from edgefl.privacy import secagg
+    from edgefl.privacy.dp import DPHooks
+
+    clip = 2e-6
+    config = secure_dp_config("privacy.dp.mode=central", f"privacy.dp.clip={clip}")
+    run = prepare_run(config, progress=False)
+    board = DPHooks.from_client_settings(run.hooks.client_settings())
+    engine = RoundEngine.for_run(run.strategy, run.setup, run.model, config.clients_per_round)
+    state = run.strategy.init(run.init_params, run.setup)
+    plan = engine.open_round(1, state)
+    settings = config.privacy.secure_aggregation
+    setup = secagg.round_setup(settings, run_id="dp-test", round=1,
+                               participants=sorted(plan.uploaders), seed=config.seed,
+                               vector_size=None, scalar_names=None,
+                               max_weight=secagg.max_weight_of(run.strategy, {}))
+    for c, task in sorted(plan.tasks.items()):
+        far = Update({"params": task.buffers["params"] + np.float32(1.0)},
+                     run.clients[c].num_samples, 0.0, 1)
+        for hooks in (run.hooks, board):
+            contribution = client_contribution(run.strategy, task, far, hooks,
+                                               task_generator(task))
+            sent = setup.quantiser.decode(setup.quantiser.encode(
+                contribution, task.train["seed"], setup.max_weight))
+            assert np.linalg.norm(sent.astype(np.float64)) <= clip, (c, hooks)
+    with pytest.raises(ConfigError, match=r"privacy.dp.clip = 1e-06 leaves no room for the "
+                                          r"secure quantiser's rounding: 4810 values"):
+        prepare_run(secure_dp_config("privacy.dp.mode=central", "privacy.dp.clip=1e-6"),
+                    progress=False)

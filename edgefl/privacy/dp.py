@@ -6,7 +6,9 @@ Adaptive Clipping", NeurIPS 2021).
 The mechanism, per round t with clip norm C_t and noise multiplier z:
 
     client i:    delta_i = w_i - w_t                       (its trained model minus the global)
-                 delta_i <- delta_i * min(1, C_t / ||delta_i||_2)          (`clip_delta`)
+                 delta_i <- delta_i * min(1, C_t / ||delta_i||_2)          (`clip_delta`;
+                             under secure aggregation C_t less the quantiser's rounding,
+                             `DPHooks.clip_bound`, so the quantised delta is within C_t)
     aggregator:  S = sum_i delta_i + N(0, (sigma_delta * C_t)^2 I)
                  w_{t+1} = w_t + S / m                     (the strategy's server step on S)
 
@@ -201,8 +203,12 @@ class DPHooks(PrivacyHooks):
     """
 
     def __init__(self, dp: DifferentialPrivacy, clients: int, clients_per_round: int,
-                 seed: int, *, server: bool = True):
+                 seed: int, *, server: bool = True, rounding: float = 0.0):
         self.dp = dp
+        # the secure quantiser's level (`rounding_of`), 0 without secure aggregation: each
+        # value of the clipped delta is rounded to a level before masking, and the clip
+        # leaves room for that (`clip_bound`)
+        self.rounding = float(rounding)
         self.mechanism = DPMechanism(dp, clients_per_round)
         self.clients_per_round = clients_per_round
         # the accountant (and dp-accounting) is the aggregator's; a board's hooks only clip
@@ -216,10 +222,37 @@ class DPHooks(PrivacyHooks):
 
     @classmethod
     def for_client(cls, dp: DifferentialPrivacy, clients_per_round: int,
-                   seed: int = 0) -> "DPHooks":
+                   seed: int = 0, rounding: float = 0.0) -> "DPHooks":
         """The hooks a board needs in distributed mode (clip, noise share): no accountant,
         so no dp-accounting on the board."""
-        return cls(dp, clients_per_round, clients_per_round, seed, server=False)
+        return cls(dp, clients_per_round, clients_per_round, seed, server=False,
+                   rounding=rounding)
+
+    @staticmethod
+    def rounding_of(secure, clients_per_round: int) -> float:
+        """The largest change the secure quantiser makes to one value of a DP round's
+        contribution: one level (`secagg.Quantiser.unit`) of the ring for
+        clients_per_round participants of weight 1 (DP rounds weigh every client 1, and a
+        round has at most that many participants, so its own level is no larger)."""
+        from .secagg import Quantiser
+
+        return Quantiser.for_round(secure.ring_bits, secure.clip_range, clients_per_round,
+                                   1).unit
+
+    def clip_bound(self, size: int) -> float:
+        """The L2 norm a delta of `size` values is clipped to: the round's C, less the
+        secure quantiser's worst rounding (each value moves by under one level, so the
+        quantised vector that enters the sum is within sqrt(size) levels of the clipped
+        one), so that the vector summed, not only the float one, is within C. ValueError
+        naming the keys when the rounding alone could pass C."""
+        room = math.sqrt(size) * self.rounding
+        if room >= self.clip:
+            raise ValueError(
+                f"privacy.dp.clip = {self.clip:g} leaves no room for the secure quantiser's "
+                f"rounding: {size} values each moved by up to one level ({self.rounding:.3g}) "
+                f"can move the norm by {room:.3g}; raise privacy.dp.clip, narrow "
+                f"privacy.secure_aggregation.clip_range or use ring_bits: 64")
+        return self.clip - room
 
     def client_settings(self) -> dict:
         """What a board needs to run `client_delta` when it, not the aggregator, must clip
@@ -228,7 +261,7 @@ class DPHooks(PrivacyHooks):
         return {"mode": self.dp.mode, "clip": self.clip,
                 "noise_multiplier": self.dp.noise_multiplier,
                 "reproducible": self.dp.reproducible,
-                "clients_per_round": self.clients_per_round}
+                "clients_per_round": self.clients_per_round, "rounding": self.rounding}
 
     @classmethod
     def from_client_settings(cls, doc: Mapping) -> "DPHooks":
@@ -237,19 +270,22 @@ class DPHooks(PrivacyHooks):
         try:
             mode, clip = doc["mode"], float(doc["clip"])
             z, m = float(doc["noise_multiplier"]), doc["clients_per_round"]
-            reproducible = doc["reproducible"]
+            reproducible, rounding = doc["reproducible"], float(doc["rounding"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"announcement dp: missing or malformed field ({exc!r})") from None
         if mode not in ("central", "distributed"):
             raise ValueError(f"announcement dp.mode: {mode!r}")
         if not (clip > 0 and math.isfinite(clip)) or not (z >= 0 and math.isfinite(z)):
             raise ValueError(f"announcement dp: clip {clip!r}, noise_multiplier {z!r}")
+        if not (rounding >= 0 and math.isfinite(rounding)):
+            raise ValueError(f"announcement dp.rounding: {rounding!r}")
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 \
                 or not isinstance(reproducible, bool):
             raise ValueError(f"announcement dp: clients_per_round {m!r}, reproducible "
                              f"{reproducible!r}")
         return cls.for_client(DifferentialPrivacy(mode=mode, clip=clip, noise_multiplier=z,
-                                                  reproducible=reproducible), m)
+                                                  reproducible=reproducible), m,
+                                rounding=rounding)
 
     # ------------------------------------------------------------------ client side
     def client_delta(self, delta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -257,7 +293,8 @@ class DPHooks(PrivacyHooks):
         the noise). `rng` is used only with privacy.dp.reproducible (it is seeded from the
         task); otherwise the share is drawn from a fresh CSPRNG-seeded generator."""
         clip = self.clip
-        clipped, norm = clip_delta(delta, clip)
+        clipped, norm = clip_delta(delta, self.clip_bound(delta.size) if self.rounding
+                                   else clip)
         with self._lock:
             self._bits[0] += norm <= clip
             self._bits[1] += 1

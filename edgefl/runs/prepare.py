@@ -166,6 +166,11 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     dataset, split = contiguous(dataset, split)
     model = build_run_model(config, dataset)
     init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
+    if getattr(hooks, "rounding", 0):     # DP under secure aggregation: room for the rounding
+        try:
+            hooks.clip_bound(model.n_params)
+        except ValueError as exc:
+            raise ConfigError(f"{config.path or '<config>'}: {exc}") from None
     setup = Setup(clients=range(len(split.indices)), train=config.train.kernel_kwargs(),
                   lr_decay=config.train.lr_decay, seed=config.seed, rounds=config.rounds,
                   units=Setup.units_of(model))
@@ -198,7 +203,10 @@ def privacy_hooks(config: RunConfig) -> PrivacyHooks:
     where = config.path or "<config>"
     try:
         from ..privacy.dp import DPHooks
-        hooks = DPHooks(dp, config.clients, config.clients_per_round, config.seed)
+        secure = config.privacy.secure_aggregation
+        hooks = DPHooks(dp, config.clients, config.clients_per_round, config.seed,
+                        rounding=0.0 if secure is None
+                        else DPHooks.rounding_of(secure, config.clients_per_round))
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if dp.target_epsilon is not None and hooks.accountant.epsilon(1) > dp.target_epsilon:
