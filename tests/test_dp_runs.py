@@ -416,3 +416,32 @@ def test_the_quantised_contribution_that_enters_the_secure_sum_stays_within_the_
                                           r"secure quantiser's rounding: 4810 values"):
         prepare_run(secure_dp_config("privacy.dp.mode=central", "privacy.dp.clip=1e-6"),
                     progress=False)
+
+
+def test_summary_states_epsilon_against_whoever_knows_who_was_selected(tmp_path):
+    """The accountant's sampling rate q = m / N amplifies privacy only while the sample is
+    secret. edgefl's is not: select_clients(seed, round) is a function of the config's seed,
+    each round's record names it (`selected`) and every board reads it in the
+    announcements. Against anyone who knows it, a client's guarantee is the Gaussian
+    mechanism composed, without sampling, over the rounds it was selected in: summary.json
+    gives that figure too, here checked against dp-accounting composed directly."""
+    import collections
+
+    import dp_accounting
+    from dp_accounting import rdp
+
+    from edgefl.strategies import select_clients
+
+    config = dp_config(rounds=6)
+    summary = simulate(config, tmp_path, workers=2, progress=False)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["selected"] for r in records] == [
+        select_clients(config.seed, r, range(config.clients), config.clients_per_round)
+        for r in range(1, 7)]                           # the public seed alone gives it
+    most = max(collections.Counter(c for r in records for c in r["selected"]).values())
+    direct = rdp.RdpAccountant()
+    direct.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.9), most))
+    p = summary["privacy"]
+    assert p["rounds_selected_most"] == most
+    assert p["epsilon_selection_known"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+    assert p["epsilon_selection_known"] > p["epsilon"]

@@ -191,7 +191,9 @@ def _simulate(args: argparse.Namespace) -> int:
           + (f" ({link} links to it)" if link else ""))
     if "privacy" in summary and "epsilon" in summary["privacy"]:
         p = summary["privacy"]
-        print(f"privacy: epsilon {p['epsilon']:.4g} at delta {p['delta']:g} ({p['accountant']})")
+        print(f"privacy: epsilon {p['epsilon']:.4g} at delta {p['delta']:g} ({p['accountant']}); "
+              f"{p['epsilon_selection_known']:.4g} against whoever knows who was selected "
+              f"({p['rounds_selected_most']} round(s) for the most selected client)")
     if summary.get("stopped"):
         print(f"stopped early: {summary['stopped']['message']}")
     return 0

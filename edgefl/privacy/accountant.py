@@ -26,6 +26,11 @@ is several times larger (z = 1, q = 0.1, 100 rounds, delta 1e-5: about 8 Poisson
 without replacement). With every client in every round (q = 1) there is no sampling and the
 two agree that the round is GaussianDpEvent(z).
 
+Both analyses amplify by sampling, which holds only while the sample is secret; edgefl's
+is a function of the config's seed, named in every record and announcement, so
+`epsilon_selection_known` gives the figure against whoever knows it: the unsampled round
+composed over the rounds the most selected client took part in (docs/privacy.md).
+
 Adaptive clipping adds a second noisy query per round (the count of unclipped clients); the
 noise split in edgefl.privacy.dp keeps the pair of queries equivalent to one Gaussian with
 multiplier z (Andrew et al., NeurIPS 2021, section 3.2), so the event is the same.
@@ -167,6 +172,27 @@ class PrivacyAccountant:
                                                      self.dp.delta)[0])
             accountant = dpa.pld.PLDAccountant(neighboring_relation=relation)
             accountant.compose(dpa.SelfComposedDpEvent(one_round, rounds))
+            return float(accountant.get_epsilon(self.dp.delta))
+
+    def epsilon_selection_known(self, rounds: int) -> float:
+        """Epsilon of a client selected in `rounds` rounds, against whoever knows that it
+        was: the round's event without its sampling (q = 1), composed that many times.
+        Amplification by sampling needs the sample to be secret, and edgefl's is not (the
+        "Accounting" in docs/privacy.md says where it is known)."""
+        if rounds <= 0:
+            return 0.0
+        if self.dp.noise_multiplier == 0:
+            return math.inf
+        dpa = require_dp_accounting()
+        unsampled = round_event(self.dp.noise_multiplier, self.clients, self.clients,
+                                self.sampling)
+        relation = (dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if self.sampling == "poisson"
+                    else dpa.NeighboringRelation.REPLACE_ONE)
+        with _quiet_absl():
+            accountant = (dpa.rdp.RdpAccountant(neighboring_relation=relation)
+                          if self.dp.accountant == "rdp"
+                          else dpa.pld.PLDAccountant(neighboring_relation=relation))
+            accountant.compose(dpa.SelfComposedDpEvent(unsampled, rounds))
             return float(accountant.get_epsilon(self.dp.delta))
 
     def rounds_within(self, target: float, limit: int) -> int:

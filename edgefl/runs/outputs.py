@@ -18,6 +18,7 @@ atomically (edgefl.io).
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -151,9 +152,17 @@ def dp_summary(config: RunConfig, result) -> dict | None:
     from ..privacy.accountant import PrivacyAccountant
     records = [h for h in result.history if "dp_epsilon" in h]
     accountant = PrivacyAccountant(dp, config.clients, config.clients_per_round)
+    # the sample is public (the records' `selected`, the announcements, the config's seed):
+    # against whoever knows it, a client's epsilon is that of the rounds it was selected in,
+    # without amplification by sampling
+    selected = collections.Counter(c for h in records for c in h.get("selected", ()))
+    most = max(selected.values()) if all("selected" in h for h in records) and selected \
+        else len(records)
     out = {"epsilon": records[-1]["dp_epsilon"] if records else 0.0, "delta": dp.delta,
            "mode": dp.mode, "target_epsilon": dp.target_epsilon,
            "rounds_accounted": len(records), **accountant.description,
+           "rounds_selected_most": most,
+           "epsilon_selection_known": accountant.epsilon_selection_known(most),
            "clip": dp.clip, "reproducible_noise": dp.reproducible}
     if dp.adaptive_clip is not None:
         out["clip_history"] = [h["dp_clip"] for h in records]
