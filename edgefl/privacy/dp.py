@@ -39,7 +39,8 @@ Choices, and why:
   instead, so a run can be repeated bit for bit (tests, the experiments in docs/privacy.md);
   anyone who knows the run's seed can then subtract the noise, so a deployment must not set
   it. (NumPy's Gaussian sampler is a floating-point one; the known attacks on floating-point
-  noise (Mironov, CCS 2012) target the Laplace mechanism's low bits and are not addressed.)
+  noise (Mironov, CCS 2012, on the Laplace mechanism; Jin et al., IEEE S&P 2022, on Gaussian
+  samplers too) are not addressed.)
 - **Adaptive clipping.** Each client also reports whether its delta was within the clip,
   as the centred bit b_i - 1/2 (sensitivity 1/2); the aggregator adds N(0, sigma_b^2) to
   their sum, and with b~ = (sum + noise) / m + 1/2, the noised fraction within C,
