@@ -418,6 +418,22 @@ def test_the_quantised_contribution_that_enters_the_secure_sum_stays_within_the_
                     progress=False)
 
 
+def test_a_board_takes_the_dp_settings_of_an_aggregator_that_sends_no_rounding():
+    """An aggregator from before the rounding was announced sends the dp object without it:
+    a newer board clips to C as that aggregator's boards did (rounding 0), not refuse the
+    round; a rounding that is there must be a finite number >= 0."""
+    from edgefl.privacy.dp import DPHooks
+
+    config = secure_dp_config("privacy.dp.mode=central", "privacy.dp.clip=2e-6")
+    settings = prepare_run(config, progress=False).hooks.client_settings()
+    assert settings["rounding"] > 0
+    older = {k: v for k, v in settings.items() if k != "rounding"}
+    assert DPHooks.from_client_settings(older).rounding == 0.0
+    for bad in (-1.0, float("nan"), "x"):
+        with pytest.raises(ValueError, match="announcement dp"):
+            DPHooks.from_client_settings(dict(settings, rounding=bad))
+
+
 def test_summary_states_epsilon_against_whoever_knows_who_was_selected(tmp_path):
     """The accountant's sampling rate q = m / N amplifies privacy only while the sample is
     secret. edgefl's is not: select_clients(seed, round) is a function of the config's seed,

@@ -271,7 +271,9 @@ class DPHooks(PrivacyHooks):
         try:
             mode, clip = doc["mode"], float(doc["clip"])
             z, m = float(doc["noise_multiplier"]), doc["clients_per_round"]
-            reproducible, rounding = doc["reproducible"], float(doc["rounding"])
+            # "rounding" is absent from an older aggregator's announcement: its boards
+            # clipped to C itself, as this one then does
+            reproducible, rounding = doc["reproducible"], float(doc.get("rounding", 0.0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"announcement dp: missing or malformed field ({exc!r})") from None
         if mode not in ("central", "distributed"):
