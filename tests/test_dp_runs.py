@@ -102,6 +102,22 @@ def test_a_target_the_first_round_passes_is_a_config_error():
         prepare_run(dp_config("privacy.dp.target_epsilon=0.5"), progress=False)
 
 
+
+def test_a_delta_not_below_one_over_the_clients_is_warned_about(caplog):
+    """(epsilon, delta)-DP with delta >= 1/N allows releasing one client's data outright
+    with probability delta: a guarantee in name only. The run goes on (a user may mean it)
+    but says so, naming the key and 1/N; the usual delta (1e-5 at 10 clients) says nothing."""
+    config = dp_config("privacy.dp.delta=0.2")
+    with caplog.at_level("WARNING", logger="edgefl"):
+        prepare_run(config, progress=False)
+    warned = [r.getMessage() for r in caplog.records if "privacy.dp.delta" in r.getMessage()]
+    assert warned and f"privacy.dp.delta = 0.2 is not below 1/N = {1 / config.clients:g} " \
+        f"({config.clients} clients)" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="edgefl"):
+        prepare_run(dp_config(), progress=False)
+    assert not [r for r in caplog.records if "privacy.dp.delta" in r.getMessage()]
+
 def test_a_huge_update_moves_the_sum_by_at_most_the_clip():
     """Through the engine: the round's sum with one client's update blown up differs from
     the sum without that client by at most C (noise off, so the difference is the clip)."""

@@ -8,6 +8,7 @@ global model.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
 from .phases import phase
+
+log = logging.getLogger("edgefl.runs.prepare")
 
 __all__ = ["PreparedRun", "RunResult", "ShardClients", "build_run_model", "client_shard",
            "local_datasets", "prepare_run", "privacy_hooks"]
@@ -209,6 +212,13 @@ def privacy_hooks(config: RunConfig) -> PrivacyHooks:
                         else DPHooks.rounding_of(secure, config.clients_per_round))
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    if dp.delta >= 1 / config.clients:
+        # delta is the chance the guarantee fails outright: at 1/N or more, a mechanism that
+        # publishes one random client's data meets it
+        log.warning("%s: privacy.dp.delta = %g is not below 1/N = %g (%d clients): "
+                    "(epsilon, delta) then allows releasing a client's data outright with "
+                    "probability delta; the usual choice is well below 1/N", where,
+                    dp.delta, 1 / config.clients, config.clients)
     if dp.target_epsilon is not None and hooks.accountant.epsilon(1) > dp.target_epsilon:
         raise ConfigError(f"{where}: privacy.dp.target_epsilon: {dp.target_epsilon:g} is "
                           f"spent by the first round already (epsilon "
