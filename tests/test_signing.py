@@ -1171,7 +1171,7 @@ def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_u
     key's, the aggregator's own for client-1) are refused by the board, which goes on; the
     run closes its rounds from the unmasked sum with the model of the same run unsigned."""
     from edgefl.privacy import secagg
-    from edgefl.roles.aggregator import _attempt_tag
+    from edgefl.roles.messages import attempt_tag
     from edgefl.roles.trust import secure_context, secure_signer
     import logging
 
@@ -1185,7 +1185,7 @@ def test_secure_aggregation_signed_forged_phase_messages_refused_same_model_as_u
     signed = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys).start()
     agg = signed.aggregator
     o = agg.open
-    tag = _attempt_tag(o.announce_id)
+    tag = attempt_tag(o.announce_id)
     first = (tag << 32) | 1                 # the id of client-0's first message of the attempt
     x25519 = secagg.SecAggClient(0, secagg.RoundSetup.from_dict(json.loads(
         o.announcement)["secure"]))

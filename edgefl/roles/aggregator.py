@@ -65,8 +65,8 @@ from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from ..transport.signing import SignatureError
 from .trust import secure_context, secure_signer, verify_secure
-from .messages import (MessageError, TopicCache, build_announcement, buffers_sha256,
-                       finished_announcement, new_announce_id, parse_status,
+from .messages import (MessageError, TopicCache, attempt_tag, build_announcement,
+                       buffers_sha256, finished_announcement, new_announce_id, parse_status,
                        parse_update_scalars, peek_frame, status_payload)
 from .state import (JOURNAL_FILE, AggregatorCheckpoint, StateError, StateWriteError,
                     append_journal, jsonable, read_journal)
@@ -1321,7 +1321,7 @@ class Aggregator:
                                    seed=plan.setup.seed, vector_size=None, scalar_names=None,
                                    max_weight=max_weight)
         o.secure = secagg.SecAggServer(setup)
-        o.secure_tag = _attempt_tag(o.announce_id)
+        o.secure_tag = attempt_tag(o.announce_id)
         o.secure_seq = 0
         o.secure_in = secagg.ChunkAssembler(2 * 8 * plan.model.n_params + (1 << 20))
         return setup
@@ -1579,12 +1579,6 @@ class Aggregator:
 # a model at least this large is hashed in a thread, for the journal while the checkpoint
 # is written (Aggregator._commit), for the announcement while its frame is (_frame)
 _HASH_IN_THREAD_BYTES = 1 << 20
-
-
-def _attempt_tag(announce_id: str) -> int:
-    """The 32-bit tag of a round attempt: the high half of its secure chunks' message ids
-    (the client derives the same from the announcement id)."""
-    return int.from_bytes(hashlib.sha256(announce_id.encode()).digest()[:4], "big")
 
 
 def _secure_record(server) -> dict:

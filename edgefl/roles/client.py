@@ -31,7 +31,6 @@ and dropped, and the client keeps running.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -60,9 +59,9 @@ from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.signing import SignatureError
 from .trust import secure_context, secure_signer, verify_secure
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
-from .messages import (MessageError, TopicCache, announced_frame_id, buffers_sha256,
-                       parse_announcement, peek_frame, status_payload, task_from_announcement,
-                       update_scalars)
+from .messages import (MessageError, TopicCache, announced_frame_id, attempt_tag,
+                       buffers_sha256, parse_announcement, peek_frame, status_payload,
+                       task_from_announcement, update_scalars)
 from .onnx_channel import OnnxReceiver, part_index, parts_filter
 from .state import ClientProgress
 
@@ -881,7 +880,7 @@ class Client:
             log.warning("%s: round %d's contribution is not held (restarted since training): "
                         "this client sits the secure round out", self.node, r)
             return
-        tag = _attempt_tag(doc["announce"])
+        tag = attempt_tag(doc["announce"])
         if self._secure is not None and self._secure_tag == tag:
             return                                   # this attempt is under way already
         try:
@@ -950,12 +949,6 @@ class Client:
                 raise secagg.SecAggError(f"a {msg.kind} message is not for a client")
         except (secagg.SecAggError, ValueError) as exc:
             self._reject(f"secure aggregation message: {exc}")
-
-
-def _attempt_tag(announce_id: str) -> int:
-    """The 32-bit tag of a round attempt (its announcement id): the high half of every
-    secure chunk's message id, so messages of an earlier attempt are told apart."""
-    return int.from_bytes(hashlib.sha256(announce_id.encode()).digest()[:4], "big")
 
 
 SIGNED_AT_FILE = "downlink-signed.json"    # the signing time of the first announcement

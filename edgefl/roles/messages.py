@@ -115,6 +115,13 @@ def new_announce_id() -> str:
     return os.urandom(8).hex()
 
 
+def attempt_tag(announce_id: str) -> int:
+    """The 32-bit tag of a round attempt (its announcement id): the high half of every
+    secure chunk's message id, which the aggregator and its clients derive alike, so
+    messages of an earlier attempt are told apart."""
+    return int.from_bytes(hashlib.sha256(announce_id.encode()).digest()[:4], "big")
+
+
 # ---------------------------------------------------------------------------------------
 # announcement
 # ---------------------------------------------------------------------------------------
