@@ -59,9 +59,9 @@ from typing import Sequence
 
 import numpy as np
 
-from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, aggregation_weights,
-               average_updates, check_choice, check_number, local_round, mean_train_loss,
-               register)
+from . import (WEIGHTINGS, Strategy, StrategyError, Task, aggregation_weights, average_updates,
+               check_choice, check_number, mean_train_loss, register)
+from .fedavg import FedAvg
 
 GRANULARITIES = ("tensor", "layer")
 _RECOMBINE_STREAM = 0xFED3B   # separates the recombination stream from selection and training
@@ -226,10 +226,6 @@ class FedMR(Strategy):
         return flat.reshape(int(state.meta["slots"]), -1)
 
     # ---------------------------------------------------------------- client half
-    def train(self, task, local_data, client_state):
-        """ClientUpdate (Algorithm 1 line 5): local SGD from the received model, momentum reset
-        every round and never uploaded; the whole model goes up."""
-        params, _, result = local_round(local_data, task.buffers["params"], task.train)
-        update = Update({"params": params} if task.upload else {}, local_data.num_samples,
-                        result["mean_loss"], result["steps"])
-        return update, client_state
+    # ClientUpdate (Algorithm 1 line 5) is FedAvg's: local SGD from the received model,
+    # momentum reset every round and never uploaded; the whole model goes up.
+    train = FedAvg.train
