@@ -25,7 +25,6 @@ MIN_NODES = 20
 # of "path:qualified name". test_known_duplicates_are_still_there fails as soon as one is
 # gone, so an entry cannot outlive its fix.
 KNOWN_DUPLICATES: list = [
-    {"edgefl/strategies/_types.py:Task.nbytes", "edgefl/strategies/_types.py:Update.nbytes"},
 ]
 
 

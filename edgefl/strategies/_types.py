@@ -57,6 +57,14 @@ def _frozen_mapping(mapping) -> Mapping:
     return types.MappingProxyType(dict(mapping))
 
 
+def _nbytes(buffers: Mapping[str, np.ndarray]) -> int:
+    """The bytes of a task's or an update's buffers."""
+    total = 0           # (a loop, not sum over a generator: read once per client a round)
+    for b in buffers.values():
+        total += b.nbytes
+    return total
+
+
 @dataclass(frozen=True)
 class Setup:
     """What the server half knows about a run when it starts (the `cfg` of `init`).
@@ -189,10 +197,7 @@ class Task:
     @property
     def nbytes(self) -> int:
         """float32 bytes of the buffers this task sends down."""
-        total = 0           # (a loop, not sum over a generator: read once per client a round)
-        for b in self.buffers.values():
-            total += b.nbytes
-        return total
+        return _nbytes(self.buffers)
 
 
 @dataclass(frozen=True)
@@ -224,10 +229,7 @@ class Update:
     @property
     def nbytes(self) -> int:
         """float32 bytes of the buffers this update sends up."""
-        total = 0           # (a loop, not sum over a generator: read once per client a round)
-        for b in self.buffers.values():
-            total += b.nbytes
-        return total
+        return _nbytes(self.buffers)
 
 
 @dataclass(frozen=True)
