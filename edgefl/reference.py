@@ -182,7 +182,6 @@ def i8_to_f32(out, q, scales, seg_offsets):
 _DENSE, _CONV, _POOL, _RELU, _FLAT = 1, 2, 3, 4, 5
 _CE, _LOGISTIC, _MSE, _SQHINGE = 1, 2, 3, 4
 EVAL_CHUNK = 128
-MAX_CHUNK = 128
 
 
 def _rows(net):
@@ -372,9 +371,6 @@ def evaluate(net, params, x, labels, targets):
         total += t
         correct += c
     return total, correct
-
-
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _splitmix64(z):

@@ -51,7 +51,6 @@ CACHE_FORMAT = 1          # bump when the file layout or a loader's output chang
 SOURCE_HASHES = "source-hashes.json"   # _SourceHashes' memo, beside the cache files
 SETTLED_S = 2.0           # a source is remembered once unchanged this long (_SourceHashes)
 WRITER_WAIT_S = 120.0     # the longest a load waits for another process's decode (_Writing)
-_ARRAYS = ("x_train", "y_train", "x_test", "y_test", "norm_mean", "norm_std", "client_ids")
 
 
 def cache_dir() -> str | None:

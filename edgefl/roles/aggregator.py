@@ -76,8 +76,6 @@ __all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult", "s
 
 log = logging.getLogger("edgefl.roles.aggregator")
 
-CLOSE_REASONS = ("all", "quorum", "offline", "deadline", "no_uploads")
-
 
 def default_client_ids(n: int) -> tuple:
     """The node ids of a federation of n clients when none are configured: client-0 ..."""
