@@ -34,8 +34,6 @@ CALLED_BY_NAME = {
 # Dead names tolerated while their removal is under way, as "path:qualified name".
 # test_known_dead_names_are_still_there fails as soon as one is gone.
 KNOWN_DEAD: set = {
-    "edgefl/privacy/dp.py:DPMechanism.count_share_std",
-    "edgefl/privacy/dp.py:DPMechanism.server_count_std",
     "edgefl/transport/mqtt.py:MqttTransport.from_settings",
 }
 

@@ -129,7 +129,9 @@ class DPMechanism:
 
     @property
     def count_noise(self) -> float:
-        """sigma_b: the noise std on the sum of centred clip bits (0 without adaptive clip)."""
+        """sigma_b: the noise std on the sum of centred clip bits (0 without adaptive clip),
+        all of it added by the aggregator, which alone sees the bits: adaptive clipping is
+        refused with secure aggregation, so never runs in distributed mode."""
         a = self.dp.adaptive_clip
         if a is None:
             return 0.0
@@ -155,12 +157,6 @@ class DPMechanism:
             return 0.0
         return self.sum_noise_std(clip) / math.sqrt(self.clients_per_round)
 
-    def count_share_std(self) -> float:
-        """The std of one client's share of the count noise in distributed mode."""
-        if self.dp.mode != "distributed":
-            return 0.0
-        return self.count_noise / math.sqrt(self.clients_per_round)
-
     def server_std(self, clip: float, shares: int) -> float:
         """The noise the aggregator adds to a sum that already carries `shares` clients'
         noise shares: all of it in central mode, the top-up for the missing shares in
@@ -169,12 +165,6 @@ class DPMechanism:
             return self.sum_noise_std(clip)
         missing = max(0, self.clients_per_round - shares)
         return self.sum_noise_std(clip) * math.sqrt(missing / self.clients_per_round)
-
-    def server_count_std(self, shares: int) -> float:
-        if self.dp.mode != "distributed":
-            return self.count_noise
-        missing = max(0, self.clients_per_round - shares)
-        return self.count_noise * math.sqrt(missing / self.clients_per_round)
 
     def next_clip(self, clip: float, centred_count: float) -> float:
         """C_{t+1} from C_t and the noised sum of centred bits (b_i - 1/2) over the round:
