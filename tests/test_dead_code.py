@@ -33,9 +33,7 @@ CALLED_BY_NAME = {
 
 # Dead names tolerated while their removal is under way, as "path:qualified name".
 # test_known_dead_names_are_still_there fails as soon as one is gone.
-KNOWN_DEAD: set = {
-    "edgefl/transport/mqtt.py:MqttTransport.from_settings",
-}
+KNOWN_DEAD: set = set()
 
 
 def definitions(source: str) -> list:

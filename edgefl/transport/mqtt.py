@@ -234,11 +234,6 @@ class MqttTransport(Transport):
         self._paho_logger.parent = _paho_log
         self._paho_logger.addFilter(self._paho_log_filter)
 
-    @classmethod
-    def from_settings(cls, settings: MqttSettings) -> "MqttTransport":
-        fields = {k: v for k, v in settings.__dict__.items() if k not in ("url", "client_id")}
-        return cls(settings.url, settings.client_id, **fields)
-
     # -- connection -------------------------------------------------------------------
 
     @property
