@@ -460,35 +460,13 @@ def read_inputs(path, input_shape: tuple, input_range=None) -> np.ndarray:
 
 
 def _read_csv_rows(path: str) -> np.ndarray:
-    import csv
+    from .data.datasets import read_csv_table     # imported here: only a CSV input needs it
 
-    rows = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for n, row in enumerate(csv.reader(f), start=1):
-            cells = [c.strip() for c in row]
-            if not any(cells):
-                continue
-            try:
-                rows.append([float(c) for c in cells])
-            except ValueError:
-                if n == 1 and not rows:
-                    continue   # a header
-                bad = next(c for c in cells if not _is_number(c))
-                raise InputError(f"{path}, line {n}: {bad!r} is not a number") from None
-    if not rows:
-        raise InputError(f"{path}: no data rows")
-    widths = {len(r) for r in rows}
-    if len(widths) != 1:
-        raise InputError(f"{path}: rows have different numbers of values ({sorted(widths)})")
-    return np.array(rows, dtype=np.float32)
-
-
-def _is_number(cell: str) -> bool:
     try:
-        float(cell)
-    except ValueError:
-        return False
-    return True
+        _, table, _ = read_csv_table(path)
+    except (ValueError, OSError) as exc:
+        raise InputError(str(exc)) from None
+    return table.astype(np.float32)
 
 
 def _read_image(path: str, input_shape: tuple, input_range) -> np.ndarray:

@@ -800,14 +800,34 @@ assert probs.shape == (1025, 10) and classes.shape == (1025,)
 np.testing.assert_allclose(probs, np.concatenate(parts), rtol=0, atol=1e-6)
 print("grown_mb", grown)
 """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=tmp_path)
+                          timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     grown = int(done.stdout.split("grown_mb")[1])
     assert grown < 150, f"peak resident memory grew by {grown} MB for 1,025 samples"
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"\xff\xfe1,2\n", r"not UTF-8 text \(byte 0xff at offset 0\)"),
+    (b"a,b\n1,2\n3,x\n", r"line 3, column 'b': 'x' is not a number"),
+    (b"1,2\n3\n", r"line 2 has 1 columns, expected 2"),
+    (b"a,b\n", r"the file has a header but no data rows"),
+    (b"\n\n", r"the file is empty"),
+])
+def test_a_bad_csv_input_is_refused_naming_the_file_and_line(tmp_path, content, problem):
+    """predict --input x.csv reads its file as a CSV data set is read (one reader): a bad
+    file is an InputError that names it, the line and the column."""
+    path = tmp_path / "x.csv"
+    path.write_bytes(content)
+    with pytest.raises(InputError, match=re.escape(str(path)) + ": " + problem):
+        read_inputs(path, (2,))
+
+
+def test_a_csv_input_with_a_header_is_read_as_float32(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("a,b\n1, 2.5\n\n3,4\n")
+    x = read_inputs(path, (2,))
+    assert x.dtype == np.float32 and x.tolist() == [[1.0, 2.5], [3.0, 4.0]]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])

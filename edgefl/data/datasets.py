@@ -566,12 +566,12 @@ def load_csv(*, path: str, label: str | int = "label", test_path: str | None = N
     if test_path is not None and test_fraction is not None:
         raise ValueError("csv: set test_path or test_fraction, not both")
     label_key = f"label column {label!r}"
-    header, table, lines = _read_csv(path, delimiter)
+    header, table, lines = read_csv_table(path, delimiter)
     column = _label_column(path, header, label, table.shape[1])
     _finite_cells(path, header, table, lines, column, label_key)
     xs, ys = np.delete(table, column, axis=1), table[:, column]
     if test_path is not None:
-        test_header, test_table, test_lines = _read_csv(test_path, delimiter)
+        test_header, test_table, test_lines = read_csv_table(test_path, delimiter)
         if test_table.shape[1] != table.shape[1] or (header and test_header != header):
             raise ValueError(f"{test_path}: columns {test_header or test_table.shape[1]} differ "
                              f"from {path}'s {header or table.shape[1]}")
@@ -649,9 +649,12 @@ def _tabular_raw(name, path, xs, ys, xt, yt, y_keys, task, num_classes, class_na
                (float(xs.min()), float(xs.max())))
 
 
-def _read_csv(path: str, delimiter: str) -> tuple[list | None, np.ndarray, list]:
-    """(header or None, float64 table, each row's line number) of a CSV file; errors name
-    the file, line and column."""
+def read_csv_table(path: str, delimiter: str = ",") -> tuple[list | None, np.ndarray, list]:
+    """(header or None, float64 table, each row's line number) of a CSV file of numbers, the
+    one CSV reader (the `csv` data set, `edgefl predict --input x.csv`): blank lines are
+    skipped, a first row that is not all numbers is the header. ValueError naming the file,
+    line and column (not UTF-8, a cell that is no number, a row of another width, no data
+    rows); FileNotFoundError when there is no such file."""
     _data_file("csv", path)
     try:
         with open(path, newline="", encoding="utf-8") as f:
