@@ -639,6 +639,16 @@ def test_a_bad_sites_file_is_refused_naming_the_file_and_entry(tmp_path, text, m
         load_sites(tmp_path / "missing.yaml")
 
 
+
+def test_a_sites_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    """The decoder's own UnicodeDecodeError named no file (and is no ValueError)."""
+    from edgefl.roles.edge import load_sites
+    path = tmp_path / "sites.yaml"
+    path.write_bytes(b"site-a: [client-\xff]\n")
+    with pytest.raises(ValueError, match=re.escape(f"sites file {path}: not UTF-8 text "
+                                                   f"(byte 0xff at offset 16)")):
+        load_sites(path)
+
 def test_the_cli_refuses_an_edge_without_its_site(tmp_path, capsys, monkeypatch):
     from edgefl.cli import main
     site = tmp_path / "edge.yaml"

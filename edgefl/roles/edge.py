@@ -122,6 +122,9 @@ def load_sites(path: str | os.PathLike) -> dict:
             doc = load_yaml(fh)
     except OSError as exc:
         raise ValueError(f"sites file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:     # the decoder's own message names no file
+        raise ValueError(f"sites file {path}: not UTF-8 text (byte "
+                         f"0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"sites file {path}: not YAML: {exc}") from None
     if not isinstance(doc, dict) or not doc:
