@@ -404,6 +404,9 @@ class EdgeAggregator(Aggregator):
             t.subscribe(topic, qos=1)
         log.info("edge %s: %d site clients, following the centre on %s", self.edge_id,
                  len(self.senders), self.up.base)
+        if self.centre_keys is None:      # as a board without keys.aggregator says
+            log.info("edge %s: signatures off: the centre's announcements and models are "
+                     "taken unsigned (give --centre-key to require the centre's)", self.edge_id)
         finished = False
         try:
             while not self.stop.is_set():
