@@ -51,8 +51,9 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from .. import __version__
 from .._malloc import keep_frames_in_heap
-from ..errors import budget_stop
+from ..errors import ConfigError, budget_stop
 from ..config import check_number
 from ..models import Model
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks, secagg
@@ -75,6 +76,12 @@ __all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult", "s
            "run_fingerprint", "default_client_ids"]
 
 log = logging.getLogger("edgefl.roles.aggregator")
+
+# why a board that sends a plain update in a secure round cannot take part in it
+_NO_SECURE = ("its edgefl predates secure aggregation over MQTT (docs/protocol.md sections "
+              "10 and 14), so it ignores the announcement's 'secure' field and uploads its "
+              f"update unmasked; this aggregator runs edgefl {__version__}: upgrade the "
+              "board's edgefl")
 
 
 def default_client_ids(n: int) -> tuple:
@@ -383,6 +390,10 @@ class Aggregator:
             # last one's check is not a whole 4 MB pass at the end of the round
             digests=self.uplink is not None)
         self.online: dict[str, bool] = {}
+        self.versions: dict[str, str] = {}  # node -> the edgefl version its status names
+        # secure runs: node -> why it cannot take part (a board older than secure
+        # aggregation over MQTT sent a plain update); its secure message clears it
+        self._without_secure: dict[str, str] = {}
         self.open: _OpenRound | None = None
         self.ckpt: AggregatorCheckpoint | None = None
         self.stats = {"late": 0, "duplicates": 0, "rejected": 0, "resends": 0}
@@ -1236,6 +1247,9 @@ class Aggregator:
             self._reject(node, f"{where} belongs to run {scalars['run']}, this is run "
                                f"{self.ckpt.run_id}", key)
             return
+        if self.plan.secure is not None:
+            self._refuse_plain_update(node, key)
+            return
         if not frame.buffers:
             self._reject(node, f"{where} carries no buffers, but the task asked for an upload",
                          key)
@@ -1251,6 +1265,36 @@ class Aggregator:
         o.counts["wire_up_bytes"] += frame.nbytes
         log.debug("round %d: update from %s (%d/%d)", o.round, node, len(o.received),
                   len(o.uploaders))
+
+    def _refuse_plain_update(self, node: str, key) -> None:
+        """A plain update in a secure round: only a board whose edgefl predates secure
+        aggregation over MQTT sends one (it ignores the announcement's `secure` field). It
+        is not aggregated, the round's phases stop waiting for the board, and a round
+        that cannot reach its threshold without such boards ends the run naming them
+        (_secure_unreachable) instead of being announced again at every deadline."""
+        o = self.open
+        self._without_secure[node] = self.versions.get(node) or "of unknown version"
+        o.refused.add(node)
+        why = (f"{node} (edgefl {self._without_secure[node]}, by its status) sent a plain "
+               f"update in secure round {o.round}: {_NO_SECURE}")
+        self._reject(node, why, key)
+        self._event("client_refused", round=o.round, client=node, reason=why)
+
+    def _secure_unreachable(self, server) -> ConfigError | None:
+        """The error that ends the run when the attempt's participants that can speak
+        secure aggregation are fewer than its threshold, or None."""
+        ids = self.plan.client_ids
+        unable = [ids[c] for c in server.setup.participants if ids[c] in self._without_secure]
+        able = len(server.setup.participants) - len(unable)
+        if not unable or able >= server.setup.threshold:
+            return None
+        boards = ", ".join(f"{n} (edgefl {self._without_secure[n]})" for n in unable)
+        return ConfigError(
+            f"round {self.open.round}: secure aggregation needs {server.setup.threshold} of "
+            f"its {len(server.setup.participants)} clients, and {len(unable)} cannot take "
+            f"part: {boards} sent plain updates: {_NO_SECURE}. The run stops here (its "
+            "rounds done are checkpointed: a restart after the upgrade resumes it), or run "
+            "it without privacy.secure_aggregation")
 
     def _upload_refusal(self, node: str) -> str | None:
         """Why `node` may not upload in the open round, or None (the engine's check)."""
@@ -1269,6 +1313,8 @@ class Aggregator:
         before = self.online.get(node)
         now_online = doc["online"]
         self.online[node] = now_online
+        if isinstance(doc.get("version"), str):
+            self.versions[node] = doc["version"]
         if not now_online and before is not False:
             self._offline_since[node] = time.monotonic()
         if before is not now_online:
@@ -1355,11 +1401,16 @@ class Aggregator:
                        and mono - self._offline_since.get(n, -math.inf) >= s.offline_grace_s}
             gone = bool(waiting) and waiting <= offline and len(book) >= server.setup.threshold \
                 and mono - self._reconnected_at >= s.offline_grace_s
-            if not waiting or gone or now >= phase_deadline:
+            # boards that cannot speak secure aggregation never answer: not waited for
+            unable = bool(waiting) and waiting <= self._without_secure.keys()
+            if not waiting or gone or unable or now >= phase_deadline:
                 phase = server.phase
                 try:
                     out = server.advance()
                 except secagg.SecAggAborted as exc:
+                    unreachable = self._secure_unreachable(server)
+                    if unreachable is not None:
+                        raise unreachable from None
                     log.warning("round %d: secure aggregation failed (%s); announcing it again",
                                 o.round, exc)
                     self._event("secure_round_failed", round=o.round, phase=phase,
@@ -1418,6 +1469,7 @@ class Aggregator:
             o.counts["late"] += 1
             return
         o.counts["wire_up_bytes"] += len(payload)
+        self._without_secure.pop(node, None)        # it speaks secure aggregation now
         try:
             repeats = o.secure_in.repeats
             sealed = o.secure_in.add_sealed(node, payload)
