@@ -550,3 +550,65 @@ def test_curves_leave_a_gap_for_rounds_the_page_never_saw_close(tmp_path):
                 "document.querySelectorAll('#chart-accuracy polyline.line').length") == lines
             assert page.evaluate(
                 "document.querySelectorAll('#chart-loss polyline.line').length") == lines
+
+
+# ---------------------------------------------------------------------------------------
+# a hostile board: what it publishes on its own topics, within the broker's ACL
+# ---------------------------------------------------------------------------------------
+
+def _board(server, user: str):
+    """A connected transport logged in as board `user` of the ACL broker `server`: it may
+    publish only its own status, update, metrics and secure topics (broker/acl)."""
+    import uuid
+
+    from edgefl.transport.mqtt import MqttTransport
+    t = MqttTransport(server.url, f"{user}-{uuid.uuid4().hex[:6]}", username=user,
+                      password=server.users[user], clean_session=True, connect_timeout=10)
+    t.connect()
+    return t
+
+
+def _nested_status(node: str, depth: int) -> bytes:
+    return (json.dumps({"node": node, "online": True})[:-1] + ', "x": '
+            + "[" * depth + "]" * depth + "}").encode()
+
+
+def test_a_boards_status_nested_too_deep_neither_stops_the_feed_nor_breaks_the_page(
+        mosquitto_acl_server):
+    """A board's status is JSON it chooses. Nested 2,000 deep it raised RecursionError
+    (not a ValueError) out of the dashboard's feed thread: the page stopped following the
+    fleet for good, and, retained, on every restart too. Nested 990 deep it parsed, and
+    then every /state and every page's first snapshot failed (the encoder's recursion in
+    the server's thread): one board blanked the page. Both are now refused as that board's
+    unreadable status, named and counted, and the page keeps the rest of the fleet."""
+    import uuid
+
+    from edgefl.dashboard import Dashboard
+    topics = Topics(f"dash-{uuid.uuid4().hex[:8]}")
+    board1 = _board(mosquitto_acl_server, "client-1")
+    board2 = _board(mosquitto_acl_server, "client-2")
+    try:
+        with Dashboard(mosquitto_acl_server.url, topics.federation, port=0,
+                       username="operator",
+                       password=mosquitto_acl_server.users["operator"]) as dashboard:
+            def state():
+                response, body = _request(dashboard.port, path="/state")
+                assert response.status == 200, (response.status, body[:200])
+                return json.loads(body)
+
+            for i, depth in enumerate((2000, 990)):
+                board1.publish(topics.status("client-1"), _nested_status("client-1", depth),
+                               qos=1, retain=True).wait(10)
+                board2.publish(topics.status("client-2"), json.dumps(
+                    {"node": "client-2", "online": True, "last_round": i}).encode(),
+                               qos=1, retain=True).wait(10)
+                # client-2's status comes after client-1's: the feed went past it
+                wait_for(lambda: any(n.get("last_round") == i for n in state()["nodes"]),
+                         timeout=30, what=f"client-2's status after a status {depth} deep")
+                assert [n["node"] for n in state()["nodes"]] == ["client-2"]
+                assert dashboard._feed_thread.is_alive()
+            assert state()["ignored"] == 2
+    finally:
+        for board, node in ((board1, "client-1"), (board2, "client-2")):
+            board.publish(topics.status(node), b"", qos=1, retain=True).wait(10)
+            board.close(timeout=1, announce_offline=False)

@@ -18,12 +18,11 @@ Every change becomes one (kind, document) pair for the listeners (the open pages
 gets `snapshot()` first, taken under the same lock as its registration, so it misses
 nothing and sees nothing twice.
 
-A payload that cannot be read (not JSON, a status naming another node) is counted and
-logged with its topic, and changes nothing.
+A payload that cannot be read (not JSON, nested too deep, a status naming another node)
+is counted and logged with its topic, and changes nothing.
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -31,7 +30,7 @@ import time
 from collections import deque
 
 from ..roles.daemon import DONE_STATES, RUN_STATES
-from ..roles.messages import MessageError, parse_status
+from ..roles.messages import MessageError, _loads, parse_status
 from ..transport.base import ConnectionEvent, Message
 from ..transport.topics import TopicError, Topics
 
@@ -151,7 +150,7 @@ class FleetView:
                 if self.runs.pop(run, None) is not None:
                     self._emit("run_gone", {"id": run})
                 return
-        doc = _json_object(message.payload, f"run record of {run!r}")
+        doc = _loads(message.payload, f"run record of {run!r}")
         if doc.get("id") != run or doc.get("state") not in RUN_STATES:
             raise MessageError(f"run record of {run!r}: id {doc.get('id')!r}, state "
                                f"{doc.get('state')!r} (need id {run!r} and a state of "
@@ -168,7 +167,7 @@ class FleetView:
             self._emit("run", row)
 
     def _on_event(self, message: Message) -> None:
-        doc = _json_object(message.payload, "event")
+        doc = _loads(message.payload, "event")
         kind = doc.get("event")
         if not isinstance(kind, str):
             raise MessageError(f"event: field 'event' missing or not a string: "
@@ -216,13 +215,3 @@ class FleetView:
             row.setdefault("ended", doc.get("at"))
         self.runs[run] = row
         self._emit("run", row)
-
-
-def _json_object(payload: bytes, what: str) -> dict:
-    try:
-        doc = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MessageError(f"{what}: not JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise MessageError(f"{what}: a JSON {type(doc).__name__}, not an object")
-    return doc

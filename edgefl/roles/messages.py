@@ -57,12 +57,17 @@ from ..transport import wire
 from ..transport.topics import TopicError, Topics, validate_id
 from .state import tag_floats, untag_floats
 
-__all__ = ["MessageError", "VERSION", "buffers_sha256", "peek_frame", "TopicCache", "AnnouncementCache", "new_announce_id", "build_announcement",
+__all__ = ["MessageError", "VERSION", "MAX_JSON_DEPTH", "buffers_sha256", "peek_frame", "TopicCache", "AnnouncementCache", "new_announce_id", "build_announcement",
            "parse_announcement", "finished_announcement", "task_from_announcement",
            "status_payload", "parse_status", "update_scalars", "parse_update_scalars"]
 
 VERSION = 1
 MAX_JSON_BYTES = 4 << 20
+# nesting of a JSON message (status, command, reply, event, record): the deepest the protocol
+# sends is a run config inside a command, a few levels. Deeper is refused: json.loads raises
+# RecursionError (not a ValueError) near 1,000 levels, and a document just under that
+# breaks whoever encodes it again (the dashboard's page, a reply): a board chooses its status
+MAX_JSON_DEPTH = 32
 
 
 class MessageError(ValueError):
@@ -226,9 +231,23 @@ def _loads(payload: bytes, what: str) -> dict:
     except json.JSONDecodeError as exc:
         raise MessageError(f"{what}: not JSON ({exc.msg} at line {exc.lineno} column "
                            f"{exc.colno})") from None
+    except RecursionError:
+        raise MessageError(f"{what}: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(doc, dict):
         raise MessageError(f"{what}: a JSON object was expected, got {type(doc).__name__}")
+    _check_depth(doc, what)
     return doc
+
+
+def _check_depth(doc, what: str) -> None:
+    """MessageError when `doc` nests deeper than MAX_JSON_DEPTH (walked without recursion)."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise MessageError(f"{what}: nested deeper than {MAX_JSON_DEPTH} levels")
+        children = value.values() if type(value) is dict else value
+        stack.extend((v, depth + 1) for v in children if type(v) in (dict, list))
 
 
 def parse_announcement(payload: bytes) -> dict:
