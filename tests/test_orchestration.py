@@ -1468,3 +1468,95 @@ def test_a_stop_whose_mark_cannot_be_written_still_stops_the_run(tmp_path, monke
     assert control.stop_requested.is_set()
     assert result["state"] == "stopping"
     assert "could not be written" in result["note"] and "No space left" in result["note"]
+
+
+# ---------------------------------------------------------------------------------------
+# a hostile board's strings on the operator's terminal
+# ---------------------------------------------------------------------------------------
+
+# what a compromised board may put in its status: a terminal escape that sets the window
+# title and clears the screen, a bell, a right-to-left override that reverses what follows,
+# a lone surrogate (valid in JSON, unprintable in UTF-8)
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\x1b[31mred\u202etxt.exe\r\ud800"
+
+
+def _login(server, user: str) -> MqttTransport:
+    t = MqttTransport(server.url, f"{user}-{uuid.uuid4().hex[:6]}", username=user,
+                      password=server.users[user], clean_session=True, connect_timeout=10)
+    t.connect()
+    return t
+
+
+def _no_terminal_controls(text: str) -> None:
+    for ch in ("\x1b", "\x07", "\u202e", "\r", "\ud800"):
+        assert ch not in text, f"{ch!r} reached the terminal: {text!r}"
+
+
+def test_edgefl_status_prints_a_boards_control_characters_escaped(mosquitto_acl_server,
+                                                                  tmp_path, capsys):
+    """`edgefl status` (and `edgefl fleet status`, the same table) printed a board's
+    version and profile as they came: a board could retitle, clear or recolour the
+    operator's terminal, or reverse what follows with U+202E. They are printed escaped, so
+    the operator sees what the board sent."""
+    from edgefl.cli import main
+    topics = Topics(f"tty-{uuid.uuid4().hex[:8]}")
+    board = _login(mosquitto_acl_server, "client-1")
+    password = tmp_path / "operator.pw"
+    password.write_text(mosquitto_acl_server.users["operator"] + "\n")
+    try:
+        board.publish(topics.status("client-1"), json.dumps(
+            {"node": "client-1", "online": True, "version": HOSTILE, "profile": HOSTILE,
+             "role": HOSTILE}).encode(), qos=1, retain=True).wait(10)
+        capsys.readouterr()
+        assert main(["status", "--broker", mosquitto_acl_server.url, "--federation",
+                     topics.federation, "--username", "operator", "--password-file",
+                     str(password)]) == 0
+        out = capsys.readouterr().out
+        assert "client-1" in out and "owned" in out
+        _no_terminal_controls(out)
+        assert "\\x1b]0;owned\\x07" in out and "\\u202e" in out
+    finally:
+        board.publish(topics.status("client-1"), b"", qos=1, retain=True).wait(10)
+        board.close(timeout=1, announce_offline=False)
+
+
+def test_ctl_watch_prints_a_boards_refusal_reason_escaped(mosquitto_acl_server, tmp_path):
+    """A board that refuses a run says why in its status (`refused.reason`), and the
+    aggregator forwards that text verbatim in its client_refused event
+    (roles/aggregator.py _on_status); `edgefl ctl watch` printed it as it came, control
+    characters and all. The event is published here as the aggregator account would: the
+    watch, a real `edgefl ctl` process, must print it escaped."""
+    import subprocess
+    import sys
+
+    topics = Topics(f"tty-{uuid.uuid4().hex[:8]}")
+    password = tmp_path / "operator.pw"
+    password.write_text(mosquitto_acl_server.users["operator"] + "\n")
+    with open(tmp_path / "watch.err", "wb") as err:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "edgefl.cli", "ctl", "watch", "--broker",
+             mosquitto_acl_server.url, "--federation", topics.federation, "--username",
+             "operator", "--password-file", str(password), "--timeout", "1", "--mqtt",
+             "3.1.1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
+            stdin=subprocess.DEVNULL)
+    aggregator = _login(mosquitto_acl_server, "aggregator")
+    try:
+        # no service answers its status request: it watches the events after --timeout
+        wait_for(lambda: b"watching the events anyway" in (tmp_path / "watch.err")
+                 .read_bytes(), timeout=60, what="ctl watch to follow the events")
+        for event in ({"event": "client_refused", "run": "r1", "round": 1,
+                       "client": "client-1", "reason": HOSTILE},
+                      {"event": "run_finished", "run": "r1", "rounds": 1}):
+            aggregator.publish(topics.events(), json.dumps(
+                {**event, "node": "aggregator", "at": time.time()}).encode(),
+                qos=1).wait(10)
+        out, _ = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+        aggregator.close(timeout=1, announce_offline=False)
+    out = out.decode("utf-8", "replace")
+    assert "client_refused" in out and "owned" in out, out
+    _no_terminal_controls(out)
+    assert "\\x1b]0;owned\\x07" in out

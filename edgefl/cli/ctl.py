@@ -179,6 +179,7 @@ def _ctl(args: argparse.Namespace) -> int:
     import json
 
     from ..roles.control import CommandRefused, ControlClient
+    from ..service.status import terminal_text
 
     doc = _ctl_command(args) if args.action != "watch" else None
     transport, topics, name = _ctl_connect(args)
@@ -201,9 +202,10 @@ def _ctl(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply, indent=1))
     elif not reply.get("ok"):
-        print(f"edgefl ctl {args.action}: refused: {reply.get('error')}", file=sys.stderr)
+        print(terminal_text(f"edgefl ctl {args.action}: refused: {reply.get('error')}"),
+              file=sys.stderr)
     else:
-        print(_ctl_text(args.action, reply.get("result") or {}))
+        print(terminal_text(_ctl_text(args.action, reply.get("result") or {})))
     return 0 if reply.get("ok") else 1
 
 
@@ -275,6 +277,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
     import time
 
     from ..roles.control import CommandRefused, ControlClient
+    from ..service.status import terminal_text
     from ..transport.base import Message
 
     transport.subscribe(topics.events(), qos=1)
@@ -310,7 +313,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 elif record.get("state") in WATCH_EXIT:
                     return _report_ended(record, args.json, "before watch began")
             if not args.json:
-                print(_ctl_text("status", result), flush=True)
+                print(terminal_text(_ctl_text("status", result)), flush=True)
     except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
     # The run's retained record comes on subscribing, and again when the service closes it:
@@ -370,7 +373,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
             if args.json:
                 print(json.dumps(event), flush=True)
             else:
-                print(_event_text(event, online), flush=True)
+                print(terminal_text(_event_text(event, online)), flush=True)
             if ended is not None:
                 continue
             if kind in WATCH_ENDS:
@@ -388,15 +391,17 @@ def _report_ended(record: dict, as_json: bool, when: str) -> int:
     accuracy, where its outputs are, or why it failed); returns watch's exit status."""
     import json
 
+    from ..service.status import terminal_text
+
     state = record.get("state")
     where = record.get("out_dir") or record.get("run_dir")
-    print(json.dumps(record) if as_json else
+    print(json.dumps(record) if as_json else terminal_text(
           f"run {record.get('id')}: {state} {when}, "
           f"{record.get('rounds_done', 0)}/{record.get('rounds') or '?'} rounds"
           + (f", final accuracy {record['final_accuracy']:.4f}"
              if record.get("final_accuracy") is not None else "")
           + (f"; {record['error']}" if record.get("error") else "")
-          + (f"; outputs in {where}" if where and state in ("finished", "stopped") else ""),
+          + (f"; outputs in {where}" if where and state in ("finished", "stopped") else "")),
           flush=True)
     return WATCH_EXIT.get(state, 1)
 
