@@ -612,3 +612,63 @@ def test_a_boards_status_nested_too_deep_neither_stops_the_feed_nor_breaks_the_p
         for board, node in ((board1, "client-1"), (board2, "client-2")):
             board.publish(topics.status(node), b"", qos=1, retain=True).wait(10)
             board.close(timeout=1, announce_offline=False)
+
+
+XSS = ['<img src=x onerror="window.__pwned=1">', "<script>window.__pwned=2</script>",
+       '"><svg onload="window.__pwned=3">', "javascript:window.__pwned=4"]
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="chromium is not installed (Debian "
+                    "package chromium)")
+def test_a_hostile_boards_status_is_shown_as_text_and_cannot_freeze_the_page(
+        tmp_path, mosquitto_acl_server):
+    """A board in hostile hands publishes, on its own status topic (all the broker's ACL
+    lets it), markup in every field the page shows and a field of the wrong type. The page
+    must show the markup as text (no element made, no script run) and keep rendering the
+    rest of the fleet: `onnx_sha256` as a number made renderFleet throw (`.slice` of a
+    number) on every render, so the page stopped updating at that board's row: no other
+    board, no run, no event was drawn again while its status stayed retained."""
+    import uuid
+
+    from edgefl.dashboard import Dashboard
+    topics = Topics(f"dash-{uuid.uuid4().hex[:8]}")
+    board1 = _board(mosquitto_acl_server, "client-1")
+    board2 = _board(mosquitto_acl_server, "client-2")
+    hostile = {"node": "client-1", "online": True, "role": XSS[0], "profile": XSS[1],
+               "version": XSS[2], "run": XSS[3], "last_round": XSS[0],
+               "onnx_sha256": 123456789012345, "onnx_round": XSS[1],
+               "refused": {"run": XSS[2], "reason": XSS[0]}}
+    try:
+        board1.publish(topics.status("client-1"), json.dumps(hostile).encode(), qos=1,
+                       retain=True).wait(10)
+        with Dashboard(mosquitto_acl_server.url, topics.federation, port=0,
+                       username="operator",
+                       password=mosquitto_acl_server.users["operator"]) as dashboard, \
+                Browser(tmp_path) as browser:
+            page = browser.open(dashboard.url)
+            wait_for(lambda: page.evaluate("document.body && document.body.dataset.ready")
+                     == "true", 60, "the page's first render")
+            # a board that comes online after the hostile one: the page must still draw it
+            board2.publish(topics.status("client-2"), json.dumps(
+                {"node": "client-2", "online": True, "version": "0.1.0"}).encode(), qos=1,
+                retain=True).wait(10)
+            rows = "[...document.querySelectorAll('#fleet tbody tr')].map(r => r.dataset.node)"
+            try:
+                wait_for(lambda: page.evaluate(rows) == ["client-1", "client-2"], 30,
+                         "both boards' rows")
+            except pytest.fail.Exception:
+                pytest.fail(f"the rows are {page.evaluate(rows)}; the page's errors: "
+                            f"{page.errors}")
+            cells = page.evaluate("[...document.querySelectorAll('#fleet tr[data-node="
+                                  "\"client-1\"] td')].map(c => c.textContent)")
+            page.screenshot(tmp_path / "hostile.png")
+            assert cells[1] == XSS[0] and cells[3] == XSS[1] and cells[4] == XSS[2], cells
+            assert XSS[0] in cells[-1] and XSS[2] in cells[-1], cells
+            assert page.evaluate("document.querySelectorAll('main img, main script, "
+                                 "main svg:not([id^=chart])').length") == 0
+            assert page.evaluate("typeof window.__pwned") == "undefined"
+            assert page.errors == [], page.errors
+    finally:
+        for board, node in ((board1, "client-1"), (board2, "client-2")):
+            board.publish(topics.status(node), b"", qos=1, retain=True).wait(10)
+            board.close(timeout=1, announce_offline=False)

@@ -146,8 +146,10 @@
       cell(row, ago(n.seen), "seen");
       cell(row, n.last_round, "num");
       cell(row, n.run);
+      // a status is whatever its board published: a field of another type is shown as
+      // text, never called (a number's .slice threw, and no row was drawn again)
       let model = "";
-      if (n.onnx_sha256) model = (n.onnx_round ? `round ${n.onnx_round} · ` : "") + n.onnx_sha256.slice(0, 12);
+      if (n.onnx_sha256) model = (n.onnx_round ? `round ${n.onnx_round} · ` : "") + String(n.onnx_sha256).slice(0, 12);
       cell(row, model, "model");
       cell(row, nodeNote(n));
       body.appendChild(row);
