@@ -672,3 +672,38 @@ def test_a_hostile_boards_status_is_shown_as_text_and_cannot_freeze_the_page(
         for board, node in ((board1, "client-1"), (board2, "client-2")):
             board.publish(topics.status(node), b"", qos=1, retain=True).wait(10)
             board.close(timeout=1, announce_offline=False)
+
+
+def test_a_boards_status_past_the_status_size_limit_is_refused_by_name(mosquitto_acl_server,
+                                                                       caplog):
+    """A status is a few hundred bytes, but a board's was read up to the 4 MiB of any JSON
+    message: kept in the view, sent in every page's snapshot, and queued once per change
+    for each open page (up to LISTENER_BACKLOG changes: 2,000 x 4 MiB for one slow page),
+    parsed again by the aggregator each time. Past MAX_STATUS_BYTES it is that board's
+    unreadable status, named with its size and the limit."""
+    import logging
+    import uuid
+
+    from edgefl.dashboard import Dashboard
+    from edgefl.roles.messages import MAX_STATUS_BYTES
+    topics = Topics(f"dash-{uuid.uuid4().hex[:8]}")
+    board1 = _board(mosquitto_acl_server, "client-1")
+    board2 = _board(mosquitto_acl_server, "client-2")
+    head = json.dumps({"node": "client-1", "online": True, "version": ""}).encode()
+    big = head[:-2] + b"x" * (MAX_STATUS_BYTES + 1 - len(head)) + b'"}'
+    assert len(big) == MAX_STATUS_BYTES + 1
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgefl.dashboard"), \
+                Dashboard(mosquitto_acl_server.url, topics.federation, port=0,
+                          username="operator",
+                          password=mosquitto_acl_server.users["operator"]) as dashboard:
+            board1.publish(topics.status("client-1"), big, qos=1, retain=True).wait(10)
+            board2.publish(topics.status("client-2"), json.dumps(
+                {"node": "client-2", "online": True}).encode(), qos=1, retain=True).wait(10)
+            wait_for(lambda: "client-2" in dashboard.view.nodes, 30, "client-2's status")
+            assert "client-1" not in dashboard.view.nodes and dashboard.view.ignored == 1
+        assert f"{MAX_STATUS_BYTES + 1} bytes" in caplog.text and "client-1" in caplog.text
+    finally:
+        for board, node in ((board1, "client-1"), (board2, "client-2")):
+            board.publish(topics.status(node), b"", qos=1, retain=True).wait(10)
+            board.close(timeout=1, announce_offline=False)

@@ -57,7 +57,7 @@ from ..transport import wire
 from ..transport.topics import TopicError, Topics, validate_id
 from .state import tag_floats, untag_floats
 
-__all__ = ["MessageError", "VERSION", "MAX_JSON_DEPTH", "buffers_sha256", "peek_frame", "TopicCache", "AnnouncementCache", "new_announce_id", "build_announcement",
+__all__ = ["MessageError", "VERSION", "MAX_JSON_DEPTH", "MAX_STATUS_BYTES", "buffers_sha256", "peek_frame", "TopicCache", "AnnouncementCache", "new_announce_id", "build_announcement",
            "parse_announcement", "finished_announcement", "task_from_announcement",
            "status_payload", "parse_status", "update_scalars", "parse_update_scalars"]
 
@@ -68,6 +68,10 @@ MAX_JSON_BYTES = 4 << 20
 # RecursionError (not a ValueError) near 1,000 levels, and a document just under that
 # breaks whoever encodes it again (the dashboard's page, a reply): a board chooses its status
 MAX_JSON_DEPTH = 32
+# a node's status: a few hundred bytes (status_payload). Every reader keeps or parses each
+# one a board publishes (the aggregator, `edgefl status`, the dashboard, which queues each
+# change for every open page), so a board's status is held to far less than MAX_JSON_BYTES
+MAX_STATUS_BYTES = 64 << 10
 
 
 class MessageError(ValueError):
@@ -219,9 +223,9 @@ def _need(doc: Mapping, key: str, kind, where: str = "announcement"):
     return value
 
 
-def _loads(payload: bytes, what: str) -> dict:
-    if len(payload) > MAX_JSON_BYTES:
-        raise MessageError(f"{what}: {len(payload)} bytes, the limit is {MAX_JSON_BYTES}")
+def _loads(payload: bytes, what: str, limit: int = MAX_JSON_BYTES) -> dict:
+    if len(payload) > limit:
+        raise MessageError(f"{what}: {len(payload)} bytes, the limit is {limit}")
     try:
         doc = json.loads(payload.decode("utf-8"),
                          parse_constant=lambda c: (_ for _ in ()).throw(
@@ -400,7 +404,7 @@ def status_payload(node: str, role: str, online: bool, *, profile: str | None = 
 
 def parse_status(payload: bytes, topic_node: str) -> dict:
     """A checked status document; its node must be the topic's node."""
-    doc = _loads(payload, f"status of {topic_node!r}")
+    doc = _loads(payload, f"status of {topic_node!r}", MAX_STATUS_BYTES)
     where = f"status of {topic_node!r}"
     if doc.get("node") != topic_node:
         raise MessageError(f"{where}: names node {doc.get('node')!r}, published on the topic "
