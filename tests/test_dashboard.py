@@ -707,3 +707,25 @@ def test_a_boards_status_past_the_status_size_limit_is_refused_by_name(mosquitto
         for board, node in ((board1, "client-1"), (board2, "client-2")):
             board.publish(topics.status(node), b"", qos=1, retain=True).wait(10)
             board.close(timeout=1, announce_offline=False)
+
+
+def test_a_slow_request_neither_holds_a_thread_for_good_nor_delays_other_pages():
+    """Slowloris: connections that send half a request and then nothing. Each held one of
+    the server's threads for as long as the peer kept the socket open (forever); other
+    pages were still served, but every such connection was a thread for good. A request
+    must be complete within the server's request timeout, or its connection is closed."""
+    view = FleetView(Topics("lab"), broker="127.0.0.1:1883")
+    with DashboardServer(view, "127.0.0.1", 0, request_timeout=1.0) as server:
+        slow = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+                for _ in range(20)]
+        try:
+            for s in slow:
+                s.sendall(b"GET /state HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            started = time.monotonic()
+            assert _request(server.port, path="/state")[0].status == 200
+            assert time.monotonic() - started < 5
+            for s in slow:          # closed by the server: recv sees the end, not a timeout
+                assert s.recv(1024) == b""
+        finally:
+            for s in slow:
+                s.close()

@@ -14,7 +14,9 @@ It is read-only: no route changes anything, and any method but GET and HEAD is r
 header names anything but a loopback name: a web page elsewhere that points its own host
 name at 127.0.0.1 (DNS rebinding) cannot read the fleet through the visitor's browser.
 Every response forbids framing and sniffing, and the page's Content-Security-Policy allows
-its own script and style only.
+its own script and style only. Each connection has its own thread; a request must arrive
+whole, and each write of a page's stream be taken, within REQUEST_TIMEOUT_S, or the
+connection ends (a slowloris holds no thread for long, and never delays other pages).
 
 `BrokerFeed` subscribes a connected Transport to the federation's status, run record and
 event topics and folds every received item into the FleetView until stopped.
@@ -35,11 +37,15 @@ from ..transport.base import CONNECTED, DISCONNECTED, ConnectionEvent, Transport
 from ..transport.broker import listen_error
 from .view import FleetView
 
-__all__ = ["DashboardServer", "BrokerFeed", "is_loopback", "ASSETS", "KEEPALIVE_S"]
+__all__ = ["DashboardServer", "BrokerFeed", "is_loopback", "ASSETS", "KEEPALIVE_S",
+           "REQUEST_TIMEOUT_S"]
 
 log = logging.getLogger("edgefl.dashboard")
 
 KEEPALIVE_S = 15.0
+# a request must arrive whole, and a page take each write of its stream, within this: a
+# peer that stops half-way (slowloris, a stalled browser) loses its connection and thread
+REQUEST_TIMEOUT_S = 30.0
 # path -> (file in static/, content type); nothing else is served
 ASSETS = {"/": ("index.html", "text/html; charset=utf-8"),
           "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
@@ -93,6 +99,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: "DashboardServer"
     protocol_version = "HTTP/1.1"
     server_version = "edgefl-dashboard"
+
+    def setup(self) -> None:
+        # the socket's timeout (StreamRequestHandler.setup applies self.timeout): reading a
+        # request and writing to the page; a timed-out request ends its connection
+        self.timeout = self.server.request_timeout
+        super().setup()
 
     def log_message(self, fmt, *args) -> None:       # the access log, at debug level
         log.debug("%s %s", self.address_string(), fmt % args)
@@ -192,8 +204,10 @@ class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, view: FleetView, host: str = "127.0.0.1", port: int = 8765):
+    def __init__(self, view: FleetView, host: str = "127.0.0.1", port: int = 8765,
+                 request_timeout: float = REQUEST_TIMEOUT_S):
         self.view = view
+        self.request_timeout = request_timeout
         self.assets = load_assets()
         self.closing = threading.Event()
         self.loopback_only = is_loopback(host)
