@@ -186,6 +186,26 @@ def test_a_client_cannot_send_operator_commands(nodes, federation, caplog):
         [b'{"command": "status"}']
 
 
+def test_a_client_cannot_forge_what_the_operator_reads(nodes, federation, caplog):
+    """What `edgefl ctl` prints as the aggregator's word (a reply on its reply topic, the
+    events `ctl watch` follows, a run's retained record) and what the dashboard shows of
+    the runs: a board may publish none of it; only its own status is the board's word."""
+    operator = nodes.login("operator")
+    topics = (federation.reply("operator"), federation.events(),
+              federation.run_record("r1"))
+    for topic in topics:
+        operator.subscribe(topic)
+    client1 = nodes.login("client-1")
+    forged = b'{"v": 1, "ok": true, "cmd": "stop", "request_id": "x", "result": {}}'
+    for topic in topics:
+        assert_denied_publish(nodes, caplog, client1, topic, forged, retain=True)
+    aggregator = nodes.login("aggregator")
+    for topic in topics:
+        aggregator.publish(topic, b"genuine " + topic.encode()).wait(10)
+    got = received_until(operator, b"genuine " + topics[-1].encode())
+    assert sorted(m.payload for m in got) == sorted(b"genuine " + t.encode() for t in topics)
+
+
 # ---------------------------------------------------------------------------------------
 # what a client may not read
 # ---------------------------------------------------------------------------------------
