@@ -1560,3 +1560,40 @@ def test_ctl_watch_prints_a_boards_refusal_reason_escaped(mosquitto_acl_server, 
     assert "client_refused" in out and "owned" in out, out
     _no_terminal_controls(out)
     assert "\\x1b]0;owned\\x07" in out
+
+
+def test_ctl_watch_skips_an_event_nested_too_deep_and_goes_on(mosquitto_acl_server, tmp_path):
+    """`ctl watch` read events with json.loads, whose RecursionError (not a ValueError) on a
+    document nested 2,000 deep ended the watch with a traceback. Events are read as every
+    other message is (messages.json_object): a deep one is skipped, the next one printed."""
+    import subprocess
+    import sys
+
+    topics = Topics(f"deep-{uuid.uuid4().hex[:8]}")
+    password = tmp_path / "operator.pw"
+    password.write_text(mosquitto_acl_server.users["operator"] + "\n")
+    with open(tmp_path / "watch.err", "wb") as err:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "edgefl.cli", "ctl", "watch", "--broker",
+             mosquitto_acl_server.url, "--federation", topics.federation, "--username",
+             "operator", "--password-file", str(password), "--timeout", "1", "--mqtt",
+             "3.1.1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
+            stdin=subprocess.DEVNULL)
+    aggregator = _login(mosquitto_acl_server, "aggregator")
+    try:
+        wait_for(lambda: b"watching the events anyway" in (tmp_path / "watch.err")
+                 .read_bytes(), timeout=60, what="ctl watch to follow the events")
+        deep = b'{"event": "round_closed", "run": "r1", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+        aggregator.publish(topics.events(), deep, qos=1).wait(10)
+        aggregator.publish(topics.events(), json.dumps(
+            {"event": "run_finished", "run": "r1", "rounds": 1, "node": "aggregator",
+             "at": time.time()}).encode(), qos=1).wait(10)
+        out, _ = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+        aggregator.close(timeout=1, announce_offline=False)
+    err = (tmp_path / "watch.err").read_text()
+    assert "Traceback" not in err, err
+    assert "run_finished" in out.decode(), (out, err)

@@ -277,6 +277,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
     import time
 
     from ..roles.control import CommandRefused, ControlClient
+    from ..roles.messages import MessageError, json_object
     from ..service.status import terminal_text
     from ..transport.base import Message
 
@@ -337,9 +338,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 continue
             if item.topic == record_topic:
                 try:
-                    record = json.loads(item.payload)
-                except ValueError:
-                    continue
+                    record = json_object(item.payload, "run record")
+                except MessageError:
+                    record = None       # cleared (empty) or unreadable: not a state change
                 if isinstance(record, dict) and item.payload:
                     unknown = None              # the run exists (queued, at least)
                 if isinstance(record, dict) and record.get("state") in WATCH_EXIT:
@@ -350,11 +351,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 continue
             if item.topic != topics.events():
                 continue
-            try:
-                event = json.loads(item.payload)
-            except ValueError:
-                continue
-            if not isinstance(event, dict):
+            try:       # read as every message is: a deep or odd one is skipped, not fatal
+                event = json_object(item.payload, "event")
+            except MessageError:
                 continue
             run = event.get("run")
             if watched is None and event.get("event") in ("run_started", "run_resumed"):

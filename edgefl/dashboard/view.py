@@ -30,7 +30,7 @@ import time
 from collections import deque
 
 from ..roles.daemon import DONE_STATES, RUN_STATES
-from ..roles.messages import MessageError, _loads, parse_status
+from ..roles.messages import MessageError, json_object, parse_status
 from ..transport.base import ConnectionEvent, Message
 from ..transport.topics import TopicError, Topics
 
@@ -150,7 +150,7 @@ class FleetView:
                 if self.runs.pop(run, None) is not None:
                     self._emit("run_gone", {"id": run})
                 return
-        doc = _loads(message.payload, f"run record of {run!r}")
+        doc = json_object(message.payload, f"run record of {run!r}")
         if doc.get("id") != run or doc.get("state") not in RUN_STATES:
             raise MessageError(f"run record of {run!r}: id {doc.get('id')!r}, state "
                                f"{doc.get('state')!r} (need id {run!r} and a state of "
@@ -167,7 +167,7 @@ class FleetView:
             self._emit("run", row)
 
     def _on_event(self, message: Message) -> None:
-        doc = _loads(message.payload, "event")
+        doc = json_object(message.payload, "event")
         kind = doc.get("event")
         if not isinstance(kind, str):
             raise MessageError(f"event: field 'event' missing or not a string: "

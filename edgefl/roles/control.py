@@ -46,7 +46,7 @@ from ..io import jsonable
 from ..service.layered import check_setting
 from ..transport.base import Message
 from ..transport.topics import TopicError, Topics, validate_id
-from .messages import MessageError, _loads
+from .messages import MessageError, json_object
 
 __all__ = ["COMMANDS", "CommandError", "Command", "CommandRefused", "ControlClient",
            "ReplyAddress", "RunControl", "parse_command", "reply_address", "reply_payload",
@@ -140,7 +140,7 @@ def parse_command(message: Message, topics: Topics) -> Command:
     readable, so the error can still be answered."""
     doc = None
     try:
-        doc = _loads(message.payload, "command")
+        doc = json_object(message.payload, "command")
     except MessageError as exc:
         error = CommandError(str(exc))
         error.reply = _address_or_none(message, None, topics)
@@ -385,7 +385,7 @@ class ControlClient:
                 if not isinstance(item, Message) or item.topic != self.reply_topic:
                     continue
                 try:
-                    reply = _loads(item.payload, "reply")
+                    reply = json_object(item.payload, "reply")
                 except MessageError:
                     continue
                 token = item.correlation_data.decode("utf-8", "replace") \

@@ -57,7 +57,7 @@ from ..transport import wire
 from ..transport.topics import TopicError, Topics, validate_id
 from .state import tag_floats, untag_floats
 
-__all__ = ["MessageError", "VERSION", "MAX_JSON_DEPTH", "MAX_STATUS_BYTES", "buffers_sha256", "peek_frame", "TopicCache", "AnnouncementCache", "new_announce_id", "build_announcement",
+__all__ = ["MessageError", "VERSION", "MAX_JSON_DEPTH", "MAX_STATUS_BYTES", "json_object", "buffers_sha256", "peek_frame", "TopicCache", "AnnouncementCache", "new_announce_id", "build_announcement",
            "parse_announcement", "finished_announcement", "task_from_announcement",
            "status_payload", "parse_status", "update_scalars", "parse_update_scalars"]
 
@@ -223,7 +223,10 @@ def _need(doc: Mapping, key: str, kind, where: str = "announcement"):
     return value
 
 
-def _loads(payload: bytes, what: str, limit: int = MAX_JSON_BYTES) -> dict:
+def json_object(payload: bytes, what: str, limit: int = MAX_JSON_BYTES) -> dict:
+    """The JSON object in `payload` (a message of the protocol: announcement, status,
+    command, reply, event, run record), checked for size, constants, nesting and kind;
+    MessageError naming `what` otherwise."""
     if len(payload) > limit:
         raise MessageError(f"{what}: {len(payload)} bytes, the limit is {limit}")
     try:
@@ -260,7 +263,7 @@ def _check_depth(doc, what: str) -> None:
 
 def parse_announcement(payload: bytes) -> dict:
     """The checked announcement (or final announcement) in `payload`."""
-    doc = _loads(payload, "announcement")
+    doc = json_object(payload, "announcement")
     if doc.get("v") != VERSION:
         raise MessageError(f"announcement: version {doc.get('v')!r}, this node speaks {VERSION}")
     _need(doc, "run", str)
@@ -408,7 +411,7 @@ def status_payload(node: str, role: str, online: bool, *, profile: str | None = 
 
 def parse_status(payload: bytes, topic_node: str) -> dict:
     """A checked status document; its node must be the topic's node."""
-    doc = _loads(payload, f"status of {topic_node!r}", MAX_STATUS_BYTES)
+    doc = json_object(payload, f"status of {topic_node!r}", MAX_STATUS_BYTES)
     where = f"status of {topic_node!r}"
     if doc.get("node") != topic_node:
         raise MessageError(f"{where}: names node {doc.get('node')!r}, published on the topic "
