@@ -454,6 +454,24 @@ def test_view_folds_status_records_and_events():
     view.unlisten(listener)
 
 
+
+@pytest.mark.parametrize("bad", [2 ** 53, 2 ** 60, 0, -3, True])
+def test_a_round_the_page_cannot_count_to_is_no_point_on_its_curves(bad):
+    """The page walks the rounds between two points to find the ones it never saw close;
+    past 2**53 a JavaScript number's r++ leaves r as it is, and that walk never ended (the
+    operator's tab hung). Only the aggregator publishes events, but it is a message like
+    any other: a round_closed event's round must be a whole number from 1 to 2**53 - 1 to
+    become a point or move the run's progress; the event itself is still listed."""
+    topics = Topics("lab")
+    view = FleetView(topics)
+    view.apply(_message(topics, "events", doc={"event": "round_closed", "run": "r1",
+                                               "round": 2, "test_accuracy": 0.5}))
+    view.apply(_message(topics, "events", doc={"event": "round_closed", "run": "r1",
+                                               "round": bad, "test_accuracy": 0.6}))
+    assert [p["round"] for p in view.snapshot()["points"]["r1"]] == [2]
+    assert view.runs["r1"]["rounds_done"] == 2
+    assert len(view.events) == 2
+
 def test_event_stream_starts_with_a_snapshot_then_sends_each_change():
     topics = Topics("lab")
     view = FleetView(topics, broker="127.0.0.1:1883")

@@ -179,10 +179,14 @@ class FleetView:
             self._emit("event", event)
             if run is None:
                 return
-            if kind == "round_closed" and isinstance(doc.get("round"), int):
+            # a round the page can count to: it walks the rounds between two points, and
+            # past 2**53 a JavaScript number's r + 1 is r again (that walk never ended)
+            counted = kind == "round_closed" and type(doc.get("round")) is int \
+                and 1 <= doc["round"] < 2 ** 53
+            if counted:
                 self._point(run, doc)
             state = _EVENT_STATES.get(kind)
-            if state is not None or kind == "round_closed":
+            if state is not None or counted:
                 self._run_from_event(run, kind, state, doc)
 
     def _point(self, run: str, doc: dict) -> None:

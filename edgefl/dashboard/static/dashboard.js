@@ -272,9 +272,11 @@
     for (const p of pts) {
       if (part.length && closed) {
         const prev = part[part.length - 1].round;
-        for (let r = prev + 1; r < p.round; r++) {
-          if (!closed.has(r)) { parts.push(part); part = []; break; }
-        }
+        // a gap wider than the rounds seen closing has one that was not (and the walk is
+        // bounded by what was seen, never by the rounds' values)
+        let cut = p.round - prev - 1 > closed.size;
+        for (let r = prev + 1; !cut && r < p.round; r++) cut = !closed.has(r);
+        if (cut) { parts.push(part); part = []; }
       }
       part.push(p);
     }
