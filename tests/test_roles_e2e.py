@@ -601,6 +601,48 @@ def test_cli_client_trains_on_its_own_npz_file(tmp_path, fleets, mosquitto_serve
     assert model_sha256(result.params) == reference_sha(config)
 
 
+def test_a_boards_stored_update_and_the_state_files_are_private_to_the_service_account(
+        tmp_path, fleets, mosquitto_server, root_logging):
+    """Under the umask of the client unit (0022), every file a run leaves in a role's state
+    directory is 0600: a board's stored update (update.frame: its last round's update, from
+    which gradient inversion recovers its data), its progress, the aggregator's checkpoint,
+    history and journal, the lock. Only the installed model may be read by others. A frame
+    an older edgefl left 0644 is narrowed on the next write."""
+    import os
+    import stat
+
+    config = load_run_config(write_config(tmp_path, rounds=2, clients_per_round=2,
+                                          partition={"name": "iid", "clients": 2}))
+    fleet = Fleet(tmp_path, config, mosquitto_server.url)
+    fleets(fleet)
+    state = tmp_path / "client-1-state"
+    state.mkdir()
+    (state / "update.frame").write_bytes(b"")
+    os.chmod(state / "update.frame", 0o644)             # as an older edgefl left it
+    site = _site(tmp_path / "client-1.yaml", yaml.safe_dump({
+        "profile": "generic-x86", "node": {"id": "client-1", "federation": fleet.federation},
+        "state_dir": str(state), "broker": {"url": mosquitto_server.url},
+        "data": {"name": "digits", "limit_train": 400}}))
+    old = os.umask(0o022)
+    try:
+        fleet.start_client("client-0")
+        fleet.start_aggregator()
+        assert main(["client", "--config", site, "--exit-when-finished"]) == 0
+        fleet.finish()
+    finally:
+        os.umask(old)
+    modes = {}
+    for directory in (state, tmp_path / "client-0", tmp_path / "agg"):
+        for path in directory.rglob("*"):
+            if path.is_file() and path.name != "model.onnx":
+                modes[str(path.relative_to(tmp_path))] = oct(stat.S_IMODE(path.stat().st_mode))
+    for name in ("client-1-state/update.frame", "client-1-state/client.npz",
+                 "client-1-state/client.lock", "client-0/update.frame", "agg/rounds.jsonl",
+                 "agg/aggregator.npz"):
+        assert name in modes, (name, modes)
+    assert {name: mode for name, mode in modes.items() if mode != "0o600"} == {}, modes
+
+
 def test_broker_keepalive_sets_how_soon_a_silent_board_is_seen_offline(tmp_path,
                                                                          mosquitto_server):
     """broker.keepalive (site file, --set): a board whose link dies with its socket left open

@@ -50,6 +50,11 @@ JOURNAL_FILE = "rounds.jsonl"
 PROGRESS_FILE = "client.npz"
 UPLOAD_FILE = "update.frame"
 _META_KEY = "__meta__"
+# Every file a role keeps in its state directory is private to the service's account,
+# whatever the umask: a board's stored update and progress can give its data away
+# (gradient inversion), and the journals and locks keep them company (docs/security.md,
+# "Data at rest"). Only the installed model (edgefl.infer) is written for others to read.
+PRIVATE = 0o600
 
 
 class StateError(ValueError):
@@ -94,7 +99,7 @@ def atomic_write(path: str | os.PathLike, data) -> None:
     path = os.fspath(path)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        io.atomic_write(path, data, mode=0o600)
+        io.atomic_write(path, data, mode=PRIVATE)
     except OSError as exc:
         what = "its new version" if callable(data) else f"its new version ({len(data)} bytes)"
         raise _write_failed(path, exc, f"{what}; the old one is intact") from exc
@@ -118,10 +123,11 @@ def overwrite_in_place(path: str | os.PathLike, data, what: str = "its new conte
     view = memoryview(data).cast("B")
     try:
         created = not os.path.exists(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE)
     except OSError as exc:
         raise _write_failed(path, exc, what) from exc
     try:
+        _narrow(fd)
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], done)
@@ -134,6 +140,16 @@ def overwrite_in_place(path: str | os.PathLike, data, what: str = "its new conte
         os.close(fd)
     if created:
         io.fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def _narrow(fd: int) -> None:
+    """A file written in place (not replaced) keeps the mode it was made with: one an older
+    edgefl made 0644 is made PRIVATE as it is next written."""
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, PRIVATE)
+    except OSError:        # not ours to change (another account's file we may write): as it is
+        pass
 
 
 _NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -150,8 +166,9 @@ def hold_state_dir(directory: str | os.PathLike, role: str):
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{role}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE)
     try:
+        _narrow(fd)
         claim = io.lock_exclusive(fd)
         if claim == "busy":
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
@@ -256,10 +273,11 @@ def _append(path, data: bytes, what: str, whole: str) -> None:
     lines and the file in the error."""
     path = os.fspath(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, PRIVATE)
     except OSError as exc:
         raise _write_failed(path, exc, what) from exc
     try:
+        _narrow(fd)
         size = os.fstat(fd).st_size
         try:
             # A file that does not end in a newline ends in a line a power cut tore (a
