@@ -94,6 +94,44 @@ def test_parse_broker_url():
             parse_broker_url(bare)
 
 
+def test_a_password_in_a_broker_url_is_never_printed(tmp_path, capsys, mosquitto_acl_server):
+    """mqtt://user:password@host is a broker URL edgefl takes; what it prints about one (a
+    refused URL, which a service writes to the journal; `edgefl config show`; `edgefl
+    status` finding no nodes) names the URL with its password left out, and still says
+    what is wrong with it."""
+    secret = "s3cret-pw"
+    for bad, cause in ((f"mqtt://edgefl:{secret}@gw:", "empty port"),
+                       (f"mqtt://edgefl:{secret}@gw:99999", "bad port"),
+                       (f"mqtt://edgefl:{secret}@gw/path", "no path"),
+                       (f"http://edgefl:{secret}@gw", "scheme")):
+        with pytest.raises(ValueError, match=cause) as exc:
+            parse_broker_url(bad)
+        assert secret not in str(exc.value) and "edgefl:***@gw" in str(exc.value), exc.value
+    with pytest.raises(ValueError, match="TLS files are set") as exc:
+        MqttTransport(f"mqtt://edgefl:{secret}@gw", "n", ca_file="/ca.crt")
+    assert secret not in str(exc.value), exc.value
+
+    site = tmp_path / "client.yaml"
+    site.write_text(f"profile: generic-x86\nnode: {{id: b1, federation: f}}\n"
+                    f"state_dir: {tmp_path / 'state'}\n"
+                    f"broker: {{url: 'mqtt://edgefl:{secret}@127.0.0.1:'}}\n"
+                    f"data: {{name: digits, limit_train: 100}}\n")
+    assert main(["client", "--config", str(site)]) != 0
+    out, err = capsys.readouterr()
+    assert "empty port" in err and secret not in out + err, err
+    assert main(["config", "show", "--role", "client", "--config", str(site)]) == 0
+    out, err = capsys.readouterr()
+    assert "mqtt://edgefl:***@127.0.0.1:" in out and secret not in out + err, out
+
+    password = mosquitto_acl_server.users["operator"]
+    url = f"mqtt://operator:{password}@127.0.0.1:{mosquitto_acl_server.port}"
+    assert main(["status", "--broker", url, "--federation", f"empty-{os.getpid()}",
+                 "--wait", "0.5"]) == 0
+    out, err = capsys.readouterr()
+    assert "no nodes have published a status" in out, (out, err)
+    assert password not in out + err, out
+
+
 def test_settings_are_checked_before_connecting():
     with pytest.raises(ValueError, match="mqtts://"):
         MqttTransport("mqtt://h", "n", ca_file="/ca.crt")

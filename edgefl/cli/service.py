@@ -610,7 +610,7 @@ def _status(args: argparse.Namespace) -> int:
     from ..service.layered import default, load_service_config
     from ..service.status import collect_statuses, format_fleet
     from ..transport.base import TransportError
-    from ..transport.mqtt import MqttTransport
+    from ..transport.mqtt import MqttTransport, shown_url
 
     client_id = f"edgefl-status-{os.getpid()}-{os.urandom(3).hex()}"
     config = None
@@ -666,7 +666,7 @@ def _status(args: argparse.Namespace) -> int:
     elif not rows:
         # The usual cause is a fleet on another federation or broker: say which were asked.
         print(f"no nodes have published a status in federation {federation!r} on "
-              f"{broker_url}; another federation: --federation ID (or node.federation in "
+              f"{shown_url(broker_url)}; another federation: --federation ID (or node.federation in "
               f"the site file given with --config), another broker: --broker URL")
     else:
         print(format_fleet(rows))

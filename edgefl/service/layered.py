@@ -172,7 +172,10 @@ class ServiceConfig:
         for layer in self.layers:
             text = layer.file or "-"
             lines.append(f"  {layer.kind:<17} {text}" + (f"  ({layer.note})" if layer.note else ""))
-        rows = [(k, _show(v), str(self.sources[k])) for k, v in self.values.items()]
+        from ..transport.mqtt import shown_url       # (paho: only when a table is shown)
+
+        rows = [(k, shown_url(v) if k == "broker.url" and isinstance(v, str) else _show(v),
+                 str(self.sources[k])) for k, v in self.values.items()]
         wk = max(len(r[0]) for r in rows)
         wv = min(max(len(r[1]) for r in rows), 40)
         lines.append("")

@@ -44,7 +44,7 @@ from .base import (CONNECTED, DISCONNECTED, MQTT_MAX_PAYLOAD, Delivery, Message,
                    TransportError, check_response_properties)
 from .netloop import NetworkLoop
 
-__all__ = ["BrokerAddress", "MqttSettings", "MqttTransport", "parse_broker_url"]
+__all__ = ["BrokerAddress", "MqttSettings", "MqttTransport", "parse_broker_url", "shown_url"]
 
 log = logging.getLogger("edgefl.transport")
 _paho_log = logging.getLogger("edgefl.transport.paho")
@@ -72,6 +72,21 @@ class BrokerAddress:
         return f"{host}:{self.port}"
 
 
+def shown_url(url: str) -> str:
+    """A broker URL as edgefl prints it (errors, logs, `edgefl config show`): with the
+    password of `mqtt://user:password@host` replaced by ***, so it never reaches a journal,
+    a terminal or a pasted bug report. Anything else is shown as it is."""
+    if "@" not in url:
+        return url
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, host = rest.rpartition("@")
+    user, colon, _password = userinfo.partition(":")
+    shown = f"{user}:***" if colon else user
+    return f"{scheme}{sep}{shown}{at}{host}"
+
+
 def parse_broker_url(url: str) -> BrokerAddress:
     """`mqtt://[user[:password]@]host[:port]` (plain TCP, port 1883) or `mqtts://...` (TLS,
     port 8883); `tcp://` / `ssl://` / `tls://` are accepted as synonyms and a bare
@@ -79,26 +94,27 @@ def parse_broker_url(url: str) -> BrokerAddress:
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"broker URL must be a non-empty string, got {url!r}")
     text = url.strip()
+    shown = shown_url(url)
     if "://" not in text:
         text = "mqtt://" + text
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
     if scheme not in _DEFAULT_PORTS:
-        raise ValueError(f"broker URL {url!r}: scheme {scheme!r} is not one of mqtt://, "
+        raise ValueError(f"broker URL {shown!r}: scheme {scheme!r} is not one of mqtt://, "
                          "mqtts:// (or tcp://, ssl://, tls://); websockets are not supported")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"broker URL {url!r}: expected scheme://[user[:password]@]host[:port] "
-                         "with no path or query")
+        raise ValueError(f"broker URL {shown!r}: expected "
+                         "scheme://[user[:password]@]host[:port] with no path or query")
     try:
         port = parts.port
     except ValueError as exc:
-        raise ValueError(f"broker URL {url!r}: bad port ({exc})") from None
+        raise ValueError(f"broker URL {shown!r}: bad port ({exc})") from None
     if not parts.hostname:
-        raise ValueError(f"broker URL {url!r} names no host")
+        raise ValueError(f"broker URL {shown!r} names no host")
     if port is None and parts.netloc.endswith(":"):
         # "mqtt://127.0.0.1:$PORT" with PORT unset: not the default port, a mistake (it
         # reached whatever listens on 1883)
-        raise ValueError(f"broker URL {url!r}: empty port after ':' (leave out the ':' for "
+        raise ValueError(f"broker URL {shown!r}: empty port after ':' (leave out the ':' for "
                          f"the default, {_DEFAULT_PORTS[scheme]})")
     return BrokerAddress(
         host=parts.hostname,
@@ -210,8 +226,8 @@ class MqttTransport(Transport):
         self.address = parse_broker_url(url)
         if self.settings.ca_file or self.settings.cert_file:
             if not self.address.tls:
-                raise ValueError(f"broker URL {url!r} is plain TCP but TLS files are set: "
-                                 "use mqtts://host:8883")
+                raise ValueError(f"broker URL {shown_url(url)!r} is plain TCP but TLS files are "
+                                 "set: use mqtts://host:8883")
         self._client: paho.Client | None = None
         self._connected = False
         self._closing = False
