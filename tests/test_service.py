@@ -555,6 +555,21 @@ def test_unit_directives(role):
         assert _get(text, "PrivateNetwork") == ["yes"]
 
 
+@pytest.mark.parametrize("role", ROLES)
+def test_a_units_state_directory_and_new_files_are_closed_to_other_accounts(role):
+    """A board's state directory holds its stored update and progress, the aggregator's its
+    checkpoints and every board's updates' sum: nothing in them is for other accounts on
+    the host (docs/security.md, "Data at rest"). The service's group (edgefl; the
+    inference service is the same user) may read, others may not even list them, and the
+    umask keeps what the service creates with the default mode out of their reach too."""
+    text = inst.unit_template(role)
+    spec = inst.ROLE_UNITS[role]
+    directory_mode = int(_get(text, "StateDirectoryMode")[0], 8)
+    umask = int(_get(text, "UMask")[0], 8)
+    assert directory_mode & 0o007 == 0, f"{spec.template}: StateDirectoryMode={directory_mode:04o}"
+    assert umask & 0o007 == 0o007, f"{spec.template}: UMask={umask:04o}"
+
+
 def test_every_unit_runs_a_command_of_this_edgefl():
     # the installer names the subcommand each unit's ExecStart runs (test_unit_directives
     # checks the unit files say the same); an edgefl without it would write units that
