@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import json
 import os
 import re
 import shutil
@@ -122,6 +123,10 @@ def test_a_password_in_a_broker_url_is_never_printed(tmp_path, capsys, mosquitto
     assert main(["config", "show", "--role", "client", "--config", str(site)]) == 0
     out, err = capsys.readouterr()
     assert "mqtt://edgefl:***@127.0.0.1:" in out and secret not in out + err, out
+    assert main(["config", "show", "--role", "client", "--config", str(site), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["values"]["broker"]["url"] == "mqtt://edgefl:***@127.0.0.1:"
+    assert secret not in out + err, out
 
     password = mosquitto_acl_server.users["operator"]
     url = f"mqtt://operator:{password}@127.0.0.1:{mosquitto_acl_server.port}"

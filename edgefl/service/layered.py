@@ -590,4 +590,12 @@ def service_config_from_args(role: str, args) -> ServiceConfig:
 
 
 def to_json_text(config: ServiceConfig) -> str:
-    return json.dumps(config.to_json(), indent=1)
+    """`edgefl config show --json`: as the table, the broker URL without its password (a
+    tool that needs it reads broker.password_file, as the roles do)."""
+    from ..transport.mqtt import shown_url       # (paho: only when a table is shown)
+
+    doc = config.to_json()
+    broker = doc["values"].get("broker")
+    if isinstance(broker, dict) and isinstance(broker.get("url"), str):
+        broker["url"] = shown_url(broker["url"])
+    return json.dumps(doc, indent=1)
