@@ -1047,3 +1047,37 @@ def test_a_stop_during_the_offline_phase_ends_the_aggregators_run_before_it_star
         prepare_run(config, workers=1, progress=False, stop=flag)
     flag.clear()
     assert prepare_run(config, workers=1, progress=False, stop=flag).strategy.name == "duw"
+
+
+def test_a_board_that_cannot_read_its_task_says_so_and_is_not_waited_for(tmp_path,
+                                                                         monkeypatch, caplog):
+    """A newer aggregator may announce a train setting this board's edgefl does not know
+    (here: every announcement gets one more train key, as such an aggregator's would):
+    kernels.train_config refuses it, and the board sat the round out saying nothing, so the
+    round waited for its deadline. It now says so in its status (`refused`, with the
+    reason), as for a model its limits refuse: the round closes without it at once."""
+    import edgefl.roles.aggregator as aggregator_module
+
+    def newer(**kwargs):       # client-0's task carries the setting client-1's does not
+        doc = msg.build_announcement(**kwargs)
+        if "client-0" in doc["tasks"]:
+            entry = doc["tasks"]["client-0"]
+            entry["train"] = {**entry["train"], "future_knob": 1}
+        return doc
+
+    monkeypatch.setattr(aggregator_module, "build_announcement", newer)
+    caplog.set_level(logging.WARNING, "edgefl.roles.aggregator")
+    config = load_small_run(tmp_path, rounds=1, clients_per_round=2)
+    broker = LoopbackBroker()
+    _, aggregator, _, threads = fleet(
+        tmp_path, config, broker, AggregatorSettings(federation="fed", round_timeout_s=30))
+    started = time.monotonic()
+    result = aggregator.run()
+    took = time.monotonic() - started
+    for t in threads:
+        t.join(5)
+    first = result.history[0]
+    assert first["closed_by"] != "deadline" and took < 20, (first, took)
+    assert first["updates"] == 1
+    refused = [r.getMessage() for r in caplog.records if "client-0 refused" in r.getMessage()]
+    assert refused and "future_knob" in refused[0], caplog.text[-2000:]

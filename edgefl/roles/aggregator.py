@@ -1324,9 +1324,11 @@ class Aggregator:
         o = self.open
         refusal = doc.get("refused")
         if isinstance(refusal, dict) and refusal.get("run") == self.run_id:
-            # the board cannot take part in this run (its profile's limits): not waited for
+            # the board cannot take part in this round (its profile's limits, a task it
+            # cannot read): not waited for. A board says so in every round it is tasked,
+            # so a retained refusal of an earlier round (after our restart) is stale
             if o is not None and node in o.uploaders and node not in o.received \
-                    and node not in o.refused:
+                    and node not in o.refused and refusal.get("round", o.round) == o.round:
                 o.refused.add(node)
                 log.warning("round %d: %s refused the run: %s", o.round, node,
                             refusal.get("reason"))

@@ -740,6 +740,11 @@ class Client:
         except (MessageError, StrategyError) as exc:
             self._reject(f"task of round {frame.round}: {exc}")
             self.waiting = None
+            # said in the retained status, as a model this board's limits refuse: a newer
+            # aggregator's setting this edgefl does not know would otherwise have every
+            # round wait for its deadline, with nothing to tell the operator why
+            self._publish_status(refused={"run": doc["run"], "round": frame.round,
+                                          "reason": f"task of round {frame.round}: {exc}"})
             return
         # the client's stop, if it is a StopFlag (a signal's), reaches the kernel directly
         stop = self.stop if isinstance(self.stop, kernels.StopFlag) else kernels.StopFlag()
