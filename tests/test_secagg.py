@@ -355,6 +355,25 @@ def test_shamir_threshold():
         shamir.split(secret, [1, 2, 3, 4, 5], 6)
 
 
+@pytest.mark.parametrize("threshold", [2, 3, 5])
+def test_shamir_fewer_shares_than_the_threshold_do_not_give_the_secret(threshold):
+    # the polynomial has degree threshold - 1: threshold - 1 shares, interpolated as a
+    # polynomial of one degree less, give a random field element (almost never 32 bytes,
+    # which combine refuses), not the secret; with a degree too low they would give it
+    secret = bytes(range(32))
+    holders = list(range(1, threshold + 3))
+    for _ in range(5):
+        shares = shamir.split(secret, holders, threshold)
+        assert int.from_bytes(secret, "big") not in shares.values()
+        assert shamir.combine({x: shares[x] for x in holders[-threshold:]}, threshold) == secret
+        fewer = {x: shares[x] for x in holders[:threshold - 1]}
+        try:
+            guess = shamir.combine(fewer, threshold - 1)
+        except shamir.ShamirError:
+            guess = None
+        assert guess != secret
+
+
 def test_chunks_reassemble_in_any_order_and_repeats_are_dropped():
     msg = secagg.MaskedInput(3, 1, np.arange(5000, dtype=np.uint32),
                              np.arange(3, dtype=np.uint64), ("a", "b"))
