@@ -93,6 +93,21 @@ def test_dirichlet_redraws_until_every_client_has_min_size(digits):
         assert split.sizes.min() >= 40
 
 
+def test_dirichlet_gives_a_client_at_its_share_no_further_class(digits):
+    # FedMR's separate_data: classes are split in label order, and a client already holding
+    # n/N samples or more gets p_j = 0 for every later class, so no client piles up classes
+    # far past its share (small alpha sends most of a class to one client). The cuts are
+    # truncated cumulative sums, so the last client may get one sample of the remainder.
+    y = digits.y_train
+    cap = len(y) / 10
+    for seed in range(5):
+        split = dirichlet(y, 10, np.random.default_rng(seed), alpha=0.1, min_size=1)
+        for idx in split.indices:
+            counts = np.bincount(y[idx], minlength=10)
+            held_before = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            assert counts[held_before >= cap].max(initial=0) <= 1, (seed, counts.tolist())
+
+
 def test_dirichlet_impossible_minimum_is_a_clear_error(digits):
     with pytest.raises(ValueError,
                        match="min_size=200 for 10 clients needs 2000 samples, but there are 1438"):
