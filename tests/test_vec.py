@@ -519,6 +519,16 @@ BACKENDS = [pytest.param(reference, id="numpy"),
             pytest.param(_core, id="c", marks=needs_core)]
 
 
+def test_weighted_sum_refuses_more_or_fewer_weights_than_buffers():
+    # a weight too many (a buffer left out of the list) must not be dropped silently: the
+    # result would be a sum over the other buffers with the wrong weights
+    x = np.ones(8, np.float32)
+    out = np.empty_like(x)
+    for w in ([0.5], [0.5, 0.5, -1.0]):
+        with pytest.raises(KernelError, match=f"weights: {len(w)} weights for 2 buffers"):
+            kernels.weighted_sum(out, [x, x], w)
+
+
 @pytest.mark.parametrize("impl", BACKENDS)
 def test_weighted_sum_of_identical_buffers_is_the_buffer(impl):
     rng = np.random.default_rng(RNG_SEED)
