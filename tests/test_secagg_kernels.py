@@ -195,6 +195,20 @@ def test_bad_arguments_are_named():
         kernels.dequantize(np.zeros(3, np.float32), np.zeros(4, np.uint64), 1.0)
 
 
+@pytest.mark.parametrize("dtype, levels, weight", [(np.uint32, 2 ** 30 - 1, 2),
+                                                   (np.uint64, 2 ** 61, 3)])
+def test_levels_times_weight_stays_below_the_rings_sign_bit(dtype, levels, weight):
+    # the ring sum reads back signed: levels * weight = 2^(bits-1) would quantise +clip to
+    # 2^(bits-1), which reads back as -2^(bits-1); a product below it reads back as it is
+    top = 2 ** (np.dtype(dtype).itemsize * 8 - 1)
+    x = np.array([1, -1], np.float32)
+    with pytest.raises(KernelError, match=rf"levels \* weight = {top}: must be below"):
+        kernels.quantize(np.zeros(2, dtype), x, 1.0, top // 2, weight=2, stochastic=False)
+    q = kernels.quantize(np.zeros(2, dtype), x, 1.0, levels, weight=weight, stochastic=False)
+    signed = np.int32 if dtype is np.uint32 else np.int64
+    assert q.view(signed).tolist() == [levels * weight, -levels * weight]
+
+
 # ------------------------------------------------------------------ masks (ef_secagg_mask)
 @pytest.fixture
 def c_masks(monkeypatch):
