@@ -266,6 +266,12 @@ def test_a_signature_binds_federation_run_round_kind_signer_content_and_expiry(t
     verifier.verify_doc(cmd, kind="command", where="t")
     with pytest.raises(SignatureError, match="expired"):
         verifier.verify_doc(cmd, kind="command", where="t", now=time.time() + 60)
+    # a signing time further ahead of this node's clock than MAX_SKEW_S is refused: a board
+    # that followed it would take every later announcement for an older one, a replay
+    at = doc["sig"]["at"]
+    verifier.verify_doc(doc, **ok, now=at - signing.MAX_SKEW_S + 1)
+    with pytest.raises(SignatureError, match="in the future"):
+        verifier.verify_doc(doc, **ok, now=at - signing.MAX_SKEW_S - 10)
 
 
 def test_a_frame_signature_hashes_its_payload_once_for_all_copies_and_binds_it():
