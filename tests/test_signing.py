@@ -660,10 +660,19 @@ def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_re
                                  agg.run_id))
         raw.publish(topics.update("client-0"), posing)
         wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 2, what="the forgery refused")
+        # client-1 signing honestly as itself, in a frame naming client-0 on its topic: a
+        # good signature, but an update counts only signed by the board it is from
+        as_itself = wire.encode("update", 1, "client-0", {"params": w},
+                                msg.update_scalars(_update(w), agg.run_id, 0.1), table,
+                                sign=Signer(keys["client-1"], "client-1", fed).frame_signer(
+                                    agg.run_id))
+        raw.publish(topics.update("client-0"), as_itself)
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 3,
+                 what="another board's own signature refused")
         unsigned = wire.encode("update", 1, "client-0", {"params": w},
                                msg.update_scalars(_update(w), agg.run_id, 0.1), table)
         raw.publish(topics.update("client-0"), unsigned)
-        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 3, what="unsigned refused")
+        wait_for(lambda: agg.stats.get("bad_signatures", 0) >= 4, what="unsigned refused")
         assert "client-0" not in agg.open.received and agg.open.round == 1
     finally:
         raw.close()
