@@ -225,6 +225,10 @@ def test_clients_never_reveal_both_secrets_of_one_client_nor_answer_twice():
     with pytest.raises(SecAggError, match=r"client 0 refuses to unmask: client\(s\) \[2\] are "
                                           r"listed both as survivors and as dropped"):
         clients[0].unmask(UnmaskRequest(3, (0, 1, 2, 3), (2,)))
+    # a request that leaves the client out of the survivors says its masked input is not in
+    # the sum: it has nothing there to unmask, and hands over no one's shares
+    with pytest.raises(SecAggError, match="client 0 is not listed as a survivor"):
+        clients[0].unmask(UnmaskRequest(3, (1, 2, 3), ()))
     clients[0].unmask(UnmaskRequest(3, (0, 1, 2, 3), ()))
     with pytest.raises(SecAggError, match="answered an unmask request already"):
         clients[0].unmask(UnmaskRequest(3, (0, 1, 3), (2,)))
