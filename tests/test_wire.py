@@ -885,6 +885,25 @@ def test_chunks_are_checked_before_they_are_buffered():
     assert r.pending == 0
 
 
+def test_a_chunk_that_would_hold_more_than_its_message_is_refused_on_arrival():
+    # a message's chunks hold at most its total, the bytes charged against the sender's
+    # limits: a chunk repeating bytes already held is refused when it comes, not kept
+    # (with the rest of the sender's chunk indices) until the last chunk shows the overlap
+    data = wire.encode("update", 4, "pi-01", {"params": params(BIG)}, None, BIG)
+    chunks = wire.split(data, KB128)
+    ex = Expectation(BIG, kinds="update", rounds=4, topic_sender="pi-01")
+    r = wire.Reassembler()
+    assert r.add(chunks[0], ex) is None
+    h = header_fields(chunks[1])
+    meta = json.loads(chunks[1][64:64 + h["meta_len"]])
+    again = build(dict(meta, offset=0), bytes(data), kind=h["kind"], dtype=h["dtype"],
+                  flags=h["flags"], round=h["round"], chunk_index=1,
+                  chunk_count=h["chunk_count"], table_hash=h["table_hash"],
+                  message_id=h["message_id"])
+    with pytest.raises(FrameError, match=f"its {len(data)} bytes overlap earlier chunks"):
+        r.add(again, ex)
+
+
 # --------------------------------------------------------------- fuzz
 
 def _fuzz_corpus():
