@@ -656,3 +656,8 @@ def test_fraction_weights_are_exact_rationals():
         aggregation_weights(updates, "mean")
     with pytest.raises(StrategyError, match="no updates"):
         aggregation_weights({}, "samples")
+    # a negative count with a positive total would extrapolate past the other updates
+    for counts in ({0: 5, 1: -1}, {0: 0, 1: 0}):
+        bad = {c: Update({}, n, 0.0, 1) for c, n in counts.items()}
+        with pytest.raises(StrategyError, match=r"sample counts \[.*\] cannot weight"):
+            aggregation_weights(bad, "samples")
