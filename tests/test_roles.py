@@ -488,6 +488,35 @@ def test_client_checks_every_frame_and_trains_each_round_once(tmp_path, caplog):
         again.stop()
 
 
+def test_a_client_past_the_announced_round_neither_trains_it_nor_sends(tmp_path, caplog):
+    """A board that trained round 2 and hears round 1 announced (a retained announcement of
+    an earlier round, an aggregator restarted from an older checkpoint) ignores it: a board
+    never goes back to an earlier round, so it never trains one twice."""
+    caplog.set_level(logging.DEBUG, "edgefl.roles.client")
+    broker, agg, topics = loopback_aggregator()
+    run, tasks, doc = announcement_for(tmp_path, strategy="fedavg")
+    doc["model_sha256"] = msg.buffers_sha256(tasks[0].buffers)
+    state_dir = tmp_path / "state-client-0"
+    state_dir.mkdir()
+    ClientProgress("run1", 2, None, None).save(state_dir)
+    harness = ClientHarness(tmp_path, broker, run)
+    try:
+        agg.publish(topics.round(), json.dumps(doc).encode(), retain=True)
+        agg.publish(topics.model(), wire.encode("model", 1, "agg", tasks[0].buffers,
+                                                {"run": "run1"}, run.model.table))
+        ignored = "announcement of round 1, already at round 2: ignored"
+        wait_for(lambda: ignored in caplog.text or harness.client.stats["trained"],
+                 what="the announcement of round 1 handled")
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            item = agg.receive(timeout=0.1)
+            assert not (isinstance(item, Message) and "/update/" in item.topic), item.topic
+        assert harness.client.stats["trained"] == 0 and harness.client.progress.trained == 2
+        assert ignored in caplog.text
+    finally:
+        harness.stop()
+
+
 @pytest.mark.parametrize("case", ["announced id, hash not consulted", "other id, same content",
                                   "other id, other content"])
 def test_the_announced_model_frame_is_taken_by_id_any_other_by_content(tmp_path, caplog, case):
