@@ -3,7 +3,8 @@
  * contributions back into floats.
  *
  * Representation. A value x is clipped to [-clip, clip] and scaled to s = x * scale
- * (scale = levels / clip), then rounded to an integer k in [-levels, levels]:
+ * (scale = levels / clip), then rounded to an integer k in [-levels - 1, levels + 1] (levels
+ * + 1 only where s came out a hair above levels in float64 and u was within that hair of 1):
  *     stochastic:    k = floor(s + u), u uniform in [0, 1), so E[k] = s (unbiased);
  *     deterministic: k = floor(s + 0.5).
  * u for coordinate i is (mix64(seed + (i + 1) * GOLDEN) >> 11) * 2^-53 (splitmix64's
@@ -11,7 +12,7 @@
  * stored is k * weight in two's complement mod 2^bits: a negative value wraps to the top of
  * the ring, which IS the offset that makes negative values add correctly. A sum of
  * contributions is exact in the ring, and read back as a signed integer it is the true
- * integer sum as long as |sum| <= sum_i weight_i * levels < 2^(bits-1): the caller chooses
+ * integer sum as long as |sum| <= sum_i weight_i * (levels + 1) < 2^(bits-1): the caller chooses
  * levels so (edgefl.privacy.secagg.quantiser; configs that cannot are refused there).
  * All arithmetic is in double then int64 (no contraction under -std=c99), then unsigned,
  * where wrap-around is defined behaviour.

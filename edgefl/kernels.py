@@ -201,10 +201,12 @@ def trimmed_mean(out: np.ndarray, xs, trim: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 
 RING_DTYPES = {32: np.dtype(np.uint32), 64: np.dtype(np.uint64)}
-# The quantiser converts x * levels / clip + u (float64, up to about levels + 1) to int64: with
-# levels near 2^63, allowed by levels * weight < 2^63, it overflowed (undefined in C; +clip
-# came back as -2^63 from both backends). At most 2^62 leaves the rounding room to spare.
-MAX_QUANT_LEVELS = 2 ** 62
+# The quantiser converts x * levels / clip + u (float64) to int64. Where float64 holds every
+# integer near levels (levels <= 2^52), that rounds to at most levels + 1; past 2^53 it can
+# land well above levels: 2^62 - 1 levels of weight 2 passed levels * weight < 2^63 and
+# +clip came back as -2^63 from both backends (and levels near 2^63 overflowed the
+# conversion, undefined in C). Secure aggregation uses at most 2^40 (secagg.MAX_LEVELS).
+MAX_QUANT_LEVELS = 2 ** 52
 
 
 def _ring_bits(name: str, a) -> int:
@@ -217,7 +219,7 @@ def _ring_bits(name: str, a) -> int:
 def _check_quantize_args(op: str, x, size: int, bits: int, clip, levels, weight) -> None:
     """The checks `quantize` and `secagg_mask` (which quantises in the same pass) share:
     x float32 of `size` finite values, clip > 0, levels >= 1, weight >= 0, and
-    levels * weight below 2^(bits-1) so the ring sum reads back signed."""
+    (levels + 1) * weight below 2^(bits-1) so the ring sum reads back signed."""
     check_array("x", x, np.float32, size=size)
     if not (isinstance(clip, (int, float, np.floating)) and np.isfinite(clip) and clip > 0):
         raise KernelError(f"clip: {clip!r} must be a finite number > 0")
@@ -225,11 +227,15 @@ def _check_quantize_args(op: str, x, size: int, bits: int, clip, levels, weight)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
             raise KernelError(f"{name}: {value!r} must be a whole number >= {low}")
     if int(levels) > MAX_QUANT_LEVELS:
-        raise KernelError(f"levels: {levels!r} must be at most 2^62: the quantiser rounds "
-                          f"x * levels / clip to an int64, which it would overflow")
-    if int(levels) * max(int(weight), 1) >= 2 ** (bits - 1):
-        raise KernelError(f"levels * weight = {int(levels) * int(weight)}: must be below "
-                          f"2^{bits - 1} for the ring's signed read-back")
+        raise KernelError(f"levels: {levels!r} must be at most 2^52: the quantiser rounds "
+                          f"x * levels / clip in float64, which past that holds too few "
+                          f"integers to keep the result within levels")
+    # a value rounds to at most levels + 1 (stochastic rounding of a float64 product that
+    # came out a hair above levels), and the ring's signed read-back must hold it
+    if (int(levels) + 1) * max(int(weight), 1) >= 2 ** (bits - 1):
+        raise KernelError(f"(levels + 1) * weight = {(int(levels) + 1) * int(weight)}: must be "
+                          f"below 2^{bits - 1} for the ring's signed read-back (a value "
+                          f"rounds to at most levels + 1)")
     bad = impl.first_nonfinite(x)
     if bad >= 0:
         raise NonFiniteError(op, f"x[{bad}] = {x.reshape(-1)[bad]} is not finite")

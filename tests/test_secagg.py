@@ -344,9 +344,12 @@ def test_scalars_whose_sum_would_wrap_the_fixed_point_are_refused_not_summed():
 def test_a_ring_too_small_for_the_round_is_refused_with_the_bound():
     with pytest.raises(SecAggError, match=r"ring_bits 32 cannot hold the sum of 100 "
                                           r"contributions of weight up to 2000000: n \* weight "
-                                          r"\* levels must stay below 2\^31.*ring_bits: 64"):
+                                          r"\* \(levels \+ 1\) must stay below 2\^31.*ring_bits: 64"):
         Quantiser.for_round(32, 1.0, 100, 2_000_000)
-    assert Quantiser.for_round(64, 1.0, 100, 2_000_000).levels == 2 ** 63 // (2 * 10 ** 8)
+    # one level of headroom: a value rounds to at most levels + 1
+    levels = Quantiser.for_round(64, 1.0, 100, 2_000_000).levels
+    assert levels == 2 ** 63 // (2 * 10 ** 8) - 1
+    assert 2 * 10 ** 8 * (levels + 1) < 2 ** 63 <= 2 * 10 ** 8 * (levels + 2)
 
 
 def test_shamir_threshold():

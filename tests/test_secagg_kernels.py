@@ -121,7 +121,8 @@ def test_ring_add_and_dequantize_parity(bits, subtract, n):
 def test_a_ring_sum_of_signed_contributions_reads_back_exactly(impl, bits):
     """Negative values wrap to the top of the ring; the sum of n contributions of weights w_i
     reads back as the true integer sum while sum_i w_i * levels < 2^(bits-1)."""
-    levels, weights = 2 ** (bits - 1) // 60 - 1, [1, 7, 2, 30, 19]     # sum 59 * levels fits
+    levels = min(2 ** (bits - 1) // 60 - 1, kernels.MAX_QUANT_LEVELS)
+    weights = [1, 7, 2, 30, 19]                      # sum 59 * (levels + 1) fits
     dtype = kernels.RING_DTYPES[bits]
     with backend(impl):
         total = np.zeros(5003, dtype)
@@ -134,7 +135,7 @@ def test_a_ring_sum_of_signed_contributions_reads_back_exactly(impl, bits):
             unweighted = np.empty(5003, dtype)
             kernels.quantize(unweighted, x, 8.0, levels, weight=1, seed=i, stochastic=True)
             k = unweighted.view(np.int32 if bits == 32 else np.int64).astype(object)
-            assert max(abs(int(v)) for v in k) <= levels
+            assert max(abs(int(v)) for v in k) <= levels + 1      # rounding's +1 at most
             want += w * k
         signed = total.view(np.int32 if bits == 32 else np.int64)
         assert [int(v) for v in signed] == list(want)
@@ -169,20 +170,24 @@ def test_bad_arguments_are_named():
         kernels.quantize(np.zeros(4, np.uint32), x, 0, 10)
     with pytest.raises(KernelError, match="levels: 0"):
         kernels.quantize(np.zeros(4, np.uint32), x, 1.0, 0)
-    with pytest.raises(KernelError, match=r"levels \* weight = 4294967296: must be below 2\^31"):
+    with pytest.raises(KernelError, match=r"\(levels \+ 1\) \* weight = 4295032832: must be "
+                                          r"below 2\^31"):
         kernels.quantize(np.zeros(4, np.uint32), x, 1.0, 2 ** 16, weight=2 ** 16)
     # in a 64-bit ring levels * weight < 2^63 left room for levels near 2^63, where
     # x * levels / clip + u reaches 2^63 and its conversion to int64 overflows: +clip came
     # back as -2^63 from both backends (and C's conversion is undefined behaviour)
-    with pytest.raises(KernelError, match=r"levels: 9223372036854775807 must be at most 2\^62"):
+    with pytest.raises(KernelError, match=r"levels: 9223372036854775807 must be at most 2\^52"):
         kernels.quantize(np.zeros(4, np.uint64), x, 1.0, 2 ** 63 - 1)
-    with pytest.raises(KernelError, match=r"levels: 4611686018427387905 must be at most 2\^62"):
+    with pytest.raises(KernelError, match=r"levels: 4503599627370497 must be at most 2\^52"):
         kernels.secagg_mask(np.zeros(4, np.uint64), np.zeros(0, np.uint64), bytes(32), b"\0",
-                            x, 1.0, 2 ** 62 + 1)
-    for stochastic in (False, True):
-        q = kernels.quantize(np.zeros(2, np.uint64), np.array([1, -1], np.float32), 1.0,
-                             2 ** 62, stochastic=stochastic)
-        assert q.view(np.int64).tolist() == [2 ** 62, -2 ** 62]
+                            x, 1.0, 2 ** 52 + 1)
+    # past 2^53 x * levels / clip is rounded to a float64 above levels: 2^62 - 1 levels of
+    # weight 2 passed the product check (2^63 - 2) and +clip came back as -2^63
+    with pytest.raises(KernelError, match=r"levels: 4611686018427387903 must be at most 2\^52"):
+        kernels.quantize(np.zeros(4, np.uint64), x, 1.0, 2 ** 62 - 1, weight=2)
+    q = kernels.quantize(np.zeros(2, np.uint64), np.array([1, -1], np.float32), 1.0,
+                         2 ** 52, weight=2 ** 10, stochastic=False)
+    assert q.view(np.int64).tolist() == [2 ** 62, -2 ** 62]
     with pytest.raises(NonFiniteError, match=r"x\[2\] = nan"):
         kernels.quantize(np.zeros(4, np.uint32), np.array([0, 1, np.nan, 0], np.float32), 1.0, 10)
     with pytest.raises(KernelError, match="m: dtype uint64 where uint32"):
@@ -195,18 +200,22 @@ def test_bad_arguments_are_named():
         kernels.dequantize(np.zeros(3, np.float32), np.zeros(4, np.uint64), 1.0)
 
 
-@pytest.mark.parametrize("dtype, levels, weight", [(np.uint32, 2 ** 30 - 1, 2),
-                                                   (np.uint64, 2 ** 61, 3)])
+@pytest.mark.parametrize("dtype, levels, weight", [(np.uint32, 2 ** 30 - 2, 2),
+                                                   (np.uint64, 2 ** 52 - 1, 2 ** 11 - 1)])
 def test_levels_times_weight_stays_below_the_rings_sign_bit(dtype, levels, weight):
-    # the ring sum reads back signed: levels * weight = 2^(bits-1) would quantise +clip to
-    # 2^(bits-1), which reads back as -2^(bits-1); a product below it reads back as it is
+    # the ring sum reads back signed, and a value rounds to at most levels + 1 (stochastic
+    # rounding of a float64 product that came out a hair above levels): (levels + 1) *
+    # weight must stay below 2^(bits-1), or +clip could come back as -2^(bits-1); just
+    # below it reads back as it is
     top = 2 ** (np.dtype(dtype).itemsize * 8 - 1)
     x = np.array([1, -1], np.float32)
-    with pytest.raises(KernelError, match=rf"levels \* weight = {top}: must be below"):
-        kernels.quantize(np.zeros(2, dtype), x, 1.0, top // 2, weight=2, stochastic=False)
+    with pytest.raises(KernelError, match=rf"\(levels \+ 1\) \* weight = {(levels + 1) * (weight + 1)}: "
+                                          rf"must be below 2\^{top.bit_length() - 1}"):
+        kernels.quantize(np.zeros(2, dtype), x, 1.0, levels, weight=weight + 1, stochastic=False)
     q = kernels.quantize(np.zeros(2, dtype), x, 1.0, levels, weight=weight, stochastic=False)
     signed = np.int32 if dtype is np.uint32 else np.int64
     assert q.view(signed).tolist() == [levels * weight, -levels * weight]
+    assert (levels + 1) * weight < top <= (levels + 1) * (weight + 1)
 
 
 # ------------------------------------------------------------------ masks (ef_secagg_mask)

@@ -50,7 +50,8 @@ be unmasking a single client.
 Quantisation (`Quantiser`): each coordinate of a contribution's vector is clipped to
 [-clip_range, clip_range] and rounded (stochastically: unbiased) to one of 2 levels + 1
 integers, times the client's whole-number weight; the sum of n contributions of weights
-w_i <= max_weight stays exact in the ring while n * max_weight * levels < 2^(bits-1), so
+w_i <= max_weight stays exact in the ring while n * max_weight * (levels + 1) < 2^(bits-1)
+(a value rounds to at most levels + 1), so
 `Quantiser.for_round` picks the largest such levels (capped at 2^40) and refuses a round
 where fewer than MIN_LEVELS would remain. Each client's rounding moves its value by less than
 one level, so the dequantised sum is within sum_i w_i * clip_range / levels of the clipped
@@ -125,16 +126,19 @@ class Quantiser:
     @classmethod
     def for_round(cls, bits: int, clip: float, participants: int, max_weight: int) \
             -> "Quantiser":
-        """The most levels with participants * max_weight * levels < 2^(bits-1), or
-        SecAggError when fewer than MIN_LEVELS would remain."""
+        """The most levels with participants * max_weight * (levels + 1) < 2^(bits-1) (a
+        value rounds to at most levels + 1: stochastic rounding of a float64 product that came
+        out a hair above levels, kernels.MAX_QUANT_LEVELS), or SecAggError when fewer than
+        MIN_LEVELS would remain."""
         if bits not in kernels.RING_DTYPES:
             raise SecAggError(f"ring_bits {bits}; valid: 32, 64")
         bound = participants * max(int(max_weight), 1)
-        levels = min((2 ** (bits - 1) - 1) // bound, MAX_LEVELS)
+        levels = min((2 ** (bits - 1) - 1) // bound - 1, MAX_LEVELS)
         if levels < MIN_LEVELS:
             raise SecAggError(
                 f"ring_bits {bits} cannot hold the sum of {participants} contributions of "
-                f"weight up to {max_weight}: n * weight * levels must stay below 2^{bits - 1}, "
+                f"weight up to {max_weight}: n * weight * (levels + 1) must stay below "
+                f"2^{bits - 1}, "
                 f"which leaves {levels} levels (< {MIN_LEVELS}); use ring_bits: 64 or "
                 f"uniform weighting")
         return cls(bits, float(clip), int(levels))
