@@ -29,8 +29,10 @@ from edgefl.params import LayerTable
 from edgefl.transport import signing, wire
 from edgefl.transport.wire import Expectation, FrameError
 
+# database=None: the examples are derandomised, and hypothesis's database is a .hypothesis/
+# directory in the working directory, where tests write nothing
 settings.register_profile(
-    "ci", max_examples=300, deadline=None, derandomize=True,
+    "ci", max_examples=300, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                            HealthCheck.data_too_large])
 settings.register_profile(
