@@ -14,23 +14,30 @@ A few hundred examples per property in CI (profile "ci"); EDGEFL_FUZZ_PROFILE=lo
 10,000 each. `python tools/fuzz.py` is the long run with a table of outcomes."""
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import struct
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis import strategies as st
 
 from edgefl.params import LayerTable
 from edgefl.transport import signing, wire
 from edgefl.transport.wire import Expectation, FrameError
 
-# database=None: the examples are derandomised, and hypothesis's database is a .hypothesis/
-# directory in the working directory, where tests write nothing
+# database=None and a home of its own: the examples are derandomised, and hypothesis keeps
+# its database and caches in .hypothesis/ of the working directory, where tests write nothing
+_HYPOTHESIS_HOME = tempfile.mkdtemp(prefix="edgefl-hypothesis-")
+atexit.register(shutil.rmtree, _HYPOTHESIS_HOME, True)
+set_hypothesis_home_dir(_HYPOTHESIS_HOME)
 settings.register_profile(
     "ci", max_examples=300, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
