@@ -1520,43 +1520,51 @@ def test_edgefl_status_prints_a_boards_control_characters_escaped(mosquitto_acl_
         board.close(timeout=1, announce_offline=False)
 
 
-def test_ctl_watch_prints_a_boards_refusal_reason_escaped(mosquitto_acl_server, tmp_path):
-    """A board that refuses a run says why in its status (`refused.reason`), and the
-    aggregator forwards that text verbatim in its client_refused event
-    (roles/aggregator.py _on_status); `edgefl ctl watch` printed it as it came, control
-    characters and all. The event is published here as the aggregator account would: the
-    watch, a real `edgefl ctl` process, must print it escaped."""
+def _ctl_watch_of(server, tmp_path, payloads) -> tuple[str, str]:
+    """(stdout, stderr) of a real `edgefl ctl watch` process on a federation of its own, to
+    which the aggregator account publishes `payloads` on the events topic once the watch
+    follows it (no service answers the watch's status request: it follows the events after
+    --timeout)."""
     import subprocess
     import sys
 
-    topics = Topics(f"tty-{uuid.uuid4().hex[:8]}")
+    topics = Topics(f"watch-{uuid.uuid4().hex[:8]}")
     password = tmp_path / "operator.pw"
-    password.write_text(mosquitto_acl_server.users["operator"] + "\n")
+    password.write_text(server.users["operator"] + "\n")
     with open(tmp_path / "watch.err", "wb") as err:
         watch = subprocess.Popen(
-            [sys.executable, "-m", "edgefl.cli", "ctl", "watch", "--broker",
-             mosquitto_acl_server.url, "--federation", topics.federation, "--username",
-             "operator", "--password-file", str(password), "--timeout", "1", "--mqtt",
-             "3.1.1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
-            stdin=subprocess.DEVNULL)
-    aggregator = _login(mosquitto_acl_server, "aggregator")
+            [sys.executable, "-m", "edgefl.cli", "ctl", "watch", "--broker", server.url,
+             "--federation", topics.federation, "--username", "operator", "--password-file",
+             str(password), "--timeout", "1", "--mqtt", "3.1.1"], cwd=tmp_path,
+            stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    aggregator = _login(server, "aggregator")
     try:
-        # no service answers its status request: it watches the events after --timeout
         wait_for(lambda: b"watching the events anyway" in (tmp_path / "watch.err")
                  .read_bytes(), timeout=60, what="ctl watch to follow the events")
-        for event in ({"event": "client_refused", "run": "r1", "round": 1,
-                       "client": "client-1", "reason": HOSTILE},
-                      {"event": "run_finished", "run": "r1", "rounds": 1}):
-            aggregator.publish(topics.events(), json.dumps(
-                {**event, "node": "aggregator", "at": time.time()}).encode(),
-                qos=1).wait(10)
+        for payload in payloads:
+            aggregator.publish(topics.events(), payload, qos=1).wait(10)
         out, _ = watch.communicate(timeout=60)
     finally:
         if watch.poll() is None:
             watch.kill()
             watch.wait(10)
         aggregator.close(timeout=1, announce_offline=False)
-    out = out.decode("utf-8", "replace")
+    return out.decode("utf-8", "replace"), (tmp_path / "watch.err").read_text()
+
+
+def _event(**fields) -> bytes:
+    return json.dumps({**fields, "node": "aggregator", "at": time.time()}).encode()
+
+
+def test_ctl_watch_prints_a_boards_refusal_reason_escaped(mosquitto_acl_server, tmp_path):
+    """A board that refuses a run says why in its status (`refused.reason`), and the
+    aggregator forwards that text verbatim in its client_refused event
+    (roles/aggregator.py _on_status); `edgefl ctl watch` printed it as it came, control
+    characters and all. The event is published here as the aggregator account would: the
+    watch, a real `edgefl ctl` process, must print it escaped."""
+    out, _ = _ctl_watch_of(mosquitto_acl_server, tmp_path, [
+        _event(event="client_refused", run="r1", round=1, client="client-1", reason=HOSTILE),
+        _event(event="run_finished", run="r1", rounds=1)])
     assert "client_refused" in out and "owned" in out, out
     _no_terminal_controls(out)
     assert "\\x1b]0;owned\\x07" in out
@@ -1566,34 +1574,8 @@ def test_ctl_watch_skips_an_event_nested_too_deep_and_goes_on(mosquitto_acl_serv
     """`ctl watch` read events with json.loads, whose RecursionError (not a ValueError) on a
     document nested 2,000 deep ended the watch with a traceback. Events are read as every
     other message is (messages.json_object): a deep one is skipped, the next one printed."""
-    import subprocess
-    import sys
-
-    topics = Topics(f"deep-{uuid.uuid4().hex[:8]}")
-    password = tmp_path / "operator.pw"
-    password.write_text(mosquitto_acl_server.users["operator"] + "\n")
-    with open(tmp_path / "watch.err", "wb") as err:
-        watch = subprocess.Popen(
-            [sys.executable, "-m", "edgefl.cli", "ctl", "watch", "--broker",
-             mosquitto_acl_server.url, "--federation", topics.federation, "--username",
-             "operator", "--password-file", str(password), "--timeout", "1", "--mqtt",
-             "3.1.1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=err,
-            stdin=subprocess.DEVNULL)
-    aggregator = _login(mosquitto_acl_server, "aggregator")
-    try:
-        wait_for(lambda: b"watching the events anyway" in (tmp_path / "watch.err")
-                 .read_bytes(), timeout=60, what="ctl watch to follow the events")
-        deep = b'{"event": "round_closed", "run": "r1", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
-        aggregator.publish(topics.events(), deep, qos=1).wait(10)
-        aggregator.publish(topics.events(), json.dumps(
-            {"event": "run_finished", "run": "r1", "rounds": 1, "node": "aggregator",
-             "at": time.time()}).encode(), qos=1).wait(10)
-        out, _ = watch.communicate(timeout=60)
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait(10)
-        aggregator.close(timeout=1, announce_offline=False)
-    err = (tmp_path / "watch.err").read_text()
+    deep = b'{"event": "round_closed", "run": "r1", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    out, err = _ctl_watch_of(mosquitto_acl_server, tmp_path,
+                             [deep, _event(event="run_finished", run="r1", rounds=1)])
     assert "Traceback" not in err, err
-    assert "run_finished" in out.decode(), (out, err)
+    assert "run_finished" in out, (out, err)
