@@ -94,15 +94,10 @@ def dead_names(sources: dict, counts: Counter, called_by_name=CALLED_BY_NAME) ->
 
 
 def package_sources() -> dict:
-    out = {}
-    for directory, dirs, files in os.walk(PACKAGE):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(directory, name)
-                with open(path, encoding="utf-8") as f:
-                    out[os.path.relpath(path, ROOT)] = f.read()
-    return out
+    """{path relative to the repository: source} of every .py under edgefl/."""
+    from test_one_home import python_files
+
+    return python_files(PACKAGE)
 
 
 @pytest.fixture(scope="module")
