@@ -242,14 +242,19 @@ def json_object(payload: bytes, what: str, limit: int = MAX_JSON_BYTES) -> dict:
         raise MessageError(f"{what}: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(doc, dict):
         raise MessageError(f"{what}: a JSON object was expected, got {type(doc).__name__}")
-    _check_depth(doc, what)
+    # a document cannot nest deeper than it has brackets: most messages (statuses, commands,
+    # replies, events) have too few to need the walk, which an announcement of 1,000
+    # tasks pays (about a quarter of its parse)
+    if payload.count(b"{") + payload.count(b"[") > MAX_JSON_DEPTH:
+        _check_depth(doc, what)
     return doc
 
 
 def _check_depth(doc, what: str) -> None:
     """MessageError when `doc` nests deeper than MAX_JSON_DEPTH: walked a level at a time,
     containers only (an announcement of 1,000 tasks: 0.89 ms against 1.76 ms for a stack of
-    (value, depth) pairs, medians of 30 interleaved, 2026-11-30; its json.loads takes 5-6)."""
+    (value, depth) pairs, medians of 30 interleaved on a quiet machine, 2026-11-30; about 2
+    ms against json.loads' 2.8 ms on a busy one)."""
     level, depth = [doc], 1
     while level:
         if depth > MAX_JSON_DEPTH:
