@@ -590,8 +590,7 @@ def service_config_from_args(role: str, args) -> ServiceConfig:
 
 
 def to_json_text(config: ServiceConfig) -> str:
-    """`edgefl config show --json`: as the table, the broker URL without its password (a
-    tool that needs it reads broker.password_file, as the roles do)."""
+    """`edgefl config show --json`: as the table, the broker URL without its password."""
     from ..transport.mqtt import shown_url       # (paho: only when a table is shown)
 
     doc = config.to_json()
