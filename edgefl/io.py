@@ -10,7 +10,9 @@ are written before any is renamed.
 
 `lock_exclusive` is the one way a process claims a file or directory against other
 processes (a role's state directory, the data cache's writer): an flock, which the kernel
-lets go when the holder dies, however it dies.
+lets go when the holder dies, however it dies. `temporary_target` tells atomic_write's
+temporary files by their names, for the holder of a directory to remove those a writer killed
+mid-write left there (SIGKILL skips the writer's own clean-up).
 
 `jsonable` is the one conversion to plain JSON types: NumPy scalars and arrays become
 Python numbers and lists, tuples lists, mapping keys strings, and NaN/inf null (JSON has no
@@ -27,6 +29,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -35,7 +38,7 @@ from typing import Callable, Iterable, Union
 import numpy as np
 
 __all__ = ["atomic_write", "atomic_write_all", "fsync_directory", "jsonable",
-           "lock_exclusive", "replace_atomic", "write_json"]
+           "lock_exclusive", "replace_atomic", "temporary_target", "write_json"]
 
 Content = Union[bytes, bytearray, memoryview, str, Callable]
 
@@ -111,6 +114,19 @@ def _write_temporary(path: str, data: Content, mode: int) -> str:
             pass
         raise
     return tmp
+
+
+# the name _write_temporary's mkstemp gives: "." + the target's name + "." + mkstemp's random
+# part (8 characters of [a-z0-9_], CPython's tempfile) + ".tmp"; tests/test_io.py checks a
+# real atomic_write's temporary file against it
+_TEMPORARY_NAME = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp\Z")
+
+
+def temporary_target(name: str) -> str | None:
+    """The name of the file an atomic_write temporary file named `name` (a base name) was to
+    replace, or None when `name` is not such a file."""
+    match = _TEMPORARY_NAME.match(name)
+    return match.group(1) if match else None
 
 
 def replace_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:

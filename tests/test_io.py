@@ -83,6 +83,23 @@ def test_a_write_interrupted_by_any_exception_leaves_no_temporary(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_temporary_target_names_what_a_real_writers_temporary_file_was_to_replace(tmp_path):
+    """The holder of a state directory removes what writers killed mid-write left by name
+    (roles.state.hold_state_dir): the name atomic_write really gives its temporary file, seen
+    from inside the write, must be told apart, and names it never gives must not."""
+    seen = []
+    for name in ("client.npz", "model.onnx.signed.json", "a.b.c"):
+        io.atomic_write(tmp_path / name, lambda f: seen.append(
+            sorted(n for n in os.listdir(tmp_path) if n.startswith("."))))
+        (temporary,) = seen.pop()
+        assert io.temporary_target(temporary) == name, temporary
+    assert sorted(os.listdir(tmp_path)) == ["a.b.c", "client.npz", "model.onnx.signed.json"]
+    for other in ("client.npz", ".client.npz.tmp", ".client.npz.abc.tmp",
+                  ".client.npz.ABCDEFGH.tmp", ".client.npz.abcdefgh.tmp~",
+                  ".model.onnx.1234.fp32.tmp", "x.client.npz.abcdefgh.tmp"):
+        assert io.temporary_target(other) is None, other
+
+
 def test_atomic_write_into_a_missing_directory_fails_naming_it(tmp_path):
     # the message names the file asked for and its missing directory, not the temporary
     # file that atomic_write would have made there (a name the caller never gave)
