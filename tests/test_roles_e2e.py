@@ -684,3 +684,110 @@ def test_broker_keepalive_sets_how_soon_a_silent_board_is_seen_offline(tmp_path,
         board.kill()
         board.wait(10)
         watcher.close()
+
+
+# the writer of the roles' state files (roles.state.atomic_write) in threads, one per path,
+# each stopped halfway through its file: the process is killed there with SIGKILL, which
+# skips the writer's own clean-up, so each leaves its temporary file as a real crash does
+_WRITER_KILLED_MIDWAY = """\
+import sys, threading, time
+from edgefl.roles.state import atomic_write
+started = threading.Semaphore(0)
+def write(f):
+    f.write(b"half a file")
+    f.flush()
+    started.release()
+    time.sleep(300)
+for path in sys.argv[1:]:
+    threading.Thread(target=atomic_write, args=(path, write), daemon=True).start()
+for _ in sys.argv[1:]:
+    started.acquire()
+print("writing", flush=True)
+time.sleep(300)
+"""
+
+
+def _killed_mid_write(*paths) -> dict:
+    """{path: the temporary file its writer left}, from one process killed with SIGKILL
+    while atomic_write was writing each of `paths` (their directories must exist)."""
+    import os
+    import subprocess
+
+    before = {p: set(os.listdir(os.path.dirname(p))) for p in map(str, paths)}
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER_KILLED_MIDWAY, *before],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+    finally:
+        writer.kill()
+        writer.wait(10)
+        writer.stdout.close()
+    left = {}
+    for path, names in before.items():
+        name = os.path.basename(path)
+        new = [n for n in set(os.listdir(os.path.dirname(path))) - names
+               if n.startswith(f".{name}.")]
+        assert len(new) == 1, (path, new)
+        left[path] = os.path.join(os.path.dirname(path), new[0])
+    return left
+
+
+def test_a_role_removes_the_temporary_files_its_writers_left_when_killed_mid_write(
+        tmp_path, mosquitto_server):
+    """A role's writer killed mid-write (kill -9, a power cut) leaves its hidden temporary
+    file in the state directory for good, up to a model's size each. A role that starts and
+    holds its lock removes those of its own writers and logs how many and where; another
+    role's in the same directory (the aggregator service and a client share one), the edge's
+    in its subdirectory, and a file no edgefl writer names, are left alone, and the state
+    itself is untouched."""
+    import os
+    import subprocess
+
+    from edgefl.roles.state import ClientProgress
+
+    state = tmp_path / "node"
+    (state / "runs" / "r1" / "state").mkdir(parents=True)
+    (state / "edge").mkdir()
+    ClientProgress(run_id="r1", trained=3).save(state)
+    kept = (state / "client.npz").read_bytes()
+    orphans = _killed_mid_write(
+        state / "client.npz", state / "model.onnx",                        # the client's
+        state / "aggregator.npz", state / "runs" / "r1" / "run.json",      # the aggregator's
+        state / "runs" / "r1" / "state" / "aggregator.npz",
+        state / "edge" / "partial.frame")                                  # the edge's
+    stranger = state / ".notes.txt.abcdefgh.tmp"          # named like one, by no edgefl writer
+    stranger.write_text("the operator's")
+    for path in orphans.values():
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    client_orphans = [orphans[str(state / n)] for n in ("client.npz", "model.onnx")]
+    agg_orphans = [p for p in orphans.values() if p not in client_orphans and "/edge/" not in p]
+    common = ["--set", f"node.federation=orph{os.getpid()}",
+              "--set", f"broker.url={mosquitto_server.url}", "--set", f"state_dir={state}"]
+    log = tmp_path / "client.log"
+    with open(log, "w") as out:
+        client = subprocess.Popen(
+            [sys.executable, "-m", "edgefl.cli", "client", "--set", "node.id=b1",
+             "--set", "data.name=digits", *common], stdout=out, stderr=subprocess.STDOUT,
+            cwd=tmp_path)
+    try:
+        wait_for(lambda: "waiting for a run" in log.read_text(), timeout=60,
+                 what="the client to start")
+        assert [p for p in client_orphans if os.path.exists(p)] == []
+        assert all(os.path.exists(p) for p in agg_orphans + [orphans[str(state / "edge" /
+                                                                      "partial.frame")]])
+    finally:
+        client.terminate()
+        client.wait(30)
+    assert f"client: removed 2 temporary files in {state} left by writers killed " \
+           f"mid-write" in log.read_text(), log.read_text()[-2000:]
+    agg = subprocess.run([sys.executable, "-m", "edgefl.cli", "aggregator", "--once",
+                          "--set", "node.id=agg", *common], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert agg.returncode == 0, agg.stderr[-2000:]
+    assert f"aggregator: removed 3 temporary files in {state} left by writers killed " \
+           f"mid-write" in agg.stderr, agg.stderr[-2000:]
+    assert [p for p in orphans.values() if os.path.exists(p)] == \
+        [orphans[str(state / "edge" / "partial.frame")]]
+    assert stranger.read_text() == "the operator's"
+    assert (state / "client.npz").read_bytes() == kept
+    assert ClientProgress.load(state).trained == 3

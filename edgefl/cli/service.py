@@ -296,7 +296,8 @@ def _aggregator(args: argparse.Namespace) -> int:
     import os
 
     from ..roles import AggregatorSettings
-    from ..roles.daemon import Daemon, DaemonSettings
+    from ..roles.daemon import (SITE_RUN_DIR, STATE_FILES, STATE_SUBDIRECTORIES, Daemon,
+                                DaemonSettings)
     from ..roles.state import hold_state_dir
     from ..transport.base import TransportError
     from ..service.notify import Notifier
@@ -309,7 +310,7 @@ def _aggregator(args: argparse.Namespace) -> int:
         ("clients", "--clients", args.clients)) if value is not None}
     config = _role_start("aggregator", args, flags=flags)
     state_dir = config.state_dir
-    out = args.out or os.path.join(state_dir, "run")
+    out = args.out or os.path.join(state_dir, SITE_RUN_DIR)
     clients = config["clients"]
     sites = _sites(args)
     if args.edge:
@@ -328,7 +329,8 @@ def _aggregator(args: argparse.Namespace) -> int:
     notifier = Notifier.from_environment()
     site_run = (config["run"], out) if config["run"] else None
     # the pings stop when the main loop (the daemon's, or its run's) stops beating
-    with hold_state_dir(state_dir, "aggregator"), install_stop_handlers() as stop, \
+    with hold_state_dir(state_dir, "aggregator", STATE_FILES, STATE_SUBDIRECTORIES), \
+            install_stop_handlers() as stop, \
             notifier.watchdog_pinger(healthy=notifier.heartbeat_check()):
         daemon = Daemon(daemon_settings, state_dir, transport, stop=stop, notifier=notifier,
                         site_run=site_run)
@@ -400,6 +402,7 @@ def _edge(args, config, sites) -> int:
 
     from ..errors import ConfigError
     from ..roles import AggregatorSettings
+    from ..roles.edge import STATE_FILES
     from ..roles.runner import run_edge
     from ..roles.state import hold_state_dir
     from ..runconfig import load_run_config
@@ -425,7 +428,7 @@ def _edge(args, config, sites) -> int:
     run_config = load_run_config(config["run"])
     clients = config["clients"]
     edge_dir = os.path.join(config.state_dir, "edge")
-    with hold_state_dir(edge_dir, "edge"), install_stop_handlers() as stop:
+    with hold_state_dir(edge_dir, "edge", STATE_FILES), install_stop_handlers() as stop:
         finished = run_edge(run_config, _mqtt_transport(config, args.edge),
                             edge_dir, settings=settings,
                             edge_id=args.edge, site=sites[args.edge],
@@ -473,6 +476,7 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> int:
+    from ..roles.client import STATE_FILES
     from ..roles.state import hold_state_dir
 
     if (args.partition is None) != (args.shard is None):
@@ -487,7 +491,7 @@ def _client(args: argparse.Namespace) -> int:
         flags["data"] = (f"--partition {args.partition}",
                          _absolute_paths(run_config.dataset, run_config.path))
     config = _role_start("client", args, flags=flags)
-    with hold_state_dir(config.state_dir, "client"):     # before the data is loaded
+    with hold_state_dir(config.state_dir, "client", STATE_FILES):    # before the data loads
         return _run_client(args, config, run_config)
 
 

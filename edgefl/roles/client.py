@@ -62,10 +62,10 @@ from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from .messages import (MessageError, TopicCache, announced_frame_id, attempt_tag,
                        buffers_sha256, parse_announcement, peek_frame, status_payload,
                        task_from_announcement, update_scalars)
-from .onnx_channel import OnnxReceiver, part_index, parts_filter
-from .state import ClientProgress
+from .onnx_channel import INSTALLED_FILES, OnnxReceiver, part_index, parts_filter
+from .state import PROGRESS_FILE, ClientProgress
 
-__all__ = ["ClientSettings", "Client"]
+__all__ = ["ClientSettings", "Client", "STATE_FILES"]
 
 log = logging.getLogger("edgefl.roles.client")
 
@@ -958,6 +958,9 @@ class Client:
 
 SIGNED_AT_FILE = "downlink-signed.json"    # the signing time of the first announcement
                                            # of the run followed, and that run
+# what a client replaces atomically in its state directory (hold_state_dir removes what
+# its writers killed mid-write left of them; update.frame is written in place)
+STATE_FILES = (PROGRESS_FILE, SIGNED_AT_FILE) + INSTALLED_FILES
 
 
 def _load_signed_at(state_dir: str) -> tuple:

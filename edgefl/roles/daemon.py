@@ -59,12 +59,15 @@ from ..io import jsonable
 from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
+from .asynchronous import BOOK_FILE, BUFFER_DIR
 from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
 from .messages import finished_announcement, status_payload
+from .onnx_channel import PUBLISHED_FILE
 from .state import (CHECKPOINT_FILE, HISTORY_FILE, JOURNAL_FILE, AggregatorCheckpoint,
                     StateError, write_json)
 
-__all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "export_run_checkpoint"]
+__all__ = ["DaemonSettings", "Daemon", "RunStore", "RUN_STATES", "SITE_RUN_DIR", "STATE_FILES",
+           "STATE_SUBDIRECTORIES", "export_run_checkpoint"]
 
 log = logging.getLogger("edgefl.roles.daemon")
 
@@ -75,6 +78,13 @@ DONE_STATES = ("finished", "stopped", "cancelled", "failed")
 RUN_STATES = ("queued",) + ACTIVE_STATES + DONE_STATES
 REMEMBERED_REPLIES = 256
 NONCES_FILE = "command-nonces.json"      # nonces of signed commands, until they expire
+SITE_RUN_DIR = "run"                     # the site file's run's outputs, unless --out
+# what the aggregator service replaces atomically in its state directory (the site file's
+# run keeps its checkpoint there), and the directories in it that only the service writes
+# (the runs, the site run's outputs, the buffered updates): hold_state_dir removes what its
+# writers killed mid-write left of them
+STATE_FILES = (CHECKPOINT_FILE, HISTORY_FILE, BOOK_FILE, NONCES_FILE, PUBLISHED_FILE)
+STATE_SUBDIRECTORIES = (RUNS_DIR, SITE_RUN_DIR, BUFFER_DIR)
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,17 @@ from .state import (StateError, append_journal, atomic_write, read_journal, tag_
                     untag_floats)
 
 __all__ = ["CentralAggregator", "EdgeAggregator", "edge_refusal", "partial_update",
-           "partial_total", "load_sites", "UP_PREFIX", "PARTIAL_FILE", "EDGE_JOURNAL"]
+           "partial_total", "load_sites", "UP_PREFIX", "PARTIAL_FILE", "EDGE_JOURNAL",
+           "STATE_FILES"]
 
 log = logging.getLogger("edgefl.roles.edge")
 
 UP_PREFIX = "central"              # the local prefix the site bridge maps the centre under
 PARTIAL_FILE = "partial.frame"     # the last partial aggregate the edge forwarded
 EDGE_JOURNAL = "edge.jsonl"
+# what an edge replaces atomically in its state directory (hold_state_dir removes what its
+# writer killed mid-write left; the journal is appended to)
+STATE_FILES = (PARTIAL_FILE,)
 
 
 def edge_refusal(strategy, *, robust=None, privacy=None, attack=None) -> str | None:

@@ -43,7 +43,7 @@ from ..transport import wire
 from ..transport.topics import Topics
 from .state import atomic_write
 
-__all__ = ["BUFFER_NAME", "OnnxPublication", "OnnxReceiver", "PUBLISHED_FILE",
+__all__ = ["BUFFER_NAME", "INSTALLED_FILES", "OnnxPublication", "OnnxReceiver", "PUBLISHED_FILE",
            "encode_publication", "part_index", "part_topic", "parts_filter",
            "publish_model", "published_parts"]
 
@@ -51,6 +51,9 @@ log = logging.getLogger("edgefl.roles.onnx")
 
 BUFFER_NAME = "model.onnx"
 PUBLISHED_FILE = "onnx-published.json"     # in the aggregator's state directory
+MODEL_FILE = "model.onnx"                  # a client's installed model, in its state directory
+SIGNED_SUFFIX = ".signed.json"             # beside it: when the installed model was signed
+INSTALLED_FILES = (MODEL_FILE, MODEL_FILE + SIGNED_SUFFIX)
 MAX_PARTS = 100_000                        # 12 GiB at 128 KiB: far beyond any edge model
 
 
@@ -156,7 +159,7 @@ class OnnxReceiver:
     path. Bad payloads raise wire.FrameError or ModelFileError naming the cause; the
     installed model is never touched by one."""
 
-    def __init__(self, state_dir: str, name: str = "model.onnx", *,
+    def __init__(self, state_dir: str, name: str = MODEL_FILE, *,
                  timeout_s: float = 120.0, max_bytes: int = 512 << 20, verifier=None):
         self.state_dir = state_dir
         self.name = name
@@ -171,7 +174,7 @@ class OnnxReceiver:
         # be signed by it, and signed no earlier than the installed model (an older one
         # replayed would be a downgrade); the installed model's signing time is kept beside it
         self.verifier = verifier
-        self.signed_path = self.path + ".signed.json"
+        self.signed_path = self.path + SIGNED_SUFFIX
         self.installed_at = _signed_at(self.signed_path, self.installed_sha)
 
     def _check_signature(self, frame, kind: str, where: str) -> float | None:

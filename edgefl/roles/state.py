@@ -156,13 +156,18 @@ _NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 @contextlib.contextmanager
-def hold_state_dir(directory: str | os.PathLike, role: str):
+def hold_state_dir(directory: str | os.PathLike, role: str, files=(), subdirectories=()):
     """This process's claim on `directory` as `role`'s state directory, for as long as the
     block runs: a second process of that role there (a service and a hand-started copy, two
     boards' clients given one directory) is refused, naming the process that holds it. Two
     would overwrite each other's checkpoint, journal and records, and fight over the broker
     client id. The claim is an flock on `<directory>/<role>.lock`, which the kernel lets go
-    when the holder dies however it dies (kill -9 included): a stale file never blocks."""
+    when the holder dies however it dies (kill -9 included): a stale file never blocks.
+
+    Once it holds the lock it removes the temporary files of the role's own writers that a
+    kill mid-write left (_remove_orphans): those of `files`, the names the role replaces
+    with atomic_write in `directory`, and any in `subdirectories`, which only this role
+    writes (each role module's STATE_FILES and STATE_SUBDIRECTORIES)."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"{role}.lock")
@@ -183,9 +188,38 @@ def hold_state_dir(directory: str | os.PathLike, role: str):
         else:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"process {os.getpid()}\n".encode(), 0)
+            _remove_orphans(directory, role, files, subdirectories)
         yield path
     finally:
         os.close(fd)          # (lets the lock go)
+
+
+def _remove_orphans(directory: str, role: str, files, subdirectories) -> None:
+    """Remove the temporary files of `role`'s writers in `directory` (hold_state_dir): a
+    writer killed mid-write (kill -9, the OOM killer) leaves its hidden .<name>.<random>.tmp
+    (0600, up to a model's size) there for good, since SIGKILL skips atomic_write's own
+    clean-up. Safe only under the role's lock: every process that writes these files is
+    that role's, which holds the lock while it runs, so none of them is alive to be writing
+    one now. Only names the role's own writers give are touched: another role (which has a
+    lock of its own and may share the directory) may be writing its files this moment."""
+    own = frozenset(files)
+    found = [os.path.join(directory, name) for name in os.listdir(directory)
+             if io.temporary_target(name) in own]
+    for sub in subdirectories:
+        for where, dirs, names in os.walk(os.path.join(directory, sub)):
+            found += [os.path.join(where, name) for name in names
+                      if io.temporary_target(name) is not None]
+    removed = 0
+    for path in found:
+        try:
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
+                removed += 1
+        except OSError:            # gone already, or not ours to remove: leave it
+            pass
+    if removed:
+        log.info("%s: removed %d temporary file%s in %s left by writers killed mid-write",
+                 role, removed, "" if removed == 1 else "s", directory)
 
 
 def tag_floats(x):
