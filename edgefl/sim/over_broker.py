@@ -8,16 +8,72 @@ for bit when compression is "none".
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
 
+from ..io import process_start_time
 from ..runs.prepare import PreparedRun, RunResult
 
-__all__ = ["run_over_broker", "check_options", "reach_broker"]
+__all__ = ["run_over_broker", "check_options", "reach_broker", "scratch_directory"]
+
+log = logging.getLogger("edgefl.sim")
+
+SCRATCH_PREFIX = "edgefl-sim-"
+# a scratch directory's name: the prefix, its owner's pid and start time, mkdtemp's part
+_OWNED = re.compile(re.escape(SCRATCH_PREFIX) + r"(\d+)-(\d+)-[^/]+\Z")
+
+
+def scratch_directory(parent: str | None) -> tempfile.TemporaryDirectory:
+    """A new directory in `parent` (None: the system's temporary directory) for the roles'
+    state of one simulation, removed by its cleanup(), after removing those in `parent` of
+    simulations killed before theirs ran (kill -9 skips it; in /dev/shm they held memory
+    until reboot). The owner, this process's pid and start time, is in the name, given with
+    the directory by the one mkdtemp call: there is no instant when it exists without one.
+    Without /proc there is no start time, and the directory has no owner and is never
+    removed by another simulation."""
+    remove_dead_scratch(parent or tempfile.gettempdir())
+    start = process_start_time(os.getpid())
+    prefix = SCRATCH_PREFIX if start is None else f"{SCRATCH_PREFIX}{os.getpid()}-{start}-"
+    return tempfile.TemporaryDirectory(prefix=prefix, dir=parent)
+
+
+def remove_dead_scratch(parent: str) -> int:
+    """Remove the scratch directories in `parent` whose owner is gone: this account's only
+    (/dev/shm is shared), named with an owner (an older edgefl's have none: left alone), and
+    whose owner pid runs no process started when it recorded (a pid the kernel gave to
+    another process since is not the owner). A live simulation's is never touched. A
+    killed simulation's worker processes stop when they find it gone (sim.hosting), so none
+    writes there for long. Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return 0
+    for name in names:
+        owner = _OWNED.match(name)
+        if owner is None or process_start_time(int(owner.group(1))) == owner.group(2):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue                    # removed by another simulation starting with this one
+        if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not os.path.lexists(path)
+    if removed:
+        log.info("removed %d %s in %s left by simulations that were killed", removed,
+                 "directory" if removed == 1 else "directories", parent)
+    return removed
 
 
 def check_options(url: str | None = None, *, max_payload: int = 128 * 1024,
@@ -95,7 +151,6 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     abandons the open round, and RunStopped is raised with the rounds aggregated. It is set
     when the run ends in any case: that is how the clients are told to finish (worker
     processes by a message on their pipe)."""
-    import tempfile
     import threading
 
     from ..roles.asynchronous import aggregator_class
@@ -144,7 +199,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             # was a cache flush, and every tasked client makes one a round).
             shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
                 else None
-            scratch = tempfile.TemporaryDirectory(prefix="edgefl-sim-", dir=shm)
+            scratch = scratch_directory(shm)
         root = scratch.name if scratch is not None else state_dir
 
         # A keepalive only guards against a busy interpreter missing it (10,000 clients'
