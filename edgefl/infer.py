@@ -6,8 +6,9 @@ global model to. Every call (or every `check_interval` seconds) stats the path; 
 (device, inode, size, mtime_ns) signature changes, the calling thread reads the new file,
 builds a complete session from those bytes and only then swaps it in under a lock. Calls
 already running finish on the session they started with. A file that does not load (half
-written by a non-atomic writer, corrupt, a different input shape) is never served: the old
-session stays and the reason is logged once per file version.
+written by a non-atomic writer, corrupt, a different input shape) or does not run on one
+zero sample (an op that fails at run time) is never served: the old session stays and the
+reason is logged once per file version.
 
 Needs onnxruntime only (not the `onnx` package). `install_model` is the writing side: how an
 MQTT client puts a received model where a Predictor watches (exporters write with
@@ -64,8 +65,9 @@ class InputError(ValueError):
 def install_model(data: bytes, state_dir, name: str = "model.onnx", *,
                   sha256: str | None = None) -> str:
     """Install received model bytes as `state_dir/name` (atomic replace) after checking them:
-    the sha256 when the sender gave one, and that onnxruntime builds a session from them, so
-    a corrupt or truncated payload never replaces a working model. Returns the path.
+    the sha256 when the sender gave one, and that onnxruntime builds a session from them
+    that a Predictor can serve and that runs (`_smoke_run`), so a corrupt, truncated or
+    unrunnable payload never replaces a working model. Returns the path.
     What a client runs on a received model (roles/onnx_channel.py; edgefl.export.model_payload
     is the sending half)."""
     target = os.path.join(os.fspath(state_dir), name)
@@ -74,7 +76,9 @@ def install_model(data: bytes, state_dir, name: str = "model.onnx", *,
         if got != sha256:
             raise ModelFileError(f"{target}: received {len(data)} bytes with sha256 {got[:12]}, "
                                  f"the sender announced {sha256[:12]}; not installed")
-    _session_from_bytes(data, f"{target} (received)", threads=1)
+    what = f"{target} (received)"
+    # a model that loads but does not run would replace a working one: run it first
+    _smoke_run(_describe(_session_from_bytes(data, what, threads=1), what, None, data), what)
     try:
         os.makedirs(os.fspath(state_dir), exist_ok=True)
         atomic_write(target, data)
@@ -119,9 +123,14 @@ def _session_from_bytes(data: bytes, what: str, threads: int):
     try:
         return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     except Exception as exc:   # onnxruntime raises its own pybind11 types (InvalidProtobuf, ...)
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelFileError(f"{what}: not a loadable ONNX model ({len(data)} bytes; "
-                             f"{type(exc).__name__}: {reason})") from exc
+                             f"{_ort_reason(exc)})") from exc
+
+
+def _ort_reason(exc: Exception) -> str:
+    """onnxruntime's error in one line: its type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else '(no message)'}"
 
 
 @dataclass(frozen=True)
@@ -173,6 +182,25 @@ def _describe(session, path: str, signature: tuple, data: bytes) -> _Loaded:
                    loaded_ns=time.time_ns(), input_name=inputs[0].name, input_shape=dims,
                    scores_name=scores, has_probabilities="probabilities" in outputs,
                    n_out=width, decision=decision, class_names=names, metadata=meta)
+
+
+def _smoke_run(m: "_Loaded", what: str) -> "_Loaded":
+    """`m` once it has answered one zero sample of its declared input shape. onnxruntime
+    builds a session from a graph it cannot run (a Reshape or a layer that does not fit the
+    declared input, an op that fails at run time), and such a model, swapped in, fails every
+    request. No sample is stored with an export (only the count of calibration samples), and
+    zeros are inside every export's input range (pixels, digits, a CSV's own units)."""
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4       # the error is ours to report, once, naming the file
+    try:
+        m.session.run([m.scores_name], {m.input_name: np.zeros((1, *m.input_shape),
+                                                               np.float32)}, quiet)
+    except Exception as exc:   # noqa: BLE001 -- onnxruntime's pybind11 types (Fail, ...)
+        raise ModelFileError(f"{what}: loads but does not run on one zero sample of shape "
+                             f"{(1, *m.input_shape)} ({_ort_reason(exc)})") from exc
+    return m
 
 
 def probabilities_from_scores(scores: np.ndarray, decision: str) -> np.ndarray:
@@ -418,7 +446,7 @@ class Predictor:
         except OSError as exc:
             raise ModelFileError(f"{self.path}: cannot read ({exc.strerror})") from exc
         session = _session_from_bytes(data, self.path, self.threads)
-        return _describe(session, self.path, signature, data)
+        return _smoke_run(_describe(session, self.path, signature, data), self.path)
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from edgefl.runconfig import load_run_config
 __all__ = ["wait_for", "NotifySocket", "StderrGate", "SMALL_RUN", "write_run_yaml",
            "load_small_run", "read_jsonl", "AggregatorProcesses", "start_mqtt_clients",
            "stop_clients", "aggregated_rounds", "StopAtLine", "import_tool", "usage_error",
-           "killed_at_append"]
+           "killed_at_append", "onnx_that_loads_but_cannot_run"]
 
 
 def import_tool(name: str):
@@ -353,3 +353,27 @@ def killed_at_append(tmp_path, file_name: str, *words: str) -> list:
         "from edgefl.cli import console_main\n"
         "sys.exit(console_main(sys.argv[1:]))\n")
     return [sys.executable, str(script)]
+
+
+def onnx_that_loads_but_cannot_run(input_shape=(1, 8, 8), classes: int = 10) -> bytes:
+    """A model file onnxruntime builds a session from and that declares what a Predictor
+    needs (one float input (batch, *input_shape), scores (batch, classes)), but whose Reshape
+    asks for rows of one feature more than a sample has: shape inference cannot see it with
+    a symbolic batch, so only running the graph fails ("cannot be reshaped")."""
+    import math
+
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    features = math.prod(input_shape) + 1
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["input", "shape"], ["flat"]),
+         helper.make_node("Gemm", ["flat", "weight"], ["scores"], transB=1)],
+        "loads-but-cannot-run",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", *input_shape])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", classes])],
+        [numpy_helper.from_array(np.array([-1, features], np.int64), "shape"),
+         numpy_helper.from_array(np.zeros((classes, features), np.float32), "weight")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()

@@ -40,7 +40,7 @@ from edgefl.io import atomic_write
 from edgefl.models import OP_DENSE, build_model
 from edgefl.runconfig import run_config_from_mapping
 from edgefl.sim import simulate
-from helpers import usage_error
+from helpers import onnx_that_loads_but_cannot_run, usage_error
 
 PROB_ATOL = 1e-5   # the parity bound of issue #5 item 2, on probabilities
 
@@ -876,6 +876,41 @@ def test_a_half_written_or_incompatible_file_is_never_served(two_models, tmp_pat
     os.unlink(path)                    # the file vanishes: keep serving
     assert pred.reload() is False and "cannot stat" in pred.last_error
     np.testing.assert_allclose(pred.predict(raw)[1], p2, atol=1e-7)
+
+
+def test_a_model_that_loads_but_cannot_run_is_never_served_nor_installed(two_models,
+                                                                         tmp_path):
+    """onnxruntime builds a session from a graph whose Reshape does not fit the declared
+    input; only running it fails. Such a file was loaded, swapped in over a working model
+    and installed from MQTT, and then every prediction failed. One zero sample is now run at
+    load: the file is refused naming it and onnxruntime's error, and the model served (or
+    installed) before stays."""
+    blobs, raw, (p1, _) = two_models
+    broken = onnx_that_loads_but_cannot_run()
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(broken)
+    with pytest.raises(ModelFileError, match=rf"{re.escape(str(bad))}: loads but does not run"
+                                             rf".*cannot be reshaped"):
+        Predictor(bad)
+
+    path = tmp_path / "m.onnx"
+    atomic_write(path, blobs[0])
+    pred = Predictor(path, check_interval=0)
+    atomic_write(path, broken)
+    assert pred.reload() is False
+    assert pred.last_error.startswith(f"{path}: loads but does not run"), pred.last_error
+    assert "cannot be reshaped" in pred.last_error
+    assert "still serving the previous model" in pred.last_error
+    np.testing.assert_array_equal(pred.predict(raw)[1], p1)
+
+    state = tmp_path / "state"
+    installed = install_model(blobs[0], state)
+    with pytest.raises(ModelFileError, match=r"\(received\): loads but does not run.*"
+                                             r"cannot be reshaped"):
+        install_model(broken, state, sha256=hashlib.sha256(broken).hexdigest())
+    with open(installed, "rb") as f:
+        assert f.read() == blobs[0]                            # untouched
+    assert sorted(os.listdir(state)) == ["model.onnx"]         # no temporaries left
 
 
 def test_a_change_hidden_from_stat_is_caught_while_the_file_is_young(two_models, tmp_path,

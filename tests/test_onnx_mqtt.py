@@ -33,7 +33,7 @@ from edgefl.transport import wire    # noqa: E402
 from edgefl.transport.base import Message    # noqa: E402
 from edgefl.transport.mqtt import MqttTransport    # noqa: E402
 from edgefl.transport.topics import Topics    # noqa: E402
-from helpers import wait_for    # noqa: E402
+from helpers import onnx_that_loads_but_cannot_run, wait_for    # noqa: E402
 
 pytest_plugins = ["brokers"]
 
@@ -243,6 +243,64 @@ def test_damaged_model_is_refused_and_the_installed_one_kept(tmp_path):
     assert sorted(p.name for p in state.iterdir()) == ["model.onnx"]   # no temporaries left
     np.testing.assert_equal(Predictor(state / "model.onnx").predict(np.zeros((1, 64)))[0], [
         Predictor(good).predict(np.zeros((1, 64)))[0][0]])
+
+
+def test_a_model_that_loads_but_cannot_run_is_not_installed(tmp_path, mosquitto_server,
+                                                           caplog):
+    """A board's client installed any model onnxruntime could load; one it cannot run (a
+    Reshape that does not fit the declared input) replaced the working model, and the
+    board's `edgefl serve` then failed every request. Through a real broker, such a model is
+    refused the way any bad model is (counted as rejected, logged with the file and
+    onnxruntime's error), the installed model stays, and the next good one is installed."""
+    import logging
+
+    url = mosquitto_server.url
+    model = build_model({"name": "softmax"}, (1, 8, 8), 10)
+    old, new = tmp_path / "old.onnx", tmp_path / "new.onnx"
+    export_onnx(model, model.init(0), old, norm_mean=[0.0], norm_std=[1.0])
+    export_onnx(model, model.init(1), new, norm_mean=[0.0], norm_std=[1.0])
+    state = tmp_path / "board"
+    state.mkdir()
+    (state / "model.onnx").write_bytes(old.read_bytes())
+    federation = f"onnx-{uuid.uuid4().hex[:8]}"
+    topics = Topics(federation)
+    publisher = transport(url, "aggregator")
+    publisher.connect()
+
+    def publish(data: bytes, round: int) -> None:
+        pub = encode_publication(data, {}, round=round, sender="aggregator", run="r1",
+                                 max_payload=CHUNK)
+        for i, payload in enumerate(pub.parts):
+            publisher.publish(part_topic(topics, i), payload, qos=1, retain=True)
+        publisher.publish(topics.onnx(), pub.manifest, qos=1, retain=True)
+        publisher.flush(5.0)
+
+    x, y = np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int64)
+    client, thread = None, None
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgefl"):
+            client, thread = start_client(url, federation, "board-1", (x, y), state)
+            publish(onnx_that_loads_but_cannot_run(), 2)
+            wait_for(lambda: client.stats["rejected"] >= 1
+                     or (client.onnx is not None and client.onnx.installs), 30,
+                     "the client to refuse (or install) it")
+        assert sha_of(state / "model.onnx") == sha_of(old)              # untouched
+        assert client.onnx.installs == 0 and client.onnx.installed_sha == sha_of(old)
+        refusal = next(r.getMessage() for r in caplog.records if "rejected" in r.getMessage())
+        assert "ONNX model on" in refusal and "loads but does not run" in refusal, refusal
+        assert "cannot be reshaped" in refusal, refusal
+        publish(new.read_bytes(), 3)                                    # the next good one
+        wait_for(lambda: sha_of(state / "model.onnx") == sha_of(new), 30,
+                 "the client to install the next model", poll=0.05)
+        assert client.onnx.installs == 1 and client.stats["rejected"] == 1
+    finally:
+        if client is not None:
+            client.stop.set()
+            thread.join(10)
+        for i in range(8):                    # leave nothing retained for other tests
+            publisher.clear_retained(part_topic(topics, i))
+        publisher.clear_retained(topics.onnx())
+        publisher.close(timeout=2.0, announce_offline=False)
 
 
 def test_acl_lets_clients_read_the_parts_and_only_the_aggregator_write_them(

@@ -5,6 +5,7 @@ whole model), bad requests answered with the cause, SIGTERM -> STOPPING and exit
 """
 from __future__ import annotations
 
+import hashlib
 import http.client
 import io
 import json
@@ -28,7 +29,7 @@ from edgefl.infer import Predictor
 from edgefl.io import atomic_write
 from edgefl.models import build_model
 from edgefl.serve import UnixHTTPConnection
-from helpers import NotifySocket, wait_for
+from helpers import NotifySocket, onnx_that_loads_but_cannot_run, wait_for
 
 
 
@@ -281,3 +282,41 @@ def test_a_npy_header_declaring_more_than_the_body_holds_is_a_bad_request(tmp_pa
     finally:
         stop.set()
         thread.join(10)
+
+
+def test_a_model_that_loads_but_cannot_run_is_not_swapped_in(tmp_path, digits):
+    """A replacement model that onnxruntime loads but cannot run (its Reshape does not fit
+    the declared input) was swapped in, and every /predict then answered 500. It is refused
+    at load: the service keeps answering with the model before, and /health names the file
+    and onnxruntime's error. As the first model, it leaves the service waiting."""
+    path = tmp_path / "m.onnx"
+    good = export(path, digits, 1)
+    atomic_write(path, good)
+    service, sock, stop, thread = serving_in_process(path)
+    try:
+        atomic_write(path, onnx_that_loads_but_cannot_run())
+        wait_for(lambda: service.last_error is not None
+                 or service.predictor.sha256 != hashlib.sha256(good).hexdigest(), 10,
+                 "the service to look at the replaced file")
+        conn = UnixHTTPConnection(sock)
+        status, doc, _ = request(conn, "GET", "/health")
+        assert status == 200 and doc["model"]["sha256"] == hashlib.sha256(good).hexdigest()
+        error = doc["model"]["last_error"]
+        assert error.startswith(f"{path}: loads but does not run"), error
+        assert "cannot be reshaped" in error and "still serving the previous model" in error
+        row = raw_inputs(digits, digits.x_test[:1]).reshape(1, 64).tolist()
+        status, doc, _ = request(conn, "POST", "/predict", json.dumps({"inputs": row}))
+        assert status == 200 and len(doc["classes"]) == 1, doc
+        conn.close()
+    finally:
+        stop.set()
+        thread.join(10)
+
+    from edgefl.serve import InferenceService
+    first = tmp_path / "first.onnx"
+    atomic_write(first, onnx_that_loads_but_cannot_run())
+    waiting = InferenceService(str(first))
+    assert waiting.refresh() is False and waiting.predictor is None
+    status, doc = waiting.health()
+    assert status == 503 and doc["status"] == "waiting"
+    assert doc["last_error"].startswith(f"{first}: loads but does not run")

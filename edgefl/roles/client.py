@@ -21,8 +21,9 @@ broker are configured on the board. Per announcement:
   kernels.StopFlag), joins the training thread and stores nothing of that round.
 
 The exported ONNX model the aggregator publishes (retained, in parts: roles/onnx_channel.py)
-is reassembled, checked (sha256, onnxruntime loads it) and installed atomically as
-`<state_dir>/model.onnx`, the file `edgefl serve` on the board serves.
+is reassembled, checked (sha256, onnxruntime loads it and runs one zero sample) and
+installed atomically as `<state_dir>/model.onnx`, the file `edgefl serve` on the board
+serves.
 
 A model that does not arrive within `model_wait_s` (joined mid-round, missed a chunk) is
 asked for again by publishing the status with `need_model`. Every frame and announcement is
