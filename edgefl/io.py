@@ -19,6 +19,12 @@ names one process by its pid and start, for an owner recorded on disk to be chec
 Python numbers and lists, tuples lists, mapping keys strings, and NaN/inf null (JSON has no
 NaN). `write_json` is the two together.
 
+`terminal_text` is the one way text another node chose reaches an operator's terminal or
+log (`edgefl status`, `edgefl ctl`, the aggregator's log): control characters (escape
+sequences that retitle, clear or recolour the terminal, a bell, a carriage return) and
+invisible format characters (a right-to-left override) become their escapes, \\x1b,
+\\u202e, so the operator sees what was sent and the terminal obeys none of it.
+
     atomic_write(path, b"...")                     # bytes; str is written as UTF-8
     atomic_write(path, lambda f: np.savez(f, **arrays))   # or streamed to the temporary file
     write_json(path, {"accuracy": np.float32(0.9), "loss": float("nan")})  # loss: null
@@ -33,6 +39,7 @@ import os
 import re
 import tempfile
 import time
+import unicodedata
 from collections.abc import Mapping
 from typing import Callable, Iterable, Union
 
@@ -40,7 +47,7 @@ import numpy as np
 
 __all__ = ["atomic_write", "atomic_write_all", "fsync_directory", "jsonable",
            "lock_exclusive", "process_start_time", "replace_atomic", "temporary_target",
-           "write_json"]
+           "terminal_text", "write_json"]
 
 Content = Union[bytes, bytearray, memoryview, str, Callable]
 
@@ -230,3 +237,19 @@ def write_json(path: str | os.PathLike, data, *, indent: int | None = 1,
                mode: int = 0o644) -> None:
     """`jsonable(data)` as a JSON document with a final newline, written by atomic_write."""
     atomic_write(path, json.dumps(jsonable(data), indent=indent) + "\n", mode=mode)
+
+
+def terminal_text(value, limit: int | None = None, *, one_line: bool = False) -> str:
+    """str(value) safe to print on a terminal: every control (Cc) or format (Cf) character
+    but tab and newline, and every lone surrogate (Cs: JSON's "\\ud800", which no terminal
+    encoding can print), as its Python escape; at most `limit` characters, the rest said as
+    a count. one_line: tab and newline escaped too, for a log line a sender must not be able
+    to end and follow with lines of its own."""
+    text = str(value)
+    if limit is not None and len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    if text.isprintable():
+        return text
+    kept = "" if one_line else "\t\n"
+    return "".join(ch if ch in kept or unicodedata.category(ch) not in ("Cc", "Cf", "Cs")
+                   else ascii(ch)[1:-1] for ch in text)

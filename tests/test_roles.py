@@ -1078,6 +1078,57 @@ def test_a_stop_during_the_offline_phase_ends_the_aggregators_run_before_it_star
     assert prepare_run(config, workers=1, progress=False, stop=flag).strategy.name == "duw"
 
 
+def test_a_boards_refusal_reason_reaches_the_aggregators_log_as_one_clean_line(tmp_path,
+                                                                             caplog):
+    """A board in hostile hands sends a refusal whose reason holds terminal escape
+    sequences (retitle, clear, recolour), a carriage return and newlines, and is 20,000
+    characters long. The aggregator logged it raw: the operator's terminal obeyed the
+    escapes, and the newlines forged log lines of their own. It is now one line, control
+    characters escaped, bounded; the round still goes on without that board."""
+    caplog.set_level(logging.WARNING, "edgefl.roles.aggregator")
+    config = load_small_run(tmp_path, rounds=1, clients_per_round=2)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, broker, AggregatorSettings(federation="fed", round_timeout_s=30),
+        start_clients=False)
+    threads[1].start()                            # client-1 is an honest board
+    hostile = ("\x1b]0;owned\x07\x1b[2J\x1b[31mbad\r\n"
+               "2026-11-30 12:00:00 INFO edgefl.roles.aggregator round 1 closed\n" + "x" * 20_000)
+    topics = Topics("fed")
+    rogue = broker.transport("client-0")          # client-0's account, in hostile hands
+    rogue.connect()
+    rogue.subscribe(topics.topic("round"))
+    stop = threading.Event()
+
+    def refuse_every_round():
+        while not stop.is_set():
+            item = rogue.receive(timeout=0.1)
+            if isinstance(item, Message) and item.payload:
+                doc = json.loads(item.payload)
+                if "finished" in doc:
+                    continue
+                rogue.publish(topics.status("client-0"), json.dumps(
+                    {"node": "client-0", "role": "client", "online": True,
+                     "refused": {"run": doc["run"], "round": doc["round"],
+                                 "reason": hostile}}).encode(), retain=True)
+
+    board = threading.Thread(target=refuse_every_round, daemon=True)
+    board.start()
+    try:
+        result = aggregator.run()
+    finally:
+        stop.set()
+        board.join(5)
+        threads[1].join(5)
+    assert result.history[0]["updates"] == 1     # not waited for
+    lines = [r.getMessage() for r in caplog.records if "client-0 refused" in r.getMessage()]
+    assert len(lines) == 1, caplog.text[-2000:]
+    line = lines[0]
+    assert not any(ch in line for ch in "\x1b\x07\r\n"), repr(line[:300])
+    assert r"\x1b]0;owned\x07" in line and r"\r\n2026-11-30" in line, line[:300]
+    assert len(line) < 1000 and "characters)" in line, len(line)
+
+
 def test_a_board_that_cannot_read_its_task_says_so_and_is_not_waited_for(tmp_path,
                                                                          monkeypatch, caplog):
     """A newer aggregator may announce a train setting this board's edgefl does not know

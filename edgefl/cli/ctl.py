@@ -179,7 +179,7 @@ def _ctl(args: argparse.Namespace) -> int:
     import json
 
     from ..roles.control import CommandRefused, ControlClient
-    from ..service.status import terminal_text
+    from ..io import terminal_text
 
     doc = _ctl_command(args) if args.action != "watch" else None
     transport, topics, name = _ctl_connect(args)
@@ -278,7 +278,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
 
     from ..roles.control import CommandRefused, ControlClient
     from ..roles.messages import MessageError, json_object
-    from ..service.status import terminal_text
+    from ..io import terminal_text
     from ..transport.base import Message
 
     transport.subscribe(topics.events(), qos=1)
@@ -390,7 +390,7 @@ def _report_ended(record: dict, as_json: bool, when: str) -> int:
     accuracy, where its outputs are, or why it failed); returns watch's exit status."""
     import json
 
-    from ..service.status import terminal_text
+    from ..io import terminal_text
 
     state = record.get("state")
     where = record.get("out_dir") or record.get("run_dir")

@@ -13,8 +13,8 @@ does not send every field still gets its row. Nodes of an edgefl with signatures
 checks, the table has the columns `key` and `checks`.
 
 Every field is what a node chose to publish, and one board may be in hostile hands:
-`terminal_text` is the one way a node's text reaches the operator's terminal (this table,
-`edgefl ctl` and `ctl watch`): control characters (escape sequences that retitle, clear or
+`edgefl.io.terminal_text` is the one way a node's text reaches the operator's terminal (this
+table, `edgefl ctl` and `ctl watch`, the aggregator's log): control characters (escape sequences that retitle, clear or
 recolour the terminal, a bell, a carriage return) and invisible format characters (a
 right-to-left override) are printed as escapes, \x1b, \u202e, so the operator sees what was
 sent and the terminal obeys none of it.
@@ -22,9 +22,10 @@ sent and the terminal obeys none of it.
 from __future__ import annotations
 
 import re
-import unicodedata
 
-__all__ = ["FLEET_COLUMNS", "format_fleet", "collect_statuses", "terminal_text"]
+from ..io import terminal_text
+
+__all__ = ["FLEET_COLUMNS", "format_fleet", "collect_statuses"]
 
 FLEET_COLUMNS = ("node", "online", "version", "profile", "last round")
 
@@ -37,25 +38,11 @@ def _natural_key(node: str):
 _MAX_CELL = 64                  # characters of one cell of the table
 
 
-def terminal_text(value, limit: int | None = None) -> str:
-    """str(value) safe to print on a terminal: every control (Cc) or format (Cf) character
-    but tab and newline, and every lone surrogate (Cs: JSON's "\\ud800", which no terminal
-    encoding can print), as its Python escape; at most `limit` characters, the rest said as
-    a count."""
-    text = str(value)
-    if limit is not None and len(text) > limit:
-        text = f"{text[:limit]}... ({len(text)} characters)"
-    if text.isprintable():
-        return text
-    return "".join(ch if ch in "\t\n" or unicodedata.category(ch) not in ("Cc", "Cf", "Cs")
-                   else ascii(ch)[1:-1] for ch in text)
-
-
 def _cell(value) -> str:
     if value is None or value == "":
         return "-"
     # one line, escaped, and no cell wider than _MAX_CELL (a node sends what it likes)
-    return terminal_text(str(value).replace("\n", "\\n").replace("\t", " "), _MAX_CELL)
+    return terminal_text(str(value).replace("\t", " "), _MAX_CELL, one_line=True)
 
 
 def _online(value) -> str:
