@@ -507,6 +507,45 @@ def test_event_stream_starts_with_a_snapshot_then_sends_each_change():
         conn.close()
 
 
+def test_a_page_that_stops_reading_is_dropped_past_a_byte_bound_not_only_a_count():
+    """Each open page's queue of changes was bounded by count alone: 2,000 changes, and a
+    board's status may be 64 KiB, so one page that stopped reading (a stalled browser, a
+    laptop lid closed) kept about 128 MB alive. Past LISTENER_BACKLOG_BYTES it is dropped
+    as past the count: its queue is freed, its stream ends, and its browser reconnects to a
+    fresh snapshot, which has the latest state."""
+    topics = Topics("lab")
+    view = FleetView(topics, broker="127.0.0.1:1883")
+    with DashboardServer(view, "127.0.0.1", 0) as server:
+        page = socket.socket()
+        # little kernel buffering on the page's side: what it does not read stays queued
+        page.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        page.settimeout(10)
+        page.connect(("127.0.0.1", server.port))
+        page.sendall(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        wait_for(lambda: len(view._listeners) == 1, 10, "the page's stream to open")
+        changes = 300           # of 60 KB: 18 MB, far past the byte bound, far below 2,000
+        for i in range(changes):
+            view.apply(_message(topics, "status", "pi-1", {
+                "node": "pi-1", "online": True, "last_round": i, "version": "x" * 60_000}))
+        received, ended = b"", False
+        try:
+            while True:
+                piece = page.recv(1 << 20)
+                if not piece:
+                    ended = True
+                    break
+                received += piece
+        except TimeoutError:
+            pass                # the stream stayed open
+        finally:
+            page.close()
+        got = received.count(b"event: node\n")
+        assert ended and got < changes, f"stream ended: {ended}; {got} of {changes} changes"
+        assert not view._listeners                     # the page's queue is gone
+        response, body = _request(server.port, path="/state")
+        assert json.loads(body)["nodes"][0]["last_round"] == changes - 1
+
+
 def test_server_on_ipv6_loopback():
     if not socket.has_ipv6:
         pytest.skip("no IPv6 on this machine")

@@ -16,7 +16,9 @@ name at 127.0.0.1 (DNS rebinding) cannot read the fleet through the visitor's br
 Every response forbids framing and sniffing, and the page's Content-Security-Policy allows
 its own script and style only. Each connection has its own thread; a request must arrive
 whole, and each write of a page's stream be taken, within REQUEST_TIMEOUT_S, or the
-connection ends (a slowloris holds no thread for long, and never delays other pages).
+connection ends (a slowloris holds no thread for long, and never delays other pages). A
+page that falls behind by LISTENER_BACKLOG changes or LISTENER_BACKLOG_BYTES bytes
+(dashboard/view.py) is dropped: its stream ends, and the browser reconnects to a snapshot.
 
 `BrokerFeed` subscribes a connected Transport to the federation's status, run record and
 event topics and folds every received item into the FleetView until stopped.
@@ -24,7 +26,6 @@ event topics and folds every received item into the FleetView until stopped.
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import queue
 import socket
@@ -32,10 +33,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 
-from ..io import jsonable
 from ..transport.base import CONNECTED, DISCONNECTED, ConnectionEvent, Transport
 from ..transport.broker import listen_error
-from .view import FleetView
+from .view import FleetView, page_json
 
 __all__ = ["DashboardServer", "BrokerFeed", "is_loopback", "ASSETS", "KEEPALIVE_S",
            "REQUEST_TIMEOUT_S"]
@@ -144,7 +144,7 @@ class _Handler(BaseHTTPRequestHandler):
             body, content_type = self.server.assets[path]
             self._send(200, body, content_type)
         elif path == "/state":
-            self._send(200, _json(self.server.view.snapshot()), "application/json")
+            self._send(200, page_json(self.server.view.snapshot()), "application/json")
         elif path == "/events":
             self._stream()
         else:
@@ -165,13 +165,12 @@ class _Handler(BaseHTTPRequestHandler):
         listener, snapshot = self.server.view.listen()
         try:
             # retry: how soon the browser reconnects after the stream ends
-            self.wfile.write(b"retry: 2000\n" + _sse("snapshot", snapshot))
+            self.wfile.write(b"retry: 2000\n" + _sse("snapshot", page_json(snapshot)))
             self.wfile.flush()
             idle = 0.0
             while not self.server.closing.is_set() and not listener.overflowed:
                 try:
-                    kind, doc = listener.queue.get(timeout=1.0)
-                    chunk = _sse(kind, doc)
+                    chunk = _sse(*listener.get(timeout=1.0))
                 except queue.Empty:
                     idle += 1.0
                     if idle < KEEPALIVE_S:
@@ -187,13 +186,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
-def _json(doc) -> bytes:
-    return json.dumps(jsonable(doc), separators=(",", ":")).encode()
-
-
-def _sse(kind: str, doc) -> bytes:
+def _sse(kind: str, data: bytes) -> bytes:
     # one JSON line: data has no newline, so one `data:` field carries it
-    return b"event: " + kind.encode() + b"\ndata: " + _json(doc) + b"\n\n"
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
 class DashboardServer(ThreadingHTTPServer):

@@ -13,7 +13,7 @@ Sources (docs/protocol.md):
   record is published (an aggregator outside the service, `edgefl simulate --transport
   mqtt`). A record always wins over what the events said.
 
-Every change becomes one (kind, document) pair for the listeners (the open pages):
+Every change becomes one (kind, JSON bytes) pair for the listeners (the open pages):
 `node`, `node_gone`, `run`, `run_gone`, `point`, `event`, `broker`. A page that connects
 gets `snapshot()` first, taken under the same lock as its registration, so it misses
 nothing and sees nothing twice.
@@ -23,23 +23,30 @@ is counted and logged with its topic, and changes nothing.
 """
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
 
+from ..io import jsonable
 from ..roles.daemon import DONE_STATES, RUN_STATES
-from ..roles.messages import MessageError, json_object, parse_status
+from ..roles.messages import MAX_JSON_BYTES, MessageError, json_object, parse_status
 from ..transport.base import ConnectionEvent, Message
 from ..transport.topics import TopicError, Topics
 
-__all__ = ["FleetView", "Listener", "MAX_EVENTS"]
+__all__ = ["FleetView", "Listener", "MAX_EVENTS", "page_json"]
 
 log = logging.getLogger("edgefl.dashboard")
 
 MAX_EVENTS = 500                # events kept for a page that connects later
 LISTENER_BACKLOG = 2000         # changes queued for one page before it is dropped
+# Bytes of changes queued for one page before it is dropped. The count alone let a page
+# that stopped reading hold 2,000 board statuses of up to 64 KiB each (128 MB) alive. Twice
+# the largest message the view reads (MAX_JSON_BYTES, 4 MiB: an event) so that a page that
+# keeps up always takes the largest change, even with another one queued behind it.
+LISTENER_BACKLOG_BYTES = 2 * MAX_JSON_BYTES
 
 # the state a run event puts its run in, where no record says otherwise
 _EVENT_STATES = {"run_queued": "queued", "run_started": "running", "run_resumed": "running",
@@ -48,20 +55,54 @@ _EVENT_STATES = {"run_queued": "queued", "run_started": "running", "run_resumed"
                  "run_cancelled": "cancelled"}
 
 
+def page_json(doc) -> bytes:
+    """A document as the page receives it: compact JSON of plain types (edgefl.io.jsonable)."""
+    return json.dumps(jsonable(doc), separators=(",", ":")).encode()
+
+
 class Listener:
-    """One open page: a bounded queue of changes. When the page cannot keep up, the queue
-    is dropped (`overflowed`) and the page's stream ends; the browser reconnects and starts
-    from a fresh snapshot rather than from a view with holes."""
+    """One open page: a queue of changes (kind, JSON bytes), bounded by count and by bytes.
+    When the page cannot keep up, the queue is dropped (`overflowed`: the changes queued are
+    freed at once) and the page's stream ends; the browser reconnects and starts from a
+    fresh snapshot rather than from a view with holes."""
 
-    def __init__(self, backlog: int = LISTENER_BACKLOG):
+    def __init__(self, backlog: int = LISTENER_BACKLOG,
+                 backlog_bytes: int = LISTENER_BACKLOG_BYTES):
         self.queue: queue.Queue = queue.Queue(backlog)
+        self.backlog_bytes = backlog_bytes
+        self.queued_bytes = 0
         self.overflowed = False
+        self._lock = threading.Lock()      # the feed puts, the page's thread gets
 
-    def put(self, change) -> None:
-        try:
-            self.queue.put_nowait(change)
-        except queue.Full:
-            self.overflowed = True
+    def put(self, kind: str, data: bytes) -> None:
+        with self._lock:
+            if self.overflowed:
+                return
+            if self.queued_bytes + len(data) > self.backlog_bytes:
+                self._drop()
+                return
+            try:
+                self.queue.put_nowait((kind, data))
+            except queue.Full:
+                self._drop()
+                return
+            self.queued_bytes += len(data)
+
+    def get(self, timeout: float) -> tuple[str, bytes]:
+        """The next change; queue.Empty after `timeout` seconds without one."""
+        kind, data = self.queue.get(timeout=timeout)
+        with self._lock:
+            self.queued_bytes = max(0, self.queued_bytes - len(data))
+        return kind, data
+
+    def _drop(self) -> None:
+        self.overflowed = True
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        self.queued_bytes = 0
 
 
 class FleetView:
@@ -103,8 +144,11 @@ class FleetView:
                 "events": list(self.events), "ignored": self.ignored, "now": time.time()}
 
     def _emit(self, kind: str, doc: dict) -> None:
+        if not self._listeners:
+            return
+        data = page_json(doc)        # once for every page, and its size is what it holds
         for listener in list(self._listeners):
-            listener.put((kind, doc))
+            listener.put(kind, data)
 
     # ------------------------------------------------------------------ messages
     def apply(self, item) -> None:
