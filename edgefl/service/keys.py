@@ -149,6 +149,10 @@ KEYS = {k.name: k for k in (
         maximum=256),
     Key("infer.check_interval", "number", "seconds between checks for a new model file",
         ("infer",), minimum=0),
+    Key("retention.keep_runs", "int", "keep the files of this many of the most recently "
+        "ended runs (finished, stopped or failed) under runs/<id>/, removing older runs' as "
+        "each run ends; their records stay, marked pruned (null: keep every run's files)",
+        ("aggregator",), minimum=1, nullable=True),
     Key("suggested_model", "model", "the model this board trains comfortably (a model spec)"),
     Key("data", "dataset", "the client's training data: a dataset section (docs/data.md)",
         ("client",), nullable=True, required=("client",)),
