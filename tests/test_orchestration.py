@@ -75,9 +75,10 @@ class Fleet:
     broker; every node logs in with its own account."""
 
     def __init__(self, server, tmp_path, *, deadline=60.0, quorum=1.0, client_limits=None,
-                 run_options=None):
+                 run_options=None, keep_runs=None, tag=None):
         self.server, self.tmp = server, tmp_path
-        self.tag = uuid.uuid4().hex[:8]
+        # tag: another Fleet's, for the same federation again (a restarted service)
+        self.tag = tag or uuid.uuid4().hex[:8]
         self.fed = f"orch-{self.tag}"
         self.topics = Topics(self.fed)
         self.transports: list = []
@@ -86,7 +87,8 @@ class Fleet:
         settings = DaemonSettings(
             AggregatorSettings(node_id="aggregator", federation=self.fed,
                                round_timeout_s=deadline, quorum=quorum, poll_s=0.05),
-            client_ids=CLIENTS, retry_s=0.5, run_options=dict(run_options or {}))
+            client_ids=CLIENTS, retry_s=0.5, run_options=dict(run_options or {}),
+            **({"keep_runs": keep_runs} if keep_runs is not None else {}))
         self.state_dir = tmp_path / "aggregator"
         self.daemon = Daemon(settings, str(self.state_dir), self._aggregator_transport,
                              stop=self.stop)

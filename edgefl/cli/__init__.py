@@ -9,6 +9,7 @@ runs it), defined in the module of its family:
     fleet.py     fleet: a fleet on one machine (up, status, down)
     dashboard.py dashboard: the live, read-only web page of a federation
     keys.py      keys: signing keys (gen, show)
+    prune.py     prune: the aggregator service's older ended runs' files removed
 
 `main` builds the parser from COMMANDS. To add a subcommand, define it in its family's module
 
@@ -29,7 +30,7 @@ import sys
 import warnings
 
 from .. import __version__
-from . import ctl, dashboard, fleet, keys, runs, service
+from . import ctl, dashboard, fleet, keys, prune, runs, service
 from .command import Command, UsageError
 
 __all__ = ["COMMANDS", "Command", "build_parser", "console_main", "main"]
@@ -48,7 +49,8 @@ def register(command: Command) -> Command:
 for _command in (runs.PARTITION, runs.SIMULATE, runs.DUW_TRAIN, runs.INFO, runs.EXPORT,
                  runs.PREDICT, service.BROKER, service.CONFIG, service.INSTALL_SERVICE,
                  runs.COMPARE, service.AGGREGATOR, service.CLIENT, service.SERVE,
-                 service.STATUS, keys.KEYS, ctl.CTL, dashboard.DASHBOARD, fleet.FLEET):
+                 service.STATUS, prune.PRUNE, keys.KEYS, ctl.CTL, dashboard.DASHBOARD,
+                 fleet.FLEET):
     register(_command)
 del _command
 

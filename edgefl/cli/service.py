@@ -317,7 +317,7 @@ def _aggregator(args: argparse.Namespace) -> int:
         return _edge(args, config, sites)
     settings = AggregatorSettings.from_service_config(config)
     daemon_settings = DaemonSettings(settings, client_ids=tuple(clients) if clients else None,
-                                     once=args.once,
+                                     once=args.once, keep_runs=config["retention.keep_runs"],
                                      run_options={"export": _export_policy(config),
                                                   "publish_onnx": config["export.publish"],
                                                   "onnx_record_dir": state_dir,

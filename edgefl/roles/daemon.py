@@ -56,6 +56,7 @@ import numpy as np
 from .. import __version__
 from ..errors import ConfigError
 from ..io import jsonable
+from ..service.layered import check_setting
 from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
@@ -96,13 +97,20 @@ class DaemonSettings:
     retry_s: wait before trying a run again whose broker connection failed.
     run_options: more keyword arguments of roles.runner.run_aggregator for every run (export
     policy, `publish_onnx`: whether exports are published on the onnx topics, default true;
-    `onnx_record_dir`)."""
+    `onnx_record_dir`).
+    keep_runs: the site file's retention.keep_runs: as each run ends, the files of ended runs
+    beyond the keep_runs most recent are removed (roles/retention.py); None keeps them all."""
     aggregator: AggregatorSettings = AggregatorSettings()
     client_ids: tuple | None = None
     once: bool = False
     run_options: dict = field(default_factory=dict)
     idle_poll_s: float = 0.5
     retry_s: float = 5.0
+    keep_runs: int | None = None
+
+    def __post_init__(self):
+        check_setting("retention.keep_runs", self.keep_runs, "DaemonSettings.keep_runs",
+                      unset_ok=True)
 
     @property
     def node_id(self) -> str:
@@ -195,6 +203,9 @@ def export_run_checkpoint(record: dict) -> dict:
     from ..runs.outputs import absolute_dataset_paths
     from ..runs.prepare import RunResult, build_run_model
 
+    if record.get("pruned"):
+        raise CommandError(f"run {record['id']}: its files were pruned (retention.keep_runs "
+                           f"or edgefl prune): no checkpoint left to export")
     ckpt = AggregatorCheckpoint.load(record["state_dir"])
     if ckpt is None:
         raise CommandError(f"run {record['id']} has no checkpoint yet (state "
@@ -500,8 +511,43 @@ class Daemon:
             log.info("run %s interrupted (service stopping); it resumes from its checkpoint "
                      "after a restart", record["id"])
         self._publish_record(record)
+        if record["state"] in DONE_STATES:
+            self._apply_retention()
         if not self.stop.is_set() and not (self.settings.once and self._next() is None):
             self._publish_idle_status()
+
+    def _apply_retention(self) -> None:
+        """retention.keep_runs: remove the files of the ended runs beyond the newest
+        keep_runs (roles/retention.py), each pruned run's record saved and published marked
+        pruned. Only ended runs' records are looked at, which nothing changes but this; a
+        failure is logged and the service goes on."""
+        from .retention import RAN_STATES, prune_runs
+
+        keep = self.settings.keep_runs
+        if keep is None:
+            return
+
+        def mark(record, run):
+            with self._lock:
+                record.update(pruned=time.time(), pruned_bytes=run.bytes)
+                self._save(record)
+                self._publish_record(record)
+
+        with self._lock:
+            ended = [r for r in self.records.values() if r["state"] in RAN_STATES]
+        try:
+            report = prune_runs(ended, keep, self.store.root, spare=(RECORD_FILE,), mark=mark)
+        except Exception:         # noqa: BLE001 -- retention must not end the service
+            log.exception("retention (keep_runs %d) failed", keep)
+            return
+        for run in report.runs:
+            log.info("retention: run %s (%s) pruned, %d bytes in %d file(s) removed%s",
+                     run.run, run.state, run.bytes, len(run.removed),
+                     f"; {len(run.errors)} could not be" if run.errors else "")
+            for path, why in run.errors:
+                log.error("retention: cannot remove %s: %s", path, why)
+        for run_id, why in report.skipped:
+            log.info("retention: run %s left: %s", run_id, why)
 
     # ------------------------------------------------------------------ exports
     @property
@@ -697,7 +743,7 @@ class Daemon:
         keys = ("id", "state", "created", "started", "ended", "rounds_done", "final_accuracy",
                 "test_accuracy",
                 "model_sha256", "model_onnx", "run_dir", "out_dir", "error", "export_error",
-                "clients")
+                "clients", "pruned", "pruned_bytes")
         out = {k: record.get(k) for k in keys if record.get(k) is not None}
         out["rounds"] = (record.get("config") or {}).get("rounds")
         return out

@@ -1,0 +1,146 @@
+"""Retention of the aggregator service's ended runs: which runs' files go, and their removal
+(docs/orchestration.md "Retention"). The service applies it as each run ends (the site
+file's `retention.keep_runs`), `edgefl prune` on demand.
+
+    report = prune_runs(records, keep=3, runs_root=store.root, spare=("run.json",),
+                        mark=save_pruned)     # dry_run=True: the same report, nothing removed
+
+The rules, each a line of prune_runs:
+
+- Only ended runs that ran -- finished, stopped, failed -- are ranked, newest end first; the
+  `keep` newest keep their files. Queued, running and paused runs (and everything their
+  resume needs) are never touched; a cancelled run never had files.
+- The site file's run is left: its checkpoint is the state directory's own (not under
+  runs/<id>/), and it decides whether a changed site file may start a new run there.
+- Only what is under `<runs_root>/<id>/` is removed, and the run's record (`spare`) stays,
+  marked pruned (its time and bytes), so listings, run ids and the retained record on the
+  runs topic stay consistent: a pruned run is listed as pruned. A run whose directory is a
+  symbolic link, or whose record names a state or output directory outside it, is left
+  and reported. Inside, a symbolic link is removed, never followed.
+- A file that cannot be removed (permissions, a read-only or immutable file) is reported by
+  path and the rest goes on; that run is not marked pruned, so the next prune tries again.
+
+Bytes are the sizes of the regular files removed (st_size, not blocks)."""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["RAN_STATES", "RunPrune", "PruneReport", "prune_runs"]
+
+RAN_STATES = ("finished", "stopped", "failed")
+
+
+@dataclass
+class RunPrune:
+    """One run's files removed (or, on a dry run, to be removed): (path, bytes) each, and
+    (path, reason) of each that could not be."""
+    run: str
+    state: str
+    ended: float | None
+    removed: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.removed)
+
+
+@dataclass
+class PruneReport:
+    keep: int
+    dry_run: bool
+    runs: list = field(default_factory=list)         # RunPrune, oldest first
+    skipped: list = field(default_factory=list)      # (run id, why it was left)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.runs)
+
+    @property
+    def errors(self) -> list:
+        return [e for r in self.runs for e in r.errors]
+
+
+def _newest_first(record: dict) -> tuple:
+    return (-(record.get("ended") or record.get("created") or 0.0), -record.get("seq", 0))
+
+
+def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
+               dry_run: bool = False, mark: Callable | None = None) -> PruneReport:
+    """Remove the files of the ended runs among `records` (the run records, dicts) beyond
+    the `keep` most recently ended, under `runs_root` (the service's `<state_dir>/runs`).
+    mark(record, run_prune) is called for each run whose files are all gone (not on a dry
+    run), to save its record marked pruned."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"keep: a whole number >= 0, got {keep!r}")
+    report = PruneReport(keep, dry_run)
+    ran = sorted((r for r in records if r.get("state") in RAN_STATES), key=_newest_first)
+    for record in reversed(ran[keep:]):
+        if record.get("pruned"):
+            continue
+        why = _why_left(record, runs_root)
+        if why is not None:
+            report.skipped.append((record["id"], why))
+            continue
+        run = RunPrune(record["id"], record["state"], record.get("ended"))
+        _remove_under(os.path.join(runs_root, record["id"]), set(spare), dry_run, run)
+        report.runs.append(run)
+        if not dry_run and not run.errors and mark is not None:
+            mark(record, run)
+    return report
+
+
+def _why_left(record: dict, runs_root: str) -> str | None:
+    """Why the run's files are not to be touched, or None."""
+    if record.get("site"):
+        return ("the site file's run: its checkpoint is the state directory's own, not under "
+                "runs/<id>/ (move it out by hand)")
+    run_dir = os.path.join(runs_root, record["id"])
+    if os.path.islink(run_dir):
+        return f"{run_dir} is a symbolic link: not followed out of the state directory"
+    if not os.path.isdir(run_dir):
+        return f"{run_dir} is not a directory"
+    inside = os.path.realpath(run_dir)
+    for key in ("state_dir", "out_dir"):
+        where = record.get(key)
+        if where and os.path.commonpath([os.path.realpath(where), inside]) != inside:
+            return f"its {key} {where} is outside {run_dir}: left as it is"
+    return None
+
+
+def _remove_under(run_dir: str, spare: set, dry_run: bool, run: RunPrune) -> None:
+    """Everything under run_dir but its top-level `spare` names, bottom up; links are
+    removed themselves (os.walk does not follow them)."""
+    def unreadable(exc: OSError) -> None:
+        run.errors.append((exc.filename or run_dir, exc.strerror or str(exc)))
+
+    for parent, dirs, files in os.walk(run_dir, topdown=False, onerror=unreadable):
+        links = [d for d in dirs if os.path.islink(os.path.join(parent, d))]
+        for name in files + links:
+            if parent == run_dir and name in spare:
+                continue
+            path = os.path.join(parent, name)
+            try:
+                st = os.lstat(path)
+                if not dry_run:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                run.errors.append((path, exc.strerror or str(exc)))
+                continue
+            run.removed.append((path, st.st_size if stat.S_ISREG(st.st_mode) else 0))
+        if parent == run_dir or dry_run:
+            continue
+        try:
+            os.rmdir(parent)
+        except OSError as exc:
+            # not empty because something in it could not be removed: that was reported
+            if exc.errno != errno.ENOTEMPTY or not any(
+                    p.startswith(parent + os.sep) for p, _ in run.errors):
+                run.errors.append((parent, exc.strerror or str(exc)))
+

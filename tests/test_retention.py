@@ -1,0 +1,238 @@
+"""Retention of the aggregator service's ended runs (roles/retention.py): the site file's
+`retention.keep_runs`, applied by the service as each run ends, and `edgefl prune`. Real
+runs through the ACL broker (test_orchestration's fleet), real files, the command as a
+process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest_plugins = ["brokers"]
+pytest.register_assert_rewrite("brokers")     # imported by test_orchestration
+
+import test_orchestration as orchestration  # noqa: E402
+from edgefl.config import ConfigError  # noqa: E402
+from edgefl.roles import AggregatorCheckpoint  # noqa: E402
+from edgefl.roles.daemon import RunStore  # noqa: E402
+from edgefl.service.layered import load_service_config  # noqa: E402
+from helpers import wait_for  # noqa: E402
+
+fleet = orchestration.fleet
+run_config, wait_state = orchestration.run_config, orchestration.wait_state
+
+
+def files_of(root) -> dict:
+    """{relative path: (size, mtime_ns)} of every file and link under root (links not
+    followed)."""
+    out = {}
+    for parent, dirs, files in os.walk(root):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(parent, d))]:
+            path = os.path.join(parent, name)
+            st = os.lstat(path)
+            out[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def under(files: dict, run_id: str) -> dict:
+    return {k: v for k, v in files.items() if k.startswith(f"runs{os.sep}{run_id}{os.sep}")}
+
+
+def prune(site, *args):
+    return subprocess.run([sys.executable, "-m", "edgefl.cli", "prune", "--config", str(site),
+                           *args], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def site_file(tmp_path, state_dir, extra="") -> str:
+    path = tmp_path / "aggregator.yaml"
+    path.write_text(f"node: {{id: aggregator}}\nstate_dir: {state_dir}\n{extra}")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------
+# the setting
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["-1", "0", "2.5", "two"])
+def test_a_bad_keep_runs_is_refused_at_load_naming_the_key_and_the_file(tmp_path, value):
+    site = site_file(tmp_path, tmp_path / "state", f"retention:\n  keep_runs: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_service_config("aggregator", site)
+    assert f"{site}:4: retention.keep_runs" in str(err.value), err.value
+
+
+def test_keep_runs_is_unset_by_default_and_read_from_the_site_file(tmp_path):
+    assert load_service_config("aggregator", site_file(tmp_path, tmp_path / "s"))[
+        "retention.keep_runs"] is None
+    site = site_file(tmp_path, tmp_path / "s", "retention: {keep_runs: 3}\n")
+    assert load_service_config("aggregator", site)["retention.keep_runs"] == 3
+
+
+# ---------------------------------------------------------------------------------------
+# the service applies it as each run ends
+# ---------------------------------------------------------------------------------------
+
+def test_the_service_keeps_the_files_of_its_newest_runs_only(fleet):
+    """keep_runs 1 and three runs: the two older runs' files are removed as the newer ones
+    end; their records stay, marked pruned, in the listing and on the runs topic."""
+    f = fleet(keep_runs=1)
+    f.start_all()
+    for run_id in ("r1", "r2", "r3"):
+        f.run_to_end(run_config(rounds=1), run_id)
+    runs = wait_for(lambda: (lambda rs: rs if all(rs[r].get("pruned") for r in ("r1", "r2"))
+                             else None)({r["id"]: r for r in f.ok({"cmd": "runs"})["runs"]}),
+                    what="r1 and r2 pruned")
+    assert "pruned" not in runs["r3"] and runs["r3"]["state"] == "finished"
+    for run_id in ("r1", "r2"):
+        assert sorted(os.listdir(f.state_dir / "runs" / run_id)) == ["run.json"]
+        assert runs[run_id]["state"] == "finished" and runs[run_id]["pruned_bytes"] > 0
+    r3 = f.state_dir / "runs" / "r3"
+    assert {"model.onnx", "model.npz", "summary.json", "metrics.jsonl", "run.json",
+            "state"} <= set(os.listdir(r3))
+    assert AggregatorCheckpoint.load(r3 / "state").round == 1
+    on_disk = {r["id"]: r for r in RunStore(str(f.state_dir)).load_all()}
+    assert list(on_disk) == ["r1", "r2", "r3"] and on_disk["r1"]["pruned"]
+    # an export of a pruned run says why there is nothing to export
+    reply = f.control().request({"cmd": "export", "run": "r1"}, timeout=20)
+    assert not reply["ok"] and "pruned" in reply["error"], reply
+
+
+# ---------------------------------------------------------------------------------------
+# edgefl prune
+# ---------------------------------------------------------------------------------------
+
+def test_prune_dry_run_removes_nothing_and_prune_spares_the_paused_run_which_resumes(
+        fleet, tmp_path):
+    f = fleet()
+    f.start_all()
+    for run_id in ("r1", "r2"):
+        f.run_to_end(run_config(rounds=1), run_id)
+    f.ok({"cmd": "start", "config": run_config(rounds=20), "run": "r3"})
+    f.events.wait("round_opened", run="r3", round=1)
+    f.ok({"cmd": "pause"})
+    f.close()                      # a service stop: r3 stays paused, to be resumed
+    site = site_file(tmp_path, f.state_dir)
+    before = files_of(f.state_dir)
+
+    dry = prune(site, "--keep", "0", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert files_of(f.state_dir) == before                  # nothing removed
+    doomed = {**under(before, "r1"), **under(before, "r2")}
+    doomed = {k: v for k, v in doomed.items() if not k.endswith(f"{os.sep}run.json")}
+    total = sum(size for size, _ in doomed.values())
+    assert f"would remove 2 run(s), {total} bytes" in dry.stdout, dry.stdout
+    assert "r3" not in dry.stdout.replace(str(f.state_dir), "")
+
+    done = prune(site, "--keep", "0")
+    assert done.returncode == 0, done.stderr
+    assert f"removed 2 run(s), {total} bytes" in done.stdout, done.stdout
+    after = files_of(f.state_dir)
+    assert under(after, "r3") == under(before, "r3")         # the paused run untouched
+    for run_id in ("r1", "r2"):
+        assert list(under(after, run_id)) == [os.path.join("runs", run_id, "run.json")]
+    records = {r["id"]: r for r in RunStore(str(f.state_dir)).load_all()}
+    assert records["r1"]["pruned"] and records["r3"]["state"] == "paused"
+    assert "pruned" not in records["r3"]
+
+    again = prune(site, "--keep", "0")                       # nothing left to do
+    assert again.returncode == 0 and "removed 0 run(s), 0 bytes" in again.stdout
+
+    g = fleet(tag=f.tag)                     # the service again, same federation: r3 resumes
+    g.start_all()
+    g.ok({"cmd": "resume", "run": "r3"})
+    wait_state(g, "r3", "finished", timeout=120)
+    ckpt = AggregatorCheckpoint.load(g.state_dir / "runs" / "r3" / "state")
+    assert ckpt.aggregated == list(range(1, 21))
+
+
+def _ended_run(root, run_id, seq, files):
+    """A run directory as the service leaves an ended run: its record and files."""
+    run_dir = root / "runs" / run_id
+    (run_dir / "state").mkdir(parents=True)
+    for name, data in files.items():
+        (run_dir / name).write_bytes(data)
+    record = {"id": run_id, "seq": seq, "state": "finished", "site": None, "config": None,
+              "created": 1000.0 + seq, "ended": 2000.0 + seq, "run_dir": str(run_dir),
+              "state_dir": str(run_dir / "state"), "out_dir": str(run_dir)}
+    (run_dir / "run.json").write_text(json.dumps(record))
+    return run_dir
+
+
+def _immutable(path) -> bool:
+    """Make `path` a file its owner cannot remove: root, chattr +i; otherwise its
+    directory read-only."""
+    if os.geteuid() != 0:
+        os.chmod(os.path.dirname(path), 0o500)
+        return True
+    return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+
+
+def _mutable(path) -> None:
+    if os.geteuid() != 0:
+        os.chmod(os.path.dirname(path), 0o700)
+    else:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+
+
+def test_prune_reports_a_failed_removal_by_path_goes_on_and_follows_no_link(tmp_path):
+    state = tmp_path / "state"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"x" * 100)
+    r1 = _ended_run(state, "r1", 1, {"model.onnx": b"a" * 10, "state/aggregator.npz": b"b" * 20})
+    (r1 / "state" / "escape").symlink_to(outside)           # a link out: removed, not followed
+    (r1 / "to-precious").symlink_to(outside / "precious")
+    r2 = _ended_run(state, "r2", 2, {"model.onnx": b"c" * 30, "state/rounds.jsonl": b"d" * 40})
+    stuck = r2 / "state" / "rounds.jsonl"
+    _ended_run(state, "r3", 3, {"model.onnx": b"e" * 50})
+    # a run directory that is itself a link out of the state directory: left alone
+    (outside / "run.json").write_text(json.dumps({"id": "r0", "seq": 0, "state": "finished",
+                                                  "ended": 1.0}))
+    (state / "runs" / "r0").symlink_to(outside)
+    if not _immutable(stuck):
+        pytest.skip("cannot make a file unremovable here (chattr +i refused)")
+    try:
+        site = site_file(tmp_path, state)
+        result = prune(site, "--keep", "1")
+    finally:
+        _mutable(stuck)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert f"cannot remove {stuck}: Operation not permitted" in result.stderr or \
+        f"cannot remove {stuck}: Permission denied" in result.stderr, result.stderr
+    assert "r0" in result.stderr and "symbolic link" in result.stderr, result.stderr
+    # r1 wholly pruned (the links removed, their targets untouched), r2 as far as it could
+    assert files_of(r1) == {"run.json": files_of(r1)["run.json"]}
+    assert sorted(os.listdir(outside)) == ["precious", "run.json"]
+    assert (outside / "precious").read_bytes() == b"x" * 100
+    assert not (r2 / "model.onnx").exists() and stuck.exists()
+    assert sorted(files_of(state / "runs" / "r3")) == ["model.onnx", "run.json"]
+    records = {r["id"]: r for r in RunStore(str(state)).load_all()}
+    assert records["r1"]["pruned"] and "pruned" not in records["r2"]   # r2: tried again next time
+    assert "removed 1 run(s)" in result.stdout, result.stdout
+
+
+def test_prune_needs_a_number_to_keep(tmp_path):
+    result = prune(site_file(tmp_path, tmp_path / "state"))
+    assert result.returncode == 2 and "retention.keep_runs" in result.stderr, result.stderr
+    result = prune(site_file(tmp_path, tmp_path / "state"), "--keep", "-1")
+    assert result.returncode == 2 and "--keep" in result.stderr, result.stderr
+
+
+def test_prune_refuses_a_state_directory_the_service_holds_and_removes_nothing(tmp_path):
+    from edgefl.roles.state import hold_state_dir
+
+    state = tmp_path / "state"
+    _ended_run(state, "r1", 1, {"model.onnx": b"a" * 10})
+    before = files_of(state / "runs")
+    site = site_file(tmp_path, state)
+    with hold_state_dir(state, "aggregator"):                # as the running service does
+        result = prune(site, "--keep", "0")
+        dry = prune(site, "--keep", "0", "--dry-run")
+    assert result.returncode == 1 and "in use by another edgefl aggregator" in result.stderr
+    assert "retention.keep_runs" in result.stderr, result.stderr
+    assert dry.returncode == 0 and "would remove 1 run(s), 10 bytes" in dry.stdout
+    assert files_of(state / "runs") == before
