@@ -232,7 +232,8 @@ def test_prune_refuses_a_state_directory_the_service_holds_and_removes_nothing(t
     with hold_state_dir(state, "aggregator"):                # as the running service does
         result = prune(site, "--keep", "0")
         dry = prune(site, "--keep", "0", "--dry-run")
-    assert result.returncode == 1 and "in use by another edgefl aggregator" in result.stderr
+    assert result.returncode == 1 and \
+        f"in use by the aggregator service (process {os.getpid()})" in result.stderr
     assert "retention.keep_runs" in result.stderr, result.stderr
     assert dry.returncode == 0 and "would remove 1 run(s), 10 bytes" in dry.stdout
     assert files_of(state / "runs") == before

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 
@@ -30,6 +31,15 @@ def _prune_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: the site file's retention.keep_runs")
     parser.add_argument("--dry-run", action="store_true",
                         help="print what would be removed and remove nothing")
+
+
+def _lock_holder(path: str) -> str:
+    """What the holder of a state directory's lock wrote in it (hold_state_dir)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(256).strip() or "its process id not yet written"
+    except OSError:
+        return "its process unknown"
 
 
 def _when(t) -> str:
@@ -61,10 +71,12 @@ def _prune(args: argparse.Namespace) -> int:
         with claim:
             report = prune_runs(store.load_all(), keep, store.root, spare=(RECORD_FILE,),
                                 dry_run=args.dry_run, mark=mark)
-    except StateError as exc:
-        raise StateError(f"{exc}. The service prunes by itself as each run ends when its "
-                         f"site file sets retention.keep_runs; to prune by hand, stop it "
-                         f"first (--dry-run works while it runs)") from None
+    except StateError:
+        holder = _lock_holder(os.path.join(store.state_dir, "aggregator.lock"))
+        raise StateError(f"{store.state_dir}: the state directory is in use by the "
+                         f"aggregator service ({holder}), which prunes by itself as each run "
+                         f"ends when its site file sets retention.keep_runs; to prune by "
+                         f"hand, stop it first (--dry-run works while it runs)") from None
     verb = "would remove" if args.dry_run else "removed"
     print(f"{store.root}: keeping the files of the {keep} most recently ended run(s)")
     for run in report.runs:
