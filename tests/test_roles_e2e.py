@@ -32,6 +32,7 @@ from edgefl.cli import main    # noqa: E402
 from edgefl.roles import (Aggregator, AggregatorCheckpoint, AggregatorSettings,  # noqa: E402
                           Client, ClientSettings, RunPlan, default_client_ids)
 from edgefl.roles import messages as msg    # noqa: E402
+from edgefl.roles.aggregator import secure_plan    # noqa: E402
 from edgefl.roles.state import JOURNAL_FILE, read_journal    # noqa: E402
 from edgefl.runconfig import load_run_config    # noqa: E402
 from edgefl.checkpoint import model_sha256# noqa: E402
@@ -93,10 +94,11 @@ def reference_sha(config) -> str:
 
 class Fleet:
     """The aggregator and clients as threads against a real broker. `credentials` maps a
-    node id to (username, password) for brokers with an ACL."""
+    node id to (username, password) for brokers with an ACL; `control` is the aggregator's
+    RunControl (roles/control.py: the operator's pause), as the service gives it."""
 
     def __init__(self, tmp_path, config, url, *, settings=None, client_settings=None,
-                 client_ids=None, credentials=None, aggregator_id="aggregator"):
+                 client_ids=None, credentials=None, aggregator_id="aggregator", control=None):
         self.tmp, self.config, self.url = tmp_path, config, url
         self.uid = uid()
         self.federation = f"e2e-{self.uid}"
@@ -106,13 +108,15 @@ class Fleet:
         self.plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup,
                             self.run.model, config.clients_per_round, self.ids,
                             test=(self.run.dataset.x_test, self.run.dataset.y_test),
-                            eval_every=config.eval_every, description=config.to_dict())
+                            eval_every=config.eval_every, description=config.to_dict(),
+                            **secure_plan(self.run))    # a config with secure rounds runs them
         settings = dict(settings or {})
         settings.setdefault("round_timeout_s", 30.0)
         self.aggregator = Aggregator(
             self.plan, self.transport(aggregator_id),
             tmp_path / "agg", AggregatorSettings(node_id=aggregator_id,
-                                                 federation=self.federation, **settings))
+                                                 federation=self.federation, **settings),
+            control=control)
         self.client_settings = dict(client_settings or {})
         self.clients: dict[str, Client] = {}
         self.threads: dict[str, threading.Thread] = {}
