@@ -17,11 +17,17 @@
   "offline" while it was back, and the aggregator closed open rounds without the updates
   that were on their way. Clients now republish their status on every reconnect, and the
   aggregator does not close a round for missing clients being offline until
-  `offline_grace_s` after its own reconnect.
+  `offline_grace_s` after its own reconnect;
+- a broker that lost the aggregator's session (the embedded one, persistence off,
+  restarted): the round is announced again under a new id -- a secure round's new attempt
+  with the announcement's deadline for its first phase, not the old phase's, even when
+  the aggregator gets to the reconnect after that has passed; and not while the run is
+  paused (the resume announces it, its deadline moved by the pause once).
 """
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -35,7 +41,8 @@ from edgefl.runconfig import load_run_config    # noqa: E402
 from edgefl.transport.base import DISCONNECTED    # noqa: E402
 from edgefl.transport.broker import find_mosquitto    # noqa: E402
 from edgefl.transport.mqtt import MqttTransport    # noqa: E402
-from helpers import import_tool    # noqa: E402
+from edgefl.transport.topics import Topics    # noqa: E402
+from helpers import StderrGate, import_tool, wait_for    # noqa: E402
 
 chaos = import_tool("chaos")
 _proxy = import_tool("mqtt_proxy")
@@ -396,6 +403,154 @@ def test_a_broker_that_lost_the_sessions_gets_the_round_answered_again(tmp_path)
     assert late.stats["resent"] >= 1 and late.stats["trained"] == 2
     from edgefl.checkpoint import model_sha256
     assert model_sha256(result.params) == reference_sha(config)
+
+
+class StalledLogLine:
+    """The aggregator's thread stalled, for real, at one of its log lines: a handler on its
+    logger writes the lines starting with `prefix` (only) to a pipe nobody drains
+    (helpers.StderrGate jammed: a stalled journald), so the thread logging one blocks in
+    the kernel until release(). `reached` is set as it starts writing it. With it a test
+    puts the aggregator's handling of an event after a deadline, as a busy board does."""
+
+    def __init__(self, prefix: str, logger: str = "edgefl.roles.aggregator"):
+        self.prefix, self.logger = prefix, logging.getLogger(logger)
+        self.reached = threading.Event()
+        self.gate = StderrGate()
+        self.stream = open(self.gate.write_fd, "w", buffering=1, closefd=False)
+        self.handler = logging.StreamHandler(self.stream)
+        self.handler.addFilter(self._only)
+        self.level = self.logger.level
+
+    def _only(self, record) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(self.prefix):
+            self.reached.set()
+            return True
+        return False
+
+    def __enter__(self):
+        self.gate.jam()
+        self.logger.setLevel(logging.WARNING)      # the held line is a warning
+        self.logger.addHandler(self.handler)
+        return self
+
+    def release(self) -> None:
+        self.gate.release()
+
+    def __exit__(self, *exc):
+        self.release()
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+        self.stream.close()
+        self.gate.close()
+
+
+def test_a_secure_attempt_restarted_by_a_lost_session_gets_the_announcements_deadline(
+        tmp_path):
+    """A secure round (threshold: all 3 clients) waits in its first phase for client-2's
+    keys when the embedded broker (persistence off) restarts. The aggregator, back with no
+    session, handles that after the phase's deadline has passed (held at its "lost our
+    session" log line: a stalled log, a busy board) and announces the round again: a new
+    attempt with a fresh deadline. The new attempt's first phase must get that deadline,
+    not the old phase's, which has passed and would fail it at once with no keys (a
+    secure_round_failed and a third announcement) before any board could answer."""
+    _need_mosquitto()
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, write_config
+
+    config = load_run_config(write_config(
+        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
+        privacy={"secure_aggregation": {"threshold": 1.0}}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 4.0})
+    try:
+        fleet.start_client("client-0")
+        fleet.start_client("client-1")
+        fleet.start_aggregator()
+        agg = fleet.aggregator
+        first, deadline = agg.open.secure, agg.open.deadline
+        wait_for(lambda: len(first.keys) == 2, timeout=10,
+                 what="round 1: client-0/1's keys (client-2 not started)")
+        with StalledLogLine("broker lost our session") as stall:
+            broker.restart()
+            assert stall.reached.wait(10), "the aggregator did not see its session lost"
+            fleet.start_client("client-2")     # nothing to answer until it is announced again
+            wait_for(lambda: time.time() > deadline + 0.2, timeout=10,
+                     what="the first phase's deadline to pass")
+            assert agg.open.secure is first and first.phase == "keys", \
+                "the aggregator was not held at the reconnect: the test proves nothing"
+            stall.release()
+            result = fleet.finish(timeout=30)
+    finally:
+        fleet.close()
+        broker.stop()
+    record = result.history[0]
+    assert record["closed_by"] == "secure"
+    assert record["announcements"] == 2, \
+        f"{record['announcements']} announcements: the restarted attempt failed at once"
+    assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == []
+
+
+def test_no_announcement_from_a_lost_session_while_paused(tmp_path):
+    """Round 1 is paused (RunControl, as `edgefl ctl pause`) and stays paused past its
+    deadline while the embedded broker (persistence off) restarts. The aggregator, back
+    with no session, must not announce the round again while paused: the resume does,
+    moving the deadline by the paused time -- which, added to the fresh deadline of a
+    re-announcement made during the pause, would hold the round for the pause twice over.
+    So: two announcements (the round's, the resume's), the second's deadline the first's
+    plus the pause."""
+    _need_mosquitto()
+    from edgefl.roles.control import RunControl
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, write_config
+
+    config = load_run_config(write_config(tmp_path, rounds=1, clients_per_round=2,
+                                          partition={"name": "iid", "clients": 2}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    control = RunControl("paused-run")
+    held = threading.Event()
+    control.on_hold = held.set
+    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 3.0},
+                  control=control)
+    watcher = None
+    try:
+        fleet.start_client("client-0")
+        fleet.start_aggregator()
+        agg = fleet.aggregator
+        opened = agg.open.deadline
+        paused_at = time.time()
+        control.paused.set()
+        assert held.wait(10), "the aggregator did not hold the round"
+        wait_for(lambda: time.time() > opened + 0.2, timeout=10,
+                 what="round 1's deadline to pass while paused")
+        broker.restart()
+        watcher = fleet.transport("watcher", clean_session=True)
+        watcher.connect()
+        watcher.subscribe(Topics(fleet.federation).events(), qos=1)
+        # client-1's status reaches the aggregator only after its reconnect (the broker
+        # kept nothing): once it is in, the lost session has been handled
+        fleet.start_client("client-1")
+        wait_for(lambda: agg.online.get("client-1"), timeout=10,
+                 what="the aggregator to be back and see client-1")
+        assert agg.open.counts["announcements"] == 1, "announced again while paused"
+        control.paused.clear()
+        resumed_at = time.time()
+        result = fleet.finish(timeout=30)
+        events = [json.loads(m.payload) for m in messages_within(watcher, 0.5)]
+    finally:
+        if watcher is not None:
+            watcher.close(timeout=1, announce_offline=False)
+        fleet.close()
+        broker.stop()
+    record = result.history[0]
+    assert record["announcements"] == 2, record
+    assert record["closed_by"] == "all" and record["updates"] == 2, record
+    again = [e for e in events if e["event"] == "round_opened"]
+    assert [e["announcement"] for e in again] == [2], again
+    # the resume's deadline: the first moved once by the pause the aggregator measured,
+    # which lies within the test's, give or take a poll
+    moved, paused = again[-1]["deadline"] - opened, resumed_at - paused_at
+    assert paused - 1.0 <= moved <= paused + 1.0, \
+        f"deadline moved {moved:.1f} s by a pause of {paused:.1f} s"
 
 
 def test_an_upload_cut_off_mid_chunks_completes_and_counts_once(tmp_path, proxied,
