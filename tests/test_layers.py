@@ -25,16 +25,7 @@ DOC = os.path.join(ROOT, "docs", "architecture.md")
 # Upward imports or cycles tolerated while their fix is under way, each with its reason.
 # test_known_violations_are_still_there fails as soon as a listed edge is gone, so an entry
 # cannot outlive its fix.
-_SERVICE_INIT = (
-    "edgefl/service/__init__.py imports nothing, but the table names the package in layer "
-    "12 while service.layered, service.profiles (6) and service.signals (2), which lower "
-    "layers import, are in it: importing them runs it. Found when packages' __init__ began "
-    "to count (2026-11-30); the fix, `edgefl.service` in layer 2 or those modules out of "
-    "the package, is the table's to decide")
-KNOWN: dict = {(importer, "edgefl.service"): _SERVICE_INIT
-               for importer in ("edgefl.roles.aggregator", "edgefl.roles.client",
-                                "edgefl.roles.control", "edgefl.sim.hosting",
-                                "edgefl.virtual_fleet")}
+KNOWN: dict = {}
 
 
 # ---------------------------------------------------------------------------------------
