@@ -490,6 +490,55 @@ def test_a_secure_attempt_restarted_by_a_lost_session_gets_the_announcements_dea
     assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == []
 
 
+def test_a_paused_secure_round_neither_fails_nor_closes_until_resumed(tmp_path):
+    """A pause holds a secure round as it holds a plain one: round 1 waits in its first
+    phase for client-2's keys (client-2 not started) when the run is paused, and stays
+    paused past the phase's deadline. Before, _collect_secure never looked at the pause:
+    the phase failed at its deadline and the round was announced again while paused (and
+    would have closed, had enough boards answered). Now nothing happens until the resume,
+    which announces the round again (a new attempt: fresh keys) with the deadline moved by
+    the pause, and the round closes "secure" with all three."""
+    _need_mosquitto()
+    from edgefl.roles.control import RunControl
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, write_config
+
+    config = load_run_config(write_config(
+        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
+        privacy={"secure_aggregation": {"threshold": 1.0}}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    control = RunControl("paused-secure-run")
+    held = threading.Event()
+    control.on_hold = held.set
+    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 3.0},
+                  control=control)
+    try:
+        fleet.start_client("client-0")
+        fleet.start_client("client-1")
+        fleet.start_aggregator()
+        agg = fleet.aggregator
+        first, deadline = agg.open.secure, agg.open.deadline
+        wait_for(lambda: len(first.keys) == 2, timeout=10,
+                 what="round 1: client-0/1's keys (client-2 not started)")
+        control.paused.set()
+        assert held.wait(10), "the aggregator did not hold the secure round"
+        wait_for(lambda: time.time() > deadline + 1.0, timeout=10,
+                 what="the first phase's deadline to pass while paused")
+        assert agg.open.counts["announcements"] == 1 and agg.open.secure is first, \
+            "the secure round was announced again while paused"
+        assert first.phase == "keys", f"the secure round moved on while paused: {first.phase}"
+        fleet.start_client("client-2")
+        control.paused.clear()
+        result = fleet.finish(timeout=30)
+    finally:
+        fleet.close()
+        broker.stop()
+    record = result.history[0]
+    assert record["closed_by"] == "secure", record
+    assert record["announcements"] == 2, record
+    assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == [], record
+
+
 def test_no_announcement_from_a_lost_session_while_paused(tmp_path):
     """Round 1 is paused (RunControl, as `edgefl ctl pause`) and stays paused past its
     deadline while the embedded broker (persistence off) restarts. The aggregator, back

@@ -1392,10 +1392,15 @@ class Aggregator:
                 self.notifier.beat()
             if self.stop.is_set():
                 return None
+            # a pause holds a secure round as it holds any: no phase closes or fails while
+            # it lasts; the resume announces the round again, a new attempt with fresh keys
+            # (nothing of the held one is unmasked) and the deadline moved by the pause
+            if self._paused() and not self._pause_round():
+                return None
             server = o.secure
             if server is not attempt:
                 # a new attempt started under us (the round announced again by _handle: the
-                # broker lost our session): its first phase has the announcement's deadline,
+                # broker lost our session; or by the resume of a pause): its first phase has the announcement's deadline,
                 # not what was left of the old attempt's phase (which may have passed, and
                 # would fail the new attempt before any board could answer)
                 phase_deadline, attempt = o.deadline, server
