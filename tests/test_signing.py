@@ -897,6 +897,228 @@ def test_commands_must_be_signed_and_a_replayed_one_is_refused_even_after_a_rest
 
 
 # ---------------------------------------------------------------------------------------
+# replies to commands: signed by the aggregator's key, checked by `edgefl ctl`
+# ---------------------------------------------------------------------------------------
+
+def control_service(tmp_path, url, fed, trust, state):
+    """An aggregator service (its control thread) on `fed` with `trust`; (stop, thread)."""
+    from edgefl.roles.daemon import Daemon, DaemonSettings
+
+    stop = threading.Event()
+    settings = DaemonSettings(AggregatorSettings(node_id="aggregator", federation=fed,
+                                                 trust=trust), idle_poll_s=0.1)
+    daemon = Daemon(settings, str(tmp_path / state), lambda cid, **o: MqttTransport(
+        url, f"{cid}-{uid()}", reconnect_min=0.05, reconnect_max=0.5, connect_timeout=5.0,
+        **o), stop=stop)
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    wait_for(daemon.ready.is_set, what="the control connection")
+    return stop, thread
+
+
+def stop_service(service):
+    stop, thread = service
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+class ReplyForger:
+    """A compromised broker, or an account the ACL lets publish on reply/+: it reads every
+    command on the ctl topic and answers it itself, `answer(command, address)` being the
+    payload it sends to the command's reply address, with the command's own correlation
+    data (a property anyone publishing may set)."""
+
+    def __init__(self, url, topics, answer):
+        from edgefl.roles.control import reply_address
+
+        self.transport = MqttTransport(url, f"forger-{uid()}", protocol="5")
+        self.transport.connect()
+        self.transport.subscribe(topics.ctl(), qos=1)
+        self.stop = threading.Event()
+
+        def body():
+            while not self.stop.is_set():
+                item = self.transport.receive(timeout=0.1)
+                if getattr(item, "topic", None) != topics.ctl():
+                    continue
+                command = json.loads(item.payload)
+                address = reply_address(item, command, topics)
+                self.transport.publish(address.topic, answer(command, address), qos=1,
+                                       correlation_data=address.correlation_data)
+        self.thread = threading.Thread(target=body, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+        self.transport.close(timeout=1.0, announce_offline=False)
+
+
+def test_ctl_checks_the_aggregators_reply_signature_and_refuses_forged_and_replayed_ones(
+        tmp_path, mosquitto_server):
+    from edgefl.roles.control import ControlClient, ReplyRefused, reply_payload
+
+    url, fed = mosquitto_server.url, f"rep-{uid()}"
+    topics = Topics(fed)
+    agg_key, intruder = signing.generate_key(), signing.generate_key()
+    verifier = Verifier(fed, {"*": [agg_key.public_key()]})
+    v311, v5 = mqtt(url, "op311"), MqttTransport(url, f"op5-{uid()}", protocol="5")
+    spy = mqtt(url, "spy")
+    for t in (v311, v5, spy):
+        t.connect()
+    spy.subscribe(topics.reply("alice"), qos=1)
+
+    def ask(mqtt5, cmd="status", timeout=20.0, checked=True):
+        return ControlClient(v5 if mqtt5 else v311, topics, "alice", mqtt5=mqtt5,
+                             verifier=verifier if checked else None).request(
+            {"cmd": cmd}, timeout=timeout)
+
+    # an aggregator of before signed replies (or one without keys.signing_key): refused as
+    # unsigned, at once, not after the timeout; without the key, ctl takes it as before
+    service = control_service(tmp_path, url, fed, None, "old")
+    try:
+        for mqtt5 in (False, True):
+            began = time.monotonic()
+            with pytest.raises(ReplyRefused, match=r"status: reply .* unsigned") as refused:
+                ask(mqtt5, timeout=30)
+            assert time.monotonic() - began < 10, "refused only at the timeout"
+            assert "no reply" not in str(refused.value)
+            assert ask(mqtt5, checked=False)["ok"]
+    finally:
+        stop_service(service)
+
+    # the aggregator signs with its keys.signing_key: genuine replies are taken
+    trust = Trust(fed, signer=Signer(agg_key, "aggregator", fed))
+    service = control_service(tmp_path, url, fed, trust, "agg")
+    try:
+        for mqtt5 in (False, True):
+            reply = ask(mqtt5)
+            assert reply["ok"] and reply["cmd"] == "status", reply
+            assert reply["sig"]["kind"] == "reply" and reply["sig"]["fed"] == fed
+            assert reply["sig"]["exp"] - reply["sig"]["at"] <= 60
+            assert ask(mqtt5, checked=False)["ok"]      # a ctl without the key: as before
+        # a repeated command is answered from the reply memory, signed afresh (a resend
+        # after a lost reply must not get one that has expired meanwhile)
+        command = json.dumps({"cmd": "runs", "reply_to": topics.reply("alice"),
+                              "request_id": "again"}).encode()
+        def answer_again():
+            item = v311.receive(timeout=0.2)     # (the replies to the requests above too)
+            doc = json.loads(item.payload) if getattr(item, "payload", None) else {}
+            return doc if doc.get("request_id") == "again" else None
+
+        repeats = []
+        for _ in range(2):
+            v311.publish(topics.ctl(), command, qos=1)
+            repeats.append(wait_for(answer_again, what="the reply"))
+        assert [r["request_id"] for r in repeats] == ["again", "again"]
+        assert repeats[0]["sig"]["nonce"] != repeats[1]["sig"]["nonce"]
+        for r in repeats:
+            verifier.verify_doc(r, kind="reply", where="repeat")
+    finally:
+        stop_service(service)
+    genuine = {}         # mqtt5 -> the first signed reply its requester got, as it was sent
+    for item in iter(lambda: spy.receive(timeout=1.0), None):
+        doc = json.loads(item.payload) if getattr(item, "payload", None) else {}
+        if doc.get("sig"):       # an MQTT 5 request has its token as a property, not here
+            genuine.setdefault(doc["request_id"] is None, item.payload)
+    spy.close(timeout=1.0, announce_offline=False)
+    assert set(genuine) == {False, True}
+
+    # from here no aggregator runs: every reply is the forger's
+    def forged(answer, why, mqtt5=True, cmd="stop", error=ReplyRefused):
+        forger = ReplyForger(url, topics, answer)
+        try:
+            with pytest.raises(error, match=why):
+                ask(mqtt5, cmd, timeout=3.0 if error is TimeoutError else 20.0)
+        finally:
+            forger.close()
+
+    fake_stop = {"run": "digits-1", "state": "stopped"}
+    for mqtt5 in (False, True):
+        forged(lambda c, a: reply_payload(c["cmd"], a, result=fake_stop),
+               r"stop: reply .*unsigned", mqtt5)
+        forged(lambda c, a: reply_payload(c["cmd"], a, result=fake_stop,
+                                          signer=Signer(intruder, "aggregator", fed)),
+               "not one of the trusted keys", mqtt5)
+        # the aggregator's own key, but signed for another federation, another command, or
+        # long ago
+        forged(lambda c, a: reply_payload(c["cmd"], a, result=fake_stop,
+                                          signer=Signer(agg_key, "aggregator", "other")),
+               "signed for federation 'other'", mqtt5)
+        forged(lambda c, a: reply_payload("status", a, result={"active": None},
+                                          signer=Signer(agg_key, "aggregator", fed)),
+               r"reply to 'status', this command is 'stop'", mqtt5)
+        forged(lambda c, a: json.dumps(Signer(agg_key, "aggregator", fed).sign_doc(
+            json.loads(reply_payload(c["cmd"], a, result=fake_stop)), "reply", "", 0,
+            expires_in=-5.0)).encode(), "expired", mqtt5)
+    # a genuine reply replayed to another request: over MQTT 5 the forger sets the new
+    # request's correlation data, which the signature does not cover; the signed copy in
+    # the payload is the old request's
+    forged(lambda c, a: genuine[True], r"signed for request .*replayed", True, "status")
+    # over 3.1.1 the token is in the signed payload: the old request's, never taken for
+    # this one (the requester waits for its own, here until its timeout)
+    forged(lambda c, a: genuine[False], "no reply", False, "status", TimeoutError)
+    for t in (v311, v5):
+        t.close(timeout=1.0, announce_offline=False)
+
+
+def test_edgefl_ctl_takes_the_aggregator_key_from_its_option_or_the_site_file(
+        tmp_path, mosquitto_server, capsys):
+    url, fed = mosquitto_server.url, f"rep-{uid()}"
+    agg_key, agg_private, agg_pub = keypair(tmp_path, "aggregator")
+    _, _, other_pub = keypair(tmp_path, "other")
+    site = tmp_path / "aggregator.yaml"
+    site.write_text(yaml.safe_dump({"node": {"id": "aggregator", "federation": fed},
+                                    "broker": {"url": url},
+                                    "keys": {"signing_key": "keys/aggregator",
+                                             "aggregator": "keys/aggregator.pub"}}))
+    by_option = ["ctl", "status", "--broker", url, "--federation", fed, "--timeout", "20",
+                 "--aggregator-key", agg_pub]
+    by_site = ["ctl", "status", "--config", str(site), "--timeout", "20"]
+
+    service = control_service(tmp_path, url, fed, None, "old")      # unsigned replies
+    try:
+        for argv in (by_option, by_site):
+            assert main(argv) == 1
+            err = capsys.readouterr().err
+            assert "edgefl ctl: status: reply on" in err and "unsigned" in err, err
+            assert "no reply" not in err, err
+        # watch starts from a status reply: refused, it prints nothing of it and ends
+        assert main(["ctl", "watch", "--run", "r1"] + by_option[2:]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and "edgefl ctl watch: status: reply on" in captured.err
+        assert "unsigned" in captured.err, captured.err
+    finally:
+        stop_service(service)
+
+    config = load_service_config("aggregator", str(site))
+    service = control_service(tmp_path, url, fed, Trust.from_service_config(
+        config, "aggregator"), "agg")
+    try:
+        for argv in (by_option, by_site):
+            assert main(argv) == 0
+            assert "no active run" in capsys.readouterr().out
+        # a key the aggregator does not sign with: refused, naming the key
+        assert main(by_option[:-1] + [other_pub]) == 1
+        assert "not one of the trusted keys" in capsys.readouterr().err
+        # two keys, as during a change-over: either verifies
+        assert main(by_option + ["--aggregator-key", other_pub]) == 0
+        capsys.readouterr()
+        # the aggregator's refusal of a command it cannot read is its signed answer too
+        # (it names the command, so it is taken as the answer to this one)
+        assert main(["ctl", "stop", "--run", "a/b"] + by_option[2:]) == 1
+        err = capsys.readouterr().err
+        assert "edgefl ctl stop: refused: stop: run: 'a/b' contains '/'" in err, err
+    finally:
+        stop_service(service)
+    # a private key where the aggregator's public key belongs: named, before connecting
+    assert main(by_option[:-1] + [agg_private]) == 1
+    err = capsys.readouterr().err
+    assert "error: --aggregator-key" in err and "a private key, not a public key" in err, err
+
+
+# ---------------------------------------------------------------------------------------
 # install-service
 # ---------------------------------------------------------------------------------------
 

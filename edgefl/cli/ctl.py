@@ -66,6 +66,11 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sign the command with this Ed25519 private key (edgefl keys "
                              "gen); default: the aggregator site file's keys.operator_key. "
                              "Needed when the aggregator sets keys.operators")
+    parser.add_argument("--aggregator-key", action="append", metavar="FILE",
+                        help="refuse every reply not signed by this aggregator public key "
+                             "(the .pub of its keys.signing_key; repeat for two during a key "
+                             "change-over); default: the site file's keys.aggregator. The "
+                             "events `watch` follows are not signed")
     parser.add_argument("--mqtt", choices=["5", "3.1.1"], default="5",
                         help="protocol: 5 (default) sends the reply address as response topic "
                              "+ correlation data, 3.1.1 in the payload (reply_to, request_id)")
@@ -115,9 +120,13 @@ def operator_settings(args: argparse.Namespace, tool: str,
                "password_file": args.password_file}
     federation = args.federation or (config["node.federation"] if config
                                      else default("node.federation"))
-    # the key ctl signs commands with (--operator-key, else the site file's)
-    args.signing_key = getattr(args, "operator_key", None) or (config.get("keys.operator_key") if config
-                                             else None)
+    # the key ctl signs commands with (--operator-key, else the site file's), and the keys
+    # it checks replies with (--aggregator-key, else the site file's keys.aggregator)
+    site = config.get if config is not None else (lambda key: None)
+    args.signing_key = getattr(args, "operator_key", None) or site("keys.operator_key")
+    option = getattr(args, "aggregator_key", None)
+    args.reply_keys = (option, "--aggregator-key") if option else \
+        (site("keys.aggregator"), "keys.aggregator")
     return url, {k: v for k, v in options.items() if v}, federation
 
 
@@ -125,10 +134,13 @@ def _ctl_connect(args: argparse.Namespace):
     """The connection of `edgefl ctl` (operator_settings says where and as whom)."""
     import os
 
+    from ..roles.trust import aggregator_verifier
     from ..transport.requester import RequesterTransport
     from ..transport.topics import Topics
 
     url, options, federation = operator_settings(args, "ctl", "publish commands")
+    # read before connecting: a bad key file is one line naming it, not a refused reply
+    args.reply_verifier = aggregator_verifier(federation, *args.reply_keys)
     name = f"ctl-{os.getpid()}-{os.urandom(3).hex()}"
     transport = RequesterTransport(url, f"edgefl-{name}", clean_session=True,
                                    protocol=args.mqtt, **options)
@@ -178,7 +190,7 @@ def _operator_signer(args: argparse.Namespace, topics):
 def _ctl(args: argparse.Namespace) -> int:
     import json
 
-    from ..roles.control import CommandRefused, ControlClient
+    from ..roles.control import CommandRefused, ControlClient, ReplyRefused
     from ..io import terminal_text
 
     doc = _ctl_command(args) if args.action != "watch" else None
@@ -187,15 +199,16 @@ def _ctl(args: argparse.Namespace) -> int:
         if args.action == "watch":
             return _ctl_watch(args, transport, topics, name)
         client = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5",
-                               signer=_operator_signer(args, topics))
+                               signer=_operator_signer(args, topics),
+                               verifier=args.reply_verifier)
         try:
             reply = client.request(doc, timeout=args.timeout)
         except CommandRefused as exc:
             print(f"edgefl ctl: {exc}; log in as the operator (--username, --password-file)",
                   file=sys.stderr)
             return 1
-        except TimeoutError as exc:
-            print(f"edgefl ctl: {exc}", file=sys.stderr)
+        except (TimeoutError, ReplyRefused) as exc:
+            print(terminal_text(f"edgefl ctl: {exc}"), file=sys.stderr)
             return 1
     finally:
         transport.close(timeout=2.0, announce_offline=False)
@@ -264,7 +277,10 @@ WATCH_ENDS = {"run_finished": "finished", "run_stopped": "stopped",
 
 
 def _ctl_watch(args, transport, topics, name) -> int:
-    """Follow the events topic: rounds, accuracy, clients online, until the run ends. A run
+    """Follow the events topic: rounds, accuracy, clients online, until the run ends. With
+    the aggregator's key, the status and runs replies watch starts from are checked (a
+    refused one ends it, status 1); the events and run records it follows are not signed,
+    so what it prints of them is not authenticated (docs/security.md). A run
     that has ended before watch began sends no more events: its outcome, from the service's
     run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
     at once. After the end's event, watch waits (up to --timeout seconds) for the run's
@@ -276,7 +292,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
     import json
     import time
 
-    from ..roles.control import CommandRefused, ControlClient
+    from ..roles.control import CommandRefused, ControlClient, ReplyRefused
     from ..roles.messages import MessageError, json_object
     from ..io import terminal_text
     from ..transport.base import Message
@@ -290,7 +306,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
     # then kept up to date by client_joined / client_left
     online: set = set()
     control = ControlClient(transport, topics, name, mqtt5=args.mqtt == "5",
-                            signer=_operator_signer(args, topics))
+                            signer=_operator_signer(args, topics),
+                            verifier=args.reply_verifier)
     try:
         status = control.request({"cmd": "status"}, timeout=args.timeout)
         if status.get("ok"):
@@ -317,6 +334,10 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 print(terminal_text(_ctl_text("status", result)), flush=True)
     except (TimeoutError, CommandRefused) as exc:
         print(f"edgefl ctl watch: {exc} (watching the events anyway)", file=sys.stderr)
+    except ReplyRefused as exc:
+        # not the aggregator's answer: nothing it says is printed or acted on
+        print(terminal_text(f"edgefl ctl watch: {exc}"), file=sys.stderr)
+        return 1
     # The run's retained record comes on subscribing, and again when the service closes it:
     # an end the requests above did not see (the service did not answer, or the run ended
     # while they waited: a request passes over the events that arrive meanwhile) ends the

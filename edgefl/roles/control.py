@@ -25,6 +25,14 @@ names an unknown command or field, or has a bad value is answered with `ok: fals
 active run: the pause gate the aggregator's collect loop honours, the stop request, and
 whether the run's exports are published on the onnx topics.
 
+An aggregator with a signing key (keys.signing_key) signs every reply (kind "reply",
+transport/signing.py), valid for REPLY_VALID_S; the signed document names the command
+(`cmd`) and the request (`request_id`, and `correlation`: the MQTT 5 correlation data in
+hex, which as a property no signature covers), and the envelope the federation. A requester
+holding the aggregator's public key (keys.aggregator, `edgefl ctl --aggregator-key`) takes
+only a reply that verifies and answers its own request and command: a forged one, or a
+genuine one replayed to another request or federation, is refused with ReplyRefused.
+
 `ControlClient` is the requester's side. A command the broker refuses (the ACL: only the
 operator account may publish on the ctl topic) never reaches the aggregator, so no reply
 comes. Over MQTT 5 the broker says so in its PUBACK (reason code 135, Not authorized):
@@ -46,14 +54,19 @@ from ..io import jsonable
 from ..service.layered import check_setting
 from ..transport.base import Message
 from ..transport.topics import TopicError, Topics, validate_id
+from ..transport.signing import SignatureError
 from .messages import MessageError, json_object
 
 __all__ = ["COMMANDS", "CommandError", "Command", "CommandRefused", "ControlClient",
-           "ReplyAddress", "RunControl", "parse_command", "reply_address", "reply_payload",
-           "VERSION"]
+           "ReplyAddress", "ReplyRefused", "RunControl", "parse_command", "reply_address",
+           "reply_payload", "sign_reply", "REPLY_VALID_S", "VERSION"]
 
 VERSION = 1
 MAX_REQUEST_ID = 128          # characters of a payload request id
+# seconds a signed reply is valid: it is read at once, so this only needs to cover the
+# clocks' difference (as a command's 60 s does), and a reply kept by the broker or an
+# attacker is dead after it
+REPLY_VALID_S = 60.0
 
 # command -> its own fields (besides cmd, request_id, reply_to), and what it does
 COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -144,16 +157,22 @@ def parse_command(message: Message, topics: Topics) -> Command:
     except MessageError as exc:
         error = CommandError(str(exc))
         error.reply = _address_or_none(message, None, topics)
+        error.cmd = None
         raise error from None
     try:
         reply = reply_address(message, doc, topics)
     except CommandError as exc:
         exc.reply = ReplyAddress(None)
+        exc.cmd = None
         raise
     try:
         return Command(*_check(doc), reply=reply, doc=doc)
     except CommandError as exc:
         exc.reply = reply
+        # the refusal names the command it refuses when there is one: a requester checking
+        # signed replies takes only the reply to its own command
+        name = doc.get("cmd")
+        exc.cmd = name if isinstance(name, str) and name in COMMANDS else None
         raise
 
 
@@ -228,9 +247,10 @@ def _round_settings(value) -> dict:
 
 
 def reply_payload(name: str | None, reply: ReplyAddress, *, result=None,
-                  error: str | None = None) -> bytes:
+                  error: str | None = None, signer=None) -> bytes:
     """The reply document. The payload echoes `request_id` (the 3.1.1 fallback; harmless
-    over MQTT 5, whose correlation data travels as a property)."""
+    over MQTT 5, whose correlation data travels as a property). `signer`: signed
+    (sign_reply)."""
     doc = {"v": VERSION, "ok": error is None, "cmd": name, "request_id": reply.request_id,
            "version": __version__, "at": time.time()}
     if error is None:
@@ -238,7 +258,19 @@ def reply_payload(name: str | None, reply: ReplyAddress, *, result=None,
     else:
         doc["error"] = error
     # jsonable: a NumPy value in a result goes out as a number, a NaN as null (valid JSON)
-    return json.dumps(jsonable(doc), separators=(",", ":"), default=str).encode("utf-8")
+    payload = json.dumps(jsonable(doc), separators=(",", ":"), default=str).encode("utf-8")
+    return payload if signer is None else sign_reply(payload, reply, signer)
+
+
+def sign_reply(payload: bytes, reply: ReplyAddress, signer) -> bytes:
+    """The reply `payload` (reply_payload's, unsigned) signed by `signer` (the aggregator's
+    transport.signing.Signer): kind "reply", valid REPLY_VALID_S from now, with the
+    correlation data as `correlation` (hex) so that the signature binds it."""
+    doc = json.loads(payload)      # signed as the requester will parse it
+    if reply.correlation_data is not None:
+        doc["correlation"] = reply.correlation_data.hex()
+    doc = signer.sign_doc(doc, "reply", "", 0, expires_in=REPLY_VALID_S)
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
 class RunControl:
@@ -303,16 +335,26 @@ class CommandRefused(RuntimeError):
         self.account = account
 
 
+class ReplyRefused(RuntimeError):
+    """A reply that did not verify with the aggregator's key (unsigned, signed by another
+    key, altered, expired, or signed for another federation, request or command); the
+    message says which. Nothing of it is acted on."""
+
+
 class ControlClient:
     """The requester's side (`edgefl ctl`, tests): publish a command on the ctl topic and wait
     for its reply on our own reply topic, `<prefix>/<fed>/reply/<name>`. mqtt5: the reply
     address travels as MQTT 5 properties (response topic, correlation data), else in the
     payload (`reply_to`, `request_id`: the 3.1.1 fallback). The transport must be connected
     with the matching protocol. `account`: the MQTT username the transport logged in with,
-    for the messages (default: read from an MqttTransport's settings)."""
+    for the messages (default: read from an MqttTransport's settings). `verifier`: a
+    transport.signing.Verifier of the aggregator's keys (roles.trust.aggregator_verifier):
+    a reply must then be signed by one of them for this request (ReplyRefused otherwise);
+    None takes replies unchecked."""
 
     def __init__(self, transport, topics: Topics, name: str, mqtt5: bool = False,
-                 account: str | None = None, signer=None, expires_in: float = 60.0):
+                 account: str | None = None, signer=None, expires_in: float = 60.0,
+                 verifier=None):
         self.transport = transport
         self.topics = topics
         self.reply_topic = topics.reply(validate_id(name, "reply name"))
@@ -324,6 +366,7 @@ class ControlClient:
         # command whose nonce it has seen, or whose expiry has passed)
         self.signer = signer
         self.expires_in = expires_in
+        self.verifier = verifier
 
     resend_s = 3.0
 
@@ -350,8 +393,9 @@ class ControlClient:
 
     def request(self, doc: Mapping, timeout: float = 10.0) -> dict:
         """The reply document to command `doc`. CommandRefused as soon as the broker says it
-        refused the command (MQTT 5 with a RequesterTransport); TimeoutError naming the
-        likely causes when no reply comes within `timeout` seconds."""
+        refused the command (MQTT 5 with a RequesterTransport); with a verifier,
+        ReplyRefused as soon as a reply to this request does not verify; TimeoutError
+        naming the likely causes when no reply comes within `timeout` seconds."""
         import os
 
         if not self._subscribed:
@@ -392,10 +436,40 @@ class ControlClient:
                     if self.mqtt5 and item.correlation_data is not None \
                     else reply.get("request_id")
                 if token == request_id:
-                    return reply
+                    return self._checked(reply, doc.get("cmd"), request_id)
             if time.monotonic() >= deadline:
                 break
         raise TimeoutError(self._timeout_text(doc.get("cmd"), timeout, acknowledged))
+
+    def _checked(self, reply: dict, cmd, request_id: str) -> dict:
+        """`reply` when there is no verifier, or when it is signed by the aggregator's key
+        for this federation, unexpired, and for this request and command; else
+        ReplyRefused. The token that picked it (a property over MQTT 5) is anyone's to
+        set: only the signed copy in the payload counts."""
+        if self.verifier is None:
+            return reply
+        where = f"{cmd}: reply on {self.reply_topic}"
+        try:
+            env = self.verifier.verify_doc(reply, kind="reply", where=where)
+            if env["exp"] is None:
+                raise SignatureError(f"{where}: signed without an expiry")
+            signed, token = (reply.get("correlation"), request_id.encode().hex()) \
+                if self.mqtt5 else (reply.get("request_id"), request_id)
+            if signed != token:
+                raise SignatureError(f"{where}: signed for request {str(signed)[:40]!r}, this "
+                                     f"is request {token!r} (a reply replayed from another "
+                                     "request?)")
+            if reply.get("cmd") != cmd:
+                raise SignatureError(f"{where}: signed as the reply to "
+                                     f"{str(reply.get('cmd'))[:40]!r}, this command is "
+                                     f"{cmd!r}")
+        except SignatureError as exc:
+            unsigned = reply.get("sig") is None
+            raise ReplyRefused(
+                f"{exc}; refused: it is not the aggregator's answer"
+                + (" (an aggregator without keys.signing_key, or one older than signed "
+                   "replies, does not sign them)" if unsigned else "")) from None
+        return reply
 
     def _timeout_text(self, cmd, timeout: float, acknowledged: bool) -> str:
         head = f"{cmd}: no reply on {self.reply_topic} within {timeout:g} s"

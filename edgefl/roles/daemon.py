@@ -61,7 +61,8 @@ from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.topics import Topics
 from .aggregator import AggregatorSettings, default_client_ids
 from .asynchronous import BOOK_FILE, BUFFER_DIR
-from .control import CommandError, EitherStop, RunControl, parse_command, reply_payload
+from .control import (CommandError, EitherStop, RunControl, parse_command, reply_payload,
+                      sign_reply)
 from .messages import finished_announcement, status_payload
 from .onnx_channel import PUBLISHED_FILE
 from .state import (CHECKPOINT_FILE, HISTORY_FILE, JOURNAL_FILE, AggregatorCheckpoint,
@@ -757,10 +758,18 @@ class Daemon:
         payload = reply_payload(name, reply, result=result, error=error)
         if reply.request_id is not None or reply.correlation_data is not None:
             # remembered (the last REMEMBERED_REPLIES) so a repeat is answered, not redone
-            self._answered[self._answering] = (reply.topic, payload, options)
+            self._answered[self._answering] = (reply, payload, options)
             while len(self._answered) > REMEMBERED_REPLIES:
                 self._answered.pop(next(iter(self._answered)))
-        self._publish(reply.topic, payload, **options)
+        self._send_reply(reply, payload, options)
+
+    def _send_reply(self, reply, payload: bytes, options: dict) -> None:
+        # signed as it is sent, with the aggregator's key when it has one
+        # (control.sign_reply): a repeat is the first reply, with a signature as fresh as
+        # the first's (a resend after a lost reply must not get an expired one)
+        signer = getattr(self.settings.aggregator.trust, "signer", None)
+        self._publish(reply.topic, payload if signer is None else
+                      sign_reply(payload, reply, signer), **options)
 
     def _on_command(self, message: Message) -> None:
         # QoS 1 may deliver a command twice, and a requester repeats one it got no answer
@@ -770,9 +779,8 @@ class Daemon:
             if message.correlation_data is not None or message.response_topic is not None \
             else (None, None, message.payload)
         if key in self._answered:
-            topic, payload, options = self._answered[key]
-            if topic is not None:
-                self._publish(topic, payload, **options)
+            reply, payload, options = self._answered[key]
+            self._send_reply(reply, payload, options)
             return
         self._answering = key
         try:
@@ -787,7 +795,7 @@ class Daemon:
             reply = getattr(exc, "reply", None)
             log.warning("command refused: %s", exc)
             if reply is not None and reply.topic is not None:
-                self._reply(None, reply, error=str(exc))
+                self._reply(getattr(exc, "cmd", None), reply, error=str(exc))
             else:
                 self._event("error", error=f"command refused: {exc}")
             return

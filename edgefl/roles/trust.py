@@ -8,6 +8,9 @@ edgefl/service/keys.py) loaded into a Signer and Verifiers (edgefl.transport.sig
     trust.uplink                # the aggregator's check of the boards' updates, or None
     trust.operators             # the aggregator's check of commands, or None
 
+`edgefl ctl` checks the aggregator's replies with the boards' check of the aggregator
+(aggregator_verifier of the same keys.aggregator, or of --aggregator-key).
+
 A None check means that direction is not checked: the node behaves as before signatures
 existed (and says so in its log and status). A key file that cannot be read stops the role
 at start with KeyFileError naming the file and the setting, never later.
@@ -22,7 +25,8 @@ from ..privacy import secagg
 from ..transport.signing import (KeyFileError, SignatureError, Signer, Verifier,
                                  check_envelope_shape, load_private_key, load_public_key)
 
-__all__ = ["Trust", "fleet_key_files", "secure_signer", "verify_secure", "secure_context"]
+__all__ = ["Trust", "aggregator_verifier", "fleet_key_files", "secure_signer",
+           "verify_secure", "secure_context"]
 
 
 def secure_context(announce_id: str, node: str) -> str:
@@ -79,6 +83,13 @@ def _public_keys(paths, setting: str) -> list:
         raise KeyFileError(f"{setting}: {exc}") from None
 
 
+def aggregator_verifier(fed: str, paths, setting: str = "keys.aggregator") -> Verifier | None:
+    """The check of the aggregator's messages against its public key file(s) `paths` (any
+    signer id may use them: a key change-over lists two), or None when there are none.
+    KeyFileError naming `setting` and the file."""
+    return Verifier(fed, {"*": _public_keys(paths, setting)}) if paths else None
+
+
 @dataclass(frozen=True, eq=False)
 class Trust:
     fed: str
@@ -118,8 +129,7 @@ class Trust:
                 signer = Signer(load_private_key(signing_key), node or "?", fed)
             except KeyFileError as exc:
                 raise KeyFileError(f"keys.signing_key: {exc}") from None
-        downlink = Verifier(fed, {"*": _public_keys(aggregator, "keys.aggregator")}) \
-            if aggregator else None
+        downlink = aggregator_verifier(fed, aggregator)
         files = fleet_key_files(fleet)
         uplink = Verifier(fed, {n: _public_keys([p], f"keys.fleet ({n})")
                                 for n, p in files.items()}) if fleet is not None else None

@@ -77,8 +77,10 @@ KEYS = {k.name: k for k in (
         "aggregator signs announcements, models and ONNX files with it, a board its updates "
         "(null: sends unsigned)", _MQTT, nullable=True),
     Key("keys.aggregator", "paths", "the aggregator's public key file(s): when set, the board "
-        "refuses announcements, models and ONNX files not signed by one of them; two during "
-        "a key change-over (null: signatures not checked)", ("client",), nullable=True),
+        "refuses announcements, models and ONNX files not signed by one of them, and "
+        "`edgefl ctl` (which reads the client's or the aggregator's site file; the service "
+        "itself ignores it) refuses replies not signed by one of them; two during a key "
+        "change-over (null: signatures not checked)", _MQTT, nullable=True),
     Key("keys.fleet", "keymap", "the boards' public keys: a directory of <node id>.pub "
         "files, or a mapping node id -> file: when set, an update must be signed by its "
         "node's key (null: updates not checked)", ("aggregator",), nullable=True),
