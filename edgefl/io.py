@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Union
 
 import numpy as np
 
-__all__ = ["atomic_write", "atomic_write_all", "fsync_directory", "jsonable",
+__all__ = ["atomic_write", "atomic_write_all", "bounded_text", "fsync_directory", "jsonable",
            "lock_exclusive", "process_start_time", "replace_atomic", "temporary_target",
            "terminal_text", "write_json"]
 
@@ -239,15 +239,23 @@ def write_json(path: str | os.PathLike, data, *, indent: int | None = 1,
     atomic_write(path, json.dumps(jsonable(data), indent=indent) + "\n", mode=mode)
 
 
+def bounded_text(value, limit: int | None) -> str:
+    """str(value), at most `limit` characters (None: all) and the rest said as a count, so a
+    reader sees that it was cut and by how much; otherwise as it is (terminal_text escapes it
+    for display; an event carries it raw, and its readers escape it)."""
+    text = str(value)
+    if limit is not None and len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    return text
+
+
 def terminal_text(value, limit: int | None = None, *, one_line: bool = False) -> str:
     """str(value) safe to print on a terminal: every control (Cc) or format (Cf) character
     but tab and newline, and every lone surrogate (Cs: JSON's "\\ud800", which no terminal
     encoding can print), as its Python escape; at most `limit` characters, the rest said as
     a count. one_line: tab and newline escaped too, for a log line a sender must not be able
     to end and follow with lines of its own."""
-    text = str(value)
-    if limit is not None and len(text) > limit:
-        text = f"{text[:limit]}... ({len(text)} characters)"
+    text = bounded_text(value, limit)
     if text.isprintable():
         return text
     kept = "" if one_line else "\t\n"

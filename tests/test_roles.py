@@ -1084,7 +1084,12 @@ def test_a_boards_refusal_reason_reaches_the_aggregators_log_as_one_clean_line(t
     sequences (retitle, clear, recolour), a carriage return and newlines, and is 20,000
     characters long. The aggregator logged it raw: the operator's terminal obeyed the
     escapes, and the newlines forged log lines of their own. It is now one line, control
-    characters escaped, bounded; the round still goes on without that board."""
+    characters escaped, bounded; the round still goes on without that board. Its
+    client_refused event carried the reason whole (up to the 64 KiB status limit, to every
+    watcher of the events topic): it is bounded like the log line, with a mark that it was
+    cut, and otherwise raw (readers escape for display)."""
+    from edgefl.roles.aggregator import REASON_CHARS
+
     caplog.set_level(logging.WARNING, "edgefl.roles.aggregator")
     config = load_small_run(tmp_path, rounds=1, clients_per_round=2)
     broker = LoopbackBroker()
@@ -1112,6 +1117,9 @@ def test_a_boards_refusal_reason_reaches_the_aggregators_log_as_one_clean_line(t
                      "refused": {"run": doc["run"], "round": doc["round"],
                                  "reason": hostile}}).encode(), retain=True)
 
+    watcher = broker.transport("watcher")         # `edgefl ctl watch`, the dashboard
+    watcher.connect()
+    watcher.subscribe(topics.events())
     board = threading.Thread(target=refuse_every_round, daemon=True)
     board.start()
     try:
@@ -1121,6 +1129,15 @@ def test_a_boards_refusal_reason_reaches_the_aggregators_log_as_one_clean_line(t
         board.join(5)
         threads[1].join(5)
     assert result.history[0]["updates"] == 1     # not waited for
+    events = []
+    while (item := watcher.receive(timeout=0.2)) is not None:
+        if isinstance(item, Message):
+            events.append(json.loads(item.payload))
+    (refused,) = [e for e in events if e["event"] == "client_refused"]
+    assert refused["client"] == "client-0"
+    reason = refused["reason"]
+    assert reason == f"{hostile[:REASON_CHARS]}... ({len(hostile)} characters)", \
+        (len(reason), reason[-100:])
     lines = [r.getMessage() for r in caplog.records if "client-0 refused" in r.getMessage()]
     assert len(lines) == 1, caplog.text[-2000:]
     line = lines[0]

@@ -54,7 +54,7 @@ import numpy as np
 from .. import __version__
 from .._malloc import keep_frames_in_heap
 from ..errors import ConfigError, budget_stop
-from ..io import terminal_text
+from ..io import bounded_text, terminal_text
 from ..config import check_number
 from ..models import Model
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks, secagg
@@ -77,9 +77,10 @@ __all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult", "s
            "run_fingerprint", "default_client_ids"]
 
 log = logging.getLogger("edgefl.roles.aggregator")
-# characters of a board's refusal reason in the log: edgefl's are a sentence or two; a
-# board may send up to its whole status (64 KiB), which would bury the log
-REASON_LOG_CHARS = 500
+# characters of a board's refusal reason in the log and in the client_refused event:
+# edgefl's are a sentence or two; a board may send up to its whole status (64 KiB), which
+# would bury the log and reach every watcher of the events topic
+REASON_CHARS = 500
 
 # why a board that sends a plain update in a secure round cannot take part in it
 _NO_SECURE = ("its edgefl predates secure aggregation over MQTT (docs/protocol.md sections "
@@ -1334,12 +1335,13 @@ class Aggregator:
             if o is not None and node in o.uploaders and node not in o.received \
                     and node not in o.refused and refusal.get("round", o.round) == o.round:
                 o.refused.add(node)
-                # the board's own words: one line, escaped, bounded in the operator's log
+                # the board's own words: one line, escaped, bounded in the operator's log;
+                # bounded alike but raw in the event (its readers escape for display)
                 log.warning("round %d: %s refused the run: %s", o.round, node,
-                            terminal_text(refusal.get("reason"), REASON_LOG_CHARS,
+                            terminal_text(refusal.get("reason"), REASON_CHARS,
                                           one_line=True))
                 self._event("client_refused", round=o.round, client=node,
-                            reason=str(refusal.get("reason")))
+                            reason=bounded_text(refusal.get("reason"), REASON_CHARS))
             return
         if o is None or node not in o.node_tasks or node in o.received or not now_online:
             return
