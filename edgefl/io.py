@@ -11,8 +11,9 @@ are written before any is renamed.
 `lock_exclusive` is the one way a process claims a file or directory against other
 processes (a role's state directory, the data cache's writer): an flock, which the kernel
 lets go when the holder dies, however it dies. `temporary_target` tells atomic_write's
-temporary files by their names, for the holder of a directory to remove those a writer killed
-mid-write left there (SIGKILL skips the writer's own clean-up), and `process_start_time`
+temporary files by their names (`temporary_path` makes one, for a writer that builds a file
+in place), for the holder of a directory to remove those a writer killed mid-write left
+there (SIGKILL skips the writer's own clean-up), and `process_start_time`
 names one process by its pid and start, for an owner recorded on disk to be checked alive.
 
 `jsonable` is the one conversion to plain JSON types: NumPy scalars and arrays become
@@ -46,8 +47,8 @@ from typing import Callable, Iterable, Union
 import numpy as np
 
 __all__ = ["atomic_write", "atomic_write_all", "bounded_text", "fsync_directory", "jsonable",
-           "lock_exclusive", "process_start_time", "replace_atomic", "temporary_target",
-           "terminal_text", "write_json"]
+           "lock_exclusive", "process_start_time", "replace_atomic", "temporary_path",
+           "temporary_target", "terminal_text", "write_json"]
 
 Content = Union[bytes, bytearray, memoryview, str, Callable]
 
@@ -96,17 +97,9 @@ def atomic_write_all(files: Iterable[tuple[str | os.PathLike, Content, int]]) ->
 def _write_temporary(path: str, data: Content, mode: int) -> str:
     """A temporary file beside `path` holding `data`, flushed and fsync'ed (none left behind
     when that fails)."""
-    directory = os.path.dirname(os.path.abspath(path))
     if isinstance(data, str):
         data = data.encode("utf-8")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
-                                   dir=directory)
-    except OSError as exc:
-        # mkstemp's own message names the temporary file, which the caller never asked
-        # for: name the file asked for and the directory that refused it
-        raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}: {directory}") \
-            from None
+    fd, tmp = _make_temporary(path)
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(fd, mode)
@@ -125,7 +118,32 @@ def _write_temporary(path: str, data: Content, mode: int) -> str:
     return tmp
 
 
-# the name _write_temporary's mkstemp gives: "." + the target's name + "." + mkstemp's random
+def _make_temporary(path: str) -> tuple[int, str]:
+    """(fd, name) of a new empty file (0600) beside `path`, named as temporary_target
+    recognises."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        return tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                dir=directory)
+    except OSError as exc:
+        # mkstemp's own message names the temporary file, which the caller never asked
+        # for: name the file asked for and the directory that refused it
+        raise type(exc)(exc.errno, f"cannot write {path}: {exc.strerror}: {directory}") \
+            from None
+
+
+def temporary_path(path: str | os.PathLike) -> str:
+    """A new empty file (0600) beside `path` under the name atomic_write gives its temporary
+    files, for a writer that builds a file in place (the ONNX exporter, whose tools write
+    to a path) before replace_atomic: the holder of the directory knows it by that name
+    (temporary_target) and removes it when a kill left it. The writer removes it when done
+    or failed."""
+    fd, tmp = _make_temporary(os.fspath(path))
+    os.close(fd)
+    return tmp
+
+
+# the name _make_temporary's mkstemp gives: "." + the target's name + "." + mkstemp's random
 # part (8 characters of [a-z0-9_], CPython's tempfile) + ".tmp"; tests/test_io.py checks a
 # real atomic_write's temporary file against it
 _TEMPORARY_NAME = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp\Z")

@@ -100,6 +100,20 @@ def test_temporary_target_names_what_a_real_writers_temporary_file_was_to_replac
         assert io.temporary_target(other) is None, other
 
 
+def test_temporary_path_makes_a_private_empty_file_named_as_atomic_writes_are(tmp_path):
+    """A writer that builds a file in place (the ONNX exporter) gets its temporary files
+    from temporary_path, so the directory's holder knows them as temporary_target does."""
+    first, second = io.temporary_path(tmp_path / "model.onnx"), io.temporary_path(
+        tmp_path / "model.onnx")
+    assert first != second
+    for path in (first, second):
+        assert os.path.dirname(path) == str(tmp_path)
+        assert io.temporary_target(os.path.basename(path)) == "model.onnx", path
+        assert os.path.getsize(path) == 0 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with pytest.raises(FileNotFoundError, match=f"cannot write {tmp_path / 'absent' / 'f'}"):
+        io.temporary_path(tmp_path / "absent" / "f")
+
+
 def test_atomic_write_into_a_missing_directory_fails_naming_it(tmp_path):
     # the message names the file asked for and its missing directory, not the temporary
     # file that atomic_write would have made there (a name the caller never gave)

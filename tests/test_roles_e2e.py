@@ -864,3 +864,67 @@ def test_a_role_removes_the_temporary_files_its_writers_left_when_killed_mid_wri
     assert stranger.read_text() == "the operator's"
     assert (state / "client.npz").read_bytes() == kept
     assert ClientProgress.load(state).trained == 3
+
+
+# An export of a live round's model into a run directory of the aggregator service, stopped
+# (for the kill) while it measures the int8 file: the fp32 and int8 files are built in
+# place then, under the exporter's own temporary names, next to `out`.
+_EXPORTER_KILLED_MIDWAY = """\
+import sys, time
+import edgefl.export.onnx as exporter
+from edgefl.data import load_dataset
+from edgefl.models import build_model
+measure = exporter.onnx_accuracy
+calls = []
+def measure_then_stop(path, *args):
+    calls.append(path)
+    if len(calls) == 2:            # the int8 file: both temporaries are there now
+        print("exporting", flush=True)
+        time.sleep(300)
+    return measure(path, *args)
+exporter.onnx_accuracy = measure_then_stop
+ds = load_dataset("digits")
+model = build_model("mlp", ds.input_shape, ds.num_classes)
+run = exporter.run_from_params(model, model.init(seed=0), round=1, algorithm="fedavg",
+                               dataset=ds)
+exporter.export_run(run, sys.argv[1], quantize="int8", dataset=ds)
+"""
+
+
+def test_the_aggregator_removes_the_temporary_files_of_an_export_killed_midway(
+        tmp_path, mosquitto_server):
+    """An ONNX export killed mid-way (kill -9, the OOM killer: the export of a run's model
+    is the aggregator's largest allocation) left its fp32 and int8 files, model-sized, in
+    the run's directory for good: the exporter named its temporary files in a way of its own
+    (.model.onnx.<pid>.fp32.tmp), which the aggregator's clean-up at start did not know.
+    They are now named as atomic_write names its own, and removed when the aggregator next
+    starts; the run's model.onnx is left as it was."""
+    import os
+    import subprocess
+
+    state = tmp_path / "node"
+    out = state / "runs" / "r1" / "model.onnx"
+    out.parent.mkdir(parents=True)
+    out.write_bytes(b"the model exported last round")
+    exporter = subprocess.Popen([sys.executable, "-c", _EXPORTER_KILLED_MIDWAY, str(out)],
+                                stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert exporter.stdout.readline() == "exporting\n"
+    finally:
+        exporter.kill()
+        exporter.wait(10)
+        exporter.stdout.close()
+    left = sorted(n for n in os.listdir(out.parent) if n != "model.onnx")
+    assert len(left) == 2 and all(n.startswith(".model.onnx.") for n in left), left
+    assert all(os.path.getsize(out.parent / n) > 1000 for n in left)   # model-sized
+    agg = subprocess.run([sys.executable, "-m", "edgefl.cli", "aggregator", "--once",
+                          "--set", "node.id=agg", "--set", f"node.federation=exp{os.getpid()}",
+                          "--set", f"broker.url={mosquitto_server.url}",
+                          "--set", f"state_dir={state}"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert agg.returncode == 0, agg.stderr[-2000:]
+    assert os.listdir(out.parent) == ["model.onnx"], (os.listdir(out.parent),
+                                                      agg.stderr[-2000:])
+    assert out.read_bytes() == b"the model exported last round"
+    assert f"aggregator: removed 2 temporary files in {state} left by writers killed " \
+           f"mid-write" in agg.stderr, agg.stderr[-2000:]

@@ -41,7 +41,7 @@ from .. import __version__
 from ..checkpoint import load_checkpoint, model_sha256
 from ..errors import ExportError
 from ..infer import Predictor
-from ..io import atomic_write, replace_atomic
+from ..io import atomic_write, replace_atomic, temporary_path
 from .calibration import CALIBRATION_SAMPLES
 from ..models import (
     LOSS_NAMES,
@@ -362,10 +362,11 @@ def quantize_int8(src, dst, calibration: np.ndarray, *, batch: int = 64) -> None
             chunk = next(self.batches, None)
             return None if chunk is None else {"input": chunk}
 
-    directory = os.path.dirname(os.path.abspath(dst))
-    stem = os.path.join(directory, f".{os.path.basename(dst)}.{os.getpid()}")
-    prepared, tmp = f"{stem}.prep.tmp", f"{stem}.quant.tmp"
+    # named as atomic_write's temporaries, which the owner of the directory removes when a
+    # kill left them (roles.state.hold_state_dir)
+    prepared = tmp = None
     try:
+        prepared, tmp = temporary_path(dst), temporary_path(dst)
         # ONNX shape inference only: the graph has nothing for onnxruntime's optimiser to fold,
         # and its optimised output drags in unrelated opset imports
         quant_pre_process(src, prepared, skip_optimization=True, skip_symbolic_shape=True)
@@ -375,8 +376,9 @@ def quantize_int8(src, dst, calibration: np.ndarray, *, batch: int = 64) -> None
                         weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax)
         proto = onnx.load(tmp)
     finally:
-        for leftover in (prepared, tmp, tmp + ".data"):
-            if os.path.exists(leftover):
+        # (.data: onnxruntime's external weights file of a model past 2 GB, beside it)
+        for leftover in (prepared, tmp) + ((tmp + ".data",) if tmp else ()):
+            if leftover and os.path.exists(leftover):
                 os.unlink(leftover)
     meta = {p.key: p.value for p in proto.metadata_props}
     meta.update(QUANTIZATION_KEYS["int8"], calibration_samples=str(len(calibration)))
@@ -593,9 +595,12 @@ def export_run(run: Run, out, *, quantize: str | None = None, softmax: bool = Tr
     if not os.path.isdir(directory):
         # said before the temporaries' names could stand in for `out` in the error
         raise ExportError(f"{out}: no directory {directory} to write it in")
-    stem = os.path.join(directory, f".{os.path.basename(out)}.{os.getpid()}")
-    fp32_path, int8_path = f"{stem}.fp32.tmp", f"{stem}.int8.tmp"
+    # named as atomic_write's temporaries, which the owner of the directory (the aggregator
+    # service's run directories) removes when a kill left them (roles.state.hold_state_dir)
+    fp32_path = int8_path = None
     try:
+        fp32_path = temporary_path(out)
+        int8_path = temporary_path(out) if quantize else None
         export_onnx(model, run.params, fp32_path, norm_mean=run.norm_mean,
                     norm_std=run.norm_std, softmax=softmax, metadata=meta)
         if dataset is not None and classify and (evaluate or quantize):
@@ -620,7 +625,7 @@ def export_run(run: Run, out, *, quantize: str | None = None, softmax: bool = Tr
         replace_atomic(final, out)
     finally:
         for leftover in (fp32_path, int8_path):
-            if os.path.exists(leftover):
+            if leftover and os.path.exists(leftover):
                 os.unlink(leftover)
     report["bytes"] = os.path.getsize(out)
     return report
