@@ -30,7 +30,6 @@ why that is as safe as hashing it).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
 import logging
@@ -40,7 +39,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..io import atomic_write, lock_exclusive
+from ..io import atomic_write, lock_exclusive, temporary_target
 
 log = logging.getLogger("edgefl.data.cache")
 
@@ -147,11 +146,19 @@ class _Writing:
         return self
 
     def remove_orphans(self) -> None:
-        """The temporary data files (atomic_write's .<name>.npz.<random>.tmp) of writers
-        that were killed before their cleanup ran: up to 55 MB each, for good. (An edgefl
+        """The temporary data files (atomic_write's .<name>.npz.<random>.tmp, known by
+        io.temporary_target) of writers that were killed before their cleanup ran: up to
+        55 MB each, for good. (An edgefl
         from before this lock, writing into the same directory at this moment, loses its
         temporary file and only logs that its cache file was not written.)"""
-        for orphan in glob.glob(os.path.join(glob.escape(self.directory), ".*.npz.*.tmp")):
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            if not (temporary_target(name) or "").endswith(".npz"):
+                continue       # not a data file's (the memo's writer does not take the lock)
+            orphan = os.path.join(self.directory, name)
             try:
                 os.unlink(orphan)
                 log.info("data cache: removed %s, left by a writer that was killed", orphan)
