@@ -3,6 +3,8 @@
 `edgefl.backend` says which kernel backend loaded: "c" (the compiled core) or "numpy" (the
 pure-NumPy reference). Set EDGEFL_BACKEND=numpy before import to force the reference.
 """
+# the distribution's version too: pyproject.toml reads it from here without importing edgefl,
+# so it stays a plain string literal
 __version__ = "0.1.0"
 
 # Load the BLAS the compiled core links before anything imports edgefl._core, whichever
