@@ -81,6 +81,7 @@ log = logging.getLogger("edgefl.roles.aggregator")
 # edgefl's are a sentence or two; a board may send up to its whole status (64 KiB), which
 # would bury the log and reach every watcher of the events topic
 REASON_CHARS = 500
+VERSION_CHARS = 64      # a version as a status states it, in the messages that name a board
 
 # why a board that sends a plain update in a secure round cannot take part in it
 _NO_SECURE = ("its edgefl predates secure aggregation over MQTT (docs/protocol.md sections "
@@ -1319,7 +1320,9 @@ class Aggregator:
         now_online = doc["online"]
         self.online[node] = now_online
         if isinstance(doc.get("version"), str):
-            self.versions[node] = doc["version"]
+            # shown in messages that name the board (a plain update in a secure round, the
+            # error that ends such a run): what a board claims is one short escaped line
+            self.versions[node] = terminal_text(doc["version"], VERSION_CHARS, one_line=True)
         if not now_online and before is not False:
             self._offline_since[node] = time.monotonic()
         if before is not now_online:
