@@ -412,8 +412,10 @@ class StalledLogLine:
     the kernel until release(). `reached` is set as it starts writing it. With it a test
     puts the aggregator's handling of an event after a deadline, as a busy board does."""
 
-    def __init__(self, prefix: str, logger: str = "edgefl.roles.aggregator"):
+    def __init__(self, prefix: str, logger: str = "edgefl.roles.aggregator",
+                 level: int = logging.WARNING, when=lambda record: True):
         self.prefix, self.logger = prefix, logging.getLogger(logger)
+        self.held_level, self.when = level, when
         self.reached = threading.Event()
         self.gate = StderrGate()
         self.stream = open(self.gate.write_fd, "w", buffering=1, closefd=False)
@@ -422,14 +424,15 @@ class StalledLogLine:
         self.level = self.logger.level
 
     def _only(self, record) -> bool:
-        if isinstance(record.msg, str) and record.msg.startswith(self.prefix):
+        if isinstance(record.msg, str) and record.msg.startswith(self.prefix) \
+                and self.when(record):
             self.reached.set()
             return True
         return False
 
     def __enter__(self):
         self.gate.jam()
-        self.logger.setLevel(logging.WARNING)      # the held line is a warning
+        self.logger.setLevel(self.held_level)      # the held line's level
         self.logger.addHandler(self.handler)
         return self
 
@@ -510,7 +513,7 @@ def test_a_paused_secure_round_neither_fails_nor_closes_until_resumed(tmp_path):
     control = RunControl("paused-secure-run")
     held = threading.Event()
     control.on_hold = held.set
-    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 3.0},
+    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 6.0},
                   control=control)
     try:
         fleet.start_client("client-0")
@@ -536,6 +539,51 @@ def test_a_paused_secure_round_neither_fails_nor_closes_until_resumed(tmp_path):
     record = result.history[0]
     assert record["closed_by"] == "secure", record
     assert record["announcements"] == 2, record
+    assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == [], record
+
+
+def test_a_pause_once_the_unmask_requests_are_out_holds_the_close_not_the_attempt(tmp_path):
+    """The pause comes as the secure round's masked inputs are in and its unmask requests
+    are about to go out (the aggregator held at that log line). The boards' reveals then
+    arrive while paused. A new attempt at the resume, over the same updates with fresh
+    masks and perhaps other survivors, would leave the aggregator with two sums whose
+    difference could be one board's update: so the attempt runs to its end, and only the
+    round's close waits for the resume. One announcement, closed "secure" by all three."""
+    _need_mosquitto()
+    from edgefl.roles.control import RunControl
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, write_config
+
+    config = load_run_config(write_config(
+        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
+        privacy={"secure_aggregation": {"threshold": 1.0}}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    control = RunControl("paused-unmask-run")
+    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 20.0},
+                  control=control)
+    try:
+        with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
+                            when=lambda record: record.args[1] == "masked") as stall:
+            for name in ("client-0", "client-1", "client-2"):
+                fleet.start_client(name)
+            fleet.start_aggregator()
+            agg = fleet.aggregator
+            first = agg.open.secure
+            assert stall.reached.wait(20), "the masked phase did not close"
+            control.paused.set()
+            stall.release()
+            wait_for(lambda: first.phase == "done", timeout=20,
+                     what="the held attempt's unmasking to finish while paused")
+            time.sleep(0.5)
+            assert agg.ckpt.round == 0, "round 1 closed while paused"
+            assert agg.open.secure is first and agg.open.counts["announcements"] == 1
+            control.paused.clear()
+            result = fleet.finish(timeout=30)
+    finally:
+        fleet.close()
+        broker.stop()
+    record = result.history[0]
+    assert record["closed_by"] == "secure" and record["announcements"] == 1, record
     assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == [], record
 
 

@@ -1023,21 +1023,31 @@ class Aggregator:
     def _pause_round(self) -> bool:
         """Inside a round: hold while paused, then move the deadline by the paused time and
         announce the round again (clients that already uploaded re-send their stored
-        update, a duplicate here). False when stopped while paused."""
+        update, a duplicate here; a secure round starts a new attempt, whose first phase
+        gets at least round_timeout_s). False when stopped while paused."""
         o = self.open
+        held = self._wait_paused(f"round {o.round} paused ({len(o.received)} of "
+                                 f"{len(o.uploaders)} updates in)")
+        if held is None:
+            return False
+        log.info("round %d resumed after %.1f s paused: deadline moved by as much", o.round, held)
+        deadline = o.deadline + held
+        if o.secure is not None:
+            # o.deadline is the attempt's first phase's: paused in a later phase, it may
+            # have passed, and would fail the new attempt before any board could answer
+            deadline = max(deadline, time.time() + self.settings.round_timeout_s)
+        self._announce(deadline=deadline)
+        return True
+
+    def _wait_paused(self, what: str) -> float | None:
+        """Hold while paused, servicing the broker: the seconds held, None when stopped."""
         since = time.time()
-        log.info("round %d paused (%d of %d updates in)", o.round, len(o.received),
-                 len(o.uploaders))
+        log.info("%s", what)
         self._publish_status()
         self._held()
         while self._paused() and not self.stop.is_set():
             self._service(self.settings.poll_s)
-        if self.stop.is_set():
-            return False
-        held = time.time() - since
-        log.info("round %d resumed after %.1f s paused: deadline moved by as much", o.round, held)
-        self._announce(deadline=o.deadline + held)
-        return True
+        return None if self.stop.is_set() else time.time() - since
 
     def _collect(self) -> str | None:
         """Handle messages until the open round closes (returns why) or the run stops
@@ -1135,7 +1145,12 @@ class Aggregator:
                     # while paused: the resume announces it again anyway, and moves the
                     # deadline by the paused time, which it would add to a fresh one.
                     self._cleared.clear()
-                    if not self._paused():
+                    # nor once a secure attempt's unmask requests are out: a new attempt
+                    # would meet reveals of this one (see _collect_secure); this one ends
+                    # at its phase's deadline if reveals were lost
+                    unmasking = self.open.secure is not None and \
+                        self.open.secure.phase == "unmask"
+                    if not self._paused() and not unmasking:
                         self._announce(deadline=self.open.deadline
                                        if self.open.deadline > time.time() else None)
             elif not item.connected:
@@ -1399,8 +1414,11 @@ class Aggregator:
                 return None
             # a pause holds a secure round as it holds any: no phase closes or fails while
             # it lasts; the resume announces the round again, a new attempt with fresh keys
-            # (nothing of the held one is unmasked) and the deadline moved by the pause
-            if self._paused() and not self._pause_round():
+            # and the deadline moved by the pause. Not once the unmask requests are out:
+            # the reveals come in while paused, and a new attempt over the same updates
+            # with other survivors would give two sums whose difference is an update. That
+            # attempt runs to its end, and only the round's close waits (below).
+            if self._paused() and o.secure.phase != "unmask" and not self._pause_round():
                 return None
             server = o.secure
             if server is not attempt:
@@ -1441,6 +1459,9 @@ class Aggregator:
                 for c, msg in out.items():
                     self._send_secure(self.plan.client_ids[c], msg)
                 if server.phase == "done":
+                    if self._paused() and self._wait_paused(
+                            f"round {o.round} paused (its sum unmasked, to close)") is None:
+                        return None
                     return "secure"
                 phase_deadline = time.time() + s.round_timeout_s
                 continue
