@@ -265,40 +265,48 @@ def _sim_directories(parent: str) -> set:
 def test_a_simulation_killed_with_sigkill_leaves_a_directory_the_next_one_removes(tmp_path):
     """`edgefl simulate --transport mqtt` keeps its roles' state in /dev/shm/edgefl-sim-*,
     which a kill -9 left until reboot (memory, on a board). The next simulation removes the
-    directories of simulations whose process is gone (the pid no longer running, or running
-    another program started since: a reused pid), and only those: the directory of a live
-    simulation (this test's process stands in for one) and another account's survive."""
+    directories of simulations that are gone, and only those: its owner is whoever holds
+    the directory's flock, so a live simulation's survives even when its process is in
+    another PID namespace (a container sharing /dev/shm, whose pids this one cannot see:
+    `unshare --pid` stands in for it when the test runs as root), as do another account's
+    and one being made (not yet locked and renamed)."""
     import os
     import shutil
     import subprocess
 
-    import tempfile
-
     shm = "/dev/shm"
-    with open("/proc/self/stat", encoding="ascii") as f:   # field 22: its start, in ticks
-        started = f.read().rsplit(")", 1)[1].split()[19]
     argv = [sys.executable, "-m", "edgefl.cli", "simulate", "--transport", "mqtt", "--quiet",
             "--no-plot", "--no-export", "--client-processes", "1"]
+    holder_code = ("import sys, time; from edgefl.sim.over_broker import ScratchDirectory; "
+                   "d = ScratchDirectory('/dev/shm'); print(d.name, flush=True); "
+                   "sys.stdin.read(); d.cleanup()")
+    holder_argv = [sys.executable, "-c", holder_code]
+    if os.getuid() == 0 and shutil.which("unshare") and subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "true"]).returncode == 0:
+        holder_argv = ["unshare", "--pid", "--fork", "--mount-proc"] + holder_argv
     before = _sim_directories(shm)
     killed = subprocess.Popen(argv + [write_config(tmp_path, "long.yaml", rounds=500),
                                       "--out", str(tmp_path / "killed")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               cwd=tmp_path, start_new_session=True)
-    # a live simulation's (this process's), and one of the same pid started at another time
-    live = tempfile.TemporaryDirectory(prefix=f"edgefl-sim-{os.getpid()}-{started}-", dir=shm)
-    reused = os.path.join(shm, f"edgefl-sim-{os.getpid()}-1-test")   # our pid, not our start
-    os.mkdir(reused, 0o700)
+    holder = subprocess.Popen(holder_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=tmp_path)
+    live = holder.stdout.readline().strip()
+    making = os.path.join(shm, "edgefl-sim-new-test")   # mid-making: fresh, never locked
+    os.mkdir(making, 0o700)
     stranger = None
     try:
-        orphan = wait_for(lambda: _sim_directories(shm) - before - {os.path.basename(
-            live.name), os.path.basename(reused)}, timeout=60,
+        assert live.startswith(os.path.join(shm, "edgefl-sim-held-")), live
+        orphan = wait_for(lambda: _sim_directories(shm) - before - {
+            os.path.basename(live), os.path.basename(making)}, timeout=60,
             what="the simulation's directory in /dev/shm")
         (orphan,) = orphan
         orphan = os.path.join(shm, orphan)
         os.kill(killed.pid, signal.SIGKILL)
         assert killed.wait(10) == -signal.SIGKILL
+        os.killpg(killed.pid, signal.SIGKILL)       # its worker, which shares the lock
         if os.getuid() == 0:                 # another account's, owner dead: not ours
-            stranger = os.path.join(shm, "edgefl-sim-1-1-other")
+            stranger = os.path.join(shm, "edgefl-sim-held-other")
             os.mkdir(stranger, 0o700)
             os.chown(stranger, 65534, 65534)
         second = subprocess.run(argv + [write_config(tmp_path, rounds=1),
@@ -306,20 +314,18 @@ def test_a_simulation_killed_with_sigkill_leaves_a_directory_the_next_one_remove
                                 capture_output=True, text=True, cwd=tmp_path, timeout=120)
         assert second.returncode == 0, second.stderr[-2000:]
         assert not os.path.exists(orphan), (orphan, os.listdir(orphan))
-        assert not os.path.exists(reused)
-        assert os.path.isdir(live.name)
+        assert os.path.isdir(live), "a live simulation's directory was removed"
+        assert os.path.isdir(making)
         assert stranger is None or os.path.isdir(stranger)
-        # its owner was in its name, given with it: no instant without one
-        assert os.path.basename(orphan).startswith(f"edgefl-sim-{killed.pid}-"), orphan
     finally:
         try:
-            os.killpg(killed.pid, signal.SIGKILL)       # its worker, if it outlived it
+            os.killpg(killed.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         killed.wait(10)
-        live.cleanup()
-        for path in (reused, stranger):
-            if path is not None:
+        holder.communicate("", timeout=10)
+        for path in (live, making, stranger):
+            if path:
                 shutil.rmtree(path, ignore_errors=True)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
+import stat
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,57 +19,77 @@ from typing import Callable
 
 import numpy as np
 
-from ..io import process_start_time
+from ..io import lock_exclusive
 from ..runs.prepare import PreparedRun, RunResult
 
-__all__ = ["run_over_broker", "check_options", "reach_broker", "scratch_directory"]
+__all__ = ["run_over_broker", "check_options", "reach_broker", "ScratchDirectory"]
 
 log = logging.getLogger("edgefl.sim")
 
-SCRATCH_PREFIX = "edgefl-sim-"
-# a scratch directory's name: the prefix, its owner's pid and start time, mkdtemp's part
-_OWNED = re.compile(re.escape(SCRATCH_PREFIX) + r"(\d+)-(\d+)-[^/]+\Z")
+SCRATCH_PREFIX = "edgefl-sim-held-"   # a scratch directory whose owner holds its flock
+_MAKING_PREFIX = "edgefl-sim-new-"    # one made, not yet locked and renamed
+_MAKING_GRACE_S = 60.0                # a "new" one older than this was never finished
 
 
-def scratch_directory(parent: str | None) -> tempfile.TemporaryDirectory:
+class ScratchDirectory:
     """A new directory in `parent` (None: the system's temporary directory) for the roles'
-    state of one simulation, removed by its cleanup(), after removing those in `parent` of
-    simulations killed before theirs ran (kill -9 skips it; in /dev/shm they held memory
-    until reboot). The owner, this process's pid and start time, is in the name, given with
-    the directory by the one mkdtemp call: there is no instant when it exists without one.
-    Without /proc there is no start time, and the directory has no owner and is never
-    removed by another simulation."""
-    remove_dead_scratch(parent or tempfile.gettempdir())
-    start = process_start_time(os.getpid())
-    prefix = SCRATCH_PREFIX if start is None else f"{SCRATCH_PREFIX}{os.getpid()}-{start}-"
-    return tempfile.TemporaryDirectory(prefix=prefix, dir=parent)
+    state of one simulation, removed by cleanup(), made after removing those in `parent` of
+    simulations killed before theirs ran (kill -9 skips cleanup(); in /dev/shm they held
+    memory until reboot). Its owner is whoever holds an flock on it: this process, and the
+    worker processes forked from it, which share the open directory. The kernel lets the
+    lock go when the last of them dies, however it dies. A pid says nothing here: /dev/shm
+    may be shared by containers that cannot see each other's processes, but they share the
+    directory's inode and so its lock. It is made under a name no cleaner takes
+    (edgefl-sim-new-), locked, then renamed (the rename keeps the inode and the lock): there
+    is no instant when it bears the owned name and is not held."""
+
+    def __init__(self, parent: str | None):
+        remove_dead_scratch(parent or tempfile.gettempdir())
+        making = tempfile.mkdtemp(prefix=_MAKING_PREFIX, dir=parent)
+        self._fd = os.open(making, os.O_RDONLY | os.O_DIRECTORY)
+        lock_exclusive(self._fd)       # "unsupported": no lock, and no cleaner can take it
+        self.name = os.path.join(os.path.dirname(making), SCRATCH_PREFIX +
+                                 os.path.basename(making)[len(_MAKING_PREFIX):])
+        os.rename(making, self.name)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.name, ignore_errors=True)
+        os.close(self._fd)             # (lets the lock go)
 
 
 def remove_dead_scratch(parent: str) -> int:
-    """Remove the scratch directories in `parent` whose owner is gone: this account's only
-    (/dev/shm is shared), named with an owner (an older edgefl's have none: left alone), and
-    whose owner pid runs no process started when it recorded (a pid the kernel gave to
-    another process since is not the owner). A live simulation's is never touched. A
-    killed simulation's worker processes stop when they find it gone (sim.hosting), so none
-    writes there for long. Returns how many were removed."""
+    """Remove the scratch directories in `parent` whose owner is gone (ScratchDirectory):
+    this account's only (/dev/shm is shared), and only those whose flock this process can
+    take, which it holds while it removes them. A live simulation's is never touched, nor
+    one in the instant between its mkdtemp and its lock. An older edgefl's (edgefl-sim-
+    and letters, no lock) is left: remove it by hand. Returns how many were removed."""
     removed = 0
     try:
         names = os.listdir(parent)
     except OSError:
         return 0
     for name in names:
-        owner = _OWNED.match(name)
-        if owner is None or process_start_time(int(owner.group(1))) == owner.group(2):
+        making = name.startswith(_MAKING_PREFIX)
+        if not (making or name.startswith(SCRATCH_PREFIX)):
             continue
         path = os.path.join(parent, name)
         try:
             st = os.lstat(path)
         except OSError:
             continue                    # removed by another simulation starting with this one
-        if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or (
+                making and time.time() - st.st_mtime < _MAKING_GRACE_S):
             continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed += not os.path.lexists(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if lock_exclusive(fd) == "locked":
+                shutil.rmtree(path, ignore_errors=True)
+                removed += not os.path.lexists(path)
+        finally:
+            os.close(fd)
     if removed:
         log.info("removed %d %s in %s left by simulations that were killed", removed,
                  "directory" if removed == 1 else "directories", parent)
@@ -199,7 +219,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             # was a cache flush, and every tasked client makes one a round).
             shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
                 else None
-            scratch = scratch_directory(shm)
+            scratch = ScratchDirectory(shm)
         root = scratch.name if scratch is not None else state_dir
 
         # A keepalive only guards against a busy interpreter missing it (10,000 clients'
