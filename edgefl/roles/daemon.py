@@ -537,7 +537,11 @@ class Daemon:
         with self._lock:
             ended = [r for r in self.records.values() if r["state"] in RAN_STATES]
         try:
-            report = prune_runs(ended, keep, self.store.root, spare=(RECORD_FILE,), mark=mark)
+            # under the export lock: an export of a run being pruned would read a checkpoint
+            # half removed, or write a model.onnx into a run then marked pruned
+            with self._export_lock:
+                report = prune_runs(ended, keep, self.store.root, spare=(RECORD_FILE,),
+                                    mark=mark)
         except Exception:         # noqa: BLE001 -- retention must not end the service
             log.exception("retention (keep_runs %d) failed", keep)
             return
