@@ -786,3 +786,19 @@ def test_a_slow_request_neither_holds_a_thread_for_good_nor_delays_other_pages()
         finally:
             for s in slow:
                 s.close()
+
+
+def test_a_page_that_keeps_up_takes_a_change_larger_than_its_byte_bound():
+    """The byte bound drops a page that stopped reading, not one that keeps up: JSON's
+    escapes can make an event within the 4 MiB input limit three times that on the page
+    (each non-ASCII character a \\uXXXX), past the 8 MiB bound alone. Into an empty queue
+    a change always goes; behind another one past the bound, the page is dropped."""
+    from edgefl.dashboard.view import Listener, page_json
+
+    big = page_json({"event": "run_failed", "error": "\u00e9" * 1_000_000})
+    listener = Listener(backlog_bytes=len(big) - 1)
+    listener.put("event", big)
+    assert not listener.overflowed and listener.get(1.0) == ("event", big)
+    listener.put("event", big)
+    listener.put("event", big)
+    assert listener.overflowed

@@ -44,8 +44,9 @@ MAX_EVENTS = 500                # events kept for a page that connects later
 LISTENER_BACKLOG = 2000         # changes queued for one page before it is dropped
 # Bytes of changes queued for one page before it is dropped. The count alone let a page
 # that stopped reading hold 2,000 board statuses of up to 64 KiB each (128 MB) alive. Twice
-# the largest message the view reads (MAX_JSON_BYTES, 4 MiB: an event) so that a page that
-# keeps up always takes the largest change, even with another one queued behind it.
+# the largest message the view reads (MAX_JSON_BYTES, 4 MiB: an event), so that a page that
+# keeps up takes the largest change with another queued behind it; an empty queue takes any
+# change (Listener.put), since the page's JSON of an event can be larger than its input.
 LISTENER_BACKLOG_BYTES = 2 * MAX_JSON_BYTES
 
 # the state a run event puts its run in, where no record says otherwise
@@ -78,7 +79,9 @@ class Listener:
         with self._lock:
             if self.overflowed:
                 return
-            if self.queued_bytes + len(data) > self.backlog_bytes:
+            # an empty queue takes any change: JSON's escapes can make one event within
+            # the view's input limit larger than the bound by itself
+            if self.queued_bytes and self.queued_bytes + len(data) > self.backlog_bytes:
                 self._drop()
                 return
             try:
