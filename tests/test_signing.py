@@ -1076,10 +1076,17 @@ def test_edgefl_ctl_takes_the_aggregator_key_from_its_option_or_the_site_file(
     by_option = ["ctl", "status", "--broker", url, "--federation", fed, "--timeout", "20",
                  "--aggregator-key", agg_pub]
     by_site = ["ctl", "status", "--config", str(site), "--timeout", "20"]
+    # on the aggregator's host its own site file names its private key only: ctl checks
+    # with the public key beside it (as `edgefl keys gen` writes it)
+    own = tmp_path / "aggregator-own.yaml"
+    own.write_text(yaml.safe_dump({"node": {"id": "aggregator", "federation": fed},
+                                   "broker": {"url": url},
+                                   "keys": {"signing_key": "keys/aggregator"}}))
+    by_own_site = ["ctl", "status", "--config", str(own), "--timeout", "20"]
 
     service = control_service(tmp_path, url, fed, None, "old")      # unsigned replies
     try:
-        for argv in (by_option, by_site):
+        for argv in (by_option, by_site, by_own_site):
             assert main(argv) == 1
             err = capsys.readouterr().err
             assert "edgefl ctl: status: reply on" in err and "unsigned" in err, err
@@ -1096,7 +1103,7 @@ def test_edgefl_ctl_takes_the_aggregator_key_from_its_option_or_the_site_file(
     service = control_service(tmp_path, url, fed, Trust.from_service_config(
         config, "aggregator"), "agg")
     try:
-        for argv in (by_option, by_site):
+        for argv in (by_option, by_site, by_own_site):
             assert main(argv) == 0
             assert "no active run" in capsys.readouterr().out
         # a key the aggregator does not sign with: refused, naming the key

@@ -3,6 +3,7 @@ reply, or `watch`, which follows the events topic until the run ends."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .command import Command, seconds
@@ -125,15 +126,21 @@ def operator_settings(args: argparse.Namespace, tool: str,
     site = config.get if config is not None else (lambda key: None)
     args.signing_key = getattr(args, "operator_key", None) or site("keys.operator_key")
     option = getattr(args, "aggregator_key", None)
-    args.reply_keys = (option, "--aggregator-key") if option else \
-        (site("keys.aggregator"), "keys.aggregator")
+    own_pub = f"{site('keys.signing_key')}.pub" if args.role == "aggregator" and \
+        site("keys.signing_key") else None
+    if option:
+        args.reply_keys = (option, "--aggregator-key")
+    elif site("keys.aggregator") or not own_pub or not os.path.exists(own_pub):
+        args.reply_keys = (site("keys.aggregator"), "keys.aggregator")
+    else:
+        # on the aggregator's host its own site file names its private key (0600, the
+        # service's): the public key `edgefl keys gen` wrote beside it checks the replies
+        args.reply_keys = ([own_pub], "keys.signing_key's .pub")
     return url, {k: v for k, v in options.items() if v}, federation
 
 
 def _ctl_connect(args: argparse.Namespace):
     """The connection of `edgefl ctl` (operator_settings says where and as whom)."""
-    import os
-
     from ..roles.trust import aggregator_verifier
     from ..transport.requester import RequesterTransport
     from ..transport.topics import Topics
