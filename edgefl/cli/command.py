@@ -29,15 +29,25 @@ class UsageError(Exception):
 # argparse prefixes the message with "argument --OPTION: ".
 # ---------------------------------------------------------------------------------------
 
-def count(text: str) -> int:
-    """A whole number >= 1: a count of threads, samples, classes (--workers, --limit, --top)."""
+def _at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"need a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"need a whole number >= 1, got {value}")
+        raise argparse.ArgumentTypeError(
+            f"need a whole number >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"need a whole number >= {least}, got {value}")
     return value
+
+
+def count(text: str) -> int:
+    """A whole number >= 1: a count of threads, samples, classes (--workers, --limit, --top)."""
+    return _at_least(text, 1)
+
+
+def whole(text: str) -> int:
+    """A whole number >= 0: how many to keep (--keep 0 keeps none)."""
+    return _at_least(text, 0)
 
 
 def seconds(text: str) -> float:

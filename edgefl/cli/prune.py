@@ -9,24 +9,14 @@ import os
 import sys
 import time
 
-from .command import Command, UsageError
-
-
-def _keep(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"need a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"need a whole number >= 0, got {value}")
-    return value
+from .command import Command, UsageError, whole
 
 
 def _prune_arguments(parser: argparse.ArgumentParser) -> None:
     from ..service.layered import add_service_config_arguments
 
     add_service_config_arguments(parser)
-    parser.add_argument("--keep", type=_keep, metavar="N",
+    parser.add_argument("--keep", type=whole, metavar="N",
                         help="keep the files of the N most recently ended runs (0: none); "
                              "default: the site file's retention.keep_runs")
     parser.add_argument("--dry-run", action="store_true",
