@@ -447,6 +447,21 @@ class StalledLogLine:
         self.gate.close()
 
 
+def _secure_fleet(tmp_path, round_timeout_s: float, control=None):
+    """(broker, fleet) of a one-round secure run of three clients that must all answer
+    (threshold 1.0), over an embedded Mosquitto without persistence (a restart loses every
+    session), none of its roles started."""
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, write_config
+
+    config = load_run_config(write_config(
+        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
+        privacy={"secure_aggregation": {"threshold": 1.0}}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    return broker, Fleet(tmp_path, config, broker.url,
+                         settings={"round_timeout_s": round_timeout_s}, control=control)
+
+
 def test_a_secure_attempt_restarted_by_a_lost_session_gets_the_announcements_deadline(
         tmp_path):
     """A secure round (threshold: all 3 clients) waits in its first phase for client-2's
@@ -457,14 +472,7 @@ def test_a_secure_attempt_restarted_by_a_lost_session_gets_the_announcements_dea
     not the old phase's, which has passed and would fail it at once with no keys (a
     secure_round_failed and a third announcement) before any board could answer."""
     _need_mosquitto()
-    from edgefl.transport.broker import EmbeddedBroker
-    from test_roles_e2e import Fleet, write_config
-
-    config = load_run_config(write_config(
-        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
-        privacy={"secure_aggregation": {"threshold": 1.0}}))
-    broker = EmbeddedBroker(kind="mosquitto").start()
-    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 4.0})
+    broker, fleet = _secure_fleet(tmp_path, 4.0)
     try:
         fleet.start_client("client-0")
         fleet.start_client("client-1")
@@ -503,18 +511,11 @@ def test_a_paused_secure_round_neither_fails_nor_closes_until_resumed(tmp_path):
     the pause, and the round closes "secure" with all three."""
     _need_mosquitto()
     from edgefl.roles.control import RunControl
-    from edgefl.transport.broker import EmbeddedBroker
-    from test_roles_e2e import Fleet, write_config
 
-    config = load_run_config(write_config(
-        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
-        privacy={"secure_aggregation": {"threshold": 1.0}}))
-    broker = EmbeddedBroker(kind="mosquitto").start()
     control = RunControl("paused-secure-run")
     held = threading.Event()
     control.on_hold = held.set
-    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 6.0},
-                  control=control)
+    broker, fleet = _secure_fleet(tmp_path, 6.0, control)
     try:
         fleet.start_client("client-0")
         fleet.start_client("client-1")
@@ -551,16 +552,9 @@ def test_a_pause_once_the_unmask_requests_are_out_holds_the_close_not_the_attemp
     round's close waits for the resume. One announcement, closed "secure" by all three."""
     _need_mosquitto()
     from edgefl.roles.control import RunControl
-    from edgefl.transport.broker import EmbeddedBroker
-    from test_roles_e2e import Fleet, write_config
 
-    config = load_run_config(write_config(
-        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
-        privacy={"secure_aggregation": {"threshold": 1.0}}))
-    broker = EmbeddedBroker(kind="mosquitto").start()
     control = RunControl("paused-unmask-run")
-    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 20.0},
-                  control=control)
+    broker, fleet = _secure_fleet(tmp_path, 20.0, control)
     try:
         with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
                             when=lambda record: record.args[1] == "masked") as stall:
