@@ -1126,6 +1126,178 @@ def test_edgefl_ctl_takes_the_aggregator_key_from_its_option_or_the_site_file(
 
 
 # ---------------------------------------------------------------------------------------
+# the service's events and run records: signed by the aggregator's key, checked by ctl watch
+# ---------------------------------------------------------------------------------------
+
+def test_an_event_or_run_record_signature_binds_its_body_kind_run_federation_and_time():
+    from edgefl.roles.signed_log import check_event, check_record, signed_event, signed_record
+
+    fed, key = f"log-{uid()}", signing.generate_key()
+    signer, verifier = Signer(key, "aggregator", fed), Verifier(fed, {"*": [key.public_key()]})
+    topic = Topics(fed).events()
+    event = signed_event({"event": "round_closed", "run": "r1", "round": 2,
+                          "test_accuracy": np.float32(0.5), "at": time.time()}, signer)
+    check_event(json.loads(json.dumps(event)), verifier, topic, since=time.time())
+    record = signed_record({"id": "r1", "state": "running", "rounds_done": 1}, signer)
+    check_record(record, verifier, "edgefl/x/runs/r1", "r1")
+    # another event made of it, another run, a record passed off as an event, or the other
+    # way round, another federation, an unsigned one, and an event signed long before the
+    # watch began (not retained: a replay)
+    cases = [
+        (lambda: check_event({**event, "event": "run_finished"}, verifier, topic),
+         "altered after signing"),
+        (lambda: check_event({**event, "run": "r2"}, verifier, topic), "altered after"),
+        (lambda: check_event(signed_event({"event": "run_finished", "run": "r1"}, Signer(
+            key, "aggregator", "other")), verifier, topic), "signed for federation 'other'"),
+        (lambda: check_event(signed_record({"id": "r1", "event": "run_finished",
+                                            "run": "r1"}, signer), verifier, topic),
+         "signed as a 'run_record', used as a 'event'"),
+        (lambda: check_record(signed_event({"id": "r1", "state": "finished", "run": "r1"},
+                                           signer), verifier, "t", "r1"),
+         "signed as a 'event', used as a 'run_record'"),
+        (lambda: check_record(record, verifier, "edgefl/x/runs/r2", "r2"),
+         "signed for run 'r1', not 'r2'"),
+        (lambda: check_event({"event": "run_finished", "run": "r1"}, verifier, topic),
+         r"event on .*/events: unsigned .*older than signed events"),
+        (lambda: check_record({"id": "r1", "state": "finished"}, verifier, "t", "r1"),
+         r"run record on t: unsigned"),
+        (lambda: check_event(event, verifier, topic, since=time.time() + 3600),
+         "before this watch began"),
+    ]
+    for call, why in cases:
+        with pytest.raises(SignatureError, match=why):
+            call()
+
+
+def _watch(tmp_path, url, fed, *args):
+    """A real `edgefl ctl watch` process; (process, its stderr's path)."""
+    err_path = tmp_path / f"watch-{uid()}.err"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "ctl", "watch", "--broker",
+                                 url, "--federation", fed, *args], cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
+    return proc, err_path
+
+
+def test_ctl_watch_refuses_forged_events_and_run_records_and_ends_on_the_genuine_end(
+        tmp_path, mosquitto_server):
+    """A compromised broker (here: the test, publishing as anyone may on an anonymous
+    broker) forges the end of the watched run: a `run_finished` event and a retained
+    `finished` record. `edgefl ctl watch` given the aggregator's key refuses each, naming
+    the topic and the cause, keeps watching, and ends on the real service's signed
+    run_finished when the run really finishes."""
+    from edgefl.roles.control import ControlClient
+    from edgefl.roles.signed_log import signed_event, signed_record
+
+    url, fed = mosquitto_server.url, f"ev-{uid()}"
+    topics = Topics(fed)
+    agg_key, _, agg_pub = keypair(tmp_path, "aggregator")
+    intruder = signing.generate_key()
+    config = load_run_config(write_config(tmp_path))
+    run = prepare_run(config, progress=False)
+    service = control_service(tmp_path, url, fed,
+                              Trust(fed, signer=Signer(agg_key, "aggregator", fed)), "agg")
+    watch, err_path = _watch(tmp_path, url, fed, "--run", "r1", "--timeout", "90",
+                             "--aggregator-key", agg_pub)
+    forger = RawPublisher(url)
+    boards = []
+    try:
+        wait_for(lambda: b"waiting" in err_path.read_bytes(), timeout=60,
+                 what="ctl watch to wait for run r1")
+        time.sleep(1.0)          # its subscription to runs/r1 follows that line
+        fake = {"event": "run_finished", "run": "r1", "node": "aggregator", "rounds": 99,
+                "model_sha256": "0" * 64, "at": time.time()}
+        forger.publish(topics.run_record("r1"), json.dumps(
+            {"id": "r1", "state": "finished", "rounds_done": 99, "rounds": 99}), retain=True)
+        for doc in (fake,
+                    signed_event(fake, Signer(intruder, "aggregator", fed)),
+                    signed_event(fake, Signer(agg_key, "aggregator", "other-fed")),
+                    # a genuine signature of another event, on this one
+                    {**fake, "sig": signed_event({**fake, "event": "round_closed"},
+                                                 Signer(agg_key, "aggregator", fed))["sig"]}):
+            forger.publish(topics.events(), json.dumps(doc))
+        # the record of another run, genuinely signed, moved onto this run's topic
+        forger.publish(topics.run_record("r1"), json.dumps(signed_record(
+            {"id": "r0", "state": "finished", "rounds_done": 99},
+            Signer(agg_key, "aggregator", fed))), retain=True)
+        wait_for(lambda: err_path.read_text().count("refused") >= 6 or watch.poll() is not None,
+                 timeout=30, what="watch to refuse the six forgeries")
+        time.sleep(1.0)
+        assert watch.poll() is None, (watch.returncode, watch.stdout.read(),
+                                      err_path.read_text())
+        err = err_path.read_text()
+        record_topic = topics.run_record("r1")
+        for why in (f"run record on {record_topic}: unsigned",
+                    f"event on {topics.events()}: unsigned",
+                    "not one of the trusted keys", "signed for federation 'other-fed'",
+                    "altered after signing", "signed for run 'r0', not 'r1'"):
+            assert why in err, (why, err)
+        assert "older than signed events" in err, err
+
+        for node in ("client-0", "client-1"):
+            boards.append(board(tmp_path, run, url, fed, node, None, [agg_key]))
+        requester = mqtt(url, "op")
+        requester.connect()
+        try:
+            reply = ControlClient(requester, topics, "op").request(
+                {"cmd": "start", "config": dict(BASE), "run": "r1",
+                 "clients": ["client-0", "client-1"]}, timeout=20)
+        finally:
+            requester.close(timeout=1.0, announce_offline=False)
+        assert reply["ok"], reply
+        out, _ = watch.communicate(timeout=120)
+        out = out.decode()
+        assert watch.returncode == 0, (out, err_path.read_text())
+        finished = [line for line in out.splitlines() if "run_finished" in line]
+        assert len(finished) == 1 and "rounds 2" in finished[0], out
+        assert "99" not in out and "sig" not in out, out
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+        forger.publish(topics.run_record("r1"), b"", retain=True)
+        forger.close()
+        stop_service(service)
+        for client, thread in boards:
+            client.stop.set()
+            thread.join(10)
+
+
+def test_ctl_watch_with_the_key_ends_with_an_error_on_an_aggregator_that_signs_no_events(
+        tmp_path, mosquitto_server):
+    """Mixed versions: an aggregator older than signed events (or without a signing key)
+    publishes its events unsigned. watch with the key refuses each as unsigned, never acts
+    on them (an unsigned run_finished is not an end), and, when nothing signed has come
+    for --timeout seconds after the first, ends with status 1 and says why, rather than
+    waiting forever. (Its status reply would be refused at once, test above; here no
+    service answers it, so watch follows the events.)"""
+    url, fed = mosquitto_server.url, f"ev-{uid()}"
+    topics = Topics(fed)
+    _, _, agg_pub = keypair(tmp_path, "aggregator")
+    watch, err_path = _watch(tmp_path, url, fed, "--timeout", "3", "--mqtt", "3.1.1",
+                             "--aggregator-key", agg_pub)
+    old = RawPublisher(url)
+    try:
+        wait_for(lambda: b"watching the events anyway" in err_path.read_bytes(), timeout=60,
+                 what="ctl watch to follow the events")
+        for kind in ("run_started", "round_closed", "run_finished"):
+            old.publish(topics.events(), json.dumps({"event": kind, "run": "r1", "round": 1,
+                                                     "node": "aggregator",
+                                                     "at": time.time()}))
+        out, _ = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+        old.close()
+    err = err_path.read_text()
+    assert watch.returncode == 1, (out, err)
+    assert b"run_finished" not in out, out
+    assert err.count("unsigned") >= 3, err
+    assert "no signed event or run record within 3 s" in err, err
+
+
+# ---------------------------------------------------------------------------------------
 # install-service
 # ---------------------------------------------------------------------------------------
 

@@ -70,8 +70,8 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregator-key", action="append", metavar="FILE",
                         help="refuse every reply not signed by this aggregator public key "
                              "(the .pub of its keys.signing_key; repeat for two during a key "
-                             "change-over); default: the site file's keys.aggregator. The "
-                             "events `watch` follows are not signed")
+                             "change-over); default: the site file's keys.aggregator. `watch` "
+                             "then also refuses events and run records not signed by it")
     parser.add_argument("--mqtt", choices=["5", "3.1.1"], default="5",
                         help="protocol: 5 (default) sends the reply address as response topic "
                              "+ correlation data, 3.1.1 in the payload (reply_to, request_id)")
@@ -286,8 +286,10 @@ WATCH_ENDS = {"run_finished": "finished", "run_stopped": "stopped",
 def _ctl_watch(args, transport, topics, name) -> int:
     """Follow the events topic: rounds, accuracy, clients online, until the run ends. With
     the aggregator's key, the status and runs replies watch starts from are checked (a
-    refused one ends it, status 1); the events and run records it follows are not signed,
-    so what it prints of them is not authenticated (docs/security.md). A run
+    refused one ends it, status 1), and so is every event and run record it follows
+    (roles/signed_log.py): one that does not verify is skipped with a line on stderr naming
+    the topic and the cause, and never acted on; when only unsigned ones have come for
+    --timeout seconds (an aggregator that does not sign them), watch ends, status 1. A run
     that has ended before watch began sends no more events: its outcome, from the service's
     run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
     at once. After the end's event, watch waits (up to --timeout seconds) for the run's
@@ -301,10 +303,33 @@ def _ctl_watch(args, transport, topics, name) -> int:
 
     from ..roles.control import CommandRefused, ControlClient, ReplyRefused
     from ..roles.messages import MessageError, json_object
+    from ..roles.signed_log import check_event, check_record
     from ..io import terminal_text
     from ..transport.base import Message
+    from ..transport.signing import SignatureError
 
     transport.subscribe(topics.events(), qos=1)
+    verifier, began = args.reply_verifier, time.time()
+    # with the key: when the first unsigned event or record was refused, until a signed one
+    # verifies (then the aggregator is known to sign, and an unsigned one is only skipped)
+    unsigned_since: float | None = None
+    signs = False
+
+    def verified(check, doc, *where) -> bool:
+        nonlocal unsigned_since, signs
+        if verifier is None:
+            return True
+        try:
+            check(doc, verifier, *where)
+        except SignatureError as exc:
+            print(terminal_text(f"edgefl ctl watch: {exc}; refused, skipped"),
+                  file=sys.stderr, flush=True)
+            if doc.get("sig") is None and not signs and unsigned_since is None:
+                unsigned_since = time.monotonic()
+            return False
+        signs, unsigned_since = True, None
+        return True
+
     watched = args.run_id
     # a --run ID the service does not know: an error, unless the run is started within
     # --timeout seconds (a script may start watch first, so as to see the whole run)
@@ -361,6 +386,13 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 return 1
             if ended is not None and time.monotonic() > ended[1]:
                 return ended[0]                 # its record never said so: the event decides
+            if unsigned_since is not None and time.monotonic() > unsigned_since + args.timeout:
+                print(f"edgefl ctl watch: the events on {topics.events()} are unsigned, and "
+                      f"no signed event or run record within {args.timeout:g} s: the "
+                      "aggregator does not sign them (no keys.signing_key, or older than "
+                      "signed events); without the aggregator's key watch takes them "
+                      "unchecked", file=sys.stderr)
+                return 1
             item = transport.receive(timeout=0.5)
             if not isinstance(item, Message):
                 continue
@@ -369,6 +401,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
                     record = json_object(item.payload, "run record")
                 except MessageError:
                     record = None       # cleared (empty) or unreadable: not a state change
+                if isinstance(record, dict) and item.payload and not verified(
+                        check_record, record, item.topic, watched):
+                    continue
                 if isinstance(record, dict) and item.payload:
                     unknown = None              # the run exists (queued, at least)
                 if isinstance(record, dict) and record.get("state") in WATCH_EXIT:
@@ -382,6 +417,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
             try:       # read as every message is: a deep or odd one is skipped, not fatal
                 event = json_object(item.payload, "event")
             except MessageError:
+                continue
+            if not verified(check_event, event, item.topic, began):
                 continue
             run = event.get("run")
             if watched is None and event.get("event") in ("run_started", "run_resumed"):
@@ -466,7 +503,8 @@ def _event_text(event: dict, online: set) -> str:
     else:
         # a run_finished's `stopped` (errors.stop_record) is told by its message
         extra = ", ".join(f"{k} {v['message'] if k == 'stopped' and isinstance(v, dict) else v}"
-                          for k, v in event.items() if k not in ("event", "run", "node", "at"))
+                          for k, v in event.items()
+                          if k not in ("event", "run", "node", "at", "sig"))
         text = kind + (f": {extra}" if extra else "")
     return f"{at} {run or '-'} {text}"
 

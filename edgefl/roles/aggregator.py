@@ -67,6 +67,7 @@ from ..transport.base import ConnectionEvent, Message, Transport, TransportError
 from ..transport.topics import DEFAULT_PREFIX, TopicError, Topics, validate_id
 from ..transport.signing import SignatureError
 from .trust import secure_context, secure_signer, verify_secure
+from .signed_log import signed_event
 from .messages import (MessageError, TopicCache, attempt_tag, build_announcement,
                        buffers_sha256, finished_announcement, new_announce_id, parse_status,
                        parse_update_scalars, peek_frame, status_payload)
@@ -566,11 +567,10 @@ class Aggregator:
             log.warning("status not published: %s", exc)
 
     def _event(self, event: str, **fields) -> None:
-        doc = {"event": event, "run": self.run_id, "node": self.settings.node_id,
-               "at": time.time(), **fields}
+        doc = signed_event({"event": event, "run": self.run_id, "node": self.settings.node_id,
+                            "at": time.time(), **fields}, self.signer)
         try:
-            self.transport.publish(self.topics.events(), json.dumps(jsonable(doc)).encode(),
-                                   qos=1)
+            self.transport.publish(self.topics.events(), json.dumps(doc).encode(), qos=1)
         except TransportError as exc:
             log.debug("event %s not published: %s", event, exc)
 

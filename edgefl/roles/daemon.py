@@ -64,6 +64,7 @@ from .asynchronous import BOOK_FILE, BUFFER_DIR
 from .control import (CommandError, EitherStop, RunControl, parse_command, reply_payload,
                       sign_reply)
 from .messages import finished_announcement, status_payload
+from .signed_log import signed_event, signed_record
 from .onnx_channel import PUBLISHED_FILE
 from .state import (CHECKPOINT_FILE, HISTORY_FILE, JOURNAL_FILE, AggregatorCheckpoint,
                     StateError, write_json)
@@ -736,12 +737,19 @@ class Daemon:
         except TransportError as exc:
             log.warning("not published on %s: %s", topic, exc)
 
+    @property
+    def _signer(self):
+        # the aggregator's keys.signing_key: its replies, events and run records are signed
+        return getattr(self.settings.aggregator.trust, "signer", None)
+
     def _event(self, event: str, **fields) -> None:
-        self._publish(self.topics.events(), {"event": event, "node": self.settings.node_id,
-                                             "at": time.time(), **fields})
+        self._publish(self.topics.events(), signed_event(
+            {"event": event, "node": self.settings.node_id, "at": time.time(), **fields},
+            self._signer))
 
     def _publish_record(self, record: dict) -> None:
-        self._publish(self.topics.run_record(record["id"]), self._public(record), retain=True)
+        self._publish(self.topics.run_record(record["id"]),
+                      signed_record(self._public(record), self._signer), retain=True)
 
     @staticmethod
     def _public(record: dict) -> dict:
@@ -771,7 +779,7 @@ class Daemon:
         # signed as it is sent, with the aggregator's key when it has one
         # (control.sign_reply): a repeat is the first reply, with a signature as fresh as
         # the first's (a resend after a lost reply must not get an expired one)
-        signer = getattr(self.settings.aggregator.trust, "signer", None)
+        signer = self._signer
         self._publish(reply.topic, payload if signer is None else
                       sign_reply(payload, reply, signer), **options)
 

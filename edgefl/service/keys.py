@@ -79,7 +79,8 @@ KEYS = {k.name: k for k in (
     Key("keys.aggregator", "paths", "the aggregator's public key file(s): when set, the board "
         "refuses announcements, models and ONNX files not signed by one of them, and "
         "`edgefl ctl` (which reads the client's or the aggregator's site file; the service "
-        "itself ignores it) refuses replies not signed by one of them; two during a key "
+        "itself ignores it) refuses replies, and `ctl watch` events and run records, not "
+        "signed by one of them; two during a key "
         "change-over (null: signatures not checked)", _MQTT, nullable=True),
     Key("keys.fleet", "keymap", "the boards' public keys: a directory of <node id>.pub "
         "files, or a mapping node id -> file: when set, an update must be signed by its "

@@ -8,6 +8,8 @@ Who signs what:
     board       its update frames                                    -> checked by the aggregator
     operator    control commands (`edgefl ctl`)                      -> checked by the aggregator
     aggregator  its replies to control commands (kind "reply")       -> checked by `edgefl ctl`
+    aggregator  its service's events (kind "event") and retained run records (kind
+                "run_record"; roles/signed_log.py)                   -> checked by `edgefl ctl`
     both        secure aggregation messages (kind "secure": a board's keys, shares, masked
                 input and unmasking answer; the aggregator's phase messages to a board)
                                                                      -> checked by the other
@@ -26,7 +28,8 @@ frame, and binds the content to its federation, run, round, kind and signer, so 
 moved to another federation, run, round or message kind. "exp" (Unix time) is set where a
 message must not outlive a window (operator commands and the replies to them); a round's
 messages are bound to their run and round instead, as a retained announcement may be read
-hours later.
+hours later (and the service's events and run records to their run: a log, and a retained
+record read later).
 
 Keys are files: the private key PEM (PKCS#8, unencrypted: a service starts unattended; the
 file is 0600 and the service user's) and the public key PEM (SubjectPublicKeyInfo) beside it
@@ -58,7 +61,7 @@ __all__ = ["SignatureError", "KeyFileError", "Signer", "Verifier", "DOMAIN", "VE
 VERSION = 1
 DOMAIN = b"edgefl-signature-v1\n"
 KINDS = ("announce", "finished", "model", "client_model", "onnx_manifest", "onnx", "update",
-         "command", "secure", "reply")
+         "command", "secure", "reply", "event", "run_record")
 FIELDS = ("v", "kind", "fed", "run", "round", "by", "key", "nonce", "at", "exp", "hash", "sig")
 MAX_SKEW_S = 300.0           # how far in the future a signing time may be (clocks differ)
 MAX_TIME = 1e11              # Unix seconds: year 5138
