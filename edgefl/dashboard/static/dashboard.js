@@ -321,7 +321,7 @@
       case "run_finished": return `finished after ${e.rounds} rounds, model ${String(e.model_sha256 || "").slice(0, 12)}`;
       case "error": return `error: ${e.error}`;
       default: {
-        const extra = Object.entries(e).filter(([k]) => !["event", "run", "node", "at", "received"].includes(k))
+        const extra = Object.entries(e).filter(([k]) => !["event", "run", "node", "at", "received", "sig"].includes(k))
           .map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`).join(", ");
         return extra ? `${e.event}: ${extra}` : e.event;
       }
