@@ -450,8 +450,11 @@ class SignedRun:
 
     def start(self):
         self.thread.start()
-        wait_for(lambda: self.aggregator.open is not None or self.error is not None,
-                 what="round 1 to open", timeout=20.0)
+        # announced, not only opened: the round is open (self.aggregator.open) before its
+        # announcement is built, and a test reads the announcement at once
+        wait_for(lambda: (self.aggregator.open is not None and
+                          self.aggregator.open.announcement) or self.error is not None,
+                 what="round 1 to be announced", timeout=20.0)
         return self
 
     def finish(self, timeout=60.0):
