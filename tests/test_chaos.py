@@ -543,13 +543,15 @@ def test_a_paused_secure_round_neither_fails_nor_closes_until_resumed(tmp_path):
     assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == [], record
 
 
-def test_a_pause_once_the_unmask_requests_are_out_holds_the_close_not_the_attempt(tmp_path):
+def test_a_pause_once_the_unmask_requests_are_out_lets_the_round_close(tmp_path):
     """The pause comes as the secure round's masked inputs are in and its unmask requests
     are about to go out (the aggregator held at that log line). The boards' reveals then
     arrive while paused. A new attempt at the resume, over the same updates with fresh
     masks and perhaps other survivors, would leave the aggregator with two sums whose
-    difference could be one board's update: so the attempt runs to its end, and only the
-    round's close waits for the resume. One announcement, closed "secure" by all three."""
+    difference could be one board's update; and an unmasked sum held uncommitted through
+    the pause would be unmasked again after a restart. So the round runs to its close,
+    committed, paused or not, and the pause holds the next round. One announcement, closed
+    "secure" by all three, without a resume."""
     _need_mosquitto()
     from edgefl.roles.control import RunControl
 
@@ -561,24 +563,45 @@ def test_a_pause_once_the_unmask_requests_are_out_holds_the_close_not_the_attemp
             for name in ("client-0", "client-1", "client-2"):
                 fleet.start_client(name)
             fleet.start_aggregator()
-            agg = fleet.aggregator
-            first = agg.open.secure
             assert stall.reached.wait(20), "the masked phase did not close"
             control.paused.set()
             stall.release()
-            wait_for(lambda: first.phase == "done", timeout=20,
-                     what="the held attempt's unmasking to finish while paused")
-            time.sleep(0.5)
-            assert agg.ckpt.round == 0, "round 1 closed while paused"
-            assert agg.open.secure is first and agg.open.counts["announcements"] == 1
-            control.paused.clear()
-            result = fleet.finish(timeout=30)
+            result = fleet.finish(timeout=30)        # paused still: the last round closes
     finally:
         fleet.close()
         broker.stop()
     record = result.history[0]
     assert record["closed_by"] == "secure" and record["announcements"] == 1, record
     assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == [], record
+
+
+def test_an_unmask_phase_that_fails_stops_the_run_instead_of_a_second_attempt(tmp_path):
+    """client-2 stops once the masked inputs are in (the aggregator held at the masked
+    phase's close), so the unmask phase gets 2 of the 3 reveals it needs and fails at its
+    deadline. Announcing the round again, a new attempt over the same stored updates, would
+    let an aggregator that kept the late reveals unmask both sums and subtract them: the
+    run stops instead, saying why, with round 1 not aggregated."""
+    _need_mosquitto()
+    from edgefl.errors import ConfigError
+
+    broker, fleet = _secure_fleet(tmp_path, 3.0)
+    try:
+        with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
+                            when=lambda record: record.args[1] == "masked") as stall:
+            for name in ("client-0", "client-1", "client-2"):
+                fleet.start_client(name)
+            fleet.start_aggregator()
+            assert stall.reached.wait(20), "the masked phase did not close"
+            fleet.clients["client-2"].stop.set()
+            fleet.threads["client-2"].join(10)
+            stall.release()
+            with pytest.raises(ConfigError, match=r"round 1: the unmask phase failed.*"
+                                                  r"the run stops here"):
+                fleet.finish(timeout=30)
+        assert fleet.aggregated() == []
+    finally:
+        fleet.close()
+        broker.stop()
 
 
 def test_no_announcement_from_a_lost_session_while_paused(tmp_path):

@@ -1149,7 +1149,7 @@ class Aggregator:
                     # would meet reveals of this one (see _collect_secure); this one ends
                     # at its phase's deadline if reveals were lost
                     unmasking = self.open.secure is not None and \
-                        self.open.secure.phase == "unmask"
+                        self.open.secure.phase in ("unmask", "done")
                     if not self._paused() and not unmasking:
                         self._announce(deadline=self.open.deadline
                                        if self.open.deadline > time.time() else None)
@@ -1301,6 +1301,19 @@ class Aggregator:
         self._reject(node, why, key)
         self._event("client_refused", round=o.round, client=node, reason=why)
 
+    def _unmask_failed(self, exc) -> ConfigError:
+        """The error that ends the run when a secure attempt's unmask phase fails. The
+        reveals it did get, and any that come late, may be enough to unmask its sum; a new
+        attempt over the same stored updates with other survivors would give a second sum,
+        and the difference of the two could be one board's update."""
+        self._event("secure_round_failed", round=self.open.round, phase="unmask",
+                    reason=str(exc))
+        return ConfigError(
+            f"round {self.open.round}: the unmask phase failed ({exc}); another attempt "
+            "over the same updates could reveal a board's update by difference with this "
+            "one, so the run stops here (its rounds done are checkpointed; see "
+            "docs/privacy.md on what a restart of this round means)")
+
     def _secure_unreachable(self, server) -> ConfigError | None:
         """The error that ends the run when the attempt's participants that can speak
         secure aggregation are fewer than its threshold, or None."""
@@ -1417,7 +1430,9 @@ class Aggregator:
             # and the deadline moved by the pause. Not once the unmask requests are out:
             # the reveals come in while paused, and a new attempt over the same updates
             # with other survivors would give two sums whose difference is an update. That
-            # attempt runs to its end, and only the round's close waits (below).
+            # attempt runs to its close, committed (an unmasked sum held uncommitted through
+            # the pause would be unmasked again after a restart), and the pause holds the
+            # next round.
             if self._paused() and o.secure.phase != "unmask" and not self._pause_round():
                 return None
             server = o.secure
@@ -1447,6 +1462,8 @@ class Aggregator:
                     unreachable = self._secure_unreachable(server)
                     if unreachable is not None:
                         raise unreachable from None
+                    if phase == "unmask":
+                        raise self._unmask_failed(exc) from None
                     log.warning("round %d: secure aggregation failed (%s); announcing it again",
                                 o.round, exc)
                     self._event("secure_round_failed", round=o.round, phase=phase,
@@ -1459,9 +1476,6 @@ class Aggregator:
                 for c, msg in out.items():
                     self._send_secure(self.plan.client_ids[c], msg)
                 if server.phase == "done":
-                    if self._paused() and self._wait_paused(
-                            f"round {o.round} paused (its sum unmasked, to close)") is None:
-                        return None
                     return "secure"
                 phase_deadline = time.time() + s.round_timeout_s
                 continue
