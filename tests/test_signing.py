@@ -1122,6 +1122,15 @@ def test_edgefl_ctl_takes_the_aggregator_key_from_its_option_or_the_site_file(
         assert "edgefl ctl stop: refused: stop: run: 'a/b' contains '/'" in err, err
     finally:
         stop_service(service)
+    # the aggregator's own site file whose key has no .pub beside it: checked by nothing,
+    # and said so
+    os.rename(agg_pub, agg_pub + ".away")
+    try:
+        assert main(by_own_site + ["--timeout", "1"]) == 1     # (no service: no reply)
+    finally:
+        os.rename(agg_pub + ".away", agg_pub)
+    err = capsys.readouterr().err
+    assert "aggregator.pub is not there" in err and "not checked" in err, err
     # a private key where the aggregator's public key belongs: named, before connecting
     assert main(by_option[:-1] + [agg_private]) == 1
     err = capsys.readouterr().err

@@ -132,6 +132,11 @@ def operator_settings(args: argparse.Namespace, tool: str,
         args.reply_keys = (option, "--aggregator-key")
     elif site("keys.aggregator") or not own_pub or not os.path.exists(own_pub):
         args.reply_keys = (site("keys.aggregator"), "keys.aggregator")
+        if own_pub and not site("keys.aggregator"):
+            # the aggregator signs its replies, and nothing here can check them: say so
+            print(f"edgefl {tool}: warning: {own_pub} is not there and the site file sets no "
+                  "keys.aggregator: the aggregator's replies and events are not checked "
+                  "(give --aggregator-key FILE)", file=sys.stderr)
     else:
         # on the aggregator's host its own site file names its private key (0600, the
         # service's): the public key `edgefl keys gen` wrote beside it checks the replies
