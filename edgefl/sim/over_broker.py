@@ -14,6 +14,7 @@ import shutil
 import stat
 import tempfile
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -46,15 +47,27 @@ class ScratchDirectory:
     def __init__(self, parent: str | None):
         remove_dead_scratch(parent or tempfile.gettempdir())
         making = tempfile.mkdtemp(prefix=_MAKING_PREFIX, dir=parent)
-        self._fd = os.open(making, os.O_RDONLY | os.O_DIRECTORY)
-        lock_exclusive(self._fd)       # "unsupported": no lock, and no cleaner can take it
         self.name = os.path.join(os.path.dirname(making), SCRATCH_PREFIX +
                                  os.path.basename(making)[len(_MAKING_PREFIX):])
-        os.rename(making, self.name)
+        fd = os.open(making, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            lock_exclusive(fd)         # "unsupported": no lock, and no cleaner can take it
+            os.rename(making, self.name)
+        except BaseException:
+            os.close(fd)
+            shutil.rmtree(making, ignore_errors=True)
+            raise
+        # cleanup() once, by the caller or, failing that, when this object goes or the
+        # interpreter exits (a forked worker's copy is never finalised: os._exit)
+        self._finalizer = weakref.finalize(self, _remove_held, self.name, fd)
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.name, ignore_errors=True)
-        os.close(self._fd)             # (lets the lock go)
+        self._finalizer()
+
+
+def _remove_held(path: str, fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(fd)                       # (lets the lock go)
 
 
 def remove_dead_scratch(parent: str) -> int:
@@ -331,13 +344,15 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
             hosting.join(timeout=30.0)
         if pool is not None:
             pool.shutdown(wait=False)
-        _end_workers(procs)
-        if network is not None:
-            network.close()
-        if broker is not None:
-            broker.stop()
-        if scratch is not None:
-            scratch.cleanup()
+        try:
+            _end_workers(procs)
+            if network is not None:
+                network.close()
+            if broker is not None:
+                broker.stop()
+        finally:
+            if scratch is not None:          # whatever stopping the rest raised
+                scratch.cleanup()
     info = {"name": "mqtt", "broker": str(address),
             "broker_kind": broker.kind if broker is not None else "external",
             "federation": federation, "max_payload": max_payload, "compression": compression,
