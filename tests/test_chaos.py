@@ -604,6 +604,35 @@ def test_an_unmask_phase_that_fails_stops_the_run_instead_of_a_second_attempt(tm
         broker.stop()
 
 
+def test_a_board_that_revealed_for_a_round_takes_no_part_in_its_later_attempts(tmp_path):
+    """Round 1's unmask phase has closed (every board revealed; the aggregator held at that
+    log line) when the round is announced again under a new attempt, as an aggregator
+    restarted from its checkpoint mid-round does. A board that answered an unmask request
+    must not take part with the same contribution: two unmasked sums over it, with other
+    survivors, could be subtracted. Each board sits the new attempt out (no keys)."""
+    _need_mosquitto()
+    from edgefl.roles.messages import attempt_tag
+
+    broker, fleet = _secure_fleet(tmp_path, 20.0)
+    try:
+        with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
+                            when=lambda record: record.args[1] == "unmask") as stall:
+            for name in ("client-0", "client-1", "client-2"):
+                fleet.start_client(name)
+            fleet.start_aggregator()
+            agg = fleet.aggregator
+            assert stall.reached.wait(20), "the unmask phase did not close"
+            agg._announce()                     # a second attempt of round 1
+            again = attempt_tag(agg.open.announce_id)
+            time.sleep(2.0)
+            joined = [n for n, c in fleet.clients.items() if c._secure_tag == again]
+            assert joined == [], f"{joined} took part again after revealing"
+            stall.release()
+    finally:
+        fleet.close()
+        broker.stop()
+
+
 def test_no_announcement_from_a_lost_session_while_paused(tmp_path):
     """Round 1 is paused (RunControl, as `edgefl ctl pause`) and stays paused past its
     deadline while the embedded broker (persistence off) restarts. The aggregator, back

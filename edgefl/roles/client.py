@@ -276,6 +276,7 @@ class Client:
         # secure aggregation: the contribution of the round trained last (kept in memory only:
         # the round may be attempted again with fresh keys), and the attempt in progress
         self._secure_held = None                # (run, round, task seed, Contribution)
+        self._secure_revealed = None            # (run, round) whose unmask it answered
         self._secure: secagg.SecAggClient | None = None
         self._secure_tag = 0                    # the attempt's tag (its chunks' id prefix)
         self._secure_seq = 0
@@ -883,8 +884,11 @@ class Client:
         Without it (the process restarted since training) we cannot take part: a dropout."""
         held = self._secure_held
         if held is None or held[0] != doc["run"] or held[1] != r:
-            log.warning("%s: round %d's contribution is not held (restarted since training): "
-                        "this client sits the secure round out", self.node, r)
+            why = "it revealed its shares in an earlier attempt of the round" \
+                if self._secure_revealed == (doc["run"], r) else \
+                "its contribution is not held (restarted since training)"
+            log.warning("%s: round %d: %s: this client sits the secure round out", self.node,
+                        r, why)
             return
         tag = attempt_tag(doc["announce"])
         if self._secure is not None and self._secure_tag == tag:
@@ -951,6 +955,11 @@ class Client:
             elif isinstance(msg, secagg.UnmaskRequest):
                 self._send_secure(sa.unmask(msg))
                 self._secure = None                  # one answer an attempt: done
+                # and no later attempt of this round with this contribution: its sum may be
+                # unmasked now, and a second sum over it with other survivors (the round
+                # announced again by an aggregator restarted mid-round) could be subtracted
+                run, r, _, _ = self._secure_for
+                self._secure_held, self._secure_revealed = None, (run, r)
             else:
                 raise secagg.SecAggError(f"a {msg.kind} message is not for a client")
         except (secagg.SecAggError, ValueError) as exc:
