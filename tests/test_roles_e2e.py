@@ -274,6 +274,8 @@ def test_a_simulation_killed_with_sigkill_leaves_a_directory_the_next_one_remove
     import shutil
     import subprocess
 
+    from edgefl.io import lock_exclusive
+
     shm = "/dev/shm"
     argv = [sys.executable, "-m", "edgefl.cli", "simulate", "--transport", "mqtt", "--quiet",
             "--no-plot", "--no-export", "--client-processes", "1"]
@@ -304,7 +306,18 @@ def test_a_simulation_killed_with_sigkill_leaves_a_directory_the_next_one_remove
         orphan = os.path.join(shm, orphan)
         os.kill(killed.pid, signal.SIGKILL)
         assert killed.wait(10) == -signal.SIGKILL
-        os.killpg(killed.pid, signal.SIGKILL)       # its worker, which shares the lock
+        try:
+            os.killpg(killed.pid, signal.SIGKILL)   # its worker, which shares the lock
+        except ProcessLookupError:
+            pass                                    # gone already, on its parent's death
+
+        def lock_free():                 # every process that held it gone (zombies hold none)
+            fd = os.open(orphan, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                return lock_exclusive(fd) == "locked"
+            finally:
+                os.close(fd)
+        wait_for(lock_free, timeout=10, what="the killed simulation's processes to be gone")
         if os.getuid() == 0:                 # another account's, owner dead: not ours
             stranger = os.path.join(shm, "edgefl-sim-held-other")
             os.mkdir(stranger, 0o700)
