@@ -299,8 +299,9 @@ def test_a_simulation_killed_with_sigkill_leaves_a_directory_the_next_one_remove
     stranger = None
     try:
         assert live.startswith(os.path.join(shm, "edgefl-sim-held-")), live
-        orphan = wait_for(lambda: _sim_directories(shm) - before - {
-            os.path.basename(live), os.path.basename(making)}, timeout=60,
+        # held: renamed, locked (an edgefl-sim-new-* name lasts an instant before that)
+        orphan = wait_for(lambda: {n for n in _sim_directories(shm) - before - {
+            os.path.basename(live)} if n.startswith("edgefl-sim-held-")}, timeout=60,
             what="the simulation's directory in /dev/shm")
         (orphan,) = orphan
         orphan = os.path.join(shm, orphan)
