@@ -26,6 +26,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -462,6 +463,20 @@ def _secure_fleet(tmp_path, round_timeout_s: float, control=None):
                          settings={"round_timeout_s": round_timeout_s}, control=control)
 
 
+@contextlib.contextmanager
+def _held_at_the_close_of(fleet, phase: str):
+    """The fleet's three clients and its aggregator started, the aggregator's thread held
+    at the log line of its secure `phase`'s close (StalledLogLine), until stall.release()
+    or the block's end."""
+    with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
+                        when=lambda record: record.args[1] == phase) as stall:
+        for name in ("client-0", "client-1", "client-2"):
+            fleet.start_client(name)
+        fleet.start_aggregator()
+        assert stall.reached.wait(20), f"the {phase} phase did not close"
+        yield stall
+
+
 def test_a_secure_attempt_restarted_by_a_lost_session_gets_the_announcements_deadline(
         tmp_path):
     """A secure round (threshold: all 3 clients) waits in its first phase for client-2's
@@ -558,12 +573,7 @@ def test_a_pause_once_the_unmask_requests_are_out_lets_the_round_close(tmp_path)
     control = RunControl("paused-unmask-run")
     broker, fleet = _secure_fleet(tmp_path, 20.0, control)
     try:
-        with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
-                            when=lambda record: record.args[1] == "masked") as stall:
-            for name in ("client-0", "client-1", "client-2"):
-                fleet.start_client(name)
-            fleet.start_aggregator()
-            assert stall.reached.wait(20), "the masked phase did not close"
+        with _held_at_the_close_of(fleet, "masked") as stall:
             control.paused.set()
             stall.release()
             result = fleet.finish(timeout=30)        # paused still: the last round closes
@@ -586,12 +596,7 @@ def test_an_unmask_phase_that_fails_stops_the_run_instead_of_a_second_attempt(tm
 
     broker, fleet = _secure_fleet(tmp_path, 3.0)
     try:
-        with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
-                            when=lambda record: record.args[1] == "masked") as stall:
-            for name in ("client-0", "client-1", "client-2"):
-                fleet.start_client(name)
-            fleet.start_aggregator()
-            assert stall.reached.wait(20), "the masked phase did not close"
+        with _held_at_the_close_of(fleet, "masked") as stall:
             fleet.clients["client-2"].stop.set()
             fleet.threads["client-2"].join(10)
             stall.release()
@@ -615,13 +620,8 @@ def test_a_board_that_revealed_for_a_round_takes_no_part_in_its_later_attempts(t
 
     broker, fleet = _secure_fleet(tmp_path, 20.0)
     try:
-        with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
-                            when=lambda record: record.args[1] == "unmask") as stall:
-            for name in ("client-0", "client-1", "client-2"):
-                fleet.start_client(name)
-            fleet.start_aggregator()
+        with _held_at_the_close_of(fleet, "unmask") as stall:
             agg = fleet.aggregator
-            assert stall.reached.wait(20), "the unmask phase did not close"
             agg._announce()                     # a second attempt of round 1
             again = attempt_tag(agg.open.announce_id)
             time.sleep(2.0)
