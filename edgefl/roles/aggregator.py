@@ -1438,9 +1438,10 @@ class Aggregator:
             server = o.secure
             if server is not attempt:
                 # a new attempt started under us (the round announced again by _handle: the
-                # broker lost our session; or by the resume of a pause): its first phase has the announcement's deadline,
-                # not what was left of the old attempt's phase (which may have passed, and
-                # would fail the new attempt before any board could answer)
+                # broker lost our session; or by the resume of a pause): its first phase has
+                # the announcement's deadline, not what was left of the old attempt's phase
+                # (which may have passed, and would fail the new attempt before any board
+                # could answer)
                 phase_deadline, attempt = o.deadline, server
             waiting, book = self._secure_waiting(server)
             now, mono = time.time(), time.monotonic()
