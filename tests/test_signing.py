@@ -1149,7 +1149,8 @@ def test_an_event_or_run_record_signature_binds_its_body_kind_run_federation_and
     topic = Topics(fed).events()
     event = signed_event({"event": "round_closed", "run": "r1", "round": 2,
                           "test_accuracy": np.float32(0.5), "at": time.time()}, signer)
-    check_event(json.loads(json.dumps(event)), verifier, topic, since=time.time())
+    check_event(json.loads(json.dumps(event)), verifier, topic,
+                not_before=time.time() - 5)
     record = signed_record({"id": "r1", "state": "running", "rounds_done": 1}, signer)
     check_record(record, verifier, "edgefl/x/runs/r1", "r1")
     # another event made of it, another run, a record passed off as an event, or the other
@@ -1173,12 +1174,29 @@ def test_an_event_or_run_record_signature_binds_its_body_kind_run_federation_and
          r"event on .*/events: unsigned .*older than signed events"),
         (lambda: check_record({"id": "r1", "state": "finished"}, verifier, "t", "r1"),
          r"run record on t: unsigned"),
-        (lambda: check_event(event, verifier, topic, since=time.time() + 3600),
+        (lambda: check_event(event, verifier, topic, not_before=time.time() + 60),
          "before this watch began"),
     ]
     for call, why in cases:
         with pytest.raises(SignatureError, match=why):
             call()
+
+
+def test_watch_takes_the_aggregators_time_from_its_signed_status_reply():
+    """Events are not retained: one signed before watch subscribed is a replay. The clocks
+    may differ, so the bound is the aggregator's own time, from the signed status reply
+    watch starts from, less a margin for the reply's way back (an earlier run's genuine
+    events, replayed a minute later, are refused); without that reply, watch's own time less
+    the clocks' allowance."""
+    from edgefl.roles.signed_log import REPLAY_MARGIN_S, events_not_before
+    from edgefl.transport.signing import MAX_SKEW_S
+
+    began = 1_700_000_000.0
+    assert events_not_before(began, {"ok": True, "at": began + 120.0}) == \
+        began + 120.0 - REPLAY_MARGIN_S              # its clock 2 minutes ahead: followed
+    assert REPLAY_MARGIN_S <= 30 < MAX_SKEW_S
+    for reply in (None, {}, {"at": "soon"}, {"at": True}, {"at": float("nan")}):
+        assert events_not_before(began, reply) == began - MAX_SKEW_S
 
 
 def _watch(tmp_path, url, fed, *args):

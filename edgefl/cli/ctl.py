@@ -308,13 +308,14 @@ def _ctl_watch(args, transport, topics, name) -> int:
 
     from ..roles.control import CommandRefused, ControlClient, ReplyRefused
     from ..roles.messages import MessageError, json_object
-    from ..roles.signed_log import check_event, check_record
+    from ..roles.signed_log import check_event, check_record, events_not_before
     from ..io import terminal_text
     from ..transport.base import Message
     from ..transport.signing import SignatureError
 
     transport.subscribe(topics.events(), qos=1)
     verifier, began = args.reply_verifier, time.time()
+    not_before = events_not_before(began, None)   # until a verified status reply says more
     # with the key: when the first unsigned event or record was refused, until a signed one
     # verifies (then the aggregator is known to sign, and an unsigned one is only skipped)
     unsigned_since: float | None = None
@@ -347,6 +348,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
                             verifier=args.reply_verifier)
     try:
         status = control.request({"cmd": "status"}, timeout=args.timeout)
+        if verifier is not None:          # the reply verified: its time is the aggregator's
+            not_before = events_not_before(began, status)
         if status.get("ok"):
             result = status.get("result") or {}
             active = result.get("active")
@@ -423,7 +426,7 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 event = json_object(item.payload, "event")
             except MessageError:
                 continue
-            if not verified(check_event, event, item.topic, began):
+            if not verified(check_event, event, item.topic, not_before):
                 continue
             run = event.get("run")
             if watched is None and event.get("event") in ("run_started", "run_resumed"):

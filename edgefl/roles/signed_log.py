@@ -11,10 +11,12 @@ binds the federation, and the run: an event's `run` (or "" for an event of no ru
 record's `id`. Neither expires: an event is a log line, and a record is retained to be read
 later. What a replay can still do is bounded by the reader:
 
-- an event: `edgefl ctl watch` refuses one signed more than MAX_SKEW_S before it began
-  listening (`since`): events are not retained, so a genuine one reaches a watch only as it
-  happens, and an old one (say an earlier run's `run_finished`, of a run id used again
-  after the service's state directory was deleted) is a replay;
+- an event: `edgefl ctl watch` refuses one signed before it began listening (`not_before`):
+  events are not retained, so a genuine one reaches a watch only as it happens, and an old
+  one (say an earlier run's `run_finished`) is a replay. Its clock and the aggregator's may
+  differ: watch takes the aggregator's time from the signed status reply it starts from
+  (less REPLAY_MARGIN_S, the reply's way back and what was in flight), else its own less
+  MAX_SKEW_S;
 - a record: a replay of an older genuine record of the same run shows an older state of it
   (queued, running, fewer rounds). A run's records only move on to an end that is never
   left, so a replayed one never ends a watch in a way the run did not end; `ctl status` and
@@ -28,16 +30,21 @@ does not sign them.
 from __future__ import annotations
 
 import json
+import math
 from typing import Mapping
 
 from ..io import jsonable
 from ..transport.signing import MAX_SKEW_S, SignatureError
 
-__all__ = ["EVENT_KIND", "RECORD_KIND", "signed_event", "signed_record", "check_event",
-           "check_record"]
+__all__ = ["EVENT_KIND", "RECORD_KIND", "REPLAY_MARGIN_S", "signed_event", "signed_record",
+           "check_event", "check_record", "events_not_before"]
 
 EVENT_KIND = "event"
 RECORD_KIND = "run_record"
+# how long before the aggregator signed the status reply a watch starts from an event may
+# have been signed and still be one the watch subscribed in time for: the request's way
+# there and back, and what the broker had in flight
+REPLAY_MARGIN_S = 10.0
 _UNSIGNED = (" (an aggregator without keys.signing_key, or one older than signed events "
              "and run records, does not sign them)")
 
@@ -69,21 +76,33 @@ def _refused(exc: SignatureError, doc: Mapping) -> SignatureError:
     return SignatureError(f"{exc}{_UNSIGNED if doc.get('sig') is None else ''}")
 
 
-def check_event(doc: Mapping, verifier, topic: str, since: float | None = None) -> dict:
+def check_event(doc: Mapping, verifier, topic: str, not_before: float | None = None) -> dict:
     """The envelope of event `doc` (received on `topic`) when the aggregator's key signed
-    it as an event of its run for this federation, and, with `since` (the Unix time the
-    reader began listening), no earlier than MAX_SKEW_S before it; SignatureError
-    otherwise."""
+    it as an event of its run for this federation, and, with `not_before` (a Unix time by
+    the aggregator's clock: when the reader began listening, less what it does not know of
+    the clocks' offset), signed no earlier; SignatureError otherwise."""
     where = f"event on {topic}"
     try:
         env = verifier.verify_doc(doc, kind=EVENT_KIND, where=where,
                                   run=str(doc.get("run") or ""))
-        if since is not None and env["at"] < since - MAX_SKEW_S:
-            raise SignatureError(f"{where}: signed {since - env['at']:.0f} s before this "
-                                 "watch began: events are not retained, so it is a replay")
+        if not_before is not None and env["at"] < not_before:
+            raise SignatureError(f"{where}: signed {not_before - env['at']:.0f} s before this "
+                                 "watch began listening (less the clocks' allowance): events "
+                                 "are not retained, so it is a replay")
     except SignatureError as exc:
         raise _refused(exc, doc) from None
     return env
+
+
+def events_not_before(began: float, status_reply: Mapping | None) -> float:
+    """The earliest signing time (aggregator's clock) of an event a reader that subscribed
+    at `began` (its own clock) can take: the verified status reply's `at` (the aggregator's
+    clock, signed with the reply) less REPLAY_MARGIN_S, else `began` less MAX_SKEW_S (the
+    clocks' offset unknown)."""
+    at = (status_reply or {}).get("at")
+    if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
+        return float(at) - REPLAY_MARGIN_S
+    return began - MAX_SKEW_S
 
 
 def check_record(doc: Mapping, verifier, topic: str, run_id: str) -> dict:
