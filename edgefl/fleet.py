@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .io import atomic_write, process_start_time, write_json
+from .io import atomic_write, write_json
 from .service.accounts import (CREDENTIALS_DIR, DYNSEC_FILE, OPERATOR,
                                control_username, federation_accounts, find_dynsec_plugin,
                                write_accounts)
@@ -280,6 +280,21 @@ def _shown(path: str) -> str:
     return path if relative.startswith("..") else relative
 
 
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the
+    pid, it names one process, so a pid the kernel reused is not taken for ours. None: no such
+    process, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
 def _alive(proc: dict) -> bool:
     pid = proc.get("pid")
     if not pid:
@@ -288,7 +303,7 @@ def _alive(proc: dict) -> bool:
         os.waitpid(pid, os.WNOHANG)         # reap it if it is our child and has exited
     except ChildProcessError:
         pass
-    return process_start_time(pid) == proc.get("start")
+    return _start_time(pid) == proc.get("start")
 
 
 def _spawn(fleet: Fleet, service: FleetService) -> dict:
@@ -302,7 +317,7 @@ def _spawn(fleet: Fleet, service: FleetService) -> dict:
         proc = subprocess.Popen(service.argv, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, cwd=service.cwd or fleet.directory,
                                 start_new_session=True)
-    entry = {"pid": proc.pid, "start": process_start_time(proc.pid), "argv": service.argv,
+    entry = {"pid": proc.pid, "start": _start_time(proc.pid), "argv": service.argv,
              "log": log_path}
     fleet.processes[service.name] = entry
     fleet.save()

@@ -13,8 +13,7 @@ processes (a role's state directory, the data cache's writer): an flock, which t
 lets go when the holder dies, however it dies. `temporary_target` tells atomic_write's
 temporary files by their names (`temporary_path` makes one, for a writer that builds a file
 in place), for the holder of a directory to remove those a writer killed mid-write left
-there (SIGKILL skips the writer's own clean-up), and `process_start_time`
-names one process by its pid and start, for an owner recorded on disk to be checked alive.
+there (SIGKILL skips the writer's own clean-up).
 
 `jsonable` is the one conversion to plain JSON types: NumPy scalars and arrays become
 Python numbers and lists, tuples lists, mapping keys strings, and NaN/inf null (JSON has no
@@ -47,7 +46,7 @@ from typing import Callable, Iterable, Union
 import numpy as np
 
 __all__ = ["atomic_write", "atomic_write_all", "bounded_text", "fsync_directory", "jsonable",
-           "lock_exclusive", "process_start_time", "replace_atomic", "temporary_path",
+           "lock_exclusive", "replace_atomic", "temporary_path",
            "temporary_target", "terminal_text", "write_json"]
 
 Content = Union[bytes, bytearray, memoryview, str, Callable]
@@ -200,21 +199,6 @@ def lock_exclusive(fd: int, wait_s: float = 0.0, poll_s: float = 0.05) -> str:
             if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 return "unsupported"
             raise
-
-
-def process_start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the
-    pid, it names one process, so a pid the kernel reused is not taken for the one recorded.
-    None: no such process, a zombie, or no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            stat = fh.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return fields[19]
 
 
 def jsonable(x, nonfinite=None):
