@@ -463,6 +463,20 @@ def _secure_fleet(tmp_path, round_timeout_s: float, control=None):
                          settings={"round_timeout_s": round_timeout_s}, control=control)
 
 
+def _keys_in_but_client_2s(fleet):
+    """client-0, client-1 and the aggregator started (client-2 not), and round 1's first
+    secure phase holding their two keys: (the aggregator, its attempt, the phase's
+    deadline)."""
+    fleet.start_client("client-0")
+    fleet.start_client("client-1")
+    fleet.start_aggregator()
+    agg = fleet.aggregator
+    first, deadline = agg.open.secure, agg.open.deadline
+    wait_for(lambda: len(first.keys) == 2, timeout=10,
+             what="round 1: client-0/1's keys (client-2 not started)")
+    return agg, first, deadline
+
+
 @contextlib.contextmanager
 def _held_at_the_close_of(fleet, phase: str):
     """The fleet's three clients and its aggregator started, the aggregator's thread held
@@ -489,13 +503,7 @@ def test_a_secure_attempt_restarted_by_a_lost_session_gets_the_announcements_dea
     _need_mosquitto()
     broker, fleet = _secure_fleet(tmp_path, 4.0)
     try:
-        fleet.start_client("client-0")
-        fleet.start_client("client-1")
-        fleet.start_aggregator()
-        agg = fleet.aggregator
-        first, deadline = agg.open.secure, agg.open.deadline
-        wait_for(lambda: len(first.keys) == 2, timeout=10,
-                 what="round 1: client-0/1's keys (client-2 not started)")
+        agg, first, deadline = _keys_in_but_client_2s(fleet)
         with StalledLogLine("broker lost our session") as stall:
             broker.restart()
             assert stall.reached.wait(10), "the aggregator did not see its session lost"
@@ -532,13 +540,7 @@ def test_a_paused_secure_round_neither_fails_nor_closes_until_resumed(tmp_path):
     control.on_hold = held.set
     broker, fleet = _secure_fleet(tmp_path, 6.0, control)
     try:
-        fleet.start_client("client-0")
-        fleet.start_client("client-1")
-        fleet.start_aggregator()
-        agg = fleet.aggregator
-        first, deadline = agg.open.secure, agg.open.deadline
-        wait_for(lambda: len(first.keys) == 2, timeout=10,
-                 what="round 1: client-0/1's keys (client-2 not started)")
+        agg, first, deadline = _keys_in_but_client_2s(fleet)
         control.paused.set()
         assert held.wait(10), "the aggregator did not hold the secure round"
         wait_for(lambda: time.time() > deadline + 1.0, timeout=10,
