@@ -635,6 +635,83 @@ def test_a_board_that_revealed_for_a_round_takes_no_part_in_its_later_attempts(t
         broker.stop()
 
 
+def test_an_aggregator_restarted_mid_unmask_ends_the_run_naming_the_boards_that_revealed(
+        tmp_path):
+    """The aggregator stops (as a kill would) right after sending round 1's unmask
+    requests; every board reveals, and so drops its contribution. The aggregator started
+    again from its checkpoint announces round 1 again. Each board must say, in its status,
+    that it sits the round out and why; the aggregator, with too few boards left for the
+    threshold, must end the run with an error naming them, at once -- not announce the
+    round again at every deadline until an operator stops it."""
+    _need_mosquitto()
+    from edgefl.errors import ConfigError
+    from edgefl.roles.aggregator import Aggregator, AggregatorSettings
+
+    broker, fleet = _secure_fleet(tmp_path, 3.0)
+    names = ("client-0", "client-1", "client-2")
+    try:
+        with StalledLogLine("round %d: secure phase %r closed", level=logging.INFO,
+                            when=lambda record: record.args[1] == "masked") as stall:
+            for name in names:
+                fleet.start_client(name)
+            fleet.start_aggregator()
+            assert stall.reached.wait(20), "the masked phase did not close"
+            first = fleet.aggregator
+            run = first.run_id
+            first.stop.set()                   # stops once its unmask requests are out
+            stall.release()
+        wait_for(lambda: all(fleet.clients[n]._secure_revealed == (run, 1) for n in names),
+                 timeout=10, what="every board to answer its unmask request")
+        fleet._agg_thread.join(10)             # (the boards wait on: not joined)
+        assert not fleet._agg_thread.is_alive(), "the first aggregator did not stop"
+        assert fleet.result.history == [], "round 1 was committed"
+        fleet.aggregator = Aggregator(
+            fleet.plan, fleet.transport("aggregator"), tmp_path / "agg",
+            AggregatorSettings(node_id="aggregator", federation=fleet.federation,
+                               round_timeout_s=3.0))
+        fleet.start_aggregator()
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as caught:
+            fleet.finish(timeout=20)
+        took = time.monotonic() - started
+    finally:
+        fleet.close()
+        broker.stop()
+    message = str(caught.value)
+    assert "round 1" in message and "revealed" in message, message
+    for name in names:
+        assert name in message, message
+    # the boards' statuses end it; a deadline (3 s, plus the training allowance) need not
+    assert took < 3.0, f"the run ended after {took:.1f} s"
+
+
+def test_a_secure_round_waits_in_no_phase_for_a_board_that_refused_it(tmp_path):
+    """Secure aggregation needing 2 of 3 boards, and client-2's board refuses the run (its
+    limits: 650 parameters, it trains at most 100). The round must go on with the two
+    others at once, phase by phase, not wait out each phase's 30 s deadline for a board
+    that said it will not answer."""
+    _need_mosquitto()
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, write_config
+
+    config = load_run_config(write_config(
+        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
+        privacy={"secure_aggregation": {"threshold": 0.6}}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 30.0})
+    try:
+        fleet.start_client("client-0")
+        fleet.start_client("client-1")
+        fleet.start_client("client-2", max_params=100)
+        fleet.start_aggregator()
+        result = fleet.finish(timeout=20)
+    finally:
+        fleet.close()
+        broker.stop()
+    record = result.history[0]
+    assert record["closed_by"] == "secure" and record["updates"] == 2, record
+
+
 def test_no_announcement_from_a_lost_session_while_paused(tmp_path):
     """Round 1 is paused (RunControl, as `edgefl ctl pause`) and stays paused past its
     deadline while the embedded broker (persistence off) restarts. The aggregator, back

@@ -617,6 +617,22 @@ def test_a_run_beyond_a_boards_limits_is_refused_by_that_board(fleet):
     assert f.events.wait("round_closed", run="small", round=1)["updates"] == 2
 
 
+def test_a_secure_run_a_board_refuses_below_its_threshold_fails_naming_that_board(fleet):
+    """Secure aggregation over both boards (threshold 1.0) and client-2's board refuses the
+    run (its limits): round 1 cannot reach its threshold, and announcing it again changes
+    nothing. The run must fail at once, naming the board and its reason -- not wait out
+    each 60 s phase deadline and announce the round again, for ever."""
+    f = fleet(client_limits={"client-2": {"max_params": 1000}})
+    f.start_all()
+    big = run_config(rounds=2, model={"name": "mlp", "hidden": [32]},
+                     privacy={"secure_aggregation": {"threshold": 1.0}})
+    f.ok({"cmd": "start", "config": big, "run": "big"})
+    record = wait_state(f, "big", "failed", timeout=20)
+    assert ("client-2 refused the round: the run's model has 2,410 parameters, this "
+            "board's limit is compute.max_params = 1,000") in record["error"], record
+    assert f.clients["client-2"].stats["trained"] == 0
+
+
 # ---------------------------------------------------------------------------------------
 # the commands themselves: `edgefl aggregator` (the service) and `edgefl ctl`, as processes
 # ---------------------------------------------------------------------------------------

@@ -316,6 +316,7 @@ class _OpenRound:
     received: dict = field(default_factory=dict)      # node -> Update
     train_s: dict = field(default_factory=dict)       # node -> seconds
     refused: set = field(default_factory=set)         # nodes whose update aggregate refused
+    refusals: dict = field(default_factory=dict)      # node -> why it refused the round
     last_resend: dict = field(default_factory=dict)
     expects: dict = field(default_factory=dict)       # node -> wire.Expectation of its update
     secure: object = None            # the attempt's secagg.SecAggServer (secure rounds)
@@ -1315,20 +1316,38 @@ class Aggregator:
             "docs/privacy.md on what a restart of this round means)")
 
     def _secure_unreachable(self, server) -> ConfigError | None:
-        """The error that ends the run when the attempt's participants that can speak
-        secure aggregation are fewer than its threshold, or None."""
-        ids = self.plan.client_ids
-        unable = [ids[c] for c in server.setup.participants if ids[c] in self._without_secure]
-        able = len(server.setup.participants) - len(unable)
-        if not unable or able >= server.setup.threshold:
+        """The error that ends the run when the attempt's participants that can take part
+        are fewer than its threshold, or None. Two kinds cannot: boards older than secure
+        aggregation over MQTT (they sent plain updates), and boards that refused the round
+        in their status -- a profile's limits, or a contribution they no longer hold
+        because they revealed it to an earlier attempt's unmask request or restarted since
+        training. Neither changes by announcing the round again."""
+        o, ids = self.open, self.plan.client_ids
+        nodes = [ids[c] for c in server.setup.participants]
+        older = [n for n in nodes if n in self._without_secure]
+        refusing = [n for n in nodes if n in o.refused and n not in self._without_secure]
+        able = len(nodes) - len(older) - len(refusing)
+        if not (older or refusing) or able >= server.setup.threshold:
             return None
-        boards = ", ".join(f"{n} (edgefl {self._without_secure[n]})" for n in unable)
+        why = []
+        if older:
+            boards = ", ".join(f"{n} (edgefl {self._without_secure[n]})" for n in older)
+            why.append(f"{boards} sent plain updates: {_NO_SECURE}")
+        if refusing:
+            by_reason: dict = {}                     # one reason, the boards that gave it
+            for n in refusing:
+                by_reason.setdefault(o.refusals.get(n, "no reason given"), []).append(n)
+            why.append("; ".join(f"{', '.join(ns)} refused the round: {reason}"
+                                 for reason, ns in by_reason.items()))
+        advice = "a restart after the upgrade resumes it), or run it without " \
+            "privacy.secure_aggregation" if not refusing else \
+            "a restart announces this round again, to the same boards), or start a new " \
+            "run from this one's model (docs/privacy.md)"
         return ConfigError(
-            f"round {self.open.round}: secure aggregation needs {server.setup.threshold} of "
-            f"its {len(server.setup.participants)} clients, and {len(unable)} cannot take "
-            f"part: {boards} sent plain updates: {_NO_SECURE}. The run stops here (its "
-            "rounds done are checkpointed: a restart after the upgrade resumes it), or run "
-            "it without privacy.secure_aggregation")
+            f"round {o.round}: secure aggregation needs {server.setup.threshold} of its "
+            f"{len(nodes)} clients, and {len(older) + len(refusing)} cannot take part: "
+            f"{'; '.join(why)}. The run stops here (its rounds done are checkpointed: "
+            f"{advice}")
 
     def _upload_refusal(self, node: str) -> str | None:
         """Why `node` may not upload in the open round, or None (the engine's check)."""
@@ -1368,9 +1387,10 @@ class Aggregator:
                 o.refused.add(node)
                 # the board's own words: one line, escaped, bounded in the operator's log;
                 # bounded alike but raw in the event (its readers escape for display)
+                o.refusals[node] = terminal_text(refusal.get("reason"), REASON_CHARS,
+                                                 one_line=True)
                 log.warning("round %d: %s refused the run: %s", o.round, node,
-                            terminal_text(refusal.get("reason"), REASON_CHARS,
-                                          one_line=True))
+                            o.refusals[node])
                 self._event("client_refused", round=o.round, client=node,
                             reason=bounded_text(refusal.get("reason"), REASON_CHARS))
             return
@@ -1453,8 +1473,10 @@ class Aggregator:
                        and mono - self._offline_since.get(n, -math.inf) >= s.offline_grace_s}
             gone = bool(waiting) and waiting <= offline and len(book) >= server.setup.threshold \
                 and mono - self._reconnected_at >= s.offline_grace_s
-            # boards that cannot speak secure aggregation never answer: not waited for
-            unable = bool(waiting) and waiting <= self._without_secure.keys()
+            # boards that cannot speak secure aggregation, or that refused the round (their
+            # status says why: limits, or a contribution revealed or lost), never answer:
+            # not waited for
+            unable = bool(waiting) and waiting <= (self._without_secure.keys() | o.refused)
             if not waiting or gone or unable or now >= phase_deadline:
                 phase = server.phase
                 try:

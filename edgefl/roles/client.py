@@ -884,11 +884,18 @@ class Client:
         Without it (the process restarted since training) we cannot take part: a dropout."""
         held = self._secure_held
         if held is None or held[0] != doc["run"] or held[1] != r:
+            if not doc["tasks"][self.node].get("upload", True):
+                return                               # not one of the round's participants
             why = "it revealed its shares in an earlier attempt of the round" \
                 if self._secure_revealed == (doc["run"], r) else \
                 "its contribution is not held (restarted since training)"
             log.warning("%s: round %d: %s: this client sits the secure round out", self.node,
                         r, why)
+            # said in the retained status too: the aggregator then waits for us in no phase
+            # of the round, and ends a run whose round cannot reach its threshold without
+            # us instead of announcing it again at every deadline
+            self._publish_status(refused={"run": doc["run"], "round": r,
+                                          "reason": f"secure aggregation: {why}"})
             return
         tag = attempt_tag(doc["announce"])
         if self._secure is not None and self._secure_tag == tag:
