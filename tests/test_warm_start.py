@@ -1,0 +1,220 @@
+"""Warm start: `model.init` naming an earlier run's directory (or its model.npz) starts a run
+from that run's model. The second run's round-0 model is the first run's final model bit for
+bit; a checkpoint of another model, a missing or unreadable file are refused naming the file
+and the key; a relative path is looked up beside the config file, then in the working
+directory; the aggregator's fingerprint covers the file's parameters (a resume with another
+file is refused, with the same file it resumes); and nothing but the process that prepares
+the run reads the file: boards get the model over MQTT, an edge aggregator from the centre.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import uuid
+
+import numpy as np
+import pytest
+import yaml
+
+from edgefl import kernels
+from edgefl.checkpoint import load_checkpoint, model_sha256
+from edgefl.config import ConfigError
+from edgefl.models import build_model
+from edgefl.roles import AggregatorSettings
+from edgefl.roles.state import StateError
+from edgefl.runconfig import load_run_config
+from edgefl.runs.prepare import client_shard, prepare_run
+from edgefl.sim import simulate
+from edgefl.transport.mqtt import MqttTransport
+from helpers import read_jsonl, start_mqtt_clients, stop_clients
+
+pytest_plugins = ["brokers"]
+
+BASE = {
+    "dataset": {"name": "digits", "limit_train": 600},
+    "partition": {"name": "iid", "clients": 4},
+    "model": {"name": "softmax"},
+    "strategy": {"name": "fedavg"},
+    "train": {"lr": 0.1, "batch_size": 32, "epochs": 1},
+    "rounds": 4,
+    "clients_per_round": 2,
+    "seed": 0,
+}
+
+
+def write(directory, name="run.yaml", **changes) -> str:
+    """BASE with `changes` (top-level keys replaced whole) as directory/name; its path."""
+    data = json.loads(json.dumps(BASE))
+    data.update(json.loads(json.dumps(changes)))
+    path = os.path.join(directory, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    return path
+
+
+def warm(directory, init, name="warm.yaml", model=None, **changes):
+    """The run config of BASE with model.init = `init`, written to directory/name, loaded."""
+    return load_run_config(write(directory, name, model={**(model or BASE["model"]),
+                                                         "init": str(init)}, **changes))
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """A finished 4-round run: (its directory, its summary)."""
+    root = tmp_path_factory.mktemp("first")
+    config = load_run_config(write(str(root)))
+    summary = simulate(config, root / "run", workers=1, progress=False, onnx=False,
+                       plot=False)
+    return root / "run", summary
+
+
+def test_a_run_continues_from_an_earlier_runs_final_model(first, tmp_path):
+    run_dir, summary = first
+    stored = load_checkpoint(str(run_dir / "model.npz"))["params"]
+    assert model_sha256(stored) == summary["model_sha256"]
+    for source in (run_dir, run_dir / "model.npz"):          # the directory or the file
+        config = warm(tmp_path, source, rounds=2)
+        run = prepare_run(config, progress=False)
+        # round 0 is the first run's final model, bit for bit
+        assert run.init_params.dtype == np.float32
+        assert np.array_equal(run.init_params.view(np.uint32), stored.view(np.uint32))
+        assert model_sha256(run.init_params) == summary["model_sha256"]
+        # and scores what the first run ended with
+        scored = kernels.evaluate(run.model, run.init_params, run.dataset.x_test,
+                                  run.dataset.y_test)
+        assert scored["accuracy"] == summary["final_accuracy"]
+
+    config = warm(tmp_path, run_dir, rounds=2)
+    out = simulate(config, tmp_path / "warm", workers=1, progress=False, onnx=False,
+                   plot=False)
+    cold = simulate(load_run_config(write(str(tmp_path), "cold.yaml", rounds=2)),
+                    tmp_path / "cold", workers=1, progress=False, onnx=False, plot=False)
+    warm_rounds = read_jsonl(tmp_path / "warm" / "metrics.jsonl")
+    cold_rounds = read_jsonl(tmp_path / "cold" / "metrics.jsonl")
+    # the accuracy goes on from where the first run ended, not from a fresh model's
+    assert warm_rounds[0]["test_accuracy"] >= summary["final_accuracy"] - 0.02
+    assert warm_rounds[0]["test_accuracy"] > cold_rounds[0]["test_accuracy"] + 0.02
+    # the summary says where the run started from
+    assert out["init"] == {"checkpoint": str(run_dir / "model.npz"),
+                           "model_sha256": summary["model_sha256"], "round": 4}
+    assert out["config"]["model"]["init"] == str(run_dir)
+    assert "init" not in cold
+
+    # over a broker the boards get the model each round: the same run, the same model
+    over = simulate(config, None, workers=1, progress=False, transport="mqtt")
+    assert over["model_sha256"] == out["model_sha256"]
+
+
+def test_a_relative_path_is_looked_up_beside_the_config_then_in_the_working_directory(
+        first, tmp_path, monkeypatch):
+    run_dir, summary = first
+    shutil.copytree(run_dir, tmp_path / "runs" / "a")
+    # beside the config file: configs/warm.yaml names ../runs/a
+    config = warm(tmp_path / "configs", "../runs/a")
+    assert model_sha256(prepare_run(config, progress=False).init_params) == \
+        summary["model_sha256"]
+    # not there: the working directory (`--set model.init=runs/a` with a config elsewhere)
+    monkeypatch.chdir(tmp_path)
+    config = load_run_config(write(str(tmp_path / "configs")), ["model.init=runs/a"])
+    assert model_sha256(prepare_run(config, progress=False).init_params) == \
+        summary["model_sha256"]
+    # in neither: both places are named
+    config = load_run_config(write(str(tmp_path / "configs")), ["model.init=runs/b"])
+    with pytest.raises(ConfigError) as refused:
+        prepare_run(config, progress=False)
+    message = str(refused.value)
+    assert "model.init" in message and config.path in message
+    assert str(tmp_path / "configs" / "runs" / "b") in message
+    assert str(tmp_path / "runs" / "b") in message
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_both(first, tmp_path):
+    run_dir, _ = first
+    config = warm(tmp_path, run_dir, model={"name": "mlp", "hidden": [8]})
+    theirs = build_model({"name": "softmax"}, (1, 8, 8), 10)
+    ours = build_model({"name": "mlp", "hidden": [8]}, (1, 8, 8), 10)
+    with pytest.raises(ConfigError) as refused:
+        prepare_run(config, progress=False)
+    message = str(refused.value)
+    assert message.startswith(f"{config.path}: model.init: {run_dir / 'model.npz'}: ")
+    for model in (theirs, ours):
+        assert model.table.digest[:12] in message
+        assert f"{model.n_params} parameters" in message
+
+
+def test_a_missing_or_unreadable_file_is_refused_naming_it_and_the_key(first, tmp_path):
+    run_dir, _ = first
+    missing = tmp_path / "nowhere"
+    config = warm(tmp_path, missing)
+    with pytest.raises(ConfigError, match=rf"^{config.path}: model\.init: .*{missing}"):
+        simulate(config, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=rf"model\.init: run directory {tmp_path / 'empty'} "
+                                          rf"has no model\.npz"):
+        prepare_run(warm(tmp_path, tmp_path / "empty"), progress=False)
+    data = (run_dir / "model.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match=rf"model\.init: {tmp_path / 'cut.npz'}: not a "
+                                          rf"readable edgefl checkpoint"):
+        prepare_run(warm(tmp_path, tmp_path / "cut.npz"), progress=False)
+    # not a string: refused when the config is read
+    path = write(str(tmp_path), "bad.yaml", model={"name": "softmax", "init": 3})
+    with pytest.raises(ConfigError, match=r"model\.init: 3: .*uniform, zeros"):
+        load_run_config(path)
+
+
+def test_a_board_never_needs_the_file(tmp_path, mosquitto_server):
+    """A board with `--partition CONFIG` reads the config for its data only; an edge
+    aggregator prepares the run from the centre's config but takes every round's model
+    from the centre: neither opens model.init's file, which only the centre has."""
+    from edgefl.roles.runner import run_edge
+
+    config = warm(tmp_path, tmp_path / "only-on-the-centre")
+    x, y = client_shard(config, 1)
+    assert len(x) == len(y) > 0
+    stop = threading.Event()
+    stop.set()                     # the edge connects, subscribes and stops: prepared
+    transport = MqttTransport(mosquitto_server.url, f"edge-{uuid.uuid4().hex[:6]}",
+                              clean_session=True)
+    assert run_edge(config, transport, str(tmp_path / "edge"),
+                    settings=AggregatorSettings(federation=f"w{uuid.uuid4().hex[:6]}"),
+                    edge_id="site-a", site=("client-0", "client-1"), stop=stop) is False
+
+
+def test_a_resume_takes_the_same_file_and_refuses_another(first, tmp_path, mosquitto_server):
+    from edgefl.roles.runner import run_aggregator
+
+    run_dir, _ = first
+    shutil.copytree(run_dir, tmp_path / "init")
+    config = warm(tmp_path, tmp_path / "init", rounds=2)
+    federation = f"warm-{uuid.uuid4().hex[:8]}"
+    settings = AggregatorSettings(federation=federation, round_timeout_s=30.0)
+    state = str(tmp_path / "agg")
+    run = prepare_run(config, progress=False)
+
+    def aggregate(tag):
+        transport = MqttTransport(mosquitto_server.url, f"agg-{tag}-{federation}",
+                                  clean_session=True)
+        return run_aggregator(config, transport, state, settings=settings)
+
+    clients, threads = start_mqtt_clients(mosquitto_server.url, federation, "a", run,
+                                          tmp_path, range(4))
+    try:
+        summary = aggregate("a")
+    finally:
+        stop_clients(clients, threads)
+    reference = simulate(config, None, workers=1, progress=False)
+    assert summary["model_sha256"] == reference["model_sha256"]
+    # the same file: the run's checkpoint is taken up again (its rounds are done)
+    assert aggregate("b")["model_sha256"] == summary["model_sha256"]
+    # another model in its place (the same layer table): refused before anything starts
+    other = simulate(load_run_config(write(str(tmp_path), "other.yaml", rounds=1)),
+                     tmp_path / "other", workers=1, progress=False, onnx=False, plot=False)
+    shutil.copy(tmp_path / "other" / "model.npz", tmp_path / "init" / "model.npz")
+    assert other["model_sha256"] != model_sha256(run.init_params)
+    with pytest.raises(StateError, match=r"made with another configuration .*model\.init"):
+        aggregate("c")
