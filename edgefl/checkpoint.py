@@ -7,6 +7,11 @@ class names, so `edgefl export` can rebuild the model and its ONNX graph from th
 No pickles: strings are NumPy unicode scalars holding JSON, so
 `np.load(path, allow_pickle=False)` reads it. `load_checkpoint` is the inverse.
 
+`read_model` finds and checks one: a run directory (its model.npz) or a model.npz path, the
+model rebuilt from its spec and refused unless it has the stored layer table and a buffer of
+that size. What reads an earlier run's model reads it so: `edgefl export`
+(edgefl.export.load_run) and a run that starts from it (`model.init`, edgefl.runs.prepare).
+
 `model_sha256` is the sha256 of a model's float32 bytes: equal hashes are equal models,
 the check that a run is the same in process, over loopback and over MQTT.
 """
@@ -14,13 +19,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import CheckpointError
 from .io import atomic_write, jsonable
+from .models import Model, build_model
 from .params import LayerTable
 
-__all__ = ["load_checkpoint", "model_sha256", "save_checkpoint"]
+__all__ = ["CheckpointError", "ModelFile", "load_checkpoint", "model_sha256", "read_model",
+           "save_checkpoint"]
 
 
 def model_sha256(params: np.ndarray) -> str:
@@ -67,3 +77,54 @@ def load_checkpoint(path: str) -> dict:
     out["table"] = LayerTable.from_json(out["table"])
     out["round"] = int(out["round"])
     return out
+
+
+@dataclass
+class ModelFile:
+    """A checkpoint read and checked by `read_model`."""
+    path: str                 # the model.npz
+    arrays: dict              # load_checkpoint's: the arrays, JSON fields decoded
+    model: Model              # rebuilt from the stored spec; its table is the stored one
+    params: np.ndarray        # float32, contiguous, model.n_params values
+
+
+def read_model(source) -> ModelFile:
+    """A run directory (holding model.npz from `edgefl simulate`) or a model.npz path, read
+    and checked: the model is rebuilt from the checkpoint's spec, and a checkpoint whose
+    stored layer table (or buffer) does not match what that spec builds is refused.
+    CheckpointError names the file and what is wrong."""
+    source = os.fspath(source)
+    path = os.path.join(source, "model.npz") if os.path.isdir(source) else source
+    if not os.path.exists(path):
+        where = f"run directory {source} has no model.npz" if os.path.isdir(source) else \
+            f"{source} does not exist"
+        raise CheckpointError(f"{where} (expected a run directory from `edgefl simulate` or "
+                              f"its model.npz)")
+    try:
+        ck = load_checkpoint(path)
+    except Exception as exc:   # zipfile.BadZipFile, KeyError, JSONDecodeError, OSError, ...
+        raise CheckpointError(f"{path}: not a readable edgefl checkpoint "
+                              f"({type(exc).__name__}: {exc})") from exc
+    missing = [k for k in ("params", "table", "model_spec", "input_shape", "num_classes")
+               if k not in ck]
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks {', '.join(missing)}")
+    spec = ck["model_spec"]
+    try:
+        model = build_model(spec, tuple(int(d) for d in ck["input_shape"]), int(ck["num_classes"]))
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: model_spec {json.dumps(spec)} does not build: "
+                              f"{exc}") from exc
+    table = ck["table"]
+    if table.digest != model.table.digest:
+        raise CheckpointError(
+            f"{path}: the checkpoint's layer table (digest {table.digest[:12]}, {len(table)} "
+            f"entries, {table.size} parameters) does not match the table its model config "
+            f"{json.dumps(spec)} builds (digest {model.table.digest[:12]}, {len(model.table)} "
+            f"entries, {model.n_params} parameters)")
+    params = np.ascontiguousarray(ck["params"])
+    if params.dtype != np.float32 or params.ndim != 1 or params.size != model.n_params:
+        raise CheckpointError(f"{path}: params is {params.dtype} {params.shape} but layer "
+                              f"table {model.table.digest[:12]} needs float32 "
+                              f"({model.n_params},)")
+    return ModelFile(path=path, arrays=ck, model=model, params=params)

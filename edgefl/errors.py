@@ -85,5 +85,11 @@ def budget_stop(exc: Exception, round: int, rounds_planned: int | None) -> dict:
                        f"round {round}: {exc}")
 
 
+class CheckpointError(ValueError):
+    """A model.npz (or a run directory meant to hold one) that is missing, unreadable or
+    inconsistent; the message names the file. Raised by edgefl.checkpoint.read_model, which
+    `edgefl export` and a run's `model.init` both read a checkpoint with."""
+
+
 class ExportError(ValueError):
     """An export that cannot be done; the message names the file, layer or key at fault."""

@@ -38,8 +38,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import __version__
-from ..checkpoint import load_checkpoint, model_sha256
-from ..errors import ExportError
+from ..checkpoint import model_sha256, read_model
+from ..errors import CheckpointError, ExportError
 from ..infer import Predictor
 from ..io import atomic_write, replace_atomic, temporary_path
 from .calibration import CALIBRATION_SAMPLES
@@ -51,7 +51,6 @@ from ..models import (
     OP_MAXPOOL2D,
     OP_RELU,
     Model,
-    build_model,
 )
 
 OPSET = 17        # pinned: onnxruntime >= 1.13 runs it (pyproject asks for >= 1.16)
@@ -414,42 +413,16 @@ class Run:
 def load_run(source) -> Run:
     """A run directory (holding model.npz from `edgefl simulate`) or a model.npz path.
 
-    Rebuilds the model from the checkpoint's spec and refuses a checkpoint whose stored layer
-    table (or buffer size) does not match what that spec builds. summary.json next to the
+    Read and checked by edgefl.checkpoint.read_model (the model rebuilt from the
+    checkpoint's spec, refused unless its stored layer table and buffer size match what that
+    spec builds); an export also needs the input normalisation. summary.json next to the
     checkpoint is used (final accuracy, the dataset section) only if its model_sha256 is the
     checkpoint's buffer's."""
-    source = os.fspath(source)
-    path = os.path.join(source, "model.npz") if os.path.isdir(source) else source
-    if not os.path.exists(path):
-        where = f"run directory {source} has no model.npz" if os.path.isdir(source) else \
-            f"{source} does not exist"
-        raise ExportError(f"export: {where} (expected a run directory from `edgefl simulate` "
-                          f"or its model.npz)")
     try:
-        ck = load_checkpoint(path)
-    except Exception as exc:   # zipfile.BadZipFile, KeyError, JSONDecodeError, OSError, ...
-        raise ExportError(f"{path}: not a readable edgefl checkpoint "
-                          f"({type(exc).__name__}: {exc})") from exc
-    missing = [k for k in ("params", "table", "model_spec", "input_shape", "num_classes")
-               if k not in ck]
-    if missing:
-        raise ExportError(f"{path}: checkpoint lacks {', '.join(missing)}")
-    spec = ck["model_spec"]
-    try:
-        model = build_model(spec, tuple(int(d) for d in ck["input_shape"]), int(ck["num_classes"]))
-    except ValueError as exc:
-        raise ExportError(f"{path}: model_spec {json.dumps(spec)} does not build: {exc}") from exc
-    table = ck["table"]
-    if table.digest != model.table.digest:
-        raise ExportError(
-            f"{path}: the checkpoint's layer table (digest {table.digest[:12]}, {len(table)} "
-            f"entries, {table.size} parameters) does not match the table its model config "
-            f"{json.dumps(spec)} builds (digest {model.table.digest[:12]}, {len(model.table)} "
-            f"entries, {model.n_params} parameters)")
-    params = np.ascontiguousarray(ck["params"])
-    if params.dtype != np.float32 or params.ndim != 1 or params.size != model.n_params:
-        raise ExportError(f"{path}: params is {params.dtype} {params.shape} but layer table "
-                          f"{model.table.digest[:12]} needs float32 ({model.n_params},)")
+        found = read_model(source)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
+    path, ck, model, params = found.path, found.arrays, found.model, found.params
     for key in ("norm_mean", "norm_std"):
         if key not in ck:
             raise ExportError(f"{path}: checkpoint lacks {key} (the input normalisation the "
