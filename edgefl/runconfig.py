@@ -4,6 +4,7 @@ overrides, parsed by edgefl.config) validated into frozen dataclasses, with defa
     dataset:   {name: digits}                 # + the dataset's options (edgefl.data)
     partition: {name: iid, clients: 10}       # + the partitioner's options
     model:     {name: softmax}                # + the model's options; init: uniform | zeros
+                                              #   | an earlier run's directory or model.npz
     strategy:  {name: mfl, gamma: 0.5}        # + the algorithm's parameters as sibling keys
                                               #   (fedavg/mfl/fednova: robust, docs/robust.md)
     train:     {lr: 0.1, batch_size: 32, epochs: 1}   # or steps; momentum, weight_decay, lr_decay
@@ -19,6 +20,10 @@ overrides, parsed by edgefl.config) validated into frozen dataclasses, with defa
 Every error names the file, the dotted key (and says when it came from --set) and the valid
 choices. A config may also be named by the stem of a file shipped in edgefl/configs
 (`edgefl simulate quickstart`).
+
+`model.init` naming a file is a warm start: the run's round-0 model is that checkpoint's
+(`RunConfig.init_file` resolves the path, edgefl.runs.prepare reads it). Reading the config
+never opens the file: a board or an edge aggregator reads the same config without it.
 """
 from __future__ import annotations
 
@@ -38,7 +43,8 @@ from .data import dataset_options, partition_options
 from .models import ModelSpecError, check_model_spec, model_names
 from .privacy import settings as privacy_settings
 from .privacy.settings import AdaptiveClip, DifferentialPrivacy, Privacy, SecureAggregation
-from .strategies import StrategyError, get_strategy, strategy_names, strategy_params
+from .strategies import (PrepareContext, StrategyError, get_strategy, strategy_names,
+                         strategy_params)
 
 __all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mapping",
            "builtin_configs", "resolve_config_path", "ConfigError"]
@@ -46,7 +52,8 @@ __all__ = ["TrainConfig", "RunConfig", "load_run_config", "run_config_from_mappi
 TOP_KEYS = ("dataset", "partition", "model", "strategy", "train", "rounds", "clients_per_round",
             "fraction", "seed", "eval_every", "attack", "privacy", "sim_fleet", "fleet")
 # model.init: "uniform" is Model.init's seeded default; "zeros" is w(0) = 0 for the convex
-# models (what the MFL reproduction uses; the paper only asks for equal initial values).
+# models (what the MFL reproduction uses; the paper only asks for equal initial values);
+# any other string is the path of a checkpoint to start from (RunConfig.init_file).
 # The other model keys are the model's options.
 MODEL_INITS = ("uniform", "zeros")
 DEFAULTS = {
@@ -99,6 +106,24 @@ class RunConfig:
     @property
     def clients(self) -> int:
         return int(self.partition["clients"])
+
+    @property
+    def base_dir(self) -> str | None:
+        """The config file's directory, where a relative path it names is looked up first
+        (None: a config of no file)."""
+        return os.path.dirname(os.path.abspath(self.path)) if self.path else None
+
+    def init_file(self) -> str | None:
+        """The absolute path of the checkpoint `model.init` names (a run directory or a
+        model.npz; not opened here), or None for a seeded model (uniform, zeros). A relative
+        path is taken beside the config file when it exists there, else in the working
+        directory, as for DUW's weight file (PrepareContext.resolve): a config file's own
+        neighbours are found from any directory, and `--set model.init=runs/x` works with a
+        built-in config too."""
+        init = self.model.get("init", "uniform")
+        if init in MODEL_INITS:
+            return None
+        return os.path.abspath(PrepareContext(base_dir=self.base_dir).resolve(init))
 
     def to_dict(self) -> dict:
         """The resolved configuration in the YAML vocabulary; loading it again gives the
@@ -185,8 +210,10 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
     model = v.section(data, "model")
     if model["name"] not in model_names():
         v.fail("model.name", f"unknown model {model['name']!r}; valid: {', '.join(model_names())}")
-    if model.get("init", "uniform") not in MODEL_INITS:
-        v.fail("model.init", f"{model['init']!r}; valid: {', '.join(MODEL_INITS)}")
+    init = model.get("init", "uniform")
+    if not isinstance(init, str) or not init.strip():
+        v.fail("model.init", f"{init!r}: give {', '.join(MODEL_INITS)}, or the path of an "
+                             f"earlier run's directory or its model.npz (a warm start)")
     try:   # the options' names and types, here: every command that reads a config checks them
         check_model_spec(model, extra=("init",))
     except ModelSpecError as exc:

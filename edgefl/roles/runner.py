@@ -117,6 +117,8 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
         return None
     run_result = RunResult(result.state, {}, result.history, result.params, result.stopped)
     summary = run_summary(config, run.model, run_result, workers or 1)
+    if run.warm_start is not None:
+        summary["init"] = run.warm_start
     summary["transport"] = {"name": "mqtt", "federation": settings.federation,
                             "run_id": result.run_id, "aggregated_rounds": result.aggregated}
     if exporter.exported:
@@ -142,8 +144,9 @@ def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id:
     kernel_stop = next((e for e in getattr(stop, "events", [stop])
                         if isinstance(e, StopFlag)), None)
     try:
+        # every round's model comes from the centre: model.init's file is the centre's only
         run = prepare_run(config, progress=False, stream=stream or sys.stderr,
-                          stop=kernel_stop)
+                          stop=kernel_stop, read_init=False)
     except TrainingStopped:
         return False
     _refuse_edges(config, run.strategy)

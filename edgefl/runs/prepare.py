@@ -1,7 +1,8 @@
 """A run of a RunConfig made concrete, for every way of running it: `prepare_run` loads the
-data set, partitions it, builds the model and its seeded initial buffer and the strategy
-(after its offline phase, `Strategy.prepare`, e.g. DUW's table): a `PreparedRun`, what
-`edgefl simulate` (edgefl.sim) and `edgefl aggregator` (edgefl.roles.runner) start from.
+data set, partitions it, builds the model and its initial buffer (seeded, or an earlier
+run's model: `model.init`, `initial_params`) and the strategy (after its offline phase,
+`Strategy.prepare`, e.g. DUW's table): a `PreparedRun`, what `edgefl simulate` (edgefl.sim)
+and `edgefl aggregator` (edgefl.roles.runner) start from.
 `client_shard` is one client's part of it, for a client that is a process of its own. A run
 ends in a `RunResult`: the server state, the clients' states, one record per round and the
 global model.
@@ -17,11 +18,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from .. import kernels
-from ..checkpoint import model_sha256
+from ..checkpoint import ModelFile, model_sha256, read_model
 from ..config import dataset_from_config, partition_from_config
 from ..data.layout import contiguous
 from ..data.partition import Shards, Tiled
-from ..errors import ConfigError, KernelError
+from ..errors import CheckpointError, ConfigError, KernelError
 from ..models import Model, ModelSpecError, build_model
 from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
@@ -31,7 +32,8 @@ from .phases import phase
 log = logging.getLogger("edgefl.runs.prepare")
 
 __all__ = ["PreparedRun", "RunResult", "ShardClients", "build_run_model", "client_shard",
-           "local_datasets", "prepare_run", "privacy_hooks"]
+           "initial_params", "local_datasets", "prepare_run", "privacy_hooks",
+           "read_init_file"]
 
 
 @dataclass
@@ -128,6 +130,7 @@ class PreparedRun:
     setup: Setup
     clients: Mapping                  # {client: LocalData}: a ShardClients
     hooks: PrivacyHooks = NO_HOOKS    # DP's (edgefl.privacy.dp), when the config asks for it
+    warm_start: dict | None = None    # model.init's checkpoint, model_sha256, round; or None
 
 
 def build_run_model(config: RunConfig, dataset) -> Model:
@@ -141,13 +144,60 @@ def build_run_model(config: RunConfig, dataset) -> Model:
         raise ConfigError(f"{config.path or '<config>'}: model: {exc}") from None
 
 
+def read_init_file(config: RunConfig) -> ModelFile | None:
+    """The checkpoint `model.init` names, read and checked (checkpoint.read_model), or None
+    for a seeded model. ConfigError naming the config, the key and the file: missing (a
+    relative path: both places it was looked for), unreadable, inconsistent."""
+    path = config.init_file()
+    if path is None:
+        return None
+    where = f"{config.path or '<config>'}: model.init"
+    given = os.path.expanduser(config.model["init"])
+    if not os.path.exists(path) and not os.path.isabs(given):
+        beside = os.path.join(config.base_dir, given) if config.base_dir else path
+        places = f"at {path}" if os.path.normpath(beside) == path else \
+            f"beside the config file ({beside}) or in the working directory ({path})"
+        raise ConfigError(f"{where}: {config.model['init']}: no run directory or model.npz "
+                          f"{places}; model.init is uniform, zeros or the path of an "
+                          f"earlier run's directory or model.npz")
+    try:
+        return read_model(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def initial_params(config: RunConfig, model: Model,
+                   init: ModelFile | None = None) -> np.ndarray:
+    """The run's round-0 model: `init`'s parameters (read_init_file: a warm start), refused
+    unless `init` holds this run's model (the same layer table), or else the seeded one
+    (model.init uniform or zeros)."""
+    if init is None:
+        return model.init(config.seed, zero=config.model.get("init") == "zeros")
+    theirs = init.model
+    if theirs.table.digest != model.table.digest:
+        raise ConfigError(
+            f"{config.path or '<config>'}: model.init: {init.path}: holds a model of "
+            f"{theirs.n_params} parameters (layer table {theirs.table.digest[:12]}, model "
+            f"{theirs.spec}, input {list(theirs.input_shape)}, {theirs.num_classes} "
+            f"classes), not this run's model of {model.n_params} parameters (layer table "
+            f"{model.table.digest[:12]}, model {model.spec}, input "
+            f"{list(model.input_shape)}, {model.num_classes} classes); a run starts only "
+            f"from a checkpoint of its own model")
+    return init.params
+
+
 def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
                 progress: bool | None = None, stream=None,
                 strategy: Strategy | None = None,
-                out_files: Mapping[str, str] | None = None, stop=None) -> PreparedRun:
-    """Load the dataset, partition it, build the model and its seeded initial buffer, and
-    the strategy; run the strategy's offline phase (`Strategy.prepare`, e.g. DUW's table)
-    unless a ready `strategy` is given (a resumed aggregator takes it from its checkpoint).
+                out_files: Mapping[str, str] | None = None, stop=None,
+                read_init: bool = True) -> PreparedRun:
+    """Load the dataset, partition it, build the model and its initial buffer (seeded, or
+    the checkpoint model.init names: `initial_params`), and the strategy; run the
+    strategy's offline phase (`Strategy.prepare`, e.g. DUW's table) unless a ready
+    `strategy` is given (a resumed aggregator takes it from its checkpoint).
+    read_init=False: model.init's file is not read and the seeded model stands in, for an
+    edge aggregator, which takes every round's model from the centre (a board prepares no
+    run: its model comes with each round).
     What the phase writes goes to out_dir, or to out_files {name: path} (duw-train --out).
     Every caller's rounds honour the whole `privacy:` section (secure aggregation, DP; a
     strategy that cannot run with it is refused when the config is read): with privacy.dp
@@ -155,6 +205,7 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     `stop` (a kernels.StopFlag) goes into every client's LocalData: the local rounds of the
     offline phase and of the run stop within one step once it is set."""
     hooks = privacy_hooks(config)     # before the data: a missing extra fails at once
+    init = read_init_file(config) if read_init else None    # and a missing file
     # before the data loads: a long run on an unrequested NumPy fallback stops here
     kernels.check_run_backend(config.rounds * config.clients_per_round,
                               config.path or "<config>", stream or sys.stderr)
@@ -168,7 +219,7 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     # model) and the whole set is checked once (ShardClients)
     dataset, split = contiguous(dataset, split)
     model = build_run_model(config, dataset)
-    init_params = model.init(config.seed, zero=config.model.get("init") == "zeros")
+    init_params = initial_params(config, model, init)
     if getattr(hooks, "rounding", 0):     # DP under secure aggregation: room for the rounding
         try:
             hooks.clip_bound(model.n_params)
@@ -183,7 +234,7 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
         strategy = get_strategy(config.strategy, **config.strategy_params)
         context = PrepareContext(
             where=config.path or "<config>", clients_per_round=config.clients_per_round,
-            base_dir=os.path.dirname(os.path.abspath(config.path)) if config.path else None,
+            base_dir=config.base_dir,
             record=config.to_dict(), out_dir=None if out_dir is None else os.fspath(out_dir),
             out_files=dict(out_files or {}), workers=workers,
             stream=None if progress is False else (stream or sys.stderr))
@@ -192,8 +243,11 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     if config.attack is not None and strategy.name != "attacked":   # (a checkpoint's is already)
         from ..attacks import with_attack      # malicious clients' uploads (edgefl.attacks)
         strategy = with_attack(strategy, config.attack, setup.clients)
+    warm_start = None if init is None else {   # (the file, not a runs/NAME link to it)
+        "checkpoint": os.path.realpath(init.path), "model_sha256": model_sha256(init_params),
+        "round": int(init.arrays.get("round", 0))}
     return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients,
-                       hooks)
+                       hooks, warm_start)
 
 
 def privacy_hooks(config: RunConfig) -> PrivacyHooks:

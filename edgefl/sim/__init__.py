@@ -174,6 +174,8 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
             metrics.close()
 
     summary = run_summary(config, model, result, workers)     # (with a DP budget's stop)
+    if run.warm_start is not None:
+        summary["init"] = run.warm_start
     if out_dir is not None:
         # The rounds are over: let the training set go before the export and the plot load
         # their libraries (onnxruntime, matplotlib: ~100 MB), so the run's peak memory is its
