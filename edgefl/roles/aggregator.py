@@ -55,11 +55,13 @@ from .. import __version__
 from .._malloc import keep_frames_in_heap
 from ..errors import ConfigError, budget_stop
 from ..io import bounded_text, terminal_text
+from ..checkpoint import model_sha256
 from ..config import check_number
 from ..models import Model
 from ..privacy import NO_HOOKS, BudgetExhausted, PrivacyHooks, secagg
 from ..privacy.hooks import task_generator
 from ..rounds import RoundEngine, RoundPlan, UploadTotals, add_evaluation, client_contribution
+from ..runconfig import MODEL_INITS
 from ..service.layered import check_setting, default
 from ..strategies import Setup, State, Strategy, StrategyError, Update
 from ..transport import wire
@@ -259,11 +261,17 @@ def secure_plan(run) -> dict:
 
 
 def run_fingerprint(plan: RunPlan, settings: AggregatorSettings) -> str:
-    """What identifies a run in its checkpoint: config, clients, federation, strategy."""
+    """What identifies a run in its checkpoint: config, clients, federation, strategy, and
+    for a warm start (model.init naming a checkpoint) the parameters it starts from, which
+    the config names only by their file's path."""
     doc = {"config": jsonable(dict(plan.description)), "clients": list(plan.client_ids),
            "federation": settings.federation, "prefix": settings.prefix,
            "strategy": plan.strategy.name, "table": plan.model.table.digest,
            "rounds": plan.setup.rounds, "seed": plan.setup.seed}
+    # a warm start's parameters, which the config names only by their file's path (a seeded
+    # model follows from the config: runs without a file keep the fingerprint they had)
+    if dict(plan.description.get("model") or {}).get("init", "uniform") not in MODEL_INITS:
+        doc["init_sha256"] = model_sha256(plan.init_params)
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -474,8 +482,8 @@ class Aggregator:
                 raise StateError(
                     f"{self.state_dir}: holds the checkpoint of run {ckpt.run_id} made with "
                     f"another configuration (fingerprint {ckpt.fingerprint[:12]}, this run "
-                    f"{self.fingerprint[:12]}: config, clients, federation or strategy "
-                    f"differ); use another state directory, or remove the checkpoint to start "
+                    f"{self.fingerprint[:12]}: config, clients, federation, strategy or "
+                    f"the parameters of model.init's file differ); use another state directory, or remove the checkpoint to start "
                     f"over")
             if ckpt.aggregated != list(range(1, ckpt.round + 1)):
                 raise StateError(f"{self.state_dir}: checkpoint of round {ckpt.round} lists "
