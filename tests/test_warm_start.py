@@ -218,3 +218,27 @@ def test_a_resume_takes_the_same_file_and_refuses_another(first, tmp_path, mosqu
     assert other["model_sha256"] != model_sha256(run.init_params)
     with pytest.raises(StateError, match=r"made with another configuration .*model\.init"):
         aggregate("c")
+
+
+def test_ctl_start_names_the_file_as_the_aggregator_service_will_find_it(first, tmp_path,
+                                                                        monkeypatch):
+    """`edgefl ctl start` sends the config as data, without its file: a relative model.init
+    is resolved where the config is read (beside it, then the working directory) and sent
+    as an absolute path, which the service, in a directory of its own, reads."""
+    import argparse
+
+    from edgefl.cli.ctl import _ctl_command
+    from edgefl.runconfig import run_config_from_mapping
+
+    run_dir, summary = first
+    shutil.copytree(run_dir, tmp_path / "runs" / "a")
+    path = write(str(tmp_path / "configs"), model={"name": "softmax", "init": "../runs/a"})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    doc = _ctl_command(argparse.Namespace(action="start", run_config=path, clients=None,
+                                          deadline=None, quorum=None, min_updates=None,
+                                          run_id=None))
+    assert doc["config"]["model"]["init"] == str(tmp_path / "runs" / "a")
+    received = run_config_from_mapping(doc["config"], "start: config")
+    assert model_sha256(prepare_run(received, progress=False).init_params) == \
+        summary["model_sha256"]

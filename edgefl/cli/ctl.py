@@ -171,6 +171,10 @@ def _ctl_command(args: argparse.Namespace) -> dict:
         config = load_run_config(args.run_config)      # errors name the file and key here
         body = config.to_dict()
         body["dataset"] = _absolute_paths(config.dataset, config.path)
+        if config.init_file() is not None:
+            # a warm start's checkpoint, named as the aggregator must find it: an absolute
+            # path, resolved here as `edgefl simulate` would (the file is read there)
+            body["model"]["init"] = config.init_file()
         doc["config"] = body
         if args.clients:
             doc["clients"] = [c.strip() for c in args.clients.split(",")]
