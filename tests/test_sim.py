@@ -103,7 +103,8 @@ def test_overrides_and_string_shorthands(tmp_path):
     (small(partition={"name": "dirichlet", "clients": 0}), (), r"partition\.clients: 0 is below the minimum 1"),
     (small(model={"name": "resnet"}), (), r"model\.name: unknown model 'resnet'; valid: .*mlp"),
     # (a string other than uniform and zeros is a checkpoint's path: tests/test_warm_start.py)
-    (small(model={"name": "mlp", "init": 3}), (), r"model\.init: 3: give uniform, zeros, or the path"),
+    (small(model={"name": "mlp", "init": 3}), (),
+     r"model\.init: 3: give uniform, zeros, or the path"),
     (small(), ("train.batchsize=3",), r"train\.batchsize \(from --set\): unknown key"),
     (small(), ("strategy.gamma=0.3",), r"strategy\.gamma \(from --set\): unknown parameter of fedavg"),
 ])

@@ -483,8 +483,8 @@ class Aggregator:
                     f"{self.state_dir}: holds the checkpoint of run {ckpt.run_id} made with "
                     f"another configuration (fingerprint {ckpt.fingerprint[:12]}, this run "
                     f"{self.fingerprint[:12]}: config, clients, federation, strategy or "
-                    f"the parameters of model.init's file differ); use another state directory, or remove the checkpoint to start "
-                    f"over")
+                    f"the parameters of model.init's file differ); use another state "
+                    f"directory, or remove the checkpoint to start over")
             if ckpt.aggregated != list(range(1, ckpt.round + 1)):
                 raise StateError(f"{self.state_dir}: checkpoint of round {ckpt.round} lists "
                                  f"aggregated rounds {ckpt.aggregated}; it is inconsistent")
