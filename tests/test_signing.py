@@ -1293,6 +1293,64 @@ def test_ctl_watch_refuses_forged_events_and_run_records_and_ends_on_the_genuine
             thread.join(10)
 
 
+def test_ctl_watch_is_not_ended_by_unsigned_forgeries_once_the_aggregator_is_known_to_sign(
+        tmp_path, mosquitto_server):
+    """watch, given the aggregator's key and started while no run is active, starts from the
+    service's status reply, signed: the aggregator signs, so its events are signed too. A
+    forger who then sends only unsigned events (no signed one comes while the service is
+    idle) must get them skipped, not end the watch with status 1 after --timeout as if the
+    aggregator signed none; watch follows the run started next and ends on its real end,
+    status 0."""
+    from edgefl.roles.control import ControlClient
+
+    url, fed = mosquitto_server.url, f"ev-{uid()}"
+    topics = Topics(fed)
+    agg_key, _, agg_pub = keypair(tmp_path, "aggregator")
+    config = load_run_config(write_config(tmp_path))
+    run = prepare_run(config, progress=False)
+    service = control_service(tmp_path, url, fed,
+                              Trust(fed, signer=Signer(agg_key, "aggregator", fed)), "agg")
+    forger = RawPublisher(url)
+    boards = []
+    watch, err_path = _watch(tmp_path, url, fed, "--timeout", "3", "--aggregator-key", agg_pub)
+    fake = {"event": "run_finished", "run": "r0", "node": "aggregator", "rounds": 1}
+    try:
+        def refused() -> int:
+            forger.publish(topics.events(), json.dumps({**fake, "at": time.time()}))
+            return err_path.read_text().count("unsigned (this node requires signatures)")
+        wait_for(lambda: refused() >= 1 or watch.poll() is not None, timeout=60, poll=0.3,
+                 what="watch to refuse an unsigned event")
+        until = time.monotonic() + 5.0             # past --timeout, forging all along
+        while time.monotonic() < until and watch.poll() is None:
+            refused()
+            time.sleep(0.3)
+        assert watch.poll() is None, (watch.returncode, err_path.read_text()[-500:])
+        for node in ("client-0", "client-1"):
+            boards.append(board(tmp_path, run, url, fed, node, None, [agg_key]))
+        requester = mqtt(url, "op")
+        requester.connect()
+        try:
+            reply = ControlClient(requester, topics, "op").request(
+                {"cmd": "start", "config": dict(BASE), "run": "r1",
+                 "clients": ["client-0", "client-1"]}, timeout=20)
+        finally:
+            requester.close(timeout=1.0, announce_offline=False)
+        assert reply["ok"], reply
+        out, _ = watch.communicate(timeout=120)
+        assert watch.returncode == 0, (out, err_path.read_text()[-500:])
+        finished = [line for line in out.decode().splitlines() if "run_finished" in line]
+        assert len(finished) == 1 and "rounds 2" in finished[0], out
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+        forger.close()
+        stop_service(service)
+        for client, thread in boards:
+            client.stop.set()
+            thread.join(10)
+
+
 def test_ctl_watch_with_the_key_ends_with_an_error_on_an_aggregator_that_signs_no_events(
         tmp_path, mosquitto_server):
     """Mixed versions: an aggregator older than signed events (or without a signing key)

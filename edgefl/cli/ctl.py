@@ -298,7 +298,8 @@ def _ctl_watch(args, transport, topics, name) -> int:
     refused one ends it, status 1), and so is every event and run record it follows
     (roles/signed_log.py): one that does not verify is skipped with a line on stderr naming
     the topic and the cause, and never acted on; when only unsigned ones have come for
-    --timeout seconds (an aggregator that does not sign them), watch ends, status 1. A run
+    --timeout seconds (an aggregator that does not sign them) and no signed status reply
+    said the aggregator signs, watch ends, status 1. A run
     that has ended before watch began sends no more events: its outcome, from the service's
     run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
     at once. After the end's event, watch waits (up to --timeout seconds) for the run's
@@ -354,6 +355,10 @@ def _ctl_watch(args, transport, topics, name) -> int:
         status = control.request({"cmd": "status"}, timeout=args.timeout)
         if verifier is not None:          # the reply verified: its time is the aggregator's
             not_before = events_not_before(began, status)
+            # and the aggregator signs: it signs its events with the key it signs replies
+            # with, so an unsigned event is a forgery to skip, never a sign that it signs
+            # none (which would end the watch after --timeout)
+            signs = True
         if status.get("ok"):
             result = status.get("result") or {}
             active = result.get("active")
