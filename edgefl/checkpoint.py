@@ -127,4 +127,12 @@ def read_model(source) -> ModelFile:
         raise CheckpointError(f"{path}: params is {params.dtype} {params.shape} but layer "
                               f"table {model.table.digest[:12]} needs float32 "
                               f"({model.n_params},)")
+    finite = np.isfinite(params)
+    if not finite.all():
+        # a diverged run's model: as round 0 every board's training would diverge at once
+        first = next(name for name, view in model.table.views(params).items()
+                     if not np.isfinite(view).all())
+        raise CheckpointError(f"{path}: {params.size - int(finite.sum())} of the "
+                              f"{params.size} parameters are not finite (NaN or infinite; "
+                              f"the first in layer {first!r}): a diverged model")
     return ModelFile(path=path, arrays=ck, model=model, params=params)

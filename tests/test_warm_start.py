@@ -167,6 +167,27 @@ def test_a_missing_or_unreadable_file_is_refused_naming_it_and_the_key(first, tm
         load_run_config(path)
 
 
+def test_a_checkpoint_with_non_finite_parameters_is_refused_naming_the_layer(first,
+                                                                              tmp_path):
+    """A diverged run's model.npz (NaN or infinite parameters) must not become round 0: the
+    boards' training would diverge at once and say nothing of the file."""
+    from edgefl.checkpoint import load_checkpoint
+
+    run_dir, _ = first
+    with np.load(run_dir / "model.npz", allow_pickle=False) as z:
+        arrays = dict(z)
+    params = load_checkpoint(str(run_dir / "model.npz"))["params"].copy()
+    for bad in (np.nan, np.inf):
+        params[3] = bad
+        key = next(k for k, v in arrays.items() if v.dtype == np.float32 and
+                   v.shape == params.shape)
+        np.savez(tmp_path / "diverged.npz", **{**arrays, key: params})
+        with pytest.raises(ConfigError, match=rf"model\.init: {tmp_path / 'diverged.npz'}: "
+                                              r"1 of the 650 parameters .*not finite.*layer "
+                                              r"'fc1\.weight'"):
+            prepare_run(warm(tmp_path, tmp_path / "diverged.npz"), progress=False)
+
+
 def test_a_board_never_needs_the_file(tmp_path, mosquitto_server):
     """A board with `--partition CONFIG` reads the config for its data only; an edge
     aggregator prepares the run from the centre's config but takes every round's model
