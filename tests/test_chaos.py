@@ -712,6 +712,38 @@ def test_a_secure_round_waits_in_no_phase_for_a_board_that_refused_it(tmp_path):
     assert record["closed_by"] == "secure" and record["updates"] == 2, record
 
 
+def test_a_secure_phase_waits_neither_for_an_offline_board_nor_for_one_that_refused(
+        tmp_path):
+    """Secure aggregation needing 3 of 5 boards: client-3 has gone offline (its status
+    says so) and client-4's board refuses the run (its limits). The three others answer;
+    each phase must close then, as it does when every missing board is offline -- a board
+    that said it will not answer is not waited for longer than one that went away."""
+    _need_mosquitto()
+    from edgefl.transport.broker import EmbeddedBroker
+    from test_roles_e2e import Fleet, write_config
+
+    config = load_run_config(write_config(
+        tmp_path, rounds=1, clients_per_round=5, partition={"name": "iid", "clients": 5},
+        privacy={"secure_aggregation": {"threshold": 0.6}}))
+    broker = EmbeddedBroker(kind="mosquitto").start()
+    fleet = Fleet(tmp_path, config, broker.url,
+                  settings={"round_timeout_s": 30.0, "offline_grace_s": 0.2})
+    try:
+        for name in ("client-0", "client-1", "client-2"):
+            fleet.start_client(name)
+        gone = fleet.start_client("client-3")
+        gone.stop.set()
+        fleet.threads["client-3"].join(10)
+        fleet.start_client("client-4", max_params=100)
+        fleet.start_aggregator()
+        result = fleet.finish(timeout=20)
+    finally:
+        fleet.close()
+        broker.stop()
+    record = result.history[0]
+    assert record["closed_by"] == "secure" and record["updates"] == 3, record
+
+
 def test_no_announcement_from_a_lost_session_while_paused(tmp_path):
     """Round 1 is paused (RunControl, as `edgefl ctl pause`) and stays paused past its
     deadline while the embedded broker (persistence off) restarts. The aggregator, back

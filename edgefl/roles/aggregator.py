@@ -1477,14 +1477,16 @@ class Aggregator:
             # within offline_grace_s of our own reconnect: a restarting broker publishes
             # every will) only once the phase has its threshold: below it, the clients may
             # come back before the deadline, and failing early would only start over
-            offline = {n for n in waiting if self.online.get(n) is False
-                       and mono - self._offline_since.get(n, -math.inf) >= s.offline_grace_s}
-            gone = bool(waiting) and waiting <= offline and len(book) >= server.setup.threshold \
-                and mono - self._reconnected_at >= s.offline_grace_s
             # boards that cannot speak secure aggregation, or that refused the round (their
             # status says why: limits, or a contribution revealed or lost), never answer:
             # not waited for
-            unable = bool(waiting) and waiting <= (self._without_secure.keys() | o.refused)
+            answering = waiting - self._without_secure.keys() - o.refused
+            unable = bool(waiting) and not answering
+            offline = {n for n in answering if self.online.get(n) is False
+                       and mono - self._offline_since.get(n, -math.inf) >= s.offline_grace_s}
+            gone = bool(waiting) and answering <= offline \
+                and len(book) >= server.setup.threshold \
+                and mono - self._reconnected_at >= s.offline_grace_s
             if not waiting or gone or unable or now >= phase_deadline:
                 phase = server.phase
                 try:
