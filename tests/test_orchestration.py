@@ -75,7 +75,7 @@ class Fleet:
     broker; every node logs in with its own account."""
 
     def __init__(self, server, tmp_path, *, deadline=60.0, quorum=1.0, client_limits=None,
-                 run_options=None, keep_runs=None, tag=None):
+                 run_options=None, keep_runs=None, tag=None, site_run=None):
         self.server, self.tmp = server, tmp_path
         # tag: another Fleet's, for the same federation again (a restarted service)
         self.tag = tag or uuid.uuid4().hex[:8]
@@ -90,8 +90,9 @@ class Fleet:
             client_ids=CLIENTS, retry_s=0.5, run_options=dict(run_options or {}),
             **({"keep_runs": keep_runs} if keep_runs is not None else {}))
         self.state_dir = tmp_path / "aggregator"
+        # site_run: (run config file, output directory) of the site file's run, queued first
         self.daemon = Daemon(settings, str(self.state_dir), self._aggregator_transport,
-                             stop=self.stop)
+                             stop=self.stop, site_run=site_run)
         self.thread = None
         self.error = None
         self.clients: dict = {}

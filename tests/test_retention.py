@@ -237,3 +237,160 @@ def test_prune_refuses_a_state_directory_the_service_holds_and_removes_nothing(t
     assert "retention.keep_runs" in result.stderr, result.stderr
     assert dry.returncode == 0 and "would remove 1 run(s), 10 bytes" in dry.stdout
     assert files_of(state / "runs") == before
+
+
+# ---------------------------------------------------------------------------------------
+# the prune command: the running service prunes (`edgefl ctl prune`)
+# ---------------------------------------------------------------------------------------
+
+def retained_record(f, run_id) -> dict | None:
+    """The retained run record on runs/<run_id>, as a subscriber gets it."""
+    from brokers import messages_within
+
+    t = f.transport("operator")
+    t.connect()
+    try:
+        t.subscribe(f.topics.run_record(run_id), qos=1)
+        got = [json.loads(m.payload) for m in messages_within(t, 0.5) if m.payload]
+    finally:
+        t.close(timeout=1.0, announce_offline=False)
+    return got[-1] if got else None
+
+
+def spared(files: dict, run_id: str) -> dict:
+    """The files of run_id but its record."""
+    return {k: v for k, v in under(files, run_id).items()
+            if not k.endswith(f"{os.sep}run.json")}
+
+
+def test_ctl_prune_while_the_service_waits_removes_the_older_runs_files(fleet):
+    """Two finished runs, the service waiting for the next: the command's dry run names the
+    older run and its bytes and removes nothing; the prune removes its files and keeps its
+    record, marked pruned in the listing, on disk and on the runs topic; the newer run is
+    whole. `keep` defaults to the site file's retention.keep_runs."""
+    f = fleet(keep_runs=2)
+    f.start_all()
+    for run_id in ("r1", "r2"):
+        f.run_to_end(run_config(rounds=1), run_id)
+    before = files_of(f.state_dir)
+    doomed = spared(before, "r1")
+    total = sum(size for size, _ in doomed.values())
+
+    default = f.ok({"cmd": "prune", "dry_run": True})              # keep_runs 2: nothing
+    assert (default["keep"], default["runs"], default["bytes"]) == (2, [], 0), default
+    dry = f.ok({"cmd": "prune", "keep": 1, "dry_run": True})
+    assert files_of(f.state_dir) == before                         # nothing removed
+    assert dry["dry_run"] is True and dry["keep"] == 1 and dry["bytes"] == total, dry
+    assert [(r["run"], r["state"], r["files"], r["bytes"], r["errors"]) for r in dry["runs"]] \
+        == [("r1", "finished", len(doomed), total, [])], dry
+    assert dry["runs_root"] == str(f.state_dir / "runs")
+
+    done = f.ok({"cmd": "prune", "keep": 1})
+    assert done["dry_run"] is False and done["bytes"] == total, done
+    assert [(r["run"], r["bytes"], r["errors"]) for r in done["runs"]] == [("r1", total, [])]
+    after = files_of(f.state_dir)
+    assert list(under(after, "r1")) == [os.path.join("runs", "r1", "run.json")]
+    assert under(after, "r2") == under(before, "r2")
+    runs = {r["id"]: r for r in f.ok({"cmd": "runs"})["runs"]}
+    assert runs["r1"]["state"] == "finished" and runs["r1"]["pruned_bytes"] == total
+    assert runs["r1"]["final_accuracy"] is not None and "pruned" not in runs["r2"]
+    on_disk = {r["id"]: r for r in RunStore(str(f.state_dir)).load_all()}
+    assert on_disk["r1"]["pruned"] and on_disk["r1"]["pruned_bytes"] == total
+    retained = retained_record(f, "r1")
+    assert retained["pruned_bytes"] == total and retained["state"] == "finished", retained
+    assert f.ok({"cmd": "prune", "keep": 1})["runs"] == []       # nothing left to do
+
+
+def test_ctl_prune_leaves_the_running_paused_queued_and_site_file_runs(fleet, tmp_path):
+    site = tmp_path / "site-run.yaml"
+    site.write_text(json.dumps(run_config(rounds=1)))              # JSON is YAML
+    site_out = tmp_path / "site-out"
+    f = fleet(site_run=(str(site), str(site_out)))
+    f.start_all()
+    site_id = f.daemon.site_record["id"]
+    wait_state(f, site_id, "finished")
+    f.run_to_end(run_config(rounds=1), "r1")
+    f.ok({"cmd": "start", "config": run_config(rounds=500), "run": "r2"})
+    f.events.wait("round_closed", run="r2", round=1)
+
+    def site_files():
+        # the site file's run: its checkpoint directly in the state directory, its outputs
+        # in its own directory, its record under runs/
+        files = files_of(f.state_dir)
+        return ({k: v for k, v in files.items() if not k.startswith(f"runs{os.sep}")},
+                under(files, site_id), files_of(site_out))
+
+    site_before = site_files()
+    assert site_before[0] and site_before[2]
+    running = f.ok({"cmd": "prune", "keep": 0})                    # r2 running
+    assert [r["run"] for r in running["runs"]] == ["r1"], running
+    assert [s["run"] for s in running["skipped"]] == [site_id], running
+    assert "the site file's run" in running["skipped"][0]["why"]
+    assert site_files() == site_before
+    assert AggregatorCheckpoint.load(f.state_dir / "runs" / "r2" / "state") is not None
+
+    f.ok({"cmd": "pause"})
+    f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "r3"})   # queued behind
+    before = files_of(f.state_dir)
+    paused = f.ok({"cmd": "prune", "keep": 0})
+    assert paused["runs"] == [] and [s["run"] for s in paused["skipped"]] == [site_id]
+    after = files_of(f.state_dir)
+    assert set(under(before, "r2")) <= set(under(after, "r2"))    # nothing of r2 removed
+    assert under(after, "r3") == under(before, "r3") and site_files() == site_before
+    records = {r["id"]: r for r in RunStore(str(f.state_dir)).load_all()}
+    assert records["r1"]["pruned"] and (records["r2"]["state"], records["r3"]["state"]) == \
+        ("paused", "queued")
+    assert not any(records[r].get("pruned") for r in (site_id, "r2", "r3"))
+    f.ok({"cmd": "resume"})
+    f.ok({"cmd": "stop"})
+
+
+def test_ctl_prune_refuses_bad_values_naming_them_and_removes_nothing(fleet):
+    f = fleet()                                          # no retention.keep_runs
+    f.start_all()
+    for run_id in ("r1", "r2"):
+        f.run_to_end(run_config(rounds=1), run_id)
+    before = files_of(f.state_dir)
+    cases = [
+        ({}, "prune: give keep (how many of the most recently ended runs keep their files): "
+             "the service's site file sets no retention.keep_runs"),
+        ({"keep": None}, "prune: give keep"),
+        ({"keep": True}, "prune: keep: must be an integer, got True"),
+        ({"keep": -1}, "prune: keep: -1 is below the minimum 0"),
+        ({"keep": 1.5}, "prune: keep: must be an integer, got 1.5"),
+        ({"keep": "1"}, "prune: keep: must be an integer, got '1'"),
+        ({"keep": 1, "dry_run": "no"}, "prune: dry_run: must be true or false, got 'no'"),
+        ({"keep": 1, "dry_run": 0}, "prune: dry_run: must be true or false, got 0"),
+        ({"keep": 1, "run": "r1"}, "prune: unknown field 'run'"),
+    ]
+    for fields, error in cases:
+        reply = f.control().request({"cmd": "prune", **fields}, timeout=20)
+        assert reply["ok"] is False and reply["cmd"] == "prune", (fields, reply)
+        assert reply["error"].startswith(error), (fields, reply["error"])
+    assert files_of(f.state_dir) == before
+    assert not any(r.get("pruned") for r in RunStore(str(f.state_dir)).load_all())
+
+
+def test_ctl_prune_leaves_the_run_whose_end_is_still_being_recorded(tmp_path):
+    """A run stopped by the operator is `stopped` before its model is exported from its
+    checkpoint (under the export lock, which prune waits for): a prune that came in between
+    would remove that checkpoint before the export. The run the service is still closing is
+    left, with the reason, and counted among the ended runs kept."""
+    from edgefl.roles.control import Command
+    from edgefl.roles.daemon import Daemon, DaemonSettings
+
+    state = tmp_path / "state"
+    _ended_run(state, "r1", 1, {"model.onnx": b"a" * 10})
+    r2 = _ended_run(state, "r2", 2, {"state/aggregator.npz": b"b" * 20})
+    daemon = Daemon(DaemonSettings(), str(state), transport_factory=None)
+    daemon.records = {r["id"]: r for r in daemon.store.load_all()}
+    daemon.records["r2"]["state"] = "stopped"
+    daemon._closing = "r2"              # as _execute has it until the run's end is recorded
+    result = daemon._cmd_prune(Command("prune", {"keep": 0}))
+    assert [r["run"] for r in result["runs"]] == ["r1"], result
+    assert [s["run"] for s in result["skipped"]] == ["r2"], result
+    assert "still being written" in result["skipped"][0]["why"]
+    assert (r2 / "state" / "aggregator.npz").read_bytes() == b"b" * 20
+    daemon._closing = None              # recorded: the next prune may take it
+    assert [r["run"] for r in daemon._cmd_prune(Command("prune", {"keep": 0}))["runs"]] == \
+        ["r2"]

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .. import __version__
+from ..config import check_number
 from ..errors import ConfigError
 from ..io import jsonable
 from ..service.layered import check_setting
@@ -80,6 +81,9 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
     "export": (("run",), "write model.npz and model.onnx of a run's latest checkpoint now"),
     "status": ((), "the daemon's state: active run, round, clients online, queue"),
     "runs": ((), "every run the daemon knows, with its state"),
+    "prune": (("keep", "dry_run"),
+              "remove the files of the ended runs beyond the `keep` most recently ended "
+              "(default: the site file's retention.keep_runs); dry_run: only say which"),
 }
 COMMON_FIELDS = ("cmd", "request_id", "reply_to")
 SIGNATURE_FIELD = "sig"       # the operator's signature (transport/signing.py), when signed
@@ -226,7 +230,22 @@ def _check(doc: Mapping) -> tuple[str, dict]:
             if len(set(clients)) != len(clients):
                 raise CommandError("start: clients lists an id twice")
         fields["round"] = _round_settings(fields.get("round"))
+    if name == "prune":
+        if fields.get("keep") is not None:
+            # a whole number >= 0, as `edgefl prune --keep` (0 keeps none); true is no number
+            fields["keep"] = check_number(fields["keep"], _refuse("prune: keep"), integer=True,
+                                          minimum=0)
+        if "dry_run" in fields and not isinstance(fields["dry_run"], bool):
+            raise CommandError(f"prune: dry_run: must be true or false, got "
+                               f"{fields['dry_run']!r}")
     return name, fields
+
+
+def _refuse(where: str):
+    """check_number's `where` for a command's field: its problem as a CommandError."""
+    def fail(problem):
+        raise CommandError(f"{where}: {problem}")
+    return fail
 
 
 def _round_settings(value) -> dict:

@@ -269,6 +269,9 @@ class Daemon:
         self._answering = None
         self._own_status = False                  # the idle status is ours to withdraw
         self.site_record: dict | None = None      # the site file's run (_queue_site_run)
+        # the run whose end _execute is recording (its export after a stop, its end-of-run
+        # announcement, its record): ended, but not yet the `prune` command's to remove
+        self._closing: str | None = None
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -474,6 +477,20 @@ class Daemon:
         record.update(self._progress(control))
         with self._lock:
             self.active = None
+            self._closing = record["id"]
+        try:
+            self._close_run(record, control, summary, error)
+        finally:
+            with self._lock:
+                self._closing = None
+        if record["state"] in DONE_STATES:
+            self._apply_retention()
+        if not self.stop.is_set() and not (self.settings.once and self._next() is None):
+            self._publish_idle_status()
+
+    def _close_run(self, record: dict, control: RunControl, summary, error) -> None:
+        """Record how the run ended (failed, finished, stopped by the operator, or only
+        interrupted by a service shutdown), export a stopped run's model, and publish."""
         self.executed.append(record["id"])
         now = time.time()
         if error is not None:
@@ -513,21 +530,26 @@ class Daemon:
             log.info("run %s interrupted (service stopping); it resumes from its checkpoint "
                      "after a restart", record["id"])
         self._publish_record(record)
-        if record["state"] in DONE_STATES:
-            self._apply_retention()
-        if not self.stop.is_set() and not (self.settings.once and self._next() is None):
-            self._publish_idle_status()
 
     def _apply_retention(self) -> None:
-        """retention.keep_runs: remove the files of the ended runs beyond the newest
-        keep_runs (roles/retention.py), each pruned run's record saved and published marked
-        pruned. Only ended runs' records are looked at, which nothing changes but this; a
-        failure is logged and the service goes on."""
-        from .retention import RAN_STATES, prune_runs
-
+        """retention.keep_runs, as a run ends: _prune with it; a failure is logged and the
+        service goes on."""
         keep = self.settings.keep_runs
         if keep is None:
             return
+        try:
+            self._prune(keep, "retention")
+        except Exception:         # noqa: BLE001 -- retention must not end the service
+            log.exception("retention (keep_runs %d) failed", keep)
+
+    def _prune(self, keep: int, why: str, dry_run: bool = False):
+        """Remove the files of the ended runs beyond the newest `keep` (roles/retention.py),
+        each pruned run's record saved and published marked pruned; the report (a
+        PruneReport), each run logged with `why` (retention, prune). The end-of-run
+        retention and the `prune` command both come here. The records are taken before the
+        export lock is: a run that ends meanwhile is not among them (kept, as if newer),
+        and the run whose end is still being recorded (an export after its stop) is left."""
+        from .retention import RAN_STATES, prune_runs
 
         def mark(record, run):
             with self._lock:
@@ -537,23 +559,24 @@ class Daemon:
 
         with self._lock:
             ended = [r for r in self.records.values() if r["state"] in RAN_STATES]
-        try:
-            # under the export lock: an export of a run being pruned would read a checkpoint
-            # half removed, or write a model.onnx into a run then marked pruned
-            with self._export_lock:
-                report = prune_runs(ended, keep, self.store.root, spare=(RECORD_FILE,),
-                                    mark=mark)
-        except Exception:         # noqa: BLE001 -- retention must not end the service
-            log.exception("retention (keep_runs %d) failed", keep)
-            return
+            leave = {self._closing: "it has just ended: its export and end-of-run record are "
+                                    "still being written (prune again)"} \
+                if self._closing is not None else {}
+        # under the export lock: an export of a run being pruned would read a checkpoint
+        # half removed, or write a model.onnx into a run then marked pruned
+        with self._export_lock:
+            report = prune_runs(ended, keep, self.store.root, spare=(RECORD_FILE,),
+                                dry_run=dry_run, mark=mark, leave=leave)
+        verb = "would remove" if dry_run else "pruned"
         for run in report.runs:
-            log.info("retention: run %s (%s) pruned, %d bytes in %d file(s) removed%s",
-                     run.run, run.state, run.bytes, len(run.removed),
-                     f"; {len(run.errors)} could not be" if run.errors else "")
-            for path, why in run.errors:
-                log.error("retention: cannot remove %s: %s", path, why)
-        for run_id, why in report.skipped:
-            log.info("retention: run %s left: %s", run_id, why)
+            log.info("%s: run %s (%s) %s, %d bytes in %d file(s)%s", why, run.run, run.state,
+                     verb, run.bytes, len(run.removed),
+                     f"; {len(run.errors)} could not be removed" if run.errors else "")
+            for path, reason in run.errors:
+                log.error("%s: cannot remove %s: %s", why, path, reason)
+        for run_id, reason in report.skipped:
+            log.info("%s: run %s left: %s", why, run_id, reason)
+        return report
 
     # ------------------------------------------------------------------ exports
     @property
@@ -1077,3 +1100,13 @@ class Daemon:
                     doc.update({k: v for k, v in self._progress(control).items()
                                 if v is not None})
         return {"runs": runs}
+
+    def _cmd_prune(self, command) -> dict:
+        keep = command.fields.get("keep")
+        if keep is None:
+            keep = self.settings.keep_runs
+        if keep is None:
+            raise CommandError("prune: give keep (how many of the most recently ended runs "
+                               "keep their files): the service's site file sets no "
+                               "retention.keep_runs")
+        return self._prune(keep, "prune", bool(command.fields.get("dry_run"))).as_dict()

@@ -1,6 +1,7 @@
 """Retention of the aggregator service's ended runs: which runs' files go, and their removal
 (docs/orchestration.md "Retention"). The service applies it as each run ends (the site
-file's `retention.keep_runs`), `edgefl prune` on demand.
+file's `retention.keep_runs`) and on its `prune` command (`edgefl ctl prune`), `edgefl
+prune` on demand while the service is stopped.
 
     report = prune_runs(records, keep=3, runs_root=store.root, spare=("run.json",),
                         mark=save_pruned)     # dry_run=True: the same report, nothing removed
@@ -12,6 +13,9 @@ The rules, each a line of prune_runs:
   resume needs) are never touched; a cancelled run never had files.
 - The site file's run is left: its checkpoint is the state directory's own (not under
   runs/<id>/), and it decides whether a changed site file may start a new run there.
+- A run the caller names in `leave` (the service: one whose end it is still recording --
+  its export after a stop, its announcements) is ranked as ended but left, with the
+  caller's reason.
 - Only what is under `<runs_root>/<id>/` is removed, and the run's record (`spare`) stays,
   marked pruned (its time and bytes), so listings, run ids and the retained record on the
   runs topic stay consistent: a pruned run is listed as pruned. A run whose directory is a
@@ -20,7 +24,9 @@ The rules, each a line of prune_runs:
 - A file that cannot be removed (permissions, a read-only or immutable file) is reported by
   path and the rest goes on; that run is not marked pruned, so the next prune tries again.
 
-Bytes are the sizes of the regular files removed (st_size, not blocks)."""
+Bytes are the sizes of the regular files removed (st_size, not blocks). The report as JSON
+(PruneReport.as_dict) is the service's reply to `prune`, and what `edgefl prune` prints
+from."""
 from __future__ import annotations
 
 import errno
@@ -53,6 +59,7 @@ class RunPrune:
 class PruneReport:
     keep: int
     dry_run: bool
+    runs_root: str = ""
     runs: list = field(default_factory=list)         # RunPrune, oldest first
     skipped: list = field(default_factory=list)      # (run id, why it was left)
 
@@ -64,25 +71,38 @@ class PruneReport:
     def errors(self) -> list:
         return [e for r in self.runs for e in r.errors]
 
+    def as_dict(self) -> dict:
+        """{keep, dry_run, runs_root, bytes, runs: [{run, state, ended, files, bytes,
+        errors: [{path, error}]}], skipped: [{run, why}]}: JSON, the removed paths counted,
+        not listed (a run's state directory may hold thousands)."""
+        return {"keep": self.keep, "dry_run": self.dry_run, "runs_root": self.runs_root,
+                "bytes": self.bytes,
+                "runs": [{"run": r.run, "state": r.state, "ended": r.ended,
+                          "files": len(r.removed), "bytes": r.bytes,
+                          "errors": [{"path": p, "error": why} for p, why in r.errors]}
+                         for r in self.runs],
+                "skipped": [{"run": run, "why": why} for run, why in self.skipped]}
+
 
 def _newest_first(record: dict) -> tuple:
     return (-(record.get("ended") or record.get("created") or 0.0), -record.get("seq", 0))
 
 
 def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
-               dry_run: bool = False, mark: Callable | None = None) -> PruneReport:
+               dry_run: bool = False, mark: Callable | None = None,
+               leave: dict | None = None) -> PruneReport:
     """Remove the files of the ended runs among `records` (the run records, dicts) beyond
     the `keep` most recently ended, under `runs_root` (the service's `<state_dir>/runs`).
     mark(record, run_prune) is called for each run whose files are all gone (not on a dry
-    run), to save its record marked pruned."""
+    run), to save its record marked pruned. leave: {run id: why} of runs ranked but left."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise ValueError(f"keep: a whole number >= 0, got {keep!r}")
-    report = PruneReport(keep, dry_run)
+    report = PruneReport(keep, dry_run, runs_root)
     ran = sorted((r for r in records if r.get("state") in RAN_STATES), key=_newest_first)
     for record in reversed(ran[keep:]):
         if record.get("pruned"):
             continue
-        why = _why_left(record, runs_root)
+        why = (leave or {}).get(record["id"]) or _why_left(record, runs_root)
         if why is not None:
             report.skipped.append((record["id"], why))
             continue
