@@ -394,3 +394,60 @@ def test_ctl_prune_leaves_the_run_whose_end_is_still_being_recorded(tmp_path):
     daemon._closing = None              # recorded: the next prune may take it
     assert [r["run"] for r in daemon._cmd_prune(Command("prune", {"keep": 0}))["runs"]] == \
         ["r2"]
+
+
+def test_edgefl_ctl_prune_prints_what_it_removed_and_exits_1_on_a_failed_removal(
+        fleet, tmp_path):
+    f = fleet()
+    f.start_all()
+    for run_id in ("r1", "r2", "r3"):
+        f.run_to_end(run_config(rounds=1), run_id)
+    ctl = orchestration.ctl_argv(f, tmp_path)
+    root = f.state_dir / "runs"
+    before = files_of(f.state_dir)
+    sizes = {r: sum(s for s, _ in spared(before, r).values()) for r in ("r1", "r2")}
+
+    dry = orchestration.run_ctl(ctl, "prune", "--keep", "1", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert lines[0] == f"{root}: keeping the files of the 1 most recently ended run(s)", lines
+    assert lines[1].startswith("would remove run r1 (finished ") and lines[1].endswith(
+        f"): {len(spared(before, 'r1'))} file(s), {sizes['r1']} bytes"), lines
+    assert lines[2].startswith("would remove run r2 (finished "), lines
+    assert lines[3] == (f"would remove 2 run(s), {sizes['r1'] + sizes['r2']} bytes "
+                        "(dry run: nothing removed)"), lines
+    assert files_of(f.state_dir) == before
+
+    stuck = root / "r1" / "state" / "rounds.jsonl"
+    assert stuck.is_file()
+    if not _immutable(stuck):
+        pytest.skip("cannot make a file unremovable here (chattr +i refused)")
+    try:
+        failed = orchestration.run_ctl(ctl, "prune", "--keep", "1")
+    finally:
+        _mutable(stuck)
+    assert failed.returncode == 1, (failed.stdout, failed.stderr)
+    assert f"edgefl ctl prune: cannot remove {stuck}: " in failed.stderr, failed.stderr
+    assert "removed run r2 " in failed.stdout and "removed 1 run(s), " in failed.stdout
+    assert "; 1 path(s) could not be removed" in failed.stdout, failed.stdout
+    assert stuck.exists() and not (root / "r1" / "model.onnx").exists()
+
+    again = orchestration.run_ctl(ctl, "prune", "--keep", "1", "--json")   # r1 tried again
+    assert again.returncode == 0, again.stderr
+    reply = json.loads(again.stdout)
+    assert reply["ok"] and [r["run"] for r in reply["result"]["runs"]] == ["r1"], reply
+    assert list(under(files_of(f.state_dir), "r1")) == [os.path.join("runs", "r1", "run.json")]
+    assert spared(files_of(f.state_dir), "r3") == spared(before, "r3")
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["stop", "--dry-run"], "ctl stop: --dry-run is for prune"),
+    (["pause", "--keep", "1"], "ctl pause: --keep is for prune"),
+    (["prune", "--run", "r1"], "ctl prune: takes no --run"),
+])
+def test_ctl_refuses_prune_options_elsewhere_before_sending(capsys, argv, problem):
+    from edgefl.cli import main
+
+    assert main(["ctl", *argv, "--broker", "mqtt://127.0.0.1:1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"edgefl ctl: error: {problem}"), err

@@ -6,14 +6,15 @@ import argparse
 import os
 import sys
 
-from .command import Command, seconds
+from .command import Command, UsageError, seconds, whole
 
 
 # ---------------------------------------------------------------------------------------
 # edgefl ctl: a thin client of the control topics (docs/orchestration.md)
 # ---------------------------------------------------------------------------------------
 
-CTL_ACTIONS = ("start", "pause", "resume", "stop", "export", "status", "runs", "watch")
+CTL_ACTIONS = ("start", "pause", "resume", "stop", "export", "status", "runs", "prune",
+               "watch")
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser, default: str = "") -> None:
@@ -56,10 +57,12 @@ def add_operator_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=CTL_ACTIONS,
                         help="start CONFIG: queue a run; pause / resume / stop / export: the "
-                             "active run (or --run ID); status; runs; watch: follow the "
-                             "events until the run ends (Ctrl-C to leave), or say how "
-                             "--run ID ended if it has; exit 0 finished, 1 failed or "
-                             "unknown, 3 stopped or cancelled")
+                             "active run (or --run ID); status; runs; prune [--keep N] "
+                             "[--dry-run]: the service removes its older ended runs' files "
+                             "(while it runs; exit 1 when a file could not be removed); "
+                             "watch: follow the events until the run ends (Ctrl-C to leave), "
+                             "or say how --run ID ended if it has; exit 0 finished, 1 failed "
+                             "or unknown, 3 stopped or cancelled")
     parser.add_argument("run_config", nargs="?", metavar="CONFIG",
                         help="with start: the run config (YAML file or built-in name)")
     add_operator_arguments(parser, "publish commands")
@@ -85,6 +88,11 @@ def _ctl_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start: round quorum of this run")
     parser.add_argument("--min-updates", type=int, metavar="N",
                         help="start: fewest updates a round of this run is aggregated with")
+    parser.add_argument("--keep", type=whole, metavar="N",
+                        help="prune: keep the files of the N most recently ended runs (0: "
+                             "none); default: the service's retention.keep_runs")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="prune: say what would be removed and remove nothing")
     parser.add_argument("--timeout", type=seconds, default=10.0, metavar="SECONDS",
                         help="how long to wait for a reply (default 10)")
     parser.add_argument("--json", action="store_true",
@@ -97,9 +105,9 @@ def operator_settings(args: argparse.Namespace, tool: str,
     (add_operator_arguments). A site file (--config) gives the broker URL, its CA file and
     the federation, never its account: that is the node's own login (the aggregator's, a
     board's), which the broker's ACL does not let do what the operator does (`why`, e.g.
-    "publish commands"; `tool` names the command, "ctl"). The account is the command line's (--username / --password-file,
-    or --cert-file / --key-file); with a site file that names an account and none given,
-    ValueError before connecting, saying so."""
+    "publish commands"; `tool` names the command, "ctl"). The account is the command
+    line's (--username / --password-file, or --cert-file / --key-file); with a site file
+    that names an account and none given, ValueError before connecting, saying so."""
     from ..service.layered import default, load_service_config
 
     config = None
@@ -189,7 +197,19 @@ def _ctl_command(args: argparse.Namespace) -> dict:
             doc["round"] = rounds
     elif args.run_config is not None:
         raise ValueError(f"ctl {args.action}: takes no CONFIG (got {args.run_config!r})")
-    if args.run_id is not None and args.action not in ("status", "runs", "watch"):
+    if args.action == "prune":
+        if args.run_id is not None:
+            raise UsageError("ctl prune: takes no --run (it removes the files of the ended "
+                             "runs beyond the --keep N most recently ended)")
+        if args.keep is not None:
+            doc["keep"] = args.keep
+        doc["dry_run"] = args.dry_run
+    else:
+        # refused, not ignored: `ctl stop --dry-run` must not stop the run
+        for given, option in ((args.keep is not None, "--keep"), (args.dry_run, "--dry-run")):
+            if given:
+                raise UsageError(f"ctl {args.action}: {option} is for prune only")
+    if args.run_id is not None and args.action not in ("status", "runs", "watch", "prune"):
         doc["run"] = args.run_id
     return doc
 
@@ -233,8 +253,19 @@ def _ctl(args: argparse.Namespace) -> int:
     elif not reply.get("ok"):
         print(terminal_text(f"edgefl ctl {args.action}: refused: {reply.get('error')}"),
               file=sys.stderr)
+    elif args.action == "prune":
+        from .prune import prune_lines
+
+        out, err = prune_lines(reply.get("result") or {}, "edgefl ctl prune")
+        print(terminal_text("\n".join(out)))
+        if err:
+            print(terminal_text("\n".join(err)), file=sys.stderr)
     else:
         print(terminal_text(_ctl_text(args.action, reply.get("result") or {})))
+    if args.action == "prune" and reply.get("ok"):
+        from .prune import prune_status
+
+        return prune_status(reply.get("result") or {})     # 1: a file could not be removed
     return 0 if reply.get("ok") else 1
 
 
@@ -529,5 +560,5 @@ def _event_text(event: dict, online: set) -> str:
 CTL = Command(
     "ctl",
     "drive the aggregator service over MQTT: start CONFIG | pause | resume | stop | export | "
-    "status | runs | watch (the operator's account)",
+    "status | runs | prune | watch (the operator's account)",
     _ctl_arguments, _ctl)

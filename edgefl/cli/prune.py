@@ -1,6 +1,7 @@
 """`edgefl prune`: remove the files of the aggregator service's older ended runs, on demand
-(the service does it itself as each run ends when the site file sets retention.keep_runs;
-the rules are roles/retention.py's)."""
+while the service is stopped (the service does it itself as each run ends when the site
+file sets retention.keep_runs, and on `edgefl ctl prune` while it runs; the rules are
+roles/retention.py's). What both commands print of a prune is here (prune_lines)."""
 from __future__ import annotations
 
 import argparse
@@ -65,22 +66,43 @@ def _prune(args: argparse.Namespace) -> int:
         holder = _lock_holder(os.path.join(store.state_dir, "aggregator.lock"))
         raise StateError(f"{store.state_dir}: the state directory is in use by the "
                          f"aggregator service ({holder}), which prunes by itself as each run "
-                         f"ends when its site file sets retention.keep_runs; to prune by "
-                         f"hand, stop it first (--dry-run works while it runs)") from None
-    verb = "would remove" if args.dry_run else "removed"
-    print(f"{store.root}: keeping the files of the {keep} most recently ended run(s)")
-    for run in report.runs:
-        print(f"{verb} run {run.run} ({run.state} {_when(run.ended)}): {len(run.removed)} "
-              f"file(s), {run.bytes} bytes")
-    for path, why in report.errors:
-        print(f"edgefl prune: cannot remove {path}: {why}", file=sys.stderr)
-    for run_id, why in report.skipped:
-        print(f"edgefl prune: run {run_id} left: {why}", file=sys.stderr)
-    done = [r for r in report.runs if not r.errors]
-    print(f"{verb} {len(done)} run(s), {report.bytes} bytes"
-          + (" (dry run: nothing removed)" if args.dry_run else "")
-          + (f"; {len(report.errors)} path(s) could not be removed" if report.errors else ""))
-    return 1 if report.errors else 0
+                         f"ends when its site file sets retention.keep_runs; while it runs, "
+                         f"prune through it: edgefl ctl prune --keep N (or stop it first; "
+                         f"--dry-run works here while it runs)") from None
+    out, err = prune_lines(report.as_dict(), "edgefl prune")
+    for line in out:
+        print(line)
+    for line in err:
+        print(line, file=sys.stderr)
+    return prune_status(report.as_dict())
+
+
+def prune_lines(doc: dict, tool: str) -> tuple[list, list]:
+    """What `edgefl prune` and `edgefl ctl prune` print of a prune's report
+    (PruneReport.as_dict, the service's `prune` reply): lines for stdout (each run removed,
+    or on a dry run to be removed, and the total) and for stderr (`tool`: each path that
+    could not be removed, each run left and why)."""
+    dry_run = doc.get("dry_run")
+    verb = "would remove" if dry_run else "removed"
+    runs = doc.get("runs") or []
+    out = [f"{doc.get('runs_root')}: keeping the files of the {doc.get('keep')} most recently "
+           f"ended run(s)"]
+    out += [f"{verb} run {run.get('run')} ({run.get('state')} {_when(run.get('ended'))}): "
+            f"{run.get('files')} file(s), {run.get('bytes')} bytes" for run in runs]
+    errors = [e for run in runs for e in run.get("errors") or []]
+    err = [f"{tool}: cannot remove {e.get('path')}: {e.get('error')}" for e in errors]
+    err += [f"{tool}: run {s.get('run')} left: {s.get('why')}"
+            for s in doc.get("skipped") or []]
+    done = [run for run in runs if not run.get("errors")]
+    out.append(f"{verb} {len(done)} run(s), {doc.get('bytes')} bytes"
+               + (" (dry run: nothing removed)" if dry_run else "")
+               + (f"; {len(errors)} path(s) could not be removed" if errors else ""))
+    return out, err
+
+
+def prune_status(doc: dict) -> int:
+    """The exit status of a prune: 1 when a path could not be removed, else 0."""
+    return 1 if any(run.get("errors") for run in doc.get("runs") or []) else 0
 
 
 PRUNE = Command(
