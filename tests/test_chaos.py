@@ -587,12 +587,16 @@ def test_a_pause_once_the_unmask_requests_are_out_lets_the_round_close(tmp_path)
     assert record["secure"]["survivors"] == 3 and record["secure"]["dropped"] == [], record
 
 
-def test_an_unmask_phase_that_fails_stops_the_run_instead_of_a_second_attempt(tmp_path):
+@pytest.mark.parametrize("client_2", ["stopped", "restarted"])
+def test_an_unmask_phase_that_fails_stops_the_run_instead_of_a_second_attempt(tmp_path,
+                                                                              client_2):
     """client-2 stops once the masked inputs are in (the aggregator held at the masked
     phase's close), so the unmask phase gets 2 of the 3 reveals it needs and fails at its
     deadline. Announcing the round again, a new attempt over the same stored updates, would
     let an aggregator that kept the late reveals unmask both sums and subtract them: the
-    run stops instead, saying why, with round 1 not aggregated."""
+    run stops instead, saying why, with round 1 not aggregated. Restarted, client-2 has no
+    contribution left and says so (a refusal): the error is still the unmask phase's, with
+    its reason, not the one for a round that refusals leave below its threshold."""
     _need_mosquitto()
     from edgefl.errors import ConfigError
 
@@ -601,6 +605,16 @@ def test_an_unmask_phase_that_fails_stops_the_run_instead_of_a_second_attempt(tm
         with _held_at_the_close_of(fleet, "masked") as stall:
             fleet.clients["client-2"].stop.set()
             fleet.threads["client-2"].join(10)
+            if client_2 == "restarted":
+                watcher = fleet.transport("watcher", clean_session=True)
+                watcher.connect()
+                try:
+                    watcher.subscribe(Topics(fleet.federation).status("client-2"), qos=1)
+                    fleet.start_client("client-2")
+                    wait_for(lambda: b'"refused"' in next_message(watcher, 10).payload,
+                             timeout=10, what="the restarted client-2's refusal")
+                finally:
+                    watcher.close(timeout=1, announce_offline=False)
             stall.release()
             with pytest.raises(ConfigError, match=r"round 1: the unmask phase failed.*"
                                                   r"the run stops here"):

@@ -1492,11 +1492,14 @@ class Aggregator:
                 try:
                     out = server.advance()
                 except secagg.SecAggAborted as exc:
+                    # the unmask phase's failure first: its reason (and its event) is the
+                    # privacy one, whatever left the phase short (a board restarted after
+                    # its masked input refuses the round: no contribution left)
+                    if phase == "unmask":
+                        raise self._unmask_failed(exc) from None
                     unreachable = self._secure_unreachable(server)
                     if unreachable is not None:
                         raise unreachable from None
-                    if phase == "unmask":
-                        raise self._unmask_failed(exc) from None
                     log.warning("round %d: secure aggregation failed (%s); announcing it again",
                                 o.round, exc)
                     self._event("secure_round_failed", round=o.round, phase=phase,
