@@ -1349,8 +1349,8 @@ class Aggregator:
                                  for reason, ns in by_reason.items()))
         advice = "a restart after the upgrade resumes it), or run it without " \
             "privacy.secure_aggregation" if not refusing else \
-            "a restart announces this round again, to the same boards), or start a new " \
-            "run from this one's model (docs/privacy.md)"
+            "the same boards would refuse this round again); start a new run from its " \
+            "model (model.init: docs/orchestration.md), or with a lower threshold"
         return ConfigError(
             f"round {o.round}: secure aggregation needs {server.setup.threshold} of its "
             f"{len(nodes)} clients, and {len(older) + len(refusing)} cannot take part: "
