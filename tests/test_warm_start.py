@@ -263,3 +263,59 @@ def test_ctl_start_names_the_file_as_the_aggregator_service_will_find_it(first, 
     received = run_config_from_mapping(doc["config"], "start: config")
     assert model_sha256(prepare_run(received, progress=False).init_params) == \
         summary["model_sha256"]
+
+
+def test_a_started_run_resumes_without_the_file(first, tmp_path, mosquitto_server, caplog):
+    """Once the run has started, its state directory records the parameters' sha256: a
+    resume after the file was removed (retention pruned the source run, an operator cleared
+    it) goes on from the checkpoint with a warning naming the file, and the fingerprint is
+    still checked, with the recorded hash. A checkpoint of before the record (none there)
+    needs the file as before, and records it when the file is there."""
+    from edgefl.roles.runner import run_aggregator
+
+    record_file = "warm_start.json"      # in the run's state directory, beside its checkpoint
+    run_dir, first_summary = first
+    shutil.copytree(run_dir, tmp_path / "init")
+    config = warm(tmp_path, tmp_path / "init", rounds=1)
+    federation = f"warm-{uuid.uuid4().hex[:8]}"
+    settings = AggregatorSettings(federation=federation, round_timeout_s=30.0)
+    state = tmp_path / "agg"
+    run = prepare_run(config, progress=False)
+
+    def aggregate(tag):
+        transport = MqttTransport(mosquitto_server.url, f"agg-{tag}-{federation}",
+                                  clean_session=True)
+        return run_aggregator(config, transport, str(state), settings=settings)
+
+    clients, threads = start_mqtt_clients(mosquitto_server.url, federation, "a", run,
+                                          tmp_path, range(4))
+    try:
+        summary = aggregate("a")
+    finally:
+        stop_clients(clients, threads)
+
+    shutil.rmtree(tmp_path / "init")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="edgefl.roles.runner"):
+        resumed = aggregate("b")
+    assert resumed["model_sha256"] == summary["model_sha256"]
+    assert resumed["init"] == summary["init"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(str(tmp_path / "init") in m and "model.init" in m for m in warned), warned
+    record = json.loads((state / record_file).read_text())
+    assert record["model_sha256"] == first_summary["model_sha256"] == summary["init"][
+        "model_sha256"]
+
+    # the fingerprint is checked with the recorded hash: another one is another run
+    (state / record_file).write_text(json.dumps({**record, "model_sha256": "0" * 64}))
+    with pytest.raises(StateError, match=r"made with another configuration"):
+        aggregate("c")
+
+    # a checkpoint of before the record needs the file, as it did; with the file there,
+    # the resume records it
+    (state / record_file).unlink()
+    with pytest.raises(ConfigError, match=rf"model\.init: .*{tmp_path / 'init'}"):
+        aggregate("d")
+    shutil.copytree(run_dir, tmp_path / "init")
+    assert aggregate("e")["model_sha256"] == summary["model_sha256"]
+    assert json.loads((state / record_file).read_text()) == record

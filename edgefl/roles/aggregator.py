@@ -236,6 +236,10 @@ class RunPlan:
     hooks: PrivacyHooks = NO_HOOKS
     secure: object = None               # privacy.settings.SecureAggregation: secure rounds
     sample_counts: tuple = ()           # |D_i| of client i: the secure quantiser's weight bound
+    # a warm start's parameters' sha256 when the parameters are not at hand: a resume whose
+    # model.init file is gone takes the hash recorded at the first start (roles/runner.py),
+    # and init_params, never used once a checkpoint exists, are a stand-in
+    init_sha256: str | None = None
 
     def __post_init__(self):
         ids = tuple(self.client_ids)
@@ -271,7 +275,7 @@ def run_fingerprint(plan: RunPlan, settings: AggregatorSettings) -> str:
     # a warm start's parameters, which the config names only by their file's path (a seeded
     # model follows from the config: runs without a file keep the fingerprint they had)
     if dict(plan.description.get("model") or {}).get("init", "uniform") not in MODEL_INITS:
-        doc["init_sha256"] = model_sha256(plan.init_params)
+        doc["init_sha256"] = plan.init_sha256 or model_sha256(plan.init_params)
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -64,6 +64,7 @@ from .asynchronous import BOOK_FILE, BUFFER_DIR
 from .control import (CommandError, EitherStop, RunControl, parse_command, reply_payload,
                       sign_reply)
 from .messages import finished_announcement, status_payload
+from .runner import WARM_START_FILE
 from .signed_log import signed_event, signed_record
 from .onnx_channel import PUBLISHED_FILE
 from .state import (CHECKPOINT_FILE, HISTORY_FILE, JOURNAL_FILE, AggregatorCheckpoint,
@@ -86,7 +87,8 @@ SITE_RUN_DIR = "run"                     # the site file's run's outputs, unless
 # run keeps its checkpoint there), and the directories in it that only the service writes
 # (the runs, the site run's outputs, the buffered updates): hold_state_dir removes what its
 # writers killed mid-write left of them
-STATE_FILES = (CHECKPOINT_FILE, HISTORY_FILE, BOOK_FILE, NONCES_FILE, PUBLISHED_FILE)
+STATE_FILES = (CHECKPOINT_FILE, HISTORY_FILE, BOOK_FILE, NONCES_FILE, PUBLISHED_FILE,
+               WARM_START_FILE)
 STATE_SUBDIRECTORIES = (RUNS_DIR, SITE_RUN_DIR, BUFFER_DIR)
 
 

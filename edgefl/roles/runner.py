@@ -2,6 +2,12 @@
 its service (roles/daemon.py) run for each run. It prepares the run (edgefl.runs.prepare),
 runs or resumes it as the Aggregator over a Transport, and writes the run's outputs
 (edgefl.runs.outputs), as `edgefl simulate` does for an in-process run.
+
+A warm start (model.init naming an earlier run's model) is recorded in the state directory
+(WARM_START_FILE: the checkpoint read, its parameters' sha256, its round) when the run
+starts, so that a resume needs the file no more: once the run has a checkpoint, the file is
+read and checked when it is there, and when it is gone the run goes on from its checkpoint
+with the recorded hash in its fingerprint (`_prepare`).
 """
 from __future__ import annotations
 
@@ -18,13 +24,17 @@ from ..runs.outputs import RoundExporter, run_summary, stopped_summary, write_ou
 from ..runs.prepare import RunResult, prepare_run
 from ..strategies import get_strategy
 from ..virtual_fleet import refuse_over_broker
-from .aggregator import RunPlan, default_client_ids, secure_plan
+from .aggregator import RunPlan, default_client_ids, run_fingerprint, secure_plan
 from .asynchronous import aggregator_class
-from .state import AggregatorCheckpoint
+from .state import AggregatorCheckpoint, StateError, read_json
+from .state import write_json as write_state_json
 
 log = logging.getLogger("edgefl.roles.runner")
 
-__all__ = ["run_aggregator", "run_edge"]
+__all__ = ["WARM_START_FILE", "run_aggregator", "run_edge"]
+
+# in the run's state directory: model.init's checkpoint as the run started from it
+WARM_START_FILE = "warm_start.json"
 
 
 def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
@@ -58,8 +68,9 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     kernel_stop = next((e for e in getattr(stop, "events", [stop])
                         if isinstance(e, StopFlag)), None)
     try:
-        run = prepare_run(config, workers=workers, out_dir=out_dir, progress=False,
-                          stream=stream, strategy=strategy, stop=kernel_stop)
+        run, recorded = _prepare(config, state_dir, ckpt, workers=workers, out_dir=out_dir,
+                                 progress=False, stream=stream, strategy=strategy,
+                                 stop=kernel_stop)
     except TrainingStopped:
         log.info("stopped while the run was being prepared")
         return None
@@ -72,7 +83,12 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
                    config.clients_per_round, ids, test=(run.dataset.x_test, run.dataset.y_test),
                    eval_every=config.eval_every, description=config.to_dict(),
-                   hooks=run.hooks, **secure_plan(run))
+                   hooks=run.hooks, **secure_plan(run),
+                   init_sha256=None if recorded is None else recorded["model_sha256"])
+    if run.warm_start is not None and recorded is None and (
+            ckpt is None or run_fingerprint(plan, settings) == ckpt.fingerprint):
+        # the first start, or a checkpoint of before the record with its own file
+        write_state_json(os.path.join(state_dir, WARM_START_FILE), run.warm_start)
     if ckpt is not None and hasattr(run.hooks, "resume"):   # an adaptive clip goes on
         run.hooks.resume(ckpt.history)
     if out_dir is not None:
@@ -129,6 +145,54 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
                       onnx_exported=exporter.last_round == config.rounds,
                       export=exporter.policy)
     return summary
+
+
+def _prepare(config: RunConfig, state_dir: str, ckpt, **options) -> tuple:
+    """(prepare_run's PreparedRun, the warm start recorded in state_dir or None). A run
+    with a checkpoint and a recorded warm start whose model.init file is gone is prepared
+    without it (a seeded stand-in, never used: the checkpoint holds the model) and warned
+    about; the record is returned, for the fingerprint's hash and the summary's `init`. In
+    every other case the file is read as at a first start (a changed one is then refused
+    by the fingerprint) and None returned. A new run (no checkpoint) drops a stale
+    record."""
+    path = os.path.join(state_dir, WARM_START_FILE)
+    source = config.init_file()
+    if ckpt is None or source is None:
+        if ckpt is None and os.path.exists(path):
+            os.unlink(path)          # another run's, whose checkpoint was moved away
+        return prepare_run(config, **options), None
+    recorded = _read_record(path)
+    if recorded is None or _holds_model(source):
+        return prepare_run(config, **options), None
+    log.warning("%s: model.init: %s is gone (no model.npz there); run %s resumes from its "
+                "checkpoint, which holds the model, and checks its fingerprint with the "
+                "parameters' sha256 recorded when it started (%s, %s)",
+                config.path or "<config>", source, ckpt.run_id,
+                recorded["model_sha256"][:12], path)
+    run = prepare_run(config, read_init=False, **options)
+    run.warm_start = recorded
+    return run, recorded
+
+
+def _read_record(path: str) -> dict | None:
+    """WARM_START_FILE's record, None when there is none (a run started before it was kept);
+    StateError naming the file when it is unreadable or lacks the hash."""
+    try:
+        record = read_json(path)
+    except FileNotFoundError:
+        return None
+    sha = record.get("model_sha256") if isinstance(record, dict) else None
+    if not isinstance(sha, str) or len(sha) != 64:
+        raise StateError(f"{path}: not a warm start record (no model_sha256); remove it to "
+                         f"read model.init's file again")
+    return record
+
+
+def _holds_model(source: str) -> bool:
+    """Whether model.init's path (a run directory or a model.npz) has a model.npz to read
+    (a pruned run keeps its directory, without one)."""
+    return os.path.exists(os.path.join(source, "model.npz") if os.path.isdir(source)
+                          else source)
 
 
 def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id: str,
