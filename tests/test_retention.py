@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -451,3 +452,47 @@ def test_ctl_refuses_prune_options_elsewhere_before_sending(capsys, argv, proble
     assert main(["ctl", *argv, "--broker", "mqtt://127.0.0.1:1"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"edgefl ctl: error: {problem}"), err
+
+
+def test_prune_leaves_the_runs_a_waiting_run_starts_from(tmp_path):
+    """A queued, running or paused run whose model.init names an ended run's directory or
+    its model.npz needs that file to start (or resume, before it has recorded it): the run
+    is left, reported with the run that names it, and goes once that run has ended."""
+    state = tmp_path / "state"
+    ended = {run_id: _ended_run(state, run_id, seq, {"model.npz": run_id.encode() * 100})
+             for seq, run_id in enumerate(("a", "b", "c", "d"), 1)}
+
+    def waiting(run_id, seq, run_state, init):
+        run_dir = state / "runs" / run_id
+        (run_dir / "state").mkdir(parents=True)
+        record = {"id": run_id, "seq": seq, "state": run_state, "site": None,
+                  "config": run_config(rounds=1, model={"name": "softmax", "init": init}),
+                  "created": 3000.0 + seq, "run_dir": str(run_dir),
+                  "state_dir": str(run_dir / "state"), "out_dir": str(run_dir)}
+        (run_dir / "run.json").write_text(json.dumps(record))
+
+    waiting("q", 5, "queued", str(ended["a"]))                    # the run's directory
+    waiting("p", 6, "paused", str(ended["b"] / "model.npz"))      # its model.npz
+    (tmp_path / "link").symlink_to(ended["c"])                    # through a link
+    waiting("r", 7, "running", str(tmp_path / "link"))
+    site = site_file(tmp_path, state)
+    before = files_of(state)
+
+    done = prune(site, "--keep", "0")
+    assert done.returncode == 0, done.stderr
+    after = files_of(state)
+    assert list(under(after, "d")) == [os.path.join("runs", "d", "run.json")]
+    for run_id, by in (("a", "q"), ("b", "p"), ("c", "r")):
+        assert under(after, run_id) == under(before, run_id)
+        assert re.search(rf"run {run_id} left: run {by} \(\w+\) starts from its model "
+                         rf"\(model\.init ", done.stderr), done.stderr
+
+    for run_id in ("q", "p", "r"):                # they end: their sources may go
+        path = state / "runs" / run_id / "run.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "state": "finished",
+                                    "ended": 4000.0}))
+    again = prune(site, "--keep", "3")
+    assert again.returncode == 0, again.stderr
+    for run_id in ("a", "b", "c"):
+        assert list(under(files_of(state), run_id)) == [
+            os.path.join("runs", run_id, "run.json")]

@@ -551,7 +551,7 @@ class Daemon:
         retention and the `prune` command both come here. The records are taken before the
         export lock is: a run that ends meanwhile is not among them (kept, as if newer),
         and the run whose end is still being recorded (an export after its stop) is left."""
-        from .retention import RAN_STATES, prune_runs
+        from .retention import prune_runs
 
         def mark(record, run):
             with self._lock:
@@ -560,14 +560,15 @@ class Daemon:
                 self._publish_record(record)
 
         with self._lock:
-            ended = [r for r in self.records.values() if r["state"] in RAN_STATES]
+            # every record: the waiting runs' name the model.init files retention leaves
+            records = list(self.records.values())
             leave = {self._closing: "it has just ended: its export and end-of-run record are "
                                     "still being written (prune again)"} \
                 if self._closing is not None else {}
         # under the export lock: an export of a run being pruned would read a checkpoint
         # half removed, or write a model.onnx into a run then marked pruned
         with self._export_lock:
-            report = prune_runs(ended, keep, self.store.root, spare=(RECORD_FILE,),
+            report = prune_runs(records, keep, self.store.root, spare=(RECORD_FILE,),
                                 dry_run=dry_run, mark=mark, leave=leave)
         verb = "would remove" if dry_run else "pruned"
         for run in report.runs:

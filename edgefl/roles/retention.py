@@ -11,6 +11,9 @@ The rules, each a line of prune_runs:
 - Only ended runs that ran -- finished, stopped, failed -- are ranked, newest end first; the
   `keep` newest keep their files. Queued, running and paused runs (and everything their
   resume needs) are never touched; a cancelled run never had files.
+- An ended run whose directory (or a file in it: its model.npz) a queued, running or paused
+  run names in `model.init` is left: that run starts from its model, and one started
+  before its warm start was recorded (roles/runner.py) reads the file again to resume.
 - The site file's run is left: its checkpoint is the state directory's own (not under
   runs/<id>/), and it decides whether a changed site file may start a new run there.
 - A run the caller names in `leave` (the service: one whose end it is still recording --
@@ -38,6 +41,7 @@ from typing import Callable
 __all__ = ["RAN_STATES", "RunPrune", "PruneReport", "prune_runs"]
 
 RAN_STATES = ("finished", "stopped", "failed")
+WAITING_STATES = ("queued", "running", "paused")
 
 
 @dataclass
@@ -98,11 +102,14 @@ def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise ValueError(f"keep: a whole number >= 0, got {keep!r}")
     report = PruneReport(keep, dry_run, runs_root)
+    records = list(records)
     ran = sorted((r for r in records if r.get("state") in RAN_STATES), key=_newest_first)
+    sources = _warm_start_sources(records)
     for record in reversed(ran[keep:]):
         if record.get("pruned"):
             continue
-        why = (leave or {}).get(record["id"]) or _why_left(record, runs_root)
+        why = (leave or {}).get(record["id"]) or _why_left(record, runs_root) \
+            or _needed_by(record, runs_root, sources)
         if why is not None:
             report.skipped.append((record["id"], why))
             continue
@@ -129,6 +136,37 @@ def _why_left(record: dict, runs_root: str) -> str | None:
         where = record.get(key)
         if where and os.path.commonpath([os.path.realpath(where), inside]) != inside:
             return f"its {key} {where} is outside {run_dir}: left as it is"
+    return None
+
+
+def _warm_start_sources(records) -> list:
+    """(run id, state, the real path model.init names) of each queued, running or paused
+    run that starts from an earlier run's model. A config that does not read is skipped:
+    its run fails when it starts, and needs nothing."""
+    from ..errors import ConfigError
+    from ..runconfig import load_run_config, run_config_from_mapping
+
+    out = []
+    for record in records:
+        if record.get("state") not in WAITING_STATES:
+            continue
+        try:
+            config = load_run_config(record["site"]) if record.get("site") else \
+                run_config_from_mapping(record.get("config") or {}, f"run {record['id']}")
+            path = config.init_file()
+        except (ConfigError, OSError, KeyError, TypeError, ValueError):
+            continue
+        if path is not None:
+            out.append((record["id"], record["state"], path))
+    return out
+
+
+def _needed_by(record: dict, runs_root: str, sources) -> str | None:
+    """Why the run's files are left for a waiting run that starts from them, or None."""
+    inside = os.path.realpath(os.path.join(runs_root, record["id"]))
+    for run_id, state, path in sources:
+        if os.path.commonpath([os.path.realpath(path), inside]) == inside:
+            return f"run {run_id} ({state}) starts from its model (model.init {path})"
     return None
 
 
