@@ -329,6 +329,17 @@ def check_model_spec(spec, extra=()) -> tuple:
     return name, kind, opts
 
 
+def model_options(spec) -> dict:
+    """{"name": ..., option: value, ...} of a model spec (a name, a mapping, or a Model's
+    `spec` JSON) with a preset's options and the builder's defaults filled in, as JSON data:
+    two specs of one model with the same options give equal dicts (svm and {name: svm, l2:
+    0.1} do). ModelSpecError as check_model_spec."""
+    if isinstance(spec, str) and spec.lstrip().startswith("{"):
+        spec = json.loads(spec)
+    name, kind, opts = check_model_spec(spec)
+    return json.loads(json.dumps({"name": name, **(KINDS[kind].__kwdefaults__ or {}), **opts}))
+
+
 def build_model(spec, input_shape, num_classes: int) -> Model:
     """spec: a name ("mlp") or a mapping {name: ..., options...}."""
     name, kind, opts = check_model_spec(spec)

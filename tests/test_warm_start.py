@@ -319,3 +319,49 @@ def test_a_started_run_resumes_without_the_file(first, tmp_path, mosquitto_serve
     shutil.copytree(run_dir, tmp_path / "init")
     assert aggregate("e")["model_sha256"] == summary["model_sha256"]
     assert json.loads((state / record_file).read_text()) == record
+
+
+@pytest.mark.parametrize("model", [{"name": "svm", "bias": True},
+                                   {"name": "linear", "outputs": 10}])
+def test_a_checkpoint_of_another_model_with_the_same_layers_is_refused(first, tmp_path, model):
+    """softmax, svm(bias=True) and linear(outputs=10) lay out the same parameters (one
+    layer table) but are other models: the names differ, and the run is refused naming
+    both."""
+    run_dir, _ = first
+    config = warm(tmp_path, run_dir, model=model)
+    with pytest.raises(ConfigError) as refused:
+        prepare_run(config, progress=False)
+    message = str(refused.value)
+    assert message.startswith(f"{config.path}: model.init: {run_dir / 'model.npz'}: ")
+    assert "softmax" in message and model["name"] in message, message
+
+
+def test_other_model_options_or_input_normalisation_are_warned_about(tmp_path, caplog):
+    """The same model with other options (l2: a fine-tune may change the regularisation)
+    starts, with a warning naming the option and both values; so does a checkpoint whose
+    input normalisation is not the run's data set's."""
+    source = simulate(load_run_config(write(str(tmp_path), "svm.yaml", rounds=1,
+                                            model={"name": "svm", "l2": 0.1})),
+                      tmp_path / "svm", workers=1, progress=False, onnx=False, plot=False)
+    config = warm(tmp_path, tmp_path / "svm", model={"name": "svm", "l2": 0.01})
+    with caplog.at_level("WARNING", logger="edgefl.runs.prepare"):
+        run = prepare_run(config, progress=False)
+    assert model_sha256(run.init_params) == source["model_sha256"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("model.init" in m and "l2" in m and "0.1" in m and "0.01" in m
+               for m in warned), warned
+    assert not any("normalisation" in m for m in warned), warned
+
+    # the same checkpoint with another input normalisation
+    with np.load(tmp_path / "svm" / "model.npz", allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["norm_mean"] = arrays["norm_mean"] + np.float32(0.5)
+    (tmp_path / "shifted").mkdir()
+    np.savez(tmp_path / "shifted" / "model.npz", **arrays)
+    caplog.clear()
+    config = warm(tmp_path, tmp_path / "shifted", model={"name": "svm", "l2": 0.1})
+    with caplog.at_level("WARNING", logger="edgefl.runs.prepare"):
+        prepare_run(config, progress=False)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("normalisation" in m and str(tmp_path / "shifted") in m for m in warned), warned
+    assert not any("l2" in m for m in warned), warned

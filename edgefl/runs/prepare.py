@@ -23,7 +23,7 @@ from ..config import dataset_from_config, partition_from_config
 from ..data.layout import contiguous
 from ..data.partition import Shards, Tiled
 from ..errors import CheckpointError, ConfigError, KernelError
-from ..models import Model, ModelSpecError, build_model
+from ..models import Model, ModelSpecError, build_model, model_options
 from ..privacy import NO_HOOKS, PrivacyHooks
 from ..runconfig import RunConfig
 from ..strategies import LocalData, PrepareContext, Setup, State, Strategy, get_strategy
@@ -169,8 +169,10 @@ def read_init_file(config: RunConfig) -> ModelFile | None:
 def initial_params(config: RunConfig, model: Model,
                    init: ModelFile | None = None) -> np.ndarray:
     """The run's round-0 model: `init`'s parameters (read_init_file: a warm start), refused
-    unless `init` holds this run's model (the same layer table), or else the seeded one
-    (model.init uniform or zeros)."""
+    unless `init` holds this run's model (the same layer table and model name: softmax,
+    svm with a bias and linear with one output per class lay out the same parameters), or
+    else the seeded one (model.init uniform or zeros). Other options of the same model
+    (svm's l2: a fine-tune may change its regularisation) are warned about."""
     if init is None:
         return model.init(config.seed, zero=config.model.get("init") == "zeros")
     theirs = init.model
@@ -183,7 +185,39 @@ def initial_params(config: RunConfig, model: Model,
             f"{model.table.digest[:12]}, model {model.spec}, input "
             f"{list(model.input_shape)}, {model.num_classes} classes); a run starts only "
             f"from a checkpoint of its own model")
+    where = f"{config.path or '<config>'}: model.init: {init.path}"
+    ours, stored = model_options(model.spec), model_options(theirs.spec)
+    if ours["name"] != stored["name"]:
+        raise ConfigError(
+            f"{where}: holds a {stored['name']} model ({theirs.spec}), not this run's "
+            f"{ours['name']} ({model.spec}): the two lay out the same parameters (layer "
+            f"table {model.table.digest[:12]}) but compute other functions of them; a run "
+            f"starts only from a checkpoint of its own model")
+    differ = sorted(k for k in ours.keys() | stored.keys() if ours.get(k) != stored.get(k))
+    if differ:
+        log.warning("%s: the checkpoint's %s model has other options than this run's: %s; "
+                    "the run starts from its parameters with this run's options", where,
+                    ours["name"], "; ".join(f"{k}: {stored.get(k)!r} in the checkpoint, "
+                                           f"{ours.get(k)!r} here" for k in differ))
     return init.params
+
+
+def _check_normalisation(config: RunConfig, init: ModelFile | None, dataset) -> None:
+    """A warning when model.init's checkpoint was trained on inputs normalised otherwise
+    (its norm_mean / norm_std) than this run's data set's: the model then sees its inputs
+    shifted or scaled from what it learned on. A checkpoint without them is not checked."""
+    if init is None or "norm_mean" not in init.arrays or "norm_std" not in init.arrays:
+        return
+    same = all(np.shape(init.arrays[k]) == np.shape(getattr(dataset, k)) and
+               np.array_equal(init.arrays[k], getattr(dataset, k))
+               for k in ("norm_mean", "norm_std"))
+    if not same:
+        source = init.arrays.get("dataset", {}).get("name", "?") \
+            if isinstance(init.arrays.get("dataset"), dict) else "?"
+        log.warning("%s: model.init: %s: the checkpoint's input normalisation (norm_mean / "
+                    "norm_std, of data set %s) is not this run's data set's (%s): the model "
+                    "starts on inputs shifted or scaled from those it was trained on",
+                    config.path or "<config>", init.path, source, dataset.name)
 
 
 def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
@@ -220,6 +254,7 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     dataset, split = contiguous(dataset, split)
     model = build_run_model(config, dataset)
     init_params = initial_params(config, model, init)
+    _check_normalisation(config, init, dataset)
     if getattr(hooks, "rounding", 0):     # DP under secure aggregation: room for the rounding
         try:
             hooks.clip_bound(model.n_params)
