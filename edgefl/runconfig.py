@@ -27,6 +27,7 @@ never opens the file: a board or an edge aggregator reads the same config withou
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -125,6 +126,24 @@ class RunConfig:
             return None
         return os.path.abspath(PrepareContext(base_dir=self.base_dir).resolve(init))
 
+    def init_typo(self) -> str | None:
+        """What is wrong with a model.init that is a bare word (no path separator, no
+        suffix) naming no file beside the config file or in the working directory: a
+        misspelt uniform or zeros (`unifrom`) far more likely than a lost run directory;
+        the close match is suggested. None when model.init is not such a word."""
+        name = self.model.get("init", "uniform")
+        path = self.init_file()
+        if path is None or os.path.exists(path) or os.sep in name or "/" in name or \
+                os.path.splitext(name)[1] or name.startswith("~"):
+            return None
+        close = difflib.get_close_matches(name.lower(), MODEL_INITS, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else \
+            "model.init is uniform, zeros or the path of an earlier run's directory or model.npz"
+        places = f"beside the config file or in the working directory ({path})" \
+            if self.base_dir else f"in the working directory ({path})"
+        return (f"{name!r}: not {' or '.join(MODEL_INITS)}, and no such run directory or "
+                f"model.npz {places}; {hint}")
+
     def to_dict(self) -> dict:
         """The resolved configuration in the YAML vocabulary; loading it again gives the
         same RunConfig."""
@@ -214,6 +233,11 @@ def run_config_from_mapping(data: Mapping, path: str | None = None, overrides=()
     if not isinstance(init, str) or not init.strip():
         v.fail("model.init", f"{init!r}: give {', '.join(MODEL_INITS)}, or the path of an "
                              f"earlier run's directory or its model.npz (a warm start)")
+    right = next((m for m in MODEL_INITS if init.lower() == m != init), None)
+    if right is not None:      # `init: Zeros` would otherwise be the path of a run directory
+        v.fail("model.init", f"{init!r}: write {right!r} (model.init is case-sensitive: "
+                             f"{', '.join(MODEL_INITS)}, or the path of an earlier run's "
+                             f"directory or its model.npz)")
     try:   # the options' names and types, here: every command that reads a config checks them
         check_model_spec(model, extra=("init",))
     except ModelSpecError as exc:

@@ -365,3 +365,40 @@ def test_other_model_options_or_input_normalisation_are_warned_about(tmp_path, c
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("normalisation" in m and str(tmp_path / "shifted") in m for m in warned), warned
     assert not any("l2" in m for m in warned), warned
+
+
+@pytest.mark.parametrize("typo, right", [("Zeros", "zeros"), ("UNIFORM", "uniform")])
+def test_a_seeded_init_spelt_in_other_case_is_refused_when_the_config_is_read(tmp_path, typo,
+                                                                               right):
+    path = write(str(tmp_path), model={"name": "softmax", "init": typo})
+    with pytest.raises(ConfigError, match=rf"model\.init: '{typo}': .*'{right}'"):
+        load_run_config(path)
+
+
+def test_a_bare_word_that_names_nothing_is_a_typo_not_a_missing_run(first, tmp_path):
+    """A model.init with no path separator and no suffix that names no file is taken for a
+    misspelt uniform or zeros, and said so, with the close match; a run directory of such a
+    name beside the config is still a warm start."""
+    config = warm(tmp_path, "unifrom")
+    with pytest.raises(ConfigError) as refused:
+        prepare_run(config, progress=False)
+    message = str(refused.value)
+    assert message.startswith(f"{config.path}: model.init: 'unifrom': not uniform or zeros, "
+                              f"and no such run directory or model.npz"), message
+    assert "did you mean 'uniform'?" in message, message
+    # `edgefl ctl start` says so too, rather than sending it as a path
+    import argparse
+
+    from edgefl.cli.ctl import _ctl_command
+    with pytest.raises(ConfigError, match=r"model\.init: 'unifrom': not uniform or zeros"):
+        _ctl_command(argparse.Namespace(action="start", run_config=config.path, clients=None,
+                                        deadline=None, quorum=None, min_updates=None,
+                                        run_id=None))
+    config = warm(tmp_path, "previous")
+    with pytest.raises(ConfigError, match=r"model\.init: 'previous': not uniform or zeros, "
+                                          r"and no such run directory or model\.npz"):
+        prepare_run(config, progress=False)
+    run_dir, summary = first
+    shutil.copytree(run_dir, tmp_path / "previous")
+    assert model_sha256(prepare_run(config, progress=False).init_params) == \
+        summary["model_sha256"]

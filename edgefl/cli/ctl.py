@@ -171,6 +171,7 @@ def _ctl_connect(args: argparse.Namespace):
 def _ctl_command(args: argparse.Namespace) -> dict:
     doc: dict = {"cmd": args.action}
     if args.action == "start":
+        from ..errors import ConfigError
         from ..runconfig import load_run_config
         from ..runs.outputs import absolute_dataset_paths as _absolute_paths
 
@@ -179,6 +180,9 @@ def _ctl_command(args: argparse.Namespace) -> dict:
         config = load_run_config(args.run_config)      # errors name the file and key here
         body = config.to_dict()
         body["dataset"] = _absolute_paths(config.dataset, config.path)
+        if config.init_typo() is not None:     # `init: unifrom`: not sent as a path
+            raise ConfigError(f"{config.path or args.run_config}: model.init: "
+                              f"{config.init_typo()}")
         if config.init_file() is not None:
             # a warm start's checkpoint, named as the aggregator must find it: an absolute
             # path, resolved here as `edgefl simulate` would (the file is read there)

@@ -153,6 +153,9 @@ def read_init_file(config: RunConfig) -> ModelFile | None:
         return None
     where = f"{config.path or '<config>'}: model.init"
     given = os.path.expanduser(config.model["init"])
+    typo = config.init_typo()
+    if typo is not None:
+        raise ConfigError(f"{where}: {typo}")
     if not os.path.exists(path) and not os.path.isabs(given):
         beside = os.path.join(config.base_dir, given) if config.base_dir else path
         places = f"at {path}" if os.path.normpath(beside) == path else \
