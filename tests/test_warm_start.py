@@ -402,3 +402,28 @@ def test_a_bare_word_that_names_nothing_is_a_typo_not_a_missing_run(first, tmp_p
     shutil.copytree(run_dir, tmp_path / "previous")
     assert model_sha256(prepare_run(config, progress=False).init_params) == \
         summary["model_sha256"]
+
+
+def test_a_warm_start_from_a_dp_run_carries_its_privacy_account(tmp_path, caplog):
+    """The source run's privacy loss composes with the new run's (its model was trained on
+    the same boards' data): the new summary's `init` carries the source summary's privacy
+    block, and the start warns naming the source's epsilon. Without a summary.json beside
+    the model.npz there is nothing to carry."""
+    dp = {"dp": {"clip": 1.0, "noise_multiplier": 1.0, "reproducible": True}}
+    source = simulate(load_run_config(write(str(tmp_path), "dp.yaml", rounds=2, privacy=dp,
+                                            strategy={"name": "fedavg",
+                                                      "weighting": "uniform"})),
+                      tmp_path / "dp", workers=1, progress=False, onnx=False, plot=False)
+    epsilon = source["privacy"]["epsilon"]
+    config = warm(tmp_path, tmp_path / "dp", rounds=1)
+    with caplog.at_level("WARNING", logger="edgefl.runs.prepare"):
+        out = simulate(config, tmp_path / "warm", workers=1, progress=False, onnx=False,
+                       plot=False)
+    assert out["init"]["privacy"] == source["privacy"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"{epsilon:.4g}" in m and "epsilon" in m and str(tmp_path / "dp") in m
+               for m in warned), warned
+
+    os.unlink(tmp_path / "dp" / "summary.json")
+    run = prepare_run(config, progress=False)
+    assert "privacy" not in run.warm_start

@@ -9,6 +9,7 @@ global model.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -284,8 +285,43 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
     warm_start = None if init is None else {   # (the file, not a runs/NAME link to it)
         "checkpoint": os.path.realpath(init.path), "model_sha256": model_sha256(init_params),
         "round": int(init.arrays.get("round", 0))}
+    if init is not None:
+        privacy = _source_privacy(config, init)
+        if privacy is not None:
+            warm_start["privacy"] = privacy
     return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients,
                        hooks, warm_start)
+
+
+def _source_privacy(config: RunConfig, init: ModelFile) -> dict | None:
+    """The privacy block of the summary.json beside model.init's model.npz (a DP run's
+    epsilon and delta), or None: no summary (it is optional), or one of a run without DP.
+    Its epsilon is spent already: the new run's rounds add to it (the same boards' data),
+    which the warning says."""
+    path = os.path.join(os.path.dirname(init.path), "summary.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s: model.init: %s: unreadable (%s): the source run's privacy account, "
+                    "if it had one, is not carried into this run's summary",
+                    config.path or "<config>", path, exc)
+        return None
+    privacy = summary.get("privacy") if isinstance(summary, dict) else None
+    if not isinstance(privacy, dict):
+        return None
+    epsilon = privacy.get("epsilon")
+    log.warning("%s: model.init: %s was trained under differential privacy to epsilon %s "
+                "(delta %s%s): this run's epsilon covers its own rounds only, and the "
+                "source's privacy loss composes with it; a run stopped at its target_epsilon "
+                "is not continued on a fresh budget",
+                config.path or "<config>", init.path,
+                f"{epsilon:.4g}" if isinstance(epsilon, (int, float)) else epsilon,
+                privacy.get("delta"),
+                f", stopped: {privacy['stopped']}" if privacy.get("stopped") else "")
+    return privacy
 
 
 def privacy_hooks(config: RunConfig) -> PrivacyHooks:
