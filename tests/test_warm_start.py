@@ -8,6 +8,7 @@ the run reads the file: boards get the model over MQTT, an edge aggregator from 
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -88,6 +89,11 @@ def test_a_run_continues_from_an_earlier_runs_final_model(first, tmp_path):
         assert scored["accuracy"] == summary["final_accuracy"]
 
     config = warm(tmp_path, run_dir, rounds=2)
+    said = io.StringIO()
+    prepare_run(config, progress=True, stream=said)
+    # the run's output says where round 0 comes from
+    assert f"model: round 0 from {run_dir / 'model.npz'} (its round 4, model_sha256 " \
+           f"{summary['model_sha256'][:16]})\n" in said.getvalue(), said.getvalue()
     out = simulate(config, tmp_path / "warm", workers=1, progress=False, onnx=False,
                    plot=False)
     cold = simulate(load_run_config(write(str(tmp_path), "cold.yaml", rounds=2)),
@@ -258,7 +264,7 @@ def test_ctl_start_names_the_file_as_the_aggregator_service_will_find_it(first, 
     monkeypatch.chdir(tmp_path / "elsewhere")
     doc = _ctl_command(argparse.Namespace(action="start", run_config=path, clients=None,
                                           deadline=None, quorum=None, min_updates=None,
-                                          run_id=None))
+                                          run_id=None, keep=None, dry_run=False))
     assert doc["config"]["model"]["init"] == str(tmp_path / "runs" / "a")
     received = run_config_from_mapping(doc["config"], "start: config")
     assert model_sha256(prepare_run(received, progress=False).init_params) == \

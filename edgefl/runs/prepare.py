@@ -289,6 +289,10 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
         privacy = _source_privacy(config, init)
         if privacy is not None:
             warm_start["privacy"] = privacy
+        if progress is not False:
+            (stream or sys.stderr).write(
+                f"model: round 0 from {warm_start['checkpoint']} (its round "
+                f"{warm_start['round']}, model_sha256 {warm_start['model_sha256'][:16]})\n")
     return PreparedRun(config, dataset, split, model, init_params, strategy, setup, clients,
                        hooks, warm_start)
 
