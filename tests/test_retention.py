@@ -372,6 +372,29 @@ def test_ctl_prune_refuses_bad_values_naming_them_and_removes_nothing(fleet):
     assert not any(r.get("pruned") for r in RunStore(str(f.state_dir)).load_all())
 
 
+def test_a_record_whose_id_is_not_one_directory_under_runs_is_never_pruned(tmp_path):
+    """Defence in depth below the id check: a record whose id resolves to the runs
+    directory itself or above it (`.`, `..`, `a/..`: from a store written by hand or by a
+    version without the check) is left, and nothing outside its own directory goes."""
+    from edgefl.roles.retention import prune_runs
+
+    root = tmp_path / "state" / "runs"
+    for run in ("r1", "r2"):
+        (root / run).mkdir(parents=True)
+        (root / run / "model.npz").write_bytes(b"x" * 10)
+        (root / run / "run.json").write_text("{}")
+    (tmp_path / "state" / "aggregator.lock").write_text("1")
+    before = files_of(tmp_path / "state")
+    records = [{"id": bad, "state": "finished", "ended": 10.0 + i}
+               for i, bad in enumerate((".", "..", "r1/..", "r1/../r2"))]
+    records.append({"id": "r2", "state": "paused"})
+    report = prune_runs(records, 0, str(root), spare=("run.json",))
+    assert files_of(tmp_path / "state") == before
+    assert report.runs == []
+    assert sorted(why.split(":")[0] for _, why in report.skipped) == \
+        ["its id is not one directory name under " + str(root)] * 4, report.skipped
+
+
 def test_ctl_prune_leaves_the_run_whose_end_is_still_being_recorded(tmp_path):
     """A run stopped by the operator is `stopped` before its model is exported from its
     checkpoint (under the export lock, which prune waits for): a prune that came in between

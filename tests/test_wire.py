@@ -733,6 +733,15 @@ def test_metadata_with_a_byte_order_mark_is_refused_as_json_loads_refuses_it():
     assert err.value.code == "metadata"
 
 
+@pytest.mark.parametrize("value", [".", ".."])
+def test_an_id_that_names_a_directory_itself_or_its_parent_is_refused(value):
+    """Ids become path components (runs/<run id>/, a node's state directory): `.` or `..`
+    there would name the runs directory itself or the state directory, and a prune of that
+    "run" would remove every run's files."""
+    with pytest.raises(TopicError, match=r"names a directory itself or its parent"):
+        validate_id(value, "run")
+
+
 def test_validated_ids_are_remembered_but_bad_ones_never_pass():
     for _ in range(3):
         assert validate_id("pi-07") == "pi-07"

@@ -208,8 +208,8 @@ def export_run_checkpoint(record: dict) -> dict:
     from ..runs.prepare import RunResult, build_run_model
 
     if record.get("pruned"):
-        raise CommandError(f"run {record['id']}: its files were pruned (retention.keep_runs "
-                           f"or edgefl prune): no checkpoint left to export")
+        raise CommandError(f"run {record['id']}: its files were pruned (retention.keep_runs, "
+                           f"edgefl prune or edgefl ctl prune): no checkpoint left to export")
     ckpt = AggregatorCheckpoint.load(record["state_dir"])
     if ckpt is None:
         raise CommandError(f"run {record['id']} has no checkpoint yet (state "

@@ -127,6 +127,12 @@ def _why_left(record: dict, runs_root: str) -> str | None:
         return ("the site file's run: its checkpoint is the state directory's own, not under "
                 "runs/<id>/ (move it out by hand)")
     run_dir = os.path.join(runs_root, record["id"])
+    # the id must be one plain name under runs_root (`.`, `..` or `a/..` there would name
+    # runs_root itself or its parent: every run's files; topics.validate_id refuses them
+    # at the start, this guards a store written otherwise)
+    if os.path.basename(run_dir) != record["id"] or record["id"] in (".", "..") \
+            or os.path.realpath(os.path.dirname(run_dir)) != os.path.realpath(runs_root):
+        return f"its id is not one directory name under {runs_root}: {record['id']!r}"
     if os.path.islink(run_dir):
         return f"{run_dir} is a symbolic link: not followed out of the state directory"
     if not os.path.isdir(run_dir):

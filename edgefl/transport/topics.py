@@ -103,6 +103,11 @@ def validate_id(value, what: str = "id") -> str:
     if n > MAX_ID_BYTES:
         raise TopicError(f"{what}: {value[:20]!r}... is {n} bytes of UTF-8, "
                          f"the limit is {MAX_ID_BYTES}")
+    if value in (".", ".."):
+        # a valid topic level, but ids become path components too (runs/<run id>/, a
+        # node's state directory), where these name the directory itself or its parent
+        raise TopicError(f"{what}: {value!r} names a directory itself or its parent when "
+                         "used as a path component")
     for ch in value:
         if ch in "/+#":
             raise TopicError(f"{what}: {value!r} contains {ch!r} (a topic separator or "
