@@ -7,6 +7,7 @@ fallback. Every wait has a generous timeout; nothing asserts on timing.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -833,6 +834,24 @@ def test_ctl_watch_of_a_run_that_has_ended_prints_its_outcome_and_exits(fleet, t
 # ---------------------------------------------------------------------------------------
 # bad input on the aggregator's side: a run that cannot start, a corrupt record
 # ---------------------------------------------------------------------------------------
+
+def test_a_retained_command_on_the_control_topic_is_not_carried_out(fleet, caplog):
+    """A command published retained (mosquitto_pub -r by mistake) would be carried out
+    again by every restart of the service, a `prune` or a `start` each time: the service
+    ignores the retained copy the broker hands it on subscribing, and says why."""
+    f = fleet()
+    f.operator.publish(f.topics.ctl(), json.dumps(
+        {"cmd": "start", "config": run_config(rounds=1), "run": "ghost"}).encode(),
+        qos=1, retain=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="edgefl.roles.daemon"):
+            f.start_all()
+            time.sleep(1.0)
+            assert [r["id"] for r in f.ok({"cmd": "runs"})["runs"]] == []
+        assert "a retained message on edgefl/orch-" in caplog.text, caplog.text
+    finally:
+        f.operator.publish(f.topics.ctl(), b"", qos=1, retain=True)
+
 
 def test_a_run_that_cannot_start_fails_with_its_reason_and_the_queue_goes_on(fleet):
     f = fleet()

@@ -689,6 +689,14 @@ class Daemon:
                     continue
                 if not isinstance(item, Message) or item.topic != self.topics.ctl():
                     continue
+                if item.retain and item.payload:
+                    # the broker's retained copy, handed over on subscribing: a command
+                    # published retained by mistake would be carried out again at every
+                    # restart (a start, a prune); a command is live, or nothing
+                    log.warning("a retained message on %s is not a command: ignored (publish "
+                                "commands without retain; clear it with an empty retained "
+                                "message)", item.topic)
+                    continue
                 try:
                     self._on_command(item)
                 except TransportError as exc:
