@@ -679,15 +679,14 @@ def test_an_aggregator_restarted_mid_unmask_ends_the_run_naming_the_boards_that_
         fleet._agg_thread.join(10)             # (the boards wait on: not joined)
         assert not fleet._agg_thread.is_alive(), "the first aggregator did not stop"
         assert fleet.result.history == [], "round 1 was committed"
+        # a deadline the test does not wait out: the boards' statuses must end the run
         fleet.aggregator = Aggregator(
             fleet.plan, fleet.transport("aggregator"), tmp_path / "agg",
             AggregatorSettings(node_id="aggregator", federation=fleet.federation,
-                               round_timeout_s=3.0))
+                               round_timeout_s=120.0))
         fleet.start_aggregator()
-        started = time.monotonic()
         with pytest.raises(ConfigError) as caught:
-            fleet.finish(timeout=20)
-        took = time.monotonic() - started
+            fleet.finish(timeout=30)
     finally:
         fleet.close()
         broker.stop()
@@ -695,8 +694,6 @@ def test_an_aggregator_restarted_mid_unmask_ends_the_run_naming_the_boards_that_
     assert "round 1" in message and "revealed" in message, message
     for name in names:
         assert name in message, message
-    # the boards' statuses end it; a deadline (3 s, plus the training allowance) need not
-    assert took < 3.0, f"the run ended after {took:.1f} s"
 
 
 def test_a_secure_round_waits_in_no_phase_for_a_board_that_refused_it(tmp_path):
