@@ -448,19 +448,23 @@ class StalledLogLine:
         self.gate.close()
 
 
-def _secure_fleet(tmp_path, round_timeout_s: float, control=None):
-    """(broker, fleet) of a one-round secure run of three clients that must all answer
-    (threshold 1.0), over an embedded Mosquitto without persistence (a restart loses every
-    session), none of its roles started."""
+def _secure_fleet(tmp_path, round_timeout_s: float, control=None, clients: int = 3,
+                  threshold: float = 1.0, **settings):
+    """(broker, fleet) of a one-round secure run of `clients` clients, all tasked, of which
+    `threshold` must answer (default: all three), over an embedded Mosquitto without
+    persistence (a restart loses every session), none of its roles started; `settings`:
+    more of the aggregator's."""
     from edgefl.transport.broker import EmbeddedBroker
     from test_roles_e2e import Fleet, write_config
 
     config = load_run_config(write_config(
-        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
-        privacy={"secure_aggregation": {"threshold": 1.0}}))
+        tmp_path, rounds=1, clients_per_round=clients,
+        partition={"name": "iid", "clients": clients},
+        privacy={"secure_aggregation": {"threshold": threshold}}))
     broker = EmbeddedBroker(kind="mosquitto").start()
     return broker, Fleet(tmp_path, config, broker.url,
-                         settings={"round_timeout_s": round_timeout_s}, control=control)
+                         settings={"round_timeout_s": round_timeout_s, **settings},
+                         control=control)
 
 
 def _keys_in_but_client_2s(fleet):
@@ -702,14 +706,7 @@ def test_a_secure_round_waits_in_no_phase_for_a_board_that_refused_it(tmp_path):
     others at once, phase by phase, not wait out each phase's 30 s deadline for a board
     that said it will not answer."""
     _need_mosquitto()
-    from edgefl.transport.broker import EmbeddedBroker
-    from test_roles_e2e import Fleet, write_config
-
-    config = load_run_config(write_config(
-        tmp_path, rounds=1, clients_per_round=3, partition={"name": "iid", "clients": 3},
-        privacy={"secure_aggregation": {"threshold": 0.6}}))
-    broker = EmbeddedBroker(kind="mosquitto").start()
-    fleet = Fleet(tmp_path, config, broker.url, settings={"round_timeout_s": 30.0})
+    broker, fleet = _secure_fleet(tmp_path, 30.0, threshold=0.6)
     try:
         fleet.start_client("client-0")
         fleet.start_client("client-1")
@@ -730,15 +727,8 @@ def test_a_secure_phase_waits_neither_for_an_offline_board_nor_for_one_that_refu
     each phase must close then, as it does when every missing board is offline -- a board
     that said it will not answer is not waited for longer than one that went away."""
     _need_mosquitto()
-    from edgefl.transport.broker import EmbeddedBroker
-    from test_roles_e2e import Fleet, write_config
-
-    config = load_run_config(write_config(
-        tmp_path, rounds=1, clients_per_round=5, partition={"name": "iid", "clients": 5},
-        privacy={"secure_aggregation": {"threshold": 0.6}}))
-    broker = EmbeddedBroker(kind="mosquitto").start()
-    fleet = Fleet(tmp_path, config, broker.url,
-                  settings={"round_timeout_s": 30.0, "offline_grace_s": 0.2})
+    broker, fleet = _secure_fleet(tmp_path, 30.0, clients=5, threshold=0.6,
+                                  offline_grace_s=0.2)
     try:
         for name in ("client-0", "client-1", "client-2"):
             fleet.start_client(name)

@@ -1209,6 +1209,21 @@ def _watch(tmp_path, url, fed, *args):
     return proc, err_path
 
 
+def _start_r1(url, topics):
+    """Run r1 (BASE, over client-0 and client-1) started on the service, as an operator."""
+    from edgefl.roles.control import ControlClient
+
+    requester = mqtt(url, "op")
+    requester.connect()
+    try:
+        reply = ControlClient(requester, topics, "op").request(
+            {"cmd": "start", "config": dict(BASE), "run": "r1",
+             "clients": ["client-0", "client-1"]}, timeout=20)
+    finally:
+        requester.close(timeout=1.0, announce_offline=False)
+    assert reply["ok"], reply
+
+
 def test_ctl_watch_refuses_forged_events_and_run_records_and_ends_on_the_genuine_end(
         tmp_path, mosquitto_server):
     """A compromised broker (here: the test, publishing as anyone may on an anonymous
@@ -1216,7 +1231,6 @@ def test_ctl_watch_refuses_forged_events_and_run_records_and_ends_on_the_genuine
     `finished` record. `edgefl ctl watch` given the aggregator's key refuses each, naming
     the topic and the cause, keeps watching, and ends on the real service's signed
     run_finished when the run really finishes."""
-    from edgefl.roles.control import ControlClient
     from edgefl.roles.signed_log import signed_event, signed_record
 
     url, fed = mosquitto_server.url, f"ev-{uid()}"
@@ -1266,15 +1280,7 @@ def test_ctl_watch_refuses_forged_events_and_run_records_and_ends_on_the_genuine
 
         for node in ("client-0", "client-1"):
             boards.append(board(tmp_path, run, url, fed, node, None, [agg_key]))
-        requester = mqtt(url, "op")
-        requester.connect()
-        try:
-            reply = ControlClient(requester, topics, "op").request(
-                {"cmd": "start", "config": dict(BASE), "run": "r1",
-                 "clients": ["client-0", "client-1"]}, timeout=20)
-        finally:
-            requester.close(timeout=1.0, announce_offline=False)
-        assert reply["ok"], reply
+        _start_r1(url, topics)
         out, _ = watch.communicate(timeout=120)
         out = out.decode()
         assert watch.returncode == 0, (out, err_path.read_text())
@@ -1301,8 +1307,6 @@ def test_ctl_watch_is_not_ended_by_unsigned_forgeries_once_the_aggregator_is_kno
     idle) must get them skipped, not end the watch with status 1 after --timeout as if the
     aggregator signed none; watch follows the run started next and ends on its real end,
     status 0."""
-    from edgefl.roles.control import ControlClient
-
     url, fed = mosquitto_server.url, f"ev-{uid()}"
     topics = Topics(fed)
     agg_key, _, agg_pub = keypair(tmp_path, "aggregator")
@@ -1327,15 +1331,7 @@ def test_ctl_watch_is_not_ended_by_unsigned_forgeries_once_the_aggregator_is_kno
         assert watch.poll() is None, (watch.returncode, err_path.read_text()[-500:])
         for node in ("client-0", "client-1"):
             boards.append(board(tmp_path, run, url, fed, node, None, [agg_key]))
-        requester = mqtt(url, "op")
-        requester.connect()
-        try:
-            reply = ControlClient(requester, topics, "op").request(
-                {"cmd": "start", "config": dict(BASE), "run": "r1",
-                 "clients": ["client-0", "client-1"]}, timeout=20)
-        finally:
-            requester.close(timeout=1.0, announce_offline=False)
-        assert reply["ok"], reply
+        _start_r1(url, topics)
         out, _ = watch.communicate(timeout=120)
         assert watch.returncode == 0, (out, err_path.read_text()[-500:])
         finished = [line for line in out.decode().splitlines() if "run_finished" in line]

@@ -212,28 +212,34 @@ def test_a_board_never_needs_the_file(tmp_path, mosquitto_server):
                     edge_id="site-a", site=("client-0", "client-1"), stop=stop) is False
 
 
-def test_a_resume_takes_the_same_file_and_refuses_another(first, tmp_path, mosquitto_server):
+def _service_run(url, config, state, tmp_path):
+    """(aggregate, the run's first summary): run_aggregator of `config` over a fresh
+    federation on `url` with its state in `state`, once with four client threads to its end;
+    aggregate(tag) runs it again (a resume), without clients."""
     from edgefl.roles.runner import run_aggregator
 
-    run_dir, _ = first
-    shutil.copytree(run_dir, tmp_path / "init")
-    config = warm(tmp_path, tmp_path / "init", rounds=2)
     federation = f"warm-{uuid.uuid4().hex[:8]}"
     settings = AggregatorSettings(federation=federation, round_timeout_s=30.0)
-    state = str(tmp_path / "agg")
     run = prepare_run(config, progress=False)
 
     def aggregate(tag):
-        transport = MqttTransport(mosquitto_server.url, f"agg-{tag}-{federation}",
-                                  clean_session=True)
-        return run_aggregator(config, transport, state, settings=settings)
+        transport = MqttTransport(url, f"agg-{tag}-{federation}", clean_session=True)
+        return run_aggregator(config, transport, str(state), settings=settings)
 
-    clients, threads = start_mqtt_clients(mosquitto_server.url, federation, "a", run,
-                                          tmp_path, range(4))
+    clients, threads = start_mqtt_clients(url, federation, "a", run, tmp_path, range(4))
     try:
         summary = aggregate("a")
     finally:
         stop_clients(clients, threads)
+    return aggregate, summary
+
+
+def test_a_resume_takes_the_same_file_and_refuses_another(first, tmp_path, mosquitto_server):
+    run_dir, _ = first
+    shutil.copytree(run_dir, tmp_path / "init")
+    config = warm(tmp_path, tmp_path / "init", rounds=2)
+    state = str(tmp_path / "agg")
+    aggregate, summary = _service_run(mosquitto_server.url, config, state, tmp_path)
     reference = simulate(config, None, workers=1, progress=False)
     assert summary["model_sha256"] == reference["model_sha256"]
     # the same file: the run's checkpoint is taken up again (its rounds are done)
@@ -242,7 +248,7 @@ def test_a_resume_takes_the_same_file_and_refuses_another(first, tmp_path, mosqu
     other = simulate(load_run_config(write(str(tmp_path), "other.yaml", rounds=1)),
                      tmp_path / "other", workers=1, progress=False, onnx=False, plot=False)
     shutil.copy(tmp_path / "other" / "model.npz", tmp_path / "init" / "model.npz")
-    assert other["model_sha256"] != model_sha256(run.init_params)
+    assert other["model_sha256"] != summary["init"]["model_sha256"]
     with pytest.raises(StateError, match=r"made with another configuration .*model\.init"):
         aggregate("c")
 
@@ -277,28 +283,12 @@ def test_a_started_run_resumes_without_the_file(first, tmp_path, mosquitto_serve
     it) goes on from the checkpoint with a warning naming the file, and the fingerprint is
     still checked, with the recorded hash. A checkpoint of before the record (none there)
     needs the file as before, and records it when the file is there."""
-    from edgefl.roles.runner import run_aggregator
-
     record_file = "warm_start.json"      # in the run's state directory, beside its checkpoint
     run_dir, first_summary = first
     shutil.copytree(run_dir, tmp_path / "init")
     config = warm(tmp_path, tmp_path / "init", rounds=1)
-    federation = f"warm-{uuid.uuid4().hex[:8]}"
-    settings = AggregatorSettings(federation=federation, round_timeout_s=30.0)
     state = tmp_path / "agg"
-    run = prepare_run(config, progress=False)
-
-    def aggregate(tag):
-        transport = MqttTransport(mosquitto_server.url, f"agg-{tag}-{federation}",
-                                  clean_session=True)
-        return run_aggregator(config, transport, str(state), settings=settings)
-
-    clients, threads = start_mqtt_clients(mosquitto_server.url, federation, "a", run,
-                                          tmp_path, range(4))
-    try:
-        summary = aggregate("a")
-    finally:
-        stop_clients(clients, threads)
+    aggregate, summary = _service_run(mosquitto_server.url, config, state, tmp_path)
 
     shutil.rmtree(tmp_path / "init")
     caplog.clear()
