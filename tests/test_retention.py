@@ -395,6 +395,47 @@ def test_a_record_whose_id_is_not_one_directory_under_runs_is_never_pruned(tmp_p
         ["its id is not one directory name under " + str(root)] * 4, report.skipped
 
 
+def test_prune_holds_its_lock_for_one_run_at_a_time(tmp_path):
+    """The service prunes under its export lock (an export must not read a checkpoint
+    half removed), but one run at a time: a run ending meanwhile waits for one run's
+    removal, not for a prune of thousands. The lock is free between runs, each run is
+    removed while it is held, and a run another prune pruned meanwhile is passed over."""
+    import threading
+
+    from edgefl.roles.retention import prune_runs
+
+    root = tmp_path / "runs"
+    records = []
+    for i in range(4):
+        (root / f"r{i}").mkdir(parents=True)
+        (root / f"r{i}" / "model.npz").write_bytes(b"x")
+        records.append({"id": f"r{i}", "state": "finished", "ended": float(i)})
+
+    class Watched:
+        def __init__(self):
+            self.lock, self.held, self.times = threading.Lock(), [], 0
+
+        def __enter__(self):
+            assert self.lock.acquire(blocking=False), "taken while held"
+            self.times += 1
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    lock = Watched()
+
+    def mark(record, run):
+        assert lock.lock.locked(), f"{record['id']} removed without the lock"
+        lock.held.append(record["id"])
+        if record["id"] == "r0":
+            records[1]["pruned"] = 1.0       # as another prune would, between two runs
+        record["pruned"] = 1.0
+
+    report = prune_runs(records, 1, str(root), spare=(), mark=mark, lock=lock)
+    assert lock.times == 3 and not lock.lock.locked()
+    assert lock.held == ["r0", "r2"] == [r.run for r in report.runs]
+
+
 def test_ctl_prune_leaves_the_run_whose_end_is_still_being_recorded(tmp_path):
     """A run stopped by the operator is `stopped` before its model is exported from its
     checkpoint (under the export lock, which prune waits for): a prune that came in between

@@ -565,11 +565,12 @@ class Daemon:
             leave = {self._closing: "it has just ended: its export and end-of-run record are "
                                     "still being written (prune again)"} \
                 if self._closing is not None else {}
-        # under the export lock: an export of a run being pruned would read a checkpoint
-        # half removed, or write a model.onnx into a run then marked pruned
-        with self._export_lock:
-            report = prune_runs(records, keep, self.store.root, spare=(RECORD_FILE,),
-                                dry_run=dry_run, mark=mark, leave=leave)
+        # each run under the export lock: an export of a run being pruned would read a
+        # checkpoint half removed, or write a model.onnx into a run then marked pruned; let
+        # go between runs, so a run's end (its export) waits for one run's removal, not for
+        # a prune of thousands (its service's watchdog would miss its beats meanwhile)
+        report = prune_runs(records, keep, self.store.root, spare=(RECORD_FILE,),
+                            dry_run=dry_run, mark=mark, leave=leave, lock=self._export_lock)
         verb = "would remove" if dry_run else "pruned"
         for run in report.runs:
             log.info("%s: run %s (%s) %s, %d bytes in %d file(s)%s", why, run.run, run.state,

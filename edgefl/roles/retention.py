@@ -32,6 +32,7 @@ Bytes are the sizes of the regular files removed (st_size, not blocks). The repo
 from."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -94,11 +95,14 @@ def _newest_first(record: dict) -> tuple:
 
 def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
                dry_run: bool = False, mark: Callable | None = None,
-               leave: dict | None = None) -> PruneReport:
+               leave: dict | None = None, lock=None) -> PruneReport:
     """Remove the files of the ended runs among `records` (the run records, dicts) beyond
     the `keep` most recently ended, under `runs_root` (the service's `<state_dir>/runs`).
     mark(record, run_prune) is called for each run whose files are all gone (not on a dry
-    run), to save its record marked pruned. leave: {run id: why} of runs ranked but left."""
+    run), to save its record marked pruned. leave: {run id: why} of runs ranked but left.
+    lock: held while each run is looked at and pruned, and let go between runs (the
+    service's export lock: an export waits for one run's removal, not for the whole
+    prune; a run another prune has pruned meanwhile is passed over)."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise ValueError(f"keep: a whole number >= 0, got {keep!r}")
     report = PruneReport(keep, dry_run, runs_root)
@@ -106,19 +110,25 @@ def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
     ran = sorted((r for r in records if r.get("state") in RAN_STATES), key=_newest_first)
     sources = _warm_start_sources(records)
     for record in reversed(ran[keep:]):
-        if record.get("pruned"):
-            continue
-        why = (leave or {}).get(record["id"]) or _why_left(record, runs_root) \
-            or _needed_by(record, runs_root, sources)
-        if why is not None:
-            report.skipped.append((record["id"], why))
-            continue
-        run = RunPrune(record["id"], record["state"], record.get("ended"))
-        _remove_under(os.path.join(runs_root, record["id"]), set(spare), dry_run, run)
-        report.runs.append(run)
-        if not dry_run and not run.errors and mark is not None:
-            mark(record, run)
+        with lock if lock is not None else contextlib.nullcontext():
+            _prune_one(record, runs_root, spare, dry_run, mark, leave, sources, report)
     return report
+
+
+def _prune_one(record, runs_root, spare, dry_run, mark, leave, sources, report) -> None:
+    """prune_runs for one ranked-out run: left (with why), or its files removed."""
+    if record.get("pruned"):
+        return
+    why = (leave or {}).get(record["id"]) or _why_left(record, runs_root) \
+        or _needed_by(record, runs_root, sources)
+    if why is not None:
+        report.skipped.append((record["id"], why))
+        return
+    run = RunPrune(record["id"], record["state"], record.get("ended"))
+    _remove_under(os.path.join(runs_root, record["id"]), set(spare), dry_run, run)
+    report.runs.append(run)
+    if not dry_run and not run.errors and mark is not None:
+        mark(record, run)
 
 
 def _why_left(record: dict, runs_root: str) -> str | None:
