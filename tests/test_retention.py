@@ -395,6 +395,37 @@ def test_a_record_whose_id_is_not_one_directory_under_runs_is_never_pruned(tmp_p
         ["its id is not one directory name under " + str(root)] * 4, report.skipped
 
 
+def test_a_prune_reply_lists_a_bounded_number_of_runs_with_the_totals(tmp_path):
+    """The service's reply to `prune` is one MQTT message: a prune of thousands of runs
+    lists the first ones only (every run with a failed removal among them), says how many
+    it leaves out, and keeps the totals and the exit status of the whole prune."""
+    from edgefl.cli.prune import prune_lines, prune_status
+    from edgefl.roles.retention import PruneReport, RunPrune
+
+    report = PruneReport(0, False, str(tmp_path))
+    for i in range(6):
+        run = RunPrune(f"r{i}", "finished", float(i))
+        run.removed.append((str(tmp_path / f"r{i}" / "model.npz"), 10))
+        if i == 4:
+            run.errors.append((str(tmp_path / "r4" / "model.npz"), "Permission denied"))
+        report.runs.append(run)
+    report.skipped += [(f"s{i}", "the site file's run") for i in range(5)]
+    doc = report.as_dict(limit=2)
+    assert [r["run"] for r in doc["runs"]] == ["r4", "r0"]
+    assert [s["run"] for s in doc["skipped"]] == ["s0", "s1"]
+    assert (doc["runs_total"], doc["runs_failed"], doc["skipped_total"], doc["bytes"]) == \
+        (6, 1, 5, 60)
+    assert len(json.dumps(report.as_dict(limit=2))) < len(json.dumps(report.as_dict()))
+    out, err = prune_lines(doc, "edgefl ctl prune")
+    assert out[-2:] == ["... and 4 more run(s), not listed",
+                        "removed 5 run(s), 60 bytes; 1 path(s) could not be removed"], out
+    assert err[-1] == "edgefl ctl prune: ... and 3 more run(s) left, not listed", err
+    assert prune_status(doc) == 1
+    # unbounded (edgefl prune, on this machine): everything, the same totals
+    whole = report.as_dict()
+    assert len(whole["runs"]) == 6 and prune_lines(whole, "edgefl prune")[0][-1] == out[-1]
+
+
 def test_prune_holds_its_lock_for_one_run_at_a_time(tmp_path):
     """The service prunes under its export lock (an export must not read a checkpoint
     half removed), but one run at a time: a run ending meanwhile waits for one run's

@@ -84,17 +84,23 @@ def prune_lines(doc: dict, tool: str) -> tuple[list, list]:
     could not be removed, each run left and why)."""
     dry_run = doc.get("dry_run")
     verb = "would remove" if dry_run else "removed"
-    runs = doc.get("runs") or []
+    runs, skipped = doc.get("runs") or [], doc.get("skipped") or []
     out = [f"{doc.get('runs_root')}: keeping the files of the {doc.get('keep')} most recently "
            f"ended run(s)"]
     out += [f"{verb} run {run.get('run')} ({run.get('state')} {_when(run.get('ended'))}): "
             f"{run.get('files')} file(s), {run.get('bytes')} bytes" for run in runs]
     errors = [e for run in runs for e in run.get("errors") or []]
     err = [f"{tool}: cannot remove {e.get('path')}: {e.get('error')}" for e in errors]
-    err += [f"{tool}: run {s.get('run')} left: {s.get('why')}"
-            for s in doc.get("skipped") or []]
-    done = [run for run in runs if not run.get("errors")]
-    out.append(f"{verb} {len(done)} run(s), {doc.get('bytes')} bytes"
+    err += [f"{tool}: run {s.get('run')} left: {s.get('why')}" for s in skipped]
+    # a reply lists a bounded number of runs (as_dict's limit); its totals are the prune's
+    total = doc.get("runs_total", len(runs))
+    failed = doc.get("runs_failed", sum(1 for run in runs if run.get("errors")))
+    if total > len(runs):
+        out.append(f"... and {total - len(runs)} more run(s), not listed")
+    if doc.get("skipped_total", len(skipped)) > len(skipped):
+        err.append(f"{tool}: ... and {doc['skipped_total'] - len(skipped)} more run(s) left, "
+                   f"not listed")
+    out.append(f"{verb} {total - failed} run(s), {doc.get('bytes')} bytes"
                + (" (dry run: nothing removed)" if dry_run else "")
                + (f"; {len(errors)} path(s) could not be removed" if errors else ""))
     return out, err
@@ -102,7 +108,10 @@ def prune_lines(doc: dict, tool: str) -> tuple[list, list]:
 
 def prune_status(doc: dict) -> int:
     """The exit status of a prune: 1 when a path could not be removed, else 0."""
-    return 1 if any(run.get("errors") for run in doc.get("runs") or []) else 0
+    failed = doc.get("runs_failed")
+    if failed is None:
+        failed = sum(1 for run in doc.get("runs") or [] if run.get("errors"))
+    return 1 if failed else 0
 
 
 PRUNE = Command(

@@ -79,6 +79,9 @@ RUNS_DIR = "runs"
 RECORD_FILE = "run.json"
 ACTIVE_STATES = ("running", "paused")
 DONE_STATES = ("finished", "stopped", "cancelled", "failed")
+# runs listed in a reply to `prune` (and as many runs left): about 100 bytes each, so the
+# reply stays one small message (AWS IoT's limit is 128 KiB); its totals count them all
+PRUNE_REPLY_RUNS = 200
 RUN_STATES = ("queued",) + ACTIVE_STATES + DONE_STATES
 REMEMBERED_REPLIES = 256
 NONCES_FILE = "command-nonces.json"      # nonces of signed commands, until they expire
@@ -1121,4 +1124,5 @@ class Daemon:
             raise CommandError("prune: give keep (how many of the most recently ended runs "
                                "keep their files): the service's site file sets no "
                                "retention.keep_runs")
-        return self._prune(keep, "prune", bool(command.fields.get("dry_run"))).as_dict()
+        report = self._prune(keep, "prune", bool(command.fields.get("dry_run")))
+        return report.as_dict(limit=PRUNE_REPLY_RUNS)

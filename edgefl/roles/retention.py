@@ -76,17 +76,23 @@ class PruneReport:
     def errors(self) -> list:
         return [e for r in self.runs for e in r.errors]
 
-    def as_dict(self) -> dict:
+    def as_dict(self, limit: int | None = None) -> dict:
         """{keep, dry_run, runs_root, bytes, runs: [{run, state, ended, files, bytes,
-        errors: [{path, error}]}], skipped: [{run, why}]}: JSON, the removed paths counted,
-        not listed (a run's state directory may hold thousands)."""
+        errors: [{path, error}]}], skipped: [{run, why}], runs_total, runs_failed,
+        skipped_total}: JSON, the removed paths counted, not listed (a run's state
+        directory may hold thousands). limit: at most that many runs and runs left listed
+        (the service's reply is one message), the runs with a failed removal first; the
+        totals are the whole prune's."""
+        failed = [r for r in self.runs if r.errors]
+        runs = failed + [r for r in self.runs if not r.errors]
         return {"keep": self.keep, "dry_run": self.dry_run, "runs_root": self.runs_root,
-                "bytes": self.bytes,
+                "bytes": self.bytes, "runs_total": len(self.runs), "runs_failed": len(failed),
+                "skipped_total": len(self.skipped),
                 "runs": [{"run": r.run, "state": r.state, "ended": r.ended,
                           "files": len(r.removed), "bytes": r.bytes,
                           "errors": [{"path": p, "error": why} for p, why in r.errors]}
-                         for r in self.runs],
-                "skipped": [{"run": run, "why": why} for run, why in self.skipped]}
+                         for r in runs[:limit]],
+                "skipped": [{"run": run, "why": why} for run, why in self.skipped[:limit]]}
 
 
 def _newest_first(record: dict) -> tuple:
