@@ -334,10 +334,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
     (roles/signed_log.py): one that does not verify is skipped with a line on stderr naming
     the topic and the cause, and never acted on; when only unsigned ones have come for
     --timeout seconds (an aggregator that does not sign them) and no signed status reply
-    said the aggregator signs, watch ends, status 1. A run
-    that has ended before watch began sends no more events: its outcome, from the service's
-    run records (the `runs` reply, else the run's retained record on runs/<id>), is printed
-    at once. After the end's event, watch waits (up to --timeout seconds) for the run's
+    said the aggregator signs, watch ends, status 1. A run that has ended before watch
+    began sends no more events: its outcome, from the service's run records (the `runs`
+    reply, else the run's retained record on runs/<id>), is printed at once. After the end's event, watch waits (up to --timeout seconds) for the run's
     record to say it has ended: the service closes a run after its last event, and a
     script's next `start` must find it closed, not still ahead in the queue. Exit status:
     WATCH_EXIT of the run's end (0 finished, 1 failed, 3 stopped or cancelled); 1 for a
