@@ -374,8 +374,8 @@ def test_ctl_prune_refuses_bad_values_naming_them_and_removes_nothing(fleet):
 
 def test_a_record_whose_id_is_not_one_directory_under_runs_is_never_pruned(tmp_path):
     """Defence in depth below the id check: a record whose id resolves to the runs
-    directory itself or above it (`.`, `..`, `a/..`: from a store written by hand or by a
-    version without the check) is left, and nothing outside its own directory goes."""
+    directory itself or above it (empty, `.`, `..`, `a/..`: from a store written by hand or
+    by a version without the check) is left, and nothing outside its own directory goes."""
     from edgefl.roles.retention import prune_runs
 
     root = tmp_path / "state" / "runs"
@@ -386,13 +386,13 @@ def test_a_record_whose_id_is_not_one_directory_under_runs_is_never_pruned(tmp_p
     (tmp_path / "state" / "aggregator.lock").write_text("1")
     before = files_of(tmp_path / "state")
     records = [{"id": bad, "state": "finished", "ended": 10.0 + i}
-               for i, bad in enumerate((".", "..", "r1/..", "r1/../r2"))]
+               for i, bad in enumerate(("", ".", "..", "r1/..", "r1/../r2"))]
     records.append({"id": "r2", "state": "paused"})
     report = prune_runs(records, 0, str(root), spare=("run.json",))
     assert files_of(tmp_path / "state") == before
     assert report.runs == []
     assert sorted(why.split(":")[0] for _, why in report.skipped) == \
-        ["its id is not one directory name under " + str(root)] * 4, report.skipped
+        ["its id is not one directory name under " + str(root)] * 5, report.skipped
 
 
 def test_a_prune_reply_lists_a_bounded_number_of_runs_with_the_totals(tmp_path):
@@ -547,6 +547,32 @@ def test_ctl_refuses_prune_options_elsewhere_before_sending(capsys, argv, proble
     assert main(["ctl", *argv, "--broker", "mqtt://127.0.0.1:1"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"edgefl ctl: error: {problem}"), err
+
+
+def test_prune_leaves_a_run_whose_model_a_waiting_run_reads_through_a_linked_file(tmp_path):
+    """model.init may name a directory of the user's whose model.npz is a link into an
+    ended run: prepare reads the file the link points to, so that run is left too."""
+    state = tmp_path / "state"
+    ended = {run_id: _ended_run(state, run_id, seq, {"model.npz": run_id.encode() * 100})
+             for seq, run_id in enumerate(("a", "b"), 1)}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.npz").symlink_to(ended["a"] / "model.npz")
+    run_dir = state / "runs" / "q"
+    (run_dir / "state").mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "id": "q", "seq": 3, "state": "queued", "site": None, "created": 3000.0,
+        "config": run_config(rounds=1, model={"name": "softmax", "init": str(mine)}),
+        "run_dir": str(run_dir), "state_dir": str(run_dir / "state"),
+        "out_dir": str(run_dir)}))
+    site = site_file(tmp_path, state)
+    before = files_of(state)
+    done = prune(site, "--keep", "0")
+    assert done.returncode == 0, done.stderr
+    after = files_of(state)
+    assert under(after, "a") == under(before, "a"), done.stderr
+    assert list(under(after, "b")) == [os.path.join("runs", "b", "run.json")]
+    assert re.search(r"run a left: run q \(queued\) starts from its model", done.stderr)
 
 
 def test_prune_leaves_the_runs_a_waiting_run_starts_from(tmp_path):

@@ -423,3 +423,29 @@ def test_a_warm_start_from_a_dp_run_carries_its_privacy_account(tmp_path, caplog
     os.unlink(tmp_path / "dp" / "summary.json")
     run = prepare_run(config, progress=False)
     assert "privacy" not in run.warm_start
+
+
+def test_a_hostile_summary_beside_the_source_model_neither_fails_the_run_nor_reaches_the_log(
+        first, tmp_path, caplog):
+    """summary.json beside model.init's model.npz is read for the source's privacy block: a
+    huge number, a document nested past the parser's limit, a block of megabytes or a
+    string of terminal escapes must not fail the run with a traceback, nor be logged raw."""
+    run_dir, _ = first
+    cases = {
+        "huge": '{"privacy": {"epsilon": 1' + "0" * 400 + ', "delta": 1e-5}}',
+        "deep": '{"privacy": ' + "[" * 100000 + "]" * 100000 + "}",
+        "escapes": '{"privacy": {"epsilon": "\\u001b[2J\\nFAKE LOG LINE", "delta": 1}}',
+        "large": json.dumps({"privacy": {"epsilon": 1.0, "junk": "x" * (1 << 20)}}),
+    }
+    for name, text in cases.items():
+        source = tmp_path / name
+        shutil.copytree(run_dir, source)
+        (source / "summary.json").write_text(text)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="edgefl.runs.prepare"):
+            run = prepare_run(warm(tmp_path, source, name=f"{name}.yaml"), progress=False)
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "\x1b" not in logged and "\nFAKE LOG LINE" not in logged, (name, logged)
+        kept = run.warm_start.get("privacy")
+        assert kept is None or len(json.dumps(kept)) < 4096, (name, len(json.dumps(kept)))
+

@@ -143,10 +143,11 @@ def _why_left(record: dict, runs_root: str) -> str | None:
         return ("the site file's run: its checkpoint is the state directory's own, not under "
                 "runs/<id>/ (move it out by hand)")
     run_dir = os.path.join(runs_root, record["id"])
-    # the id must be one plain name under runs_root (`.`, `..` or `a/..` there would name
-    # runs_root itself or its parent: every run's files; topics.validate_id refuses them
-    # at the start, this guards a store written otherwise)
-    if os.path.basename(run_dir) != record["id"] or record["id"] in (".", "..") \
+    # the id must be one plain name under runs_root (none, `.`, `..` or `a/..` there would
+    # name runs_root itself or its parent: every run's files; topics.validate_id refuses
+    # them at the start, this guards a store written otherwise)
+    if not record["id"] or os.path.basename(run_dir) != record["id"] \
+            or record["id"] in (".", "..") \
             or os.path.realpath(os.path.dirname(run_dir)) != os.path.realpath(runs_root):
         return f"its id is not one directory name under {runs_root}: {record['id']!r}"
     if os.path.islink(run_dir):
@@ -184,10 +185,13 @@ def _warm_start_sources(records) -> list:
 
 
 def _needed_by(record: dict, runs_root: str, sources) -> str | None:
-    """Why the run's files are left for a waiting run that starts from them, or None."""
+    """Why the run's files are left for a waiting run that starts from them, or None. The
+    file prepare reads is the one checked: a directory's model.npz, links followed (a
+    directory of the user's whose model.npz links into the run)."""
     inside = os.path.realpath(os.path.join(runs_root, record["id"]))
     for run_id, state, path in sources:
-        if os.path.commonpath([os.path.realpath(path), inside]) == inside:
+        read = [path, os.path.join(path, "model.npz")] if os.path.isdir(path) else [path]
+        if any(os.path.commonpath([os.path.realpath(p), inside]) == inside for p in read):
             return f"run {run_id} ({state}) starts from its model (model.init {path})"
     return None
 

@@ -297,34 +297,56 @@ def prepare_run(config: RunConfig, *, workers: int | None = None, out_dir=None,
                        hooks, warm_start)
 
 
+# what is read of the summary.json beside a warm start's model.npz: the file's size, and
+# each kept value of its privacy block (a DP run's block is a dozen scalars of a few bytes)
+_SUMMARY_BYTES = 16 << 20
+_PRIVACY_TEXT = 200
+
+
 def _source_privacy(config: RunConfig, init: ModelFile) -> dict | None:
     """The privacy block of the summary.json beside model.init's model.npz (a DP run's
     epsilon and delta), or None: no summary (it is optional), or one of a run without DP.
     Its epsilon is spent already: the new run's rounds add to it (the same boards' data),
-    which the warning says."""
-    path = os.path.join(os.path.dirname(init.path), "summary.json")
+    which the warning says. The summary is the source run's output, not ours to trust: only
+    its scalar values are kept, strings bounded, and what is logged is escaped; one that
+    does not read (too large, nested past the parser, not JSON) is warned about."""
+    from ..io import terminal_text
+
+    where = config.path or "<config>"
+    path = os.path.join(os.path.dirname(os.path.realpath(init.path)), "summary.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read(_SUMMARY_BYTES + 1)
+        if len(data) > _SUMMARY_BYTES:
+            raise ValueError(f"over {_SUMMARY_BYTES >> 20} MiB")
+        summary = json.loads(data)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
+        reason = "nested too deep" if isinstance(exc, RecursionError) else exc
         log.warning("%s: model.init: %s: unreadable (%s): the source run's privacy account, "
-                    "if it had one, is not carried into this run's summary",
-                    config.path or "<config>", path, exc)
+                    "if it had one, is not carried into this run's summary", where, path,
+                    terminal_text(reason, _PRIVACY_TEXT, one_line=True))
         return None
-    privacy = summary.get("privacy") if isinstance(summary, dict) else None
-    if not isinstance(privacy, dict):
+    block = summary.get("privacy") if isinstance(summary, dict) else None
+    if not isinstance(block, dict):
         return None
-    epsilon = privacy.get("epsilon")
+    privacy = {str(k)[:_PRIVACY_TEXT]: v[:_PRIVACY_TEXT] if isinstance(v, str) else v
+               for k, v in list(block.items())[:64]
+               if v is None or isinstance(v, (str, bool, float)) or
+               (isinstance(v, int) and abs(v) < 2 ** 63)}
+
+    def said(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return terminal_text(value, _PRIVACY_TEXT, one_line=True)
+    stopped = privacy.get("stopped")
     log.warning("%s: model.init: %s was trained under differential privacy to epsilon %s "
                 "(delta %s%s): this run's epsilon covers its own rounds only, and the "
                 "source's privacy loss composes with it; a run stopped at its target_epsilon "
-                "is not continued on a fresh budget",
-                config.path or "<config>", init.path,
-                f"{epsilon:.4g}" if isinstance(epsilon, (int, float)) else epsilon,
-                privacy.get("delta"),
-                f", stopped: {privacy['stopped']}" if privacy.get("stopped") else "")
+                "is not continued on a fresh budget", where, init.path,
+                said(privacy.get("epsilon")), said(privacy.get("delta")),
+                f", stopped: {said(stopped)}" if stopped else "")
     return privacy
 
 
