@@ -234,7 +234,13 @@ def _service_run(url, config, state, tmp_path):
     return aggregate, summary
 
 
-def test_a_resume_takes_the_same_file_and_refuses_another(first, tmp_path, mosquitto_server):
+def test_a_resume_goes_on_from_the_model_it_started_from_whatever_the_file_holds_now(
+        first, tmp_path, mosquitto_server, caplog):
+    """A started run is defined by the model it started from, which warm_start.json
+    records: the file replaced by another model (a link moved to a newer run, a copy over
+    it) or an unreadable record must not fail a run that can resume from its checkpoint.
+    Only a checkpoint of before the record, which has nothing else to go by, refuses a
+    file that now holds another model."""
     run_dir, _ = first
     shutil.copytree(run_dir, tmp_path / "init")
     config = warm(tmp_path, tmp_path / "init", rounds=2)
@@ -244,13 +250,29 @@ def test_a_resume_takes_the_same_file_and_refuses_another(first, tmp_path, mosqu
     assert summary["model_sha256"] == reference["model_sha256"]
     # the same file: the run's checkpoint is taken up again (its rounds are done)
     assert aggregate("b")["model_sha256"] == summary["model_sha256"]
-    # another model in its place (the same layer table): refused before anything starts
+    # another model in its place (the same layer table): the run resumes, saying so
     other = simulate(load_run_config(write(str(tmp_path), "other.yaml", rounds=1)),
                      tmp_path / "other", workers=1, progress=False, onnx=False, plot=False)
     shutil.copy(tmp_path / "other" / "model.npz", tmp_path / "init" / "model.npz")
-    assert other["model_sha256"] != summary["init"]["model_sha256"]
+    started = summary["init"]["model_sha256"]
+    assert other["model_sha256"] != started
+    with caplog.at_level("WARNING", logger="edgefl.roles.runner"):
+        again = aggregate("c")
+    assert again["model_sha256"] == summary["model_sha256"]
+    assert again["init"]["model_sha256"] == started
+    assert any(other["model_sha256"][:12] in r.getMessage() and started[:12] in
+               r.getMessage() for r in caplog.records), caplog.text
+    # an unreadable record, the file there: read again (the fingerprint decides)
+    record = os.path.join(state, "warm_start.json")
+    with open(record, "w") as f:
+        f.write("")
+    shutil.copy(run_dir / "model.npz", tmp_path / "init" / "model.npz")
+    assert aggregate("d")["model_sha256"] == summary["model_sha256"]
+    # a checkpoint of before the record: the file is all it has, and it is another model
+    os.unlink(record)
+    shutil.copy(tmp_path / "other" / "model.npz", tmp_path / "init" / "model.npz")
     with pytest.raises(StateError, match=r"made with another configuration .*model\.init"):
-        aggregate("c")
+        aggregate("e")
 
 
 def test_ctl_start_names_the_file_as_the_aggregator_service_will_find_it(first, tmp_path,

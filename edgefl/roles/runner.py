@@ -149,26 +149,51 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
 
 def _prepare(config: RunConfig, state_dir: str, ckpt, **options) -> tuple:
     """(prepare_run's PreparedRun, the warm start recorded in state_dir or None). A run
-    with a checkpoint and a recorded warm start whose model.init file is gone is prepared
-    without it (a seeded stand-in, never used: the checkpoint holds the model) and warned
-    about; the record is returned, for the fingerprint's hash and the summary's `init`. In
-    every other case the file is read as at a first start (a changed one is then refused
-    by the fingerprint) and None returned. A new run (no checkpoint) drops a stale
-    record."""
+    with a checkpoint and a recorded warm start is the run that started from the recorded
+    model: the file is read when it is there and holds that model; when it is gone, or now
+    holds another model (a link moved on, a copy over it), the run is prepared without it
+    (a seeded stand-in, never used: the checkpoint holds the model), warned about, and the
+    record returned, for the fingerprint's hash and the summary's `init`. A checkpoint
+    without a readable record reads the file as at a first start (a changed one is then
+    refused by the fingerprint: there is nothing else to go by) and None is returned. A new
+    run (no checkpoint) drops a stale record."""
+    from ..checkpoint import model_sha256
+    from ..errors import ConfigError
+    from ..runs.prepare import read_init_file
+
     path = os.path.join(state_dir, WARM_START_FILE)
     source = config.init_file()
+    where = config.path or "<config>"
     if ckpt is None or source is None:
         if ckpt is None and os.path.exists(path):
             os.unlink(path)          # another run's, whose checkpoint was moved away
         return prepare_run(config, **options), None
-    recorded = _read_record(path)
-    if recorded is None or _holds_model(source):
+    try:
+        recorded = _read_record(path)
+    except StateError as exc:
+        if not _holds_model(source):
+            raise
+        log.warning("%s; model.init's file %s is read again, and the run's fingerprint "
+                    "decides", exc, source)
+        recorded = None
+    if recorded is None:
         return prepare_run(config, **options), None
-    log.warning("%s: model.init: %s is gone (no model.npz there); run %s resumes from its "
-                "checkpoint, which holds the model, and checks its fingerprint with the "
-                "parameters' sha256 recorded when it started (%s, %s)",
-                config.path or "<config>", source, ckpt.run_id,
-                recorded["model_sha256"][:12], path)
+    if _holds_model(source):
+        try:
+            now = model_sha256(read_init_file(config).params)
+        except ConfigError as exc:
+            now = f"unreadable ({exc})"
+        if now == recorded["model_sha256"]:
+            return prepare_run(config, **options), None
+        log.warning("%s: model.init: %s now holds another model (%s) than run %s started "
+                    "from (%s, recorded in %s); the run resumes from its checkpoint, which "
+                    "holds its model", where, source, now[:12] if len(now) == 64 else now,
+                    ckpt.run_id, recorded["model_sha256"][:12], path)
+    else:
+        log.warning("%s: model.init: %s is gone (no model.npz there); run %s resumes from "
+                    "its checkpoint, which holds the model, and checks its fingerprint with "
+                    "the parameters' sha256 recorded when it started (%s, %s)", where,
+                    source, ckpt.run_id, recorded["model_sha256"][:12], path)
     run = prepare_run(config, read_init=False, **options)
     run.warm_start = recorded
     return run, recorded
