@@ -876,11 +876,16 @@ def test_a_corrupt_run_record_is_reported_and_skipped(tmp_path, caplog):
     other = tmp_path / "runs" / "alien" / "run.json"
     other.parent.mkdir()
     other.write_text('{"id": "someone-else", "state": "queued"}')
+    # made by hand: an id that cannot be a topic level (its record's topic runs/<id>)
+    wild = tmp_path / "runs" / "a+b" / "run.json"
+    wild.parent.mkdir()
+    wild.write_text('{"id": "a+b", "state": "finished"}')
     with caplog.at_level("ERROR", logger="edgefl.roles.daemon"):
         assert [r["id"] for r in store.load_all()] == ["older", "good"]
     messages = [r.getMessage() for r in caplog.records]
     assert any(str(bad) in m and "skipped" in m for m in messages), messages
     assert any(str(other) in m and "not a run record of run 'alien'" in m for m in messages)
+    assert any(str(wild) in m and "contains '+'" in m for m in messages), messages
 
 
 # ---------------------------------------------------------------------------------------

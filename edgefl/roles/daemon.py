@@ -58,7 +58,7 @@ from ..errors import ConfigError
 from ..io import jsonable
 from ..service.layered import check_setting
 from ..transport.base import ConnectionEvent, Message, TransportError
-from ..transport.topics import Topics
+from ..transport.topics import TopicError, Topics, validate_id
 from .aggregator import AggregatorSettings, default_client_ids
 from .asynchronous import BOOK_FILE, BUFFER_DIR
 from .control import (CommandError, EitherStop, RunControl, parse_command, reply_payload,
@@ -156,7 +156,10 @@ class RunStore:
                 if fields.get("id") != name or fields.get("state") not in RUN_STATES:
                     raise ValueError(f"not a run record of run {name!r} (id "
                                      f"{fields.get('id')!r}, state {fields.get('state')!r})")
-            except (OSError, ValueError) as exc:
+                # as every run id that comes in a command is (its record's topic, its
+                # directory): a directory made by hand may be named otherwise
+                validate_id(name, "run id")
+            except (OSError, ValueError, TopicError) as exc:
                 log.error("run record %s skipped: %s", path, exc)
                 continue
             records.append(record)
