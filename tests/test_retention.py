@@ -426,6 +426,35 @@ def test_a_prune_reply_lists_a_bounded_number_of_runs_with_the_totals(tmp_path):
     assert len(whole["runs"]) == 6 and prune_lines(whole, "edgefl prune")[0][-1] == out[-1]
 
 
+def test_a_run_queued_during_a_prune_keeps_the_model_it_starts_from(tmp_path):
+    """The service prunes at a run's end on its run thread while its control thread takes
+    `start`s: a run queued meanwhile, starting from a run the prune has not reached yet,
+    keeps that run's files (the waiting runs are read again before each run is pruned)."""
+    from edgefl.roles.retention import prune_runs
+
+    root = tmp_path / "runs"
+    records = []
+    for i in range(3):
+        (root / f"r{i}").mkdir(parents=True)
+        (root / f"r{i}" / "model.npz").write_bytes(b"x")
+        records.append({"id": f"r{i}", "state": "finished", "ended": float(i)})
+    queued = {"id": "q", "state": "queued",
+              "config": run_config(rounds=1, model={"name": "softmax",
+                                                    "init": str(root / "r1")})}
+
+    def mark(record, run):
+        record["pruned"] = 1.0
+        if record["id"] == "r0":
+            records.append(queued)          # `ctl start` on the other thread, just now
+
+    report = prune_runs(records, 0, str(root), spare=(), mark=mark,
+                        current=lambda: list(records))
+    assert [r.run for r in report.runs] == ["r0", "r2"]
+    assert report.skipped == [("r1", f"run q (queued) starts from its model (model.init "
+                                     f"{root / 'r1'})")]
+    assert (root / "r1" / "model.npz").exists()
+
+
 def test_prune_holds_its_lock_for_one_run_at_a_time(tmp_path):
     """The service prunes under its export lock (an export must not read a checkpoint
     half removed), but one run at a time: a run ending meanwhile waits for one run's

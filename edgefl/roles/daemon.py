@@ -575,8 +575,13 @@ class Daemon:
         # checkpoint half removed, or write a model.onnx into a run then marked pruned; let
         # go between runs, so a run's end (its export) waits for one run's removal, not for
         # a prune of thousands (its service's watchdog would miss its beats meanwhile)
+        def current():
+            with self._lock:
+                return list(self.records.values())
+
         report = prune_runs(records, keep, self.store.root, spare=(RECORD_FILE,),
-                            dry_run=dry_run, mark=mark, leave=leave, lock=self._export_lock)
+                            dry_run=dry_run, mark=mark, leave=leave, lock=self._export_lock,
+                            current=current)
         verb = "would remove" if dry_run else "pruned"
         for run in report.runs:
             log.info("%s: run %s (%s) %s, %d bytes in %d file(s)%s", why, run.run, run.state,

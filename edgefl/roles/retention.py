@@ -101,14 +101,17 @@ def _newest_first(record: dict) -> tuple:
 
 def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
                dry_run: bool = False, mark: Callable | None = None,
-               leave: dict | None = None, lock=None) -> PruneReport:
+               leave: dict | None = None, lock=None,
+               current: Callable | None = None) -> PruneReport:
     """Remove the files of the ended runs among `records` (the run records, dicts) beyond
     the `keep` most recently ended, under `runs_root` (the service's `<state_dir>/runs`).
     mark(record, run_prune) is called for each run whose files are all gone (not on a dry
     run), to save its record marked pruned. leave: {run id: why} of runs ranked but left.
     lock: held while each run is looked at and pruned, and let go between runs (the
     service's export lock: an export waits for one run's removal, not for the whole
-    prune; a run another prune has pruned meanwhile is passed over)."""
+    prune; a run another prune has pruned meanwhile is passed over). current: the records
+    as they are now, read again under the lock before each run, for the waiting runs'
+    model.init (a run queued during the prune keeps the model it starts from)."""
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
         raise ValueError(f"keep: a whole number >= 0, got {keep!r}")
     report = PruneReport(keep, dry_run, runs_root)
@@ -117,6 +120,8 @@ def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
     sources = _warm_start_sources(records)
     for record in reversed(ran[keep:]):
         with lock if lock is not None else contextlib.nullcontext():
+            if current is not None:
+                sources = _warm_start_sources(current())
             _prune_one(record, runs_root, spare, dry_run, mark, leave, sources, report)
     return report
 
