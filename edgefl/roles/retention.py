@@ -117,11 +117,12 @@ def prune_runs(records, keep: int, runs_root: str, *, spare=("run.json",),
     report = PruneReport(keep, dry_run, runs_root)
     records = list(records)
     ran = sorted((r for r in records if r.get("state") in RAN_STATES), key=_newest_first)
-    sources = _warm_start_sources(records)
+    known: dict = {}                    # run id -> the path its model.init names, or None
+    sources = _warm_start_sources(records, known)
     for record in reversed(ran[keep:]):
         with lock if lock is not None else contextlib.nullcontext():
             if current is not None:
-                sources = _warm_start_sources(current())
+                sources = _warm_start_sources(current(), known)
             _prune_one(record, runs_root, spare, dry_run, mark, leave, sources, report)
     return report
 
@@ -167,25 +168,29 @@ def _why_left(record: dict, runs_root: str) -> str | None:
     return None
 
 
-def _warm_start_sources(records) -> list:
+def _warm_start_sources(records, known: dict | None = None) -> list:
     """(run id, state, the real path model.init names) of each queued, running or paused
     run that starts from an earlier run's model. A config that does not read is skipped:
-    its run fails when it starts, and needs nothing."""
+    its run fails when it starts, and needs nothing. known: {run id: path or None} of the
+    configs read already (a run's config does not change), filled in here: prune_runs reads
+    the waiting runs again before each run it prunes, each config once."""
     from ..errors import ConfigError
     from ..runconfig import load_run_config, run_config_from_mapping
 
+    known = {} if known is None else known
     out = []
     for record in records:
         if record.get("state") not in WAITING_STATES:
             continue
-        try:
-            config = load_run_config(record["site"]) if record.get("site") else \
-                run_config_from_mapping(record.get("config") or {}, f"run {record['id']}")
-            path = config.init_file()
-        except (ConfigError, OSError, KeyError, TypeError, ValueError):
-            continue
-        if path is not None:
-            out.append((record["id"], record["state"], path))
+        if record["id"] not in known:
+            try:
+                config = load_run_config(record["site"]) if record.get("site") else \
+                    run_config_from_mapping(record.get("config") or {}, f"run {record['id']}")
+                known[record["id"]] = config.init_file()
+            except (ConfigError, OSError, KeyError, TypeError, ValueError):
+                known[record["id"]] = None
+        if known[record["id"]] is not None:
+            out.append((record["id"], record["state"], known[record["id"]]))
     return out
 
 
