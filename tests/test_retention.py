@@ -426,6 +426,17 @@ def test_a_prune_reply_lists_a_bounded_number_of_runs_with_the_totals(tmp_path):
     assert len(whole["runs"]) == 6 and prune_lines(whole, "edgefl prune")[0][-1] == out[-1]
 
 
+def _finished_runs(root, n: int) -> list:
+    """The records of n finished runs r0..r{n-1} (r0 the oldest), each with a model.npz
+    under root/<id>/."""
+    records = []
+    for i in range(n):
+        (root / f"r{i}").mkdir(parents=True)
+        (root / f"r{i}" / "model.npz").write_bytes(b"x")
+        records.append({"id": f"r{i}", "state": "finished", "ended": float(i)})
+    return records
+
+
 def test_a_run_queued_during_a_prune_keeps_the_model_it_starts_from(tmp_path):
     """The service prunes at a run's end on its run thread while its control thread takes
     `start`s: a run queued meanwhile, starting from a run the prune has not reached yet,
@@ -433,11 +444,7 @@ def test_a_run_queued_during_a_prune_keeps_the_model_it_starts_from(tmp_path):
     from edgefl.roles.retention import prune_runs
 
     root = tmp_path / "runs"
-    records = []
-    for i in range(3):
-        (root / f"r{i}").mkdir(parents=True)
-        (root / f"r{i}" / "model.npz").write_bytes(b"x")
-        records.append({"id": f"r{i}", "state": "finished", "ended": float(i)})
+    records = _finished_runs(root, 3)
     queued = {"id": "q", "state": "queued",
               "config": run_config(rounds=1, model={"name": "softmax",
                                                     "init": str(root / "r1")})}
@@ -465,11 +472,7 @@ def test_prune_holds_its_lock_for_one_run_at_a_time(tmp_path):
     from edgefl.roles.retention import prune_runs
 
     root = tmp_path / "runs"
-    records = []
-    for i in range(4):
-        (root / f"r{i}").mkdir(parents=True)
-        (root / f"r{i}" / "model.npz").write_bytes(b"x")
-        records.append({"id": f"r{i}", "state": "finished", "ended": float(i)})
+    records = _finished_runs(root, 4)
 
     class Watched:
         def __init__(self):
