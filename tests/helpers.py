@@ -77,6 +77,29 @@ class StopAtLine(io.StringIO):
         return super().write(chunk)
 
 
+def refused_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` where nobody listens, below the kernel's ephemeral range:
+    connecting to it is refused. (A free port from the kernel -- transport.broker.free_port
+    -- is in that range, where a connection to it can, rarely, be given that very port as
+    its source and connect to itself, a TCP self-connect: the client then reads back its own
+    CONNECT, and a test of "cannot reach" sees a protocol error instead.)"""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(10000, max(low, 10001)), min(500, max(low - 10000, 1))):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} on {host}")
+
+
 def wait_for(predicate, timeout=30.0, what="condition", poll=0.02):
     """Call `predicate` every `poll` seconds until it returns something truthy, and return
     that; after `timeout` seconds fail the test naming `what` was awaited. A loaded machine

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from edgefl.cli import destinations, main
-from helpers import SMALL_RUN, usage_error
+from helpers import SMALL_RUN, refused_port, usage_error
 
 # the roles' small run (all three clients every round), as tiny.yaml
 TINY = {**SMALL_RUN, "clients_per_round": 3}
@@ -310,9 +310,7 @@ QUICK = ["quickstart", "--set", "rounds=2", "--no-plot", "--no-export", "--quiet
 
 def refused_broker() -> str:
     """mqtt:// URL of a port on 127.0.0.1 where nobody listens: connecting is refused."""
-    from edgefl.transport.broker import free_port
-
-    return f"mqtt://127.0.0.1:{free_port()}"
+    return f"mqtt://127.0.0.1:{refused_port()}"
 
 
 def tree(path) -> dict:

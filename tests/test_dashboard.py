@@ -26,9 +26,8 @@ from browser import Browser, find_chromium    # noqa: E402
 from edgefl.cli import main           # noqa: E402
 from edgefl.dashboard import DashboardServer, FleetView, is_loopback    # noqa: E402
 from edgefl.transport.base import Message    # noqa: E402
-from edgefl.transport.broker import free_port    # noqa: E402
 from edgefl.transport.topics import Topics    # noqa: E402
-from helpers import wait_for          # noqa: E402
+from helpers import refused_port, wait_for          # noqa: E402
 
 ROUNDS, EVAL_EVERY = 5, 2           # evaluated: rounds 2, 4 and 5 (every 2nd and the last)
 RUN = {"dataset": {"name": "digits"}, "partition": {"name": "iid", "clients": 2},
@@ -300,7 +299,7 @@ def test_a_page_opened_during_a_paused_run_shows_its_progress(tmp_path, mosquitt
 # ---------------------------------------------------------------------------------------
 
 def test_unreachable_broker_is_named(capsys):
-    port = free_port()                  # nothing listens there
+    port = refused_port()               # nothing listens there
     assert main(["dashboard", "--broker", f"127.0.0.1:{port}", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert f"cannot reach MQTT broker 127.0.0.1:{port}" in err, err
@@ -322,7 +321,7 @@ def test_port_in_use_is_named(capsys, mosquitto_server):
 def test_a_non_loopback_host_warns(capsys):
     # the warning comes before the broker is tried (here: unreachable)
     assert main(["dashboard", "--host", "0.0.0.0", "--port", "0",
-                 "--broker", f"127.0.0.1:{free_port()}"]) == 1
+                 "--broker", f"127.0.0.1:{refused_port()}"]) == 1
     err = capsys.readouterr().err
     assert "warning: serving on 0.0.0.0" in err and "ssh -L" in err, err
     assert "cannot reach MQTT broker" in err

@@ -14,7 +14,7 @@ import json
 
 import pytest
 from brokers import MosquittoProcess, _require_mosquitto
-from helpers import load_small_run
+from helpers import load_small_run, refused_port
 
 from edgefl.sim import simulate
 
@@ -135,11 +135,10 @@ def test_a_worker_whose_clients_cannot_connect_sends_the_error_and_exits_non_zer
     from edgefl.roles import Client, ClientSettings
     from edgefl.sim.hosting import serve_clients
     from edgefl.transport.base import TransportError
-    from edgefl.transport.broker import free_port
     from edgefl.transport.mqtt import MqttTransport, parse_broker_url
     from edgefl.transport.netloop import NetworkLoop
 
-    url = f"mqtt://127.0.0.1:{free_port()}"             # nobody listens: refused
+    url = f"mqtt://127.0.0.1:{refused_port()}"          # nobody listens: refused
 
     def make(stop):
         loop = NetworkLoop(name="test-worker-net")
