@@ -332,8 +332,10 @@ def test_a_started_run_resumes_without_the_file(first, tmp_path, mosquitto_serve
     # a checkpoint of before the record needs the file, as it did; with the file there,
     # the resume records it
     (state / record_file).unlink()
-    with pytest.raises(ConfigError, match=rf"model\.init: .*{tmp_path / 'init'}"):
+    with pytest.raises(ConfigError, match=rf"model\.init: .*{tmp_path / 'init'}") as refused:
         aggregate("d")
+    # ... saying why this checkpoint needs it (a state directory copied without its record)
+    assert f"no {record_file} beside it" in str(refused.value), refused.value
     shutil.copytree(run_dir, tmp_path / "init")
     assert aggregate("e")["model_sha256"] == summary["model_sha256"]
     assert json.loads((state / record_file).read_text()) == record

@@ -177,7 +177,17 @@ def _prepare(config: RunConfig, state_dir: str, ckpt, **options) -> tuple:
                     "decides", exc, source)
         recorded = None
     if recorded is None:
-        return prepare_run(config, **options), None
+        try:
+            return prepare_run(config, **options), None
+        except ConfigError as exc:
+            if _holds_model(source):
+                raise                 # the file is there: its own error says what is wrong
+            # the file is all this checkpoint has to go by: say why, and what would have
+            # let it resume (the record a state directory copied in part left behind)
+            raise ConfigError(f"{exc}; run {ckpt.run_id}'s checkpoint in {state_dir} has no "
+                              f"{WARM_START_FILE} beside it (a run started before edgefl "
+                              f"kept one, or a state directory copied without it), so it "
+                              f"needs the model it started from to resume") from exc
     if _holds_model(source):
         try:
             now = model_sha256(read_init_file(config).params)
