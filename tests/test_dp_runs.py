@@ -477,3 +477,26 @@ def test_summary_states_epsilon_against_whoever_knows_who_was_selected(tmp_path)
     assert p["rounds_selected_most"] == most
     assert p["epsilon_selection_known"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
     assert p["epsilon_selection_known"] > p["epsilon"]
+
+
+def test_a_run_stopped_before_any_evaluation_still_states_its_epsilon(tmp_path, caplog):
+    """A DP run stopped after rounds none of which was evaluated (eval_every past them)
+    leaves a model trained under DP: its summary must still give the privacy spent, and a
+    warm start from that model must still be told (the warning reads the summary's block)."""
+    stop = StopFlag()
+    config = dp_config("eval_every=5", rounds=5)
+    with pytest.raises(RunStopped) as info:
+        simulate(config, tmp_path / "stop", workers=1, progress=None,
+                 stream=StopAtLine(stop, "round 2/"), stop=stop)
+    summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(info.value.summary))
+    assert summary["stopped"]["rounds_done"] == 2
+    acc = PrivacyAccountant(config.privacy.dp, config.clients, config.clients_per_round)
+    assert "privacy" in summary, sorted(summary)
+    assert summary["privacy"]["epsilon"] == pytest.approx(acc.epsilon(2))
+    assert summary["privacy"]["rounds_accounted"] == 2
+    with caplog.at_level("WARNING", logger="edgefl"):
+        prepare_run(dp_config(f"model.init={tmp_path / 'stop' / 'model.npz'}"),
+                    progress=False)
+    assert any("trained under differential privacy" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -175,7 +175,8 @@ def dp_summary(config: RunConfig, result) -> dict | None:
 
 def stopped_summary(config: RunConfig, model: Model, stopped, workers: int) -> dict:
     """summary.json of a run stopped before its last round (errors.RunStopped): run_summary
-    of the rounds done (when one was evaluated), and `stopped` (errors.stop_record, reason
+    of the rounds done (when one was evaluated; else the run's basics and, for a DP run
+    with rounds done, its `privacy` block), and `stopped` (errors.stop_record, reason
     "stop_requested"): the round it was in (not recorded), the rounds done and planned.
     `rounds` counts the rounds done."""
     result = stopped.result
@@ -186,6 +187,11 @@ def stopped_summary(config: RunConfig, model: Model, stopped, workers: int) -> d
         summary = {"rounds": len(history), "n_params": model.n_params, "workers": workers,
                    "backend": kernels.backend, "edgefl_version": __version__,
                    "config": config.to_dict()}
+        # rounds done but none evaluated yet (eval_every) still released DP models, and
+        # model.npz is written: the privacy they spent is stated all the same (a warm start
+        # from that model reads it here)
+        if history and (privacy := dp_summary(config, result)):
+            summary["privacy"] = privacy
     summary["stopped"] = stopped.record
     return summary
 
