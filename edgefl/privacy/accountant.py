@@ -15,9 +15,10 @@ composed over the rounds (`SelfComposedDpEvent`), and epsilon read at the run's 
 `RdpAccountant` (accountant: rdp) or `PLDAccountant` (accountant: pld).
 
 The approximation, stated: edgefl's sampler (`select_clients`) takes exactly
-clients_per_round clients without replacement, not a Poisson sample. The Poisson analysis is
-the one DP-FedAvg (McMahan et al., ICLR 2018) and the usual federated DP tools report for
-fixed-size samplers, and it is what this module reports. The event that matches the sampler
+clients_per_round clients without replacement, not a Poisson sample. DP-FedAvg (McMahan et
+al., ICLR 2018, Algorithm 1) selects each client independently with probability q, for
+which the Poisson analysis is exact; for a fixed-size sampler it is an approximation (a
+common practice, not a proven bound), and it is what this module reports. The event that matches the sampler
 exactly is `SampledWithoutReplacementDpEvent`, whose analysis (Wang, Balle, Kasiviswanathan,
 AISTATS 2019) holds for replace-one neighbours, where the sensitivity of the sum is 2C, so
 its noise multiplier is z / 2; `round_event(..., sampling="without_replacement")` builds it
