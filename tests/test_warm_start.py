@@ -473,3 +473,30 @@ def test_a_hostile_summary_beside_the_source_model_neither_fails_the_run_nor_rea
         kept = run.warm_start.get("privacy")
         assert kept is None or len(json.dumps(kept)) < 4096, (name, len(json.dumps(kept)))
 
+
+
+def test_a_warm_start_from_a_warm_started_dp_run_names_every_earlier_runs_privacy(tmp_path,
+                                                                                caplog):
+    """A -> B -> C, A and B DP runs, each from the one before: C's model was trained on the
+    boards' data in A's rounds too, so C's start must not name B's epsilon alone (B's summary
+    says its own rounds only; A's block is in B's `init`): the earlier loss is carried and
+    named, summed over the chain (basic composition of what came before B)."""
+    dp = {"dp": {"clip": 1.0, "noise_multiplier": 1.0, "reproducible": True}}
+    strategy = {"name": "fedavg", "weighting": "uniform"}
+    a = simulate(load_run_config(write(str(tmp_path), "a.yaml", rounds=2, privacy=dp,
+                                       strategy=strategy)),
+                 tmp_path / "a", workers=1, progress=False, onnx=False, plot=False)
+    b = simulate(warm(tmp_path, tmp_path / "a", name="b.yaml", rounds=1, privacy=dp,
+                      strategy=strategy),
+                 tmp_path / "b", workers=1, progress=False, onnx=False, plot=False)
+    assert b["init"]["privacy"]["epsilon"] == a["privacy"]["epsilon"]
+    with caplog.at_level("WARNING", logger="edgefl.runs.prepare"):
+        run = prepare_run(warm(tmp_path, tmp_path / "b", name="c.yaml", rounds=1),
+                          progress=False)
+    carried = run.warm_start["privacy"]
+    assert carried["epsilon"] == b["privacy"]["epsilon"]
+    assert carried["earlier_epsilon"] == pytest.approx(a["privacy"]["epsilon"])
+    assert carried["earlier_delta"] == pytest.approx(a["privacy"]["delta"])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"{a['privacy']['epsilon']:.4g}" in m and f"{b['privacy']['epsilon']:.4g}" in m
+               for m in warned), warned

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -336,18 +337,42 @@ def _source_privacy(config: RunConfig, init: ModelFile) -> dict | None:
                if v is None or isinstance(v, (str, bool, float)) or
                (isinstance(v, int) and abs(v) < 2 ** 63)}
 
+    # the source may itself have started from a DP run's model: its summary's epsilon is
+    # its own rounds' only, and the loss before it is in its `init` block (with the loss
+    # before that, carried the same way): summed here (basic composition, a valid bound
+    # whatever the runs' settings), so that a chain of warm starts drops no link
+    source_init = summary.get("init") if isinstance(summary, dict) else None
+    before = source_init.get("privacy") if isinstance(source_init, dict) else None
+    if isinstance(before, dict):
+        terms = [(before.get("epsilon"), before.get("delta")),
+                 (before.get("earlier_epsilon"), before.get("earlier_delta"))]
+        terms = [(e, d) for e, d in terms if _is_number(e) and _is_number(d)]
+        if terms:
+            privacy["earlier_epsilon"] = float(sum(e for e, _ in terms))
+            privacy["earlier_delta"] = float(sum(d for _, d in terms))
+
     def said(value) -> str:
         if isinstance(value, float):
             return f"{value:.4g}"
         return terminal_text(value, _PRIVACY_TEXT, one_line=True)
     stopped = privacy.get("stopped")
+    earlier = "" if "earlier_epsilon" not in privacy else (
+        f"; it started from a model that had spent epsilon {said(privacy['earlier_epsilon'])} "
+        f"(delta {said(privacy['earlier_delta'])}) before it, which composes too")
     log.warning("%s: model.init: %s was trained under differential privacy to epsilon %s "
-                "(delta %s%s): this run's epsilon covers its own rounds only, and the "
+                "(delta %s%s)%s: this run's epsilon covers its own rounds only, and the "
                 "source's privacy loss composes with it; a run stopped at its target_epsilon "
                 "is not continued on a fresh budget", where, init.path,
                 said(privacy.get("epsilon")), said(privacy.get("delta")),
-                f", stopped: {said(stopped)}" if stopped else "")
+                f", stopped: {said(stopped)}" if stopped else "", earlier)
     return privacy
+
+
+def _is_number(value) -> bool:
+    """A non-negative int or float, infinity included (a clip-only run's epsilon), not NaN
+    nor a bool: an epsilon or delta read from a summary file."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) \
+        and not math.isnan(value) and value >= 0
 
 
 def privacy_hooks(config: RunConfig) -> PrivacyHooks:
