@@ -242,6 +242,68 @@ class CentralAggregator(Aggregator):
             return None
         return f"round {o.round}: edge {node!r} has no client that may upload this round"
 
+    def _on_update(self, node: str, payload: bytes) -> None:
+        """The base class's checks of the frame, then the partial aggregate's own against
+        the edge's site (`_partial_refusal`): a refused one is not counted, the round does
+        not wait for that edge again (its stored copy, re-sent, is a duplicate), and the
+        other edges' partials close the round."""
+        o = self.open
+        before = node in o.received
+        super()._on_update(node, payload)
+        if before or node not in o.received:
+            return
+        why = self._partial_refusal(node, o.received[node])
+        if why is not None:
+            del o.received[node]
+            o.train_s.pop(node, None)
+            o.refused.add(node)
+            self._reject(node, f"round {o.round}: {why}")
+
+    def _partial_refusal(self, edge: str, update: Update) -> str | None:
+        """Why `update`, `edge`'s upload in the open round, is not a partial aggregate of
+        its site's clients for this round, or None. The sum itself (its vector and the
+        strategy's scalars) is checked by the strategy when the round closes."""
+        try:
+            total = partial_total(update)
+        except StrategyError as exc:
+            return str(exc)
+        o, doc = self.open, update.scalars["edge"]
+        ids = self.plan.client_ids
+        may = sorted(ids[c] for c in o.round_plan.uploaders if self.site_of[ids[c]] == edge)
+        weight, count, clients = doc["weight"], doc["count"], doc.get("clients")
+        if weight <= 0:
+            return f"partial aggregate: edge.weight = {weight} must be > 0"
+        if weight != update.num_samples:
+            return (f"partial aggregate: edge.weight = {weight} is not the frame's "
+                    f"num_samples ({update.num_samples})")
+        if not 1 <= count <= len(may):
+            return (f"partial aggregate: edge.count = {count}, but site {edge!r} has "
+                    f"{len(may)} clients that may upload in round {o.round}"
+                    if count > len(may) else
+                    f"partial aggregate: edge.count = {count} must be >= 1")
+        if getattr(self.plan.strategy, "weighting", None) == "uniform" and weight != count:
+            return (f"partial aggregate: edge.weight = {weight} is not edge.count = {count} "
+                    f"(weighting uniform: each client weighs 1)")
+        if not isinstance(clients, list) or not all(isinstance(n, str) for n in clients):
+            return f"partial aggregate: edge.clients = {clients!r} must be a list of client ids"
+        if len(clients) != count:
+            return (f"partial aggregate: edge.clients lists {len(clients)} client(s), "
+                    f"edge.count = {count}")
+        for i, node in enumerate(clients):
+            if node in clients[:i]:
+                return f"partial aggregate: edge.clients lists {node} twice"
+            if self.site_of.get(node) != edge:
+                return (f"partial aggregate: edge.clients names {node}, not a client of "
+                        f"site {edge!r} ({', '.join(self.sites[edge])})")
+            if node not in may:
+                return (f"partial aggregate: edge.clients names {node}, which may not "
+                        f"upload in round {o.round}")
+        for name, value in sorted(total.scalars.items()):
+            if name != LOSS_SCALARS[0] and not math.isfinite(value):
+                # the loss is only reported; a client's own NaN loss is kept as in a flat run
+                return f"partial aggregate: edge.scalars[{name!r}] = {value} is not finite"
+        return None
+
     def _on_status(self, node: str, payload: bytes) -> None:
         super()._on_status(node, payload)
         o = self.open
@@ -273,30 +335,59 @@ class CentralAggregator(Aggregator):
             log.info("round %d abandoned: stop requested; the checkpoint of round %d stands",
                      r, self.ckpt.round)
             return False
-        partials, nbytes = {}, 0
+        partials = {}
         for edge, update in sorted(o.received.items()):
             try:
                 partials[edge] = partial_total(update)
-                nbytes += update.nbytes
             except StrategyError as exc:
                 self._reject(edge, f"round {r}: {exc}")
                 o.refused.add(edge)
         if not partials:
             raise StrategyError(f"round {r}: closed by {closed_by} without a usable partial "
                                 f"aggregate")
-        total = self.engine.sum_partials(partials, r)
-        clients = sorted(n for e in partials
-                         for n in o.received[e].scalars["edge"].get("clients", ()))
-        closed = self.engine.close_round_from_sum(
-            round_plan, total, UploadTotals.of_sum(total, nbytes), state,
-            train_wall_s=max(o.train_s.values(), default=0.0),
-            elapsed_before=self.ckpt.elapsed_s,
-            extras=lambda: {"closed_by": closed_by, "updates": total.count,
-                            "edges": sorted(partials),
-                            "missing": sorted(o.uploaders - set(partials)),
-                            "clients": clients, **o.counts})
+        def close():
+            total = self.engine.sum_partials(partials, r)
+            nbytes = sum(o.received[e].nbytes for e in partials)
+            clients = sorted(n for e in partials
+                             for n in o.received[e].scalars["edge"].get("clients", ()))
+            return self.engine.close_round_from_sum(
+                round_plan, total, UploadTotals.of_sum(total, nbytes), state,
+                train_wall_s=max(o.train_s.values(), default=0.0),
+                elapsed_before=self.ckpt.elapsed_s,
+                extras=lambda: {"closed_by": closed_by, "updates": total.count,
+                                "edges": sorted(partials),
+                                "missing": sorted(o.uploaders - set(partials)),
+                                "clients": clients, **o.counts})
+
+        try:
+            closed = close()
+        except StrategyError as exc:
+            self._drop_unusable(partials, r, state, exc)
+            closed = close()
         self._commit(r, closed.state, closed.record)
         return True
+
+    def _drop_unusable(self, partials: dict, r: int, state, exc: StrategyError) -> None:
+        """The sum of `partials` failed with `exc` (a partial of another size or other
+        scalars than the strategy's): each is tried alone, as the flat aggregator tries each
+        update (`RoundEngine.aggregate`'s on_unusable), and the ones the strategy's server
+        step cannot use are refused, naming the edge, and deleted from `partials`. None or
+        all of them unusable: `exc` is raised again, naming the round."""
+        bad = {}
+        for edge in sorted(partials):
+            try:
+                self.plan.strategy.aggregate_sum(
+                    r, self.engine.sum_partials({edge: partials[edge]}, r), state)
+            except StrategyError as single:
+                bad[edge] = single
+        if not bad or len(bad) == len(partials):
+            raise StrategyError(f"round {r}: the partial aggregates cannot be aggregated: "
+                                f"{exc}") from exc
+        for edge, why in bad.items():
+            self._reject(edge, f"round {r}: the strategy cannot use its partial aggregate: "
+                               f"{why}")
+            del partials[edge]
+            self.open.refused.add(edge)
 
 
 # ---------------------------------------------------------------------------------------

@@ -122,6 +122,9 @@ class FedNova(Strategy):
         """w + tau_eff * sum_i p_i d_i / sum_i p_i, tau_eff = sum_i p_i ||a_i||_1 / sum_i p_i."""
         no_robust_sum(self)
         mean_delta(total, state.buffers["params"].size)       # checks size and weight
+        if "weighted_a_norm" not in total.scalars:       # a sum not of fednova contributions
+            raise StrategyError(f"fednova: the sum lacks the 'weighted_a_norm' scalar (it has "
+                                f"{sorted(total.scalars)})")
         tau_eff = total.scalars["weighted_a_norm"] / total.weight
         new = apply_mean_delta(state.buffers, ("params",), total, tau_eff)
         return state.replace(new, round=round), {"tau_eff": float(tau_eff)}
