@@ -903,3 +903,25 @@ def test_an_attack_with_edges_is_refused_naming_the_attack(tmp_path):
                        settings=AggregatorSettings(federation="fed"),
                        sites={"site-a": default_client_ids(3)})
     assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("role", ["centre", "edge"])
+def test_a_refused_strategy_with_an_offline_phase_is_refused_before_it(tmp_path, role):
+    """DUW over edges is refused, but only after its offline phase had trained the weight
+    table (the paper's 400-1000 meta iterations) and written duw_weights.json to the run's
+    output directory: the refusal comes before anything is prepared, and nothing is left."""
+    from edgefl.errors import ConfigError
+    from edgefl.roles.runner import run_aggregator, run_edge
+    config = load_small_run(tmp_path, partition={"name": "iid", "clients": 4},
+                            strategy={"name": "duw", "meta_iterations": 20,
+                                      "upload_prob": [1.0, 0.8, 0.9, 1.0]})
+    settings = AggregatorSettings(federation="fed")
+    out, state = tmp_path / "out", tmp_path / "state"
+    with pytest.raises(ConfigError, match="strategy 'duw' cannot run over edge aggregators"):
+        if role == "centre":
+            run_aggregator(config, None, str(state), settings=settings, out_dir=str(out),
+                           sites={"site-a": default_client_ids(4)})
+        else:
+            run_edge(config, None, str(state), settings=settings, edge_id="site-a",
+                     site=default_client_ids(4))
+    assert not out.exists() and not state.exists()

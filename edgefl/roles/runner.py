@@ -63,6 +63,8 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     strategy = None
     if ckpt is not None:      # the strategy as the run used it (DUW's table is not retrained)
         strategy = get_strategy(ckpt.strategy["name"], **ckpt.strategy["params"])
+    if sites:                 # before the data and a strategy's offline phase (DUW's table)
+        _refuse_edges(config, strategy)
     # a strategy's offline phase (DUW's table) trains too: the service's signal stops it
     # within one local step, and the run, not started, is taken up again after a restart
     kernel_stop = next((e for e in getattr(stop, "events", [stop])
@@ -74,8 +76,6 @@ def run_aggregator(config: RunConfig, transport, state_dir: str, *, settings,
     except TrainingStopped:
         log.info("stopped while the run was being prepared")
         return None
-    if sites:
-        _refuse_edges(config, run.strategy)
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
@@ -240,6 +240,7 @@ def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id:
     from .edge import EdgeAggregator
 
     refuse_over_broker(config)           # before anything is loaded or connected
+    _refuse_edges(config)                # and before a strategy's offline phase
     kernel_stop = next((e for e in getattr(stop, "events", [stop])
                         if isinstance(e, StopFlag)), None)
     try:
@@ -248,7 +249,6 @@ def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id:
                           stop=kernel_stop, read_init=False)
     except TrainingStopped:
         return False
-    _refuse_edges(config, run.strategy)
     ids = tuple(client_ids) if client_ids else default_client_ids(len(run.setup.clients))
     if len(ids) != len(run.setup.clients):
         raise ConfigError(f"{config.path or '<config>'}: partition.clients = "
@@ -260,11 +260,14 @@ def run_edge(config: RunConfig, transport, state_dir: str, *, settings, edge_id:
     return edge.run()
 
 
-def _refuse_edges(config: RunConfig, strategy) -> None:
-    """A run that cannot go through edge aggregators is refused before anything starts,
-    naming why (roles.edge.edge_refusal)."""
+def _refuse_edges(config: RunConfig, strategy=None) -> None:
+    """A run that cannot go through edge aggregators is refused before anything starts
+    (its data, a strategy's offline phase: DUW trains its table), naming why
+    (roles.edge.edge_refusal). `strategy`: a checkpoint's, or None: the config's."""
     from .edge import edge_refusal
 
+    if strategy is None:
+        strategy = get_strategy(config.strategy, **config.strategy_params)
     why = edge_refusal(strategy, privacy=config.privacy,
                        attack=getattr(config, "attack", None))
     if why is not None:
