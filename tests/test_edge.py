@@ -600,6 +600,49 @@ def test_an_edge_restarted_after_forwarding_resends_the_same_frame_once(three_br
     assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE
 
 
+def test_the_centre_killed_mid_round_resumes_and_counts_each_edge_once(three_brokers,
+                                                                       tmp_path):
+    """The centre process is killed with SIGKILL while round 1 is open, after site-a
+    forwarded its partial and while site-b still waits for client-3; started again, it
+    announces round 1 again: site-a re-sends its stored partial, site-b forwards once
+    client-3 is in, and every round counts the four clients once (the flat model)."""
+    central, sites = three_brokers
+    rounds = 2
+    t = _TwoLevelProcesses(tmp_path, central, sites, rounds)
+    out, spawn, threads, errors = t.out, t.spawn, t.threads, t.errors
+    edge_b = t.edge_b()
+    journal = tmp_path / "site-a-state" / "edge" / "edge.jsonl"
+    try:
+        edge_a = spawn(t.edge_cmd, "edge-a-2.log")
+        threads.append(_started(edge_b.run, "site-b", errors))
+        for i in (0, 1, 2):
+            threads.append(_started(t.client(i).run, t.ids[i], errors))
+        first = spawn(t.centre_cmd, "centre-1.log")
+        wait_for(journal.exists, timeout=60, what="site-a's round 1 partial aggregate")
+        time.sleep(0.5)                                  # ... at the centre
+        assert first.poll() is None, (tmp_path / "centre-1.log").read_text()[-3000:]
+        first.send_signal(signal.SIGKILL)                # round 1 open at the centre
+        assert first.wait(10) == -signal.SIGKILL
+        centre = spawn(t.centre_cmd, "centre.log")
+        wait_for(lambda: "round 1 partial aggregate re-sent"
+                 in (tmp_path / "edge-a-2.log").read_text(), timeout=60,
+                 what="site-a to re-send round 1 to the restarted centre")
+        threads.append(_started(t.client(3).run, t.ids[3], errors))
+        t.wait_ended(centre, edge_a)
+    finally:
+        t.stop_all()
+    if errors:
+        raise errors[0]
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["updates"], r["edges"], r["clients"]) for r in history] == \
+        [(r, 4, ["site-a", "site-b"], list(t.ids)) for r in range(1, rounds + 1)]
+    forwarded = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [(j["round"], j["clients"]) for j in forwarded] == \
+        [(r, ["client-0", "client-1"]) for r in range(1, rounds + 1)]
+    params = load_checkpoint(str(out / "model.npz"))["params"]
+    assert float(np.max(np.abs(params - t.flat))) <= TOLERANCE
+
+
 def test_an_edge_waits_past_the_finished_announcement_of_an_earlier_run(three_brokers,
                                                                          tmp_path):
     """The centre's topic still holds an earlier run's `finished` announcement when the
