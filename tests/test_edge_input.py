@@ -60,7 +60,8 @@ def _forge(update: Update, **edge_changes) -> Update:
 
 def _run_centre(tmp_path, run, forged: dict, *, limit_s: float = 60.0):
     """The centre of `run` (4 clients, SITES) on a real Mosquitto, each edge played by a
-    thread that publishes `forged[edge]` (an Update) for the round it announces; returns
+    thread that publishes `forged[edge]` (an Update, or a list of them in order; an
+    (Update, run id) pair is sent as of that run) for the round it announces; returns
     (the centre's result or the exception its run() raised, the centre)."""
     _require_mosquitto()
     broker = Broker(tmp_path / "central")
@@ -91,12 +92,16 @@ def _run_centre(tmp_path, run, forged: dict, *, limit_s: float = 60.0):
                 if doc["round"] in sent:
                     continue
                 sent.add(doc["round"])
-                for edge, update in sorted(forged.items()):
-                    data = wire.encode("update", doc["round"], edge, update.buffers,
-                                       update_scalars(update, doc["run"], 0.0),
-                                       run.model.table, "none")
-                    for payload in wire.split(data, 1 << 20):
-                        t.publish(f"edgefl/fed/update/{edge}", payload, qos=1)
+                for edge, frames in sorted(forged.items()):
+                    for update in frames if isinstance(frames, list) else [frames]:
+                        run_id = doc["run"]
+                        if isinstance(update, tuple):       # (Update, another run id)
+                            update, run_id = update
+                        data = wire.encode("update", doc["round"], edge, update.buffers,
+                                           update_scalars(update, run_id, 0.0),
+                                           run.model.table, "none")
+                        for payload in wire.split(data, 1 << 20):
+                            t.publish(f"edgefl/fed/update/{edge}", payload, qos=1)
         finally:
             t.close()
 
@@ -207,3 +212,20 @@ def test_a_partial_the_strategy_cannot_use_is_refused_without_ending_the_run(
     assert re.search(r"rejected update from 'site-a': round 1: .*" + match, caplog.text), \
         caplog.text
     assert np.all(np.isfinite(outcome.params))
+
+
+def test_a_partial_of_another_run_is_refused_and_the_edge_still_waited_for(tmp_path,
+                                                                             caplog):
+    """A partial aggregate of another run (an edge's copy from before the centre's state
+    was replaced) is refused naming both runs; the edge's partial of this run, after it, is
+    the one summed."""
+    run = _prepared(tmp_path, {"name": "fedavg"})
+    good = _partials(run)
+    caplog.set_level("WARNING", logger="edgefl.roles")
+    outcome, centre = _run_centre(tmp_path, run, {
+        "site-a": [(good["site-a"], "0123456789abcdef"), good["site-a"]],
+        "site-b": good["site-b"]})
+    assert outcome.finished and outcome.history[0]["edges"] == ["site-a", "site-b"]
+    assert outcome.history[0]["updates"] == 4
+    assert re.search(r"rejected update from 'site-a': update of site-a for round 1 belongs "
+                     r"to run 0123456789abcdef, this is run " + outcome.run_id, caplog.text)
