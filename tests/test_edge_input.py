@@ -14,7 +14,7 @@ import pytest
 
 from brokers import _require_mosquitto
 from helpers import load_small_run
-from test_edge import Broker, _started
+from test_edge import Broker, _started, three_brokers  # noqa: F401 -- a fixture
 
 from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
 from edgefl.roles.edge import CentralAggregator, partial_update
@@ -229,3 +229,89 @@ def test_a_partial_of_another_run_is_refused_and_the_edge_still_waited_for(tmp_p
     assert outcome.history[0]["updates"] == 4
     assert re.search(r"rejected update from 'site-a': update of site-a for round 1 belongs "
                      r"to run 0123456789abcdef, this is run " + outcome.run_id, caplog.text)
+
+
+# ---------------------------------------------------------------------------------------
+# an edge whose site's updates the strategy cannot use
+# ---------------------------------------------------------------------------------------
+
+def test_an_edge_whose_updates_are_all_unusable_refuses_them_once(three_brokers, tmp_path,
+                                                                  caplog):
+    """site-a's two boards send FedNova updates without the 'a_norm' scalar (a board of
+    another strategy's build): the edge refuses each, naming it, forwards nothing and waits
+    for the centre's next round; the centre closes round 1 with site-b at its deadline. (The
+    edge opened the round again at once, each time with a new announcement id that made
+    both boards re-send, until the centre moved on: a few hundred announcements a second.)"""
+    from edgefl.roles import Client, ClientSettings
+    from edgefl.roles.edge import EdgeAggregator
+    from edgefl.roles.messages import parse_announcement
+
+    central, sites = three_brokers
+    run = _prepared(tmp_path, {"name": "fednova"})
+    ids = default_client_ids(4)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids)
+    stop = threading.Event()
+    threads, errors, seen = [], [], set()
+
+    def start(target, name):
+        threads.append(_started(target, name, errors))
+
+    def boards_without_a_norm():
+        t = MqttTransport(sites["site-a"].url, "forger", clean_session=True)
+        t.connect()
+        t.subscribe("edgefl/fed/round", qos=1)
+        try:
+            while not stop.is_set():
+                item = t.receive(0.2)
+                if item is None or not getattr(item, "payload", b""):
+                    continue
+                doc = parse_announcement(item.payload)
+                if doc.get("finished"):
+                    return
+                seen.add(doc["announce"])
+                for node in SITES["site-a"]:
+                    update = Update({"params": run.init_params.astype(np.float32)}, 75, 1.0, 3)
+                    data = wire.encode("update", doc["round"], node, update.buffers,
+                                       update_scalars(update, doc["run"], 0.0),
+                                       run.model.table, "none")
+                    t.publish(f"edgefl/fed/update/{node}", data, qos=1)
+        finally:
+            t.close()
+
+    settings = AggregatorSettings(federation="fed", round_timeout_s=8.0)
+    start(boards_without_a_norm, "forger")
+    for i in (2, 3):
+        c = Client(ClientSettings(ids[i], "fed", exit_when_finished=True, raise_on_error=True),
+                   (run.clients[i].x, run.clients[i].y),
+                   MqttTransport(sites["site-b"].url, f"c-{ids[i]}", clean_session=True),
+                   str(tmp_path / ids[i]), stop=stop)
+        start(c.run, ids[i])
+    for e in SITES:
+        edge = EdgeAggregator(plan, MqttTransport(sites[e].url, f"e-{e}", clean_session=True),
+                              str(tmp_path / e), settings, edge_id=e, site=SITES[e], stop=stop)
+        start(edge.run, e)
+    centre = CentralAggregator(plan, MqttTransport(central.url, "centre", clean_session=True),
+                               str(tmp_path / "centre"),
+                               AggregatorSettings(federation="fed", node_id="centre",
+                                                  round_timeout_s=8.0),
+                               sites=SITES, stop=stop)
+    caplog.set_level("WARNING", logger="edgefl.roles")
+    watchdog = threading.Timer(60.0, stop.set)
+    watchdog.start()
+    try:
+        result = centre.run()
+    finally:
+        watchdog.cancel()
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    if errors:
+        raise errors[0]
+    assert result.finished
+    assert [(r["edges"], r["missing"], r["clients"]) for r in result.history] == \
+        [(["site-b"], ["site-a"], ["client-2", "client-3"])]
+    assert len(seen) <= 3, f"site-a's edge announced round 1 {len(seen)} times"
+    for node in SITES["site-a"]:
+        assert f"rejected update from '{node}': round 1: the strategy cannot use it: " \
+               f"fednova: the update lacks the 'a_norm' scalar" in caplog.text
+    assert not (tmp_path / "site-a" / "partial.frame").exists()

@@ -648,6 +648,12 @@ class EdgeAggregator(Aggregator):
             except (StrategyError, ValueError) as exc:
                 self._refuse_unusable(c, StrategyError(str(exc)))
         if not contributions:
+            # each refused, named (_refuse_unusable): this round is done here, as one
+            # closed without updates (following it again would announce it anew, and the
+            # boards re-send the same updates, until the centre moved on)
+            log.warning("edge %s: round %d closed (%s) with no usable update to forward",
+                        self.edge_id, r, closed_by)
+            self.ckpt.round = r
             self.open = None
             return
         total = self.engine.sum_clear(contributions, r)
