@@ -968,3 +968,24 @@ def test_a_refused_strategy_with_an_offline_phase_is_refused_before_it(tmp_path,
             run_edge(config, None, str(state), settings=settings, edge_id="site-a",
                      site=default_client_ids(4))
     assert not out.exists() and not state.exists()
+
+
+@pytest.mark.parametrize("privacy, named, why", [
+    ({"secure_aggregation": {}}, "secure aggregation",
+     "each edge would see its site's sum unmasked"),
+    ({"dp": {"clip": 1.0, "noise_multiplier": 1.0}}, "differential privacy",
+     "calibrated to one aggregator's sum"),
+])
+def test_privacy_is_refused_over_edges_naming_which_and_why(tmp_path, privacy, named, why):
+    """A run with secure aggregation or DP is refused before anything starts, and the
+    message says which of the two and why an edge cannot carry it, not only 'run it flat'."""
+    from edgefl.errors import ConfigError
+    from edgefl.roles.runner import _refuse_edges
+
+    strategy = {"name": "fedavg", **({"weighting": "uniform"} if "dp" in privacy else {})}
+    config = load_small_run(tmp_path, privacy=privacy, strategy=strategy)
+    with pytest.raises(ConfigError, match="over edge aggregators") as refused:
+        _refuse_edges(config)
+    assert named in str(refused.value) and why in str(refused.value), refused.value
+    run = prepare_run(config, progress=False)
+    assert named in edge_refusal(run.strategy, privacy=config.privacy)

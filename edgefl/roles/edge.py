@@ -103,10 +103,40 @@ def edge_refusal(strategy, *, robust=None, privacy=None, attack=None) -> str | N
                 f"run over edge aggregators: it ranks or trims the individual updates, and "
                 f"the centre sees only each edge's weighted sum; drop strategy.robust or the "
                 f"edges")
-    if privacy is not None:
-        return ("privacy (secure aggregation, DP) is not supported over edge aggregators: "
-                "run it flat")
+    names = _privacy_in(privacy)
+    if names:
+        return (f"{' and '.join(names)} cannot run over edge aggregators in this version: "
+                + "; ".join(f"{n}: {_PRIVACY_OVER_EDGES[n]}" for n in names)
+                + "; run it flat (one aggregator)")
     return None
+
+
+# why each privacy setting is refused over edges (edge_refusal)
+_PRIVACY_OVER_EDGES = {
+    "secure aggregation": "its masks cancel in one aggregator's sum, so each edge would see "
+                          "its site's sum unmasked (a sum of fewer boards than the flat "
+                          "run's) and forward it to the centre in the clear",
+    "differential privacy": "its noise and its privacy accounting are calibrated to one "
+                            "aggregator's sum of the clipped updates, not to an edge's sum "
+                            "forwarded to another",
+}
+
+
+def _privacy_in(privacy) -> list:
+    """The privacy settings named in `privacy`: a config's `privacy:` section
+    (privacy.settings.Privacy), a sequence of names, or None."""
+    if privacy is None:
+        return []
+    if isinstance(privacy, (list, tuple)):
+        return list(privacy)
+    return [name for name, on in (("secure aggregation", privacy.secure_aggregation),
+                                  ("differential privacy", privacy.dp)) if on is not None]
+
+
+def _plan_privacy(plan) -> list:
+    """The privacy settings a RunPlan runs with (edge_refusal's names)."""
+    return [name for name, on in (("secure aggregation", plan.secure is not None),
+                                  ("differential privacy", plan.hooks is not NO_HOOKS)) if on]
 
 
 def load_sites(path: str | os.PathLike) -> dict:
@@ -208,9 +238,7 @@ class CentralAggregator(Aggregator):
     plan is in exactly one site."""
 
     def __init__(self, plan, transport, state_dir, settings, *, sites: Mapping, **kwargs):
-        why = edge_refusal(plan.strategy)
-        if why is None and (plan.hooks is not NO_HOOKS or plan.secure is not None):
-            why = edge_refusal(plan.strategy, privacy=True)
+        why = edge_refusal(plan.strategy, privacy=_plan_privacy(plan))
         if why is not None:
             raise StrategyError(why)
         super().__init__(plan, transport, state_dir, settings, **kwargs)
@@ -417,9 +445,7 @@ class EdgeAggregator(Aggregator):
     def __init__(self, plan, transport, state_dir, settings, *, edge_id: str,
                  site: Sequence[str], up_prefix: str = UP_PREFIX,
                  margin_s: float | None = None, centre_keys=None, **kwargs):
-        why = edge_refusal(plan.strategy)
-        if why is None and (plan.hooks is not NO_HOOKS or plan.secure is not None):
-            why = edge_refusal(plan.strategy, privacy=True)
+        why = edge_refusal(plan.strategy, privacy=_plan_privacy(plan))
         if why is not None:
             raise StrategyError(why)
         plan = _without_test(plan)
