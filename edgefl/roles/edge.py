@@ -560,11 +560,13 @@ class EdgeAggregator(Aggregator):
                     self._service(self.settings.poll_s)
                     continue
                 if self.ckpt.run_id == doc["run"] and doc["round"] <= self.ckpt.round:
-                    stored = self._stored_partial()
-                    if stored is not None and stored[:2] == (doc["run"], doc["round"]) \
-                            and self.resent_for != doc["announce"]:
+                    # looked at once per announcement: the file changes only when this
+                    # edge forwards, and a model of megabytes is not decoded at every poll
+                    if self.resent_for != doc["announce"]:
                         self.resent_for = doc["announce"]
-                        self._publish_partial(stored[2], doc["round"], resend=True)
+                        stored = self._stored_partial()
+                        if stored is not None and stored[:2] == (doc["run"], doc["round"]):
+                            self._publish_partial(stored[2], doc["round"], resend=True)
                 elif self._site_nodes(doc) and self._model_for(doc) is not None:
                     return doc
                 elif self._site_nodes(doc) and time.monotonic() - self.model_asked > 5.0:
