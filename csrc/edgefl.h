@@ -165,7 +165,11 @@ typedef struct {
 enum ef_status { EF_OK = 0, EF_ERR_NONFINITE = 1, EF_ERR_ARGS = 2, EF_STOPPED = 3 };
 
 /* Workspace needed (in floats and in int64s) for a network processing `chunk` samples at a
- * time over a data set of n samples. Returns 0, or EF_ERR_ARGS for an inconsistent net. */
+ * time (1..128, as ef_chunk_for_batch gives; forward, loss_grad and evaluate take the same)
+ * over a data set of n samples. Returns 0, or EF_ERR_ARGS for an inconsistent net or one
+ * whose sizes pass what the kernels index: a per-sample activation, a conv's padded side or
+ * its GEMM depth in_c * k * k past int32, a conv's per-sample scratch past 2^40 floats, more
+ * than 2^62 parameters. */
 int ef_workspace_size(int64_t *n_float, int64_t *n_int, const ef_net *net, int64_t chunk,
                       int64_t n);
 

@@ -54,30 +54,62 @@ static int64_t conv_group(const ef_layer *l, int64_t chunk)
     return g < 1 ? 1 : g;
 }
 
+/* Sizes the kernels index. A per-sample activation and a GEMM dimension stay within int32
+ * (scipy-openblas32 takes int32 sizes; a dense layer's input is a GEMM dimension; the pool's
+ * argmax and im2col's row arithmetic are int32); a conv's per-sample scratch within 2^40
+ * floats; the parameter count within 2^62. With chunk <= EF_MAX_CHUNK and at most 64
+ * layers, every offset make_layout sums then stays far inside int64. */
+#define EF_MAX_SCRATCH ((int64_t)1 << 40)
+#define EF_MAX_PARAMS ((int64_t)1 << 62)
+
+/* a * b * c of positive int32s, or -1 when it passes `limit` (no intermediate overflows:
+ * a * b < 2^62, and the second product is taken only when a * b <= limit / c) */
+static int64_t bounded_product(int64_t a, int64_t b, int64_t c, int64_t limit)
+{
+    const int64_t ab = a * b;
+    return ab > limit / c ? -1 : ab * c;
+}
+
 static int check_net(const ef_net *net)
 {
     if (!net || net->n_layers <= 0 || net->n_layers > 64 || !net->layers) return EF_ERR_ARGS;
+    if (net->n_params < 0 || net->n_params > EF_MAX_PARAMS) return EF_ERR_ARGS;
     for (int32_t i = 0; i < net->n_layers; i++) {
         const ef_layer *l = &net->layers[i];
-        if (in_size(l) <= 0 || out_size(l) <= 0) return EF_ERR_ARGS;
+        /* dimensions first, so in_size and out_size below cannot overflow */
+        if (l->in_c <= 0 || l->in_h <= 0 || l->in_w <= 0 || l->out_c <= 0 || l->out_h <= 0 ||
+            l->out_w <= 0)
+            return EF_ERR_ARGS;
+        if (bounded_product(l->in_c, l->in_h, l->in_w, INT32_MAX) < 0 ||
+            bounded_product(l->out_c, l->out_h, l->out_w, INT32_MAX) < 0)
+            return EF_ERR_ARGS;
         if (i > 0 && in_size(l) != out_size(&net->layers[i - 1])) return EF_ERR_ARGS;
         switch (l->op) {
         case EF_DENSE: /* [out_c] per sample: forward writes out_c values, no more */
             if (l->out_h != 1 || l->out_w != 1) return EF_ERR_ARGS;
-            if (l->w_off < 0 || l->w_off + in_size(l) * l->out_c > net->n_params) return EF_ERR_ARGS;
+            /* weights in_size * out_c < 2^62; compared without forming w_off + weights */
+            if (l->w_off < 0 || in_size(l) * l->out_c > net->n_params - l->w_off)
+                return EF_ERR_ARGS;
             break;
         case EF_CONV2D: {
             /* in int64 (2 * pad may not fit an int32), and the window within the padded input:
              * C's division truncates toward zero, so (1 - 3) / 3 + 1 = 1 where the builder's
              * floor gives 0, and the window would read past the input */
+            if (l->k <= 0 || l->stride <= 0 || l->pad < 0) return EF_ERR_ARGS;
             const int64_t ph = (int64_t)l->in_h + 2 * (int64_t)l->pad;
             const int64_t pw = (int64_t)l->in_w + 2 * (int64_t)l->pad;
-            if (l->k <= 0 || l->stride <= 0 || l->pad < 0 || ph < l->k || pw < l->k)
-                return EF_ERR_ARGS;
+            if (ph < l->k || pw < l->k) return EF_ERR_ARGS;
             if (l->out_h != (ph - l->k) / l->stride + 1) return EF_ERR_ARGS;
             if (l->out_w != (pw - l->k) / l->stride + 1) return EF_ERR_ARGS;
-            if (l->w_off < 0 ||
-                l->w_off + (int64_t)l->out_c * l->in_c * l->k * l->k > net->n_params)
+            /* the padded sides are int32 in padded_size and im2col's row arithmetic; the GEMM
+             * depth in_c * k * k is a BLAS dimension; the per-sample scratch (the padded input,
+             * the columns and the output block, conv_group) is bounded */
+            if (ph > INT32_MAX || pw > INT32_MAX) return EF_ERR_ARGS;
+            const int64_t ckk = bounded_product(l->in_c, l->k, l->k, INT32_MAX);
+            if (ckk < 0 || bounded_product(l->in_c, ph, pw, EF_MAX_SCRATCH) < 0) return EF_ERR_ARGS;
+            if ((ckk + l->out_c) > EF_MAX_SCRATCH / ((int64_t)l->out_h * l->out_w))
+                return EF_ERR_ARGS;
+            if (l->w_off < 0 || (int64_t)l->out_c * ckk > net->n_params - l->w_off)
                 return EF_ERR_ARGS;
             break;
         }
@@ -95,7 +127,7 @@ static int check_net(const ef_net *net)
         default:
             return EF_ERR_ARGS;
         }
-        if (l->b_off >= 0 && l->b_off + l->out_c > net->n_params) return EF_ERR_ARGS;
+        if (l->b_off >= 0 && l->out_c > net->n_params - l->b_off) return EF_ERR_ARGS;
     }
     return EF_OK;
 }
@@ -151,7 +183,8 @@ int ef_workspace_size(int64_t *n_float, int64_t *n_int, const ef_net *net, int64
                       int64_t n)
 {
     layout lay;
-    if (check_net(net) != EF_OK || chunk <= 0) return EF_ERR_ARGS;
+    if (check_net(net) != EF_OK || chunk <= 0 || chunk > EF_MAX_CHUNK) return EF_ERR_ARGS;
+    if (n > INT64_MAX / 8) return EF_ERR_ARGS; /* 5n int64s, then bytes */
     *n_float = make_layout(&lay, NULL, net, chunk);
     *n_int = 5 * (n > 0 ? n : 0); /* permutation + (key, index) pairs + radix-sort buffer */
     return EF_OK;
@@ -718,7 +751,7 @@ int ef_forward(float *out, float *work, const ef_net *net, const float *params, 
                int64_t n, int64_t chunk)
 {
     layout lay;
-    if (check_net(net) != EF_OK || chunk <= 0) return EF_ERR_ARGS;
+    if (check_net(net) != EF_OK || chunk <= 0 || chunk > EF_MAX_CHUNK) return EF_ERR_ARGS;
     make_layout(&lay, work, net, chunk);
     const int64_t isz = in_size(&net->layers[0]), nout = out_dim(net);
     for (int64_t s0 = 0; s0 < n; s0 += chunk) {
@@ -735,7 +768,7 @@ int ef_loss_grad(float *grad, double *loss, float *work, const ef_net *net, cons
                  int64_t chunk)
 {
     layout lay;
-    if (check_net(net) != EF_OK || chunk <= 0 || n <= 0) return EF_ERR_ARGS;
+    if (check_net(net) != EF_OK || chunk <= 0 || chunk > EF_MAX_CHUNK || n <= 0) return EF_ERR_ARGS;
     make_layout(&lay, work, net, chunk);
     *loss = batch_grad(grad, &lay, chunk, net, params, x, labels, targets, NULL, 0, n);
     return isfinite(*loss) ? EF_OK : EF_ERR_NONFINITE;
@@ -746,7 +779,7 @@ int ef_evaluate(double *loss_sum, int64_t *correct, float *work, const ef_net *n
                 int64_t n, int64_t chunk)
 {
     layout lay;
-    if (check_net(net) != EF_OK || chunk <= 0) return EF_ERR_ARGS;
+    if (check_net(net) != EF_OK || chunk <= 0 || chunk > EF_MAX_CHUNK) return EF_ERR_ARGS;
     make_layout(&lay, work, net, chunk);
     const int64_t isz = in_size(&net->layers[0]), nout = out_dim(net);
     *loss_sum = 0.0;

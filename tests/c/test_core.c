@@ -460,6 +460,50 @@ static void test_layer_table_checks(void)
     const ef_layer fc_after = {EF_DENSE, 2, 1, 1, 2, 1, 1, 0, 0, 0, 1, -1};
     CHECK(table_status(fc_2x1, fc_after, none, 2, 5) == EF_ERR_ARGS,
           "dense with a 2x1 output accepted");
+    /* Sizes past what the kernels index: before, check_net passed these and the layout's size
+     * arithmetic overflowed (UBSan: signed overflow) into a workspace smaller than the
+     * kernels then wrote. A 1x1 input with pad 2^30 at stride 2 is consistent (out 2^30 + 1)
+     * but its padded side 1 + 2^31 overflowed int32 in padded_size, and its 2^60-float
+     * activation overflowed int64 times the chunk. */
+    const int32_t big = 0x40000001; /* 2^30 + 1 */
+    const ef_layer conv_wide = {EF_CONV2D, 1, 1, 1, 1, big, big, 1, 2, 0x40000000, 0, -1};
+    const ef_layer conv_narrow = {EF_CONV2D, 1, big, big, 1, 1, 1, 1, big, 0, 1, -1};
+    const ef_layer fc_1 = {EF_DENSE, 1, 1, 1, 2, 1, 1, 0, 0, 0, 2, 4};
+    CHECK(table_status(conv_wide, conv_narrow, fc_1, 3, 6) == EF_ERR_ARGS,
+          "a conv with a 2^60-float output (padded side 2^31 + 1) accepted");
+    /* a per-sample size whose product of three int32 dimensions overflows int64 */
+    const int32_t d21 = 0x200000; /* 2^21 */
+    const ef_layer relu_huge = {EF_RELU, d21, d21, d21, d21, d21, d21, 0, 0, 0, -1, -1};
+    CHECK(table_status(relu_huge, fc, none, 2, 4) == EF_ERR_ARGS,
+          "a 2^63-value activation accepted");
+    /* offsets near INT64_MAX: w_off + weights and b_off + out_c overflowed */
+    const ef_layer fc_woff = {EF_DENSE, 1, 1, 1, 2, 1, 1, 0, 0, 0, INT64_MAX - 1, -1};
+    const ef_layer fc_boff = {EF_DENSE, 1, 1, 1, 2, 1, 1, 0, 0, 0, 0, INT64_MAX - 1};
+    CHECK(table_status(fc_woff, none, none, 1, 4) == EF_ERR_ARGS, "w_off 2^63 - 2 accepted");
+    CHECK(table_status(fc_boff, none, none, 1, 4) == EF_ERR_ARGS, "b_off 2^63 - 2 accepted");
+    /* a conv whose weight count out_c * in_c * k * k overflows int64 (2^20 * 2^20 * k^2,
+     * k = 2^31 - 1 on a padded side of 2^31 - 1) */
+    const int32_t k31 = INT32_MAX, d20 = 0x100000;
+    const ef_layer conv_k = {EF_CONV2D, d20, 1, 1, d20, 1, 1, k31, 1, 0x3FFFFFFF, 0, -1};
+    CHECK(table_status(conv_k, none, none, 1, INT64_MAX) == EF_ERR_ARGS,
+          "a conv with 2^102 weights accepted");
+    /* a conv whose GEMM depth in_c * k * k = 2 * 2^30 passes int32 (scipy-openblas32 takes
+     * int32 sizes: the depth was cast down), k = 2^15 on a 1x1 input padded by 2^15 */
+    const ef_layer conv_deep = {EF_CONV2D, 2, 1, 1, 1, 1, 1, 0x8000, 0x10000, 0x8000, 0, -1};
+    CHECK(table_status(conv_deep, none, none, 1, (int64_t)1 << 33) == EF_ERR_ARGS,
+          "a conv with GEMM depth 2^31 accepted");
+    /* a chunk past the kernels' (the pool's int32 argmax assumes at most EF_MAX_CHUNK) */
+    {
+        static ef_layer t1[1];
+        ef_net net1 = {t1, 1, EF_LOSS_SOFTMAX_CE, 4, 0.0f};
+        int64_t nf = 0, ni = 0;
+        t1[0] = fc;
+        CHECK(ef_workspace_size(&nf, &ni, &net1, 4, 4) == EF_OK, "a 1-layer table refused");
+        CHECK(ef_workspace_size(&nf, &ni, &net1, INT64_MAX / 2, 4) == EF_ERR_ARGS,
+              "chunk 2^62 accepted");
+        CHECK(ef_workspace_size(&nf, &ni, &net1, 4, INT64_MAX / 2) == EF_ERR_ARGS,
+              "n 2^62 (5n int64s of shuffle workspace) accepted");
+    }
 }
 
 int main(void)
