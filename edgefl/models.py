@@ -81,6 +81,16 @@ class Model:
         return "\n".join(lines)
 
 
+# What the kernels index (csrc/net.c, check_net, which refuses a table past these with a
+# general message; the builder names the layer): a per-sample activation and a conv's padded
+# side or GEMM depth (in_c * k * k) within int32, a conv's per-sample scratch (its padded
+# input, and its columns with the output block) within 2^40 floats, and a max pool's input
+# within int32 over a chunk of 128 samples (its argmax is int32 over the chunk).
+MAX_VALUES = 2 ** 31 - 1
+MAX_CONV_SCRATCH = 2 ** 40
+KERNEL_CHUNK = 128
+
+
 class _Builder:
     """Appends layers, tracking the activation shape and laying out parameters."""
 
@@ -90,6 +100,9 @@ class _Builder:
             shape = (shape[0], 1, 1)
         if len(shape) != 3 or min(shape) <= 0:
             raise KernelError(f"model: input_shape {tuple(input_shape)} must be (features,) or (C, H, W)")
+        if prod(shape) > MAX_VALUES:
+            raise KernelError(f"model: input_shape {tuple(input_shape)} has {prod(shape)} values "
+                              f"per sample; the kernels take at most 2^31 - 1")
         self.shape = shape
         self.rows, self.entries, self.units = [], [], []
         self.n_params = 0
@@ -105,9 +118,18 @@ class _Builder:
         self.counts[prefix] = self.counts.get(prefix, 0) + 1
         return f"{prefix}{self.counts[prefix]}"
 
+    def _check_output(self, where, out_shape):
+        if prod(out_shape) > MAX_VALUES:
+            raise KernelError(f"{where}: output {tuple(out_shape)} has {prod(out_shape)} values "
+                              f"per sample; the kernels take at most 2^31 - 1")
+
     def _row(self, op, out_shape, k=0, stride=0, pad=0, w_off=-1, b_off=-1):
         c, h, w = self.shape
         oc, oh, ow = out_shape
+        name = {OP_DENSE: "dense", OP_CONV2D: "conv", OP_MAXPOOL2D: "maxpool", OP_RELU: "relu",
+                OP_FLATTEN: "flatten"}[op]
+        self._check_output(f"model: layer {len(self.rows)} ({name}) on input {self.shape}",
+                           out_shape)
         self.rows.append([op, c, h, w, oc, oh, ow, k, stride, pad, w_off, b_off])
         self.shape = tuple(out_shape)
 
@@ -126,6 +148,19 @@ class _Builder:
         oh, ow = (h + 2 * pad - k) // stride + 1, (w_ + 2 * pad - k) // stride + 1
         if oh <= 0 or ow <= 0:
             raise KernelError(f"model: conv k={k} pad={pad} does not fit input {self.shape}")
+        where = f"model: conv k={k} stride={stride} pad={pad} on input {self.shape}"
+        ph, pw = h + 2 * pad, w_ + 2 * pad
+        if max(ph, pw) > MAX_VALUES:
+            raise KernelError(f"{where}: padded input {ph} x {pw} passes the kernels' int32 "
+                              f"sides (2^31 - 1)")
+        self._check_output(where, (out, oh, ow))
+        depth = c * k * k
+        if depth > MAX_VALUES:
+            raise KernelError(f"{where}: in_c * k * k = {depth} passes the kernels' int32 GEMM "
+                              f"depth (2^31 - 1)")
+        if c * ph * pw > MAX_CONV_SCRATCH or (depth + out) * oh * ow > MAX_CONV_SCRATCH:
+            raise KernelError(f"{where}: needs {max(c * ph * pw, (depth + out) * oh * ow)} "
+                              f"floats of scratch per sample, more than the kernels' 2^40")
         name = self._name("conv")
         w = self._param(f"{name}.weight", (out, c, k, k))
         b = self._param(f"{name}.bias", (out,)) if bias else -1
@@ -138,6 +173,10 @@ class _Builder:
         oh, ow = (h - k) // stride + 1, (w - k) // stride + 1
         if oh <= 0 or ow <= 0:
             raise KernelError(f"model: maxpool k={k} does not fit input {self.shape}")
+        if KERNEL_CHUNK * c * h * w > MAX_VALUES:
+            raise KernelError(f"model: maxpool k={k} on input {self.shape} ({c * h * w} values "
+                              f"per sample): its argmax is int32 over {KERNEL_CHUNK} samples, "
+                              f"so at most {MAX_VALUES // KERNEL_CHUNK} values per sample")
         self._row(OP_MAXPOOL2D, (c, oh, ow), k=k, stride=stride)
 
     def relu(self):

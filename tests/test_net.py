@@ -597,6 +597,70 @@ def test_the_c_core_refuses_a_layer_table_value_beyond_int32():
         _core.forward(out, bad, model.init(0), x)
     assert (out == 7.0).all()
 
+
+# A consistent layer table whose sizes pass what the C core indexes: a 1x1 input padded by
+# 2^30 at stride 2 gives a 2^30 + 1 square (2^60 floats per sample), which a second conv of
+# stride 2^30 + 1 brings back to 1x1. Every field fits int32, so fill_net passed it; the padded
+# side 1 + 2^31 overflowed int32 in csrc/net.c's padded_size and the activation times the
+# chunk overflowed int64, and the workspace the layout then sized was smaller than what the
+# kernels wrote: a segfault (heap overflow) in the normal build.
+HUGE_CONV_SPEC = dict(name="cnn", conv=[dict(out=1, k=1, stride=2, pad=2 ** 30),
+                                        dict(out=1, k=1, stride=2 ** 30 + 1)], fc=[])
+
+
+def test_a_model_whose_activations_pass_int32_is_refused_when_built():
+    with pytest.raises(KernelError, match=r"model: conv k=1 stride=2 pad=1073741824 on input "
+                                          r"\(1, 1, 1\): padded input 2147483649 x 2147483649"):
+        build_model(HUGE_CONV_SPEC, (1, 1, 1), 2)
+    with pytest.raises(KernelError, match=r"model: conv k=1 stride=2 pad=536870912 on input "
+                                          r"\(1, 1, 1\): output \(1, 536870913, 536870913\) "
+                                          r"has 288230377225453569 values per sample"):
+        build_model(dict(HUGE_CONV_SPEC, conv=[dict(out=1, k=1, stride=2, pad=2 ** 29)]),
+                    (1, 1, 1), 2)
+    with pytest.raises(KernelError, match=r"model: input_shape \(2097152, 2097152, 2097152\) "
+                                          r"has 9223372036854775808 values per sample"):
+        build_model("softmax", (2 ** 21,) * 3, 3)
+    # the max pool's argmax is int32 over a chunk of 128 samples
+    with pytest.raises(KernelError, match=r"model: maxpool k=2 on input \(1, 4097, 4097\) "
+                                          r"\(16785409 values per sample\)"):
+        build_model(dict(name="cnn", conv=[dict(out=1, k=1, pool=2)], fc=[]), (1, 4097, 4097), 2)
+
+
+@needs_core
+@pytest.mark.parametrize("n", [1, 8])
+def test_the_c_core_refuses_a_layer_table_whose_sizes_overflow(tmp_path, n):
+    """Past the builder (a hand-built table, a caller of _core directly), ef_workspace_size
+    refuses the table: a KernelError, not a crash. In a child process, since before the fix
+    the call died of SIGSEGV."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"""
+import dataclasses
+import numpy as np
+from edgefl import _core
+from edgefl.errors import KernelError
+from edgefl.models import build_model
+base = build_model(dict(name="cnn", conv=[dict(out=1, k=1), dict(out=1, k=1)], fc=[]), (1, 1, 1), 2)
+big = 2 ** 30 + 1
+layers = base.layers.copy()
+layers[0, 4:10] = [1, big, big, 1, 2, 2 ** 30]
+layers[1, 1:7] = [1, big, big, 1, big, big]
+layers[2, 1:4] = [1, big, big]
+layers[2, 7:10] = [1, big, 0]
+layers.setflags(write=False)
+bad = dataclasses.replace(base, layers=layers)
+p, x, y = base.init(0), np.ones(({n}, 1, 1, 1), np.float32), np.zeros({n}, np.int32)
+try:
+    _core.evaluate(bad, p, x, y, None)
+except KernelError as exc:
+    print("refused:", exc)
+""")
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    assert "refused: net: inconsistent layer table" in run.stdout
+
 # ---------------------------------------------------------------------------------------
 # the stop word: a local round stops before any step once asked (issue #18 item 6)
 # ---------------------------------------------------------------------------------------
