@@ -230,6 +230,12 @@ def _check_quantize_args(op: str, x, size: int, bits: int, clip, levels, weight)
         raise KernelError(f"levels: {levels!r} must be at most 2^52: the quantiser rounds "
                           f"x * levels / clip in float64, which past that holds too few "
                           f"integers to keep the result within levels")
+    # scale = levels / clip overflowed to inf below clip ~ levels / 1.8e308: x * inf (0 * inf
+    # = nan) converted to int64 is undefined behaviour in C and -2^63 in NumPy, so +clip
+    # entered the ring as its most negative word
+    if not np.isfinite(float(levels) / float(clip)):
+        raise KernelError(f"clip: {clip!r} is too small for {levels} levels: levels / clip "
+                          f"overflows float64")
     # a value rounds to at most levels + 1 (stochastic rounding of a float64 product that
     # came out a hair above levels), and the ring's signed read-back must hold it
     if (int(levels) + 1) * max(int(weight), 1) >= 2 ** (bits - 1):

@@ -200,6 +200,31 @@ def test_bad_arguments_are_named():
         kernels.dequantize(np.zeros(3, np.float32), np.zeros(4, np.uint64), 1.0)
 
 
+@pytest.mark.parametrize("impl", ["c", "numpy"])
+def test_a_clip_too_small_for_its_levels_is_refused(impl, monkeypatch):
+    """scale = levels / clip overflows float64 to inf below clip ~ levels / 1.8e308: x * inf
+    (or 0 * inf = nan) then went to int64, undefined behaviour in C (UBSan: "inf is outside
+    the range of representable values of type 'long int'") and -2^63 in both backends, so a
+    +clip value entered the ring as the most negative word. A secure aggregation run took
+    clip_range 1e-300 from its config and summed garbage."""
+    if impl == "c" and kernels.backend != "c":
+        pytest.skip("compiled core not built")
+    monkeypatch.setattr(kernels, "impl", reference if impl == "numpy" else kernels.impl)
+    x = np.array([1.0, 0.0, -1.0], np.float32)
+    for dtype, clip, levels in ((np.uint64, 1e-300, 2 ** 40), (np.uint32, 5e-324, 100)):
+        out = np.full(3, 7, dtype)
+        with pytest.raises(KernelError, match=rf"clip: {clip!r} is too small for "
+                                              rf"{levels} levels"):
+            kernels.quantize(out, x, clip, levels)
+        assert out.tolist() == [7, 7, 7]
+        with pytest.raises(KernelError, match=rf"clip: {clip!r} is too small"):
+            kernels.secagg_mask(out, np.zeros(0, np.uint64), bytes(32), b"\0", x, clip, levels)
+        assert out.tolist() == [7, 7, 7]
+    # the smallest clips that keep levels / clip finite still quantise +-clip to +-levels
+    q = kernels.quantize(np.zeros(3, np.uint64), x, 1e-290, 2 ** 40, stochastic=False)
+    assert q.view(np.int64).tolist() == [2 ** 40, 0, -2 ** 40]
+
+
 @pytest.mark.parametrize("dtype, levels, weight", [(np.uint32, 2 ** 30 - 2, 2),
                                                    (np.uint64, 2 ** 52 - 1, 2 ** 11 - 1)])
 def test_levels_times_weight_stays_below_the_rings_sign_bit(dtype, levels, weight):
