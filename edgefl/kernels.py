@@ -638,6 +638,11 @@ def train_config(**kw) -> dict:
         raise KernelError(f"train config: momentum = {cfg['momentum']} must be < 1")
     for key in ("batch_size", "epochs", "steps", "grad0_mode", "seed"):
         cfg[key] = int(cfg[key])
+    # int32 in the C core's ef_train_cfg (the binding raised an OverflowError naming no key)
+    for key in ("batch_size", "epochs", "steps"):
+        if not -2 ** 31 <= cfg[key] < 2 ** 31:
+            raise KernelError(f"train config: {key} = {cfg[key]} must be within int32 "
+                              f"(|{key}| < 2^31)")
     if cfg["steps"] < 0 or cfg["epochs"] < 0 or (cfg["steps"] == 0 and cfg["epochs"] == 0):
         raise KernelError(f"train config: need epochs > 0 or steps > 0 (got epochs={cfg['epochs']}, "
                           f"steps={cfg['steps']})")
@@ -742,6 +747,8 @@ def train_samples(data: Samples, params, cfg: dict, momentum=None, grad0=None, g
 def shuffle(seed: int, epoch: int, n: int) -> np.ndarray:
     """The permutation local_train visits samples in for (seed, epoch)."""
     seed, epoch, n = int(seed), int(epoch), int(n)
+    if not 0 <= seed < 2 ** 64:
+        raise KernelError(f"shuffle: seed {seed} must be in [0, 2^64)")
     if not 0 <= epoch < 2 ** 63:
         raise KernelError(f"shuffle: epoch {epoch} must be in [0, 2^63)")
     if n < 0:

@@ -389,6 +389,38 @@ def test_bad_inputs_name_the_cause():
         other.table.require_same(model.table, "checkpoint")
 
 
+@pytest.mark.parametrize("impl", [pytest.param(_core, marks=needs_core, id="c"),
+                                  pytest.param(reference, id="numpy")])
+def test_train_counts_past_int32_are_refused_by_name(impl, monkeypatch):
+    """ef_train_cfg's batch_size, epochs and steps are int32: 2**31 reached the C binding as
+    an OverflowError that named no key ("value too large to convert to int32_t"), and the
+    twin ran it. Refused by train_config, by key, in both backends."""
+    monkeypatch.setattr(kernels, "impl", impl)
+    for key in ("batch_size", "epochs", "steps"):
+        with pytest.raises(KernelError, match=rf"train config: {key} = 2147483648 must be "
+                                              rf"within int32"):
+            kernels.train_config(**{key: 2 ** 31})
+    with pytest.raises(KernelError, match=r"train config: batch_size = -2147483649 must be "
+                                          r"within int32"):
+        kernels.train_config(batch_size=-2 ** 31 - 1)
+    model, x, y = make_data("mlp", n=6)
+    out = kernels.local_train(model, model.init(0), x, y,
+                              kernels.train_config(batch_size=2 ** 31 - 1, epochs=1))
+    assert out["steps"] == 1 and out["samples"] == 6
+
+
+@pytest.mark.parametrize("impl", [pytest.param(_core, marks=needs_core, id="c"),
+                                  pytest.param(reference, id="numpy")])
+def test_shuffle_refuses_a_seed_outside_uint64_by_name(impl, monkeypatch):
+    """train_config refuses such a seed by name; kernels.shuffle passed it on, to an
+    OverflowError from Cython or NumPy."""
+    monkeypatch.setattr(kernels, "impl", impl)
+    for seed in (-1, 2 ** 64):
+        with pytest.raises(KernelError, match=rf"shuffle: seed {seed} must be in \[0, 2\^64\)"):
+            kernels.shuffle(seed, 0, 5)
+    assert kernels.shuffle(2 ** 64 - 1, 0, 5).tolist() == reference.shuffle(2 ** 64 - 1, 0, 5).tolist()
+
+
 @pytest.mark.parametrize("case", ["cnn", "linear-multi", "logreg"])
 def test_samples_are_checked_once_and_cannot_go_stale(case):
     """kernels.Samples checks x and y once for every round on the same data; it keeps its
