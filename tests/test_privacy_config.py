@@ -44,6 +44,10 @@ def test_no_section_no_key():
     (["privacy.secure_aggregation.ring_bits=16"], "privacy.secure_aggregation.ring_bits",
      "32, 64"),
     (["privacy.secure_aggregation.clip_range=0"], "privacy.secure_aggregation.clip_range", "> 0"),
+    # below float32's smallest normal every value clips to ~0, and the quantiser's scale
+    # levels / clip_range overflows float64 (the kernel refused it only mid-round)
+    (["privacy.secure_aggregation.clip_range=1e-300"], "privacy.secure_aggregation.clip_range",
+     "smallest normal float32"),
     (["privacy.secure_aggregation.mask=aes"], "privacy.secure_aggregation.mask", "valid keys"),
     (["privacy.secure_aggregation.threshold=0.8", "clients_per_round=1"],
      "privacy.secure_aggregation", "at least 2"),
