@@ -489,6 +489,8 @@ def labels_and_targets(model, y, n: int, what: str = "y"):
     (MFL's even/odd linear regression, Liu et al. 2020, Sec. 3.1 and 7.1)."""
     if not isinstance(y, np.ndarray):
         raise KernelError(f"{what}: expected a numpy array, got {type(y).__name__}")
+    if y.ndim == 0:
+        raise KernelError(f"{what}: a scalar (shape ()), not one label a sample")
     if y.shape[0] != n:
         raise KernelError(f"{what}: {y.shape[0]} labels for {n} samples")
     if model.loss == 3:  # MSE

@@ -374,6 +374,8 @@ def test_bad_inputs_name_the_cause():
         kernels.local_train(model, p, x, y + 10, cfg)
     with pytest.raises(KernelError, match="3 labels for 12 samples"):
         kernels.evaluate(model, p, x, y[:3])
+    with pytest.raises(KernelError, match=r"y: a scalar \(shape \(\)\), not one label a sample"):
+        kernels.evaluate(model, p, x, np.array(0))
     with pytest.raises(KernelError, match="momentum buffer is required"):
         kernels.local_train(model, p, x, y, kernels.train_config(lr=0.1, momentum=0.5))
     with pytest.raises(KernelError, match="unknown key"):
