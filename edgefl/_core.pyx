@@ -400,6 +400,18 @@ def chunk_for_batch(batch_size, n):
     return ef_chunk_for_batch(batch_size, n)
 
 
+def workspace_bytes(net, int64_t batch_size, int64_t n):
+    """Bytes of the workspace local_train allocates for a local round of `net` on n samples
+    with minibatches of batch_size (<= 0: the whole set): ef_workspace_size's layout."""
+    cdef NetBox box
+    fill_net(&box, net)
+    cdef int64_t nf = 0, ni = 0
+    if ef_workspace_size(&nf, &ni, &box.net, ef_chunk_for_batch(batch_size, max(n, 1)),
+                         max(n, 0)) != EF_OK:
+        raise KernelError("net: inconsistent layer table (shapes, offsets or parameter count)")
+    return 4 * max(nf, 1) + 8 * max(ni, 1)
+
+
 def forward(out, net, params, x):
     """out[n, n_out] = network scores for x[n, ...]."""
     cdef NetBox box

@@ -531,6 +531,15 @@ def _check_params(model, params, what="params", writable=False):
     return params
 
 
+def workspace_bytes(model, batch_size: int, n: int) -> int:
+    """Bytes the backend holds at once, beyond the parameters and the data, for a local round
+    of `model` on n samples with minibatches of batch_size (<= 0: the whole set): the
+    activations, the conv layers' columns, the gradients and the shuffle. What a board
+    checks against its memory budget before it trains a run's model."""
+    _check_net(model)
+    return int(impl.workspace_bytes(model, int(batch_size), int(n)))
+
+
 def forward(model, params, x) -> np.ndarray:
     """Network scores (logits, or the raw output for regression), shape (n, n_out)."""
     _check_params(model, params)

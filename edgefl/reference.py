@@ -243,6 +243,28 @@ def _forward_all(net, params, x):
     return acts
 
 
+def workspace_bytes(net, batch_size, n):
+    """Bytes this twin holds at once for a local round of `net` on n samples with minibatches
+    of batch_size (<= 0: the whole set), what the compiled core's workspace_bytes is to it:
+    the minibatch's activations of every layer kept for the backward pass, each conv
+    layer's columns for the whole minibatch (with its zero-bordered input), the largest
+    activation's gradient twice (the layer's and the one passed down) and the parameters'
+    gradient, and the shuffle's permutation and keys."""
+    b = n if batch_size <= 0 or batch_size >= n else batch_size
+    acts, largest, passing = 0, 0, 0      # floats a sample
+    for op, ic, ih, iw, oc, oh, ow, k, st, pad, wo, bo in _rows(net):
+        size = ic * ih * iw
+        acts += size
+        largest = max(largest, size, oc * oh * ow)
+        if op == _CONV:       # backward: the columns, their gradient, the padded input's
+            passing = max(passing, 2 * ic * k * k * oh * ow + ic * (ih + 2 * pad) * (iw + 2 * pad))
+        elif op == _POOL:     # the windows copied (twice: forward's max, backward's argmax),
+            passing = max(passing, 2 * ic * oh * ow * k * k + 2 * ic * oh * ow + size)  # int64 arg
+    acts += int(net.n_out)
+    itemsize = 4
+    return itemsize * (b * (acts + 2 * largest + passing) + 2 * int(net.n_params)) + 16 * n
+
+
 def _loss(net, scores, labels, targets, with_grad):
     """Per-sample losses summed, the number correct, and d(sum loss)/d(scores)."""
     z = scores

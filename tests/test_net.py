@@ -839,3 +839,47 @@ def test_mse_with_integer_labels_and_several_outputs_refuses_labels_out_of_range
             kernels.local_train(model, p, x, np.array(bad), cfg)
     _, t = kernels.labels_and_targets(model, np.array([0, 2, 1, 2]), 4)
     assert t.tolist() == [[1, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 1]]
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ({"name": "mlp", "hidden": [64]}, (1, 8, 8)),
+    ({"name": "softmax"}, (1, 28, 28)),
+    ({"name": "cnn", "conv": [{"out": 16, "k": 3, "pad": 1, "pool": 2}], "fc": [32]}, (1, 28, 28)),
+    ({"name": "cnn", "conv": [{"out": 32, "k": 3, "pad": 1}, {"out": 32, "k": 3, "pad": 1}]},
+     (1, 12, 12)),
+])
+@pytest.mark.parametrize("batch_size", [32, 0])
+def test_workspace_bytes_covers_what_a_local_round_allocates(spec, shape, batch_size):
+    """A board's memory check counts kernels.workspace_bytes plus three copies of the
+    parameters: that must cover the peak of what local_train allocates (traced, in a fresh
+    thread so the core's per-thread workspace cache starts empty), and not overstate it more
+    than a few times (a budget refusing runs it could train is no better)."""
+    import tracemalloc
+
+    model = build_model(spec, shape, 10)
+    n = 300
+    rng = np.random.default_rng(0)
+    x = rng.random((n, *shape), dtype=np.float32)
+    y = (np.arange(n) % 10).astype(np.int32)
+    params = (rng.standard_normal(model.n_params) * 0.01).astype(np.float32)
+    cfg = kernels.train_config(lr=0.01, batch_size=batch_size, epochs=1)
+    peak = []
+
+    def local_round():
+        tracemalloc.start()
+        try:
+            kernels.local_train(model, params.copy(), x, y, cfg)
+            peak.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+
+    thread = threading.Thread(target=local_round)
+    thread.start()
+    thread.join()
+    estimate = kernels.workspace_bytes(model, batch_size, n) + 12 * model.n_params
+    assert peak[0] <= estimate <= 4 * peak[0], (peak[0], estimate)
+
+
+def test_workspace_bytes_refuses_what_is_not_a_model():
+    with pytest.raises(KernelError, match="not an edgefl Model"):
+        kernels.workspace_bytes(object(), 32, 100)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -617,6 +618,30 @@ def test_a_run_beyond_a_boards_limits_is_refused_by_that_board(fleet):
     # a run within the limits: both boards train it
     f.ok({"cmd": "start", "config": run_config(rounds=1), "run": "small"})
     assert f.events.wait("round_closed", run="small", round=1)["updates"] == 2
+
+
+def test_a_run_whose_activations_pass_a_boards_memory_budget_is_refused_by_that_board(fleet):
+    """A conv net's activations can be a hundred times its input: the budget check counts
+    the backend's workspace for the run's minibatch (kernels.workspace_bytes), not the
+    parameters and the input alone. Here 4 padded convs on 8x8 digits, full batch: the old
+    estimate was about 12 MiB, the compiled core's workspace is over 200 MiB."""
+    from edgefl.service.profiles import resident_mb
+
+    budget = int(resident_mb()) + 150
+    # client-1 refuses it by its parameter count (so that nobody trains a model this wide)
+    f = fleet(client_limits={"client-1": {"max_params": 1000},
+                             "client-2": {"memory_budget_mb": budget}})
+    f.start_all()
+    wide = run_config(rounds=1, model={"name": "cnn", "conv": [{"out": 64, "k": 3, "pad": 4}] * 4},
+                      train={"lr": 0.01, "batch_size": 0, "epochs": 1})
+    f.ok({"cmd": "start", "config": wide, "run": "wide"})
+    refused = f.events.wait("client_refused", run="wide", client="client-2")
+    need = re.match(r"a local round of the run's model needs about (\d+) MiB on top of \d+ "
+                    rf"MiB resident, over compute.memory_budget_mb = {budget}$",
+                    refused["reason"])
+    assert need and int(need[1]) > 200, refused["reason"]
+    f.events.wait("client_refused", run="wide", client="client-1")
+    assert f.clients["client-2"].stats["trained"] == 0
 
 
 def test_a_secure_run_a_board_refuses_below_its_threshold_fails_naming_that_board(fleet):

@@ -576,9 +576,10 @@ class Client:
 
     def _over_limits(self, model, batch_size) -> str | None:
         """Why the run asks more than this board allows (its profile's limits), or None.
-        Memory: resident now plus an estimate of a local round -- four float32 copies of the
-        parameters (model, gradient, update, strategy state) and a minibatch of inputs with
-        room for activations (x4) -- against memory_budget_mb."""
+        Memory: resident now plus a local round's -- three float32 copies of the parameters
+        (model, update, strategy state) and the backend's workspace for the run's minibatch
+        (kernels.workspace_bytes: activations, conv columns, gradients; a conv net's
+        activations can be a hundred times its input) -- against memory_budget_mb."""
         s = self.settings
         if s.max_params is not None and model.n_params > s.max_params:
             return (f"the run's model has {model.n_params:,} parameters, this board's limit "
@@ -592,7 +593,8 @@ class Client:
 
             batch = batch_size if isinstance(batch_size, int) and batch_size > 0 \
                 else len(self.x)
-            need = (16 * model.n_params + 16 * batch * model.in_size) / 2 ** 20
+            need = (12 * model.n_params
+                    + kernels.workspace_bytes(model, batch, len(self.x))) / 2 ** 20
             rss = resident_mb()
             if rss + need > s.memory_budget_mb:
                 return (f"a local round of the run's model needs about {need:.0f} MiB on top "
