@@ -528,3 +528,91 @@ def test_a_step_cut_short_is_taken_once_after_a_restart(tmp_path, monkeypatch, w
                   if r.get("event") == "aggregated"]
     assert aggregated == [1]
     again._close()
+
+
+# ---------------------------------------------------------------------------------------
+# updates the strategy cannot use, and tasks a board cannot answer
+# ---------------------------------------------------------------------------------------
+
+def _rogue(url, fed, tag, node, answer):
+    """A board `node` that answers each task on task/<node> with the update frame
+    answer(task id, task) returns (bytes), over its own MQTT connection: stop() ends it."""
+    from edgefl.roles.messages import task_from_announcement
+    from edgefl.transport.mqtt import MqttTransport
+    from edgefl.transport.topics import Topics
+
+    topics = Topics(fed)
+    t = MqttTransport(url, f"{node}-{tag}", connect_timeout=5, reconnect_min=0.05,
+                      reconnect_max=0.5)
+    t.connect()
+    t.subscribe(topics.topic("task", node), qos=1)
+    stop, answered = threading.Event(), []
+
+    def loop():
+        while not stop.is_set():
+            item = t.receive(timeout=0.1)
+            payload = getattr(item, "payload", None)
+            if not payload:
+                continue
+            doc = json.loads(payload)
+            if doc.get("finished") or int(doc["round"]) in answered:
+                continue
+            answered.append(int(doc["round"]))
+            task = task_from_announcement(doc, node, {})
+            t.publish(topics.topic("update", node), answer(int(doc["round"]), task, doc),
+                      qos=1)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+
+    def close():
+        stop.set()
+        thread.join(5)
+        t.close()
+    return answered, close
+
+
+def test_an_update_without_the_params_buffer_is_refused_and_the_run_goes_on(
+        tmp_path, mosquitto_server):
+    """A board answers its tasks with update frames that carry no buffers (a well-formed
+    frame, of this run and of the task's version): the aggregator process refuses each,
+    naming the missing 'params', and the run finishes with the other boards. Before, the
+    update went into the buffer, the step raised StrategyError and the process died; a
+    restart reloaded the buffer file and died again: the run was stuck for good."""
+    from edgefl.roles.messages import update_scalars
+    from edgefl.strategies import Update
+    from edgefl.transport import wire
+
+    rounds = BASE["rounds"]
+    path = write_run_yaml(tmp_path, BASE)
+    tag = uuid.uuid4().hex[:8]
+    fed = f"async-{tag}"
+    procs = AggregatorProcesses(tmp_path, mosquitto_server.url, path, f"agg-{tag}", fed,
+                                deadline=3)
+    run = prepare_run(load_run_config(path), progress=False)
+
+    def empty(task_id, task, doc):
+        update = Update({}, 10, 0.5, 3, {"version": int(task.scalars["version"])})
+        return wire.encode("update", task_id, "client-0", {},
+                           update_scalars(update, doc["run"], 0.01), run.model.table, "none")
+
+    clients, threads, close = {}, [], None
+    try:
+        agg = procs.spawn("aggregator-1.log")
+        answered, close = _rogue(mosquitto_server.url, fed, tag, "client-0", empty)
+        clients, threads = start_mqtt_clients(mosquitto_server.url, fed, tag, run, tmp_path,
+                                              range(1, 6))
+        code = agg.wait(90)
+        log_text = procs.log("aggregator-1.log")
+        assert code == 0, log_text[-3000:]
+    finally:
+        if close is not None:
+            close()
+        procs.close()
+        stop_clients(clients, threads)
+    assert answered, "the rogue board was never tasked"
+    assert aggregated_rounds(procs.journal) == list(range(1, rounds + 1))
+    assert "update of client-0 for task" in log_text and \
+        "carries no 'params' buffer" in log_text, log_text[-3000:]
+    rows = read_jsonl(procs.out / "metrics.jsonl")
+    assert not set(answered) & {t for r in rows for t in r["tasks"]}

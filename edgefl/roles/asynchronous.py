@@ -426,6 +426,9 @@ class AsynchronousAggregator(Aggregator):
                 raise MessageError(f"{where}: it says it started from version "
                                    f"{update.scalars.get('version')!r}, the task was of "
                                    f"version {entry['version']}")
+            why = self.plan.strategy.update_refusal(update)
+            if why is not None:
+                raise MessageError(f"{where}: {why}")
             self.engine.accept_upload(self._plan_of(entry["task"], node), entry["client"],
                                       update)
         except (MessageError, StrategyError, ValueError) as exc:

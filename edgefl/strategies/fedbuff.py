@@ -122,6 +122,16 @@ class FedBuff(Strategy):
             return f"staleness {s} > max_staleness {self.max_staleness}"
         return None
 
+    def update_refusal(self, update: Update) -> str | None:
+        """Why `update` cannot go into any buffer whatever its staleness (no 'params'
+        buffer: the step would fail on it), or None. The asynchronous aggregator refuses
+        such an update on arrival, as it refuses a wrong version: once buffered, it would
+        fail the step, and the step again after every restart."""
+        if "params" not in update.buffers:
+            return (f"it carries no 'params' buffer (its buffers: "
+                    f"{', '.join(sorted(update.buffers)) or 'none'})")
+        return None
+
     # ---------------------------------------------------------------- server half
     def configure(self, round, clients, state):
         return Task.shared(round, {"params": state.buffers["params"]},
@@ -139,8 +149,9 @@ class FedBuff(Strategy):
             why = self.staleness_refusal(u, state)
             if why is not None:
                 raise StrategyError(f"fedbuff: round {round}: update of client {key}: {why}")
-            if "params" not in u.buffers:
-                raise StrategyError(f"fedbuff: update of client {key} has no 'params' buffer")
+            why = self.update_refusal(u)
+            if why is not None:
+                raise StrategyError(f"fedbuff: round {round}: update of client {key}: {why}")
             s = current - u.scalars["version"]
             stale.append(s)
             q = Fraction(self.eta) * p_k * Fraction(self.weight(s))
