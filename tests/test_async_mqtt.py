@@ -616,3 +616,60 @@ def test_an_update_without_the_params_buffer_is_refused_and_the_run_goes_on(
         "carries no 'params' buffer" in log_text, log_text[-3000:]
     rows = read_jsonl(procs.out / "metrics.jsonl")
     assert not set(answered) & {t for r in rows for t in r["tasks"]}
+
+
+def _mqtt_aggregator(tmp_path, server, **settings):
+    """An AsynchronousAggregator of the BASE run over `server` (its own federation), its
+    state loaded and its first tasks out, driven by the test: (aggregator, federation, tag)."""
+    from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
+    from edgefl.roles.asynchronous import AsynchronousAggregator
+    from edgefl.transport.mqtt import MqttTransport
+
+    config = load_run_config(write_run_yaml(tmp_path, BASE))
+    run = prepare_run(config, workers=1, progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model,
+                   config.clients_per_round, default_client_ids(6))
+    tag = uuid.uuid4().hex[:8]
+    fed = f"async-{tag}"
+    agg = AsynchronousAggregator(
+        plan, MqttTransport(server.url, f"agg-{tag}", connect_timeout=5), tmp_path / "agg",
+        AggregatorSettings(federation=fed, node_id=f"agg-{tag}", **settings))
+    agg.ckpt = agg._load_or_start()
+    agg._load_book()
+    agg._connect()
+    agg._refill()
+    return agg, fed, tag
+
+
+def test_a_board_that_keeps_asking_for_its_model_is_given_up_at_the_deadline(
+        tmp_path, mosquitto_server):
+    """A board that asks for its task's model again and again (need_model in its status,
+    over the broker) and never uploads gets the model re-sent each time, but its task is
+    still given up once the deadline since it was tasked has passed: it does not hold one
+    of the C slots for ever. Before, each re-send restarted the task's clock."""
+    import time
+    from edgefl.roles.messages import status_payload
+    from edgefl.transport.mqtt import MqttTransport
+    from edgefl.transport.topics import Topics
+
+    agg, fed, tag = _mqtt_aggregator(tmp_path, mosquitto_server, round_timeout_s=1.0)
+    board = None
+    try:
+        node, entry = sorted(agg.book["flight"].items())[0]
+        board = MqttTransport(mosquitto_server.url, f"{node}-{tag}", connect_timeout=5)
+        board.connect()
+        status = Topics(fed).status(node)
+        asks, tasked_at = 0, entry["opened"]
+        while time.time() - tasked_at < 1.6:
+            asks += 1
+            board.publish(status, status_payload(node, "client", True, need_model=entry["task"],
+                                                 at_ask=asks), qos=1, retain=True)
+            agg._service(0.3)
+        assert agg.counts["resends"] >= 3, agg.counts       # each ask was answered
+        agg._give_up_overdue()
+        assert node not in agg.book["flight"], agg.book["flight"][node]
+        assert agg.counts["abandoned"] == 4      # the four tasked together, none answered
+    finally:
+        if board is not None:
+            board.close()
+        agg._close()

@@ -314,12 +314,16 @@ class AsynchronousAggregator(Aggregator):
             tasks={node: task}, client_index=self.members, client_sha={node: frame[1]},
             frame_ids={node: frame[2]})
 
-    def _publish_task(self, node: str, frame=None, again: bool = False) -> None:
+    def _publish_task(self, node: str, frame=None, again: bool = False,
+                      restart_clock: bool = True) -> None:
         """The task in flight for `node` on task/<node>, then its model on model/<node>
         (retained when one frame). again: published once more (a restart, a lost broker
         session, the board asked): a new announcement id, so a board that trained the task
         re-sends its stored update, and the model encoded anew from the state's window (a
-        version out of the window is given up: its update would be dropped as too stale)."""
+        version out of the window is given up: its update would be dropped as too stale).
+        restart_clock: the task's round_timeout_s counts from now (a restart, a lost
+        session: the time we were away is not the board's); not when the board asked for
+        its model, or a board that keeps asking would hold its slot for ever."""
         entry = self.book["flight"][node]
         doc = copy.deepcopy(entry["doc"])
         if frame is None:
@@ -330,7 +334,8 @@ class AsynchronousAggregator(Aggregator):
                 entry["frame_id"] = frame[2]
         if again:
             doc["announce"] = new_announce_id()
-            entry["opened"] = time.time()
+            if restart_clock:
+                entry["opened"] = time.time()
         entry["doc"] = doc
         if self.signer is not None:     # signed as a round announcement whose round is the task
             doc = self.signer.sign_doc(doc, "announce", self.ckpt.run_id, entry["task"])
@@ -474,7 +479,7 @@ class AsynchronousAggregator(Aggregator):
             log.info("task %d: model re-sent to %s (it asked)",
                      self.book["flight"][node]["task"], node)
             self.counts["resends"] += 1
-            self._publish_task(node, again=True)
+            self._publish_task(node, again=True, restart_clock=False)
 
     # ------------------------------------------------------------------ a step
     def _step(self) -> None:
