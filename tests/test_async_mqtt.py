@@ -673,3 +673,45 @@ def test_a_board_that_keeps_asking_for_its_model_is_given_up_at_the_deadline(
         if board is not None:
             board.close()
         agg._close()
+
+
+def test_a_steps_record_counts_the_updates_rejected_since_the_last_step(
+        tmp_path, mosquitto_server):
+    """An update refused (it names another version than its task's) is counted in the next
+    step's record as `rejected`, as a synchronous round's record counts it. Before, the
+    asynchronous record said 0 whatever was refused (only the run's total counted it)."""
+    import numpy as np
+    from edgefl.roles.messages import update_scalars
+    from edgefl.strategies import Update
+    from edgefl.transport import wire
+    from edgefl.transport.mqtt import MqttTransport
+    from edgefl.transport.topics import Topics
+
+    agg, fed, tag = _mqtt_aggregator(tmp_path, mosquitto_server)
+    board = None
+    try:
+        board = MqttTransport(mosquitto_server.url, f"boards-{tag}", connect_timeout=5)
+        board.connect()
+        n = agg.plan.model.n_params
+
+        def send(node, task, version):
+            update = Update({"params": np.zeros(n, np.float32)}, 10, 0.5, 3,
+                            {"version": version})
+            board.publish(Topics(fed).topic("update", node),
+                          wire.encode("update", task, node, update.buffers,
+                                      update_scalars(update, agg.ckpt.run_id, 0.01),
+                                      agg.table, "none"), qos=1)
+
+        flight = sorted(agg.book["flight"].items())
+        send(flight[0][0], flight[0][1]["task"], 3)          # refused: not its version
+        for node, entry in flight[:2]:
+            send(node, entry["task"], 0)
+        wait_for(lambda: agg._service(0.2) is False or len(agg.buffer) >= 2, timeout=20,
+                 what="two updates buffered")
+        assert agg.stats["rejected"] == 1
+        agg._step()
+        assert agg.ckpt.history[-1]["rejected"] == 1, agg.ckpt.history[-1]
+    finally:
+        if board is not None:
+            board.close()
+        agg._close()

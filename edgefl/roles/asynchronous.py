@@ -388,6 +388,10 @@ class AsynchronousAggregator(Aggregator):
                 and self._connects > 1:
             self._publish_flight_again("the broker lost the retained tasks")
 
+    def _reject(self, node: str | None, reason: str, key=None) -> None:
+        self.counts["rejected"] += 1        # the next step's record (no round is open here)
+        super()._reject(node, reason, key)
+
     def _on_async_update(self, node: str, payload: bytes) -> None:
         if node not in self.members:
             self._reject(node, "update from a node outside the federation")
