@@ -715,3 +715,39 @@ def test_a_steps_record_counts_the_updates_rejected_since_the_last_step(
         if board is not None:
             board.close()
         agg._close()
+
+
+def test_a_task_the_board_refuses_is_given_up_at_once(tmp_path, mosquitto_server):
+    """A board that cannot take its task (its profile's limits, a task it cannot read) says
+    so in its status (`refused`, naming the run and the task id), as in a synchronous
+    round: the task is given up at once, its slot free for another board, and the log
+    names the board's reason. Before, the asynchronous aggregator ignored the refusal and
+    the slot stayed taken until round.deadline (300 s by default)."""
+    from edgefl.roles.messages import status_payload
+    from edgefl.transport.mqtt import MqttTransport
+    from edgefl.transport.topics import Topics
+
+    agg, fed, tag = _mqtt_aggregator(tmp_path, mosquitto_server)
+    board = None
+    try:
+        (node, entry), (other, other_entry) = sorted(agg.book["flight"].items())[:2]
+        board = MqttTransport(mosquitto_server.url, f"{node}-{tag}", connect_timeout=5)
+        board.connect()
+        topics = Topics(fed)
+        # a refusal of another run, or of another task, changes nothing
+        board.publish(topics.status(other), status_payload(
+            other, "client", True, refused={"run": "another-run", "round": other_entry["task"],
+                                            "reason": "not this run"}), qos=1, retain=True)
+        board.publish(topics.status(node), status_payload(
+            node, "client", True, refused={"run": agg.ckpt.run_id, "round": entry["task"],
+                                           "reason": "model over compute.memory_budget_mb"}),
+            qos=1, retain=True)
+        wait_for(lambda: agg._service(0.2) and node not in agg.book["flight"], timeout=10,
+                 what=f"task {entry['task']} of {node} given up")
+        assert other in agg.book["flight"]
+        assert json.loads((tmp_path / "agg" / BOOK_FILE).read_text())["flight"].get(node) is None
+        assert agg.counts["abandoned"] == 1
+    finally:
+        if board is not None:
+            board.close()
+        agg._close()

@@ -56,7 +56,8 @@ from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.signing import SignatureError
 from ..transport.topics import TopicError
-from .aggregator import Aggregator, AggregatorResult
+from ..io import terminal_text
+from .aggregator import REASON_CHARS, Aggregator, AggregatorResult
 from .messages import (MessageError, build_announcement, buffers_sha256, new_announce_id,
                        parse_status, parse_update_scalars, task_from_announcement)
 from .state import load_arrays, read_json, save_arrays, write_json
@@ -363,15 +364,20 @@ class AsynchronousAggregator(Aggregator):
         overdue = [n for n, e in self.book["flight"].items()
                    if now - e["opened"] >= self.settings.round_timeout_s]
         for node in overdue:
-            entry = self.book["flight"].pop(node)
-            # its update, if part of it came, would be ignored when complete: its chunks go
-            # now, not after the reassembly timeout (they would hold the board's slots)
-            self.reassembler.discard(node, {entry["task"]})
-            self.counts["abandoned"] += 1
-            log.warning("task %d of %s (version %d) unanswered after %.0f s: given up",
-                        entry["task"], node, entry["version"], self.settings.round_timeout_s)
+            self._give_up(node, f"unanswered after {self.settings.round_timeout_s:.0f} s")
         if overdue:
             self._save_book()
+
+    def _give_up(self, node: str, why: str) -> None:
+        """The task in flight for `node` given up: its slot is free (the caller saves the
+        book)."""
+        entry = self.book["flight"].pop(node)
+        # its update, if part of it came, would be ignored when complete: its chunks go
+        # now, not after the reassembly timeout (they would hold the board's slots)
+        self.reassembler.discard(node, {entry["task"]})
+        self.counts["abandoned"] += 1
+        log.warning("task %d of %s (version %d) %s: given up", entry["task"], node,
+                    entry["version"], why)
 
     # ------------------------------------------------------------------ updates
     def _handle(self, item) -> None:
@@ -479,7 +485,17 @@ class AsynchronousAggregator(Aggregator):
             doc = parse_status(payload, node)
         except MessageError:
             return
-        if doc.get("online") and doc.get("need_model") == self.book["flight"][node]["task"]:
+        entry = self.book["flight"][node]
+        refusal = doc.get("refused")
+        if isinstance(refusal, dict) and refusal.get("run") == self.ckpt.run_id \
+                and refusal.get("round") == entry["task"]:
+            # the board cannot take this task (its limits, a task it cannot read): given
+            # up now, as a synchronous round stops waiting for it, not at the deadline
+            self._give_up(node, "refused by the board: " + terminal_text(
+                refusal.get("reason"), REASON_CHARS, one_line=True))
+            self._save_book()
+            return
+        if doc.get("online") and doc.get("need_model") == entry["task"]:
             log.info("task %d: model re-sent to %s (it asked)",
                      self.book["flight"][node]["task"], node)
             self.counts["resends"] += 1
