@@ -321,7 +321,8 @@ class AsynchronousAggregator(Aggregator):
         (retained when one frame). again: published once more (a restart, a lost broker
         session, the board asked): a new announcement id, so a board that trained the task
         re-sends its stored update, and the model encoded anew from the state's window (a
-        version out of the window is given up: its update would be dropped as too stale).
+        version out of the window has no model left to send: the task goes out without it,
+        its update will be dropped as too stale, and it is given up at its deadline).
         restart_clock: the task's round_timeout_s counts from now (a restart, a lost
         session: the time we were away is not the board's); not when the board asked for
         its model, or a board that keeps asking would hold its slot for ever."""
