@@ -1183,3 +1183,36 @@ def test_a_board_that_cannot_read_its_task_says_so_and_is_not_waited_for(tmp_pat
     assert first["updates"] == 1
     refused = [r.getMessage() for r in caplog.records if "client-0 refused" in r.getMessage()]
     assert refused and "future_knob" in refused[0], caplog.text[-2000:]
+
+
+def test_a_board_whose_training_diverges_says_so_and_the_round_does_not_wait_for_it(tmp_path):
+    """A board whose local round fails (its training diverged: data out of all scale, a
+    learning rate too high for it) has no update to send. It logged the error and said
+    nothing, so the aggregator waited for it until the round's deadline, every round it was
+    tasked. It now says why in its retained status, as a board refusing a round does, and
+    the round closes with the others' updates at once."""
+    config = load_small_run(tmp_path, rounds=1, clients_per_round=2)
+    broker = LoopbackBroker()
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, broker, AggregatorSettings(federation="fed", round_timeout_s=120),
+        start_clients=False)
+    clients[0].x = clients[0].x * np.float32(1e30)     # a sensor gone wrong: finite, huge
+    watcher = broker.transport("watcher")
+    watcher.connect()
+    watcher.subscribe(Topics("fed").events())
+    for t in threads:
+        t.start()
+    try:
+        result = aggregator.run()
+    finally:
+        for t in threads:
+            t.join(5)
+    (record,) = result.history
+    assert record["updates"] == 1 and record["closed_by"] != "deadline", record
+    events = []
+    while (item := watcher.receive(timeout=0.2)) is not None:
+        if isinstance(item, Message):
+            events.append(json.loads(item.payload))
+    (refused,) = [e for e in events if e["event"] == "client_refused"]
+    assert refused["client"] == "client-0" and refused["round"] == 1
+    assert refused["reason"].startswith("round 1: training diverged"), refused["reason"]

@@ -805,6 +805,11 @@ class Client:
             if not isinstance(exc, (StrategyError, KernelError, ValueError,
                                     FloatingPointError)):
                 raise exc
+            # no update will come: said in the retained status, as a refused round, so the
+            # aggregator stops waiting for this board now instead of at the round's deadline
+            # (every round it is tasked), and the operator reads why in client_refused
+            self._publish_status(refused={"run": doc["run"], "round": r,
+                                          "reason": f"round {r}: training {kind}: {exc}"})
             return
         update, new_state = job.result
         self._samples = vars(job.local).get("samples", self._samples)   # _local_data
