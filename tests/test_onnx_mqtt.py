@@ -394,3 +394,55 @@ def test_a_model_that_cannot_be_written_is_refused_and_the_installed_one_kept(tm
     # room again, the retained model received again (as by a restarted client): installed
     assert OnnxReceiver(str(state)).on_part(pub.parts[0]) == str(state / "model.onnx")
     assert sha_of(state / "model.onnx") == sha_of(new)
+
+
+def test_the_signing_time_is_recorded_before_the_model_so_no_restart_allows_a_downgrade(
+        tmp_path):
+    """A board with keys.aggregator refuses an ONNX model signed before the installed one,
+    by the signing time kept beside it (model.onnx.signed.json). The receiver wrote that
+    record after replacing model.onnx: when the record's write failed (a full disk, a power
+    cut between the two writes) the OSError left on_part uncaught, which ends the client's
+    main loop, and the restarted receiver found a record naming another sha256, took the
+    floor as -inf and installed an older signed model replayed by the broker. The record
+    is written first; a model whose record cannot be written is refused by name and the
+    installed one kept; the floor survives a restart whatever the installed file is."""
+    from edgefl.transport.signing import SignatureError, Signer, Verifier, generate_key
+
+    key = generate_key()
+    signer, verifier = Signer(key, "aggregator", "fed"), Verifier("fed", {"*": [key.public_key()]})
+    model = build_model({"name": "softmax"}, (1, 8, 8), 10)
+    old_file, new_file = tmp_path / "old.onnx", tmp_path / "new.onnx"
+    export_onnx(model, model.init(0), old_file, norm_mean=[0.0], norm_std=[1.0])
+    export_onnx(model, model.init(1), new_file, norm_mean=[0.0], norm_std=[1.0])
+    old = encode_publication(old_file.read_bytes(), {}, round=1, sender="aggregator", run="r1",
+                             max_payload=1 << 20, signer=signer)
+    time.sleep(0.01)
+    new = encode_publication(new_file.read_bytes(), {}, round=2, sender="aggregator", run="r1",
+                             max_payload=1 << 20, signer=signer)
+    state = tmp_path / "state"
+    installed, record = state / "model.onnx", state / "model.onnx.signed.json"
+    receiver = OnnxReceiver(str(state), verifier=verifier)
+    assert receiver.on_part(old.parts[0]) == str(installed)
+    assert sha_of(installed) == old.sha256
+
+    record.unlink()
+    record.mkdir()                       # the record cannot be written (as on a full disk)
+    with pytest.raises(ModelFileError, match=rf"onnx model of round 2 from 'aggregator': "
+                                             rf"{record}: cannot record"):
+        receiver.on_part(new.parts[0])
+    assert sha_of(installed) == old.sha256 and receiver.installed_sha == old.sha256
+    record.rmdir()
+
+    # room again: the model received again is installed, then the board restarts
+    receiver = OnnxReceiver(str(state), verifier=verifier)
+    assert receiver.on_part(new.parts[0]) == str(installed)
+    assert sha_of(installed) == new.sha256
+    # the older model replayed after a restart is refused, the newer one kept
+    with pytest.raises(SignatureError, match="an older model replayed"):
+        OnnxReceiver(str(state), verifier=verifier).on_part(old.parts[0])
+    assert sha_of(installed) == new.sha256
+
+    # a power cut after the record and before the model: the floor still holds
+    installed.write_bytes(old_file.read_bytes())
+    with pytest.raises(SignatureError, match="an older model replayed"):
+        OnnxReceiver(str(state), verifier=verifier).on_part(old.parts[0])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -171,11 +172,11 @@ class OnnxReceiver:
         self.manifest: dict | None = None
         self.installs = 0
         # signatures: with a verifier (the aggregator's keys) the manifest and the model must
-        # be signed by it, and signed no earlier than the installed model (an older one
-        # replayed would be a downgrade); the installed model's signing time is kept beside it
+        # be signed by it, and signed no earlier than the newest one accepted (an older one
+        # replayed would be a downgrade); that signing time is kept beside the model
         self.verifier = verifier
         self.signed_path = self.path + SIGNED_SUFFIX
-        self.installed_at = _signed_at(self.signed_path, self.installed_sha)
+        self.installed_at = _signed_at(self.signed_path)
 
     def _check_signature(self, frame, kind: str, where: str) -> float | None:
         if self.verifier is None:
@@ -184,9 +185,9 @@ class OnnxReceiver:
         if env["at"] < self.installed_at:
             from ..transport.signing import SignatureError
 
-            raise SignatureError(f"{where}: signed at {env['at']:.3f}, before the installed "
-                                 f"model ({self.installed_at:.3f}): an older model replayed; "
-                                 "not installed")
+            raise SignatureError(f"{where}: signed at {env['at']:.3f}, before the newest "
+                                 f"model this board accepted ({self.installed_at:.3f}): an "
+                                 "older model replayed; not installed")
         return env["at"]
 
     def on_manifest(self, payload: bytes) -> dict | None:
@@ -232,15 +233,24 @@ class OnnxReceiver:
         if sha == self.installed_sha:
             log.debug("%s: sha256 %s is installed already", where, sha[:12])
             return None
+        if signed_at is not None and signed_at > self.installed_at:
+            # The floor first, then the model: with the model first, a record that could not
+            # be written (a full disk, a power cut between the two) left the floor of an
+            # older model, -inf after a restart, and a replayed older model was installed.
+            try:
+                atomic_write(self.signed_path,
+                             json.dumps({"sha256": sha, "at": signed_at}).encode())
+            except OSError as exc:
+                raise ModelFileError(f"{where}: {self.signed_path}: cannot record its signing "
+                                     f"time ({exc}); not installed, the model there before "
+                                     "is kept") from None
+            self.installed_at = signed_at
         try:
             path = install_model(data, self.state_dir, self.name, sha256=sha)
         except ModelFileError as exc:
             raise ModelFileError(f"{where}: {exc}") from None
         self.installed_sha = sha
         self.installed_round = frame.round
-        if signed_at is not None:
-            self.installed_at = signed_at
-            atomic_write(self.signed_path, json.dumps({"sha256": sha, "at": signed_at}).encode())
         self.installs += 1
         log.info("installed %s: %s (%d bytes, sha256 %s)", where, path, len(data), sha[:12])
         return path
@@ -254,13 +264,16 @@ def _file_sha256(path: str) -> str | None:
         return None
 
 
-def _signed_at(path: str, installed_sha: str | None) -> float:
-    """The signing time recorded for the installed model (-inf: none, or not this model)."""
+def _signed_at(path: str) -> float:
+    """The signing time of the newest signed model this board accepted (-inf: none). It is
+    recorded before that model is written, so it holds whatever model.onnx is: the
+    installed one, or the one before when the write failed or the power went."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-        if doc.get("sha256") == installed_sha and isinstance(doc.get("at"), (int, float)):
-            return float(doc["at"])
+        at = doc.get("at")
+        if isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at):
+            return float(at)
     except (OSError, ValueError, AttributeError):
         pass
     return float("-inf")
