@@ -400,3 +400,50 @@ def onnx_that_loads_but_cannot_run(input_shape=(1, 8, 8), classes: int = 10) -> 
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model.SerializeToString()
+
+
+def onnx_edgefl_never_emits(kind: str, input_shape=(1, 8, 8), classes: int = 10) -> bytes:
+    """A model a Predictor could serve (one float input (batch, *input_shape), scores
+    (batch, classes)) and onnxruntime loads and runs, holding what edgefl's exporter never
+    writes: "external" keeps the weights in a file named "secret.bin", which onnxruntime
+    reads relative to its working directory (a model loaded from bytes); "contrib" ends in
+    onnxruntime's com.microsoft Gelu; "op" in a standard op (Tanh) of no edgefl export;
+    "function" in a custom op defined as a model-local function."""
+    import math
+
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    features = math.prod(input_shape)
+    weight = numpy_helper.from_array(np.full((classes, features), 0.01, np.float32), "weight")
+    last = [helper.make_node("Gemm", ["flat", "weight"], ["scores"], transB=1)]
+    opsets = [helper.make_opsetid("", 17)]
+    functions = []
+    if kind == "external":
+        weight.ClearField("raw_data")
+        weight.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", "secret.bin"), ("offset", "0"),
+                           ("length", str(4 * classes * features))):
+            entry = weight.external_data.add()
+            entry.key, entry.value = key, value
+    elif kind in ("contrib", "op", "function"):
+        op, domain = {"contrib": ("Gelu", "com.microsoft"), "op": ("Tanh", ""),
+                      "function": ("Squash", "custom.fn")}[kind]
+        last = [helper.make_node("Gemm", ["flat", "weight"], ["gemm"], transB=1),
+                helper.make_node(op, ["gemm"], ["scores"], domain=domain)]
+        if domain:
+            opsets.append(helper.make_opsetid(domain, 1))
+        if kind == "function":
+            functions.append(helper.make_function(
+                "custom.fn", "Squash", ["x"], ["y"], [helper.make_node("Tanh", ["x"], ["y"])],
+                [helper.make_opsetid("", 17)]))
+    else:
+        raise ValueError(kind)
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["input"], ["flat"], axis=1)] + last, kind,
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", *input_shape])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", classes])],
+        [weight])
+    model = helper.make_model(graph, opset_imports=opsets, functions=functions)
+    model.ir_version = 8
+    return model.SerializeToString()

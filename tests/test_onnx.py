@@ -40,7 +40,7 @@ from edgefl.io import atomic_write
 from edgefl.models import OP_DENSE, build_model
 from edgefl.runconfig import run_config_from_mapping
 from edgefl.sim import simulate
-from helpers import onnx_that_loads_but_cannot_run, usage_error
+from helpers import onnx_edgefl_never_emits, onnx_that_loads_but_cannot_run, usage_error
 
 PROB_ATOL = 1e-5   # the parity bound of issue #5 item 2, on probabilities
 
@@ -1006,3 +1006,60 @@ def test_payload_round_trip_and_install_refuses_damaged_bytes(two_models, tmp_pa
     assert pred.reload() is True
     np.testing.assert_allclose(pred.predict(raw)[1], p2, atol=1e-7)
     assert sorted(os.listdir(state)) == ["model.onnx"]        # no temporaries left
+
+
+@pytest.mark.parametrize("kind, refusal", [
+    ("external", r"initializer 'weight' keeps its data in an external file \('secret\.bin'\)"),
+    ("contrib", r"node 2 \('com\.microsoft' Gelu\) is an op edgefl's exporter never writes"),
+    ("op", r"node 2 \(Tanh\) is an op edgefl's exporter never writes"),
+    ("function", r"defines 1 model-local function\(s\) \(custom\.fn Squash\)"),
+])
+def test_a_model_edgefl_never_exports_is_refused_by_name_before_onnxruntime_loads_it(
+        kind, refusal, two_models, tmp_path, monkeypatch):
+    """onnxruntime builds and runs what an ONNX file holds: weights read from another file
+    (external data: a model loaded from bytes resolves it against the working directory,
+    so a delivered model could read what lies in the client's or the service's directory
+    into its weights), onnxruntime's contrib ops, any standard op, model-local functions.
+    Such files were served from disk and installed from MQTT. The file is now checked
+    against what edgefl's exporter writes before onnxruntime sees it: refused naming the
+    initializer, op or function, nothing installed, the model served before kept."""
+    blobs, raw, (p1, _) = two_models
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret.bin").write_bytes(os.urandom(4 * 640))
+    data = onnx_edgefl_never_emits(kind)
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(data)
+    with pytest.raises(ModelFileError, match=re.escape(str(bad)) + ": " + refusal):
+        Predictor(bad)
+
+    path = tmp_path / "m.onnx"
+    atomic_write(path, blobs[0])
+    pred = Predictor(path, check_interval=0)
+    atomic_write(path, data)
+    assert pred.reload() is False and re.search(refusal, pred.last_error), pred.last_error
+    np.testing.assert_array_equal(pred.predict(raw)[1], p1)          # the model before
+
+    state = tmp_path / "state"
+    installed = install_model(blobs[0], state)
+    with pytest.raises(ModelFileError, match=r"\(received\): " + refusal):
+        install_model(data, state, sha256=hashlib.sha256(data).hexdigest())
+    assert installed.endswith("model.onnx") and open(installed, "rb").read() == blobs[0]
+    assert sorted(os.listdir(state)) == ["model.onnx"]
+
+
+def test_a_model_file_beyond_the_size_limit_is_refused_before_it_is_read(two_models, tmp_path,
+                                                                        monkeypatch):
+    """A Predictor read a model file of any size whole into memory (then onnxruntime held a
+    second copy): a file larger than edgefl.infer.MAX_MODEL_BYTES is refused by its size."""
+    import edgefl.infer as infer
+
+    blobs, _, _ = two_models
+    path = tmp_path / "m.onnx"
+    atomic_write(path, blobs[0])
+    monkeypatch.setattr(infer, "MAX_MODEL_BYTES", len(blobs[0]) - 1)
+    with pytest.raises(ModelFileError, match=rf"{re.escape(str(path))}: {len(blobs[0])} bytes, "
+                                             rf"more than the {len(blobs[0]) - 1} a model file "
+                                             r"may have"):
+        Predictor(path)
+    with pytest.raises(ModelFileError, match=rf"\(received\): {len(blobs[0])} bytes, more than"):
+        install_model(blobs[0], tmp_path / "state")

@@ -76,7 +76,7 @@ from _bench import markdown, time_medians  # noqa: E402  (tools/ is the script d
 from edgefl import __version__, kernels
 from edgefl.serve import UnixHTTPConnection    # noqa: E402
 from edgefl.export import export_checkpoint, export_onnx, quantize_int8
-from edgefl.infer import Predictor
+from edgefl.infer import Predictor, session_options
 from edgefl.models import build_model
 
 MODELS = {"mlp": dict(name="mlp", hidden=[200, 200]), "cnn-mnist": "cnn-mnist"}
@@ -121,6 +121,18 @@ def quantize_dynamic_int8(src: str, dst: str) -> None:
     quantize_dynamic(src, dst, weight_type=QuantType.QInt8)
 
 
+def session_of(path: str, impl: str):
+    """The session a speed row times: a Predictor's for edgefl's exports. The
+    onnxruntime-int8-dynamic file is onnxruntime's quantize_dynamic output (ConvInteger,
+    MatMulInteger, DynamicQuantizeLinear), ops edgefl's exporter never writes, which
+    edgefl.infer refuses to load: a plain session with the Predictor's options."""
+    if impl != "onnxruntime-int8-dynamic":
+        return Predictor(path, threads=1, check_interval=None).session
+    import onnxruntime as ort
+
+    return ort.InferenceSession(path, session_options(1), providers=["CPUExecutionProvider"])
+
+
 def bench_speed(args) -> Iterator[dict]:
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,8 +145,7 @@ def bench_speed(args) -> Iterator[dict]:
             calibration = rng.integers(0, 256, (256, 1, 28, 28)).astype(np.float32)
             quantize_int8(files["onnxruntime"], files["onnxruntime-int8"], calibration)
             quantize_dynamic_int8(files["onnxruntime"], files["onnxruntime-int8-dynamic"])
-            sessions = {impl: Predictor(path, threads=1, check_interval=None).session
-                        for impl, path in files.items()}
+            sessions = {impl: session_of(path, impl) for impl, path in files.items()}
             c_impl = f"edgefl-{kernels.backend}"
             for batch, bench_name in ((1, "latency"), (64, "throughput")):
                 raw = rng.integers(0, 256, (batch, 1, 28, 28)).astype(np.float32)
