@@ -244,12 +244,21 @@ def _parse_inputs(body: bytes, content_type: str) -> np.ndarray:
     if inputs is None:
         raise InputError('request body: a JSON object {"inputs": [...]} (or a bare array) '
                          f"expected, got keys {sorted(doc) if isinstance(doc, dict) else doc!r}")
+    # numbers only: np.asarray(..., float64) would parse strings ("1e3") as numbers, where a
+    # .npy of strings is refused by its dtype
     try:
-        a = np.asarray(inputs, dtype=np.float64)
+        a = np.asarray(inputs)
+        strings = a.dtype.kind in "US" or \
+            (a.dtype.kind == "O" and any(isinstance(v, str) for v in a.flat))
+        if a.dtype.kind == "O" and not strings:   # integers beyond int64, or not numbers
+            a = np.asarray(inputs, dtype=np.float64)
     except OverflowError as exc:   # JSON integers have no size limit
         raise InputError(f"inputs: a number too large for float64 ({exc})") from None
     except (ValueError, TypeError, RecursionError) as exc:
         raise InputError(f"inputs: not a rectangular array of numbers ({exc})") from None
+    if strings:
+        raise InputError('inputs: strings are not numbers; send the values as JSON numbers '
+                         '({"inputs": [[0, 5.5, ...]]})')
     return a
 
 

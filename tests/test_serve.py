@@ -320,3 +320,28 @@ def test_a_model_that_loads_but_cannot_run_is_not_swapped_in(tmp_path, digits):
     status, doc = waiting.health()
     assert status == 503 and doc["status"] == "waiting"
     assert doc["last_error"].startswith(f"{first}: loads but does not run")
+
+
+def test_json_inputs_that_are_strings_are_a_bad_request_naming_them(tmp_path, digits):
+    """The JSON inputs were converted with np.asarray(inputs, float64), which parses strings:
+    {"inputs": [["0", "1", ...]]} was answered 200 with a prediction, where a .npy of
+    strings is refused naming its dtype (docs/onnx.md, "Bad input": only real numbers). A
+    client that sends a CSV's cells as text learns so instead of getting predictions."""
+    path = tmp_path / "m.onnx"
+    atomic_write(path, export(path, digits, 1))
+    service, sock, stop, thread = serving_in_process(path)
+    try:
+        conn = UnixHTTPConnection(sock)
+        row = raw_inputs(digits, digits.x_test[:1]).reshape(64)
+        for inputs in ([[str(v) for v in row]], [[*row[:63].tolist(), "1e3"]]):
+            status, doc, _ = request(conn, "POST", "/predict", json.dumps({"inputs": inputs}))
+            assert status == 400, doc
+            assert doc["error"].startswith("inputs: strings are not numbers"), doc
+            assert doc["expected_shape"] == ["n", 1, 8, 8]
+        status, doc, _ = request(conn, "POST", "/predict",
+                                 json.dumps({"inputs": [row.tolist()]}))
+        assert status == 200 and len(doc["classes"]) == 1      # numbers: answered
+        conn.close()
+    finally:
+        stop.set()
+        thread.join(10)
