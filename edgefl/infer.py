@@ -9,8 +9,8 @@ already running finish on the session they started with. A file that does not lo
 written by a non-atomic writer, corrupt, a different input shape) or does not run on one
 zero sample (an op that fails at run time) is never served: the old session stays and the
 reason is logged once per file version. Before onnxruntime sees a file (from disk or
-received), it is checked to hold only what edgefl's exporter writes (_check_graph: its ops,
-no external data, no functions) and to be no larger than MAX_MODEL_BYTES.
+received), it is checked to hold only what edgefl's exporter writes (edgefl.onnxcheck: its
+ops, no external data, no functions) and to be no larger than MAX_MODEL_BYTES.
 
 Needs onnxruntime only (not the `onnx` package). `install_model` is the writing side: how an
 MQTT client puts a received model where a Predictor watches (exporters write with
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .io import atomic_write
+from .onnxcheck import Malformed, NotExported, check_model_bytes
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -56,15 +57,6 @@ RUN_BATCH = 64
 # (roles/onnx_channel.py OnnxReceiver max_bytes), far beyond any edge model (cnn-cifar's
 # fp32 export is a few MB). A larger file is refused before it is read.
 MAX_MODEL_BYTES = 512 << 20
-
-# What edgefl's exporter writes (edgefl/export/onnx.py: fp32 graphs, and the int8 QDQ
-# graphs of onnxruntime's quantize_static) and nothing else: ops of the default ONNX
-# domain, weights inside the file, no functions or subgraphs. A model file is checked
-# against it before onnxruntime sees it (_check_graph).
-EXPORTED_OPS = frozenset({
-    "Concat", "Conv", "DequantizeLinear", "Div", "Flatten", "Gemm", "Identity", "MaxPool",
-    "Neg", "QuantizeLinear", "Relu", "Reshape", "Sigmoid", "Softmax", "Sub"})
-
 
 class ModelFileError(ValueError):
     """A model file that cannot be served; the message names the file and the cause."""
@@ -129,147 +121,6 @@ def _read_file(path: str) -> tuple[bytes, tuple]:
     return data, _signature(after)
 
 
-class _Malformed(ValueError):
-    pass
-
-
-def _fields(buf, start: int, end: int):
-    """(field number, wire type, value) of one protobuf message in buf[start:end]: the value
-    is an int (varint, fixed) or the (start, end) of a length-delimited field."""
-    i = start
-    while i < end:
-        key, i = _varint(buf, i, end)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise _Malformed(f"field number 0 at byte {i}")
-        if wire == 0:
-            value, i = _varint(buf, i, end)
-        elif wire == 1 or wire == 5:
-            size = 8 if wire == 1 else 4
-            if i + size > end:
-                raise _Malformed(f"field {number} runs past the end of its message")
-            value, i = int.from_bytes(buf[i:i + size], "little"), i + size
-        elif wire == 2:
-            size, i = _varint(buf, i, end)
-            if i + size > end:
-                raise _Malformed(f"field {number} of {size} bytes runs past the end of its "
-                                 f"message (byte {end})")
-            value, i = (i, i + size), i + size
-        else:
-            raise _Malformed(f"field {number} has wire type {wire}")
-        yield number, wire, value
-
-
-def _varint(buf, i: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= end or shift > 63:
-            raise _Malformed(f"a varint is cut off or too long at byte {i}")
-        b = buf[i]
-        value |= (b & 0x7F) << shift
-        i, shift = i + 1, shift + 7
-        if b < 0x80:
-            return value, i
-
-
-def _text(buf, span) -> str:
-    return bytes(buf[span[0]:span[1]]).decode("utf-8", "replace")
-
-
-def _check_graph(data: bytes, what: str) -> None:
-    """Refuse, by name and before onnxruntime loads it, a model holding anything edgefl's
-    exporter never writes: a node outside EXPORTED_OPS or of another domain (onnxruntime's
-    contrib ops, custom ops), a weight kept in an external file (onnxruntime would read it:
-    a model loaded from bytes resolves the path against its working directory), a sparse
-    initializer, an attribute holding a tensor or a subgraph, model-local functions or
-    training info. Reads the protobuf directly: a board has onnxruntime, not `onnx`.
-    Every occurrence of a field is checked (protobuf merges repeated message fields)."""
-    buf = memoryview(data)
-    functions = []
-    graphs = []
-    for number, wire, value in _fields(buf, 0, len(buf)):
-        if wire != 2:
-            continue
-        if number == 7:                                       # ModelProto.graph
-            graphs.append(value)
-        elif number == 25:                                    # ModelProto.functions
-            names = {n: _text(buf, v) for n, w, v in _fields(buf, *value) if w == 2
-                     and n in (1, 10)}                        # name, domain
-            functions.append(f"{names.get(10, '')} {names.get(1, '?')}".strip())
-        elif number == 20:                                    # ModelProto.training_info
-            raise ModelFileError(f"{what}: carries training info (a graph edgefl never "
-                                 "exports); refused before onnxruntime loads it")
-    if functions:
-        raise ModelFileError(f"{what}: defines {len(functions)} model-local function(s) "
-                             f"({', '.join(functions)}), which edgefl's exporter never writes; "
-                             "refused before onnxruntime loads it")
-    index = 0
-    for graph in graphs:
-        for number, wire, value in _fields(buf, *graph):
-            if wire != 2:
-                continue
-            if number == 1:                                   # GraphProto.node
-                _check_node(buf, value, index, what)
-                index += 1
-            elif number == 5:                                 # GraphProto.initializer
-                _check_tensor(buf, value, "initializer", what)
-            elif number == 15:                                # GraphProto.sparse_initializer
-                raise ModelFileError(f"{what}: has a sparse initializer, which edgefl's "
-                                     "exporter never writes; refused before onnxruntime "
-                                     "loads it")
-
-
-def _check_node(buf, span, index: int, what: str) -> None:
-    op, domains, name, attributes = "?", [], "", []
-    for number, wire, value in _fields(buf, *span):
-        if wire != 2:
-            continue
-        if number == 4:
-            op = _text(buf, value)
-        elif number == 7:
-            domains.append(_text(buf, value))
-        elif number == 3:
-            name = _text(buf, value)
-        elif number == 5:
-            attributes.append(value)
-    foreign = [d for d in domains if d not in ("", "ai.onnx")]
-    if foreign or op not in EXPORTED_OPS:
-        label = f"{foreign[0]!r} {op}" if foreign else op
-        raise ModelFileError(f"{what}: node {index} ({label}{f', named {name!r}' if name else ''}) "
-                             f"is an op edgefl's exporter never writes (it writes "
-                             f"{', '.join(sorted(EXPORTED_OPS))} of the default domain); "
-                             "refused before onnxruntime loads it")
-    for attribute in attributes:
-        fields = {n for n, _, _ in _fields(buf, *attribute)}
-        # t, g, tensors, graphs, tp, type_protos, ref_attr_name, sparse_tensor(s)
-        held = fields & {5, 6, 10, 11, 14, 15, 21, 22, 23}
-        if held:
-            attr = next((_text(buf, v) for n, w, v in _fields(buf, *attribute)
-                         if n == 1 and w == 2), "?")
-            raise ModelFileError(f"{what}: node {index} ({op}) attribute {attr!r} holds a "
-                                 "tensor, graph or reference, which edgefl's exporter never "
-                                 "writes; refused before onnxruntime loads it")
-
-
-def _check_tensor(buf, span, kind: str, what: str) -> None:
-    name, external, location = "?", False, None
-    for number, wire, value in _fields(buf, *span):
-        if number == 8 and wire == 2:
-            name = _text(buf, value)
-        elif number == 14 and wire == 0 and value != 0:       # data_location EXTERNAL
-            external = True
-        elif number == 13 and wire == 2:                       # external_data entry
-            external = True
-            entry = {n: _text(buf, v) for n, w, v in _fields(buf, *value) if w == 2}
-            if entry.get(1) == "location":
-                location = entry.get(2)
-    if external:
-        raise ModelFileError(f"{what}: {kind} {name!r} keeps its data in an external file "
-                             f"({location!r}), which onnxruntime would read; an edgefl model "
-                             "holds its weights inside the file; refused before onnxruntime "
-                             "loads it")
-
-
 def session_options(threads: int):
     """The onnxruntime SessionOptions of a Predictor's session (tools/bench_onnx.py builds
     its session of a file edgefl does not export with them)."""
@@ -293,10 +144,12 @@ def _session_from_bytes(data: bytes, what: str, threads: int):
         raise ModelFileError(f"{what}: {len(data)} bytes, more than the {MAX_MODEL_BYTES} a "
                              "model file may have (edgefl.infer.MAX_MODEL_BYTES)")
     try:
-        _check_graph(data, what)
-    except _Malformed as exc:
+        check_model_bytes(data)
+    except Malformed as exc:
         raise ModelFileError(f"{what}: not a loadable ONNX model ({len(data)} bytes; not a "
                              f"well-formed protobuf: {exc})") from None
+    except NotExported as exc:
+        raise ModelFileError(f"{what}: {exc}; refused before onnxruntime loads it") from None
     try:
         return ort.InferenceSession(data, session_options(threads),
                                     providers=["CPUExecutionProvider"])
