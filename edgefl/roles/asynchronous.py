@@ -199,7 +199,10 @@ class AsynchronousAggregator(Aggregator):
                     continue
                 if len(self.buffer) >= self.buffer_size:
                     self._step()
-                    drained = self._service(0.0)
+                    if self.ckpt.round < self.rounds:
+                        # not after the last step: an update buffered then is never applied,
+                        # and its file would stay in the finished run's state
+                        drained = self._service(0.0)
                     continue
                 if drained:
                     # what arrived together is handled before idle boards are tasked, as
