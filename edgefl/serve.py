@@ -59,6 +59,8 @@ log = logging.getLogger("edgefl.serve")
 SOCKET_NAME = "predict.sock"
 MAX_UNIX_PATH = 107          # sun_path is 108 bytes with the terminating NUL
 DRAIN_BYTES = 64 << 20      # an oversized body up to this is read (and dropped) before the 413
+BUSY_WAIT_S = 10.0          # a request waits this long for a free slot, then 503
+BODY_DEADLINE_S = 30.0      # the whole body must arrive within this, else 408
 NPY_TYPES = ("application/x-npy", "application/octet-stream")
 
 
@@ -97,11 +99,17 @@ class InferenceService:
     handles each connection in its own thread, onnxruntime sessions run concurrently)."""
 
     def __init__(self, model_path: str, *, threads: int = 1, check_interval: float = 1.0,
-                 max_request_bytes: int = 16 << 20):
+                 max_request_bytes: int = 16 << 20, max_concurrent: int = 2,
+                 busy_wait_s: float = BUSY_WAIT_S, body_deadline_s: float = BODY_DEADLINE_S):
         self.model_path = os.fspath(model_path)
         self.threads = int(threads)
         self.check_interval = float(check_interval)
         self.max_request_bytes = int(max_request_bytes)
+        # requests whose body is being read or whose model is running: each holds its body
+        # and onnxruntime's activations, so their number bounds the service's memory
+        self.max_concurrent = int(max_concurrent)
+        self.slots = threading.BoundedSemaphore(self.max_concurrent)
+        self.busy_wait_s, self.body_deadline_s = float(busy_wait_s), float(body_deadline_s)
         self.predictor: Predictor | None = None
         self.last_error: str | None = None
         self.requests = 0
@@ -279,7 +287,8 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args) -> None:
         log.debug("%s %s", self.address_string(), fmt % args)
 
-    def _reply(self, code: int, doc: dict, close: bool = False) -> None:
+    def _reply(self, code: int, doc: dict, close: bool = False,
+               headers: dict | None = None) -> None:
         if self.command == "POST":          # prediction requests, answered or refused
             service = self.server.service
             with service._lock:
@@ -293,6 +302,8 @@ class _Handler(BaseHTTPRequestHandler):
             else None
         if sha:
             self.send_header("X-Model-Sha256", sha)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if close:
             self.send_header("Connection", "close")
             self.close_connection = True
@@ -322,32 +333,73 @@ class _Handler(BaseHTTPRequestHandler):
             return
         n = int(length)
         if n > service.max_request_bytes:
-            # Read and drop a body up to DRAIN_BYTES, so a client that sends it all before
-            # reading gets the answer; a larger one is cut off (the connection closes).
-            if n <= DRAIN_BYTES:
-                left = n
-                while left > 0:
-                    piece = self.rfile.read(min(left, 1 << 16))
-                    if not piece:
-                        break
-                    left -= len(piece)
+            self._drain(n)
             self._reply(413, {"error": f"request body of {n} bytes exceeds the limit of "
                                        f"{service.max_request_bytes} (infer.max_request_bytes)"},
                         close=True)
             return
-        body = self.rfile.read(n)
-        if len(body) != n:
-            self._reply(400, {"error": f"request body: {len(body)} of {n} bytes arrived"},
-                        close=True)
+        if not service.slots.acquire(timeout=service.busy_wait_s):
+            self._drain(n)
+            self._reply(503, {"error": f"busy: {service.max_concurrent} prediction(s) in "
+                                       f"progress (infer.max_concurrent = "
+                                       f"{service.max_concurrent}); retry"},
+                        close=True, headers={"Retry-After": "1"})
             return
         try:
-            code, doc = service.predict(body, self.headers.get("Content-Type", ""))
-        except ModelFileError as exc:
-            code, doc = 503, {"error": str(exc)}
-        except Exception as exc:   # noqa: BLE001 -- onnxruntime's own errors; keep serving
-            log.exception("prediction failed")
-            code, doc = 500, {"error": f"prediction failed: {type(exc).__name__}: {exc}"}
+            body = self._read_body(n, service.body_deadline_s)
+            if body is None:
+                return
+            try:
+                code, doc = service.predict(body, self.headers.get("Content-Type", ""))
+            except ModelFileError as exc:
+                code, doc = 503, {"error": str(exc)}
+            except Exception as exc:   # noqa: BLE001 -- onnxruntime's own errors; keep serving
+                log.exception("prediction failed")
+                code, doc = 500, {"error": f"prediction failed: {type(exc).__name__}: {exc}"}
+            del body
+        finally:
+            service.slots.release()
         self._reply(code, doc)
+
+    def _drain(self, n: int) -> None:
+        """Read and drop a body that is not served, up to DRAIN_BYTES, so a client that sends
+        it all before reading gets the answer; a larger one is cut off (the caller's reply
+        closes the connection)."""
+        left = n if n <= DRAIN_BYTES else 0
+        while left > 0:
+            piece = self.rfile.read(min(left, 1 << 16))
+            if not piece:
+                break
+            left -= len(piece)
+
+    def _read_body(self, n: int, deadline_s: float) -> bytearray | None:
+        """The n-byte body, which must arrive whole within deadline_s (a caller trickling it
+        would hold its slot as long as it liked: each read waits up to `timeout`); None
+        once the error is answered (the connection closes)."""
+        end = time.monotonic() + deadline_s
+        body = bytearray(n)                  # read in place: no second copy of a large body
+        view, got = memoryview(body), 0
+        try:
+            while got < n:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(min(left, self.timeout))
+                count = self.rfile.readinto1(view[got:])
+                if not count:
+                    break
+                got += count
+        except (TimeoutError, socket.timeout):
+            self._reply(408, {"error": f"request body: {got} of {n} bytes arrived within "
+                                       f"{deadline_s:g} s"}, close=True)
+            return None
+        finally:
+            self.connection.settimeout(self.timeout)
+        if got != n:
+            self._reply(400, {"error": f"request body: {got} of {n} bytes arrived"},
+                        close=True)
+            return None
+        return body
 
 
 class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

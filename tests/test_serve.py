@@ -216,14 +216,15 @@ def test_serve_refuses_what_it_cannot_serve_and_names_it(tmp_path, capsys):
         capsys.readouterr().err
 
 
-def serving_in_process(model_path):
+def serving_in_process(model_path, **options):
     """(service, socket path, stop) of `serve` running in a thread of this process: the real
-    HTTP server and Predictor, for requests whose answer is checked without a process."""
+    HTTP server and Predictor, for requests whose answer is checked without a process.
+    `options`: InferenceService's."""
     from edgefl.serve import InferenceService, serve
 
     short = Path(tempfile.mkdtemp(prefix="efs-", dir="/tmp"))
     sock = str(short / "p.sock")
-    service = InferenceService(str(model_path), check_interval=0.2)
+    service = InferenceService(str(model_path), check_interval=0.2, **options)
     stop = threading.Event()
     thread = threading.Thread(target=serve, args=(service, sock), kwargs={"stop": stop},
                               daemon=True)
@@ -341,6 +342,84 @@ def test_json_inputs_that_are_strings_are_a_bad_request_naming_them(tmp_path, di
         status, doc, _ = request(conn, "POST", "/predict",
                                  json.dumps({"inputs": [row.tolist()]}))
         assert status == 200 and len(doc["classes"]) == 1      # numbers: answered
+        conn.close()
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def _stalled_request(sock: str, body: bytes) -> socket.socket:
+    """A client that sends a /predict request's headers and half its body, then stalls (a
+    slow or hostile caller)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(10)
+    conn.connect(sock)
+    conn.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+    return conn
+
+
+def _answer(conn: socket.socket) -> tuple[int, dict, str]:
+    """(status, JSON body, raw head) of the one response on a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        rest += conn.recv(65536)
+    return int(head.split()[1]), json.loads(rest[:length]), head.decode()
+
+
+def test_predictions_at_once_are_capped_and_a_request_beyond_them_is_told_to_retry(
+        tmp_path, digits):
+    """Each request read its body and ran the model in a thread of its own, with no bound:
+    on a 512 MB board a few large requests at once (a 16 MiB JSON body peaks at about
+    +150 MB) get the service killed for memory. infer.max_concurrent bounds the requests
+    being read and run; one beyond them waits for a slot, then gets 503 with Retry-After
+    naming the setting, and the service goes on."""
+    path = tmp_path / "m.onnx"
+    atomic_write(path, export(path, digits, 1))
+    service, sock, stop, thread = serving_in_process(path, max_concurrent=1, busy_wait_s=0.5)
+    body = json.dumps({"inputs": raw_inputs(digits, digits.x_test[:3]).tolist()}).encode()
+    try:
+        slow = _stalled_request(sock, body)       # holds the one slot
+        time.sleep(0.2)
+        conn = UnixHTTPConnection(sock)
+        status, doc, response = request(conn, "POST", "/predict", body)
+        assert status == 503 and "infer.max_concurrent = 1" in doc["error"], doc
+        assert response.getheader("Retry-After") == "1"
+        conn.close()
+        slow.sendall(body[len(body) // 2:])       # the slow caller is answered in full
+        status, doc, _ = _answer(slow)
+        assert status == 200 and len(doc["classes"]) == 3, doc
+        slow.close()
+        conn = UnixHTTPConnection(sock)
+        assert request(conn, "POST", "/predict", body)[0] == 200    # the slot is free again
+        conn.close()
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def test_a_body_that_does_not_arrive_in_time_frees_its_slot(tmp_path, digits):
+    """A caller that sends half its body and stalls held its thread (and, now, its slot) as
+    long as it kept the connection: each read waited up to 60 s, so a trickle held it for
+    ever. The whole body must arrive within infer's body deadline, else 408 and the
+    connection closed."""
+    path = tmp_path / "m.onnx"
+    atomic_write(path, export(path, digits, 1))
+    service, sock, stop, thread = serving_in_process(path, max_concurrent=1, busy_wait_s=5.0,
+                                                     body_deadline_s=0.5)
+    body = json.dumps({"inputs": raw_inputs(digits, digits.x_test[:3]).tolist()}).encode()
+    try:
+        slow = _stalled_request(sock, body)
+        status, doc, _ = _answer(slow)
+        assert status == 408 and "0.5 s" in doc["error"], doc
+        slow.close()
+        conn = UnixHTTPConnection(sock)
+        assert request(conn, "POST", "/predict", body)[0] == 200
         conn.close()
     finally:
         stop.set()

@@ -565,7 +565,8 @@ def _serve(args: argparse.Namespace) -> int:
     logs.setup_logging(config["log.level"])
     service = InferenceService(config["infer.model"], threads=config["infer.threads"],
                                check_interval=config["infer.check_interval"],
-                               max_request_bytes=config["infer.max_request_bytes"])
+                               max_request_bytes=config["infer.max_request_bytes"],
+                               max_concurrent=config["infer.max_concurrent"])
     path = socket_path_for(config["infer.socket"], lambda: config.state_dir)
     notifier = Notifier.from_environment()
     with install_stop_handlers() as stop:

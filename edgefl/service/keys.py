@@ -150,6 +150,9 @@ KEYS = {k.name: k for k in (
         minimum=1024, maximum=1 << 30),
     Key("infer.threads", "int", "onnxruntime intra-op threads", ("infer",), minimum=1,
         maximum=256),
+    Key("infer.max_concurrent", "int", "requests read and run at once (each holds its body "
+        "and the model's activations); one more waits 10 s for a slot, then gets 503",
+        ("infer",), minimum=1, maximum=256),
     Key("infer.check_interval", "number", "seconds between checks for a new model file",
         ("infer",), minimum=0),
     Key("retention.keep_runs", "int", "keep the files of this many of the most recently "
