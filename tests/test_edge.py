@@ -186,12 +186,20 @@ def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60
                                dataclasses.replace(settings, node_id="centre",
                                                    trust=trust("centre")),
                                sites=site_nodes, stop=stop)
+    return run_centre(centre, stop, threads, errors, limit_s), edges
+
+
+def run_centre(centre, stop, threads: list, errors: list, limit_s: float,
+               join_s: float = 30.0):
+    """centre.run() under a watchdog that stops every role after limit_s; then the roles'
+    threads joined (join_s each for those that end with the run, then all stopped) and the
+    first error of one of them raised. Returns the centre's result."""
     watchdog = threading.Timer(limit_s, stop.set)
     watchdog.start()
     try:
         result = centre.run()
         for thread in threads:
-            thread.join(30)
+            thread.join(join_s)
     finally:
         watchdog.cancel()
         stop.set()
@@ -199,7 +207,7 @@ def two_level_run(run, central, sites, root, *, edge_of=None, round_timeout_s=60
             thread.join(10)
     if errors:
         raise errors[0]
-    return result, edges
+    return result
 
 
 def flat_params(run):

@@ -13,7 +13,7 @@ import pytest
 
 from brokers import _require_mosquitto
 from helpers import load_small_run
-from test_edge import Broker, _started, three_brokers  # noqa: F401 -- a fixture
+from test_edge import Broker, _started, run_centre, three_brokers  # noqa: F401 -- a fixture
 
 from edgefl.roles import AggregatorSettings, RunPlan, default_client_ids
 from edgefl.roles.edge import CentralAggregator, partial_update
@@ -295,17 +295,7 @@ def test_an_edge_whose_updates_are_all_unusable_refuses_them_once(three_brokers,
                                                   round_timeout_s=8.0),
                                sites=SITES, stop=stop)
     caplog.set_level("WARNING", logger="edgefl.roles")
-    watchdog = threading.Timer(60.0, stop.set)
-    watchdog.start()
-    try:
-        result = centre.run()
-    finally:
-        watchdog.cancel()
-        stop.set()
-        for thread in threads:
-            thread.join(10)
-    if errors:
-        raise errors[0]
+    result = run_centre(centre, stop, threads, errors, 60.0, join_s=0)
     assert result.finished
     assert [(r["edges"], r["missing"], r["clients"]) for r in result.history] == \
         [(["site-b"], ["site-a"], ["client-2", "client-3"])]
