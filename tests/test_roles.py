@@ -36,6 +36,7 @@ from edgefl.transport import wire
 from edgefl.transport.base import Message
 from edgefl.transport.loopback import LoopbackBroker
 from edgefl.transport.topics import Topics
+from edgefl.errors import ConfigError  # noqa: E402
 from helpers import import_tool, load_small_run, wait_for
 
 
@@ -1246,3 +1247,72 @@ def test_no_update_is_buffered_after_an_asynchronous_runs_last_step(tmp_path, mo
         t.join(10)
     assert result.finished and [h["updates"] for h in result.history] == [2]
     assert glob.glob(str(tmp_path / "agg" / BUFFER_DIR / "*.npz")) == []
+
+
+def _async_fleet_with_limits(tmp_path, monkeypatch, limited: list, rounds: int = 3):
+    """FedBuff over four boards on the loopback broker, the boards in `limited` refusing
+    every task (compute.max_params = 1), the others taking 0.3 s a local round:
+    (aggregator, clients, threads), not yet run."""
+    import dataclasses
+
+    from edgefl.roles.client import Client
+    finish = Client._finish_job
+
+    def slow(self):
+        time.sleep(0.3)
+        finish(self)
+
+    monkeypatch.setattr(Client, "_finish_job", slow)
+    config = load_small_run(tmp_path, rounds=rounds, partition={"name": "iid", "clients": 4},
+                            strategy={"name": "fedbuff", "concurrency": 4, "buffer_size": 2,
+                                      "max_staleness": 4})
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, LoopbackBroker(),
+        AggregatorSettings(federation="fed", round_timeout_s=20), start_clients=False)
+    for i in limited:
+        clients[i].settings = dataclasses.replace(clients[i].settings, max_params=1)
+    return aggregator, clients, threads
+
+
+def test_an_asynchronous_run_does_not_task_a_refusing_board_again_at_the_same_version(
+        tmp_path, monkeypatch):
+    """A board that refuses its task (its limits rule the model out) is given up at once;
+    it was then the first idle board and tasked again at once, and refused again: 119
+    tasks, each with its model published, in a one-second run of three steps (the review's
+    count). It is tasked again only once the version has moved on."""
+    aggregator, clients, threads = _async_fleet_with_limits(tmp_path, monkeypatch, [0])
+    for t in threads:
+        t.start()
+    try:
+        result = aggregator.run()
+    finally:
+        for t in threads:
+            t.join(5)
+    assert result.finished and len(result.history) == 3
+    # given up: client-0's refused tasks, at most one a version (0, 1 and 2)
+    assert sum(h["abandoned"] for h in result.history) <= 3, result.history
+    assert clients[0].stats["trained"] == 0
+
+
+def test_an_asynchronous_run_every_board_refuses_fails_naming_them(tmp_path, monkeypatch):
+    """No board can train the run: every one refuses its task. The run could never take a
+    step; it ends at once with an error naming the boards and why, instead of waiting."""
+    aggregator, clients, threads = _async_fleet_with_limits(tmp_path, monkeypatch,
+                                                            [0, 1, 2, 3])
+    for t in threads:
+        t.start()
+    timer = threading.Timer(30.0, aggregator.stop.set)
+    timer.start()
+    try:
+        with pytest.raises(ConfigError, match=r"version 0: every board refused this run's "
+                                              r"task.*client-0, client-1, client-2, client-3: "
+                                              r"the run's model has \d+ parameters") as failed:
+            aggregator.run()
+    finally:
+        timer.cancel()
+        aggregator.stop.set()
+        for client in clients:          # no run end comes for them to exit on
+            client.stop.set()
+        for t in threads:
+            t.join(5)
+    assert "max_params = 1" in str(failed.value)

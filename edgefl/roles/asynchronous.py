@@ -56,6 +56,7 @@ from ..transport import wire
 from ..transport.base import ConnectionEvent, Message, TransportError
 from ..transport.signing import SignatureError
 from ..transport.topics import TopicError
+from ..errors import ConfigError
 from ..io import terminal_text
 from .aggregator import REASON_CHARS, Aggregator, AggregatorResult
 from .messages import (MessageError, build_announcement, buffers_sha256, new_announce_id,
@@ -100,6 +101,9 @@ class AsynchronousAggregator(Aggregator):
         self.step_started = time.perf_counter()
         self.counts = {"duplicates": 0, "rejected": 0, "resends": 0, "announcements": 0,
                        "wire_up_bytes": 0, "wire_down_bytes": 0, "abandoned": 0}
+        # node -> (version, reason) of the last task it refused: not tasked again at that
+        # version (it would refuse again at once, a task and its model published each time)
+        self.refusals: dict = {}
 
     # ------------------------------------------------------------------ files
     @property
@@ -243,11 +247,19 @@ class AsynchronousAggregator(Aggregator):
         driver's refill: one open_round, the draw counting refills at this version)."""
         flight = self.book["flight"]
         ids = self.plan.client_ids
-        idle = [c for c in self.plan.setup.clients if ids[c] not in flight]
+        v = self.ckpt.round
+        refused = {node: why for node, (at, why) in self.refusals.items() if at == v}
+        idle = [c for c in self.plan.setup.clients if ids[c] not in flight
+                and ids[c] not in refused]
+        if not flight and not idle:
+            # every board refused its task at this version: no update can come, no step
+            raise ConfigError(f"version {v}: every board refused this run's task, so it "
+                              f"can take no step: " + "; ".join(
+                                  f"{', '.join(sorted(ns))}: {why}"
+                                  for why, ns in _by_reason(refused).items()))
         n = min(self.concurrency - len(flight), len(idle))
         if n <= 0:
             return
-        v = self.ckpt.round
         plan = self.engine.open_round(v + 1, self.ckpt.state, among=sorted(idle), count=n,
                                       draw=self.book["draws"])
         self.book["draws"] += 1
@@ -495,8 +507,9 @@ class AsynchronousAggregator(Aggregator):
                 and refusal.get("round") == entry["task"]:
             # the board cannot take this task (its limits, a task it cannot read): given
             # up now, as a synchronous round stops waiting for it, not at the deadline
-            self._give_up(node, "refused by the board: " + terminal_text(
-                refusal.get("reason"), REASON_CHARS, one_line=True))
+            why = terminal_text(refusal.get("reason"), REASON_CHARS, one_line=True)
+            self._give_up(node, "refused by the board: " + why)
+            self.refusals[node] = (self.ckpt.round, why)
             self._save_book()
             return
         if doc.get("online") and doc.get("need_model") == entry["task"]:
@@ -533,3 +546,11 @@ class AsynchronousAggregator(Aggregator):
         for k in self.counts:
             self.counts[k] = 0
         self.step_started = time.perf_counter()
+
+
+def _by_reason(refused: dict) -> dict:
+    """{reason: [nodes]} of {node: reason}: boards refusing alike named together."""
+    out: dict = {}
+    for node, why in refused.items():
+        out.setdefault(why, []).append(node)
+    return out
