@@ -500,3 +500,27 @@ def test_a_warm_start_from_a_warm_started_dp_run_names_every_earlier_runs_privac
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(f"{a['privacy']['epsilon']:.4g}" in m and f"{b['privacy']['epsilon']:.4g}" in m
                for m in warned), warned
+
+
+def test_a_chain_through_a_run_without_dp_still_names_the_dp_runs_loss(tmp_path, caplog):
+    """A (DP) -> B (no DP, from A's model) -> C: B's summary has no privacy block of its own,
+    but its model carries A's loss (in B's `init`). C's start said nothing: the source's
+    block was looked for, and no further. The earlier loss is carried and named."""
+    dp = {"dp": {"clip": 1.0, "noise_multiplier": 1.0, "reproducible": True}}
+    strategy = {"name": "fedavg", "weighting": "uniform"}
+    a = simulate(load_run_config(write(str(tmp_path), "a.yaml", rounds=2, privacy=dp,
+                                       strategy=strategy)),
+                 tmp_path / "a", workers=1, progress=False, onnx=False, plot=False)
+    b = simulate(warm(tmp_path, tmp_path / "a", name="b.yaml", rounds=1, strategy=strategy),
+                 tmp_path / "b", workers=1, progress=False, onnx=False, plot=False)
+    assert "privacy" not in b and b["init"]["privacy"]["epsilon"] == a["privacy"]["epsilon"]
+    with caplog.at_level("WARNING", logger="edgefl.runs.prepare"):
+        run = prepare_run(warm(tmp_path, tmp_path / "b", name="c.yaml", rounds=1),
+                          progress=False)
+    carried = run.warm_start["privacy"]
+    assert carried.get("epsilon") is None
+    assert carried["earlier_epsilon"] == pytest.approx(a["privacy"]["epsilon"])
+    assert carried["earlier_delta"] == pytest.approx(a["privacy"]["delta"])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("without differential privacy" in m and f"{a['privacy']['epsilon']:.4g}" in m
+               for m in warned), warned

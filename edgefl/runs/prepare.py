@@ -330,17 +330,16 @@ def _source_privacy(config: RunConfig, init: ModelFile) -> dict | None:
                     terminal_text(reason, _PRIVACY_TEXT, one_line=True))
         return None
     block = summary.get("privacy") if isinstance(summary, dict) else None
-    if not isinstance(block, dict):
-        return None
     privacy = {str(k)[:_PRIVACY_TEXT]: v[:_PRIVACY_TEXT] if isinstance(v, str) else v
                for k, v in list(block.items())[:64]
                if v is None or isinstance(v, (str, bool, float)) or
-               (isinstance(v, int) and abs(v) < 2 ** 63)}
+               (isinstance(v, int) and abs(v) < 2 ** 63)} if isinstance(block, dict) else {}
 
     # the source may itself have started from a DP run's model: its summary's epsilon is
-    # its own rounds' only, and the loss before it is in its `init` block (with the loss
-    # before that, carried the same way): summed here (basic composition, a valid bound
-    # whatever the runs' settings), so that a chain of warm starts drops no link
+    # its own rounds' only (none, when it ran without DP), and the loss before it is in its
+    # `init` block (with the loss before that, carried the same way): summed here (basic
+    # composition, a valid bound whatever the runs' settings), so that a chain of warm
+    # starts drops no link, a run without DP in it included
     source_init = summary.get("init") if isinstance(summary, dict) else None
     before = source_init.get("privacy") if isinstance(source_init, dict) else None
     if isinstance(before, dict):
@@ -351,10 +350,19 @@ def _source_privacy(config: RunConfig, init: ModelFile) -> dict | None:
             privacy["earlier_epsilon"] = float(sum(e for e, _ in terms))
             privacy["earlier_delta"] = float(sum(d for _, d in terms))
 
+    if not privacy:
+        return None                   # no DP in the source's rounds nor before them
+
     def said(value) -> str:
         if isinstance(value, float):
             return f"{value:.4g}"
         return terminal_text(value, _PRIVACY_TEXT, one_line=True)
+    if block is None or not isinstance(block, dict):
+        log.warning("%s: model.init: %s was trained without differential privacy, from a "
+                    "model that had spent epsilon %s (delta %s) on the boards' data before "
+                    "it: that loss composes with this run's", where, init.path,
+                    said(privacy["earlier_epsilon"]), said(privacy["earlier_delta"]))
+        return privacy
     stopped = privacy.get("stopped")
     earlier = "" if "earlier_epsilon" not in privacy else (
         f"; it started from a model that had spent epsilon {said(privacy['earlier_epsilon'])} "
