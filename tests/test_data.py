@@ -210,6 +210,29 @@ def test_empty_idx_images_are_rejected(tmp_path):
         load_dataset("mnist", path=str(tmp_path))
 
 
+@pytest.mark.parametrize("damage, message", [
+    # a download cut short: gzip's EOFError named no file and reached the CLI as a traceback
+    (lambda gz: gz[:len(gz) // 2], "truncated gzip"),
+    (lambda gz: gz[:-4], "truncated gzip"),
+    # one flipped byte in the deflate stream: gzip's "CRC check failed" (or a zlib error)
+    (lambda gz: gz[:len(gz) // 2] + bytes([gz[len(gz) // 2] ^ 0x55]) + gz[len(gz) // 2 + 1:],
+     "damaged gzip"),
+    (lambda gz: gz + b"garbage!", "damaged gzip"),
+], ids=["half", "no-trailer", "flipped-byte", "trailing-garbage"])
+def test_a_damaged_gzip_idx_file_names_the_file_and_writes_no_cache(tmp_path, monkeypatch,
+                                                                     damage, message):
+    monkeypatch.setenv("EDGEFL_CACHE_DIR", str(tmp_path / "cache"))
+    write_mnist_dir(tmp_path / "m")   # the train images are gzipped
+    gz = tmp_path / "m" / "train-images-idx3-ubyte.gz"
+    gz.write_bytes(damage(gz.read_bytes()))
+    with pytest.raises(ValueError, match=f"train-images-idx3-ubyte.gz: {message}"):
+        read_idx(gz)
+    with pytest.raises(ValueError, match=f"train-images-idx3-ubyte.gz: {message}"):
+        load_dataset("mnist", path=str(tmp_path / "m"))
+    cached = os.listdir(tmp_path / "cache") if (tmp_path / "cache").exists() else []
+    assert not [f for f in cached if f.endswith(".npz") or f.endswith(".tmp")]
+
+
 @pytest.mark.fashion_mnist
 def test_real_fashion_mnist_from_debians_package():
     if not os.path.isdir(FASHION_MNIST_DIR):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import os
 import struct
+import zlib
 
 import numpy as np
 
@@ -29,13 +30,26 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     """Return the array stored in the IDX file `path` (gzip is detected from the content).
 
     Raises FileNotFoundError if `path` does not exist and ValueError naming the file if the
-    header is malformed or the payload is shorter or longer than the header says.
+    gzip stream is truncated or damaged, the header is malformed or the payload is shorter or
+    longer than the header says.
     """
     path = os.fspath(path)
     with open(path, "rb") as f:
         head = f.read(2)
         f.seek(0)
-        data = gzip.GzipFile(fileobj=f).read() if head == _GZIP_MAGIC else f.read()
+        if head != _GZIP_MAGIC:
+            data = f.read()
+        else:
+            # a download cut short or damaged: gzip's EOFError / BadGzipFile / zlib.error name
+            # no file (and EOFError is no ValueError, so it reached the CLI as a traceback)
+            try:
+                data = gzip.GzipFile(fileobj=f).read()
+            except EOFError:
+                raise ValueError(f"{path}: truncated gzip file (it ends before its compressed "
+                                 f"data does); download or copy it again") from None
+            except (gzip.BadGzipFile, zlib.error) as exc:
+                raise ValueError(f"{path}: damaged gzip file ({exc}); download or copy it "
+                                 f"again") from None
     return parse_idx(data, source=path)
 
 
