@@ -233,6 +233,19 @@ def test_a_damaged_gzip_idx_file_names_the_file_and_writes_no_cache(tmp_path, mo
     assert not [f for f in cached if f.endswith(".npz") or f.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("labels, code, message", [
+    # int8 -1 loaded as class -1 (the training's one-hot then indexes from the end)
+    (np.array([0, 1, -1, 3], np.int8), 0x09, "negative label -1"),
+    # float 1.5 was cast to class 1 in silence
+    (np.array([0, 1, 1.5, 3], np.float32), 0x0D, "non-integer values"),
+])
+def test_idx_labels_that_are_no_class_name_the_file(tmp_path, labels, code, message):
+    write_mnist_dir(tmp_path, n_train=4)
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(idx_bytes(labels, code))
+    with pytest.raises(ValueError, match=f"train-labels-idx1-ubyte.*{message}"):
+        load_dataset("mnist", path=str(tmp_path))
+
+
 @pytest.mark.fashion_mnist
 def test_real_fashion_mnist_from_debians_package():
     if not os.path.isdir(FASHION_MNIST_DIR):

@@ -46,7 +46,9 @@ log = logging.getLogger("edgefl.data.cache")
 __all__ = ["CACHE_FORMAT", "SOURCE_HASHES", "cache_dir", "cache_path", "cached_raw",
            "register_kind"]
 
-CACHE_FORMAT = 1          # bump when the file layout or a loader's output changes
+CACHE_FORMAT = 2          # bump when the file layout or a loader's output changes
+# 2: IDX labels are checked as class labels (int8 -1 or float 1.5 are refused); an entry
+#    decoded before that may hold them, and its key would still match
 SOURCE_HASHES = "source-hashes.json"   # _SourceHashes' memo, beside the cache files
 SETTLED_S = 2.0           # a source is remembered once unchanged this long (_SourceHashes)
 WRITER_WAIT_S = 120.0     # the longest a load waits for another process's decode (_Writing)

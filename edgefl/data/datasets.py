@@ -271,8 +271,11 @@ def check_arrays(source: str, x_key: str, x: np.ndarray, y_key: str, y: np.ndarr
         raise ValueError(f"{source}: {y_key} has non-finite values")
 
 
-def class_labels(source: str, key: str, y: np.ndarray) -> np.ndarray:
-    """`y` as int64 class labels; ValueError naming the key if they are not whole numbers >= 0."""
+def class_labels(source: str, key: str, y: np.ndarray, *, tabular: bool = True) -> np.ndarray:
+    """`y` as int64 class labels; ValueError naming the key if they are not whole numbers >= 0.
+    tabular=False: a source with no regression task (IDX), so the errors do not suggest it."""
+    hint = " (use task='regression' for targets)" if tabular else ""
+    column_hint = " (is this a label column? use task='regression' for targets)" if tabular else ""
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
     if y.ndim != 1:
@@ -280,12 +283,11 @@ def class_labels(source: str, key: str, y: np.ndarray) -> np.ndarray:
     if not np.issubdtype(y.dtype, np.integer):
         if not np.issubdtype(y.dtype, np.number) or not np.all(np.mod(y, 1) == 0):
             raise ValueError(f"{source}: {key} holds non-integer values ({y.dtype}); class labels "
-                             f"must be whole numbers (use task='regression' for targets)")
+                             f"must be whole numbers{hint}")
     # before the cast: 2**63 (uint64) wrapped to "negative", 1e30 to anything
     if len(y) and y.max() >= MAX_CLASSES:
         raise ValueError(f"{source}: {key} has label {y.max().item()}; edgefl takes class labels "
-                         f"0..{MAX_CLASSES - 1} (is this a label column? use task='regression' "
-                         f"for targets)")
+                         f"0..{MAX_CLASSES - 1}{column_hint}")
     y = y.astype(np.int64)
     if len(y) and y.min() < 0:
         raise ValueError(f"{source}: {key} has negative label {int(y.min())}")
@@ -392,6 +394,9 @@ def _decode_idx_dataset(name, files, class_names, mean, std) -> Raw:
         if y.ndim != 1:
             raise ValueError(f"{y_file}: expected a 1-D label array, got shape {y.shape}")
         check_arrays(name, x_file, x, y_file, y)
+        # any IDX type loads, so labels can be int8 -1 or float 1.5: refused by name, not
+        # trained as class -1 or cast to class 1
+        y = class_labels(y_file, "labels", y, tabular=False)
         if y.max() >= len(class_names):
             raise ValueError(f"{y_file}: label {int(y.max())} is outside 0..{len(class_names) - 1}")
     if x_test.shape[1:] != x_train.shape[1:]:
