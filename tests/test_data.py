@@ -406,6 +406,21 @@ def test_bad_npz_dtypes_and_labels_name_the_file_and_key(tmp_path, arrays, messa
         load_dataset("npz", path=str(tmp_path / "bad.npz"), **options)
 
 
+@pytest.mark.parametrize("name, options, message", [
+    # NumPy's "expected non-negative integer" named no option
+    ("synthetic", {"seed": -1}, r"synthetic: seed must be an integer >= 0, got -1"),
+    ("npz", {"test_fraction": 0.5, "split_seed": -1}, r"npz: split_seed must be an integer >= 0"),
+    ("csv", {"split_seed": -3}, r"csv: split_seed must be an integer >= 0, got -3"),
+])
+def test_a_negative_seed_names_the_option(tmp_path, name, options, message):
+    np.savez(tmp_path / "d.npz", x_train=np.zeros((4, 2)), y_train=np.array([0, 1, 0, 1]))
+    (tmp_path / "d.csv").write_text("a,label\n1,0\n2,1\n3,0\n4,1\n5,0\n")
+    if name != "synthetic":
+        options = {"path": str(tmp_path / f"d.{name}"), **options}
+    with pytest.raises(ValueError, match=message):
+        load_dataset(name, **options)
+
+
 def test_num_classes_beyond_what_a_model_can_have_is_named(tmp_path):
     np.savez(tmp_path / "d.npz", x_train=np.zeros((2, 2)), y_train=np.array([0, 1]),
              x_test=np.zeros((1, 2)), y_test=np.array([1]))

@@ -211,6 +211,22 @@ def test_natural_follows_client_ids(synthetic):
         partition(synthetic, "natural", 5, 0)
 
 
+@pytest.mark.parametrize("owners", [[0, 1, -1, 0, 1, 1], [0, 1, 0.5, 0, 1, 1]])
+def test_natural_owners_that_are_no_client_are_named(owners):
+    # a sample owned by -1 or 0.5 was left out of every client, in silence (the split is
+    # documented as covering every training index)
+    with pytest.raises(ValueError, match=r"natural: owners must be client ids 0, 1, \.\.\. "
+                                         r"\(whole numbers >= 0\); sample 2 has"):
+        partition(np.zeros(6, dtype=np.int64), "natural", 2, 0, owners=np.array(owners))
+
+
+@pytest.mark.parametrize("tile", [1, 2])
+def test_a_negative_seed_is_named(tile):
+    # NumPy's "expected non-negative integer" named no option
+    with pytest.raises(ValueError, match=r"partition: seed must be an integer >= 0, got -1"):
+        partition(np.arange(20) % 2, "iid", 4, -1, tile=tile)
+
+
 def test_natural_needs_a_dataset_with_owners(digits):
     with pytest.raises(ValueError, match="no natural clients"):
         partition(digits, "natural", 3, 0)

@@ -16,6 +16,7 @@ from .datasets import (
     FASHION_MNIST_DIR,
     MNIST_DIR,
     Dataset,
+    check_seed,
     finish,
     load_cifar10,
     load_csv,
@@ -88,8 +89,7 @@ def partition(dataset_or_labels, name: str, n_clients: int, seed: int, **options
             options.setdefault("num_classes", ds.num_classes)
     else:
         labels = np.asarray(dataset_or_labels)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"partition: seed must be an integer, got {seed!r}")
+    seed = check_seed("partition", "seed", seed)     # NumPy's words named no option
     times = options.pop("tile", 1)
     if isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 1:
         raise ValueError(f"partition: tile must be a positive integer, got {times!r}")

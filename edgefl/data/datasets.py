@@ -185,7 +185,7 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int,
     test_fraction = check_real(source, "test_fraction", test_fraction)   # "0.25" too
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    rng = np.random.default_rng(check_real(source, "split_seed", seed, integer=True))
+    rng = np.random.default_rng(check_seed(source, "split_seed", seed))
     groups = ([np.flatnonzero(y == c) for c in np.unique(y)]
               if np.issubdtype(y.dtype, np.integer) else [np.arange(len(y))])
     test = []
@@ -219,6 +219,16 @@ def check_real(source: str, key: str, value, *, integer: bool = False):
             or not np.isfinite(value):
         raise ValueError(f"{source}: {key} must be a finite number, got {value!r}")
     return float(value)
+
+
+def check_seed(source: str, key: str, value) -> int:
+    """`value` as a seed for np.random.default_rng: an integer >= 0, else ValueError
+    "<source>: <key> must be an integer >= 0" (NumPy's "expected non-negative integer"
+    named no option)."""
+    value = check_real(source, key, value, integer=True)
+    if value < 0:
+        raise ValueError(f"{source}: {key} must be an integer >= 0, got {value}")
+    return value
 
 
 def check_text(source: str, key: str, value, *, path: bool = False) -> str:
@@ -772,7 +782,7 @@ def load_synthetic(*, alpha: float = 0.0, beta: float = 0.0, dim: int = 30, clas
         if not check_real("synthetic", key, value) >= 0:
             raise ValueError(f"synthetic: {key} must be >= 0, got {value!r}")
     alpha, beta, size_sigma = float(alpha), float(beta), float(size_sigma)
-    seed = check_real("synthetic", "seed", seed, integer=True)
+    seed = check_seed("synthetic", "seed", seed)
     test_fraction = check_real("synthetic", "test_fraction", test_fraction)
     if not 0.0 <= test_fraction < 1.0:
         raise ValueError(f"synthetic: test_fraction must be in [0, 1), got {test_fraction!r}")

@@ -305,6 +305,15 @@ def natural(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
     owners = np.asarray(owners)
     if owners.shape != (len(labels),):
         raise ValueError(f"natural: {len(owners)} owner ids for {len(labels)} samples")
+    _check_clients("natural", len(labels), n_clients)
+    # a sample owned by -1 or 0.5 was in no client's split, in silence
+    whole = np.issubdtype(owners.dtype, np.integer) or (
+        np.issubdtype(owners.dtype, np.floating) and np.isfinite(owners).all())
+    bad = np.ones(len(owners), bool) if not whole else (owners < 0) | (np.mod(owners, 1) != 0)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise ValueError(f"natural: owners must be client ids 0, 1, ... (whole numbers >= 0); "
+                         f"sample {first} has {owners[first].item()!r}")
     n_owners = int(owners.max()) + 1
     if n_clients != n_owners:
         raise ValueError(f"natural: the dataset has {n_owners} natural clients but "
