@@ -406,6 +406,43 @@ def test_bad_npz_dtypes_and_labels_name_the_file_and_key(tmp_path, arrays, messa
         load_dataset("npz", path=str(tmp_path / "bad.npz"), **options)
 
 
+@pytest.mark.parametrize("arrays, options, message", [
+    # regression targets float32 cannot hold trained as inf (the features were checked, the
+    # targets not)
+    ({"y_train": np.array([1.0, 1e39]), "y_test": np.array([1.0])}, {"task": "regression"},
+     r"y_train has values beyond float32's range \(first in sample 1\)"),
+    ({"y_train": np.array([1.0, 2.0]), "y_test": np.array([-1e39])}, {"task": "regression"},
+     r"y_test has values beyond float32's range \(first in sample 0\)"),
+    # regression targets that are text, split by test_fraction: NumPy's "could not convert
+    # string to float" named neither file nor key
+    ({"x_train": np.zeros((4, 2)), "y_train": np.array(["a", "b", "c", "d"])},
+     {"task": "regression", "test_fraction": 0.5},
+     r"regression targets y_train must be numeric, got <U1"),
+    # no features at all: NumPy's "zero-size array to reduction operation minimum"
+    ({"x_train": np.zeros((2, 0)), "x_test": np.zeros((1, 0))}, {},
+     r"x_train has no features \(shape \(2, 0\)\)"),
+    ({"x_train": np.zeros((2, 0, 3)), "x_test": np.zeros((1, 0, 3))}, {"normalize": "none"},
+     r"x_train has no features \(shape \(2, 1, 0, 3\)\)"),
+])
+def test_bad_npz_targets_and_featureless_x_name_the_file_and_key(tmp_path, arrays, options,
+                                                                 message):
+    good = {"x_train": np.zeros((2, 2)), "y_train": np.array([0, 1]), "x_test": np.zeros((1, 2)),
+            "y_test": np.array([1])}
+    data = {**good, **arrays}
+    if "test_fraction" in options:
+        del data["x_test"], data["y_test"]
+    np.savez(tmp_path / "bad.npz", **data)
+    with pytest.raises(ValueError, match=f"bad.npz: {message}"):
+        load_dataset("npz", path=str(tmp_path / "bad.npz"), **options)
+
+
+def test_a_csv_regression_target_beyond_float32_is_named(tmp_path):
+    (tmp_path / "bad.csv").write_text("a,label\n1,0\n2,1\n3,1e39\n4,1\n5,0\n")
+    with pytest.raises(ValueError, match=r"bad.csv: label column 'label' has values beyond "
+                                         r"float32's range"):
+        load_dataset("csv", path=str(tmp_path / "bad.csv"), task="regression", test_fraction=0.2)
+
+
 @pytest.mark.parametrize("name, options, message", [
     # NumPy's "expected non-negative integer" named no option
     ("synthetic", {"seed": -1}, r"synthetic: seed must be an integer >= 0, got -1"),

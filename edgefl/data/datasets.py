@@ -267,6 +267,8 @@ def check_arrays(source: str, x_key: str, x: np.ndarray, y_key: str, y: np.ndarr
         raise ValueError(f"{source}: {y_key} must hold real numbers, got {y.dtype}")
     if len(x) == 0:
         raise ValueError(f"{source}: {x_key} is empty (shape {x.shape})")
+    if x.size == 0:
+        raise ValueError(f"{source}: {x_key} has no features (shape {x.shape})")
     if len(x) != len(y):
         raise ValueError(f"{source}: {x_key} has {len(x)} samples but {y_key} has {len(y)}")
     if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
@@ -624,6 +626,8 @@ def _labels_for_split(y, task, source, key):
     """The array stratified_split should stratify on: class labels, or float targets."""
     if task == "classification":
         return class_labels(source, key, y)
+    if not np.issubdtype(y.dtype, np.number):    # else NumPy's "could not convert string"
+        raise ValueError(f"{source}: regression targets {key} must be numeric, got {y.dtype}")
     return np.asarray(y, dtype=np.float64)
 
 
@@ -654,6 +658,11 @@ def _tabular_raw(name, path, xs, ys, xt, yt, y_keys, task, num_classes, class_na
         if ys.ndim not in (1, 2) or yt.shape[1:] != ys.shape[1:]:
             raise ValueError(f"{path}: regression targets must have shape (n,) or (n, k) in "
                              f"both splits, got {y_keys[0]} {ys.shape} and {y_keys[1]} {yt.shape}")
+        for key, y in zip(y_keys, (ys, yt)):     # finish() makes them float32: inf
+            big = np.abs(y.reshape(len(y), -1)) > np.finfo(np.float32).max
+            if big.any():
+                raise ValueError(f"{path}: {key} has values beyond float32's range (first in "
+                                 f"sample {int(np.argwhere(big)[0, 0])}); scale the targets")
         num_classes, names = 0, ()
     if normalize == "standard":
         mean, std = standardisation(xs)
@@ -707,14 +716,15 @@ def _finite_cells(path, header, table, lines, column, label_key) -> None:
     """ValueError naming the line and column of the first nan or inf cell: float() reads
     them as numbers, and check_arrays, after the split, could only say "sample k" of the
     shuffled training rows, which is no line of the file."""
-    bad = ~np.isfinite(table)
-    if not bad.any():
-        return
-    row, col = (int(i) for i in np.argwhere(bad)[0])
-    what = label_key if col == column else "features"
-    name = header[col] if header else col
-    raise ValueError(f"{path}: {what} has non-finite values (line {lines[row]}, column "
-                     f"{name!r}: {table[row, col]})")
+    for bad, problem in ((~np.isfinite(table), "non-finite values"),
+                         (np.abs(table) > np.finfo(np.float32).max,
+                          "values beyond float32's range")):
+        if bad.any():
+            row, col = (int(i) for i in np.argwhere(bad)[0])
+            what = label_key if col == column else "features"
+            name = header[col] if header else col
+            raise ValueError(f"{path}: {what} has {problem} (line {lines[row]}, column "
+                             f"{name!r}: {table[row, col]})")
 
 
 def _data_file(kind: str, path) -> None:
