@@ -353,8 +353,8 @@ def _class_labels(name: str, labels: np.ndarray) -> np.ndarray:
     labels = np.asarray(labels)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"{name}: needs integer class labels, got {labels.dtype} of shape "
-                         f"{labels.shape} (regression targets can only be split by iid or "
-                         f"quantity)")
+                         f"{labels.shape} (regression targets can only be split by iid, "
+                         f"quantity or natural)")
     if len(labels) and labels.min() < 0:
         raise ValueError(f"{name}: labels must be >= 0, found {int(labels.min())}")
     return labels
