@@ -591,6 +591,9 @@ def test_csv_without_header_label_by_index_and_a_test_file(tmp_path):
     ("a,b\n", {"label": "b"}, "the file has a header but no data rows"),
     ("a,b\n1,2\n", {"label": "target"}, "no column named 'target'; columns: a, b"),
     ("1,2\n3,4\n", {"label": "label"}, "has no header row"),
+    # two columns of one name: the label was silently the first of them
+    ("label,b,label\n1,2,0\n3,4,1\n", {"label": "label"},
+     "the header names column 'label' twice \\(columns 0 and 2\\)"),
     ("a,b\n1,nan\n2,3\n3,4\n4,5\n5,6\n", {"label": "a"}, "features has non-finite values"),
 ])
 def test_bad_csv_names_the_file_line_and_column(tmp_path, text, options, message):

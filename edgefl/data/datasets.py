@@ -693,6 +693,12 @@ def read_csv_table(path: str, delimiter: str = ",") -> tuple[list | None, np.nda
     if not all(_is_number(cell) for cell in rows[0][1]):
         header = [cell.strip() for cell in rows[0][1]]
         rows = rows[1:]
+        seen: dict = {}
+        for col, name in enumerate(header):
+            if name in seen:       # a column found by name would be the first of them
+                raise ValueError(f"{path}: the header names column {name!r} twice (columns "
+                                 f"{seen[name]} and {col}); give each column its own name")
+            seen[name] = col
     if not rows:
         raise ValueError(f"{path}: the file has a header but no data rows")
     width = len(header) if header else len(rows[0][1])
