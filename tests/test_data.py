@@ -593,7 +593,7 @@ def test_csv_without_header_label_by_index_and_a_test_file(tmp_path):
     ("1,2\n3,4\n", {"label": "label"}, "has no header row"),
     # two columns of one name: the label was silently the first of them
     ("label,b,label\n1,2,0\n3,4,1\n", {"label": "label"},
-     "the header names column 'label' twice \\(columns 0 and 2\\)"),
+     "the header names column 'label' 2 times \\(columns 0, 2\\)"),
     ("a,b\n1,nan\n2,3\n3,4\n4,5\n5,6\n", {"label": "a"}, "features has non-finite values"),
 ])
 def test_bad_csv_names_the_file_line_and_column(tmp_path, text, options, message):
@@ -681,3 +681,15 @@ def test_synthetic_rejects_bad_parameters(options, message):
 def test_every_loader_lists_its_options():
     assert "path" in dataset_options("fashion-mnist")
     assert {"alpha", "beta", "dim", "limit_train"} <= set(dataset_options("synthetic"))
+
+
+def test_a_csv_header_repeating_names_other_than_the_labels_is_read(tmp_path):
+    """Blank header cells (a spreadsheet's export) or repeated feature names are no
+    ambiguity: only a repeated name that `label` looks up is refused."""
+    rows = "".join(f"{i},{i % 3},{i % 5},{i % 2}\n" for i in range(20))
+    (tmp_path / "blank.csv").write_text("a,,,label\n" + rows)
+    ds = load_dataset("csv", path=str(tmp_path / "blank.csv"), normalize="none")
+    assert ds.x_train.shape[1] == ds.x_test.shape[1] == 3
+    (tmp_path / "px.csv").write_text("px,px,px,label\n" + rows)
+    assert load_dataset("csv", path=str(tmp_path / "px.csv"), label=-1,
+                        normalize="none").x_train.shape[1] == 3

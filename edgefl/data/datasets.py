@@ -693,12 +693,6 @@ def read_csv_table(path: str, delimiter: str = ",") -> tuple[list | None, np.nda
     if not all(_is_number(cell) for cell in rows[0][1]):
         header = [cell.strip() for cell in rows[0][1]]
         rows = rows[1:]
-        seen: dict = {}
-        for col, name in enumerate(header):
-            if name in seen:       # a column found by name would be the first of them
-                raise ValueError(f"{path}: the header names column {name!r} twice (columns "
-                                 f"{seen[name]} and {col}); give each column its own name")
-            seen[name] = col
     if not rows:
         raise ValueError(f"{path}: the file has a header but no data rows")
     width = len(header) if header else len(rows[0][1])
@@ -757,7 +751,12 @@ def _label_column(path, header, label, width) -> int:
                              f"give the label column's index instead")
         if label not in header:
             raise ValueError(f"{path}: no column named {label!r}; columns: {', '.join(header)}")
-        return header.index(label)
+        named = [col for col, name in enumerate(header) if name == label]
+        if len(named) > 1:           # the first of them was taken, silently
+            raise ValueError(f"{path}: the header names column {label!r} {len(named)} times "
+                             f"(columns {', '.join(map(str, named))}); give the label column "
+                             f"a name of its own, or its index as label")
+        return named[0]
     if isinstance(label, bool) or not isinstance(label, int) or not -width <= label < width:
         raise ValueError(f"{path}: label={label!r} is not a column name or an index in "
                          f"{-width}..{width - 1}")
