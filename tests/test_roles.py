@@ -1316,3 +1316,43 @@ def test_an_asynchronous_run_every_board_refuses_fails_naming_them(tmp_path, mon
         for t in threads:
             t.join(5)
     assert "max_params = 1" in str(failed.value)
+
+
+def test_an_asynchronous_board_whose_local_round_failed_is_tasked_again(tmp_path,
+                                                                        monkeypatch):
+    """A failed local round (here each board's first: a data file briefly unreadable) is
+    said as a refusal of that task, which is given up at once; unlike a board whose limits
+    rule the run out, the board may well train its next task, so it is not kept out of the
+    version (every board failing once at version 0 ended the run with 'every board
+    refused'; review -95)."""
+    from edgefl.roles.client import Client
+
+    finish, failed = Client._finish_job, set()
+
+    def fails_once(self):
+        if self.node not in failed and self.job is not None and self.job.error is None:
+            failed.add(self.node)
+            self.job.error = ValueError("data file briefly unreadable")
+        finish(self)
+
+    monkeypatch.setattr(Client, "_finish_job", fails_once)
+    config = load_small_run(tmp_path, rounds=2, partition={"name": "iid", "clients": 3},
+                            strategy={"name": "fedbuff", "concurrency": 3, "buffer_size": 2,
+                                      "max_staleness": 4})
+    _, aggregator, clients, threads = fleet(
+        tmp_path, config, LoopbackBroker(),
+        AggregatorSettings(federation="fed", round_timeout_s=20), start_clients=False)
+    for t in threads:
+        t.start()
+    timer = threading.Timer(60.0, aggregator.stop.set)
+    timer.start()
+    try:
+        result = aggregator.run()
+    finally:
+        timer.cancel()
+        for client in clients:
+            client.stop.set()
+        for t in threads:
+            t.join(5)
+    assert failed == {"client-0", "client-1", "client-2"}
+    assert result.finished and len(result.history) == 2

@@ -101,8 +101,9 @@ class AsynchronousAggregator(Aggregator):
         self.step_started = time.perf_counter()
         self.counts = {"duplicates": 0, "rejected": 0, "resends": 0, "announcements": 0,
                        "wire_up_bytes": 0, "wire_down_bytes": 0, "abandoned": 0}
-        # node -> (version, reason) of the last task it refused: not tasked again at that
-        # version (it would refuse again at once, a task and its model published each time)
+        # node -> (version, reason) of the last task it refused (its limits, a task it
+        # cannot read): not tasked again at that task's version (it would refuse again at
+        # once, a task and its model published each time)
         self.refusals: dict = {}
 
     # ------------------------------------------------------------------ files
@@ -509,7 +510,10 @@ class AsynchronousAggregator(Aggregator):
             # up now, as a synchronous round stops waiting for it, not at the deadline
             why = terminal_text(refusal.get("reason"), REASON_CHARS, one_line=True)
             self._give_up(node, "refused by the board: " + why)
-            self.refusals[node] = (self.ckpt.round, why)
+            if not refusal.get("failed"):
+                # its limits or a task it cannot read: it would refuse the version's next
+                # task too (a failed local round may not recur: tasked again as usual)
+                self.refusals[node] = (entry["version"], why)
             self._save_book()
             return
         if doc.get("online") and doc.get("need_model") == entry["task"]:

@@ -808,7 +808,9 @@ class Client:
             # no update will come: said in the retained status, as a refused round, so the
             # aggregator stops waiting for this board now instead of at the round's deadline
             # (every round it is tasked), and the operator reads why in client_refused
-            self._publish_status(refused={"run": doc["run"], "round": r,
+            # ("failed": this round's training, which the next task may not repeat, unlike
+            # limits that rule the whole run out)
+            self._publish_status(refused={"run": doc["run"], "round": r, "failed": True,
                                           "reason": f"round {r}: training {kind}: {exc}"})
             return
         update, new_state = job.result
