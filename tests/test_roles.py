@@ -614,6 +614,24 @@ def fleet(tmp_path, config, broker, settings=None, client_settings=None, start_c
     return run, aggregator, clients, threads
 
 
+def run_fleet(aggregator, clients, threads, limit_s: float = 60.0):
+    """The clients' threads started (fleet(..., start_clients=False)), the aggregator run
+    (stopped after limit_s), then the clients stopped and joined: the aggregator's result,
+    or what it raised."""
+    for t in threads:
+        t.start()
+    timer = threading.Timer(limit_s, aggregator.stop.set)
+    timer.start()
+    try:
+        return aggregator.run()
+    finally:
+        timer.cancel()
+        for client in clients:        # a run that failed sends no end for them to exit on
+            client.stop.set()
+        for t in threads:
+            t.join(5)
+
+
 @pytest.mark.parametrize("strategy", ["fedumf", "mfl"])
 def test_duplicated_deliveries_change_nothing(tmp_path, strategy):
     """QoS 1 repeats: the broker delivers half of all messages twice."""
@@ -1201,13 +1219,7 @@ def test_a_board_whose_training_diverges_says_so_and_the_round_does_not_wait_for
     watcher = broker.transport("watcher")
     watcher.connect()
     watcher.subscribe(Topics("fed").events())
-    for t in threads:
-        t.start()
-    try:
-        result = aggregator.run()
-    finally:
-        for t in threads:
-            t.join(5)
+    result = run_fleet(aggregator, clients, threads)
     (record,) = result.history
     assert record["updates"] == 1 and record["closed_by"] != "deadline", record
     events = []
@@ -1281,13 +1293,7 @@ def test_an_asynchronous_run_does_not_task_a_refusing_board_again_at_the_same_ve
     tasks, each with its model published, in a one-second run of three steps (the review's
     count). It is tasked again only once the version has moved on."""
     aggregator, clients, threads = _async_fleet_with_limits(tmp_path, monkeypatch, [0])
-    for t in threads:
-        t.start()
-    try:
-        result = aggregator.run()
-    finally:
-        for t in threads:
-            t.join(5)
+    result = run_fleet(aggregator, clients, threads)
     assert result.finished and len(result.history) == 3
     # given up: client-0's refused tasks, at most one a version (0, 1 and 2)
     assert sum(h["abandoned"] for h in result.history) <= 3, result.history
@@ -1299,22 +1305,10 @@ def test_an_asynchronous_run_every_board_refuses_fails_naming_them(tmp_path, mon
     step; it ends at once with an error naming the boards and why, instead of waiting."""
     aggregator, clients, threads = _async_fleet_with_limits(tmp_path, monkeypatch,
                                                             [0, 1, 2, 3])
-    for t in threads:
-        t.start()
-    timer = threading.Timer(30.0, aggregator.stop.set)
-    timer.start()
-    try:
-        with pytest.raises(ConfigError, match=r"version 0: every board refused this run's "
-                                              r"task.*client-0, client-1, client-2, client-3: "
-                                              r"the run's model has \d+ parameters") as failed:
-            aggregator.run()
-    finally:
-        timer.cancel()
-        aggregator.stop.set()
-        for client in clients:          # no run end comes for them to exit on
-            client.stop.set()
-        for t in threads:
-            t.join(5)
+    with pytest.raises(ConfigError, match=r"version 0: every board refused this run's "
+                                          r"task.*client-0, client-1, client-2, client-3: "
+                                          r"the run's model has \d+ parameters") as failed:
+        run_fleet(aggregator, clients, threads, limit_s=30.0)
     assert "max_params = 1" in str(failed.value)
 
 
@@ -1342,17 +1336,6 @@ def test_an_asynchronous_board_whose_local_round_failed_is_tasked_again(tmp_path
     _, aggregator, clients, threads = fleet(
         tmp_path, config, LoopbackBroker(),
         AggregatorSettings(federation="fed", round_timeout_s=20), start_clients=False)
-    for t in threads:
-        t.start()
-    timer = threading.Timer(60.0, aggregator.stop.set)
-    timer.start()
-    try:
-        result = aggregator.run()
-    finally:
-        timer.cancel()
-        for client in clients:
-            client.stop.set()
-        for t in threads:
-            t.join(5)
+    result = run_fleet(aggregator, clients, threads)
     assert failed == {"client-0", "client-1", "client-2"}
     assert result.finished and len(result.history) == 2
