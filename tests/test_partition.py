@@ -211,13 +211,19 @@ def test_natural_follows_client_ids(synthetic):
         partition(synthetic, "natural", 5, 0)
 
 
-@pytest.mark.parametrize("owners", [[0, 1, -1, 0, 1, 1], [0, 1, 0.5, 0, 1, 1]])
+@pytest.mark.parametrize("owners", [[0, 1, -2, 0, 1, 1], [0, 1, 0.5, 0, 1, 1]])
 def test_natural_owners_that_are_no_client_are_named(owners):
-    # a sample owned by -1 or 0.5 was left out of every client, in silence (the split is
-    # documented as covering every training index)
+    # a sample owned by -2 or 0.5 was left out of every client, in silence
     with pytest.raises(ValueError, match=r"natural: owners must be client ids 0, 1, \.\.\. "
-                                         r"\(whole numbers >= 0\); sample 2 has"):
+                                         r"or -1 \(held by no client\); sample 2 has"):
         partition(np.zeros(6, dtype=np.int64), "natural", 2, 0, owners=np.array(owners))
+
+
+def test_natural_owner_minus_one_is_a_sample_no_client_holds():
+    # tools/reproduce.py's label-set environments (DUW's Env II) leave samples unused so
+    split = partition(np.zeros(6, dtype=np.int64), "natural", 2, 0,
+                      owners=np.array([0, 1, -1, 0, 1, -1]))
+    assert [idx.tolist() for idx in split.indices] == [[0, 3], [1, 4]]
 
 
 @pytest.mark.parametrize("tile", [1, 2])

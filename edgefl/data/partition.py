@@ -298,7 +298,9 @@ def mod(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
 def natural(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
             owners: np.ndarray | None = None) -> Partition:
     """Each sample stays with the client that generated it (synthetic data's client_ids,
-    the Synthetic(alpha, beta) data of the FedUmf paper's Appendix A)."""
+    the Synthetic(alpha, beta) data of the FedUmf paper's Appendix A). An owner of -1 marks
+    a sample no client holds (tools/reproduce.py's label-set environments leave samples
+    unused so)."""
     if owners is None:
         raise ValueError("natural: this dataset has no natural clients (client_ids is None); "
                          "use a dataset that has them, such as synthetic")
@@ -306,14 +308,14 @@ def natural(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
     if owners.shape != (len(labels),):
         raise ValueError(f"natural: {len(owners)} owner ids for {len(labels)} samples")
     _check_clients("natural", len(labels), n_clients)
-    # a sample owned by -1 or 0.5 was in no client's split, in silence
+    # a sample owned by -2 or 0.5 was in no client's split, in silence (-1 says so: unused)
     whole = np.issubdtype(owners.dtype, np.integer) or (
         np.issubdtype(owners.dtype, np.floating) and np.isfinite(owners).all())
-    bad = np.ones(len(owners), bool) if not whole else (owners < 0) | (np.mod(owners, 1) != 0)
+    bad = np.ones(len(owners), bool) if not whole else (owners < -1) | (np.mod(owners, 1) != 0)
     if bad.any():
         first = int(np.argmax(bad))
-        raise ValueError(f"natural: owners must be client ids 0, 1, ... (whole numbers >= 0); "
-                         f"sample {first} has {owners[first].item()!r}")
+        raise ValueError(f"natural: owners must be client ids 0, 1, ... or -1 (held by no "
+                         f"client); sample {first} has {owners[first].item()!r}")
     n_owners = int(owners.max()) + 1
     if n_clients != n_owners:
         raise ValueError(f"natural: the dataset has {n_owners} natural clients but "
