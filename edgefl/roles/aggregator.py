@@ -80,6 +80,15 @@ __all__ = ["AggregatorSettings", "RunPlan", "Aggregator", "AggregatorResult", "s
            "run_fingerprint", "default_client_ids"]
 
 log = logging.getLogger("edgefl.roles.aggregator")
+def boards_by_reason(reasons: Mapping) -> dict:
+    """{reason: [nodes]} of {node: reason}, in the nodes' order: boards that gave one reason
+    named together in an error."""
+    out: dict = {}
+    for node, why in reasons.items():
+        out.setdefault(why, []).append(node)
+    return out
+
+
 # characters of a board's refusal reason in the log and in the client_refused event:
 # edgefl's are a sentence or two; a board may send up to its whole status (64 KiB), which
 # would bury the log and reach every watcher of the events topic
@@ -1346,9 +1355,8 @@ class Aggregator:
             boards = ", ".join(f"{n} (edgefl {self._without_secure[n]})" for n in older)
             why.append(f"{boards} sent plain updates: {_NO_SECURE}")
         if refusing:
-            by_reason: dict = {}                     # one reason, the boards that gave it
-            for n in refusing:
-                by_reason.setdefault(o.refusals.get(n, "no reason given"), []).append(n)
+            by_reason = boards_by_reason({n: o.refusals.get(n, "no reason given")
+                                          for n in refusing})
             why.append("; ".join(f"{', '.join(ns)} refused the round: {reason}"
                                  for reason, ns in by_reason.items()))
         advice = "a restart after the upgrade resumes it), or run it without " \

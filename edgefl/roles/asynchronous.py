@@ -58,7 +58,7 @@ from ..transport.signing import SignatureError
 from ..transport.topics import TopicError
 from ..errors import ConfigError
 from ..io import terminal_text
-from .aggregator import REASON_CHARS, Aggregator, AggregatorResult
+from .aggregator import REASON_CHARS, Aggregator, AggregatorResult, boards_by_reason
 from .messages import (MessageError, build_announcement, buffers_sha256, new_announce_id,
                        parse_status, parse_update_scalars, task_from_announcement)
 from .state import load_arrays, read_json, save_arrays, write_json
@@ -257,7 +257,7 @@ class AsynchronousAggregator(Aggregator):
             raise ConfigError(f"version {v}: every board refused this run's task, so it "
                               f"can take no step: " + "; ".join(
                                   f"{', '.join(sorted(ns))}: {why}"
-                                  for why, ns in _by_reason(refused).items()))
+                                  for why, ns in boards_by_reason(refused).items()))
         n = min(self.concurrency - len(flight), len(idle))
         if n <= 0:
             return
@@ -550,11 +550,3 @@ class AsynchronousAggregator(Aggregator):
         for k in self.counts:
             self.counts[k] = 0
         self.step_started = time.perf_counter()
-
-
-def _by_reason(refused: dict) -> dict:
-    """{reason: [nodes]} of {node: reason}: boards refusing alike named together."""
-    out: dict = {}
-    for node, why in refused.items():
-        out.setdefault(why, []).append(node)
-    return out
