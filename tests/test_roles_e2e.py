@@ -259,6 +259,30 @@ def test_cli_simulate_over_mqtt_writes_the_same_outputs(tmp_path, capsys):
     assert "--client-processes -1: need N >= 0" in capsys.readouterr().err
 
 
+def _children(pid: int) -> list:
+    """pid's child processes, from /proc (every thread's children)."""
+    import os
+
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as fh:
+            found += [int(c) for c in fh.read().split()]
+    return found
+
+
+def _command(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return fh.read().replace(b"\0", b" ").decode()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def _sim_directories(parent: str) -> set:
     import os
 
@@ -310,6 +334,8 @@ def test_a_simulation_killed_with_sigkill_leaves_a_directory_the_next_one_remove
             what="the simulation's directory in /dev/shm")
         (orphan,) = orphan
         orphan = os.path.join(shm, orphan)
+        (broker,) = [pid for pid in _children(killed.pid)
+                     if _command(pid).startswith(("mosquitto", "/usr/sbin/mosquitto"))]
         os.kill(killed.pid, signal.SIGKILL)
         assert killed.wait(10) == -signal.SIGKILL
         try:
@@ -324,6 +350,10 @@ def test_a_simulation_killed_with_sigkill_leaves_a_directory_the_next_one_remove
             finally:
                 os.close(fd)
         wait_for(lock_free, timeout=10, what="the killed simulation's processes to be gone")
+        # the embedded broker runs in a session of its own (a Ctrl-C reaches the run, which
+        # stops its roles before it), so nothing but its parent's death can end it
+        wait_for(lambda: not os.path.exists(f"/proc/{broker}") or _zombie(broker),
+                 timeout=10, what=f"the killed simulation's broker (pid {broker}) to end")
         if os.getuid() == 0:                 # another account's, owner dead: not ours
             stranger = os.path.join(shm, "edgefl-sim-held-other")
             os.mkdir(stranger, 0o700)

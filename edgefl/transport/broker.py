@@ -25,10 +25,12 @@ chaos soak (tools/chaos.py), which must run against the options production runs 
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +48,56 @@ KINDS = ("auto", "mosquitto", "python")
 # sends (`packet_bytes_for`); chunked transfers need only the chunk size.
 DEFAULT_MAX_PACKET_BYTES = 64 << 20
 _PACKET_HEADROOM = 64 << 10     # topic, MQTT headers, frame header and JSON metadata
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _ends_with_this_process(workdir: str, port: int):
+    """A preexec_fn that has Linux send the child SIGTERM when this process dies, or None
+    where that cannot be promised. The embedded Mosquitto runs in a session of its own (see
+    _start_mosquitto), so a kill -9 of the run, or of its process group, would otherwise
+    leave it listening for ever. Linux sends the signal when the *thread* that forked the
+    child ends, so only a broker started from the main thread gets it (the main thread
+    outlives every other one of the process).
+
+    Linux also forgets the signal when the process changes its user, and Mosquitto started
+    as root changes to the `mosquitto` user. So when this process is root the child changes
+    user itself, before asking for the signal (Mosquitto then has nothing to drop); its
+    directory, `workdir`, becomes readable to that user (it holds the generated config only,
+    not a secret). Not below port 1024, which only root may listen on: Mosquitto must open
+    it before it changes user, and the signal is then lost."""
+    if not sys.platform.startswith("linux") or \
+            threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None).prctl          # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = (ctypes.c_int, ctypes.c_ulong)
+    parent = os.getpid()
+    user = None
+    if os.geteuid() == 0:
+        if port < 1024:
+            return None
+        import pwd
+        try:
+            entry = pwd.getpwnam("mosquitto")
+        except KeyError:
+            pass                                 # Mosquitto stays root: nothing to forget
+        else:
+            user = (entry.pw_uid, entry.pw_gid)
+            os.chmod(workdir, 0o755)
+
+    def in_child() -> None:
+        if user is not None:
+            os.setgroups([])
+            os.setgid(user[1])
+            os.setuid(user[0])
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:               # died between the fork and the prctl
+            os._exit(1)
+    return in_child
 
 
 class BrokerError(OSError):
@@ -399,10 +451,12 @@ class EmbeddedBroker:
         self._log = open(os.path.join(self._dir.name, "mosquitto.log"), "wb")
         # its own session: a Ctrl-C at the terminal (SIGINT to the whole foreground process
         # group) reaches the run, which stops its roles and then this broker, not the broker
-        # under roles still publishing their last status
+        # under roles still publishing their last status; and it ends when the run dies
         self._proc = subprocess.Popen([find_mosquitto(), "-c", conf], stdin=subprocess.DEVNULL,
                                       stdout=self._log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+                                      start_new_session=True,
+                                      preexec_fn=_ends_with_this_process(self._dir.name,
+                                                                            self.port))
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self._proc.poll() is not None:
