@@ -222,6 +222,28 @@ def test_bench_scale_refuses_bad_arguments_before_measuring(argv, says, capsys):
     assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+@pytest.mark.skipif(__import__("edgefl.transport.broker", fromlist=["x"]).find_mosquitto()
+                    is None, reason="needs the mosquitto binary")
+def test_bench_broker_floor_moves_every_update_and_leaves_no_process(tmp_path):
+    """tools/bench_broker_floor.py (docs/scaling.md: what paho alone costs a round): each
+    round's updates all come back through a real Mosquitto (a missing one ends the run with
+    SystemExit), its CPU is read for each part, and its worker processes are gone after."""
+    bench_scale = import_tool("bench_scale")
+    floor = import_tool("bench_broker_floor")
+    before = set(floor.children(os.getpid()))     # a session's broker fixture, say
+    broker = bench_scale.Mosquitto(str(tmp_path))
+    try:
+        out = floor.floor_run(broker.port, clients=6, per_round=2, rounds=5, processes=2,
+                              broker_pid=broker.proc.pid, seed=7)
+    finally:
+        broker.stop()
+    assert set(out) == {"aggregator", "workers", "broker", "total"}
+    assert all(v >= 0 for v in out.values())
+    assert out["total"] == pytest.approx(out["aggregator"] + out["workers"] + out["broker"],
+                                         abs=0.02)
+    assert set(floor.children(os.getpid())) <= before
+
+
 @pytest.mark.parametrize("tool, argv, says", [
     ("fuzz", ["--frames", "0"], "--frames 0: need at least 1"),
     ("plain_loop", ["--clients", "10", "--per-round", "20"],
@@ -229,6 +251,9 @@ def test_bench_scale_refuses_bad_arguments_before_measuring(argv, says, capsys):
     ("bench_privacy", ["--repeats", "0"], "--repeats 0: need at least 1"),
     ("bench_transport", ["--pairs", "0"], "--pairs 0: need at least 1"),
     ("bench_edge", ["--capacity", "--sites", "0"], "--sites 0: need at least 1"),
+    ("bench_broker_floor", ["--rounds", "2"], "--rounds 2: need at least 3"),
+    ("bench_broker_floor", ["--per-round", "20", "--clients", "10"],
+     "--per-round 20: more than the 10 clients"),
     ("experiments/secagg_round_cost", ["--repeats", "0"], "--repeats 0: need at least 1"),
     ("experiments/dp_accuracy", ["--epsilons", "abc"], "--epsilons 'abc': need numbers"),
     ("experiments/dp_accuracy", ["--partitions", "nosuch"], "--partitions: nosuch unknown"),
