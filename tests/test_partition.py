@@ -211,12 +211,22 @@ def test_natural_follows_client_ids(synthetic):
         partition(synthetic, "natural", 5, 0)
 
 
-@pytest.mark.parametrize("owners", [[0, 1, -2, 0, 1, 1], [0, 1, 0.5, 0, 1, 1]])
+@pytest.mark.parametrize("owners", [[0, 1, -2, 0, 1, 1], [0, 1, 0.5, 0, 1, 1],
+                                    [0, 1, float("nan"), 0, 1, 1]])   # NaN: said sample 0
 def test_natural_owners_that_are_no_client_are_named(owners):
     # a sample owned by -2 or 0.5 was left out of every client, in silence
     with pytest.raises(ValueError, match=r"natural: owners must be client ids 0, 1, \.\.\. "
-                                         r"or -1 \(held by no client\); sample 2 has"):
+                                         r"or -1 \(held by no client\) \(sample 2 has"):
         partition(np.zeros(6, dtype=np.int64), "natural", 2, 0, owners=np.array(owners))
+
+
+def test_natural_owners_of_a_type_that_is_no_number_are_named():
+    # an object array (ids read from a text column, None for a gap) crashed the message
+    # itself: AttributeError: 'int' object has no attribute 'item'
+    owners = np.array([0, 1, None, 0, 1, 1], dtype=object)
+    with pytest.raises(ValueError, match=r"natural: owners must be client ids .*; they are "
+                                         r"of dtype object \(sample 2 has None\)"):
+        partition(np.zeros(6, dtype=np.int64), "natural", 2, 0, owners=owners)
 
 
 def test_natural_owner_minus_one_is_a_sample_no_client_holds():

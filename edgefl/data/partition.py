@@ -309,13 +309,20 @@ def natural(labels: np.ndarray, n_clients: int, rng: np.random.Generator, *,
         raise ValueError(f"natural: {len(owners)} owner ids for {len(labels)} samples")
     _check_clients("natural", len(labels), n_clients)
     # a sample owned by -2 or 0.5 was in no client's split, in silence (-1 says so: unused)
-    whole = np.issubdtype(owners.dtype, np.integer) or (
-        np.issubdtype(owners.dtype, np.floating) and np.isfinite(owners).all())
-    bad = np.ones(len(owners), bool) if not whole else (owners < -1) | (np.mod(owners, 1) != 0)
+    numeric = owners.dtype != bool and (np.issubdtype(owners.dtype, np.integer)
+                                        or np.issubdtype(owners.dtype, np.floating))
+    if numeric:
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(owners) | (owners < -1) | (np.mod(owners, 1) != 0)
+    else:          # text, booleans, objects: the first one that is no whole number >= -1
+        bad = np.array([isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                        or v < -1 for v in owners.tolist()], bool)
     if bad.any():
         first = int(np.argmax(bad))
+        kind = "" if numeric else f"; they are of dtype {owners.dtype}"
         raise ValueError(f"natural: owners must be client ids 0, 1, ... or -1 (held by no "
-                         f"client); sample {first} has {owners[first].item()!r}")
+                         f"client){kind} (sample {first} has {owners.tolist()[first]!r})")
+    owners = owners.astype(np.int64, copy=False)
     n_owners = int(owners.max()) + 1
     if n_clients != n_owners:
         raise ValueError(f"natural: the dataset has {n_owners} natural clients but "
