@@ -332,6 +332,20 @@ def test_npz_tabular_is_standardised_per_feature(tmp_path):
     assert ds.class_names == ("a", "b", "c", "d")
 
 
+def test_a_feature_whose_spread_float32_cannot_hold_is_left_unscaled(tmp_path):
+    # a column of values around 1e-45 has a float64 std of ~5e-46, which is 0 in float32:
+    # the column became NaN and inf
+    rng = np.random.default_rng(3)
+    x = np.stack([rng.normal(0, 1, 200), rng.choice([0.0, 1.4e-45], 200)], axis=1)
+    y = rng.integers(0, 2, 200)
+    np.savez(tmp_path / "d.npz", x_train=x[:150], y_train=y[:150], x_test=x[150:],
+             y_test=y[150:])
+    ds = load_dataset("npz", path=str(tmp_path / "d.npz"))
+    assert np.isfinite(ds.x_train).all() and np.isfinite(ds.x_test).all()
+    assert ds.norm_std[1] == 1.0
+    np.testing.assert_allclose(ds.x_train.std(axis=0)[0], 1, atol=1e-5)
+
+
 def test_npz_custom_keys_channels_last_and_a_test_fraction(tmp_path):
     x = np.arange(40 * 4 * 4 * 3, dtype=np.uint8).reshape(40, 4, 4, 3)
     y = np.arange(40) % 2

@@ -168,11 +168,13 @@ def _normalise(raw: np.ndarray, mean: np.ndarray, std: np.ndarray,
 
 
 def standardisation(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel (images) or per-feature (tabular) mean and std of `x`; a zero std becomes 1."""
+    """Per-channel (images) or per-feature (tabular) mean and std of `x`; a std of 0 becomes
+    1, as does one below float32's smallest normal number (in float32 it is 0 or loses its
+    digits, and the feature divided by it becomes NaN and inf)."""
     axes = (0, 2, 3) if x.ndim == 4 else (0,)
     mean = x.mean(axis=axes, dtype=np.float64)
     std = x.std(axis=axes, dtype=np.float64)
-    std[std == 0] = 1.0
+    std[std < np.finfo(np.float32).tiny] = 1.0
     return mean.astype(np.float32), std.astype(np.float32)
 
 
