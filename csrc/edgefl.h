@@ -24,6 +24,11 @@ extern "C" {
 #define EF_MULTIVERSION
 #endif
 
+/* Samples per forward/backward pass (net.c). A minibatch larger than this (full-batch GD)
+ * is processed in chunks whose gradients add up, so the workspace stays bounded; evaluation
+ * and inference run over chunks of this many samples. Python reads it as _core.MAX_CHUNK. */
+#define EF_MAX_CHUNK 128
+
 /* ------------------------------------------------------------------------------------------
  * Vector kernels over flat float32 buffers (vec.c)
  * ---------------------------------------------------------------------------------------- */

@@ -5,9 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Samples per forward/backward pass. A minibatch larger than this (full-batch GD) is
- * processed in chunks whose gradients add up, so the workspace stays bounded. */
-#define EF_MAX_CHUNK 128
 /* A convolution can lower a group of samples into one GEMM (N = group * out_h * out_w), with
  * the group's columns plus its output block capped at this many floats. Per-sample GEMMs
  * (budget 0, the default) need no copies: a sample's GEMM output [out_c, ohw] is its NCHW

@@ -282,10 +282,14 @@ cdef extern from "edgefl.h" nogil:
 
 from .errors import KernelError, NonFiniteError, TrainingStopped
 
+cdef extern from "edgefl.h":
+    int EF_MAX_CHUNK
+
 cdef enum:
     MAX_LAYERS = 64
-# Evaluation and inference run over chunks of this many samples.
-EVAL_CHUNK = 128
+# Samples per forward/backward pass; evaluation and inference run over chunks of this many.
+MAX_CHUNK = EF_MAX_CHUNK
+EVAL_CHUNK = EF_MAX_CHUNK
 
 
 cdef struct NetBox:

@@ -88,7 +88,7 @@ class Model:
 # within int32 over a chunk of 128 samples (its argmax is int32 over the chunk).
 MAX_VALUES = 2 ** 31 - 1
 MAX_CONV_SCRATCH = 2 ** 40
-KERNEL_CHUNK = 128
+KERNEL_CHUNK = 128      # the C core's EF_MAX_CHUNK (_core.MAX_CHUNK; a test keeps them equal)
 
 
 class _Builder:

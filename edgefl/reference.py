@@ -181,7 +181,7 @@ def i8_to_f32(out, q, scales, seg_offsets):
 
 _DENSE, _CONV, _POOL, _RELU, _FLAT = 1, 2, 3, 4, 5
 _CE, _LOGISTIC, _MSE, _SQHINGE = 1, 2, 3, 4
-EVAL_CHUNK = 128
+EVAL_CHUNK = 128        # the C core's too (_core.EVAL_CHUNK; a test keeps them equal)
 
 
 def _rows(net):

@@ -883,3 +883,13 @@ def test_workspace_bytes_covers_what_a_local_round_allocates(spec, shape, batch_
 def test_workspace_bytes_refuses_what_is_not_a_model():
     with pytest.raises(KernelError, match="not an edgefl Model"):
         kernels.workspace_bytes(object(), 32, 100)
+
+
+@needs_core
+def test_the_chunk_python_checks_against_is_the_c_cores():
+    """The builder refuses a model whose max pool's argmax overflows over a chunk of
+    models.KERNEL_CHUNK samples, and the NumPy twin evaluates in chunks of
+    reference.EVAL_CHUNK, both for the C core's EF_MAX_CHUNK: a model either backend
+    builds must run on the other. Kept in step here, not by hand."""
+    from edgefl import models
+    assert models.KERNEL_CHUNK == reference.EVAL_CHUNK == _core.MAX_CHUNK == _core.EVAL_CHUNK
