@@ -692,7 +692,7 @@ def read_csv_table(path: str, delimiter: str = ",") -> tuple[list | None, np.nda
     if not rows:
         raise ValueError(f"{path}: the file is empty")
     header = None
-    if not all(_is_number(cell) for cell in rows[0][1]):
+    if not all(_is_numeric_text(cell) for cell in rows[0][1]):
         header = [cell.strip() for cell in rows[0][1]]
         rows = rows[1:]
     if not rows:
@@ -707,7 +707,7 @@ def read_csv_table(path: str, delimiter: str = ",") -> tuple[list | None, np.nda
     except ValueError:
         for line, row in rows:
             for col, cell in enumerate(row):
-                if not _is_number(cell):
+                if not _is_numeric_text(cell):
                     name = header[col] if header else col
                     raise ValueError(f"{path}: line {line}, column {name!r}: {cell!r} is not a "
                                      f"number") from None
@@ -738,7 +738,7 @@ def _data_file(kind: str, path) -> None:
         raise FileNotFoundError(f"{kind}: file {path} does not exist")
 
 
-def _is_number(cell: str) -> bool:
+def _is_numeric_text(cell: str) -> bool:
     try:
         float(cell)
     except ValueError:

@@ -345,7 +345,7 @@ def _source_privacy(config: RunConfig, init: ModelFile) -> dict | None:
     if isinstance(before, dict):
         terms = [(before.get("epsilon"), before.get("delta")),
                  (before.get("earlier_epsilon"), before.get("earlier_delta"))]
-        terms = [(e, d) for e, d in terms if _is_number(e) and _is_number(d)]
+        terms = [(e, d) for e, d in terms if _is_privacy_loss(e) and _is_privacy_loss(d)]
         if terms:
             privacy["earlier_epsilon"] = float(sum(e for e, _ in terms))
             privacy["earlier_delta"] = float(sum(d for _, d in terms))
@@ -376,7 +376,7 @@ def _source_privacy(config: RunConfig, init: ModelFile) -> dict | None:
     return privacy
 
 
-def _is_number(value) -> bool:
+def _is_privacy_loss(value) -> bool:
     """A non-negative int or float, infinity included (a clip-only run's epsilon), not NaN
     nor a bool: an epsilon or delta read from a summary file."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) \
