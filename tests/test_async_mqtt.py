@@ -415,12 +415,12 @@ def test_an_update_is_counted_once_and_only_for_the_task_in_flight(tmp_path, cap
     agg._refill()
     node, entry = sorted(agg.book["flight"].items())[0]
 
-    def frame(task, version):
+    def frame(task, version, run_id=None):
         update = Update({"params": np.zeros(run.model.n_params, np.float32)}, 10, 0.5, 3,
                         {"version": version})
         return wire.encode("update", task, node, update.buffers,
-                           update_scalars(update, agg.ckpt.run_id, 0.01), run.model.table,
-                           "none")
+                           update_scalars(update, run_id or agg.ckpt.run_id, 0.01),
+                           run.model.table, "none")
 
     caplog.set_level(logging.INFO, "edgefl.roles")
     agg._on_async_update(node, frame(entry["task"], 5))
@@ -434,6 +434,11 @@ def test_an_update_is_counted_once_and_only_for_the_task_in_flight(tmp_path, cap
     agg._on_async_update(node, frame(entry["task"] + 100, 0))    # never tasked
     assert len(agg.buffer) == 1 and agg.stats["duplicates"] == 2
     assert "not the task in flight for it" in caplog.text
+    # another run's update (a board still on a run this aggregator does not have, a
+    # retained message of an earlier run) is named so, not counted as a duplicate
+    agg._on_async_update(node, frame(entry["task"] + 200, 0, run_id="0123456789abcdef"))
+    assert agg.stats["duplicates"] == 2 and agg.stats["rejected"] == 2
+    assert f"belongs to run 0123456789abcdef, this is run {agg.ckpt.run_id}" in caplog.text
     agg._close()
 
 

@@ -18,7 +18,8 @@ step v + 1. What is this module's own is how a task reaches a board and its upda
 - **An update** comes up on `update/<node>` as in a synchronous round, its frame's round the
   task id. It counts only if it answers the task in flight for that board (and, with
   keys.fleet, is signed by that board's key for this run and task); anything else (a
-  task already buffered, applied or dropped; a QoS 1 repeat) is a duplicate, ignored.
+  task already buffered, applied or dropped; a QoS 1 repeat) is a duplicate, ignored; an
+  update of another run is refused, naming both runs.
   An update staler than max_staleness is dropped (the strategy's staleness_refusal).
 - **State on disk** (state_dir): `aggregator.npz` is the checkpoint at the last step (the
   base class's: state with its window of past models, `history.jsonl` beside it, journal
@@ -429,6 +430,12 @@ class AsynchronousAggregator(Aggregator):
             return
         task_id = frame.round
         where = f"update of {node} for task {task_id}"
+        run = frame.scalars.get("run")
+        if run != self.ckpt.run_id:
+            # before the flight check: another run's task ids mean nothing here, and such an
+            # update is no repeat of one of ours (parse_update_scalars checks the rest below)
+            self._reject(node, f"{where} belongs to run {run}, this is run {self.ckpt.run_id}")
+            return
         entry = self.book["flight"].get(node)
         if entry is None or entry["task"] != task_id:
             self.counts["duplicates"] += 1
@@ -449,9 +456,6 @@ class AsynchronousAggregator(Aggregator):
                 return
         try:
             scalars = parse_update_scalars(frame.scalars, where)
-            if scalars["run"] != self.ckpt.run_id:
-                raise MessageError(f"{where} belongs to run {scalars['run']}, this is run "
-                                   f"{self.ckpt.run_id}")
             update = Update(dict(frame.buffers), scalars["num_samples"],
                             scalars["train_loss"], scalars["steps"], scalars["strategy"])
             if update.scalars.get("version") != entry["version"]:
