@@ -880,22 +880,56 @@ def test_a_signed_two_level_run_and_a_forged_centre_announcement_is_ignored(thre
 
 def build_forgery(run, signer) -> bytes:
     """A centre announcement of round 1 of a run "forged", signed by `signer`."""
+    doc = centre_announcement(run, "forged", deadline=time.time() + 60)
+    return json.dumps(signer.sign_doc(doc, "announce", "forged", 1)).encode()
+
+
+def centre_announcement(run, run_id: str, *, deadline: float) -> dict:
+    """The centre's announcement of round 1 of run `run_id` (4 clients), unsigned."""
     from edgefl.roles.messages import build_announcement, new_announce_id
     state = run.strategy.init(run.init_params, run.setup)
     engine = RoundEngine.for_run(run.strategy, run.setup, run.model, 4)
     plan = engine.open_round(1, state)
     now = time.time()
     ids = default_client_ids(4)
-    doc = build_announcement(
-        run_id="forged", aggregator="centre", round=1, rounds=2,
-        announce_id=new_announce_id(), opened=now, deadline=now + 60,
+    return build_announcement(
+        run_id=run_id, aggregator="centre", round=1, rounds=2,
+        announce_id=new_announce_id(), opened=now, deadline=deadline,
         strategy={"name": run.strategy.name, "params": run.strategy.hyperparameters()},
         model={"spec": json.loads(run.model.spec), "input_shape": list(run.model.input_shape),
                "num_classes": int(run.model.num_classes), "table": run.model.table.digest},
         compression="none", global_sha="0" * 64,
         tasks={ids[c]: t for c, t in plan.tasks.items()},
         client_index={n: i for i, n in enumerate(ids)}, client_sha={})
-    return json.dumps(signer.sign_doc(doc, "announce", "forged", 1)).encode()
+
+
+@pytest.mark.parametrize("moved_s", [-40.0, 40.0])
+def test_an_edge_moves_its_local_deadline_with_the_centres_new_one(tmp_path, moved_s):
+    """The centre announcing the open round again (restarted, or paused and resumed) gives
+    it a new deadline. The edge kept its first one: its partial sum came after an earlier
+    new deadline, when the centre had closed the round without the site, or it closed
+    before a later one while the site's boards were still training."""
+    from edgefl.roles.aggregator import _OpenRound
+    from edgefl.transport.loopback import LoopbackBroker
+
+    run = prepare_run(load_small_run(tmp_path, partition={"name": "iid", "clients": 4},
+                                     rounds=2), progress=False)
+    ids = default_client_ids(4)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids)
+    edge = EdgeAggregator(plan, LoopbackBroker().transport("e-site-a"),
+                          str(tmp_path / "site-a"),
+                          AggregatorSettings(federation="fed", round_timeout_s=600.0),
+                          edge_id="site-a", site=ids[:2], margin_s=2.0)
+    first = centre_announcement(run, "run-1", deadline=time.time() + 60)
+    edge._on_central_round(json.dumps(first).encode())
+    edge.ckpt.run_id = "run-1"
+    round_plan = RoundEngine.for_run(run.strategy, run.setup, run.model, 4).open_round(
+        1, run.strategy.init(run.init_params, run.setup))
+    edge.open = _OpenRound(round_plan, {}, set(), deadline=first["deadline"] - 2.0)
+    again = dict(first, announce="0123456789abcdef", deadline=first["deadline"] + moved_s)
+    edge._on_central_round(json.dumps(again).encode())
+    assert not edge.superseded
+    assert edge.open.deadline == pytest.approx(again["deadline"] - 2.0, abs=0.01)
 
 
 def test_an_edge_refuses_a_centre_whose_strategy_parameters_differ(three_brokers, tmp_path):

@@ -647,12 +647,7 @@ class EdgeAggregator(Aggregator):
         self.open = o = _OpenRound(plan, node_tasks,
                                    {n for n, t in node_tasks.items() if t.upload})
         self.superseded = False
-        now = time.time()
-        left = doc["deadline"] - now
-        margin = self.margin_s if self.margin_s is not None else min(5.0, max(0.0, left) / 10)
-        deadline = min(now + self.settings.round_timeout_s,
-                       max(now + 1.0, doc["deadline"] - margin))
-        self._announce(deadline=deadline)
+        self._announce(deadline=self._local_deadline(doc))
         closed_by = self._collect()
         if closed_by is None or closed_by == "superseded":
             if closed_by == "superseded":
@@ -776,7 +771,18 @@ class EdgeAggregator(Aggregator):
         elif o is not None and old is not None and doc["announce"] != old.get("announce"):
             # the centre announced the open round again (restarted, or paused and resumed):
             # keep collecting, within its new deadline
-            log.info("edge %s: the centre announced round %d again", self.edge_id, o.round)
+            o.deadline = self._local_deadline(doc)
+            log.info("edge %s: the centre announced round %d again; it closes here in %.0f s",
+                     self.edge_id, o.round, o.deadline - time.time())
+
+    def _local_deadline(self, doc) -> float:
+        """When the local round of the centre's announcement `doc` closes: `margin_s` before
+        the centre's deadline (so the partial sum is in before it), at least a second from
+        now, at most round_timeout_s."""
+        now = time.time()
+        left = doc["deadline"] - now
+        margin = self.margin_s if self.margin_s is not None else min(5.0, max(0.0, left) / 10)
+        return min(now + self.settings.round_timeout_s, max(now + 1.0, doc["deadline"] - margin))
 
     def _signed_by_centre(self, doc) -> bool:
         """Whether `doc` is the centre's, signed for this federation, its run and round, and
