@@ -283,6 +283,49 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+@pytest.mark.skipif(__import__("os").getuid() != 0, reason="the user change is root's")
+@pytest.mark.parametrize("private", ["umask 077", "TMPDIR of mode 0700"])
+def test_a_root_runs_embedded_broker_starts_under_a_private_umask_or_tmpdir(tmp_path, private):
+    """Started by root, the embedded Mosquitto changes to the `mosquitto` user before it
+    asks to end with its parent (see the test above); that user must still read the
+    generated config. Under umask 077 (the config 0600) and under a TMPDIR of mode 0700 it
+    exited with "Unable to open config file". Under the umask it now also ends with a run
+    killed with SIGKILL."""
+    import os
+    import subprocess
+
+    from edgefl.transport.broker import find_mosquitto
+
+    if find_mosquitto() is None:
+        pytest.skip("needs the mosquitto binary")
+    env = dict(os.environ)
+    umask = "umask 077; " if private.startswith("umask") else ""
+    if not umask:
+        env["TMPDIR"] = str(tmp_path / "private")
+        os.mkdir(env["TMPDIR"], 0o700)
+    code = ("import time; from edgefl.transport.broker import EmbeddedBroker; "
+            "b = EmbeddedBroker().start(); print(b.pid, flush=True); time.sleep(120)")
+    run = subprocess.Popen(["sh", "-c", f'{umask}exec "$0" -c "$1"', sys.executable, code],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           start_new_session=True)
+    line = run.stdout.readline()
+    broker = None
+    try:
+        assert line.strip().isdigit(), run.stderr.read()[-2000:] if run.poll() is not None \
+            else line
+        broker = int(line)
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait(10)
+        if umask:
+            wait_for(lambda: not os.path.exists(f"/proc/{broker}") or _zombie(broker),
+                     timeout=10, what=f"the killed run's broker (pid {broker}) to end")
+    finally:
+        if run.poll() is None:
+            run.kill()
+        if broker is not None and os.path.exists(f"/proc/{broker}"):
+            os.kill(broker, signal.SIGKILL)
+
+
 def _sim_directories(parent: str) -> set:
     import os
 

@@ -53,7 +53,7 @@ _PACKET_HEADROOM = 64 << 10     # topic, MQTT headers, frame header and JSON met
 _PR_SET_PDEATHSIG = 1
 
 
-def _ends_with_this_process(workdir: str, port: int):
+def _ends_with_this_process(binary: str, conf: str, port: int):
     """A preexec_fn that has Linux send the child SIGTERM when this process dies, or None
     where that cannot be promised. The embedded Mosquitto runs in a session of its own (see
     _start_mosquitto), so a kill -9 of the run, or of its process group, would otherwise
@@ -63,10 +63,12 @@ def _ends_with_this_process(workdir: str, port: int):
 
     Linux also forgets the signal when the process changes its user, and Mosquitto started
     as root changes to the `mosquitto` user. So when this process is root the child changes
-    user itself, before asking for the signal (Mosquitto then has nothing to drop); its
-    directory, `workdir`, becomes readable to that user (it holds the generated config only,
-    not a secret). Not below port 1024, which only root may listen on: Mosquitto must open
-    it before it changes user, and the signal is then lost."""
+    to that user itself, before asking for the signal (Mosquitto then has nothing to drop),
+    and the generated config (no secret in it) and its directory become readable to it.
+    Only where that user can reach both `binary` and `conf` (not under a private
+    directory such as /root or a TMPDIR of mode 0700), and not below port 1024, which only
+    root may listen on: otherwise Mosquitto changes user itself, as before, and the signal
+    is lost."""
     if not sys.platform.startswith("linux") or \
             threading.current_thread() is not threading.main_thread():
         return None
@@ -78,16 +80,20 @@ def _ends_with_this_process(workdir: str, port: int):
     parent = os.getpid()
     user = None
     if os.geteuid() == 0:
-        if port < 1024:
-            return None
         import pwd
         try:
             entry = pwd.getpwnam("mosquitto")
         except KeyError:
-            pass                                 # Mosquitto stays root: nothing to forget
-        else:
-            user = (entry.pw_uid, entry.pw_gid)
+            entry = None                         # Mosquitto stays root: nothing to forget
+        if entry is not None:
+            workdir = os.path.dirname(conf)
+            if port < 1024 or not _open_to_others(os.path.dirname(os.path.realpath(binary))) \
+                    or not os.stat(os.path.realpath(binary)).st_mode & 0o001 \
+                    or not _open_to_others(os.path.dirname(workdir)):
+                return None
             os.chmod(workdir, 0o755)
+            os.chmod(conf, 0o644)                # whatever the umask made it
+            user = (entry.pw_uid, entry.pw_gid)
 
     def in_child() -> None:
         if user is not None:
@@ -98,6 +104,18 @@ def _ends_with_this_process(workdir: str, port: int):
         if os.getppid() != parent:               # died between the fork and the prctl
             os._exit(1)
     return in_child
+
+
+def _open_to_others(directory: str) -> bool:
+    """Whether any user may pass through `directory` and every directory above it."""
+    path = os.path.realpath(directory)
+    while True:
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        up = os.path.dirname(path)
+        if up == path:
+            return True
+        path = up
 
 
 class BrokerError(OSError):
@@ -452,11 +470,12 @@ class EmbeddedBroker:
         # its own session: a Ctrl-C at the terminal (SIGINT to the whole foreground process
         # group) reaches the run, which stops its roles and then this broker, not the broker
         # under roles still publishing their last status; and it ends when the run dies
-        self._proc = subprocess.Popen([find_mosquitto(), "-c", conf], stdin=subprocess.DEVNULL,
+        binary = find_mosquitto()
+        self._proc = subprocess.Popen([binary, "-c", conf], stdin=subprocess.DEVNULL,
                                       stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True,
-                                      preexec_fn=_ends_with_this_process(self._dir.name,
-                                                                            self.port))
+                                      preexec_fn=_ends_with_this_process(binary, conf,
+                                                                         self.port))
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if self._proc.poll() is not None:
