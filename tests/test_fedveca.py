@@ -225,6 +225,25 @@ def test_fixed_unequal_steps_are_fednova_bit_for_bit_and_not_fedavg(digits, soft
     assert metrics["tau_eff"] == pytest.approx(tau_k)
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), 1e30])
+def test_a_normaliser_its_steps_do_not_give_is_refused_naming_the_client(softmax, non_iid, bad):
+    """(5) divides by ||a_i||_1 and scales by tau_k = sum p_i ||a_i||_1: a board reporting one
+    its tau_(k,i) steps do not give crashed the round without naming it (0, nan, inf) or
+    moved w_{k+1} arbitrarily (1e30); it is refused, and the others' round is unchanged."""
+    veca = FedVeca()
+    state = veca.init(softmax.init(1), Setup(clients=sorted(non_iid), train=TRAIN))
+    tasks = veca.configure(1, sorted(non_iid), state)
+    updates = {c: veca.train(task, non_iid[c], None)[0] for c, task in tasks.items()}
+    forged = dict(updates)
+    forged[3] = Update(updates[3].buffers, updates[3].num_samples, updates[3].train_loss,
+                       updates[3].steps, {**updates[3].scalars, "a_norm": bad})
+    with pytest.raises(StrategyError, match=r"client\(s\) \[3\].*'a_norm'"):
+        veca.aggregate(1, forged, state)
+    rest = {c: u for c, u in updates.items() if c != 3}
+    new, _ = veca.aggregate(1, rest, state)
+    assert np.all(np.isfinite(new.buffers["params"]))
+
+
 # ---------------------------------------------------------------------------------------
 # the client's quantities (properties 3, 4, 12, 14)
 # ---------------------------------------------------------------------------------------

@@ -268,6 +268,37 @@ def test_fednova_differs_from_fedavg_when_steps_differ(digits, softmax):
     assert [h["tau_eff"] for h in nova.history] == [pytest.approx(tau_eff)] * 3
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("bad", [0.0, -3.0, float("nan"), float("inf"), 1e30, "three", None])
+def test_fednova_refuses_a_normaliser_its_steps_do_not_give_and_keeps_the_rest(momentum, bad):
+    # ||a_i||_1 is a function of the client's steps and the task's momentum (the paper's
+    # a_i); one that disagrees (a buggy or hostile board) crashed the round with a
+    # ZeroDivisionError / OverflowError / ValueError naming no client, froze the model (a
+    # negative one made tau_eff 0) or blew it up (1e30 moved it by 1e28)
+    from edgefl.rounds import RoundEngine
+    w = np.zeros(6, np.float32)
+    setup = Setup(clients=range(3), train={"lr": 0.1, "steps": 3, "momentum": momentum})
+    strategy = get_strategy("fednova")
+    start = strategy.init(w, setup)
+
+    def upd(value, a_norm):
+        return Update({"params": np.full(6, value, np.float32)}, 10, 0.1, 3,
+                      {} if a_norm is None else {"a_norm": a_norm})
+
+    good = {0: upd(1.0, normalizer(3, momentum)), 2: upd(3.0, normalizer(3, momentum))}
+    updates = {**good, 1: upd(2.0, bad)}
+    with pytest.raises(StrategyError, match=r"client\(s\) \[1\].*'a_norm'"):
+        strategy.aggregate(1, updates, start)
+    # the engine of the MQTT aggregator refuses that board alone and closes the round
+    refused = {}
+    engine = RoundEngine(strategy, setup, 3, 1)
+    state, _ = engine.aggregate(1, dict(updates), start, on_unusable=refused.__setitem__)
+    assert sorted(refused) == [1] and "a_norm" in str(refused[1])
+    want, _ = strategy.aggregate(1, good, start)
+    assert np.array_equal(state.buffers["params"], want.buffers["params"])
+    assert np.array_equal(start.buffers["params"], w)          # the state it started from
+
+
 # ---------------------------------------------------------------------------------------
 # MFL (Liu et al., IEEE TPDS 2020)
 # ---------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ mean rule and nothing rejected or clipped it is the sum above, bit for bit.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -59,6 +60,32 @@ def normalizer(steps: int, momentum: float = 0.0) -> float:
     return norm
 
 
+def checked_norms(name: str, updates, clients, momentum: float) -> list:
+    """The 'a_norm' scalar of each of `clients`' updates, each checked to be what its own step
+    count and the round's local momentum give (`normalizer`, as the client computed it).
+    The server step divides each update by it and scales the sum by tau_eff = sum p_i
+    ||a_i||_1, so a value a board's work does not give (0, negative, non-finite, or merely
+    large) would crash the round without naming the board, freeze the model or throw it
+    anywhere. StrategyError names the clients, so the aggregator refuses them alone."""
+    missing = [c for c in clients if "a_norm" not in updates[c].scalars]
+    if missing:
+        raise StrategyError(f"{name}: update of client(s) {missing} lacks the 'a_norm' scalar")
+    norms, bad = [], {}
+    for c in clients:
+        u = updates[c]
+        got = u.scalars["a_norm"]
+        want = normalizer(u.steps, momentum) if u.steps >= 1 else None
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or want is None \
+                or not math.isclose(got, want, rel_tol=1e-12):
+            bad[c] = f"client {c}: a_norm {got!r}, where {u.steps} steps give {want}"
+        norms.append(got)
+    if bad:
+        raise StrategyError(f"{name}: update of client(s) {sorted(bad)} has an 'a_norm' scalar "
+                            f"its steps (local momentum {momentum:g}) do not give: "
+                            f"{'; '.join(bad.values())}")
+    return norms
+
+
 def nova_coefficients(weights, norms):
     """(c_i for each client, residual weight of the current global model), exact rationals:
     c_i = p_i tau_eff / ||a_i||_1 with tau_eff = sum p_i ||a_i||_1."""
@@ -83,17 +110,14 @@ class FedNova(Strategy):
 
     def aggregate(self, round, updates, state):
         clients, weights = exact_weights(updates, self.weighting)
-        missing = [c for c in clients if "a_norm" not in updates[c].scalars]
-        if missing:
-            raise StrategyError(f"fednova: update of client(s) {missing} lacks the 'a_norm' scalar")
+        momentum = self.local_config(self.setup(state), round, clients[0])["momentum"]
+        norms = checked_norms("fednova", updates, clients, momentum)
         if self.robust is not None:
-            norms = {c: updates[c].scalars["a_norm"] for c in clients}
             new, accepted, metrics = aggregate_robustly(
                 "fednova", round, updates, {"params": state.buffers["params"]}, self.robust,
-                self.weighting, normalisers=norms)
+                self.weighting, normalisers=dict(zip(clients, norms)))
             metrics["train_loss"] = mean_train_loss(accepted)
             return state.replace(new, round=round), metrics
-        norms = [updates[c].scalars["a_norm"] for c in clients]
         coeffs, residual, tau_eff = nova_coefficients(weights, norms)
         buffers = [updates[c].buffers["params"] for c in clients]
         factors = [float(c) for c in coeffs]

@@ -107,7 +107,7 @@ import numpy as np
 from .. import kernels
 from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, check_choice, check_number,
                exact_weights, mean_train_loss, register, weighted_average)
-from .fednova import normalizer, nova_coefficients
+from .fednova import checked_norms, normalizer, nova_coefficients
 
 EPS = 1e-12                  # our guard for norms, denominators and min A near zero
 DELTA_VARIANTS = ("alg2", "theory")
@@ -278,8 +278,9 @@ class FedVeca(Strategy):
                 raise StrategyError(f"fedveca: update of client(s) {missing} has no {name!r} "
                                     f"buffer (got {sorted(updates[missing[0]].buffers)})")
         estimated = state.meta["gn2"] is not None
-        needed = ("a_norm", "beta", "delta") if estimated else ("a_norm",)
-        for key in needed:
+        momentum = self.local_config(setup, round, clients[0])["momentum"]
+        norms = checked_norms("fedveca", updates, clients, momentum)
+        for key in ("beta", "delta") if estimated else ():
             missing = [c for c in clients if updates[c].scalars.get(key) is None]
             if missing:
                 raise StrategyError(f"fedveca: update of client(s) {missing} lacks the {key!r} "
@@ -288,8 +289,7 @@ class FedVeca(Strategy):
         p = [float(q) for q in exact]
 
         # (5) w_{k+1} = w_k - eta tau_k d_k, as FedNova's weighted sum of the uploads
-        coeffs, residual, tau_eff = nova_coefficients(exact, [updates[c].scalars["a_norm"]
-                                                              for c in clients])
+        coeffs, residual, tau_eff = nova_coefficients(exact, norms)
         buffers = [updates[c].buffers["params"] for c in clients]
         factors = [float(c) for c in coeffs]
         if residual != 0:
