@@ -268,6 +268,46 @@ def test_fednova_differs_from_fedavg_when_steps_differ(digits, softmax):
     assert [h["tau_eff"] for h in nova.history] == [pytest.approx(tau_eff)] * 3
 
 
+def test_fednova_with_equal_steps_and_local_momentum_is_fedavg_bit_for_bit(digits, softmax):
+    # equal tau_i and rho give every client the same ||a_i||_1, so c_i = p_i exactly
+    clients = local_datasets(digits, partition(digits, "dirichlet", 5, 0, alpha=0.5), softmax)
+    train = {"lr": 0.05, "batch_size": 16, "steps": 7, "momentum": 0.9}
+    nova = run(get_strategy("fednova"), clients, softmax.init(0), rounds=4, train=train, m=3)
+    avg = run(get_strategy("fedavg"), clients, softmax.init(0), rounds=4, train=train, m=3)
+    assert np.array_equal(nova.params, avg.params)
+    assert [h["tau_eff"] for h in nova.history] == [pytest.approx(normalizer(7, 0.9))] * 4
+
+
+def test_fednova_removes_the_objective_inconsistency_fedavg_has():
+    """The paper's §3-4 on quadratics F_i(w) = (w - c_i)^2 / 2 (a bias-only linear model on
+    x = 0), equal weights, c = (0, 1), tau = (1, 10) local GD steps at eta = 0.01 (one epoch
+    of batches of 10 over 10 and 100 identical samples): FedAvg settles at
+    sum p_i (1 - q^tau_i) c_i / sum p_i (1 - q^tau_i), q = 1 - eta, near 0.905, pulled to
+    the client that ran longer; FedNova at the same with (1 - q^tau_i) / tau_i, within
+    0.012 of the global optimum 0.5 (exact as eta -> 0)."""
+    model = build_model({"name": "linear"}, (1,), 0)
+
+    def data(i, n, c):
+        return LocalData(i, model, np.zeros((n, 1), np.float32), np.full(n, c, np.float32))
+
+    clients = {0: data(0, 10, 0.0), 1: data(1, 100, 1.0)}
+    setup = Setup(clients=[0, 1], train={"lr": 0.01, "batch_size": 10, "epochs": 1}, rounds=400)
+    q, taus, c = 0.99, (1, 10), (0.0, 1.0)
+
+    def fixed_point(a):
+        return sum(ai * ci for ai, ci in zip(a, c)) / sum(a)
+
+    got = {name: run_federation(get_strategy(name, weighting="uniform"),
+                                np.zeros(model.n_params, np.float32), clients, setup, 2)
+           for name in ("fedavg", "fednova")}
+    bias = {name: float(r.params[-1]) for name, r in got.items()}
+    assert bias["fedavg"] == pytest.approx(fixed_point([1 - q ** t for t in taus]), abs=1e-4)
+    assert bias["fednova"] == pytest.approx(fixed_point([(1 - q ** t) / t for t in taus]),
+                                            abs=1e-4)
+    assert abs(bias["fednova"] - 0.5) < 0.012 < 0.4 < abs(bias["fedavg"] - 0.5)
+    assert got["fednova"].history[-1]["tau_eff"] == pytest.approx(5.5)
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("bad", [0.0, -3.0, float("nan"), float("inf"), 1e30, "three", None])
 def test_fednova_refuses_a_normaliser_its_steps_do_not_give_and_keeps_the_rest(momentum, bad):
