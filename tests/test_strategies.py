@@ -339,6 +339,29 @@ def test_fednova_refuses_a_normaliser_its_steps_do_not_give_and_keeps_the_rest(m
     assert np.array_equal(start.buffers["params"], w)          # the state it started from
 
 
+@pytest.mark.parametrize("name, params", [("fednova", {}), ("duw", {"table": [[0.5, 0.25, 0.25]]}),
+                                          ("drfedavg", {})])
+def test_an_update_without_params_is_refused_naming_the_client_not_a_key_error(name, params):
+    # a board's frame may carry any buffer names of the model's size; these three read
+    # buffers["params"] unchecked, so a KeyError failed the round instead of the
+    # aggregator refusing that board, as it does for every other strategy
+    from edgefl.rounds import RoundEngine
+    setup = Setup(clients=range(3), train={"lr": 0.1, "steps": 2}, rounds=1)
+    strategy = get_strategy(name, **params)
+    start = strategy.init(np.zeros(4, np.float32), setup)
+    scalars = {"a_norm": 2.0, "start_loss": 1.0}
+    updates = {c: Update({"params": np.full(4, c + 1.0, np.float32)}, 10, 0.1, 2, scalars)
+               for c in (0, 2)}
+    updates[1] = Update({"weights": np.ones(4, np.float32)}, 10, 0.1, 2, scalars)
+    with pytest.raises(StrategyError, match=r"client\(s\) \[1\].*'params'"):
+        strategy.aggregate(1, updates, start)
+    refused = {}
+    engine = RoundEngine(strategy, setup, 3, 1)
+    state, metrics = engine.aggregate(1, dict(updates), start, on_unusable=refused.__setitem__)
+    assert sorted(refused) == [1]
+    assert np.all(np.isfinite(state.buffers["params"]))
+
+
 # ---------------------------------------------------------------------------------------
 # MFL (Liu et al., IEEE TPDS 2020)
 # ---------------------------------------------------------------------------------------

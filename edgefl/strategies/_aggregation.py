@@ -62,14 +62,21 @@ def weighted_average(buffers: Sequence[np.ndarray], weights) -> np.ndarray:
     return out
 
 
-def average_updates(updates: Mapping[int, Update], name: str, clients: Sequence[int],
-                    weights) -> np.ndarray:
-    """weighted_average of buffer `name` over `clients` (in that order)."""
+def update_buffers(updates: Mapping[int, Update], name: str, clients: Sequence[int]) -> list:
+    """Buffer `name` of each of `clients`' updates (in that order); a board's upload may name
+    its buffers anything, so a missing one is a StrategyError naming the clients (which the
+    aggregator refuses alone), not a KeyError that fails the round."""
     missing = [c for c in clients if name not in updates[c].buffers]
     if missing:
         raise StrategyError(f"aggregate: update of client(s) {missing} has no {name!r} buffer "
                             f"(got {sorted(updates[missing[0]].buffers)})")
-    return weighted_average([updates[c].buffers[name] for c in clients], weights)
+    return [updates[c].buffers[name] for c in clients]
+
+
+def average_updates(updates: Mapping[int, Update], name: str, clients: Sequence[int],
+                    weights) -> np.ndarray:
+    """weighted_average of buffer `name` over `clients` (in that order)."""
+    return weighted_average(update_buffers(updates, name, clients), weights)
 
 
 def mean_train_loss(updates: Mapping[int, Update]) -> float:

@@ -41,7 +41,8 @@ import numpy as np
 
 from . import (WEIGHTINGS, Contribution, Strategy, StrategyError, Update, apply_mean_delta,
                check_choice, client_weight, exact_weights, extension_field, local_round,
-               mean_delta, mean_train_loss, register, update_delta, weighted_average)
+               mean_delta, mean_train_loss, register, update_buffers, update_delta,
+               weighted_average)
 from .fedavg import no_robust_sum
 from .robust import aggregate_robustly, robust_params
 
@@ -119,7 +120,7 @@ class FedNova(Strategy):
             metrics["train_loss"] = mean_train_loss(accepted)
             return state.replace(new, round=round), metrics
         coeffs, residual, tau_eff = nova_coefficients(weights, norms)
-        buffers = [updates[c].buffers["params"] for c in clients]
+        buffers = update_buffers(updates, "params", clients)
         factors = [float(c) for c in coeffs]
         if residual != 0:
             buffers.append(state.buffers["params"])

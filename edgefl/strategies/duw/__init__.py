@@ -76,7 +76,7 @@ from ... import kernels
 from ...errors import ConfigError
 from .. import (PrepareContext, Setup, State, Strategy, StrategyError, Task, Update,
                 check_choice, check_number, local_round, mean_train_loss, register,
-                weighted_average)
+                update_buffers, weighted_average)
 from ..fednova import normalizer
 from .streams import meta_seed, uploads
 from .table import (SIMPLEX_TOLERANCE, WEIGHTS_FILE, as_list, check_document, check_table,
@@ -322,8 +322,8 @@ class DUW(Strategy):
         """(19): sum_k theta_k w_k over every client in sorted id order, w^(t) standing in
         for a client whose upload failed; `metrics` join the round's."""
         current = state.buffers["params"]
-        buffers = [updates[c].buffers["params"] if c in updates else current
-                   for c in setup.clients]
+        uploaded = dict(zip(sorted(updates), update_buffers(updates, "params", sorted(updates))))
+        buffers = [uploaded.get(c, current) for c in setup.clients]
         params = weighted_average(buffers, theta)
         metrics = {"train_loss": mean_train_loss(updates),
                    "dropped": [c for c in setup.clients if c not in updates],
