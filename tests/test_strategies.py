@@ -362,6 +362,37 @@ def test_an_update_without_params_is_refused_naming_the_client_not_a_key_error(n
     assert np.all(np.isfinite(state.buffers["params"]))
 
 
+@pytest.mark.parametrize("name, key", [("fedveca", "beta"), ("fedveca", "delta"),
+                                       ("drfedavg", "start_loss")])
+@pytest.mark.parametrize("bad", ["0.5", [0.5], None, True])
+def test_a_scalar_that_is_not_a_number_is_refused_naming_the_client(name, key, bad):
+    # an update's strategy scalars arrive as any JSON value; float() of a string or a list
+    # raised ValueError / TypeError, which the aggregator's refusal of an unusable board
+    # (it catches StrategyError) did not cover, so one board failed the round
+    from edgefl.rounds import RoundEngine
+    setup = Setup(clients=range(3), train={"lr": 0.1}, rounds=2)
+    strategy = get_strategy(name)
+    start = strategy.init(np.zeros(4, np.float32), setup)
+    if name == "fedveca":
+        start = start.replace(gn2=1.0)          # round k >= 1: beta and delta are due
+    steps = 10 if name == "fedveca" else 2
+
+    def upd(c, value):
+        scalars = {"a_norm": float(steps), "beta": 1.0 + c, "delta": 1.0, "start_loss": 1.0 + c}
+        scalars[key] = value
+        buffers = {"params": np.full(4, c + 1.0, np.float32), "grad0": np.ones(4, np.float32)}
+        return Update(buffers, 10, 0.1, steps, scalars)
+
+    updates = {0: upd(0, 1.0), 1: upd(1, bad), 2: upd(2, 3.0)}
+    with pytest.raises(StrategyError, match=rf"client\(s\) \[1\].*'{key}'"):
+        strategy.aggregate(2, updates, start)
+    refused = {}
+    engine = RoundEngine(strategy, setup, 3, 2)
+    state, _ = engine.aggregate(2, dict(updates), start, on_unusable=refused.__setitem__)
+    assert sorted(refused) == [1]
+    assert np.all(np.isfinite(state.buffers["params"]))
+
+
 # ---------------------------------------------------------------------------------------
 # MFL (Liu et al., IEEE TPDS 2020)
 # ---------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from ._aggregation import (WEIGHTINGS, aggregation_weights, apply_mean_delta, average_updates,
                            client_weight, contribution_of, exact_weights, mean_delta,
-                           mean_train_loss, update_buffers, update_delta, weighted_average)
+                           mean_train_loss, number_scalars, update_buffers, update_delta,
+                           weighted_average)
 from ._base import Strategy, extension_field
 from ._checks import check_choice, check_number
 from ._local import local_round
@@ -49,4 +50,4 @@ __all__ = ["StrategyError", "Setup", "Task", "Update", "State", "LocalData", "Pr
            "weighted_average", "average_updates", "mean_train_loss", "local_round",
            "check_choice", "check_number", "WEIGHTINGS", "extension_field", "Contribution",
            "SumTotal", "client_weight", "update_delta", "contribution_of", "mean_delta",
-           "apply_mean_delta", "update_buffers"]
+           "apply_mean_delta", "update_buffers", "number_scalars"]

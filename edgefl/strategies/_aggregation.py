@@ -73,6 +73,22 @@ def update_buffers(updates: Mapping[int, Update], name: str, clients: Sequence[i
     return [updates[c].buffers[name] for c in clients]
 
 
+def number_scalars(strategy: str, updates: Mapping[int, Update], key: str,
+                   clients: Sequence[int]) -> dict:
+    """{client: float(scalar `key`)} of `clients`' updates. Scalars arrive as any JSON value;
+    one missing or not a number (NaN and infinities are numbers: the strategy says what they
+    mean) is a StrategyError naming the clients, which the aggregator refuses alone, where
+    float() of a list or None raised a TypeError that failed the round."""
+    bad = {c: updates[c].scalars.get(key) for c in clients
+           if isinstance(updates[c].scalars.get(key), bool)
+           or not isinstance(updates[c].scalars.get(key), (int, float))}
+    if bad:
+        raise StrategyError(f"{strategy}: update of client(s) {sorted(bad)} lacks the {key!r} "
+                            f"scalar or it is not a number (got "
+                            f"{', '.join(repr(v) for v in bad.values())})")
+    return {c: float(updates[c].scalars[key]) for c in clients}
+
+
 def average_updates(updates: Mapping[int, Update], name: str, clients: Sequence[int],
                     weights) -> np.ndarray:
     """weighted_average of buffer `name` over `clients` (in that order)."""

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
-from . import StrategyError, Update, check_choice, check_number, local_round, register
+from . import (StrategyError, Update, check_choice, check_number, local_round, number_scalars,
+               register)
 from .duw import DUW
 from .duw.unrolled import sorted_clients
 
@@ -119,14 +120,10 @@ class DRFedAvg(DUW):
         """(12) then (19) over every client in sorted id order; a client without an update
         contributes w^(t) (see the module docstring for its loss)."""
         setup = self.federation_of(updates, state)
-        missing = [c for c in sorted(updates) if START_LOSS not in updates[c].scalars]
-        if missing:
-            raise StrategyError(f"strategy 'drfedavg': the updates of clients {missing} carry no "
-                                f"{START_LOSS!r} (the loss of w^(t) on their data, eq. (12))")
-        reported = [float(updates[c].scalars[START_LOSS]) for c in sorted(updates)]
-        fill = float(np.mean(reported)) if reported else 1.0
-        losses = [float(updates[c].scalars[START_LOSS]) if c in updates else fill
-                  for c in setup.clients]
+        # the loss of w^(t) on each client's data, eq. (12)
+        reported = number_scalars("strategy 'drfedavg'", updates, START_LOSS, sorted(updates))
+        fill = float(np.mean(list(reported.values()))) if reported else 1.0
+        losses = [reported.get(c, fill) for c in setup.clients]
         sizes = self._sizes(setup.clients, updates)
         theta = dr_weights(sizes, losses, self.q)
         return self.weighted_step(round, updates, state, setup, theta, start_loss=losses)

@@ -106,7 +106,7 @@ import numpy as np
 
 from .. import kernels
 from . import (WEIGHTINGS, Strategy, StrategyError, Task, Update, check_choice, check_number,
-               exact_weights, mean_train_loss, register, weighted_average)
+               exact_weights, mean_train_loss, number_scalars, register, weighted_average)
 from .fednova import checked_norms, normalizer, nova_coefficients
 
 EPS = 1e-12                  # our guard for norms, denominators and min A near zero
@@ -280,11 +280,9 @@ class FedVeca(Strategy):
         estimated = state.meta["gn2"] is not None
         momentum = self.local_config(setup, round, clients[0])["momentum"]
         norms = checked_norms("fedveca", updates, clients, momentum)
-        for key in ("beta", "delta") if estimated else ():
-            missing = [c for c in clients if updates[c].scalars.get(key) is None]
-            if missing:
-                raise StrategyError(f"fedveca: update of client(s) {missing} lacks the {key!r} "
-                                    f"scalar")
+        if estimated:
+            beta = number_scalars("fedveca", updates, "beta", clients)
+            delta = number_scalars("fedveca", updates, "delta", clients)
         w_k = state.buffers["params"]
         p = [float(q) for q in exact]
 
@@ -311,8 +309,6 @@ class FedVeca(Strategy):
             L_round = state.meta["L_pending"]
             if L_round is not None and not math.isnan(L_round):
                 L = L_round if L is None else max(L, L_round)
-            beta = {c: float(updates[c].scalars["beta"]) for c in clients}
-            delta = {c: float(updates[c].scalars["delta"]) for c in clients}
             A = {c: noniid_coefficient(lr, beta[c], delta[c]) for c in clients}
             m = min(A.values())
             alpha = self.alpha
