@@ -268,6 +268,24 @@ def test_fednova_differs_from_fedavg_when_steps_differ(digits, softmax):
     assert [h["tau_eff"] for h in nova.history] == [pytest.approx(tau_eff)] * 3
 
 
+@pytest.mark.parametrize("bad", [0.0, -3.0, float("nan"), float("inf"), 1e30, "three"])
+def test_fednova_contribution_refuses_a_normaliser_its_steps_do_not_give(bad):
+    # the edge aggregator and the DP aggregator turn each board's update into its
+    # contribution on the server; a_norm 0 made the vector inf (a numpy warning, no error)
+    # and weighted_a_norm 0, 1e30 scaled tau_eff by 1e29, and none named the board
+    from edgefl.strategies import Task
+    strategy = get_strategy("fednova")
+    setup = Setup(clients=range(2), train={"lr": 0.1, "steps": 3, "momentum": 0.5})
+    state = strategy.init(np.zeros(4, np.float32), setup)
+    task = strategy.configure(1, [0, 1], state)[0]
+    assert isinstance(task, Task)
+    good = Update({"params": np.ones(4, np.float32)}, 10, 0.1, 3, {"a_norm": normalizer(3, 0.5)})
+    assert strategy.contribution(task, good).scalars["weighted_a_norm"] == 10 * normalizer(3, 0.5)
+    forged = Update(good.buffers, 10, 0.1, 3, {"a_norm": bad})
+    with pytest.raises(StrategyError, match="'a_norm'"):
+        strategy.contribution(task, forged)
+
+
 def test_fednova_with_equal_steps_and_local_momentum_is_fedavg_bit_for_bit(digits, softmax):
     # equal tau_i and rho give every client the same ||a_i||_1, so c_i = p_i exactly
     clients = local_datasets(digits, partition(digits, "dirichlet", 5, 0, alpha=0.5), softmax)

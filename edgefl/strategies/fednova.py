@@ -61,30 +61,31 @@ def normalizer(steps: int, momentum: float = 0.0) -> float:
     return norm
 
 
+def norm_refusal(update: Update, momentum: float) -> str | None:
+    """Why `update`'s 'a_norm' scalar is not the ||a_i||_1 its own step count and the round's
+    local momentum give (`normalizer`, as the client computes it), or None. The server step
+    divides the update by it and scales the sum by tau_eff = sum p_i ||a_i||_1, so a value
+    a board's work does not give (0, negative, non-finite, or merely large) would crash the
+    round without naming the board, freeze the model or throw it anywhere."""
+    if "a_norm" not in update.scalars:
+        return "lacks the 'a_norm' scalar"
+    got = update.scalars["a_norm"]
+    want = normalizer(update.steps, momentum) if update.steps >= 1 else None
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or want is None \
+            or not math.isclose(got, want, rel_tol=1e-12):
+        return (f"has an 'a_norm' scalar its steps do not give: a_norm {got!r}, where "
+                f"{update.steps} steps with local momentum {momentum:g} give {want}")
+    return None
+
+
 def checked_norms(name: str, updates, clients, momentum: float) -> list:
-    """The 'a_norm' scalar of each of `clients`' updates, each checked to be what its own step
-    count and the round's local momentum give (`normalizer`, as the client computed it).
-    The server step divides each update by it and scales the sum by tau_eff = sum p_i
-    ||a_i||_1, so a value a board's work does not give (0, negative, non-finite, or merely
-    large) would crash the round without naming the board, freeze the model or throw it
-    anywhere. StrategyError names the clients, so the aggregator refuses them alone."""
-    missing = [c for c in clients if "a_norm" not in updates[c].scalars]
-    if missing:
-        raise StrategyError(f"{name}: update of client(s) {missing} lacks the 'a_norm' scalar")
-    norms, bad = [], {}
-    for c in clients:
-        u = updates[c]
-        got = u.scalars["a_norm"]
-        want = normalizer(u.steps, momentum) if u.steps >= 1 else None
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or want is None \
-                or not math.isclose(got, want, rel_tol=1e-12):
-            bad[c] = f"client {c}: a_norm {got!r}, where {u.steps} steps give {want}"
-        norms.append(got)
+    """The 'a_norm' scalars of `clients`' updates, each checked (`norm_refusal`); a
+    StrategyError names the clients, so the aggregator refuses them alone."""
+    bad = {c: why for c in clients if (why := norm_refusal(updates[c], momentum)) is not None}
     if bad:
-        raise StrategyError(f"{name}: update of client(s) {sorted(bad)} has an 'a_norm' scalar "
-                            f"its steps (local momentum {momentum:g}) do not give: "
-                            f"{'; '.join(bad.values())}")
-    return norms
+        raise StrategyError(f"{name}: update of client(s) {sorted(bad)}: "
+                            + "; ".join(f"client {c} {why}" for c, why in bad.items()))
+    return [updates[c].scalars["a_norm"] for c in clients]
 
 
 def nova_coefficients(weights, norms):
@@ -135,9 +136,10 @@ class FedNova(Strategy):
         no_robust_sum(self)
         if not task.upload:
             raise StrategyError(f"contribution: round {task.round}'s task allows no upload")
-        a_norm = update.scalars.get("a_norm")
-        if a_norm is None:
-            raise StrategyError("fednova: the update lacks the 'a_norm' scalar")
+        why = norm_refusal(update, task.train["momentum"])
+        if why is not None:
+            raise StrategyError(f"fednova: the update {why}")
+        a_norm = update.scalars["a_norm"]
         weight = client_weight(update, self.weighting)
         delta = update_delta(task, update, ("params",))
         normalised = (delta.astype(np.float64) / a_norm).astype(np.float32)
