@@ -268,6 +268,23 @@ def test_fednova_differs_from_fedavg_when_steps_differ(digits, softmax):
     assert [h["tau_eff"] for h in nova.history] == [pytest.approx(tau_eff)] * 3
 
 
+@pytest.mark.parametrize("bad", [0.0, 1e30, "three", None])
+def test_robust_fednova_rejects_a_normaliser_its_steps_do_not_give_and_closes_the_round(bad):
+    # robust's promise (docs/robust.md): a malformed update is rejected, with its reason in
+    # the round's metrics, and the round goes on with the rest
+    strategy = get_strategy("fednova", robust={"rule": "median"})
+    setup = Setup(clients=range(3), train={"lr": 0.1, "steps": 3})
+    start = strategy.init(np.zeros(4, np.float32), setup)
+    good = {c: Update({"params": np.full(4, c + 1.0, np.float32)}, 10, 0.1, 3, {"a_norm": 3.0})
+            for c in (0, 2)}
+    forged = Update({"params": np.full(4, 2.0, np.float32)}, 10, 0.1, 3,
+                    {} if bad is None else {"a_norm": bad})
+    state, metrics = strategy.aggregate(1, {**good, 1: forged}, start)
+    assert metrics["robust_rejected"] == [1] and "a_norm" in metrics["robust_reasons"]["1"]
+    alone, _ = strategy.aggregate(1, good, start)
+    assert np.array_equal(state.buffers["params"], alone.buffers["params"])
+
+
 @pytest.mark.parametrize("bad", [0.0, -3.0, float("nan"), float("inf"), 1e30, "three"])
 def test_fednova_contribution_refuses_a_normaliser_its_steps_do_not_give(bad):
     # the edge aggregator and the DP aggregator turn each board's update into its

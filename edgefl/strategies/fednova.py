@@ -113,13 +113,16 @@ class FedNova(Strategy):
     def aggregate(self, round, updates, state):
         clients, weights = exact_weights(updates, self.weighting)
         momentum = self.local_config(self.setup(state), round, clients[0])["momentum"]
-        norms = checked_norms("fednova", updates, clients, momentum)
-        if self.robust is not None:
+        if self.robust is not None:      # a bad a_norm is rejected as robust rejects the rest
+            refusals = {c: f"the update {why}" for c in clients
+                        if (why := norm_refusal(updates[c], momentum)) is not None}
+            norms = {c: updates[c].scalars.get("a_norm") for c in clients}
             new, accepted, metrics = aggregate_robustly(
                 "fednova", round, updates, {"params": state.buffers["params"]}, self.robust,
-                self.weighting, normalisers=dict(zip(clients, norms)))
+                self.weighting, normalisers=norms, refusals=refusals)
             metrics["train_loss"] = mean_train_loss(accepted)
             return state.replace(new, round=round), metrics
+        norms = checked_norms("fednova", updates, clients, momentum)
         coeffs, residual, tau_eff = nova_coefficients(weights, norms)
         buffers = update_buffers(updates, "params", clients)
         factors = [float(c) for c in coeffs]

@@ -132,15 +132,18 @@ class Screening:
 
 def screen(strategy: str, round: int, updates: Mapping[int, Update],
            base: Mapping[str, np.ndarray], robust: Mapping,
-           divisors: Mapping[int, object] | None = None) -> Screening:
+           divisors: Mapping[int, object] | None = None,
+           refusals: Mapping[int, str] | None = None) -> Screening:
     """Check every update's buffers `base` names against the broadcast buffers; reject the
     malformed, the non-finite and (with max_norm_ratio) the too large. `divisors`: each
-    client's update normaliser a_i (FedNova), which must be a finite number > 0."""
+    client's update normaliser a_i (FedNova), which must be a finite number > 0.
+    `refusals`: {client: reason} the strategy's own checks found (FedNova: an a_i its steps
+    do not give), rejected with the rest."""
     reasons: dict = {}
     norms = {name: {} for name in base}
     scratch = np.empty_like(next(iter(base.values())))
     for c in sorted(updates):
-        why = []
+        why = [refusals[c]] if refusals and c in refusals else []
         divisor = 1.0
         if divisors is not None:
             divisor = divisors.get(c)
@@ -256,7 +259,8 @@ def combine(robust: Mapping, base: np.ndarray, buffers: Mapping[int, np.ndarray]
 
 def aggregate_robustly(strategy: str, round: int, updates: Mapping[int, Update],
                        base: Mapping[str, np.ndarray], robust: Mapping, weighting: str,
-                       normalisers: Mapping[int, object] | None = None):
+                       normalisers: Mapping[int, object] | None = None,
+                       refusals: Mapping[int, str] | None = None):
     """(new buffers {name: buffer} for every name in `base`, the accepted updates, metrics).
 
     base: the broadcast buffers the updates are measured from ("params", and MFL's
@@ -267,7 +271,7 @@ def aggregate_robustly(strategy: str, round: int, updates: Mapping[int, Update],
     metrics: robust_rejected (sorted ids), robust_reasons ({"id": reason}: string keys, as
     they are in metrics.jsonl and the checkpoint), robust_clipped (sorted ids whose update
     was scaled down), and tau_eff with normalisers."""
-    screening = screen(strategy, round, updates, base, robust, normalisers)
+    screening = screen(strategy, round, updates, base, robust, normalisers, refusals)
     accepted = {c: updates[c] for c in screening.accepted}
     clients, exact = exact_weights(accepted, weighting)
     weights = dict(zip(clients, exact))
