@@ -124,3 +124,30 @@ def test_a_client_that_stops_answering_is_a_dropout_and_the_model_matches(mosqui
                                          lambda r: {"masked": [2]}))
     assert [2] in dropped                   # client 2 was selected, and dropped, somewhere
     assert over["model_sha256"] == inproc.model_sha256
+
+
+def test_a_client_revealing_garbage_is_refused_and_the_round_unmasks_from_the_others(
+        mosquitto_server, monkeypatch):
+    """client-2 answers the unmask request with shares that are not numbers (a broken or
+    malicious board): before, the aggregator took the reveal and its reconstruction raised
+    TypeError, which ended the run; now the reveal is refused naming client 2 and the
+    field, and the sum is unmasked from the other holders' shares (4 of 5 reach t = 4), so
+    the model is the in-process secure run's."""
+    from edgefl.privacy import secagg
+
+    unmask = secagg.SecAggClient.unmask
+
+    def garbage(self, msg):
+        answer = unmask(self, msg)
+        if self.client != 2:
+            return answer
+        return secagg.UnmaskResponse(answer.round, 2, {c: "x" for c in answer.seed_shares},
+                                     answer.key_shares)
+
+    monkeypatch.setattr(secagg.SecAggClient, "unmask", garbage)
+    config = load_run_config("quickstart", ["rounds=3", "privacy.secure_aggregation.threshold=0.8"])
+    over = simulate(config, None, workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url, mqtt={"round_timeout_s": 3.0})
+    monkeypatch.setattr(secagg.SecAggClient, "unmask", unmask)
+    inproc = simulate(config, None, workers=2, progress=False)
+    assert over["model_sha256"] == inproc["model_sha256"]

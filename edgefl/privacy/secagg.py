@@ -39,6 +39,10 @@ neighbour would carry its self mask alone). An actively malicious server that li
 the survivor set to different clients needs Bonawitz et al.'s consistency round
 (signatures), not implemented here.
 
+A client message whose fields are not what the protocol sends (keys, ciphertexts, shares)
+is refused whole when it arrives, naming the client and the field (`_check_fields`): that
+client has not answered the phase, as with a dropout.
+
 Failures are clean: a phase that ends with fewer than t clients (or a neighbourhood with fewer
 than t_N holders of a secret that is needed) raises SecAggAborted naming the phase and the
 counts; the server has reconstructed nothing by then (reconstruction happens only once every
@@ -98,6 +102,7 @@ __all__ = ["SecAggError", "SecAggAborted", "LateMessage", "Quantiser", "RoundSet
 MIN_LEVELS = 16               # fewer quantisation levels than this is not worth sending
 MAX_LEVELS = 2 ** 40          # beyond this the float64 scaling has no fraction left to round
 SCALAR_FRACTION_BITS = 24
+MAX_SHARE_CIPHERTEXT = 1024   # a pair of shares as JSON under AES-GCM is at most ~400 bytes
 PHASES = ("keys", "shares", "masked", "unmask", "done")
 
 
@@ -248,6 +253,41 @@ def _graph(ids: tuple, k: int, seed: int, round: int) -> dict:
     pos = {c: i for i, c in enumerate(ring)}
     return types.MappingProxyType(
         {c: frozenset(ring[(pos[c] + d) % n] for d in range(-half, half + 1)) for c in ids})
+
+
+def _check_public_key(key, what: str, agree: bool = True) -> X25519PublicKey:
+    """`key` as an X25519 public key: 32 bytes and, with `agree`, one every key agreement
+    can use -- not a point of small order, with which OpenSSL's agreement fails -- tried by
+    one agreement with a throwaway key (the server, for every neighbour of the client; a
+    board skips it, its own agreements fail as cleanly: _agree); SecAggError starting with
+    `what` otherwise."""
+    if not isinstance(key, bytes) or len(key) != 32:
+        raise SecAggError(f"{what} is {_describe(key)}, not a 32-byte X25519 public key")
+    with openssl():
+        public = X25519PublicKey.from_public_bytes(key)
+    if agree:
+        _agree(X25519PrivateKey.generate(), public, what)
+    return public
+
+
+def _agree(private: X25519PrivateKey, public: X25519PublicKey, what: str) -> bytes:
+    """X25519(private, public); SecAggError naming `what` when OpenSSL refuses the public
+    key (a point of small order gives the all-zero secret)."""
+    try:
+        with openssl():
+            return private.exchange(public)
+    except ValueError as exc:
+        raise SecAggError(f"{what} is not a usable X25519 public key ({exc})") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _describe(value) -> str:
+    """A field's value for an error: its type, and its length when it has one."""
+    size = f" of {len(value)}" if isinstance(value, (bytes, str, dict, list, tuple)) else ""
+    return f"{type(value).__name__}{size}"
 
 
 def _check_threshold(setup: "RoundSetup") -> None:
@@ -635,10 +675,15 @@ class SecAggClient:
         if self._shared:
             raise SecAggError(f"round {msg.round}: client {self.client} has shared its keys "
                               f"already; it shares them once a round")
-        with openssl():
-            keys = {int(c): (X25519PublicKey.from_public_bytes(bytes(k[0])),
-                             X25519PublicKey.from_public_bytes(bytes(k[1])))
-                    for c, k in msg.keys.items() if int(c) in self.neighbourhood}
+        # the server checked them (_check_fields); a board checks what it acts on too
+        keys = {}
+        for c, k in msg.keys.items():
+            if _is_int(c) and c in self.neighbourhood:
+                pair = k if isinstance(k, (list, tuple)) and len(k) == 2 else (k, k)
+                keys[c] = tuple(_check_public_key(key, f"round {msg.round}: client "
+                                                       f"{self.client}: the key broadcast's "
+                                                       f"{name} of client {c}", agree=False)
+                                for key, name in zip(pair, ("c_public", "s_public")))
         if self.client not in keys:
             raise SecAggError(f"round {msg.round}: the key broadcast to client {self.client} "
                               f"lacks its own keys")
@@ -730,8 +775,12 @@ class SecAggClient:
 
     def _take_shares(self, msg: SharesForward) -> None:
         """Keep the ciphertexts of the neighbours that shared: whom this client masks with."""
-        self._held = {int(s): bytes(c) for s, c in msg.ciphertexts.items()
-                      if int(s) in self._keys}
+        held = {s: c for s, c in msg.ciphertexts.items() if _is_int(s) and s in self._keys}
+        for s, c in held.items():
+            if not isinstance(c, bytes):
+                raise SecAggError(f"round {msg.round}: client {self.client}: the forward's "
+                                  f"ciphertext from client {s} is {_describe(c)}, not bytes")
+        self._held = held
         self._shared_with = tuple(sorted(self._held))
 
     def _masks(self) -> list:
@@ -802,8 +851,9 @@ class SecAggClient:
         # one key agreement per peer and round: the same key decrypts in the unmask phase
         aead = self._aeads.get(other)
         if aead is None:
-            with openssl():
-                shared = self._c.exchange(self._keys[other][0])
+            shared = _agree(self._c, self._keys[other][0],
+                            f"round {self.setup.round}: client {self.client}: the key "
+                            f"broadcast's c_public of client {other}")
             lo, hi = sorted((self.client, other))
             key = _hkdf(shared, "shares", self.setup.run_id, self.setup.round, lo, hi)
             with openssl():
@@ -827,8 +877,8 @@ def _self_key(setup: RoundSetup, client: int, seed: bytes) -> bytes:
 def _pair_key(setup: RoundSetup, private: X25519PrivateKey, public: X25519PublicKey,
               a: int, b: int) -> bytes:
     lo, hi = sorted((a, b))
-    with openssl():
-        shared = private.exchange(public)
+    shared = _agree(private, public, f"round {setup.round}: the s_public of client {b} "
+                                     f"(paired with client {a})")
     return _hkdf(shared, "pair", setup.run_id, setup.round, lo, hi)
 
 
@@ -909,6 +959,7 @@ class SecAggServer:
         if msg.client in book:
             raise SecAggError(f"round {self.round}: client {msg.client} sent its {msg.kind} "
                               f"message twice")
+        self._check_fields(msg)
         if isinstance(msg, MaskedInput):
             q = self.setup.quantiser
             size, names = self.vector_size, self.scalar_names
@@ -933,6 +984,57 @@ class SecAggServer:
                 kernels.ring_add(self._sum[1], msg.scalars)
             msg = _Received(msg.client, msg.words.size, tuple(msg.scalar_names), msg.nbytes)
         book[msg.client] = msg
+
+    def _check_fields(self, msg) -> None:
+        """A client's keys, ciphertexts and shares are what the protocol sends, or the whole
+        message is refused (SecAggError naming the client and the field; the client is then
+        one that did not answer the phase). Taken, a bad field fails later and elsewhere: a
+        key that is not a usable X25519 point in every honest neighbour's key agreement, a
+        ciphertext that is not bytes in the forward the neighbour reads, a share that is not
+        a field element in the reconstruction (and a reveal may not hand the server a secret
+        it must not have: a mask-key share of a survivor, a seed share of a dropped
+        client)."""
+        where = f"round {self.round}: client {msg.client}'s {msg.kind} message"
+        if isinstance(msg, AdvertiseKeys):
+            for name in ("c_public", "s_public"):
+                _check_public_key(getattr(msg, name), f"{where}: {name}")
+        elif isinstance(msg, ShareKeys):
+            # its neighbours with keys, as its KeysBroadcast named them
+            holders = self.neighbourhoods[msg.client] & self.keys.keys()
+            cts = msg.ciphertexts
+            if not isinstance(cts, dict):
+                raise SecAggError(f"{where}: ciphertexts is {_describe(cts)}, not a map of "
+                                  f"holder to ciphertext")
+            for h, ct in cts.items():
+                if not _is_int(h) or h not in holders:
+                    raise SecAggError(f"{where}: ciphertexts holds one for {h!r}, which is "
+                                      f"not one of its neighbours with keys "
+                                      f"{sorted(holders)}")
+                if not isinstance(ct, bytes) or not 16 < len(ct) <= MAX_SHARE_CIPHERTEXT:
+                    raise SecAggError(f"{where}: ciphertexts[{h}] is {_describe(ct)}, not an "
+                                      f"AES-GCM ciphertext of a pair of shares (17 to "
+                                      f"{MAX_SHARE_CIPHERTEXT} bytes)")
+            need = _neighbour_threshold(self.setup, len(self.neighbourhoods[msg.client]))
+            if len(cts) < need:
+                # its secrets could not be reconstructed: its masked input, taken, would
+                # fail the unmask phase, which ends the run
+                raise SecAggError(f"{where}: ciphertexts for {len(cts)} holders, and its "
+                                  f"secrets need {need} shares to be reconstructed")
+        elif isinstance(msg, UnmaskResponse):
+            forwarded = self._shared_with(msg.client)
+            for name, asked, what in (("seed_shares", self.survivors, "a survivor"),
+                                      ("key_shares", self.dropped, "a dropped client")):
+                shares = getattr(msg, name)
+                if not isinstance(shares, dict):
+                    raise SecAggError(f"{where}: {name} is {_describe(shares)}, not a map "
+                                      f"of client to share")
+                for c, share in shares.items():
+                    if not _is_int(c) or c not in asked or c not in forwarded:
+                        raise SecAggError(f"{where}: {name} holds a share of {c!r}, which is "
+                                          f"not {what} whose shares were forwarded to it")
+                    if not _is_int(share) or not 0 <= share < shamir.PRIME:
+                        raise SecAggError(f"{where}: {name}[{c}] is {_describe(share)}, not "
+                                          f"a share (a whole number below 2^521 - 1)")
 
     def advance(self) -> dict:
         """Close the current phase: at least t clients must have answered (SecAggAborted
@@ -996,12 +1098,10 @@ class SecAggServer:
         words, scalars = self._sum
         masks = []
         for c in self.survivors:
-            seed = shamir.combine(pieces[(c, "seed")], _neighbour_threshold(
-                setup, len(self.neighbourhoods[c])))
+            seed = self._combine(c, "seed", pieces[(c, "seed")])
             masks.append((_self_key(setup, c, seed), True))
         for d in self.dropped:
-            secret = shamir.combine(pieces[(d, "key")], _neighbour_threshold(
-                setup, len(self.neighbourhoods[d])))
+            secret = self._combine(d, "key", pieces[(d, "key")])
             with openssl():
                 private = X25519PrivateKey.from_private_bytes(secret)
             for j in self.survivors:
@@ -1017,6 +1117,22 @@ class SecAggServer:
         values = decode_scalars(scalars)
         return SumTotal(q.decode(words), values[0], dict(zip(names, values[1:])),
                         len(self.survivors))
+
+    def _combine(self, c: int, which: str, shares: dict) -> bytes:
+        """Client c's secret from its shares {x: share}; SecAggAborted naming it and the
+        holders whose shares were used when they do not give a secret back (a share changed
+        on its way or by its holder: each is a field element, so only the result shows)."""
+        t_n = _neighbour_threshold(self.setup, len(self.neighbourhoods[c]))
+        try:
+            return shamir.combine(shares, t_n)
+        except shamir.ShamirError as exc:
+            self.phase = "failed"
+            used = sorted(shares)[:t_n]
+            raise SecAggAborted(
+                f"round {self.round}: the shares of client {c}'s "
+                f"{'self-mask seed' if which == 'seed' else 'mask key'} from clients "
+                f"{[x - 1 for x in used]} do not give it back ({exc}); nothing is "
+                f"unmasked") from None
 
     def _shared_with(self, j: int) -> set:
         """The senders whose shares the server forwarded to j (whom j masked with)."""

@@ -1,0 +1,208 @@
+"""Secure aggregation against a malicious or broken client (edgefl/privacy/secagg.py): a
+message whose fields are not what the protocol sends (keys of the wrong size or type,
+ciphertexts that are not bytes or are addressed to parties outside the sender's
+neighbourhood, reveals that are not share maps or ask the server to take both secrets of one
+client) is refused when it arrives, naming the client and the field, and the round goes on
+without it, exact; a tampered share that can only show at reconstruction fails the round
+cleanly, naming the client whose secret it is. And the protocol's two properties over many
+dropout patterns: the sum is the clear sum of the survivors whenever at least t are left
+(never unmasked with fewer), and the server never holds both secrets of one client."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from edgefl.privacy import secagg, shamir
+from edgefl.privacy.secagg import (SecAggAborted, SecAggClient, SecAggError, SecAggServer,
+                                   run_in_process)
+from test_secagg import clear_ring_sum, contributions, setup_for
+
+
+def _run(setup, contribs, edit, vanish=()):
+    """One round with every client's message passing through `edit(phase, message)` (which
+    may replace it) and over the wire encoding; clients in `vanish` send no masked input.
+    Returns (server, {(phase, client): the SecAggError that refused its message})."""
+    carry = lambda m: secagg.message_from_bytes(m.to_bytes())       # noqa: E731
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server, refused = SecAggServer(setup), {}
+
+    def send(phase, c, msg):
+        try:
+            server.receive(carry(edit(phase, msg)))
+        except SecAggError as exc:
+            refused[(phase, c)] = exc
+
+    for c in clients:
+        send("keys", c, clients[c].advertise())
+    out = server.advance()
+    for c in out:
+        send("shares", c, clients[c].share_keys(carry(out[c])))
+    out = server.advance()
+    for c in out:
+        if c not in vanish:
+            send("masked", c, clients[c].masked_input(carry(out[c]), contribs[c], c))
+    out = server.advance()
+    for c in out:
+        send("unmask", c, clients[c].unmask(carry(out[c])))
+    server.advance()
+    return server, refused
+
+
+def _only(phase, client, change):
+    return lambda p, m: change(m) if (p, getattr(m, "client", None)) == (phase, client) else m
+
+
+BAD = [
+    # (phase, field the error names, the change to client 3's message)
+    ("keys", "s_public", lambda m: dataclasses.replace(m, s_public=m.s_public[:31])),
+    ("keys", "c_public", lambda m: dataclasses.replace(m, c_public="not bytes")),
+    # a point of small order: every key agreement with it fails
+    ("keys", "c_public", lambda m: dataclasses.replace(m, c_public=bytes(32))),
+    ("keys", "s_public", lambda m: dataclasses.replace(m, s_public=bytes(32))),
+    ("shares", "ciphertexts", lambda m: dataclasses.replace(m, ciphertexts=5)),
+    ("shares", "ciphertexts", lambda m: dataclasses.replace(
+        m, ciphertexts={h: "not bytes" for h in m.ciphertexts})),
+    ("shares", "ciphertexts", lambda m: dataclasses.replace(
+        m, ciphertexts={**m.ciphertexts, 999: b"x" * 40})),
+    ("shares", "ciphertexts", lambda m: dataclasses.replace(
+        m, ciphertexts={h: m.ciphertexts[h] for h in sorted(m.ciphertexts)[:1]})),
+    ("unmask", "seed_shares", lambda m: dataclasses.replace(m, seed_shares=5)),
+    ("unmask", "seed_shares", lambda m: dataclasses.replace(
+        m, seed_shares={c: "x" for c in m.seed_shares})),
+    ("unmask", "key_shares", lambda m: dataclasses.replace(
+        m, key_shares={c: 1.5 for c in m.key_shares})),
+    ("unmask", "key_shares", lambda m: dataclasses.replace(
+        m, key_shares={c: -v for c, v in m.key_shares.items()})),
+    ("unmask", "seed_shares", lambda m: dataclasses.replace(
+        m, seed_shares={**m.seed_shares, 999: 1})),
+]
+
+
+@pytest.mark.parametrize("phase, what, change", BAD,
+                         ids=[f"{p}-{w}-{i}" for i, (p, w, _) in enumerate(BAD)])
+def test_a_malformed_message_is_refused_naming_client_and_field_and_the_round_goes_on(
+        phase, what, change):
+    """Before, such a message was taken, and its content crashed the aggregator at the next
+    phase (TypeError, OverflowError, ShamirError out of advance(): the run failed) or an
+    honest neighbour's client (TypeError, ValueError from the key broadcast)."""
+    contribs = contributions(6, size=40)
+    setup = setup_for(contribs, threshold=4)
+    # client 5 sends no masked input, so the reveals carry key shares as well as seed shares
+    server, refused = _run(setup, contribs, _only(phase, 3, change), vanish={5})
+    assert list(refused) == [(phase, 3)]
+    kind = {"keys": "advertise", "shares": "share", "unmask": "reveal"}[phase]
+    assert f"client 3's {kind} message: {what}" in str(refused[(phase, 3)])
+    # the rest of the round is as if client 3 had dropped out in that phase
+    survivors = [c for c in contribs if c != 5 and (phase == "unmask" or c != 3)]
+    assert server.total.count == len(survivors)
+    assert np.array_equal(server.ring_words, clear_ring_sum(setup, contribs, survivors))
+
+
+def test_a_reveal_of_the_other_secret_is_refused_so_the_server_never_holds_both():
+    """A reveal carrying the mask-key share of a survivor (or the seed share of a dropped
+    client) is refused whole: the server never holds both secrets of one client, whatever a
+    client sends it."""
+    contribs = contributions(6, size=40)
+    setup = setup_for(contribs, threshold=4)
+    held = {}
+
+    def both(phase, m):
+        if phase == "unmask" and m.client == 3:
+            held.update(m.seed_shares)
+            return dataclasses.replace(m, key_shares={**m.key_shares, 0: m.seed_shares[0]},
+                                       seed_shares={**m.seed_shares, 5: 1})
+        return m
+
+    server, refused = _run(setup, contribs, both, vanish={5})
+    assert list(refused) == [("unmask", 3)]
+    assert "client 3's reveal" in str(refused[("unmask", 3)])
+    assert 3 not in server.revealed
+    assert server.total.count == 5
+
+
+def test_a_tampered_share_fails_the_round_cleanly_naming_whose_secret():
+    """A share that is a field element, but the wrong one, can only show at reconstruction
+    (the secret comes out longer than 32 bytes): SecAggAborted naming the client and the
+    secret, not shamir's error escaping the aggregator."""
+    contribs = contributions(4, size=40)
+    setup = setup_for(contribs, threshold=3)
+
+    def tamper(phase, m):
+        if phase == "unmask" and m.client == 2:     # holder x = 3, the last of the three used
+            return dataclasses.replace(m, seed_shares={
+                **m.seed_shares, 0: (m.seed_shares[0] + shamir.PRIME // 3) % shamir.PRIME})
+        return m
+
+    with pytest.raises(SecAggAborted, match=r"round 3: the shares of client 0's self-mask "
+                                            r"seed from clients \[0, 1, 2\] do not give it "
+                                            r"back .*nothing is unmasked"):
+        _run(setup, contribs, tamper, vanish={3})
+
+
+@pytest.mark.parametrize("neighbours", [0, 2, 4])
+def test_over_many_dropout_patterns_the_sum_is_exact_and_never_both_secrets(neighbours):
+    """The protocol's properties over random dropouts in every phase: a round that finishes
+    had at least t clients in each phase (a complete graph finishes exactly then) and its
+    sum is the survivors' clear ring sum; one that does not fails with SecAggAborted; and no
+    client's seed share and mask-key share both reach the server."""
+    rng = np.random.default_rng(2026 + neighbours)
+    finished = aborted = 0
+    for case in range(25):
+        n = int(rng.integers(3, 10))
+        contribs = contributions(n, size=24, seed=case)
+        t = int(rng.integers(n // 2 + 1, n + 1))
+        setup = setup_for(contribs, threshold=t, neighbours=neighbours)
+        vanish = {phase: [c for c in contribs if rng.random() < 0.08]
+                  for phase in secagg.PHASES[:4]}
+        gone = set().union(*vanish.values())
+        before_unmask = set().union(*(vanish[p] for p in ("keys", "shares", "masked")))
+        try:
+            server = run_in_process(setup, contribs, {c: c for c in contribs}, vanish=vanish,
+                                    wire=case % 2 == 0)
+        except SecAggAborted:
+            aborted += 1
+            if neighbours == 0:
+                assert n - len(gone) < t, (case, n, t, vanish)
+            continue
+        finished += 1
+        survivors = sorted(set(contribs) - before_unmask)
+        assert n - len(gone) >= t, (case, n, t, vanish)
+        assert server.total.count == len(survivors) >= t
+        assert np.array_equal(server.ring_words, clear_ring_sum(setup, contribs, survivors))
+        seeds = {c for r in server.revealed.values() for c in r.seed_shares}
+        keys = {c for r in server.revealed.values() for c in r.key_shares}
+        assert not seeds & keys, (case, seeds & keys)
+        assert seeds <= set(survivors) and keys <= set(server.dropped)
+    assert finished >= 5 and aborted >= 1          # both outcomes were exercised
+
+
+def test_a_client_refuses_a_broadcast_or_forward_it_cannot_read_naming_the_neighbour():
+    """What the server relays is checked by the board too (a server that did not check what
+    it relays, or one not the aggregator's): a neighbour's key that is not a usable X25519
+    public key, a ciphertext that is not bytes, are SecAggError naming that neighbour, which
+    the client role reports, not a TypeError that ends its loop."""
+    contribs = contributions(4, size=40)
+    setup = setup_for(contribs, threshold=3)
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    broadcast = server.advance()[0]
+    for bad in ("not bytes", b"short", bytes(32)):
+        keys = {**broadcast.keys, 2: [bad, broadcast.keys[2][1]]}
+        with pytest.raises(SecAggError, match="client 0: the key broadcast's c_public of "
+                                              "client 2 is"):
+            SecAggClient(0, setup).share_keys(secagg.KeysBroadcast(3, keys))
+    share = clients[0].share_keys(broadcast)
+    # a mask key of small order shows when the masks are made
+    low = SecAggClient(0, setup)
+    low.share_keys(secagg.KeysBroadcast(3, {**broadcast.keys,
+                                            1: [broadcast.keys[1][0], bytes(32)]}))
+    with pytest.raises(SecAggError, match=r"round 3: the s_public of client 1 \(paired with "
+                                          r"client 0\) is not a usable X25519 public key"):
+        low.masked_input(secagg.SharesForward(3, {0: share.ciphertexts[0],
+                                                  1: share.ciphertexts[0]}), contribs[0], 0)
+    with pytest.raises(SecAggError, match="client 0: the forward's ciphertext from client 1 "
+                                          "is str"):
+        clients[0].masked_input(secagg.SharesForward(3, {0: share.ciphertexts[0], 1: "x"}),
+                                contribs[0], 0)
