@@ -206,3 +206,21 @@ def test_a_client_refuses_a_broadcast_or_forward_it_cannot_read_naming_the_neigh
                                           "is str"):
         clients[0].masked_input(secagg.SharesForward(3, {0: share.ciphertexts[0], 1: "x"}),
                                 contribs[0], 0)
+
+
+@pytest.mark.parametrize("header", [
+    5, "advertise", None,
+    {"kind": "advertise", "round": 3, "client": 0, "c_public": {"b64": 5},
+     "s_public": {"b64": "AA=="}},
+    {"kind": "share", "round": 3, "client": 0, "ciphertexts": {"1": {"b64": ["AA=="]}}},
+])
+def test_a_message_whose_header_is_not_an_object_of_fields_is_a_secagg_error(header):
+    """Before, a header that was JSON but not an object, or a byte string field that was
+    not text, raised AttributeError out of message_from_bytes: out of the aggregator's
+    handling of a client's secure message, which ended the run (any member's one message
+    on its own secure topic)."""
+    import json
+    import struct
+    head = json.dumps(header).encode()
+    with pytest.raises(SecAggError, match="not a secure aggregation message|message: "):
+        secagg.message_from_bytes(struct.pack(">I", len(head)) + head)

@@ -151,3 +151,49 @@ def test_a_client_revealing_garbage_is_refused_and_the_round_unmasks_from_the_ot
     monkeypatch.setattr(secagg.SecAggClient, "unmask", unmask)
     inproc = simulate(config, None, workers=2, progress=False)
     assert over["model_sha256"] == inproc["model_sha256"]
+
+
+def test_a_client_whose_advertisement_does_not_parse_is_a_dropout_not_the_end_of_the_run(
+        mosquitto_server, monkeypatch):
+    """client-2 advertises a message whose key field is {"b64": 5}: before, parsing it
+    raised AttributeError out of the aggregator's handling of its secure topic, which ended
+    the run; now it is refused naming the field, client 2 has not answered the keys phase
+    (it closes at its deadline), and the rounds close with the others' exact sum: the model
+    is the in-process secure run's with client 2 vanishing before its keys."""
+    import json
+    import struct
+
+    from edgefl.privacy import secagg
+    from edgefl.runs.prepare import prepare_run
+    from edgefl.sim import run_federation
+    from edgefl.sim.secure import in_process_secure_sum
+
+    advertise = secagg.SecAggClient.advertise
+
+    class Unparsable:
+        def __init__(self, msg):
+            self.msg = msg
+
+        def to_bytes(self):
+            head = json.dumps({"kind": "advertise", "round": self.msg.round, "client": 2,
+                               "c_public": {"b64": 5}, "s_public": {"b64": 5}}).encode()
+            return struct.pack(">I", len(head)) + head
+
+    def broken(self):
+        msg = advertise(self)
+        return Unparsable(msg) if self.client == 2 else msg
+
+    monkeypatch.setattr(secagg.SecAggClient, "advertise", broken)
+    config = load_run_config("quickstart", ["rounds=3", "privacy.secure_aggregation.threshold=0.8"])
+    over = simulate(config, None, workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url, mqtt={"round_timeout_s": 3.0})
+    monkeypatch.setattr(secagg.SecAggClient, "advertise", advertise)
+    run = prepare_run(config, progress=False)
+    dropped = []
+    inproc = run_federation(
+        run.strategy, run.init_params, run.clients, run.setup, config.clients_per_round,
+        summing=True, on_round=lambda rec: dropped.append(rec["secure"]),
+        secure_sum=in_process_secure_sum(config.privacy.secure_aggregation, "x", config.seed,
+                                         lambda r: {"keys": [2]}))
+    assert any(rec["survivors"] == 4 for rec in dropped)     # client 2 was selected somewhere
+    assert over["model_sha256"] == inproc.model_sha256

@@ -313,6 +313,8 @@ def _b64(b: bytes) -> str:
 
 
 def _unb64(s: str) -> bytes:
+    if not isinstance(s, str):     # a ValueError, as a bad encoding's, for message_from_bytes
+        raise ValueError(f"a byte string field holds {type(s).__name__}, not base64 text")
     return base64.b64decode(s.encode("ascii"), validate=True)
 
 
@@ -472,6 +474,8 @@ def message_from_bytes(data: bytes):
     try:
         (size,) = struct.unpack_from(">I", data)
         header = json.loads(bytes(data[4:4 + size]))
+        if not isinstance(header, dict):
+            raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
         kind = header.pop("kind")
         cls = _KINDS[kind]
     except (struct.error, ValueError, KeyError, TypeError) as exc:
