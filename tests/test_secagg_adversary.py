@@ -224,3 +224,62 @@ def test_a_message_whose_header_is_not_an_object_of_fields_is_a_secagg_error(hea
     head = json.dumps(header).encode()
     with pytest.raises(SecAggError, match="not a secure aggregation message|message: "):
         secagg.message_from_bytes(struct.pack(">I", len(head)) + head)
+
+
+@pytest.mark.parametrize("change", [
+    lambda m: dataclasses.replace(m, words=np.append(m.words, m.words[:1])),
+    lambda m: dataclasses.replace(m, words=m.words[:1]),
+    lambda m: dataclasses.replace(m, scalars=m.scalars[:1], scalar_names=()),
+], ids=["one-word-more", "one-word", "no-scalars"])
+def test_a_first_masked_input_of_another_shape_does_not_decide_the_rounds(change):
+    """Over a broker the setup leaves the vector's size and the scalars' names open. Before,
+    the first masked input to arrive fixed them, so one client that sent first with
+    another shape had every honest input refused, the phase failed below t, and each new
+    attempt failed the same way: the round never closed. Now the round's shape is the one
+    at least t clients sent (t is more than half, so there is at most one); a client of
+    another shape is dropped, its pairwise masks removed, its self mask never revealed."""
+    import dataclasses as dc
+    contribs = contributions(6, size=40)
+    setup = dc.replace(setup_for(contribs, threshold=4), vector_size=None, scalar_names=None)
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in out:
+        server.receive(clients[c].share_keys(out[c]))
+    out = server.advance()
+    for c in (3, 0, 1, 2, 4, 5):                           # client 3's arrives first
+        msg = clients[c].masked_input(out[c], contribs[c], c)
+        server.receive(change(msg) if c == 3 else msg)
+    requests = server.advance()
+    assert server.survivors == (0, 1, 2, 4, 5) and server.dropped == (3,)
+    for c in requests:
+        server.receive(clients[c].unmask(requests[c]))
+    server.advance()
+    assert server.total.count == 5
+    assert np.array_equal(server.ring_words, clear_ring_sum(setup_for(contribs, threshold=4),
+                                                            contribs, [0, 1, 2, 4, 5]))
+    assert not {c for r in server.revealed.values() for c in r.seed_shares} & {3}
+
+
+def test_no_shape_sent_by_t_clients_fails_the_phase_naming_the_shapes():
+    import dataclasses as dc
+    contribs = contributions(4, size=40)
+    setup = dc.replace(setup_for(contribs, threshold=3), vector_size=None, scalar_names=None)
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in out:
+        server.receive(clients[c].share_keys(out[c]))
+    out = server.advance()
+    for c in clients:
+        msg = clients[c].masked_input(out[c], contribs[c], c)
+        server.receive(dc.replace(msg, words=msg.words[:20]) if c >= 2 else msg)
+    with pytest.raises(SecAggAborted, match=r"round 3: no shape of masked input came from "
+                                            r"3 clients \(the threshold\): 40 words .* from "
+                                            r"clients \[0, 1\], 20 words .* from clients "
+                                            r"\[2, 3\]; .*nothing is unmasked"):
+        server.advance()

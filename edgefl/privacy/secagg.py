@@ -369,7 +369,7 @@ class RoundSetup(_Message):
     clip_range: float
     levels: int
     max_weight: int
-    vector_size: int | None         # None: learnt from the first masked input (a broker's
+    vector_size: int | None         # None: the shape t masked inputs have (a broker's
     scalar_names: tuple | None      # aggregator does not run the strategy's client half)
 
     def to_dict(self) -> dict:
@@ -925,7 +925,10 @@ class SecAggServer:
         self.keys: dict = {}
         self.shares: dict = {}
         self.masked: dict = {}         # {client: _Received}: the words are summed on arrival
-        self._sum = None               # (words, scalars): the ring sum of the masked inputs
+        # {(size, scalar names): [words, scalars]}: the ring sums of the masked inputs, one
+        # per shape; the round's is the shape t clients sent (advance)
+        self._sums: dict = {}
+        self._sum = None               # (words, scalars): the round's, once chosen
         self.revealed: dict = {}
         self.survivors: tuple = ()
         self.dropped: tuple = ()
@@ -967,9 +970,6 @@ class SecAggServer:
         if isinstance(msg, MaskedInput):
             q = self.setup.quantiser
             size, names = self.vector_size, self.scalar_names
-            if size is None and self.masked:       # learnt from the first masked input
-                first = self.masked[min(self.masked)]
-                size, names = first.size, first.scalar_names
             if msg.words.dtype != q.dtype or (size is not None and msg.words.size != size) \
                     or (names is not None and tuple(msg.scalar_names) != tuple(names)) \
                     or msg.scalars.size != 1 + len(msg.scalar_names):
@@ -977,15 +977,19 @@ class SecAggServer:
                                   f"has {msg.words.size} {msg.words.dtype} words and scalars "
                                   f"{list(msg.scalar_names)} ({msg.scalars.size} words), "
                                   f"expected {size} {q.dtype} and {names}")
-            # Summed now rather than held: every masked input accepted is a survivor's (a late
-            # one is refused above), and ring addition is order-free, so the sum is the same
+            # Summed now rather than held: ring addition is order-free, so the sum is the same
             # as summing at unmask time -- without keeping n vectors alive until then (fresh
-            # pages for each of them cost as much as quantising it).
-            if self._sum is None:
-                self._sum = (msg.words.copy(), msg.scalars.copy())
+            # pages for each of them cost as much as quantising it). One sum per shape when
+            # the setup leaves it open (over a broker): were the first input to fix it, one
+            # client sending first with another shape would have every honest input refused,
+            # in every attempt of the round.
+            shape = (msg.words.size, tuple(msg.scalar_names))
+            held = self._sums.get(shape)
+            if held is None:
+                self._sums[shape] = [msg.words.copy(), msg.scalars.copy()]
             else:
-                kernels.ring_add(self._sum[0], msg.words)
-                kernels.ring_add(self._sum[1], msg.scalars)
+                kernels.ring_add(held[0], msg.words)
+                kernels.ring_add(held[1], msg.scalars)
             msg = _Received(msg.client, msg.words.size, tuple(msg.scalar_names), msg.nbytes)
         book[msg.client] = msg
 
@@ -1061,8 +1065,15 @@ class SecAggServer:
             return out
         if self.phase == "masked":
             self._need(self.masked, "sent masked input")
-            self.survivors = tuple(sorted(self.masked))
-            self.dropped = tuple(sorted(set(self.shares) - set(self.masked)))
+            shape = self._round_shape()
+            self._sum = tuple(self._sums.pop(shape))
+            self._sums.clear()
+            # a client of another shape is not in the sum: dropped (its pairwise masks are
+            # removed with its reconstructed mask key; its self mask, never revealed, keeps
+            # its input hidden)
+            self.survivors = tuple(sorted(c for c, m in self.masked.items()
+                                          if (m.size, m.scalar_names) == shape))
+            self.dropped = tuple(sorted(set(self.shares) - set(self.survivors)))
             self.phase = "unmask"
             request = UnmaskRequest(r, self.survivors, self.dropped)
             return {c: request for c in self.survivors}
@@ -1072,6 +1083,23 @@ class SecAggServer:
             self.phase = "done"
             return {}
         raise SecAggError(f"round {r}: the round is {self.phase}")
+
+    def _round_shape(self) -> tuple:
+        """The (size, scalar names) of the masked inputs in the sum: the shape at least t
+        clients sent (t is more than half of them: at most one shape can); SecAggAborted
+        naming the shapes and their senders when none did."""
+        senders: dict = {}
+        for c, m in sorted(self.masked.items()):
+            senders.setdefault((m.size, m.scalar_names), []).append(c)
+        shape, most = max(senders.items(), key=lambda kv: len(kv[1]))
+        if len(most) < self.setup.threshold:
+            self.phase = "failed"
+            seen = ", ".join(f"{size} words and scalars {list(names)} from clients {cs}"
+                             for (size, names), cs in senders.items())
+            raise SecAggAborted(f"round {self.round}: no shape of masked input came from "
+                                f"{self.setup.threshold} clients (the threshold): {seen}; "
+                                f"the round fails and nothing is unmasked")
+        return shape
 
     def _need(self, book: Mapping, what: str) -> None:
         if len(book) < self.setup.threshold:
