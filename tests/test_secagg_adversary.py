@@ -15,7 +15,7 @@ import pytest
 from edgefl.privacy import secagg, shamir
 from edgefl.privacy.secagg import (SecAggAborted, SecAggClient, SecAggError, SecAggServer,
                                    run_in_process)
-from test_secagg import clear_ring_sum, contributions, setup_for
+from test_secagg import clear_ring_sum, contributions, setup_for, through_keys
 
 
 def _run(setup, contribs, edit, vanish=()):
@@ -283,3 +283,20 @@ def test_no_shape_sent_by_t_clients_fails_the_phase_naming_the_shapes():
                                             r"clients \[0, 1\], 20 words .* from clients "
                                             r"\[2, 3\]; .*nothing is unmasked"):
         server.advance()
+
+
+def test_a_client_refuses_an_unmask_request_naming_fewer_than_t_survivors():
+    """Bonawitz et al.'s round 4 check, on the board: a sum of fewer than t inputs is not
+    one the round promised (with one survivor named, the sum is that client's input), so a
+    request naming fewer than t survivors gets no shares. Before, the board answered it."""
+    contribs = contributions(5, size=40)
+    setup = setup_for(contribs, threshold=3)
+    clients, server, forward = through_keys(setup, contribs)
+    for c in clients:
+        server.receive(clients[c].masked_input(forward[c], contribs[c], c))
+    with pytest.raises(SecAggError, match=r"round 3: client 0 refuses to unmask: the request "
+                                          r"names 2 survivors \[0, 1\], fewer than the "
+                                          r"threshold 3"):
+        clients[0].unmask(secagg.UnmaskRequest(3, (0, 1), (2, 3, 4)))
+    answer = clients[0].unmask(secagg.UnmaskRequest(3, (0, 1, 2), (3, 4)))   # t: answered
+    assert sorted(answer.seed_shares) == [0, 1, 2] and sorted(answer.key_shares) == [3, 4]

@@ -24,7 +24,8 @@ messages (each has `to_bytes` / `message_from_bytes`):
                                       did not (dropped)
     4 client -> srv   UnmaskResponse  for each neighbour it holds shares of: the b-share of a
                                       survivor or the s-share of a dropped client, never both
-                                      for one client (a client answers one request a round)
+                                      for one client (a client answers one request a round,
+                                      naming at least t survivors)
       server          sum = sum_{survivors} y_i - PRG(b_i) -/+ the masks the survivors shared
                       with dropped clients (s_ij from the dropped client's reconstructed s and
                       the survivor's public key): the exact ring sum of the survivors' q_i
@@ -812,6 +813,13 @@ class SecAggClient:
         if self.client not in survivors:
             raise SecAggError(f"round {msg.round}: client {self.client} is not listed as a "
                               f"survivor, so its masked input is not in the sum")
+        if len(survivors) < self.setup.threshold:
+            # the server closes the masked phase only with t inputs in the sum; fewer would
+            # be a sum the round did not promise (one survivor: that client's input)
+            raise SecAggError(f"round {msg.round}: client {self.client} refuses to unmask: "
+                              f"the request names {len(survivors)} survivors "
+                              f"{sorted(survivors)}, fewer than the threshold "
+                              f"{self.setup.threshold}")
         self._answered = True
         seeds, keys = {}, {}
         for sender, ciphertext in self._held.items():
