@@ -1301,6 +1301,68 @@ def test_ctl_watch_refuses_forged_events_and_run_records_and_ends_on_the_genuine
             thread.join(10)
 
 
+def test_ctl_watch_refuses_the_retained_record_of_an_earlier_run_of_the_same_id(
+        tmp_path, mosquitto_server):
+    """The aggregator's state directory was wiped (a reinstall, `rm -r fleet/state`) and the
+    operator starts a run under an id it had used, r1. Whoever can publish on the broker
+    kept the earlier r1's last record, `finished`, genuinely signed by the same key (the key
+    outlives the state), and publishes it retained on runs/r1 after the new r1 started.
+    `edgefl ctl watch --run r1` must not end on it as the new run's end: the record is of
+    another run of that id (another `created`), refused on stderr naming the cause; watch
+    ends on the new run's real end."""
+    from edgefl.roles.signed_log import signed_record
+
+    url, fed = mosquitto_server.url, f"ev-{uid()}"
+    topics = Topics(fed)
+    agg_key, _, agg_pub = keypair(tmp_path, "aggregator")
+    config = load_run_config(write_config(tmp_path))
+    run = prepare_run(config, progress=False)
+    service = control_service(tmp_path, url, fed,
+                              Trust(fed, signer=Signer(agg_key, "aggregator", fed)), "agg")
+    forger = RawPublisher(url)
+    boards, watch = [], None
+    try:
+        _start_r1(url, topics)               # no board yet: it stays in its first round
+        reader = mqtt(url, "reader")         # its record says running: no later one comes
+        reader.connect()
+        reader.subscribe(topics.run_record("r1"), qos=1)
+
+        def running():
+            item = reader.receive(timeout=0.2)
+            return item is not None and b'"running"' in getattr(item, "payload", b"")
+        wait_for(running, timeout=30, what="run r1 to be running")
+        reader.close(timeout=1.0, announce_offline=False)
+        earlier = signed_record({"id": "r1", "state": "finished", "rounds_done": 2,
+                                 "rounds": 2, "created": time.time() - 3600.0,
+                                 "final_accuracy": 0.1234},
+                                Signer(agg_key, "aggregator", fed))
+        forger.publish(topics.run_record("r1"), json.dumps(earlier), retain=True)
+        watch, err_path = _watch(tmp_path, url, fed, "--run", "r1", "--timeout", "90",
+                                 "--aggregator-key", agg_pub)
+        wait_for(lambda: "earlier run" in err_path.read_text() or watch.poll() is not None,
+                 timeout=60, what="watch to refuse the earlier r1's record")
+        assert watch.poll() is None, (watch.returncode, watch.stdout.read(),
+                                      err_path.read_text())
+        for node in ("client-0", "client-1"):
+            boards.append(board(tmp_path, run, url, fed, node, None, [agg_key]))
+        out, _ = watch.communicate(timeout=120)
+        out = out.decode()
+        assert watch.returncode == 0, (out, err_path.read_text())
+        finished = [line for line in out.splitlines() if "run_finished" in line]
+        assert len(finished) == 1 and "rounds 2" in finished[0], out
+        assert "0.1234" not in out, out
+    finally:
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+            watch.wait(10)
+        forger.publish(topics.run_record("r1"), b"", retain=True)
+        forger.close()
+        stop_service(service)
+        for client, thread in boards:
+            client.stop.set()
+            thread.join(10)
+
+
 def test_ctl_watch_is_not_ended_by_unsigned_forgeries_once_the_aggregator_is_known_to_sign(
         tmp_path, mosquitto_server):
     """watch, given the aggregator's key and started while no run is active, starts from the

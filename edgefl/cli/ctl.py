@@ -376,6 +376,11 @@ def _ctl_watch(args, transport, topics, name) -> int:
         return True
 
     watched = args.run_id
+    # the watched run's `created`, from a signed reply: an id names one run only while the
+    # service's state lasts, and an earlier run's signed records of the same id are refused
+    # by it (signed_log.check_record); None: the run is queued after watch began listening
+    created: float | None = None
+    since = "created"         # else the record's field that follows watch's start
     # a --run ID the service does not know: an error, unless the run is started within
     # --timeout seconds (a script may start watch first, so as to see the whole run)
     unknown: tuple | None = None           # (the error's text, when it is given)
@@ -399,11 +404,13 @@ def _ctl_watch(args, transport, topics, name) -> int:
             watched = watched or (active or {}).get("run")
             if active and active.get("run") == watched:
                 online.update(active.get("clients_online") or [])
+                created = active.get("created")
             elif watched is not None:
                 # not the active run: ended (a short run is over before a script's next
                 # command, and no event of it will come), queued, or unknown here
                 records = _run_records(control, args.timeout)
                 record = records.get(watched)
+                created = (record or {}).get("created")
                 if record is None:
                     text = (f"no run {watched!r} on aggregator {result.get('node')} of "
                             f"federation {topics.federation!r} (its runs: "
@@ -453,7 +460,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
                 except MessageError:
                     record = None       # cleared (empty) or unreadable: not a state change
                 if isinstance(record, dict) and item.payload and not verified(
-                        check_record, record, item.topic, watched):
+                        lambda *a: check_record(*a, created=created, not_before=not_before,
+                                                since=since),
+                        record, item.topic, watched):
                     continue
                 if isinstance(record, dict) and item.payload:
                     unknown = None              # the run exists (queued, at least)
@@ -474,6 +483,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
             run = event.get("run")
             if watched is None and event.get("event") in ("run_started", "run_resumed"):
                 watched = run
+                # learnt of from this event, signed after watch began: its record says
+                # it started no earlier (one that does not is an earlier run's of the id)
+                since = "started"
                 record_topic = topics.run_record(watched)
                 transport.subscribe(record_topic, qos=1)
             if watched is not None and run not in (None, watched):

@@ -1092,7 +1092,9 @@ class Daemon:
 
     @classmethod
     def _live(cls, record: dict, control: RunControl) -> dict:
-        doc = {"run": record["id"], "state": record["state"],
+        # created: which run of this id it is (a wiped state directory lets an id be
+        # given again; `ctl watch` refuses the earlier one's retained records by it)
+        doc = {"run": record["id"], "state": record["state"], "created": record.get("created"),
                "rounds": (record.get("config") or {}).get("rounds")}
         agg = control.aggregator
         if agg is None:

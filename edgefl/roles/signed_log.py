@@ -20,7 +20,9 @@ later. What a replay can still do is bounded by the reader:
 - a record: a replay of an older genuine record of the same run shows an older state of it
   (queued, running, fewer rounds). A run's records only move on to an end that is never
   left, so a replayed one never ends a watch in a way the run did not end; `ctl status` and
-  `ctl runs`, signed replies valid 60 s, are the current state.
+  `ctl runs`, signed replies valid 60 s, are the current state. A record of an earlier run
+  of the same id (the service's state wiped, the id given again) is told apart by its
+  `created`, which the reader takes from those replies (check_record).
 
 A reader holding the aggregator's public key (roles.trust.aggregator_verifier) checks each
 with check_event / check_record: SignatureError naming the topic and the cause, and, for
@@ -105,16 +107,47 @@ def events_not_before(began: float, status_reply: Mapping | None) -> float:
     return began - MAX_SKEW_S
 
 
-def check_record(doc: Mapping, verifier, topic: str, run_id: str) -> dict:
+def check_record(doc: Mapping, verifier, topic: str, run_id: str, *,
+                 created: float | None = None, not_before: float | None = None,
+                 since: str = "created") -> dict:
     """The envelope of the run record `doc` received on `topic` (runs/<run_id>) when the
-    aggregator's key signed it as the record of run `run_id` for this federation;
-    SignatureError otherwise."""
+    aggregator's key signed it as the record of run `run_id` for this federation, and of
+    the run of that id the reader follows; SignatureError otherwise.
+
+    An id names one run only while the service's state lasts: after a state directory is
+    wiped, an id can be given again, and the earlier run's records, signed with the same
+    key for the same id, still verify. What tells the two apart is the record's `created`
+    (the service's clock when it queued the run): with `created` (from a signed reply of
+    the service) it must be that one; else, with `not_before` (events_not_before), its
+    field `since` must be no earlier: "created" for a run the service did not know when the
+    reader began listening (it is queued after), "started" for one the reader learnt of
+    from its signed run_started event (a record without it, queued, is not taken)."""
     where = f"run record on {topic}"
     try:
         env = verifier.verify_doc(doc, kind=RECORD_KIND, where=where, run=run_id)
         if doc.get("id") != run_id:
             raise SignatureError(f"{where}: the record of run {str(doc.get('id'))[:40]!r}, "
                                  f"not of {run_id!r}")
+        made = doc.get("created")
+        if created is not None and made != created:
+            raise SignatureError(f"{where}: the record of an earlier run of the id {run_id!r} "
+                                 f"(queued at {_time(made)}, this one at {_time(created)}): "
+                                 "a replay")
+        when = doc.get(since)
+        if created is None and not_before is not None and not (
+                _is_time(when) and when >= not_before):
+            raise SignatureError(f"{where}: the record of an earlier run of the id {run_id!r} "
+                                 f"({since} {_time(when)}, before this reader began "
+                                 "listening): a replay")
     except SignatureError as exc:
         raise _refused(exc, doc) from None
     return env
+
+
+def _is_time(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
+
+
+def _time(value) -> str:
+    return f"{value:.3f}" if _is_time(value) else repr(value)[:40]
