@@ -1572,6 +1572,45 @@ def test_a_public_key_given_to_sign_with_is_named_as_one(tmp_path):
         signing.fingerprint(signing.load_public_key(pub))
 
 
+# an EC key on secp112r1 (openssl ecparam -name secp112r1 -genkey), a curve OpenSSL 3
+# parses but `cryptography` does not support: it raises UnsupportedAlgorithm, which is not
+# a ValueError
+EC112_PRIVATE = b"""-----BEGIN EC PRIVATE KEY-----
+MD4CAQEEDq34C8n1DA+QPpc35ejxoAcGBSuBBAAGoSADHgAEb0nm+oY/8IfMB71a
+jRKkClv3ts8J2dDuCTPjuw==
+-----END EC PRIVATE KEY-----
+"""
+EC112_PUBLIC = b"""-----BEGIN PUBLIC KEY-----
+MDIwEAYHKoZIzj0CAQYFK4EEAAYDHgAEb0nm+oY/8IfMB71ajRKkClv3ts8J2dDu
+CTPjuw==
+-----END PUBLIC KEY-----
+"""
+
+
+def test_a_key_of_an_unsupported_algorithm_is_named_not_a_traceback(tmp_path, capsys):
+    """A key file of a kind `cryptography` cannot load at all (here an EC key on an old
+    curve, given by mistake as a node's key) is a KeyFileError naming the file and the
+    setting, as a corrupt one is: the service stopped with cryptography's traceback, and
+    `edgefl keys show` with one."""
+    private, public = tmp_path / "ec.key", tmp_path / "ec.pub"
+    private.write_bytes(EC112_PRIVATE)
+    public.write_bytes(EC112_PUBLIC)
+    with pytest.raises(KeyFileError, match=r"ec.key: not an unencrypted Ed25519 private "
+                                           r"key .*not supported"):
+        signing.load_private_key(private)
+    with pytest.raises(KeyFileError, match=r"ec.pub: not an Ed25519 public key .*not "
+                                           r"supported"):
+        signing.load_public_key(public)
+    with pytest.raises(KeyFileError, match=r"^keys.signing_key: .*ec.key: not an "):
+        Trust.load(fed="lab", node="client-0", signing_key=str(private))
+    with pytest.raises(KeyFileError, match=r"^keys.aggregator: .*ec.pub: not an "):
+        Trust.load(fed="lab", node="client-0", aggregator=[str(public)])
+    for path in (private, public):
+        assert main(["keys", "show", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert f"{path}: not an" in err and "Traceback" not in err, err
+
+
 def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_off(
         tmp_path, mosquitto_server, caplog, capsys):
     """Backward compatible: the aggregator signs, the boards have no keys (an older site

@@ -46,7 +46,7 @@ import os
 import time
 from typing import Iterable, Mapping
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import (Ed25519PrivateKey,
                                                                Ed25519PublicKey)
@@ -152,7 +152,9 @@ def load_private_key(path) -> Ed25519PrivateKey:
             if len(data) == 32:
                 return Ed25519PrivateKey.from_private_bytes(data)
             key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as exc:
+    # UnsupportedAlgorithm (a key of a curve or algorithm cryptography does not know) is
+    # not a ValueError: without it here, such a file stopped a service with a traceback
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise KeyFileError(f"{os.fspath(path)}: not an unencrypted Ed25519 private key "
                            f"(PEM PKCS#8 or 32 raw bytes): {exc}") from None
     if not isinstance(key, Ed25519PrivateKey):
@@ -180,7 +182,7 @@ def load_public_key(path, *, private_ok: bool = False) -> Ed25519PublicKey:
                 return Ed25519PublicKey.from_public_bytes(data)
         with openssl():
             key = serialization.load_pem_public_key(data)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise KeyFileError(f"{os.fspath(path)}: not an Ed25519 public key (PEM or 32 raw "
                            f"bytes): {exc}") from None
     if not isinstance(key, Ed25519PublicKey):
