@@ -780,6 +780,56 @@ def test_signed_copies_of_the_model_to_a_few_of_many_boards_verify_and_give_the_
     assert model_sha256(result.params) == reference_sha(config)
 
 
+def test_a_signed_copy_of_an_earlier_run_of_the_same_id_replayed_to_a_board_is_refused(
+        tmp_path, mosquitto_server):
+    """A run id names one run only while the aggregator's state lasts: wiped, the id r1 can
+    be given again, and everything the earlier r1 signed still verifies for run r1 (same
+    key). Whoever can publish on the broker replays the earlier r1's round-1 copy of the
+    model for client-0 (a client_model frame, signed for r1, round 1, client-0) while the
+    new r1's round 1 is announced. The board must not train from it: its announcement names
+    another frame and another model sha256. It trains from the new run's own copy."""
+    config = load_run_config(write_config(tmp_path))
+    run = prepare_run(config, progress=False)
+    url, fed = mosquitto_server.url, f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key = signing.generate_key()
+    signer = Signer(agg_key, "aggregator", fed)
+    table = run.model.table
+
+    def copy(params, message_id=None):
+        return wire.encode("client_model", 1, "aggregator", {"params": params}, {"run": "r1"},
+                           table, recipient="client-0", message_id=message_id,
+                           sign=signer.frame_signer("r1"))
+
+    # the earlier r1's copy (its round-1 model was another: another seed, another config)
+    earlier = copy(np.full(run.model.n_params, 0.25, np.float32))
+    params = np.asarray(run.init_params, np.float32)
+    copy_id = wire.new_message_id()
+    doc = forged_announcement(run, run_id="r1")
+    doc["model_sha256"] = msg.buffers_sha256({"params": params})
+    doc["tasks"]["client-0"]["model_frame"] = f"{copy_id:016x}"
+    announcement = signer.sign_doc(doc, "announce", "r1", 1)
+    client, thread = board(tmp_path, run, url, fed, "client-0", signing.generate_key(),
+                           [agg_key])
+    raw = RawPublisher(url)
+    try:
+        raw.publish(topics.round(), json.dumps(announcement), retain=True)
+        wait_for(lambda: client.ann is not None, what="the board to take the announcement")
+        raw.publish(topics.client_model("client-0"), earlier)
+        wait_for(lambda: client.stats["rejected"] or client.job is not None
+                 or client.stats["trained"], what="the board to act on the replayed copy")
+        assert client.job is None and client.stats["trained"] == 0, \
+            "the board trained from the earlier run's model"
+        assert client.stats["rejected"] == 1
+        raw.publish(topics.client_model("client-0"), copy(params, copy_id))
+        wait_for(lambda: client.stats["trained"] == 1, what="the board to train the run's model")
+    finally:
+        raw.publish(topics.round(), b"", retain=True)
+        raw.close()
+        client.stop.set()
+        thread.join(10)
+
+
 def test_key_rotation_two_accepted_keys_during_the_change_over(tmp_path, mosquitto_server):
     """Boards hold [old, new] aggregator keys while the aggregator moves from old to new:
     they follow a run signed with either. A board that already dropped the old key (or was

@@ -711,7 +711,6 @@ class Client:
         if entry["source"] == "client" and kind == "model":
             return                                  # FedMR: the shared model is not ours
         expected = entry["model_sha256"] if entry["source"] == "client" else doc["model_sha256"]
-        signed_copy = False
         if self.downlink is not None:
             try:
                 self.downlink.verify_frame(frame, where=f"{kind} frame of round {frame.round}",
@@ -719,16 +718,15 @@ class Client:
             except SignatureError as exc:
                 self._reject(str(exc))
                 return
-            # this board's own copy, signed by the announcing aggregator for this run and
-            # round (its recipient is in what the signature covers): the model of the
-            # round, already hashed once for the signature
-            signed_copy = kind == "client_model"
         # The frame the announcement names is its model: only the aggregator publishes
-        # model frames, with a fresh random id each. Any other frame (an announcement
-        # without "model_frame", a re-encoded model, an unsigned copy) is checked by
-        # content, which costs a sha256 over the whole model (2 ms for 4 MB here, ten times
-        # that on a board without SHA instructions) on every round's critical path.
-        if frame.message_id != announced_frame_id(doc, self.node) and not signed_copy:
+        # model frames, with a fresh random id each (signed, the id is in what the
+        # signature covers). Any other frame (an announcement without "model_frame", a
+        # re-encoded model) is checked by content, which costs a sha256 over the whole
+        # model (2 ms for 4 MB here, ten times that on a board without SHA instructions) on
+        # every round's critical path. A signed copy under another id is no exception: a run
+        # id names one run only while the aggregator's state lasts, and a copy an earlier
+        # run of the same id signed for this round and board verifies as well as this one.
+        if frame.message_id != announced_frame_id(doc, self.node):
             sha = buffers_sha256(frame.buffers)
             if sha != expected:
                 self._reject(f"{kind} frame of round {frame.round}: content sha256 {sha[:16]} "
