@@ -427,7 +427,8 @@ class SignedRun:
     """An Aggregator (thread) signing with `agg_key`, checking the boards' keys, on `fed`."""
 
     def __init__(self, tmp_path, config, url, fed, agg_key, board_keys, state="agg",
-                 ids=("client-0", "client-1")):
+                 ids=("client-0", "client-1"), run_id=None):
+        from edgefl.roles.control import RunControl
         from edgefl.roles.aggregator import secure_plan
         self.run = prepare_run(config, progress=False)
         plan = RunPlan(self.run.strategy, self.run.init_params, self.run.setup, self.run.model,
@@ -438,7 +439,8 @@ class SignedRun:
                       if board_keys is not None else None)
         self.aggregator = Aggregator(plan, mqtt(url, "aggregator"), tmp_path / state,
                                      AggregatorSettings(node_id="aggregator", federation=fed,
-                                                        round_timeout_s=60.0, trust=trust))
+                                                        round_timeout_s=60.0, trust=trust),
+                                     control=RunControl(run_id) if run_id else None)
         self.result, self.error = None, None
         self.thread = threading.Thread(target=self._body, daemon=True)
 
@@ -682,6 +684,64 @@ def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_re
     # the real boards: the run completes with the in-process model
     boards = [board(tmp_path / "b", run, mosquitto_server.url, fed, n, keys[n], [agg_key])
               for n in keys]
+    result = second.finish()
+    for _, t in boards:
+        t.join(10)
+    assert [h["updates"] for h in result.history] == [2, 2]
+    from edgefl.checkpoint import model_sha256
+    assert model_sha256(result.params) == reference_sha(config)
+
+
+def test_an_update_replayed_from_an_earlier_run_of_the_same_id_is_refused(
+        tmp_path, mosquitto_server):
+    """A run id names one run only while the aggregator's state lasts: its state directory
+    wiped, the id r1 is given again, and client-0's round-1 update of the earlier r1 still
+    verifies for run r1, round 1, client-0 (the board's key outlives the state). Replayed
+    before the board's own, it was taken as client-0's answer and the board's real update
+    dropped as a duplicate. The update names the model it was trained from (its signed
+    `base`), which is not the new run's: refused, and the run ends on its own model."""
+    url = mosquitto_server.url
+    fed = f"sig-{uid()}"
+    topics = Topics(fed)
+    agg_key = signing.generate_key()
+    keys = {"client-0": signing.generate_key(), "client-1": signing.generate_key()}
+    earlier_config = load_run_config(write_config(tmp_path, seed=1))
+    config = load_run_config(write_config(tmp_path))
+    earlier_run = prepare_run(earlier_config, progress=False)
+    run = prepare_run(config, progress=False)
+
+    probe = mqtt(url, "probe")
+    probe.connect()
+    probe.subscribe(topics.update("client-0"), qos=1)
+    first = SignedRun(tmp_path, earlier_config, url, fed, agg_key, keys, state="agg-a",
+                      run_id="r1").start()
+    boards = [board(tmp_path / "a", earlier_run, url, fed, n, keys[n], [agg_key])
+              for n in keys]
+    first.finish()
+    for _, t in boards:
+        t.join(10)
+    captured = []
+    while (item := probe.receive(timeout=0.5)) is not None:
+        if getattr(item, "payload", b"") and msg.peek_frame(item.payload)[0] == 1:
+            captured.append(item.payload)
+    probe.close(timeout=1.0, announce_offline=False)
+    assert captured, "no update of round 1 seen"
+
+    # the state wiped (another state directory), r1 started again
+    second = SignedRun(tmp_path, config, url, fed, agg_key, keys, state="agg-b",
+                       run_id="r1").start()
+    agg = second.aggregator
+    assert agg.run_id == first.result.run_id == "r1"
+    raw = RawPublisher(url)
+    try:
+        for payload in captured:
+            raw.publish(topics.update("client-0"), payload)
+        wait_for(lambda: agg.stats["rejected"] >= 1 or "client-0" in agg.open.received,
+                 what="the aggregator to act on the replayed update")
+        assert "client-0" not in agg.open.received, "the earlier r1's update was taken"
+    finally:
+        raw.close()
+    boards = [board(tmp_path / "b", run, url, fed, n, keys[n], [agg_key]) for n in keys]
     result = second.finish()
     for _, t in boards:
         t.join(10)

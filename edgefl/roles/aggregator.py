@@ -1290,6 +1290,14 @@ class Aggregator:
             self._reject(node, f"{where} belongs to run {scalars['run']}, this is run "
                                f"{self.ckpt.run_id}", key)
             return
+        base = self._announced_sha(node)
+        if scalars["base"] is not None and base is not None and scalars["base"] != base:
+            # a run id names one run only while the state lasts: an earlier run of the same
+            # id (its state wiped) took this board's update of this round, signed as well
+            self._reject(node, f"{where} was trained from model {scalars['base'][:16]}, this "
+                               f"round's is {base[:16]} (an earlier run of the id "
+                               f"{self.ckpt.run_id!r}, replayed?)", key)
+            return
         if self.plan.secure is not None:
             self._refuse_plain_update(node, key)
             return
@@ -1308,6 +1316,16 @@ class Aggregator:
         o.counts["wire_up_bytes"] += frame.nbytes
         log.debug("round %d: update from %s (%d/%d)", o.round, node, len(o.received),
                   len(o.uploaders))
+
+    def _announced_sha(self, node: str) -> str | None:
+        """The sha256 the open round announced for the model `node` trains from (its own
+        per-client model's, or the global model's), or None when it announced none."""
+        o = self.open
+        task = o.node_tasks.get(node)
+        if task is None:
+            return None
+        downlink = o.downlinks.get(node if task.source == "client" else "global")
+        return downlink.sha if downlink is not None else None
 
     def _refuse_plain_update(self, node: str, key) -> None:
         """A plain update in a secure round: only a board whose edgefl predates secure

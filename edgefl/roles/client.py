@@ -710,7 +710,7 @@ class Client:
         entry = doc["tasks"][self.node]
         if entry["source"] == "client" and kind == "model":
             return                                  # FedMR: the shared model is not ours
-        expected = entry["model_sha256"] if entry["source"] == "client" else doc["model_sha256"]
+        expected = _model_sha(doc, self.node)
         if self.downlink is not None:
             try:
                 self.downlink.verify_frame(frame, where=f"{kind} frame of round {frame.round}",
@@ -833,7 +833,8 @@ class Client:
                 return
             try:
                 frame = wire.encode("update", r, self.node, update.buffers,
-                                    update_scalars(update, doc["run"], job.train_s),
+                                    update_scalars(update, doc["run"], job.train_s,
+                                                   base=_model_sha(doc, self.node)),
                                     self._model.table, self.settings.compression,
                                     sign=self.signer.frame_signer(doc["run"]) if self.signer
                                     else None)
@@ -1009,6 +1010,13 @@ def _save_signed_at(state_dir: str, at: float, run: str) -> None:
         log.warning("the signing time of the followed announcement was not stored (%s): "
                     "after a restart, an older one replayed is refused only by its run and "
                     "round", exc)
+
+
+def _model_sha(doc: dict, node: str) -> str | None:
+    """The announced sha256 of the model `node` trains from in announcement `doc`: its
+    per-client model's, or the global model's."""
+    entry = doc["tasks"][node]
+    return entry["model_sha256"] if entry["source"] == "client" else doc["model_sha256"]
 
 
 def _carried_task(payload) -> bytes | None:

@@ -432,20 +432,32 @@ def parse_status(payload: bytes, topic_node: str) -> dict:
 # update scalars
 # ---------------------------------------------------------------------------------------
 
-def update_scalars(update, run_id: str, train_s: float) -> dict:
+def update_scalars(update, run_id: str, train_s: float, base: str | None = None) -> dict:
     """The scalars of an update frame: the Update's fields, the run it belongs to, the
-    client's training time, and the strategy's own scalars (non-finite floats tagged)."""
-    return {"run": run_id, "num_samples": int(update.num_samples),
-            "train_loss": tag_floats(float(update.train_loss)), "steps": int(update.steps),
-            "train_s": float(train_s), "strategy": tag_floats(dict(update.scalars))}
+    client's training time, the strategy's own scalars (non-finite floats tagged), and
+    `base`, the announced sha256 of the model it was trained from, when given."""
+    out = {"run": run_id, "num_samples": int(update.num_samples),
+           "train_loss": tag_floats(float(update.train_loss)), "steps": int(update.steps),
+           "train_s": float(train_s), "strategy": tag_floats(dict(update.scalars))}
+    if base is not None:
+        # a run id names one run only while the aggregator's state lasts: signed with the
+        # update, the model it started from tells it from an earlier run's of the same id
+        out["base"] = base
+    return out
 
 
 def parse_update_scalars(scalars: Mapping, where: str) -> dict:
-    """(checked) {run, num_samples, train_loss, steps, train_s, strategy} of an update."""
+    """(checked) {run, num_samples, train_loss, steps, train_s, strategy, base} of an
+    update; base None from a board older than it."""
     out = {}
     if not isinstance(scalars.get("run"), str):
         raise MessageError(f"{where}: scalar 'run' missing or not a string")
     out["run"] = scalars["run"]
+    base = scalars.get("base")
+    if base is not None and not isinstance(base, str):
+        raise MessageError(f"{where}: scalar 'base' = {str(base)[:40]!r} must be a string "
+                           "(the sha256 of the model it was trained from)")
+    out["base"] = base
     for key in ("num_samples", "steps"):
         value = scalars.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
