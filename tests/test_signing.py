@@ -1721,6 +1721,32 @@ def test_a_key_of_an_unsupported_algorithm_is_named_not_a_traceback(tmp_path, ca
         assert f"{path}: not an" in err and "Traceback" not in err, err
 
 
+def test_a_signing_key_other_accounts_can_read_is_refused_naming_file_and_mode(tmp_path,
+                                                                            capsys):
+    """A signing key whoever reads signs as its node with: one that other accounts may read
+    or change (a `chmod 644`, a copy under a umask of 022, root:edgefl 0640 as a password
+    file is, which the inference service and operators in group edgefl read) is refused
+    where a node signs with it, naming the file, its mode and the fix; it was taken. Its
+    fingerprint is still shown (`keys show` signs nothing)."""
+    _, key, pub = keypair(tmp_path, "aggregator")
+    for mode in (0o644, 0o640, 0o604, 0o620):
+        os.chmod(key, mode)
+        with pytest.raises(KeyFileError) as refused:
+            Trust.load(fed="lab", node="aggregator", signing_key=key)
+        assert str(refused.value).startswith(f"keys.signing_key: {key}: mode {mode:04o}")
+        assert f"chmod 600 {key}" in str(refused.value)
+        with pytest.raises(KeyFileError, match=f"mode {mode:04o}"):
+            Signer.from_file(key, "operator", "lab")
+    assert main(["keys", "show", key]) == 0
+    assert capsys.readouterr().out.split()[0] == \
+        signing.fingerprint(signing.load_public_key(pub))
+    os.chmod(key, 0o600)
+    assert Trust.load(fed="lab", node="aggregator", signing_key=key).signer is not None
+    os.chmod(key, 0o400)
+    assert Signer.from_file(key, "operator", "lab").fingerprint == \
+        signing.fingerprint(signing.load_public_key(pub))
+
+
 def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_off(
         tmp_path, mosquitto_server, caplog, capsys):
     """Backward compatible: the aggregator signs, the boards have no keys (an older site

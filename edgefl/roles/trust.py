@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..privacy import secagg
 from ..transport.signing import (KeyFileError, SignatureError, Signer, Verifier,
-                                 check_envelope_shape, load_private_key, load_public_key)
+                                 check_envelope_shape, load_public_key)
 
 __all__ = ["Trust", "aggregator_verifier", "fleet_key_files", "secure_signer",
            "verify_secure", "secure_context"]
@@ -126,7 +126,7 @@ class Trust:
         signer = None
         if signing_key is not None:
             try:
-                signer = Signer(load_private_key(signing_key), node or "?", fed)
+                signer = Signer.from_file(signing_key, node or "?", fed)
             except KeyFileError as exc:
                 raise KeyFileError(f"keys.signing_key: {exc}") from None
         downlink = aggregator_verifier(fed, aggregator)

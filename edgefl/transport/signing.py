@@ -136,7 +136,9 @@ def _read(path) -> bytes:
                            f"{exc.strerror or exc}") from None
 
 
-def load_private_key(path) -> Ed25519PrivateKey:
+def load_private_key(path, *, owner_only: bool = False) -> Ed25519PrivateKey:
+    """The private key file at `path` (KeyFileError naming it otherwise). `owner_only`:
+    where a node signs with it, also refused when other accounts may read or change it."""
     data = _read(path)
     if len(data) != 32 and b"PUBLIC KEY" in data:
         # a node's own key to sign with, given its .pub: the message names the mix-up,
@@ -160,7 +162,24 @@ def load_private_key(path) -> Ed25519PrivateKey:
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{os.fspath(path)}: a {type(key).__name__}, not an Ed25519 "
                            "private key")
+    if owner_only:
+        _check_owner_only(path)
     return key
+
+
+def _check_owner_only(path) -> None:
+    # whoever reads a signing key signs as its node; one the group may read (root:edgefl
+    # 0640, as a password file is) is the inference service's and the operators' too
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError as exc:
+        raise KeyFileError(f"{os.fspath(path)}: cannot read the key file: "
+                           f"{exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise KeyFileError(f"{os.fspath(path)}: mode {mode:04o}: other accounts may read or "
+                           "change this signing key, and whoever reads it signs as this "
+                           "node; make it its owner's alone (chmod 600 "
+                           f"{os.fspath(path)}, owned by the account that signs with it)")
 
 
 def load_public_key(path, *, private_ok: bool = False) -> Ed25519PublicKey:
@@ -239,7 +258,7 @@ class Signer:
 
     @classmethod
     def from_file(cls, path, by: str, fed: str) -> "Signer":
-        return cls(load_private_key(path), by, fed)
+        return cls(load_private_key(path, owner_only=True), by, fed)
 
     def envelope(self, kind: str, run: str, round: int, digest: str, *,
                  nonce: str | None = None, expires_in: float | None = None) -> dict:
