@@ -804,7 +804,23 @@ def test_an_asynchronous_aggregator_refuses_unsigned_forged_and_replayed_updates
                      what=f"forgery {i} refused for its signature, or taken")
             assert agg.ckpt.round == 0, f"forgery {i} was applied as client-0's update"
         assert agg.book["flight"]["client-0"]["task"] == task and not agg.buffer
+        # client-0's update of this task of an earlier run of the same id (the state wiped,
+        # the id given again: task ids start at 1 again), signed as well: it names the model
+        # it was trained from, not this task's
+        rejected = agg.stats.get("rejected", 0)
+        earlier = msg.update_scalars(_update(w, version=version), agg.ckpt.run_id, 0.1,
+                                     base="ab" * 32)
+        raw.publish(topics.update("client-0"), wire.encode(
+            "update", task, "client-0", {"params": w}, earlier, table,
+            sign=Signer(keys["client-0"], "client-0", fed).frame_signer(agg.ckpt.run_id)))
+        wait_for(lambda: agg.stats.get("rejected", 0) > rejected or agg.ckpt.round > 0,
+                 what="the earlier run's update refused, or taken")
+        assert agg.ckpt.round == 0, "an earlier run's update was applied as client-0's"
+        assert agg.book["flight"]["client-0"]["task"] == task and not agg.buffer
         # the board's own, signed with its key for this run: taken (K = 1: a step)
+        base = agg.book["flight"]["client-0"]["doc"]["tasks"]["client-0"]["model_sha256"]
+        scalars = msg.update_scalars(_update(w, version=version), agg.ckpt.run_id, 0.1,
+                                     base=base)
         raw.publish(topics.update("client-0"), wire.encode(
             "update", task, "client-0", {"params": w}, scalars, table,
             sign=Signer(keys["client-0"], "client-0", fed).frame_signer(agg.ckpt.run_id)))

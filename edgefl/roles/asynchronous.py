@@ -462,6 +462,14 @@ class AsynchronousAggregator(Aggregator):
                 raise MessageError(f"{where}: it says it started from version "
                                    f"{update.scalars.get('version')!r}, the task was of "
                                    f"version {entry['version']}")
+            # as the synchronous aggregator checks (_on_update): task ids start at 1 again
+            # in a run whose id was given again after a state wipe, and the earlier run's
+            # update of this task, signed as well, names another model as its start
+            base = entry["doc"]["tasks"][node].get("model_sha256")
+            if scalars["base"] is not None and base is not None and scalars["base"] != base:
+                raise MessageError(f"{where} was trained from model {scalars['base'][:16]}, "
+                                   f"this task's is {base[:16]} (an earlier run of the id "
+                                   f"{self.ckpt.run_id!r}, replayed?)")
             why = self.plan.strategy.update_refusal(update)
             if why is not None:
                 raise MessageError(f"{where}: {why}")
