@@ -754,6 +754,44 @@ def test_reinstall_keeps_the_edited_site_file(tmp_path):
     assert done[str(tmp_path / "etc/systemd/system/edgefl-client@.service")] == "unchanged"
 
 
+def test_reinstall_says_what_the_kept_site_file_does_not_take(tmp_path, capsys):
+    """A site file that exists is kept as the operator edited it, so a second install's
+    --profile, --signing-key and --trust-key do not reach it: the report said "profile rpi4
+    (from --profile)" and "written" for the keys while the service ran on with rpi3 and
+    signed nothing. It says which profile the service runs with, and what to add."""
+    from edgefl.transport.signing import write_key_pair
+
+    stage = tmp_path / "stage"
+    args = ["install-service", "--role", "client", "--id", "a1", "--prefix", str(stage),
+            "--python", "/opt/edgefl/venv/bin/python", "--no-python-check"]
+    assert main(args + ["--profile", "rpi3"]) == 0
+    site = stage / "etc/edgefl/client-a1.yaml"
+    capsys.readouterr()
+    assert main(args + ["--profile", "rpi4"]) == 0
+    out = capsys.readouterr().out
+    assert "profile rpi3 (its site file's, kept; --profile rpi4 not applied)" in out, out
+    assert f"warning: {site} exists and is kept as it is: it says profile: rpi3, not rpi4 " \
+        "(--profile); edit it to change that" in out
+    assert yaml.safe_load(site.read_text())["profile"] == "rpi3"
+    _, public = write_key_pair(tmp_path / "agg")
+    assert main(args + ["--profile", "rpi3", "--signing-key", "new",
+                        "--trust-key", public]) == 0
+    out = capsys.readouterr().out
+    assert "profile rpi3 (from --profile)" in out
+    assert f"warning: {site} exists and is kept as it is: it does not set " \
+        "keys.signing_key: /etc/edgefl/keys/client-a1.key, keys.aggregator: " \
+        "[/etc/edgefl/keys/aggregator-0.pub]; add them to it, or the service does not " \
+        "use the keys installed" in out, out
+    # once the site file names them, a reinstall with the same keys has nothing to say
+    site.write_text(site.read_text().replace("# keys:", "keys:\n  signing_key: "
+                                             "/etc/edgefl/keys/client-a1.key\n  aggregator: "
+                                             "[/etc/edgefl/keys/aggregator-0.pub]\n# was:"))
+    key = stage / "etc/edgefl/keys/client-a1.key"
+    assert main(args + ["--profile", "rpi3", "--signing-key", str(key),
+                        "--trust-key", public]) == 0
+    assert "warning: " + str(site) not in capsys.readouterr().out
+
+
 def test_dry_run_writes_nothing(tmp_path, capsys):
     python = _usable_python()
     code = main(["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",

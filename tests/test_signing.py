@@ -1616,6 +1616,39 @@ def test_install_service_places_the_key_0600_for_the_service_user_and_never_prin
                           trusted_keys=(str(tmp_path / "junk"),))
 
 
+def test_install_service_run_again_keeps_the_nodes_private_key_and_writes_nothing(
+        tmp_path, capsys):
+    """The node's key is its identity: the fleet holds its public key (keys.fleet). Run a
+    second time with --signing-key new (a reinstall, a command from the shell's history),
+    install-service once replaced the private key with a new one, the old lost for good and
+    every update of the board then refused as signed by a key nobody trusts. Refused before
+    anything is written, naming the file; the same key given again is no change."""
+    stage = tmp_path / "stage"
+    args = ["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",
+            "--prefix", str(stage), "--python", "/opt/edgefl/venv/bin/python",
+            "--no-python-check"]
+    assert main(args + ["--signing-key", "new"]) == 0
+    key = stage / "etc/edgefl/keys/client-07.key"
+    before = key.read_bytes(), (stage / "etc/edgefl/keys/client-07.key.pub").read_bytes()
+    unit = stage / "etc/systemd/system/edgefl-client@.service"
+    unit.unlink()
+    other = tmp_path / "other.key"
+    assert main(["keys", "gen", "--out", str(other)]) == 0
+    capsys.readouterr()
+    for given in ("new", str(other)):
+        assert main(args + ["--signing-key", given]) == 1
+        err = capsys.readouterr().err
+        assert f"--signing-key: {key} exists" in err and "not replaced" in err, err
+        assert (key.read_bytes(), (stage / "etc/edgefl/keys/client-07.key.pub")
+                .read_bytes()) == before
+        assert not unit.exists()                   # nothing written
+    # the node's own key again: unchanged, and the rest is installed
+    assert main(args + ["--signing-key", str(key)]) == 0
+    out = capsys.readouterr().out
+    assert f"unchanged      {key}\n" in out and unit.exists()
+    assert key.read_bytes() == before[0]
+
+
 @pytest.mark.parametrize("role, setting", [("client", "aggregator"),
                                            ("aggregator", "operators")])
 def test_install_service_refuses_a_private_key_to_trust_and_writes_nothing(

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from importlib import resources
 
 
+import yaml
+
 from ..config import dump_yaml, load_yaml
 from ..io import atomic_write
 from . import profiles
@@ -243,6 +245,7 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
             raise
         python = python or sys.executable
         warnings.append(f"a real install stops here: {exc}")
+    profile_given = profile is not None
     if profile is None:
         profile, how = profiles.detect_profile(device_tree_model)
         if profile is None:
@@ -265,6 +268,11 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
     sysusers = _units_dir().joinpath("sysusers-edgefl.conf").read_text(encoding="utf-8")
     unit_path = os.path.join(UNIT_DIR, spec.template)
     key_files, keys = _key_files(role, node_id, signing_key, trusted_keys, staged)
+    profile_shown, note_shown = profile, note
+    kept = _kept_site_file(staged(site), profile, note, profile_given, keys)
+    if kept is not None:
+        profile_shown, note_shown, more = kept
+        warnings += more
     files = (
         PlannedFile(unit_path, staged(unit_path), render_unit(role, python), 0o644),
         PlannedFile(site, staged(site), site_skeleton(role, node_id, profile, keys), 0o644,
@@ -279,8 +287,55 @@ def plan_install(role: str, node_id: str | None = None, *, profile: str | None =
         warnings.append(f"interpreter {python} not checked (--no-python-check): on the "
                         f"machine the files are for, it must exist and `{python} -c "
                         f"'import edgefl'` must succeed, or {unit} fails on every start")
-    return InstallPlan(role, node_id, profile, note, unit, python, prefix, files, commands,
-                       tuple(warnings))
+    return InstallPlan(role, node_id, profile_shown, note_shown, unit, python, prefix, files,
+                       commands, tuple(warnings))
+
+
+def _kept_site_file(target: str, profile: str, note: str, given: bool, keys: dict):
+    """What a site file that exists, which install() keeps as the operator edited it, makes
+    of this installation: None when there is none, else (the profile the service runs
+    with, where that comes from, warnings). A warning names each thing asked for that the
+    kept file does not take: a --profile (`given`) other than the file's, and the keys.*
+    settings of the key files installed now that the file does not set. Without them the
+    report said "profile rpi4" and "written" for the keys while the service ran on with the
+    old profile, signing nothing."""
+    try:
+        with open(target, encoding="utf-8") as f:
+            doc = load_yaml(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        return profile, note, [
+            f"{target} exists and is kept as it is, but it does not read "
+            f"({getattr(exc, 'strerror', None) or exc}): the service cannot start until it "
+            f"is fixed (edgefl config show --config {target} names the problem)"]
+    doc = doc if isinstance(doc, dict) else {}
+    warnings = []
+    has = doc.get("profile")
+    auto = has is None or has == "auto"       # the service detects the board as it starts
+    shown = profile
+    if has != profile and (given or not auto):
+        # the file's profile is the one the service runs with
+        shown = "auto" if auto else str(has)
+        note = (f"its site file's, kept{': detected at start' if auto else ''}; "
+                f"{'--profile' if given else 'detected'} {profile} not applied")
+        if given:
+            warnings.append(f"{target} exists and is kept as it is: it says profile: "
+                            f"{has if has is not None else '(none)'}, not {profile} "
+                            f"(--profile); edit it to change that")
+    set_keys = doc.get("keys") if isinstance(doc.get("keys"), dict) else {}
+    missing = []
+    for setting, value in keys.items():
+        there = set_keys.get(setting)
+        there = there if isinstance(there, list) else [there]
+        wanted = value if isinstance(value, list) else [value]
+        if any(path not in there for path in wanted):
+            missing.append(f"keys.{setting}: {_flow(value)}")
+    if missing:
+        warnings.append(f"{target} exists and is kept as it is: it does not set "
+                        f"{', '.join(missing)}; add them to it, or the service does not use "
+                        f"the keys installed")
+    return shown, note, warnings
 
 
 KEYS_DIR = f"{ETC_DIR}/keys"
@@ -301,6 +356,7 @@ def _key_files(role: str, node_id: str, signing_key, trusted_keys, staged):
         except KeyFileError as exc:
             raise InstallError(f"--signing-key: {exc}") from None
         path = f"{KEYS_DIR}/{role}-{node_id}.key"
+        _keep_node_key(staged(path), key)
         private = private_key_pem(key).decode("ascii")
         public = public_key_pem(key).decode("ascii")
         files += [PlannedFile(path, staged(path), private, 0o600, owner=SERVICE_OWNER,
@@ -326,6 +382,27 @@ def _key_files(role: str, node_id: str, signing_key, trusted_keys, staged):
             paths.append(path)
         keys[setting] = paths
     return tuple(files), keys
+
+
+def _keep_node_key(target: str, key) -> None:
+    """Refuse to replace a node's private key that is there with another: its public key is
+    the one the fleet trusts (keys.fleet, a board's keys.aggregator), and the old key would
+    be gone for good. A second `--signing-key new` (a reinstall) once did that silently."""
+    from ..transport.signing import KeyFileError, fingerprint, load_private_key
+
+    if not os.path.lexists(target):
+        return
+    try:
+        there = fingerprint(load_private_key(target))
+        if there == fingerprint(key):
+            return                   # the same key: nothing changes
+        what = f"holds this node's key (fingerprint {there})"
+    except (KeyFileError, OSError) as exc:
+        what = f"does not read as a private key ({exc})"
+    raise InstallError(f"--signing-key: {target} exists and {what}: not replaced, as the "
+                       f"fleet trusts its public key and the old key would be lost; leave "
+                       f"--signing-key out to keep it (or give that file), or to change the "
+                       f"key remove it first and give the fleet the new .pub")
 
 
 def site_skeleton(role: str, node_id: str, profile: str, keys: dict | None = None) -> str:
