@@ -223,6 +223,34 @@ def test_prune_needs_a_number_to_keep(tmp_path):
     assert result.returncode == 2 and "--keep" in result.stderr, result.stderr
 
 
+def test_prune_of_a_directory_that_is_no_state_directory_says_so_and_makes_nothing(tmp_path):
+    """A state_dir mistyped (--set state_dir=/var/lib/edgefl/agregator) or the wrong site
+    file: prune made the directory and its lock file there and said "removed 0 run(s)",
+    exit 0, while the runs it was meant to remove filled the disk elsewhere. Refused,
+    naming the directory and where its name came from; nothing is made."""
+    missing = tmp_path / "agregator"
+    for dry in ([], ["--dry-run"]):
+        result = prune(site_file(tmp_path, missing), "--keep", "1", *dry)
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert f"edgefl prune: error: {missing}: no such directory (state_dir, " \
+            f"{tmp_path / 'aggregator.yaml'}" in result.stderr, result.stderr
+        assert not missing.exists()
+    # a directory, but no aggregator service's: no runs/ in it
+    other = tmp_path / "client-1"
+    other.mkdir()
+    (other / "client.npz").write_bytes(b"x")
+    result = prune(site_file(tmp_path, other), "--keep", "1")
+    assert result.returncode == 1
+    assert f"{other}: holds no runs/ directory, so no aggregator service has kept runs " \
+        "there" in result.stderr, result.stderr
+    assert sorted(os.listdir(other)) == ["client.npz"]
+    # a file
+    (tmp_path / "afile").write_text("")
+    result = prune(site_file(tmp_path, tmp_path / "afile"), "--keep", "1")
+    assert result.returncode == 1 and f"{tmp_path / 'afile'}: not a directory" in \
+        result.stderr, result.stderr
+
+
 def test_prune_refuses_a_state_directory_the_service_holds_and_removes_nothing(tmp_path):
     from edgefl.roles.state import hold_state_dir
 

@@ -33,6 +33,24 @@ def _lock_holder(path: str) -> str:
         return "its process unknown"
 
 
+def _check_state_dir(store, config) -> None:
+    """ValueError naming the directory and where its name came from unless it is an
+    aggregator service's state directory (one with runs/): a state_dir mistyped, or the
+    wrong site file, was made by the claim on it and reported as "removed 0 run(s)", exit 0,
+    while the runs meant filled the disk elsewhere."""
+    where = config.source("state_dir") if config.values.get("state_dir") else \
+        "$STATE_DIRECTORY"
+    if not os.path.isdir(store.state_dir):
+        what = "not a directory" if os.path.exists(store.state_dir) else "no such directory"
+        raise ValueError(f"{store.state_dir}: {what} (state_dir, {where}): not the aggregator "
+                         f"service's state directory; name its site file with --config, or "
+                         f"--set state_dir=DIR (under systemd /var/lib/edgefl/aggregator)")
+    if not os.path.isdir(store.root):
+        raise ValueError(f"{store.state_dir}: holds no {os.path.basename(store.root)}/ "
+                         f"directory, so no aggregator service has kept runs there (state_dir, "
+                         f"{where}): nothing to prune; is it the service's state directory?")
+
+
 def _when(t) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) if t else "?"
 
@@ -49,6 +67,7 @@ def _prune(args: argparse.Namespace) -> int:
         raise UsageError(f"give --keep N: retention.keep_runs is not set "
                          f"({config.source('retention.keep_runs')})")
     store = RunStore(config.state_dir)
+    _check_state_dir(store, config)
 
     def mark(record, run):
         record.update(pruned=time.time(), pruned_bytes=run.bytes)
