@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -44,7 +45,8 @@ from .service.accounts import (CREDENTIALS_DIR, DYNSEC_FILE, OPERATOR,
 from .transport.broker import find_mosquitto, free_port, have_python_broker, probe
 
 __all__ = ["FleetError", "FleetService", "Fleet", "up", "down", "fleet_status",
-           "client_ids", "site_files", "run_configs", "mosquitto_conf", "write_examples",
+           "client_ids", "site_files", "run_configs", "mosquitto_conf", "fleet_command",
+           "write_examples",
            "FLEET_RECORD", "DEFAULT_CLIENTS", "DEFAULT_FEDERATION", "DEFAULT_DIR"]
 
 FLEET_RECORD = "fleet.json"
@@ -257,18 +259,25 @@ class Fleet:
                        doc["broker"], dict(doc.get("processes") or {}))
         except FileNotFoundError:
             raise FleetError(f"{directory}: no fleet here ({FLEET_RECORD} is missing); "
-                             f"`edgefl fleet up --dir {directory}` makes one") from None
+                             f"`{fleet_command('up', directory)}` makes one") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise FleetError(f"{path}: not a fleet record ({exc})") from None
 
     def ctl_command(self, action: str = "start", *rest: str) -> str:
         """The `edgefl ctl` command line for this fleet, as the operator."""
-        parts = ["edgefl ctl", action, *map(_shown, rest), "--config",
+        parts = ["edgefl", "ctl", action, *map(_shown, rest), "--config",
                  _shown(self.path("aggregator.yaml")), "--username", OPERATOR,
                  "--password-file", _shown(self.path(CREDENTIALS_DIR, f"{OPERATOR}.pw"))]
         if self.broker == "embedded" and not find_mosquitto():
             parts += ["--mqtt", "3.1.1"]        # amqtt speaks MQTT 3.1.1 only
-        return " ".join(parts)
+        return shlex.join(parts)         # as fleet_command
+
+
+def fleet_command(action: str, directory: str) -> str:
+    """`edgefl fleet ACTION --dir DIR` to copy into a shell: DIR quoted where the shell
+    would split or expand it (a fleet in "my fleet" printed `--dir my fleet`, two arguments
+    once pasted)."""
+    return shlex.join(["edgefl", "fleet", action, "--dir", directory])
 
 
 def _shown(path: str) -> str:
@@ -385,7 +394,7 @@ def up(directory: str, clients: int | None = None, federation: str | None = None
         if alive:
             raise FleetError(f"a fleet is already running in {directory} ("
                              + ", ".join(f"{n} pid {p['pid']}" for n, p in alive.items())
-                             + f"); `edgefl fleet down --dir {directory}` stops it")
+                             + f"); `{fleet_command('down', directory)}` stops it")
         for given, recorded, option in ((clients, len(fleet.clients), "--clients"),
                                         (federation, fleet.federation, "--federation")):
             if given is not None and given != recorded:

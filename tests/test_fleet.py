@@ -168,6 +168,36 @@ def test_a_fleet_without_mosquitto_uses_the_embedded_broker(tmp_path):
         (tmp_path / "fleet" / "logs" / "broker.log").read_text()
 
 
+def test_the_commands_fleet_up_prints_run_as_printed_from_a_directory_with_a_space(
+        tmp_path):
+    """`fleet up --dir "my fleet"` printed `edgefl ctl start my fleet/digits.yaml --config
+    my fleet/aggregator.yaml ...` and `edgefl fleet down --dir my fleet`: pasted into a
+    shell, each word a separate argument, the first command named no such file and the
+    last no such fleet. Each printed command, run as a shell splits it, does its job."""
+    if not (find_mosquitto() and find_dynsec_plugin()) and not have_python_broker():
+        pytest.skip("needs Mosquitto or the embedded broker")
+    up = edgefl(tmp_path, "fleet", "up", "--clients", "1", "--dir", "my fleet")
+    pids = _pids(tmp_path / "my fleet")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        status = subprocess.run(
+            [a if a != "start" else "status" for a in _next_command(up.stdout)
+             if not a.endswith("digits.yaml")], cwd=tmp_path, capture_output=True,
+            text=True, timeout=120)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "aggregator: no active run" in status.stdout, status.stdout
+    finally:
+        stop = next(line for line in up.stdout.splitlines() if line.startswith("stop it: "))
+        down = subprocess.run(EDGEFL + shlex.split(stop[len("stop it: "):])[1:], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        if down.returncode != 0 or "fleet down: stopped" not in down.stdout:
+            edgefl(tmp_path, "fleet", "down", "--dir", "my fleet")
+    assert down.returncode == 0 and "fleet down: stopped" in down.stdout, \
+        stop + down.stdout + down.stderr
+    assert all(_gone(pid) for pid in pids.values())
+    assert "`edgefl fleet up --dir 'my fleet'` starts the same fleet again" in down.stdout
+
+
 def test_the_shipped_examples_are_what_fleet_up_writes(tmp_path):
     fleet_module.write_examples(str(tmp_path))
     written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())

@@ -51,7 +51,7 @@ def _fleet(args: argparse.Namespace) -> int:
                   f"federation {fleet.federation}; files in {fleet.directory}, logs in "
                   f"{fleet.path('logs')}")
             print("next:", fleet.ctl_command("start", fleet.path("digits.yaml")), flush=True)
-            print(f"stop it: edgefl fleet down --dir {args.dir}", flush=True)
+            print(f"stop it: {fleet_module.fleet_command('down', args.dir)}", flush=True)
             return 0
         if args.action == "down":
             options = {} if args.timeout is None else {"timeout": args.timeout}
@@ -61,7 +61,8 @@ def _fleet(args: argparse.Namespace) -> int:
                 print(f"fleet down: nothing is running in {args.dir}")
             else:
                 print(f"fleet down: stopped {', '.join(stopped)}; files kept in {args.dir} "
-                      f"(`edgefl fleet up --dir {args.dir}` starts the same fleet again)")
+                      f"(`{fleet_module.fleet_command('up', args.dir)}` starts the same "
+                      f"fleet again)")
             return 0
         fleet, alive, statuses = fleet_module.fleet_status(args.dir)
     except fleet_module.FleetError as exc:
