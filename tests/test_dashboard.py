@@ -670,6 +670,40 @@ def test_a_boards_status_nested_too_deep_neither_stops_the_feed_nor_breaks_the_p
             board.close(timeout=1, announce_offline=False)
 
 
+@pytest.mark.parametrize("bad", ["3", [3], {"n": 3}, True, 2.5])
+def test_a_run_record_whose_rounds_done_is_no_whole_number_leaves_the_feed_running(
+        mosquitto_acl_server, bad):
+    """A run record is retained: one whose rounds_done is not a whole number (an
+    aggregator of another version, a record written by hand) raised TypeError out of the
+    dashboard's feed thread, on comparing it with the rounds seen, and the page, still
+    showing "connected", followed nothing more; retained, the same on every restart. It is
+    refused as that run's unreadable record, named and counted, and the feed goes on."""
+    import uuid
+
+    from edgefl.dashboard import Dashboard
+    topics = Topics(f"dash-{uuid.uuid4().hex[:8]}")
+    agg = _board(mosquitto_acl_server, "aggregator")
+    try:
+        agg.publish(topics.run_record("r1"), json.dumps(
+            {"id": "r1", "state": "running", "rounds_done": bad}).encode(), qos=1,
+                    retain=True).wait(10)
+        with Dashboard(mosquitto_acl_server.url, topics.federation, port=0,
+                       username="operator",
+                       password=mosquitto_acl_server.users["operator"]) as dashboard:
+            agg.publish(topics.run_record("r2"), json.dumps(
+                {"id": "r2", "state": "finished", "rounds_done": 4}).encode(), qos=1,
+                        retain=True).wait(10)
+            wait_for(lambda: "r2" in dashboard.view.runs, timeout=30,
+                     what="run r2's record after r1's")
+            assert dashboard._feed_thread.is_alive()
+            assert "r1" not in dashboard.view.runs and dashboard.view.ignored == 1
+            assert dashboard.view.runs["r2"]["rounds_done"] == 4
+    finally:
+        for run in ("r1", "r2"):
+            agg.publish(topics.run_record(run), b"", qos=1, retain=True).wait(10)
+        agg.close(timeout=1, announce_offline=False)
+
+
 XSS = ['<img src=x onerror="window.__pwned=1">', "<script>window.__pwned=2</script>",
        '"><svg onload="window.__pwned=3">', "javascript:window.__pwned=4"]
 

@@ -18,8 +18,9 @@ Every change becomes one (kind, JSON bytes) pair for the listeners (the open pag
 gets `snapshot()` first, taken under the same lock as its registration, so it misses
 nothing and sees nothing twice.
 
-A payload that cannot be read (not JSON, nested too deep, a status naming another node)
-is counted and logged with its topic, and changes nothing.
+A payload that cannot be read (not JSON, nested too deep, a status naming another node, a
+run record whose rounds_done is not a whole number) is counted and logged with its topic,
+and changes nothing.
 """
 from __future__ import annotations
 
@@ -202,6 +203,12 @@ class FleetView:
             raise MessageError(f"run record of {run!r}: id {doc.get('id')!r}, state "
                                f"{doc.get('state')!r} (need id {run!r} and a state of "
                                f"{', '.join(RUN_STATES)})")
+        done = doc.get("rounds_done")
+        if done is not None and (type(done) is not int or done < 0):
+            # compared with the rounds seen closing below: a string or a list there raised
+            # TypeError out of the feed thread, which then followed nothing more
+            raise MessageError(f"run record of {run!r}: rounds_done {str(done)[:40]!r} is "
+                               f"not a whole number >= 0")
         with self._lock:
             known = self.runs.get(run, {})
             row = {**doc, "record": True}
