@@ -1647,3 +1647,71 @@ def test_ctl_watch_skips_an_event_nested_too_deep_and_goes_on(mosquitto_acl_serv
                              [deep, _event(event="run_finished", run="r1", rounds=1)])
     assert "Traceback" not in err, err
     assert "run_finished" in out, (out, err)
+
+
+# ---------------------------------------------------------------------------------------
+# a full disk under the service
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("then", ["space", "stop"])
+def test_a_run_whose_checkpoint_meets_a_full_disk_waits_for_space_and_resumes(
+        fleet, tmp_path, caplog, then):
+    """The disk fills while a run goes on (its checkpoints are what fill it): the round's
+    checkpoint cannot be written, the aggregator stops, and its log says a restart runs the
+    round again. The service marked the run failed, for good: no command resumes a failed
+    run, and the rounds done were lost to it though their checkpoint stood. A full disk is
+    not the run's fault, as an unreachable broker is not: the run stays running, is tried
+    again, and once there is space goes on from its checkpoint, each round aggregated once.
+    The state directory is a real tmpfs, filled by a file; the run record still fits.
+    Between two tries the operator can still stop the run (then="stop"): it ends stopped,
+    not failed, at the round its checkpoint holds."""
+    import subprocess
+
+    caplog.set_level(logging.INFO, "edgefl")
+    state = tmp_path / "aggregator"
+    state.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(state)],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    f = None
+    try:
+        f = fleet()
+        f.start_all()
+        doc = run_config(rounds=4, model={"name": "mlp", "hidden": [256]})   # 77 KB a model
+        f.ok({"cmd": "start", "config": doc, "run": "full-1"})
+        f.events.wait("round_closed", run="full-1", round=1)
+        f.ok({"cmd": "pause", "run": "full-1"})
+        filler = str(state / "filler")
+        with open(filler, "wb") as out:             # the disk fills up ...
+            try:
+                while True:
+                    out.write(b"\0" * 65536)
+                    out.flush()
+            except OSError:
+                pass
+        os.truncate(filler, max(0, os.path.getsize(filler) - 8 * 4096))  # ... but 32 KB
+        f.ok({"cmd": "resume", "run": "full-1"})
+        wait_for(lambda: "aggregated but not checkpointed" in caplog.text, timeout=60,
+                 what="a checkpoint refused by the full disk")
+        time.sleep(1.0)                        # the service has had its say on the run
+        runs = {r["id"]: r for r in f.ok({"cmd": "runs"})["runs"]}
+        assert runs["full-1"]["state"] == "running", runs["full-1"]
+        assert "no space left" in caplog.text.lower()
+        if then == "stop":
+            held = AggregatorCheckpoint.load(state / "runs" / "full-1" / "state").round
+            stopping = f.ok({"cmd": "stop", "run": "full-1"})
+            assert stopping["state"] == "stopping", stopping
+            ended = wait_state(f, "full-1", "stopped", timeout=60)
+            assert 1 <= held < 4 and ended["rounds_done"] == held, (held, ended)
+            assert "error" not in ended, ended
+            return
+        os.unlink(filler)                       # space again
+        wait_state(f, "full-1", "finished", timeout=120)
+        journal = read_journal(state / "runs" / "full-1" / "state" / JOURNAL_FILE)
+        assert [r["round"] for r in journal if r.get("event") == "aggregated"] == [1, 2, 3, 4]
+        assert f.error is None
+    finally:
+        if f is not None:
+            f.close()                           # nothing writes there any more
+        subprocess.run(["umount", str(state)], capture_output=True, timeout=30)

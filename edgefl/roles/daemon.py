@@ -43,6 +43,7 @@ or to leave it as it ended); the file changed after its run ended is a new run.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -83,6 +84,9 @@ DONE_STATES = ("finished", "stopped", "cancelled", "failed")
 # reply stays one small message (AWS IoT's limit is 128 KiB); its totals count them all
 PRUNE_REPLY_RUNS = 200
 RUN_STATES = ("queued",) + ACTIVE_STATES + DONE_STATES
+# a write that failed for want of space (roles.state.StateWriteError's errno among them): the
+# run is tried again, not failed (Daemon._try_again)
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 REMEMBERED_REPLIES = 256
 NONCES_FILE = "command-nonces.json"      # nonces of signed commands, until they expire
 SITE_RUN_DIR = "run"                     # the site file's run's outputs, unless --out
@@ -101,7 +105,8 @@ class DaemonSettings:
     overrides deadline, quorum and min_updates). client_ids: the federation's client ids
     when a `start` names none (None: client-0 ... client-<N-1> for a partition of N).
     once: return from run() when no run is active or queued (scripts, tests).
-    retry_s: wait before trying a run again whose broker connection failed.
+    retry_s: wait before trying a run again whose broker connection failed, or whose
+    checkpoint a full disk refused.
     run_options: more keyword arguments of roles.runner.run_aggregator for every run (export
     policy, `publish_onnx`: whether exports are published on the onnx topics, default true;
     `onnx_record_dir`).
@@ -461,13 +466,7 @@ class Daemon:
                      "its checkpoint", record["id"])
         except TransportError as exc:
             # the broker is unreachable: not the run's fault; it is tried again
-            log.error("run %s: %s; trying again in %g s", record["id"], exc,
-                      self.settings.retry_s)
-            with self._lock:
-                self.active = None
-            end = time.monotonic() + self.settings.retry_s
-            while not self.stop.is_set() and time.monotonic() < end:
-                time.sleep(0.1)
+            self._try_again(record, str(exc))
             return
         except (ConfigError, StateError) as exc:
             # the user's to fix (a dataset that is not there, a state directory holding
@@ -476,6 +475,14 @@ class Daemon:
             log.error("run %s failed: %s", record["id"], exc)
             error = str(exc)
         except Exception as exc:      # noqa: BLE001 -- a failed run must not end the service
+            if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+                # A full disk (its checkpoints are what fill it) is not the run's fault
+                # either: marked failed, the run was lost for good though its last
+                # checkpoint stood. It stays running and is tried again from that
+                # checkpoint until there is space (or the operator stops it: _cmd_stop).
+                self._try_again(record, f"{exc}; free space there: the run goes on from its "
+                                        f"last checkpoint once it can write the next")
+                return
             log.exception("run %s failed", record["id"])
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError)) \
                 else str(exc)
@@ -495,6 +502,17 @@ class Daemon:
             self._apply_retention()
         if not self.stop.is_set() and not (self.settings.once and self._next() is None):
             self._publish_idle_status()
+
+    def _try_again(self, record: dict, why: str) -> None:
+        """The active run could not go on for a reason not its own (no broker, a full
+        disk): logged, left active (its record as it is) and started again, from its
+        checkpoint, after retry_s."""
+        log.error("run %s: %s; trying again in %g s", record["id"], why, self.settings.retry_s)
+        with self._lock:
+            self.active = None
+        end = time.monotonic() + self.settings.retry_s
+        while not self.stop.is_set() and time.monotonic() < end:
+            time.sleep(0.1)
 
     def _close_run(self, record: dict, control: RunControl, summary, error) -> None:
         """Record how the run ended (failed, finished, stopped by the operator, or only
@@ -1017,6 +1035,20 @@ class Daemon:
         if wanted is not None and wanted not in self.records:
             raise CommandError(f"stop: no run {wanted!r} (runs: "
                                f"{', '.join(self.records) or 'none'})")
+        between = self._between_tries(wanted)
+        if between is not None:
+            # not active now, and started again after retry_s (_try_again): that start finds
+            # the mark and ends the run from its checkpoint, training nothing more
+            with self._lock:
+                between["stop_requested"] = time.time()
+            note = "it was waiting to be tried again; it ends from its last checkpoint"
+            try:
+                self._save(between)
+            except OSError as exc:      # a full disk: the mark in memory does it
+                note += f" (the stop could not be written to the run's record: {exc})"
+            with self._wake:
+                self._wake.notify_all()
+            return {"run": between["id"], "state": "stopping", "note": note}
         record, control = self._target_active(command)
         # On disk before the answer: the run's end (its round abandoned, its model exported,
         # its record `stopped`) comes later, and a service killed in between (kill -9, power
@@ -1037,6 +1069,17 @@ class Daemon:
             note += f"; the stop could not be written to the run's record ({exc})"
         control.stop_requested.set()
         return {"run": record["id"], "state": "stopping", "note": note}
+
+    def _between_tries(self, wanted) -> dict | None:
+        """The record of the run `wanted` (None: the run) that is running or paused but not
+        active: between two tries of _try_again."""
+        with self._lock:
+            if self.active is not None:
+                return None
+            waiting = self._records_in(*ACTIVE_STATES)
+        if wanted is not None:
+            waiting = [r for r in waiting if r["id"] == wanted]
+        return waiting[0] if waiting else None
 
     def _cmd_export(self, command) -> dict:
         wanted = command.run
