@@ -285,6 +285,20 @@ def test_site_file_errors_name_file_line_key_and_valid_values(tmp_path, text, me
     assert re.search(message, str(exc.value)), str(exc.value)
 
 
+def test_a_site_file_not_in_utf8_is_named(tmp_path, capsys):
+    """A site file saved as UTF-16 (an editor's "Unicode") or Latin-1: every command that
+    reads it said only "'utf-8' codec can't decode byte 0xff in position 0", naming no
+    file, where a run config's error names it."""
+    site = tmp_path / "aggregator.yaml"
+    for data, byte, offset in (("node: {id: a}\n".encode("utf-16"), 0xff, 0),
+                               ("node: {id: caf\u00e9}\n".encode("latin-1"), 0xe9, 14)):
+        site.write_bytes(data)
+        assert main(["config", "show", "--role", "aggregator", "--config", str(site)]) == 1
+        err = capsys.readouterr().err
+        assert err == (f"edgefl config: error: {site}: not UTF-8 text (byte 0x{byte:02x} at "
+                       f"offset {offset}); a site file is a YAML file in UTF-8\n"), err
+
+
 def test_command_line_errors_name_the_set_item():
     with pytest.raises(ConfigError, match=r"^--set infer.threads=2: infer.threads is not a "
                                           r"setting of the client \(read by the inference "

@@ -241,6 +241,9 @@ def _read_yaml(path: str) -> tuple[dict, dict, dict]:
         raise ConfigError(f"{path}: config file does not exist") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:     # the decoder's own message names no file
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                          f"offset {exc.start}); a site file is a YAML file in UTF-8") from None
     try:
         try:
             data = load_yaml(text, FastYamlLoader)
