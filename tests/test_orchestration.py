@@ -913,6 +913,29 @@ def test_a_corrupt_run_record_is_reported_and_skipped(tmp_path, caplog):
     assert any(str(wild) in m and "contains '+'" in m for m in messages), messages
 
 
+def test_start_refuses_a_run_id_whose_directory_holds_a_record_it_cannot_read(fleet):
+    """A run whose record cannot be read (torn by the disk, written by another version) is
+    skipped at start, logged: its id was then free, and a `start` naming it wrote a new
+    record over the old one and ran in its directory, with its checkpoint and outputs. The
+    id is refused, naming the directory; nothing in it changes."""
+    f = fleet()
+    torn = f.state_dir / "runs" / "old-1"
+    (torn / "state").mkdir(parents=True)
+    (torn / "run.json").write_text('{"id": "old-1", "state": ')
+    (torn / "state" / "aggregator.npz").write_bytes(b"the old run's checkpoint")
+    before = {p.name: p.read_bytes() for p in (torn / "run.json", torn / "state" /
+                                                "aggregator.npz")}
+    f.start_daemon()
+    reply = f.control().request({"cmd": "start", "config": run_config(), "run": "old-1"},
+                                timeout=20)
+    assert not reply["ok"], reply
+    assert f"start: run id 'old-1' is taken: {torn} holds a run whose record cannot be " \
+        "read" in reply["error"], reply["error"]
+    assert {p.name: p.read_bytes() for p in (torn / "run.json", torn / "state" /
+                                             "aggregator.npz")} == before
+    assert "old-1" not in {r["id"] for r in f.ok({"cmd": "runs"})["runs"]}
+
+
 # ---------------------------------------------------------------------------------------
 # `edgefl ctl` as a process: every command, watch's count of clients online, the account
 # ---------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ class RunStore:
     def new_id(self, taken) -> str:
         while True:
             run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + os.urandom(2).hex()
-            if run_id not in taken:
+            if run_id not in taken and not os.path.lexists(self.run_dir(run_id)):
                 return run_id
 
 
@@ -947,6 +947,13 @@ class Daemon:
                 raise CommandError(f"start: run id {run_id!r} is taken (state "
                                    f"{self.records[run_id]['state']}); choose another or "
                                    f"leave it out")
+            if run_id is not None and os.path.lexists(self.store.run_dir(run_id)):
+                # a record load_all skipped (torn, another version's): a new one would be
+                # written over it, and the run would take its checkpoint and outputs
+                raise CommandError(f"start: run id {run_id!r} is taken: "
+                                   f"{self.store.run_dir(run_id)} holds a run whose record "
+                                   f"cannot be read (the service's log says why); choose "
+                                   f"another id, or move that directory away")
             if run_id is None:
                 run_id = self.store.new_id(self.records)
             run_dir = self.store.run_dir(run_id)
