@@ -25,7 +25,6 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 
-
 import yaml
 
 from ..config import dump_yaml, load_yaml
