@@ -600,6 +600,11 @@ def test_edgefl_ctl_prune_prints_what_it_removed_and_exits_1_on_a_failed_removal
     (["stop", "--dry-run"], "ctl stop: --dry-run is for prune"),
     (["pause", "--keep", "1"], "ctl pause: --keep is for prune"),
     (["prune", "--run", "r1"], "ctl prune: takes no --run"),
+    # status answered with the active run's, runs with every run: a --run asking about
+    # another (a stopped one, one of another federation) was dropped without a word
+    (["status", "--run", "r1"], "ctl status: takes no --run (it reports the service and its "
+                                "active run; `edgefl ctl runs` lists every run with its state)"),
+    (["runs", "--run", "r1"], "ctl runs: takes no --run (it lists every run"),
 ])
 def test_ctl_refuses_prune_options_elsewhere_before_sending(capsys, argv, problem):
     from edgefl.cli import main

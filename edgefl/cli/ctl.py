@@ -213,7 +213,14 @@ def _ctl_command(args: argparse.Namespace) -> dict:
         for given, option in ((args.keep is not None, "--keep"), (args.dry_run, "--dry-run")):
             if given:
                 raise UsageError(f"ctl {args.action}: {option} is for prune only")
-    if args.run_id is not None and args.action not in ("status", "runs", "watch", "prune"):
+    if args.run_id is not None and args.action in ("status", "runs"):
+        # refused, not dropped: the answer would be about other runs than the one asked
+        raise UsageError(
+            "ctl status: takes no --run (it reports the service and its active run; "
+            "`edgefl ctl runs` lists every run with its state)" if args.action == "status"
+            else "ctl runs: takes no --run (it lists every run the service knows, with its "
+                 "state; `edgefl ctl watch --run ID` tells how one ended)")
+    if args.run_id is not None and args.action not in ("watch", "prune"):
         doc["run"] = args.run_id
     return doc
 
