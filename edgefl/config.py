@@ -68,19 +68,29 @@ class Config(dict):
         self.path = path
 
 
+def read_yaml_text(path: str, what: str) -> str:
+    """The text of the YAML file `path`, `what` it is ("a config", "a site file"); a
+    ConfigError naming the file when it is missing, unreadable or not UTF-8 (the decoder's
+    own message names no file): run configs and site files alike."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                          f"offset {exc.start}); {what} is a YAML file in UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+
+
 def load_config(path: str | os.PathLike, overrides=()) -> Config:
     """Read the YAML mapping in `path` (load_yaml), then apply each override
     "dotted.key=value", the value parsed as YAML ("3" is an int, "[1, 2]" a list); an empty
     value ("dotted.key=") removes the key, e.g. an option of a partitioner being replaced."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = load_yaml(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file does not exist") from None
-    except UnicodeDecodeError as exc:     # the decoder's own message names no file
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
-                          f"offset {exc.start}); a config is a YAML file in UTF-8") from None
+        data = load_yaml(read_yaml_text(path, "a config"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..config import (Config, ConfigError, FastYamlLoader, YamlLoader, apply_override,
-                      dump_yaml, load_yaml)
+                      dump_yaml, load_yaml, read_yaml_text)
 from . import profiles
 from .keys import (KEYS, ROLE_NAMES, ROLES, Key, _SECTIONS, _check_value, _readers,
                    _role_keys, check_setting)
@@ -234,16 +234,7 @@ def _check_role(role: str) -> None:
 def _read_yaml(path: str) -> tuple[dict, dict, dict]:
     """(mapping, {dotted key: line}, {dotted key: scalar text}) of a YAML file; ConfigError
     naming the file otherwise."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file does not exist") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:     # the decoder's own message names no file
-        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
-                          f"offset {exc.start}); a site file is a YAML file in UTF-8") from None
+    text = read_yaml_text(path, "a site file")
     try:
         try:
             data = load_yaml(text, FastYamlLoader)
