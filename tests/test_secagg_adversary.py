@@ -300,3 +300,30 @@ def test_a_client_refuses_an_unmask_request_naming_fewer_than_t_survivors():
         clients[0].unmask(secagg.UnmaskRequest(3, (0, 1), (2, 3, 4)))
     answer = clients[0].unmask(secagg.UnmaskRequest(3, (0, 1, 2), (3, 4)))   # t: answered
     assert sorted(answer.seed_shares) == [0, 1, 2] and sorted(answer.key_shares) == [3, 4]
+
+
+@pytest.mark.parametrize("copied", [("c_public", "s_public"), ("s_public",), ("c_public",)])
+def test_an_advertisement_of_another_clients_keys_is_refused_naming_both(copied):
+    """Bonawitz et al. have the server check that the advertised public keys are distinct.
+    Client 3 advertises (some of) client 1's keys: before, the server took them, so client
+    3's neighbours encrypted its shares to client 1's key and masked with a secret client 1
+    holds. Now the later advertisement is refused naming both clients, client 3 is a
+    dropout of the keys phase, and the round sums the others exactly."""
+    contribs = contributions(6, size=40)
+    setup = setup_for(contribs, threshold=4)
+    seen = {}
+
+    def copy_keys(phase, msg):
+        if phase == "keys" and msg.client == 1:
+            seen[1] = msg
+        if phase == "keys" and msg.client == 3:
+            return dataclasses.replace(msg, **{k: getattr(seen[1], k) for k in copied})
+        return msg
+
+    server, refused = _run(setup, contribs, copy_keys)
+    assert list(refused) == [("keys", 3)]
+    message = str(refused[("keys", 3)])
+    assert "client 3's advertise message" in message and "client 1" in message, message
+    survivors = [c for c in contribs if c != 3]
+    assert server.total.count == len(survivors)
+    assert np.array_equal(server.ring_words, clear_ring_sum(setup, contribs, survivors))

@@ -42,7 +42,8 @@ the survivor set to different clients needs Bonawitz et al.'s consistency round
 
 A client message whose fields are not what the protocol sends (keys, ciphertexts, shares)
 is refused whole when it arrives, naming the client and the field (`_check_fields`): that
-client has not answered the phase, as with a dropout.
+client has not answered the phase, as with a dropout. So is an advertisement of a public key
+another client advertised first (`_check_distinct`, Bonawitz et al.'s distinct-keys check).
 
 Failures are clean: a phase that ends with fewer than t clients (or a neighbourhood with fewer
 than t_N holders of a secret that is needed) raises SecAggAborted naming the phase and the
@@ -931,6 +932,7 @@ class SecAggServer:
         self.phase = "keys"
         self.neighbourhoods = setup.neighbourhoods()
         self.keys: dict = {}
+        self._key_owner: dict = {}     # {public key bytes: the client that advertised it}
         self.shares: dict = {}
         self.masked: dict = {}         # {client: _Received}: the words are summed on arrival
         # {(size, scalar names): [words, scalars]}: the ring sums of the masked inputs, one
@@ -975,6 +977,8 @@ class SecAggServer:
             raise SecAggError(f"round {self.round}: client {msg.client} sent its {msg.kind} "
                               f"message twice")
         self._check_fields(msg)
+        if isinstance(msg, AdvertiseKeys):
+            self._check_distinct(msg)
         if isinstance(msg, MaskedInput):
             q = self.setup.quantiser
             size, names = self.vector_size, self.scalar_names
@@ -1051,6 +1055,23 @@ class SecAggServer:
                     if not _is_int(share) or not 0 <= share < shamir.PRIME:
                         raise SecAggError(f"{where}: {name}[{c}] is {_describe(share)}, not "
                                           f"a share (a whole number below 2^521 - 1)")
+
+    def _check_distinct(self, msg: "AdvertiseKeys") -> None:
+        """Bonawitz et al.'s check that the advertised public keys are distinct: a client
+        advertising another's key would have its neighbours encrypt its shares to, and mask
+        with, a secret it does not hold (the honest ones then fail to read its shares), or
+        pose as that client to them. The later advertisement is refused, naming both
+        clients; its sender is then a dropout of the keys phase. A client's own two keys
+        may be equal (only its own agreements are affected)."""
+        for name in ("c_public", "s_public"):
+            owner = self._key_owner.get(getattr(msg, name))
+            if owner is not None and owner != msg.client:
+                raise SecAggError(f"round {self.round}: client {msg.client}'s advertise "
+                                  f"message: {name} is a public key client {owner} "
+                                  f"advertised first; the keys of a round must be distinct, "
+                                  f"so client {msg.client} is refused (a dropout)")
+        for name in ("c_public", "s_public"):
+            self._key_owner[getattr(msg, name)] = msg.client
 
     def advance(self) -> dict:
         """Close the current phase: at least t clients must have answered (SecAggAborted
