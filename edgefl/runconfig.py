@@ -406,11 +406,13 @@ def _secure_aggregation(v: "_Validator", section, per_round: int) -> SecureAggre
         # clip_range) overflows float64: the kernels refuse it, but only at the first round
         v.fail(f"{where}.clip_range", f"{clip_range:g} is below the smallest normal float32 "
                                       f"({_F32_TINY:.3g}): every value would clip to it")
+    max_attempts = v.integer(f"{where}.max_attempts",
+                             section.get("max_attempts", d.max_attempts), lo=1)
     if per_round < 2:
         v.fail(where, f"needs at least 2 clients a round (clients_per_round is {per_round}): "
                       f"the sum of one update is that update")
     return SecureAggregation(threshold=threshold, neighbours=neighbours, ring_bits=ring_bits,
-                             clip_range=clip_range)
+                             clip_range=clip_range, max_attempts=max_attempts)
 
 
 _F32_TINY = 2.0 ** -126        # the smallest normal float32 (numpy.finfo(float32).tiny)

@@ -947,3 +947,48 @@ def test_no_announcements_pile_up_while_the_broker_is_away(tmp_path):
         server.stop()
     assert during == 0, f"{during} announcements made while the broker was down"
     assert result.history[0]["updates"] == 2
+
+
+@pytest.mark.parametrize("board", ["silent", "another size"])
+def test_a_secure_round_that_cannot_reach_its_threshold_ends_after_its_attempts(
+        tmp_path, monkeypatch, board):
+    """Secure aggregation needing all 3 boards, and client-2 never lets a phase reach it
+    without saying why: it is silent (online as far as the aggregator knows: never
+    started, so no Last Will fires), or it sends a masked input of another size at every
+    attempt (a board on another model). No refusal names it, so _secure_unreachable cannot
+    end the run, and before, each failed attempt announced the round again, for ever: the
+    run hung. Now after privacy.secure_aggregation.max_attempts failed attempts (its
+    default, 5) the run stops with an error naming why and the board, nothing aggregated."""
+    _need_mosquitto()
+    import dataclasses
+
+    from edgefl.errors import ConfigError
+    from edgefl.privacy import secagg
+
+    if board == "another size":
+        masked_input = secagg.SecAggClient.masked_input
+
+        def shorter(self, msg, contribution, *args, **kwargs):
+            if self.client == 2:
+                contribution = dataclasses.replace(contribution,
+                                                   vector=contribution.vector[:-1])
+            return masked_input(self, msg, contribution, *args, **kwargs)
+
+        monkeypatch.setattr(secagg.SecAggClient, "masked_input", shorter)
+    broker, fleet = _secure_fleet(tmp_path, 1.5)
+    try:
+        for name in ("client-0", "client-1") + (("client-2",) if board != "silent" else ()):
+            fleet.start_client(name)
+        fleet.start_aggregator()
+        with pytest.raises(ConfigError) as caught:
+            fleet.finish(timeout=30)
+        assert fleet.aggregated() == []
+    finally:
+        fleet.close()
+        broker.stop()
+    message = str(caught.value)
+    assert "round 1" in message and "5 attempts" in message and "max_attempts" in message, \
+        message
+    assert "(attempts 1, 2, 3, 4, 5)" in message, message
+    assert ("client-2 did not answer phase 'keys'" if board == "silent" else
+            "650 words from client-0, client-1; 649 words from client-2") in message, message

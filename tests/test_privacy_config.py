@@ -17,6 +17,9 @@ def test_defaults_and_round_trip():
                "strategy.weighting=uniform")
     assert cfg.privacy.secure_aggregation.threshold == pytest.approx(0.67)
     assert cfg.privacy.secure_aggregation.neighbours == 4
+    assert cfg.privacy.secure_aggregation.max_attempts == 5
+    assert load("privacy.secure_aggregation.max_attempts=2").privacy.secure_aggregation \
+        .max_attempts == 2
     assert cfg.privacy.dp.mode == "distributed" and cfg.privacy.dp.clip == 0.5
     again = run_config_from_mapping(cfg.to_dict(), "again.yaml")
     assert again.privacy == cfg.privacy
@@ -48,6 +51,10 @@ def test_no_section_no_key():
     # levels / clip_range overflows float64 (the kernel refused it only mid-round)
     (["privacy.secure_aggregation.clip_range=1e-300"], "privacy.secure_aggregation.clip_range",
      "smallest normal float32"),
+    (["privacy.secure_aggregation.max_attempts=0"], "privacy.secure_aggregation.max_attempts",
+     "below the minimum 1"),
+    (["privacy.secure_aggregation.max_attempts=2.5"],
+     "privacy.secure_aggregation.max_attempts", "integer"),
     (["privacy.secure_aggregation.mask=aes"], "privacy.secure_aggregation.mask", "valid keys"),
     (["privacy.secure_aggregation.threshold=0.8", "clients_per_round=1"],
      "privacy.secure_aggregation", "at least 2"),

@@ -9,6 +9,8 @@ the key in every error); the protocols that use these values are this package's 
         neighbours: 0            # k, each client's masking neighbours; 0 = all (SecAgg)
         ring_bits: 32            # arithmetic in Z_(2^32) or Z_(2^64)
         clip_range: 8.0          # each quantised value is clipped to [-clip_range, clip_range]
+        max_attempts: 5          # over a broker: failed attempts of one round (a phase left
+                                 #   below t) before the run stops, naming the boards
       dp:                        # client-level differential privacy (DP-FedAvg)
         mode: central            # central (the aggregator adds the noise) | distributed
         clip: 1.0                # each client's update is clipped to this L2 norm
@@ -43,6 +45,10 @@ class SecureAggregation:
     neighbours: int = 0
     ring_bits: int = 32
     clip_range: float = 8.0
+    # a round over a broker whose phase ends below t is announced again (fresh keys); boards
+    # that stay silent without refusing, or keep sending another shape, would have it
+    # announced for ever: after this many failed attempts the run stops, naming them
+    max_attempts: int = 5
 
     def threshold_count(self, participants: int) -> int:
         """t for a round of `participants` clients: the count itself, or the fraction rounded

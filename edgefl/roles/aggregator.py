@@ -344,6 +344,7 @@ class _OpenRound:
     secure_tag: int = 0              # the attempt's tag: the high half of its chunks' ids
     secure_seq: int = 0
     secure_in: object = None         # secagg.ChunkAssembler of the clients' messages
+    secure_failed: list = field(default_factory=list)   # why each failed attempt failed
     counts: dict = field(default_factory=lambda: {"late": 0, "duplicates": 0, "rejected": 0,
                                                   "resends": 0, "announcements": 0,
                                                   "wire_up_bytes": 0, "wire_down_bytes": 0})
@@ -1387,6 +1388,41 @@ class Aggregator:
             f"{'; '.join(why)}. The run stops here (its rounds done are checkpointed: "
             f"{advice}")
 
+    def _attempt_failure(self, server, phase: str, waiting, exc) -> str:
+        """What failed a secure attempt in `phase`, naming the boards: those it still waited
+        for, or, when every board answered the masked phase, the boards of each shape of
+        masked input (none sent by t of them)."""
+        if waiting:
+            return f"{_names(sorted(waiting))} did not answer phase {phase!r}"
+        if phase == "masked" and server.masked:
+            ids, shapes = self.plan.client_ids, {}
+            for c, m in sorted(server.masked.items()):
+                shapes.setdefault((m.size, m.scalar_names), []).append(ids[c])
+            named = len({names for _, names in shapes}) > 1
+            return ("no shape of masked input came from the threshold's boards: " + "; ".join(
+                f"{size} words" + (f" and scalars {list(names)}" if named else "")
+                + f" from {_names(nodes)}" for (size, names), nodes in shapes.items()))
+        return str(exc)
+
+    def _attempts_spent(self, server) -> ConfigError:
+        """The error that ends the run when the open round's secure attempts all failed
+        (privacy.secure_aggregation.max_attempts of them): boards that neither answer nor
+        say they refuse, or that keep sending another shape, would have the round announced
+        again for ever."""
+        o, spent = self.open, len(self.open.secure_failed)
+        by_failure: dict = {}
+        for i, why in enumerate(o.secure_failed, 1):
+            by_failure.setdefault(why, []).append(i)
+        why = "; ".join(f"{text} (attempt{'s' if len(at) > 1 else ''} "
+                        f"{', '.join(map(str, at))})" for text, at in by_failure.items())
+        return ConfigError(
+            f"round {o.round}: secure aggregation failed {spent} attempts in a row "
+            f"(privacy.secure_aggregation.max_attempts = {self.plan.secure.max_attempts}), "
+            f"each short of its threshold of {server.setup.threshold} boards: {why}. The run "
+            f"stops here (its rounds done are checkpointed): bring back or fix the boards "
+            f"named, then start a new run from its model (model.init: docs/orchestration.md), "
+            f"or give a lower threshold or more attempts")
+
     def _upload_refusal(self, node: str) -> str | None:
         """Why `node` may not upload in the open round, or None (the engine's check)."""
         return self.open.round_plan.upload_refusal(self.members[node], node)
@@ -1530,10 +1566,13 @@ class Aggregator:
                     unreachable = self._secure_unreachable(server)
                     if unreachable is not None:
                         raise unreachable from None
-                    log.warning("round %d: secure aggregation failed (%s); announcing it again",
-                                o.round, exc)
+                    o.secure_failed.append(self._attempt_failure(server, phase, waiting, exc))
                     self._event("secure_round_failed", round=o.round, phase=phase,
                                 reason=str(exc))
+                    if len(o.secure_failed) >= self.plan.secure.max_attempts:
+                        raise self._attempts_spent(server) from None
+                    log.warning("round %d: secure aggregation failed (%s); announcing it again",
+                                o.round, exc)
                     self._announce()
                     phase_deadline, attempt = o.deadline, o.secure
                     continue
@@ -1748,6 +1787,13 @@ class Aggregator:
 # a model at least this large is hashed in a thread, for the journal while the checkpoint
 # is written (Aggregator._commit), for the announcement while its frame is (_frame)
 _HASH_IN_THREAD_BYTES = 1 << 20
+
+
+def _names(nodes, limit: int = 10) -> str:
+    """Node ids for an error message: the first `limit` of them, the rest as a count."""
+    nodes = list(nodes)
+    more = f" and {len(nodes) - limit} more" if len(nodes) > limit else ""
+    return ", ".join(nodes[:limit]) + more
 
 
 def _secure_record(server) -> dict:
