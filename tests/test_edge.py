@@ -747,6 +747,31 @@ def test_a_corrupt_stored_partial_is_refused_naming_the_file(tmp_path):
     assert (tmp_path / "e" / "partial.frame").read_bytes() == b"not a frame at all"
 
 
+@pytest.mark.parametrize("text, match", [
+    ("{not json", r"centre-signed\.json: unreadable JSON state file"),
+    ('{"at": "yesterday"}', r"centre-signed\.json: 'at' = 'yesterday' is not a signing time"),
+    ("[1, 2]", r"centre-signed\.json: 'at' = 'None' is not a signing time"),
+])
+def test_a_corrupt_centre_signing_time_stops_the_edge_naming_the_file(tmp_path, text, match):
+    """The stored signing time is what refuses a replayed centre announcement after a
+    restart: one that cannot be read stops the edge before it connects, naming the file,
+    rather than starting with no replay check; the file is left as it was."""
+    from edgefl.transport.loopback import LoopbackBroker
+
+    run = prepare_run(load_small_run(tmp_path), progress=False)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 3,
+                   default_client_ids(3))
+    edge = EdgeAggregator(plan, LoopbackBroker().transport("e"), str(tmp_path / "e"),
+                          AggregatorSettings(federation="fed"), edge_id="site-a",
+                          site=plan.client_ids)
+    os.makedirs(tmp_path / "e")
+    (tmp_path / "e" / "centre-signed.json").write_text(text)
+    with pytest.raises(StateError, match=match):
+        edge.run()
+    assert not edge.transport.connected
+    assert (tmp_path / "e" / "centre-signed.json").read_text() == text
+
+
 def test_the_centre_refuses_a_run_edges_cannot_serve_before_it_starts(tmp_path):
     from edgefl.errors import ConfigError
     from edgefl.roles.runner import run_aggregator
@@ -1031,3 +1056,62 @@ def test_privacy_is_refused_over_edges_naming_which_and_why(tmp_path, privacy, n
     assert named in str(refused.value) and why in str(refused.value), refused.value
     run = prepare_run(config, progress=False)
     assert named in edge_refusal(run.strategy, privacy=config.privacy)
+
+
+def test_an_edge_restarted_still_refuses_a_replay_of_an_earlier_centre_announcement(
+        tmp_path, caplog):
+    """An edge follows the centre's signed announcement of run "run-new"; stopped and
+    started again on its state directory (a service restart, a reboot), it is sent the
+    centre's genuine, older announcement of run "run-old" (kept by anyone who watched the
+    bridge). Before, the edge remembered the newest signing time only in memory: restarted,
+    it took the replay and followed the old run, announcing it to its site's boards. Now
+    the time is in its state directory (written atomically) and the replay is refused."""
+    from edgefl.roles.edge import CENTRE_SIGNED_FILE
+    from edgefl.transport.loopback import LoopbackBroker
+    from edgefl.transport.signing import Signer, Verifier, generate_key
+
+    run = prepare_run(load_small_run(tmp_path, partition={"name": "iid", "clients": 4},
+                                     rounds=2), progress=False)
+    ids = default_client_ids(4)
+    plan = RunPlan(run.strategy, run.init_params, run.setup, run.model, 4, ids)
+    key = generate_key()
+    centre = Signer(key, "centre", "fed")
+    old = centre.sign_doc(centre_announcement(run, "run-old", deadline=time.time() + 600),
+                          "announce", "run-old", 1)
+    wait_for(lambda: time.time() > old["sig"]["at"], what="the clock to move on")
+    new = centre.sign_doc(centre_announcement(run, "run-new", deadline=time.time() + 600),
+                          "announce", "run-new", 1)
+    topic = "central/edgefl/fed/round"
+
+    def edge_with(announcement):
+        """A fresh edge process's run on site-a's state directory, the centre's retained
+        announcement `announcement`; returns the edge once it has taken or refused it."""
+        broker = LoopbackBroker()
+        publisher = broker.transport("bridge")
+        publisher.connect()
+        publisher.publish(topic, json.dumps(announcement).encode(), qos=1, retain=True)
+        edge = EdgeAggregator(plan, broker.transport("e-site-a"), str(tmp_path / "site-a"),
+                              AggregatorSettings(federation="fed", round_timeout_s=60.0),
+                              edge_id="site-a", site=ids[:2],
+                              centre_keys=Verifier("fed", {"*": [key.public_key()]}))
+        errors: list = []
+        thread = _started(edge.run, "edge", errors)
+        try:
+            wait_for(lambda: edge.central is not None or edge.stats["rejected"] > 0,
+                     what="the edge to take or refuse the centre's announcement")
+        finally:
+            edge.stop.set()
+            thread.join(10)
+        if errors:
+            raise errors[0]
+        return edge
+
+    caplog.set_level("WARNING", logger="edgefl.roles")
+    first = edge_with(new)
+    assert first.central["run"] == "run-new"
+    assert os.path.exists(tmp_path / "site-a" / CENTRE_SIGNED_FILE)
+    again = edge_with(old)
+    assert again.central is None, "the restarted edge followed a replayed announcement"
+    assert again.stats["rejected"] == 1
+    assert "run-old round 1: signed before the one this edge follows: a replay" in caplog.text
+

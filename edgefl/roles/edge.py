@@ -64,21 +64,22 @@ from .aggregator import Aggregator, _OpenRound
 from .messages import (MessageError, buffers_sha256, finished_announcement,
                        parse_announcement, parse_status, status_payload,
                        task_from_announcement, update_scalars)
-from .state import (StateError, append_journal, atomic_write, read_journal, tag_floats,
-                    untag_floats)
+from .state import (StateError, append_journal, atomic_write, read_journal, read_json,
+                    tag_floats, untag_floats, write_json)
 
 __all__ = ["CentralAggregator", "EdgeAggregator", "edge_refusal", "partial_update",
            "partial_total", "load_sites", "UP_PREFIX", "PARTIAL_FILE", "EDGE_JOURNAL",
-           "STATE_FILES"]
+           "CENTRE_SIGNED_FILE", "STATE_FILES"]
 
 log = logging.getLogger("edgefl.roles.edge")
 
 UP_PREFIX = "central"              # the local prefix the site bridge maps the centre under
 PARTIAL_FILE = "partial.frame"     # the last partial aggregate the edge forwarded
 EDGE_JOURNAL = "edge.jsonl"
+CENTRE_SIGNED_FILE = "centre-signed.json"   # the newest centre announcement's signing time
 # what an edge replaces atomically in its state directory (hold_state_dir removes what its
-# writer killed mid-write left; the journal is appended to)
-STATE_FILES = (PARTIAL_FILE,)
+# writers killed mid-write left; the journal is appended to)
+STATE_FILES = (PARTIAL_FILE, CENTRE_SIGNED_FILE)
 
 
 def edge_refusal(strategy, *, robust=None, privacy=None, attack=None) -> str | None:
@@ -482,6 +483,35 @@ class EdgeAggregator(Aggregator):
     def edge_journal(self) -> str:
         return os.path.join(self.state_dir, EDGE_JOURNAL)
 
+    @property
+    def centre_signed_path(self) -> str:
+        return os.path.join(self.state_dir, CENTRE_SIGNED_FILE)
+
+    def _load_centre_signed_at(self) -> float:
+        """The signing time of the newest centre announcement this edge took before it was
+        (re)started, -inf when none; StateError naming the file when it cannot be read."""
+        try:
+            doc = read_json(self.centre_signed_path)
+        except FileNotFoundError:
+            return -math.inf
+        at = doc.get("at") if isinstance(doc, dict) else None
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise StateError(f"{self.centre_signed_path}: 'at' = {str(at)[:40]!r} is not a "
+                             f"signing time (seconds since the epoch); remove the file to "
+                             f"take the centre's next announcement as the newest")
+        return float(at)
+
+    def _save_centre_signed_at(self, at: float, run: str) -> None:
+        # on every newer announcement, not only a new run's as a board does: a board's
+        # progress file refuses an earlier round after a restart, the edge's stored partial
+        # names only the last round it forwarded, not those it closed with nothing to send
+        try:
+            write_json(self.centre_signed_path, {"at": at, "run": run})
+        except OSError as exc:
+            log.warning("edge %s: the signing time of the centre's announcement was not "
+                        "stored (%s): after a restart, an older one replayed would be taken",
+                        self.edge_id, exc)
+
     def _stored_partial(self) -> tuple | None:
         """(run, round, frame bytes, decoded frame) of the stored partial aggregate, or
         None."""
@@ -515,6 +545,8 @@ class EdgeAggregator(Aggregator):
     # ------------------------------------------------------------------ run
     def run(self):
         os.makedirs(self.state_dir, exist_ok=True)
+        # before the first announcement: an older one replayed after a restart is refused
+        self._centre_signed_at = self._load_centre_signed_at()
         stored = self._stored_partial()
         if stored is not None:
             self.ckpt = _EdgeState(stored[0], stored[1])
@@ -800,7 +832,9 @@ class EdgeAggregator(Aggregator):
                                f"{doc['round']}: signed before the one this edge follows: a "
                                f"replay; ignored")
             return False
-        self._centre_signed_at = env["at"]
+        if env["at"] > self._centre_signed_at:
+            self._centre_signed_at = env["at"]
+            self._save_centre_signed_at(env["at"], doc["run"])
         return True
 
     def _on_central_model(self, kind: str, node, payload: bytes) -> None:
