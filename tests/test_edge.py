@@ -1115,3 +1115,75 @@ def test_an_edge_restarted_still_refuses_a_replay_of_an_earlier_centre_announcem
     assert again.stats["rejected"] == 1
     assert "run-old round 1: signed before the one this edge follows: a replay" in caplog.text
 
+
+def test_the_centre_refuses_a_partial_trained_from_another_model_and_edges_name_theirs(
+        three_brokers, tmp_path, caplog):
+    """A partial aggregate for site-b trained from another model than the round's (one an
+    earlier run of the same id took, replayed; here written on the centre's broker before
+    site-b's edge starts) reaches the centre first. Before, an edge's partial carried no
+    'base' scalar and the centre checked none: the replay was taken as site-b's, the real
+    one dropped as a duplicate, and the model was not the flat one. Now each edge names the
+    centre's announced model in 'base', as a board does, and the centre refuses a partial
+    whose base is not the round's, naming the edge, and takes the real one."""
+    from edgefl.roles.messages import update_scalars
+    from edgefl.strategies import SumTotal
+    from edgefl.transport import wire
+
+    central, sites = three_brokers
+    config = load_small_run(tmp_path, partition={"name": "iid", "clients": 4}, rounds=2,
+                            clients_per_round=4)
+    run = prepare_run(config, progress=False)
+    flat = flat_params(prepare_run(config, progress=False))
+    announced, spoofed, done = {}, threading.Event(), threading.Event()
+
+    def watch_and_spoof():
+        """The centre's announcements (round -> model sha256); on round 1's, a partial for
+        site-b trained from another model, on the centre's update topic."""
+        t = MqttTransport(central.url, "spoofer", clean_session=True)
+        t.connect()
+        try:
+            t.subscribe("edgefl/fed/round", qos=1)
+            while not done.is_set():
+                item = t.receive(0.2)
+                if not getattr(item, "payload", None):
+                    continue
+                doc = json.loads(item.payload)
+                if doc.get("finished"):
+                    continue
+                announced[doc["round"]] = doc["model_sha256"]
+                if doc["round"] == 1 and not spoofed.is_set():
+                    total = SumTotal(np.zeros(run.model.n_params, np.float32), 2,
+                                     {"train_loss_x_steps": 0.0, "train_steps": 2.0}, 2)
+                    update = partial_update(total, run.model.n_params,
+                                            ["client-2", "client-3"])
+                    frame = wire.encode("update", 1, "site-b", update.buffers,
+                                        update_scalars(update, doc["run"], 0.0, base="0" * 64),
+                                        run.model.table, "none")
+                    t.publish("edgefl/fed/update/site-b", frame, qos=1).wait(10)
+                    spoofed.set()
+        finally:
+            t.close(timeout=1, announce_offline=False)
+
+    def on_edge(e, edge):
+        if e == "site-b":                     # after the replay is at the centre
+            assert spoofed.wait(30), "round 1 was not announced"
+        edge.run()
+
+    watcher = threading.Thread(target=watch_and_spoof, daemon=True)
+    watcher.start()
+    caplog.set_level("WARNING", logger="edgefl.roles")
+    try:
+        result, edges = two_level_run(run, central, sites, str(tmp_path / "state"),
+                                      on_edge=on_edge)
+    finally:
+        done.set()
+        watcher.join(10)
+    assert spoofed.is_set()
+    assert "rejected update from 'site-b': update of site-b for round 1 was trained from " \
+        "model 0000000000000000" in caplog.text
+    assert result.finished
+    assert float(np.max(np.abs(result.params - flat))) <= TOLERANCE
+    for e in edges:                           # each forwarded round 2 last, from its model
+        data = (tmp_path / "state" / e / "partial.frame").read_bytes()
+        frame = wire.decode(data, wire.Expectation(run.model.table, kinds="update"))
+        assert frame.round == 2 and frame.scalars.get("base") == announced[2], e

@@ -265,6 +265,15 @@ class CentralAggregator(Aggregator):
     def _model_to_each(self, o) -> bool:
         return False                  # one model frame a round, once through each bridge
 
+    def _announced_sha(self, node: str) -> str | None:
+        """The model an edge's partial was computed from: the round's global model (edges
+        relay no per-client models), checked against the partial's 'base' as a board's."""
+        o = self.open
+        if node not in o.uploaders:
+            return None
+        downlink = o.downlinks.get("global")
+        return downlink.sha if downlink is not None else None
+
     def _upload_refusal(self, node: str) -> str | None:
         o = self.open
         if node in o.uploaders:
@@ -714,9 +723,12 @@ class EdgeAggregator(Aggregator):
         total = self.engine.sum_clear(contributions, r)
         clients = [self.plan.client_ids[c] for c in sorted(contributions)]
         update = partial_update(total, self.plan.model.n_params, clients)
+        # 'base': the centre's model this sum was computed from, as a board names its own
+        # (a run id names one run only while the centre's state lasts)
         data = wire.encode("update", r, self.edge_id, update.buffers,
                            update_scalars(update, doc["run"],
-                                          max(o.train_s.values(), default=0.0)),
+                                          max(o.train_s.values(), default=0.0),
+                                          base=doc.get("model_sha256")),
                            self.table, "none",
                            sign=self.signer.frame_signer(doc["run"]) if self.signer else None)
         atomic_write(self.partial_path, data)         # before it leaves: a restart re-sends it
