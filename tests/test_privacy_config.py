@@ -29,6 +29,19 @@ def test_defaults_and_round_trip():
         adaptive.privacy
 
 
+def test_a_setting_added_later_leaves_the_config_of_a_run_that_does_not_set_it_unchanged():
+    # the config's dict is in the run's fingerprint: a secure run stopped before
+    # max_attempts existed would otherwise be refused after an upgrade ("another
+    # configuration"); set, it is in the dict like any other key
+    section = load("privacy.secure_aggregation.neighbours=4").to_dict()["privacy"]
+    assert section["secure_aggregation"] == {"threshold": 0.67, "neighbours": 4,
+                                             "ring_bits": 32, "clip_range": 8.0}
+    set_ = load("privacy.secure_aggregation.max_attempts=3").to_dict()["privacy"]
+    assert set_["secure_aggregation"]["max_attempts"] == 3
+    assert run_config_from_mapping(load().to_dict() | {"privacy": section}, "again.yaml") \
+        .privacy.secure_aggregation.max_attempts == 5
+
+
 def test_no_section_no_key():
     assert "privacy" not in load().to_dict()
 

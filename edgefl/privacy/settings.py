@@ -28,7 +28,7 @@ strategy); the check is `refusal` below, called by the run config.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 __all__ = ["SecureAggregation", "DifferentialPrivacy", "AdaptiveClip", "Privacy",
@@ -47,8 +47,9 @@ class SecureAggregation:
     clip_range: float = 8.0
     # a round over a broker whose phase ends below t is announced again (fresh keys); boards
     # that stay silent without refusing, or keep sending another shape, would have it
-    # announced for ever: after this many failed attempts the run stops, naming them
-    max_attempts: int = 5
+    # announced for ever: after this many failed attempts the run stops, naming them.
+    # Added after runs were checkpointed: left out of to_dict at its default (_plain)
+    max_attempts: int = field(default=5, metadata={"since_checkpoints": True})
 
     def threshold_count(self, participants: int) -> int:
         """t for a round of `participants` clients: the count itself, or the fraction rounded
@@ -98,9 +99,15 @@ ADAPTIVE_KEYS = tuple(f.name for f in fields(AdaptiveClip))
 
 
 def _plain(value) -> dict:
+    """A section as the dict its config would give. A setting added after runs were
+    checkpointed is left out at its default: the dict is in each run's fingerprint
+    (roles.aggregator.run_fingerprint), and a run stopped before the setting existed must
+    resume after an upgrade, not be refused as "another configuration"."""
     out = {}
     for f in fields(value):
         item = getattr(value, f.name)
+        if f.metadata.get("since_checkpoints") and item == f.default:
+            continue
         out[f.name] = _plain(item) if hasattr(item, "__dataclass_fields__") else item
     return out
 
