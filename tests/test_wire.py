@@ -913,6 +913,38 @@ def test_a_chunk_that_would_hold_more_than_its_message_is_refused_on_arrival():
         r.add(again, ex)
 
 
+def chunks_of(whole: bytes, room: int, *, sender="pi-07", kind=3, round=5, message_id=42,
+              table_hash=None) -> list:
+    """`whole` cut into chunks of `room` bytes, each laid out by hand (build) as section 5
+    says: for a whole frame split() would refuse to cut, or one whose header the chunks'
+    headers are to disagree with."""
+    n = -(-len(whole) // room)
+    return [build({"sender": sender, "offset": i * room, "total": len(whole)},
+                  whole[i * room:(i + 1) * room], kind=kind, dtype=4, flags=1, round=round,
+                  chunk_index=i, chunk_count=n, table_hash=table_hash, message_id=message_id)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("digests", [False, True])
+def test_a_chunked_frame_with_deeply_nested_metadata_is_refused_as_a_frame_error(digests):
+    # A receiver checking signatures (digests) reads the whole frame's metadata from its
+    # first chunk to hash the frame along its chunks; metadata nested a few thousand
+    # levels deep made that read raise RecursionError out of add() (any board could stop
+    # the aggregator with one chunk on its own update topic), where it must be the
+    # FrameError the whole frame gets.
+    inner = build(b"[" * 3000 + b"]" * 3000, bytes(16384))
+    assert b"[[[" in inner
+    ex = expect_update()
+    r = wire.Reassembler(digests=digests)
+    first, *rest = chunks_of(inner, 8192)
+    assert r.add(first, ex) is None
+    with pytest.raises(FrameError) as info:
+        for c in rest:
+            r.add(c, ex)
+    assert info.value.code == "metadata" and "not valid JSON" in info.value.reason
+    assert r.pending == 0 and r.bytes_in_flight == 0
+
+
 # --------------------------------------------------------------- fuzz
 
 def _fuzz_corpus():

@@ -477,7 +477,10 @@ def _hash_along(part: _Partial) -> None:
             part.core = content_core(h.kind, h.round, meta["sender"], meta.get("recipient"),
                                      _DTYPE_NAMES[dtype], h.table_hash, h.message_id,
                                      meta["buffers"], scalars)
-        except (ValueError, TypeError, KeyError, AttributeError, struct.error):
+        except (ValueError, TypeError, KeyError, AttributeError, struct.error,
+                RecursionError):
+            # anything these unchecked bytes make json raise (RecursionError: metadata
+            # nested deeper than the interpreter's stack); decode() says what is wrong
             part.hash_next = None
             return
         part.hasher = hashlib.sha256()          # the payload's; frame_digest adds the core
