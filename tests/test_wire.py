@@ -945,6 +945,33 @@ def test_a_chunked_frame_with_deeply_nested_metadata_is_refused_as_a_frame_error
     assert r.pending == 0 and r.bytes_in_flight == 0
 
 
+def test_chunks_whose_metadata_dwarfs_their_payload_hold_no_more_than_is_reserved():
+    # A chunk's metadata may be up to 1 MiB (JSON whitespace included) while the message it
+    # starts reserves only its declared total: had the reassembler kept each chunk's
+    # payload as a view into the received bytes, four such chunks of one sender held 4 MiB
+    # against 256 reserved bytes, on any board's own update topic.
+    import gc
+    import tracemalloc
+    ex = expect_update()
+    r = wire.Reassembler(max_bytes=1 << 20)
+    pad = b" " * ((1 << 20) - 200)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(4):
+            chunk = build(b'{"sender":"pi-07",' + pad + b'"offset":0,"total":64}',
+                          bytes(range(32)), dtype=4, flags=1, chunk_count=2,
+                          message_id=100 + i)
+            assert r.add(chunk, ex) is None
+            del chunk
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert r.pending == 4 and r.bytes_in_flight == 4 * 64 and r.bytes_buffered == 4 * 32
+    assert held < 64 << 10, f"{held} bytes held for {r.bytes_in_flight} reserved"
+
+
 # --------------------------------------------------------------- fuzz
 
 def _fuzz_corpus():

@@ -406,8 +406,12 @@ class Reassembler:
                                       "message")
         piece = mv[h.data_offset:]
         part.held += h.payload_len
-        # keep a view into immutable bytes; copy what the caller may reuse
-        part.parts[h.chunk_index] = (offset, piece if isinstance(data, bytes) else bytes(piece))
+        # keep a view into immutable bytes; copy what the caller may reuse, and a piece
+        # smaller than its chunk's header and metadata: a view keeps the whole chunk alive,
+        # and a chunk may carry up to MAX_META_BYTES of metadata against a few bytes of
+        # payload and of reservation (so what is held stays under twice what is reserved)
+        keep = isinstance(data, bytes) and h.data_offset <= h.payload_len
+        part.parts[h.chunk_index] = (offset, piece if keep else bytes(piece))
         self.stats["chunks"] += 1
         if self.digests and part.hash_next is not None:
             part.by_offset[offset] = part.parts[h.chunk_index][1]
