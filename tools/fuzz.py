@@ -6,8 +6,9 @@ what came of it, or the numbers as JSON (--json).
     python tools/fuzz.py [--frames 100000] [--seed 1] [--json]
 
 Every generated payload goes through one wire.Reassembler with small limits (max_bytes,
-per-sender bytes, a chunk budget per sender and round, an expiry on a simulated clock), as
-the aggregator's update topic would feed it, with the sender taken from the topic:
+per-sender bytes, a chunk budget per sender and round, an expiry on a simulated clock) and
+digests on, as the update topic of an aggregator that checks signatures would feed it, with
+the sender taken from the topic:
 
   random      random bytes (sometimes behind a valid magic and version)
   truncated   a valid frame cut short
@@ -21,6 +22,10 @@ the aggregator's update topic would feed it, with the sender taken from the topi
   storm       the chunks of several messages of several senders, with duplicates, drops
               (never completes), bit flips and resealed forgeries, shuffled together
   flood       one sender sending the same chunk 2..8 times its budget
+  forged      one message's chunks, each valid on its own, around a whole frame forged past
+              its own checks (metadata nested deeper than the interpreter's stack, header
+              fields that disagree with the chunks', another sender named inside, a byte
+              changed and resealed), or with chunk metadata padded out with whitespace
   signed      a valid update signed by its sender's key (must verify)
   sigfield    a signed update whose signature envelope has a field changed, removed or
               added, a character flipped, or is signed by another board's key, re-encoded
@@ -61,7 +66,7 @@ LIMITS = {"max_bytes": 8 << 10, "max_bytes_per_sender": 3 << 10, "max_chunks_per
 # less often to leave room for the single-frame generators
 KINDS = {"random": 10, "truncated": 10, "bitflip": 10, "length": 10, "hash": 10, "crc": 10,
          "nonfinite": 10, "resealed": 10, "valid": 10, "storm": 10, "flood": 0.5,
-         "signed": 5, "sigfield": 10}
+         "signed": 5, "sigfield": 10, "forged": 10}
 RUN_ID = "fuzz-run"
 BOARD_KEYS = {s: signing.generate_key() for s in SENDERS}
 UPLINK = signing.Verifier("fuzz", {s: [k.public_key()] for s, k in BOARD_KEYS.items()})
@@ -73,6 +78,20 @@ def seal_header(data: bytes) -> bytes:
 
 def seal(data: bytes) -> bytes:
     return seal_header(data[:48] + struct.pack("<I", zlib.crc32(data[64:])) + data[52:])
+
+
+def chunk_of(whole: bytes, i: int, n: int, room: int, meta: bytes) -> bytes:
+    """Chunk i of n of `whole` laid out from docs/protocol.md section 5 (flag CHUNK, dtype
+    bytes, the whole frame's kind, round, table hash and message id as its header says),
+    with `meta` as its metadata: for frames split() would refuse to cut."""
+    (_, _, kind, _, _, round_, _, _, _, _, table_hash, message_id, _) = \
+        struct.unpack_from("<4sBBBBIIIIQQQI", whole, 0)
+    piece = whole[i * room:(i + 1) * room]
+    body = meta + bytes(-len(meta) % 16) + piece
+    head = struct.pack("<4sBBBBIIIIQQQI8x", wire.MAGIC, wire.VERSION, kind, wire.DTYPES["bytes"],
+                       wire.FLAG_CHUNK, round_, i, n, len(meta), len(piece), table_hash,
+                       message_id, zlib.crc32(body))
+    return head + struct.pack("<I", zlib.crc32(head)) + body
 
 
 class Generator:
@@ -101,6 +120,8 @@ class Generator:
             return self.storm()
         if kind in ("signed", "sigfield"):
             return [(s, self.signed(s, altered=kind == "sigfield"))]
+        if kind == "forged":
+            return self.forged(s)
         if kind == "flood":
             chunk = wire.split(self.frame(s), 256)[0]
             return [(s, chunk)] * (LIMITS["max_chunks_per_sender"] * r.randint(2, 8))
@@ -174,6 +195,41 @@ class Generator:
         return wire.encode("update", self.round, sender, buffers, {**scalars, "sig": env},
                            TABLE, message_id=h.message_id)
 
+    def forged(self, sender: str) -> list:
+        """The `forged` generator: a message's chunks, in order, around a forged frame."""
+        r = self.rng
+        data = bytearray(self.frame(sender))
+        h = wire.read_header(bytes(data))
+        how = r.choice(["nested", "header", "sender", "resealed", "bloated"])
+        room = r.choice([256, 1024, 4096])
+        if how == "nested":
+            # read from the first chunk when hashing along (digests), so it fits there, and
+            # the message within LIMITS' 3 KiB per sender: a short payload
+            depth = r.randint(1000, 1300)
+            meta = b"[" * depth + b"]" * depth
+            payload = data[h.data_offset:h.data_offset + 16 * r.randint(1, 8)]
+            data = data[:64] + meta + bytes(-len(meta) % 16) + payload
+            struct.pack_into("<IQ", data, 20, len(meta), len(payload))
+            room = len(data) - r.randrange(len(payload))
+        elif how == "header":     # kind, round, message id or table hash of another message
+            at, fmt, value = r.choice([(5, "<B", wire.KINDS["model"]), (8, "<I", self.round + 1),
+                                       (40, "<Q", r.getrandbits(64)),
+                                       (32, "<Q", r.getrandbits(64))])
+            struct.pack_into(fmt, data, at, value)
+        elif how == "sender":
+            other = r.choice([x for x in SENDERS if x != sender])
+            data = bytearray(wire.encode("update", self.round, other, {"p": self.weights()},
+                                         None, TABLE, message_id=h.message_id))
+        elif how == "resealed":
+            data[r.randrange(len(data))] = r.randrange(256)
+        whole = seal(bytes(data))
+        n = -(-len(whole) // room)
+        pad = b" " * (r.randint(1, 64) << 10) if how == "bloated" else b""
+        return [(sender, chunk_of(whole, i, n, room,
+                                  b'{"sender":"%s",%s"offset":%d,"total":%d}'
+                                  % (sender.encode(), pad, i * room, len(whole))))
+                for i in range(n)]
+
     def storm(self) -> list:
         r, out = self.rng, []
         for _ in range(r.randint(2, 8)):
@@ -217,7 +273,7 @@ def run(frames: int, seed: int) -> dict:
     log.setLevel(logging.DEBUG)
     log.propagate = False                 # the flood warnings would swamp the terminal
     clock = [0.0]
-    r = wire.Reassembler(clock=lambda: clock[0], **LIMITS)
+    r = wire.Reassembler(clock=lambda: clock[0], digests=True, **LIMITS)
     gen = Generator(seed)
     by_kind: Counter = Counter()
     codes: Counter = Counter()
