@@ -1,8 +1,9 @@
 """Fuzzing of the frame decoder and of chunk reassembly with hypothesis (docs/limits.md
 "Fuzzing"): random bytes, valid frames truncated, bit-flipped, with oversized length fields,
-a wrong layer-table hash, a wrong CRC or non-finite values, and chunk storms (many chunk sets,
-duplicates, any order, interleaved senders, sets that never complete, forged chunks) through
-`Reassembler`. The properties: nothing but FrameError is ever raised, every refusal is logged
+a wrong layer-table hash, a wrong CRC or non-finite values, chunk storms (many chunk sets,
+duplicates, any order, interleaved senders, sets that never complete, forged chunks), and
+sound chunks around a forged frame (accepted in chunks exactly when it is accepted whole)
+through `Reassembler`. The properties: nothing but FrameError is ever raised, every refusal is logged
 with its code, corruption is always caught (every bit of a frame is under a CRC), what is
 delivered is what was sent and only once, and the reassembler's memory stays within its
 limits at every step. Signed frames and documents whose signature envelope is altered in
@@ -510,6 +511,67 @@ def test_a_signed_frame_hashed_along_its_chunks_has_the_one_pass_digest(data, fr
                     _VERIFIER.verify_frame(got, where="fuzz", run="run-1")
         except wire.FrameError:
             pass
+
+
+def chunks_by_hand(whole: bytes, room: int, sender: str) -> list:
+    """`whole` cut into chunks of `room` bytes as docs/protocol.md section 5 lays them out,
+    their headers copying the whole frame's kind, round, table hash and message id as its
+    bytes hold them: for a frame split() would refuse to cut."""
+    kind, round_ = whole[5], struct.unpack_from("<I", whole, 8)[0]
+    table_hash, message_id = struct.unpack_from("<QQ", whole, 32)
+    n = -(-len(whole) // room)
+    out = []
+    for i in range(n):
+        meta = json.dumps({"sender": sender, "offset": i * room,
+                           "total": len(whole)}).encode()
+        piece = whole[i * room:(i + 1) * room]
+        body = meta + bytes(-len(meta) % 16) + piece
+        head = struct.pack("<4sBBBBIIIIQQQI8x", b"EDFL", 1, kind, 4, 1, round_, i, n,
+                           len(meta), len(piece), table_hash, message_id, zlib.crc32(body))
+        out.append(head + struct.pack("<I", zlib.crc32(head)) + body)
+    return out
+
+
+@FUZZ
+@given(seed=st.integers(0, 2 ** 16), signed=st.booleans(),
+       compression=st.sampled_from(["none", "f16", "int8"]),
+       forge=st.sampled_from(["byte", "nested", "none"]), at=st.integers(0, 2 ** 31),
+       value=st.integers(0, 255), depth=st.integers(1, 6000), room=st.integers(64, 4096))
+def test_a_forged_frame_is_accepted_in_chunks_exactly_when_it_is_accepted_whole(
+        caplog, seed, signed, compression, forge, at, value, depth, room):
+    """Chunks each sound (their CRCs hold) around a whole frame forged past its own checks:
+    a byte changed and resealed, or metadata nested up to 6,000 levels deep (past the
+    interpreter's recursion limit, which hypothesis raises to 2,048), through a reassembler hashing along its chunks as a receiver
+    checking signatures does. Refused exactly when the frame sent whole is, with a
+    FrameError and nothing else; delivered with the same content and digest when not."""
+    scalars = {"num_samples": 3, **({"sig": {"by": "pi-01"}} if signed else {})}
+    data = bytearray(wire.encode("update", 1, "pi-01", {"p": weights(seed)}, scalars, TABLE,
+                                 compression))
+    if forge == "byte":
+        data[at % len(data)] = value
+    elif forge == "nested":
+        meta = b"[" * depth + b"]" * depth
+        start = wire.read_header(bytes(data)).data_offset
+        data = data[:64] + meta + bytes(-len(meta) % 16) + data[start:]
+        struct.pack_into("<I", data, 20, len(meta))
+        # the first chunk holds it: that is where the hash along reads it from
+        room = max(room, 64 + len(meta) + 16)
+    whole = seal(bytes(data))
+    expect = Expectation(TABLE, kinds="update", rounds=1, topic_sender="pi-01")
+    try:
+        alone = wire.decode(whole, expect)
+    except FrameError:
+        alone = None
+    out = fresh(caplog, digests=True, max_bytes=1 << 20)
+    got = None
+    for chunk in chunks_by_hand(whole, room, "pi-01"):
+        got = out.add(chunk, expect) or got
+    out.assert_every_reject_logged()
+    assert (got is None) == (alone is None), (alone, got, out.codes)
+    if got is not None:
+        assert got.content_sha256() == alone.content_sha256()
+        assert bytes(got.payload) == bytes(alone.payload)
+        assert dict(got.scalars) == dict(alone.scalars)
 
 
 _BOARD = signing.Signer(_SIGNING_KEY, "c0", "fed")
