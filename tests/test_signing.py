@@ -1796,6 +1796,29 @@ def test_a_signing_key_other_accounts_can_read_is_refused_naming_file_and_mode(t
         signing.fingerprint(signing.load_public_key(pub))
 
 
+def test_a_signing_key_systemd_hands_over_as_a_credential_is_taken(tmp_path, monkeypatch):
+    """systemd's LoadCredential= writes the file 0400 and, for a unit with User=, adds an
+    ACL entry letting that user read it: the mode then reads 0440 (the group bits show the
+    ACL's mask), though no group may read it. A key in the unit's credentials directory
+    ($CREDENTIALS_DIRECTORY, under /run/credentials) is systemd's to keep private; it was
+    refused with advice ("chmod 600") nobody can follow on that read-only file."""
+    credentials = tmp_path / "credentials"
+    credentials.mkdir()
+    _, key, pub = keypair(credentials, "client-0")
+    os.chmod(key, 0o440)
+    with pytest.raises(KeyFileError, match="mode 0440"):
+        Trust.load(fed="lab", node="client-0", signing_key=key)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(credentials))
+    assert Trust.load(fed="lab", node="client-0", signing_key=key).signer.fingerprint == \
+        signing.fingerprint(signing.load_public_key(pub))
+    elsewhere = tmp_path / "elsewhere"          # the exemption is the directory's alone
+    elsewhere.mkdir()
+    _, other, _ = keypair(elsewhere, "client-1")
+    os.chmod(other, 0o440)
+    with pytest.raises(KeyFileError, match="mode 0440"):
+        Trust.load(fed="lab", node="client-1", signing_key=other)
+
+
 def test_boards_without_keys_follow_a_signing_aggregator_and_say_signatures_are_off(
         tmp_path, mosquitto_server, caplog, capsys):
     """Backward compatible: the aggregator signs, the boards have no keys (an older site

@@ -175,11 +175,23 @@ def _check_owner_only(path) -> None:
     except OSError as exc:
         raise KeyFileError(f"{os.fspath(path)}: cannot read the key file: "
                            f"{exc.strerror or exc}") from None
-    if mode & 0o077:
+    if mode & 0o077 and not _systemd_credential(path):
         raise KeyFileError(f"{os.fspath(path)}: mode {mode:04o}: other accounts may read or "
                            "change this signing key, and whoever reads it signs as this "
                            "node; make it its owner's alone (chmod 600 "
                            f"{os.fspath(path)}, owned by the account that signs with it)")
+
+
+def _systemd_credential(path) -> bool:
+    """Whether `path` is in this service's systemd credentials directory
+    ($CREDENTIALS_DIRECTORY, set for a unit with LoadCredential=). systemd keeps such a file
+    private, and for a unit with User= grants that user read access by an ACL entry, so
+    its mode reads 0440 (the group bits show the ACL's mask) where no group may read it."""
+    directory = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return False
+    real, home = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([real, home]) == home
 
 
 def load_public_key(path, *, private_ok: bool = False) -> Ed25519PublicKey:
