@@ -1730,7 +1730,9 @@ def test_a_run_whose_checkpoint_meets_a_full_disk_waits_for_space_and_resumes(
             assert "error" not in ended, ended
             return
         os.unlink(filler)                       # space again
-        wait_state(f, "full-1", "finished", timeout=120)
+        ended = wait_state(f, "full-1", "finished", timeout=120)
+        # tried again: the record says when (ctl watch takes a resumed run's records by it)
+        assert ended["started"] < ended["resumed"] <= ended["ended"], ended
         journal = read_journal(state / "runs" / "full-1" / "state" / JOURNAL_FILE)
         assert [r["round"] for r in journal if r.get("event") == "aggregated"] == [1, 2, 3, 4]
         assert f.error is None

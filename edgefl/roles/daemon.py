@@ -433,7 +433,13 @@ class Daemon:
         self._own_status = False                  # the run's Aggregator publishes it now
         with self._lock:
             record["state"] = "paused" if control.paused.is_set() else "running"
-            record.setdefault("started", time.time())
+            if "started" in record:
+                # tried again (the service restarted, or the run waited out a full disk):
+                # `started` stays the first start; ctl watch, learning of the run from its
+                # run_resumed event, takes its records by this time (signed_log.check_record)
+                record["resumed"] = time.time()
+            else:
+                record["started"] = time.time()
             self._save(record)
             self.active = (record, control)
         self._publish_record(record)
@@ -817,7 +823,8 @@ class Daemon:
 
     @staticmethod
     def _public(record: dict) -> dict:
-        keys = ("id", "state", "created", "started", "ended", "rounds_done", "final_accuracy",
+        keys = ("id", "state", "created", "started", "resumed", "ended", "rounds_done",
+                "final_accuracy",
                 "test_accuracy",
                 "model_sha256", "model_onnx", "run_dir", "out_dir", "error", "export_error",
                 "clients", "pruned", "pruned_bytes")

@@ -121,7 +121,9 @@ def check_record(doc: Mapping, verifier, topic: str, run_id: str, *,
     the service) it must be that one; else, with `not_before` (events_not_before), its
     field `since` must be no earlier: "created" for a run the service did not know when the
     reader began listening (it is queued after), "started" for one the reader learnt of
-    from its signed run_started event (a record without it, queued, is not taken)."""
+    from its signed run_started event (a record without it, queued, is not taken),
+    "resumed" for one learnt of from its run_resumed event (`started` stays the first
+    start when the service tries a run again; `resumed` is when it did)."""
     where = f"run record on {topic}"
     try:
         env = verifier.verify_doc(doc, kind=RECORD_KIND, where=where, run=run_id)
