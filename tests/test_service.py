@@ -792,6 +792,26 @@ def test_reinstall_says_what_the_kept_site_file_does_not_take(tmp_path, capsys):
     assert "warning: " + str(site) not in capsys.readouterr().out
 
 
+def test_reinstall_over_a_site_file_that_does_not_read_names_it_and_keeps_it(tmp_path,
+                                                                            capsys):
+    """A kept site file saved as Latin-1 (an editor's choice): the install keeps it, and its
+    report says the service cannot start until it is fixed, naming the file and the byte,
+    as `edgefl config show` would (one reading of a config file's text)."""
+    stage = tmp_path / "stage"
+    args = ["install-service", "--role", "client", "--id", "a1", "--prefix", str(stage),
+            "--python", "/opt/edgefl/venv/bin/python", "--no-python-check"]
+    assert main(args + ["--profile", "rpi3"]) == 0
+    site = stage / "etc/edgefl/client-a1.yaml"
+    edited = site.read_text().replace("# keys:", "# clé:").encode("latin-1")
+    site.write_bytes(edited)
+    capsys.readouterr()
+    assert main(args + ["--profile", "rpi3"]) == 0
+    out = capsys.readouterr().out
+    assert f"warning: {site} exists and is kept as it is, but it does not read ({site}: " \
+           "not UTF-8 text (byte 0xe9 at offset" in out, out
+    assert site.read_bytes() == edited
+
+
 def test_dry_run_writes_nothing(tmp_path, capsys):
     python = _usable_python()
     code = main(["install-service", "--role", "client", "--id", "07", "--profile", "rpi4",

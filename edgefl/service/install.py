@@ -27,7 +27,7 @@ from importlib import resources
 
 import yaml
 
-from ..config import dump_yaml, load_yaml
+from ..config import dump_yaml, load_yaml, read_yaml_text
 from ..io import atomic_write
 from . import profiles
 from .layered import ETC_DIR, KEYS, ROLES
@@ -298,16 +298,15 @@ def _kept_site_file(target: str, profile: str, note: str, given: bool, keys: dic
     settings of the key files installed now that the file does not set. Without them the
     report said "profile rpi4" and "written" for the keys while the service ran on with the
     old profile, signing nothing."""
-    try:
-        with open(target, encoding="utf-8") as f:
-            doc = load_yaml(f)
-    except FileNotFoundError:
+    if not os.path.lexists(target):
         return None
-    except (OSError, ValueError, yaml.YAMLError) as exc:
+    try:
+        doc = load_yaml(read_yaml_text(target, "a site file"))
+    except (ValueError, yaml.YAMLError) as exc:     # ConfigError is a ValueError
         return profile, note, [
-            f"{target} exists and is kept as it is, but it does not read "
-            f"({getattr(exc, 'strerror', None) or exc}): the service cannot start until it "
-            f"is fixed (edgefl config show --config {target} names the problem)"]
+            f"{target} exists and is kept as it is, but it does not read ({exc}): the "
+            f"service cannot start until it is fixed (edgefl config show --config {target} "
+            "names the problem)"]
     doc = doc if isinstance(doc, dict) else {}
     warnings = []
     has = doc.get("profile")
