@@ -1100,6 +1100,23 @@ def test_edgefl_ctl_fails_at_once_when_the_broker_refuses_and_never_uses_a_site_
     assert status.stdout.strip() == "aggregator: no active run; queue: empty"
 
 
+def test_a_stop_as_a_run_ends_is_not_taken_for_one_between_tries(tmp_path):
+    """Between a run's end and its record saying so (the service closing it: export, end
+    record), the run is neither active nor ended. A stop then was answered "stopping; it
+    was waiting to be tried again" and its mark saved into the finished run's record."""
+    from edgefl.roles.control import Command, CommandError
+
+    daemon = Daemon(DaemonSettings(), str(tmp_path), transport_factory=None)
+    record = {"id": "r1", "state": "running", "config": {"rounds": 5}}
+    daemon.records["r1"] = record
+    daemon._closing = "r1"                # as _execute has it until the run's end is recorded
+    for run in ("r1", None):
+        with pytest.raises(CommandError, match="run r1 has just ended; its end is being "
+                                               "recorded"):
+            daemon._cmd_stop(Command("stop", {"run": run} if run else {}))
+    assert "stop_requested" not in record
+
+
 def test_pause_between_rounds_says_where_the_run_is_held(tmp_path):
     from types import SimpleNamespace
 

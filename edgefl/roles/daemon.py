@@ -981,9 +981,12 @@ class Daemon:
 
     def _target_active(self, command) -> tuple[dict, RunControl]:
         with self._lock:
-            active = self.active
+            active, closing = self.active, self._closing
         wanted = command.run
         if active is None:
+            if closing is not None and wanted in (None, closing):
+                raise CommandError(f"{command.name}: run {closing} has just ended; its end is "
+                                   "being recorded")
             if wanted is not None and wanted in self.records:
                 raise CommandError(f"{command.name}: run {wanted} is "
                                    f"{self.records[wanted]['state']}, not active")
@@ -1090,7 +1093,9 @@ class Daemon:
         with self._lock:
             if self.active is not None:
                 return None
-            waiting = self._records_in(*ACTIVE_STATES)
+            # the run being closed is still `running` until its end is recorded: not one
+            # waiting for its next try (_target_active says it has just ended)
+            waiting = [r for r in self._records_in(*ACTIVE_STATES) if r["id"] != self._closing]
         if wanted is not None:
             waiting = [r for r in waiting if r["id"] == wanted]
         return waiting[0] if waiting else None
