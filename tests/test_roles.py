@@ -1339,3 +1339,21 @@ def test_an_asynchronous_board_whose_local_round_failed_is_tasked_again(tmp_path
     result = run_fleet(aggregator, clients, threads)
     assert failed == {"client-0", "client-1", "client-2"}
     assert result.finished and len(result.history) == 2
+
+
+def test_the_rejections_an_aggregator_remembers_stay_bounded_over_a_long_run(tmp_path,
+                                                                            caplog):
+    """Each rejected or late frame of a board is logged once, by its message id; the ids
+    were kept for the whole run, a chunk budget's worth a round from a board that keeps
+    sending bad frames. The latest `reassembler.remember` of them are kept: a repeat of a
+    recent one is still logged once."""
+    config = load_small_run(tmp_path, rounds=2, clients_per_round=2)
+    _, aggregator, _, _ = fleet(tmp_path, config, LoopbackBroker(), start_clients=False)
+    remember = aggregator.reassembler.remember
+    caplog.set_level(logging.WARNING, "edgefl.roles")
+    for message_id in range(3 * remember):
+        aggregator._reject("client-0", "a bad frame", ("client-0", message_id))
+    assert len(aggregator._logged) == remember
+    logged = caplog.text.count("a bad frame")
+    aggregator._reject("client-0", "a bad frame", ("client-0", 3 * remember - 1))
+    assert caplog.text.count("a bad frame") == logged == 3 * remember

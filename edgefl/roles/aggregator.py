@@ -46,6 +46,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -428,7 +429,10 @@ class Aggregator:
         self.ckpt: AggregatorCheckpoint | None = None
         self.stats = {"late": 0, "duplicates": 0, "rejected": 0, "resends": 0}
         self.stopped: dict | None = None    # set when DP's budget ends the run early
-        self._logged: set = set()            # (node, message id) already reported
+        # (node, message id) already reported, the latest `reassembler.remember` of them: a
+        # board's rejected or late frames are logged once each, and over a long run the set
+        # would otherwise grow by every such frame's id, a chunk budget's worth a round
+        self._logged: OrderedDict = OrderedDict()
         self._cleared: set = set()           # retained topics cleared this session
         self._retained: set = set()          # model topics we left a retained frame on
         self._connects = 0                   # `connected` events handled
@@ -1200,10 +1204,17 @@ class Aggregator:
         if self.open is not None:
             self.open.counts["rejected"] += 1
         self.stats["rejected"] += 1
-        if key is None or key not in self._logged:
-            if key is not None:
-                self._logged.add(key)
+        if key is None or self._first_report(key):
             log.warning("rejected %s: %s", f"update from {node!r}" if node else "message", reason)
+
+    def _first_report(self, key) -> bool:
+        """Whether message `key` (node, message id) is reported now for the first time."""
+        if key in self._logged:
+            return False
+        self._logged[key] = None
+        while len(self._logged) > self.reassembler.remember:
+            self._logged.popitem(last=False)
+        return True
 
     def _on_update(self, node: str, payload: bytes) -> None:
         o = self.open
@@ -1238,8 +1249,7 @@ class Aggregator:
         if frame_round < o.round:
             o.counts["late"] += 1
             self.stats["late"] += 1
-            if key not in self._logged:
-                self._logged.add(key)
+            if self._first_report(key):
                 log.info("late update from %s for closed round %d (open round %d): dropped",
                          node, frame_round, o.round)
             return
@@ -1254,8 +1264,7 @@ class Aggregator:
         if node in o.received or node in o.refused:
             o.counts["duplicates"] += 1
             self.stats["duplicates"] += 1
-            if key not in self._logged:
-                self._logged.add(key)
+            if self._first_report(key):
                 log.info("duplicate update from %s for round %d ignored (message %016x)",
                          node, o.round, message_id)
             return
