@@ -402,6 +402,17 @@ def test_chunks_reassemble_in_any_order_and_repeats_are_dropped():
         inbox.add("client-2", b"XXXX" + bytes(40))
 
 
+def test_empty_chunks_count_against_a_senders_limit():
+    """A member sending empty chunks of a message of 2^31 of them added a held piece for
+    each, none counted against the sender's byte limit: the aggregator's memory grew for as
+    long as the round lasted. Each held piece now counts its bookkeeping too."""
+    inbox = secagg.ChunkAssembler(100_000)
+    with pytest.raises(SecAggError, match="from 'client-1': over 100000 bytes"):
+        for index in range(100_000):
+            inbox.add("client-1", secagg._CHUNK.pack(secagg.CHUNK_MAGIC, 7, index, 2 ** 31))
+    assert index < 2_000 and not inbox._parts
+
+
 @pytest.mark.parametrize("in_c", [True, False], ids=["c-openssl", "cryptography"])
 def test_block_wise_masks_are_the_keystream_added_word_by_word(in_c, monkeypatch):
     """apply_masks adds each key's stream block by block (in C, in pieces on threads); the

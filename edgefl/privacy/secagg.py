@@ -512,6 +512,7 @@ def message_from_bytes(data: bytes):
 # `secure_digest` of the message (docs/protocol.md section 11).
 _CHUNK = struct.Struct(">4sQII")
 CHUNK_MAGIC = b"SAC1"
+_HELD_PIECE_BYTES = 100          # a held chunk's dict entry and bytes object, about
 _SEAL = struct.Struct(">4sI")
 SEAL_MAGIC = b"SAS1"
 MAX_SEAL_BYTES = 4096         # a signature envelope is about 350 bytes
@@ -617,7 +618,9 @@ class ChunkAssembler:
         mid, count, parts, size = held
         data = bytes(payload[_CHUNK.size:])
         if index not in parts:
-            size += len(data)
+            # a held piece costs its bookkeeping too: empty chunks of a message of 2^31
+            # would otherwise be held without limit
+            size += len(data) + _HELD_PIECE_BYTES
             parts[index] = data
         if size > self.max_bytes:
             self._parts.pop(sender, None)
