@@ -619,6 +619,28 @@ def test_a_running_edgefl_client_refuses_forged_announcements_and_onnx_and_keeps
     assert "Traceback" not in text, text[-3000:]
 
 
+def _signed_updates_of_round_one(tmp_path, config, run, url, fed, agg_key, keys, **named):
+    """A whole signed run in state directory agg-a (its boards under tmp_path/a), and what
+    client-0 published on its update topic for round 1, seen from the broker: (payloads,
+    the finished SignedRun)."""
+    probe = mqtt(url, "probe")
+    probe.connect()
+    probe.subscribe(Topics(fed).update("client-0"), qos=1)
+    first = SignedRun(tmp_path, config, url, fed, agg_key, keys, state="agg-a",
+                      **named).start()
+    boards = [board(tmp_path / "a", run, url, fed, n, keys[n], [agg_key]) for n in keys]
+    first.finish()
+    for _, t in boards:
+        t.join(10)
+    captured = []
+    while (item := probe.receive(timeout=0.5)) is not None:
+        if getattr(item, "payload", b"") and msg.peek_frame(item.payload)[0] == 1:
+            captured.append(item.payload)
+    probe.close(timeout=1.0, announce_offline=False)
+    assert captured, "no update of round 1 seen"
+    return captured, first
+
+
 def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_refused(
         tmp_path, mosquitto_server):
     config = load_run_config(write_config(tmp_path))
@@ -629,22 +651,8 @@ def test_an_update_signed_by_another_board_or_replayed_from_an_earlier_run_is_re
     run = prepare_run(config, progress=False)
 
     # run A: capture client-0's signed update of round 1 from the broker
-    probe = mqtt(mosquitto_server.url, "probe")
-    probe.connect()
-    probe.subscribe(topics.update("client-0"), qos=1)
-    first = SignedRun(tmp_path, config, mosquitto_server.url, fed, agg_key, keys,
-                      state="agg-a").start()
-    boards = [board(tmp_path / "a", run, mosquitto_server.url, fed, n, keys[n], [agg_key])
-              for n in keys]
-    first.finish()
-    for _, t in boards:
-        t.join(10)
-    captured = []
-    while (item := probe.receive(timeout=0.5)) is not None:
-        if getattr(item, "payload", b"") and msg.peek_frame(item.payload)[0] == 1:
-            captured.append(item.payload)
-    probe.close(timeout=1.0, announce_offline=False)
-    assert captured, "no update of round 1 seen"
+    captured, first = _signed_updates_of_round_one(tmp_path, config, run,
+                                                   mosquitto_server.url, fed, agg_key, keys)
 
     # run B (a new run id): client-0 is not up yet; its old update is replayed, and client-1
     # (a rogue board) sends an update in client-0's name, signed with its own key
@@ -710,22 +718,8 @@ def test_an_update_replayed_from_an_earlier_run_of_the_same_id_is_refused(
     earlier_run = prepare_run(earlier_config, progress=False)
     run = prepare_run(config, progress=False)
 
-    probe = mqtt(url, "probe")
-    probe.connect()
-    probe.subscribe(topics.update("client-0"), qos=1)
-    first = SignedRun(tmp_path, earlier_config, url, fed, agg_key, keys, state="agg-a",
-                      run_id="r1").start()
-    boards = [board(tmp_path / "a", earlier_run, url, fed, n, keys[n], [agg_key])
-              for n in keys]
-    first.finish()
-    for _, t in boards:
-        t.join(10)
-    captured = []
-    while (item := probe.receive(timeout=0.5)) is not None:
-        if getattr(item, "payload", b"") and msg.peek_frame(item.payload)[0] == 1:
-            captured.append(item.payload)
-    probe.close(timeout=1.0, announce_offline=False)
-    assert captured, "no update of round 1 seen"
+    captured, first = _signed_updates_of_round_one(tmp_path, earlier_config, earlier_run, url,
+                                                   fed, agg_key, keys, run_id="r1")
 
     # the state wiped (another state directory), r1 started again
     second = SignedRun(tmp_path, config, url, fed, agg_key, keys, state="agg-b",
