@@ -226,6 +226,19 @@ def test_a_message_whose_header_is_not_an_object_of_fields_is_a_secagg_error(hea
         secagg.message_from_bytes(struct.pack(">I", len(head)) + head)
 
 
+def _to_masked_inputs(setup, contribs):
+    """Every client of `contribs` through the keys and shares phases: (clients, server, the
+    server's requests for masked inputs)."""
+    clients = {c: SecAggClient(c, setup) for c in contribs}
+    server = SecAggServer(setup)
+    for c in clients:
+        server.receive(clients[c].advertise())
+    out = server.advance()
+    for c in out:
+        server.receive(clients[c].share_keys(out[c]))
+    return clients, server, server.advance()
+
+
 @pytest.mark.parametrize("change", [
     lambda m: dataclasses.replace(m, words=np.append(m.words, m.words[:1])),
     lambda m: dataclasses.replace(m, words=m.words[:1]),
@@ -241,14 +254,7 @@ def test_a_first_masked_input_of_another_shape_does_not_decide_the_rounds(change
     import dataclasses as dc
     contribs = contributions(6, size=40)
     setup = dc.replace(setup_for(contribs, threshold=4), vector_size=None, scalar_names=None)
-    clients = {c: SecAggClient(c, setup) for c in contribs}
-    server = SecAggServer(setup)
-    for c in clients:
-        server.receive(clients[c].advertise())
-    out = server.advance()
-    for c in out:
-        server.receive(clients[c].share_keys(out[c]))
-    out = server.advance()
+    clients, server, out = _to_masked_inputs(setup, contribs)
     for c in (3, 0, 1, 2, 4, 5):                           # client 3's arrives first
         msg = clients[c].masked_input(out[c], contribs[c], c)
         server.receive(change(msg) if c == 3 else msg)
@@ -267,14 +273,7 @@ def test_no_shape_sent_by_t_clients_fails_the_phase_naming_the_shapes():
     import dataclasses as dc
     contribs = contributions(4, size=40)
     setup = dc.replace(setup_for(contribs, threshold=3), vector_size=None, scalar_names=None)
-    clients = {c: SecAggClient(c, setup) for c in contribs}
-    server = SecAggServer(setup)
-    for c in clients:
-        server.receive(clients[c].advertise())
-    out = server.advance()
-    for c in out:
-        server.receive(clients[c].share_keys(out[c]))
-    out = server.advance()
+    clients, server, out = _to_masked_inputs(setup, contribs)
     for c in clients:
         msg = clients[c].masked_input(out[c], contribs[c], c)
         server.receive(dc.replace(msg, words=msg.words[:20]) if c >= 2 else msg)

@@ -380,7 +380,6 @@ def test_an_update_without_params_is_refused_naming_the_client_not_a_key_error(n
     # a board's frame may carry any buffer names of the model's size; these three read
     # buffers["params"] unchecked, so a KeyError failed the round instead of the
     # aggregator refusing that board, as it does for every other strategy
-    from edgefl.rounds import RoundEngine
     setup = Setup(clients=range(3), train={"lr": 0.1, "steps": 2}, rounds=1)
     strategy = get_strategy(name, **params)
     start = strategy.init(np.zeros(4, np.float32), setup)
@@ -388,13 +387,7 @@ def test_an_update_without_params_is_refused_naming_the_client_not_a_key_error(n
     updates = {c: Update({"params": np.full(4, c + 1.0, np.float32)}, 10, 0.1, 2, scalars)
                for c in (0, 2)}
     updates[1] = Update({"weights": np.ones(4, np.float32)}, 10, 0.1, 2, scalars)
-    with pytest.raises(StrategyError, match=r"client\(s\) \[1\].*'params'"):
-        strategy.aggregate(1, updates, start)
-    refused = {}
-    engine = RoundEngine(strategy, setup, 3, 1)
-    state, metrics = engine.aggregate(1, dict(updates), start, on_unusable=refused.__setitem__)
-    assert sorted(refused) == [1]
-    assert np.all(np.isfinite(state.buffers["params"]))
+    _refused_alone(strategy, setup, 1, updates, start, r"client\(s\) \[1\].*'params'")
 
 
 @pytest.mark.parametrize("name, key", [("fedveca", "beta"), ("fedveca", "delta"),
@@ -404,7 +397,6 @@ def test_a_scalar_that_is_not_a_number_is_refused_naming_the_client(name, key, b
     # an update's strategy scalars arrive as any JSON value; float() of a string or a list
     # raised ValueError / TypeError, which the aggregator's refusal of an unusable board
     # (it catches StrategyError) did not cover, so one board failed the round
-    from edgefl.rounds import RoundEngine
     setup = Setup(clients=range(3), train={"lr": 0.1}, rounds=2)
     strategy = get_strategy(name)
     start = strategy.init(np.zeros(4, np.float32), setup)
@@ -419,11 +411,18 @@ def test_a_scalar_that_is_not_a_number_is_refused_naming_the_client(name, key, b
         return Update(buffers, 10, 0.1, steps, scalars)
 
     updates = {0: upd(0, 1.0), 1: upd(1, bad), 2: upd(2, 3.0)}
-    with pytest.raises(StrategyError, match=rf"client\(s\) \[1\].*'{key}'"):
-        strategy.aggregate(2, updates, start)
+    _refused_alone(strategy, setup, 2, updates, start, rf"client\(s\) \[1\].*'{key}'")
+
+
+def _refused_alone(strategy, setup, round, updates, start, match):
+    """Client 1's update is a StrategyError (`match`) to the strategy, and the round
+    engine refuses it alone: the round aggregates the others to a finite model."""
+    from edgefl.rounds import RoundEngine
+    with pytest.raises(StrategyError, match=match):
+        strategy.aggregate(round, updates, start)
     refused = {}
-    engine = RoundEngine(strategy, setup, 3, 2)
-    state, _ = engine.aggregate(2, dict(updates), start, on_unusable=refused.__setitem__)
+    engine = RoundEngine(strategy, setup, 3, round)
+    state, _ = engine.aggregate(round, dict(updates), start, on_unusable=refused.__setitem__)
     assert sorted(refused) == [1]
     assert np.all(np.isfinite(state.buffers["params"]))
 
