@@ -178,6 +178,15 @@ def load_run(path: str | os.PathLike, name: str | None = None) -> Run:
                           f"summary.json and metrics.jsonl)")
     summary = _read_summary(path)
     history = read_history(path)
+    # Every summary.json counts the rounds of its metrics.jsonl (run_summary, stopped_summary).
+    # They differ when a later run took the directory over (--force) and is still going, was
+    # killed or diverged: its metrics.jsonl is new, the summary the earlier run's, and a row
+    # of the two would show one run's accuracy beside the other's curve.
+    if summary["rounds"] != len(history):
+        raise RunDirError(
+            f"{path}: summary.json counts {summary['rounds']} rounds but metrics.jsonl holds "
+            f"{len(history)}: they are not one run's (a run still running, or killed or "
+            f"diverged, in a directory whose earlier run left its summary.json)")
     return Run(path, name or os.path.basename(os.path.normpath(path)) or path, summary, history,
                _offline_seconds(path))
 

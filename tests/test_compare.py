@@ -296,3 +296,44 @@ def test_a_stopped_runs_summary_without_accuracy_is_compared(runs, tmp_path, cap
     run = broken_copy(runs, tmp_path / "null", summary={**summary, "uplink_bytes": None})
     assert main(["compare", str(run), "--no-plot"]) == 0
     assert table_rows(capsys.readouterr().out)["L"]["up+down bytes"] == "–"
+
+
+def test_a_run_going_on_in_an_earlier_runs_directory_is_refused(runs, tmp_path, capsys):
+    # `simulate --out DIR --force` into a finished run's directory starts metrics.jsonl afresh
+    # while the earlier run's summary.json stays until the new run ends (runs.outputs
+    # MetricsLog). compare used to read that mix as one run: the old run's final and best
+    # accuracy beside the new run's rounds to target and curves, silently. A real simulate,
+    # compared while it runs and again after it is killed (a board losing power).
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "reused"
+    shutil.copytree(runs["fedavg"], run)
+    summary, _ = read_files(run)
+    config = tmp_path / "long.yaml"
+    config.write_text(json.dumps(dict(BASE, strategy={"name": "fedavg"}, rounds=100000)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "edgefl.cli", "simulate", str(config),
+                             "--out", str(run), "--force", "--quiet", "--no-plot",
+                             "--no-export", "--workers", "1"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:     # the new run has written more rounds than the old summary counts
+            assert proc.poll() is None, proc.stderr.read().decode()
+            lines = (run / "metrics.jsonl").read_text().count("\n")
+            if lines > summary["rounds"] + 1:
+                break
+            assert time.monotonic() < deadline, "the new run wrote too few rounds"
+            time.sleep(0.05)
+        code, err = refused(["compare", str(run), "--no-plot"], capsys)
+        assert code == 1 and f"{run}: summary.json counts {summary['rounds']} rounds" in err
+        assert "still running" in err
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert read_files(run)[0] == summary        # the earlier run's summary is still there
+    code, err = refused(["compare", str(run), "--no-plot", "--json"], capsys)
+    assert code == 1 and "metrics.jsonl holds" in err
