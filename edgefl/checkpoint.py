@@ -110,8 +110,19 @@ def read_model(source) -> ModelFile:
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks {', '.join(missing)}")
     spec = ck["model_spec"]
+    # the file is anyone's: a field of the wrong type is named, not a TypeError traceback
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{path}: model_spec must be a JSON object (the model config), "
+                              f"got {json.dumps(spec)[:200]}")
+    shape, classes = ck["input_shape"], ck["num_classes"]
+    if shape.ndim != 1 or shape.dtype.kind not in "iu":
+        raise CheckpointError(f"{path}: input_shape must be a list of integers, got "
+                              f"{shape.dtype} of shape {shape.shape}")
+    if classes.ndim != 0 or classes.dtype.kind not in "iu":
+        raise CheckpointError(f"{path}: num_classes must be one integer, got {classes.dtype} "
+                              f"of shape {classes.shape}")
     try:
-        model = build_model(spec, tuple(int(d) for d in ck["input_shape"]), int(ck["num_classes"]))
+        model = build_model(spec, tuple(int(d) for d in shape), int(classes))
     except ValueError as exc:
         raise CheckpointError(f"{path}: model_spec {json.dumps(spec)} does not build: "
                               f"{exc}") from exc

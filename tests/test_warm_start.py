@@ -194,6 +194,23 @@ def test_a_checkpoint_with_non_finite_parameters_is_refused_naming_the_layer(fir
             prepare_run(warm(tmp_path, tmp_path / "diverged.npz"), progress=False)
 
 
+@pytest.mark.parametrize("key, value", [
+    ("model_spec", np.array(json.dumps([1, 2]))),          # JSON, but not a model spec
+    ("input_shape", np.array(64, dtype=np.int64)),        # a number, not a shape
+    ("num_classes", np.array([10, 10], dtype=np.int64)),  # a shape, not a number
+])
+def test_a_checkpoint_whose_model_fields_have_the_wrong_type_is_refused_naming_them(
+        first, tmp_path, key, value):
+    """A foreign or damaged model.npz with the keys of a checkpoint but not their types gave
+    a bare TypeError traceback ("iteration over a 0-d array") naming neither file nor key."""
+    run_dir, _ = first
+    with np.load(run_dir / "model.npz", allow_pickle=False) as z:
+        arrays = dict(z)
+    np.savez(tmp_path / "odd.npz", **{**arrays, key: value})
+    with pytest.raises(ConfigError, match=rf"model\.init: {tmp_path / 'odd.npz'}: {key} "):
+        prepare_run(warm(tmp_path, tmp_path / "odd.npz"), progress=False)
+
+
 def test_a_board_never_needs_the_file(tmp_path, mosquitto_server):
     """A board with `--partition CONFIG` reads the config for its data only; an edge
     aggregator prepares the run from the centre's config but takes every round's model
