@@ -949,6 +949,34 @@ def test_no_announcements_pile_up_while_the_broker_is_away(tmp_path):
     assert result.history[0]["updates"] == 2
 
 
+def test_a_secure_round_waits_out_a_board_known_offline_past_its_attempts(tmp_path):
+    """A board whose status says it is offline (a site's power cut) is waited for, as a
+    plain round waits: the attempts that fail while every board missing is known offline
+    are not counted against max_attempts (which ended such a run after five deadlines,
+    ConfigError, the run to be started again from its model). It comes back, and the
+    round closes with all three."""
+    _need_mosquitto()
+    broker, fleet = _secure_fleet(tmp_path, 1.0)
+    try:
+        c2 = fleet.start_client("client-2")
+        c2.stop.set()                       # a clean stop: its retained status is offline
+        fleet.threads["client-2"].join(10)
+        del fleet.clients["client-2"], fleet.threads["client-2"]
+        fleet.start_client("client-0")
+        fleet.start_client("client-1")
+        fleet.start_aggregator()
+        agg = fleet.aggregator
+        wait_for(lambda: agg.open is not None, timeout=10, what="round 1 to open")
+        time.sleep(8)                       # six attempts' deadlines, client-2 offline
+        assert fleet.error is None, fleet.error
+        fleet.start_client("client-2")      # the power is back
+        fleet.finish(timeout=60)
+        assert fleet.aggregated() == [1]
+    finally:
+        fleet.close()
+        broker.stop()
+
+
 @pytest.mark.parametrize("board", ["silent", "another size"])
 def test_a_secure_round_that_cannot_reach_its_threshold_ends_after_its_attempts(
         tmp_path, monkeypatch, board):

@@ -1575,9 +1575,14 @@ class Aggregator:
                     unreachable = self._secure_unreachable(server)
                     if unreachable is not None:
                         raise unreachable from None
-                    o.secure_failed.append(self._attempt_failure(server, phase, waiting, exc))
                     self._event("secure_round_failed", round=o.round, phase=phase,
                                 reason=str(exc))
+                    # boards known to be offline (a site's power cut) are waited for, as a
+                    # plain round waits for them: an attempt that failed for them alone is
+                    # not one of max_attempts, which ends a run whose boards cannot answer
+                    if not (answering and answering <= offline):
+                        o.secure_failed.append(self._attempt_failure(server, phase, waiting,
+                                                                     exc))
                     if len(o.secure_failed) >= self.plan.secure.max_attempts:
                         raise self._attempts_spent(server) from None
                     log.warning("round %d: secure aggregation failed (%s); announcing it again",
