@@ -1304,27 +1304,33 @@ def test_an_event_or_run_record_signature_binds_its_body_kind_run_federation_and
 
 def test_watch_takes_a_resumed_runs_record_by_its_resumed_time():
     """watch without --run learns its run from a run_started or run_resumed event signed
-    after it began, and takes that run's records only if they say so: `started` (or
-    `resumed`) no earlier than it began listening. A resumed run keeps its first start
-    time, so its genuine records were refused as an earlier run's (the service restarted,
-    or the run waited between tries after a full disk): the service now records when it
-    resumed it, and watch checks that for a run it learnt of from run_resumed."""
+    after it began, and takes that run's records only if they say the run started no
+    earlier. A run the service tried again keeps its first start time, so its genuine
+    records were refused as an earlier run's (the service restarted, or the run waited
+    between tries after a full disk): the service now records when it last tried the run
+    (`resumed`), and that is the time checked when the record has it. Which event the
+    run's aggregator sends depends on its checkpoint, not on the service's tries: a first
+    try over a checkpoint the service did not know says run_resumed with `started` alone,
+    a restart before round 1 run_started with `resumed`; watch checks both alike."""
     from edgefl.roles.signed_log import check_record, events_not_before, signed_record
 
     fed, key = f"log-{uid()}", signing.generate_key()
     signer, verifier = Signer(key, "aggregator", fed), Verifier(fed, {"*": [key.public_key()]})
     began = time.time()
     not_before = events_not_before(began, {"at": began})
-    genuine = signed_record({"id": "r1", "state": "finished", "created": began - 3600,
-                             "started": began - 3590, "resumed": began + 2,
-                             "ended": began + 5}, signer)
-    check_record(genuine, verifier, "edgefl/x/runs/r1", "r1", not_before=not_before,
-                 since="resumed")
+    tried_again = signed_record({"id": "r1", "state": "finished", "created": began - 3600,
+                                 "started": began - 3590, "resumed": began + 2,
+                                 "ended": began + 5}, signer)
+    first_try = signed_record({"id": "r1", "state": "running", "created": began - 3600,
+                               "started": began + 1}, signer)
+    for genuine in (tried_again, first_try):
+        check_record(genuine, verifier, "edgefl/x/runs/r1", "r1", not_before=not_before,
+                     since="started")
     earlier = signed_record({"id": "r1", "state": "finished", "created": began - 7200,
                              "started": began - 7190, "resumed": began - 7000}, signer)
     with pytest.raises(SignatureError, match="resumed .*before this reader began listening"):
         check_record(earlier, verifier, "edgefl/x/runs/r1", "r1", not_before=not_before,
-                     since="resumed")
+                     since="started")
 
 
 def test_watch_takes_the_aggregators_time_from_its_signed_status_reply():

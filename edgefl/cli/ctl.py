@@ -491,9 +491,9 @@ def _ctl_watch(args, transport, topics, name) -> int:
             if watched is None and event.get("event") in ("run_started", "run_resumed"):
                 watched = run
                 # learnt of from this event, signed after watch began: its record says
-                # it started (or resumed: `started` stays the first start) no earlier; one
-                # that does not is an earlier run's of the id
-                since = "resumed" if event.get("event") == "run_resumed" else "started"
+                # it started (or was last tried again) no earlier; one that does not is an
+                # earlier run's of the id
+                since = "started"
                 record_topic = topics.run_record(watched)
                 transport.subscribe(record_topic, qos=1)
             if watched is not None and run not in (None, watched):

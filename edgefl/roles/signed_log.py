@@ -121,9 +121,11 @@ def check_record(doc: Mapping, verifier, topic: str, run_id: str, *,
     the service) it must be that one; else, with `not_before` (events_not_before), its
     field `since` must be no earlier: "created" for a run the service did not know when the
     reader began listening (it is queued after), "started" for one the reader learnt of
-    from its signed run_started event (a record without it, queued, is not taken),
-    "resumed" for one learnt of from its run_resumed event (`started` stays the first
-    start when the service tries a run again; `resumed` is when it did)."""
+    from its signed run_started or run_resumed event (a record without it, queued, is not
+    taken). `started` stays the first start when the service tries a run again, and
+    `resumed` says when it last did: with "started", that time is the record's when it has
+    one (which event the run's aggregator sends, run_started or run_resumed, depends on its
+    checkpoint, not on the service's tries)."""
     where = f"run record on {topic}"
     try:
         env = verifier.verify_doc(doc, kind=RECORD_KIND, where=where, run=run_id)
@@ -136,6 +138,8 @@ def check_record(doc: Mapping, verifier, topic: str, run_id: str, *,
                                  f"(queued at {_time(made)}, this one at {_time(created)}): "
                                  "a replay")
         when = doc.get(since)
+        if since == "started" and "resumed" in doc:
+            since, when = "resumed", doc.get("resumed")
         if created is None and not_before is not None and not (
                 _is_time(when) and when >= not_before):
             raise SignatureError(f"{where}: the record of an earlier run of the id {run_id!r} "

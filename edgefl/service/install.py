@@ -298,7 +298,7 @@ def _kept_site_file(target: str, profile: str, note: str, given: bool, keys: dic
     settings of the key files installed now that the file does not set. Without them the
     report said "profile rpi4" and "written" for the keys while the service ran on with the
     old profile, signing nothing."""
-    if not os.path.lexists(target):
+    if not os.path.exists(target):        # as install() asks: a dangling link is replaced
         return None
     try:
         doc = load_yaml(read_yaml_text(target, "a site file"))
