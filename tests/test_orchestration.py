@@ -1115,6 +1115,11 @@ def test_a_stop_as_a_run_ends_is_not_taken_for_one_between_tries(tmp_path):
                                                "recorded"):
             daemon._cmd_stop(Command("stop", {"run": run} if run else {}))
     assert "stop_requested" not in record
+    # the service shutting down: the run was only interrupted, and resumes at the next
+    # start, where the stop's mark in its record ends it
+    daemon.stop.set()
+    assert daemon._cmd_stop(Command("stop", {"run": "r1"}))["state"] == "stopping"
+    assert "stop_requested" in record
 
 
 def test_pause_between_rounds_says_where_the_run_is_held(tmp_path):

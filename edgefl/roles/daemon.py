@@ -981,7 +981,8 @@ class Daemon:
 
     def _target_active(self, command) -> tuple[dict, RunControl]:
         with self._lock:
-            active, closing = self.active, self._closing
+            active = self.active
+            closing = None if self.stop.is_set() else self._closing     # (_between_tries)
         wanted = command.run
         if active is None:
             if closing is not None and wanted in (None, closing):
@@ -1094,8 +1095,11 @@ class Daemon:
             if self.active is not None:
                 return None
             # the run being closed is still `running` until its end is recorded: not one
-            # waiting for its next try (_target_active says it has just ended)
-            waiting = [r for r in self._records_in(*ACTIVE_STATES) if r["id"] != self._closing]
+            # waiting for its next try (_target_active says it has just ended), unless the
+            # service is shutting down: then it was only interrupted, resumes at the next
+            # start, and the stop's mark in its record ends it then
+            closing = None if self.stop.is_set() else self._closing
+            waiting = [r for r in self._records_in(*ACTIVE_STATES) if r["id"] != closing]
         if wanted is not None:
             waiting = [r for r in waiting if r["id"] == wanted]
         return waiting[0] if waiting else None
