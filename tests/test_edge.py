@@ -1113,7 +1113,8 @@ def test_an_edge_restarted_still_refuses_a_replay_of_an_earlier_centre_announcem
     again = edge_with(old)
     assert again.central is None, "the restarted edge followed a replayed announcement"
     assert again.stats["rejected"] == 1
-    assert "run-old round 1: signed before the one this edge follows: a replay" in caplog.text
+    assert re.search(r"run-old round 1: signed at [0-9.]+, before the one this edge follows "
+                     r"\([0-9.]+, kept in .*centre-signed.json\): a replay", caplog.text)
 
 
 def test_the_centre_refuses_a_partial_trained_from_another_model_and_edges_name_theirs(

@@ -841,8 +841,9 @@ class EdgeAggregator(Aggregator):
             return False
         if env["at"] < self._centre_signed_at:
             self._reject(None, f"the centre's announcement of run {doc['run']} round "
-                               f"{doc['round']}: signed before the one this edge follows: a "
-                               f"replay; ignored")
+                               f"{doc['round']}: signed at {env['at']:.3f}, before the one "
+                               f"this edge follows ({self._centre_signed_at:.3f}, kept in "
+                               f"{self.centre_signed_path}): a replay; ignored")
             return False
         if env["at"] > self._centre_signed_at:
             self._centre_signed_at = env["at"]
