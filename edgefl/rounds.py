@@ -399,9 +399,14 @@ class RoundEngine:
         state, metrics = self.strategy.aggregate_sum(plan.round, total, state)
         metrics = dict(metrics)
         metrics.update(hooks.round_metrics(plan.round))
+        # a DP budget that refuses the next round makes this one the run's last: evaluated
+        # as the planned last round is, so the run's final accuracy is its final model's
+        # (epsilon depends on the round number alone, and the accountant caches it for the
+        # next round's own check)
+        last = plan.round < self.rounds and not hooks.allows(plan.round + 1)
         return self.record_round(plan, state, metrics, totals, train_wall_s=train_wall_s,
                                  elapsed_before=elapsed_before,
-                                 defer_evaluation=defer_evaluation, extras=extras)
+                                 defer_evaluation=defer_evaluation, extras=extras, last=last)
 
     def close_round_clear_sum(self, plan: RoundPlan, contributions: Mapping[int, Contribution],
                               state: State, *, hooks: PrivacyHooks = NO_HOOKS,
@@ -442,16 +447,20 @@ class RoundEngine:
     def record_round(self, plan: RoundPlan, state: State, metrics: Mapping,
                      totals: UploadTotals, *, train_wall_s: float, elapsed_before: float = 0.0,
                      defer_evaluation: bool = False,
-                     extras: Callable[[], Mapping] | None = None) -> ClosedRound:
+                     extras: Callable[[], Mapping] | None = None,
+                     last: bool = False) -> ClosedRound:
         """The global model of `state`, its evaluation when due (unless deferred: then
         ClosedRound.evaluation_pending), and the round's record.
+
+        last:           the run ends after this round before its planned last (a DP
+                        budget): its evaluation is due as the planned last round's is.
 
         train_wall_s:   the caller's parallel phase (see the module docstring).
         elapsed_before: seconds of the run before this round opened.
         extras:         called once aggregation is done, for the caller's own record
                         fields (they may count what aggregation dropped)."""
         model = self.strategy.global_model(state)
-        due = self.evaluation_due(plan.round)
+        due = self.test_set is not None and (last or self.evaluation_due(plan.round))
         evaluation = self.evaluate(model, state) if due and not defer_evaluation else None
         wall_s = time.perf_counter() - plan.started
         record = round_record(plan, totals, metrics, wall_s=wall_s, train_wall_s=train_wall_s,

@@ -96,6 +96,30 @@ def test_budget_mode_stops_before_the_round_that_would_pass_the_target(tmp_path)
         assert (tmp_path / name).stat().st_size > 0
 
 
+@pytest.mark.parametrize("past_last", [1, 3])
+def test_a_budget_stop_evaluates_its_last_round_whatever_eval_every(tmp_path, past_last):
+    """The round the budget ends the run after is the run's last: evaluated as the planned
+    last round would be, so summary.json's final accuracy is that model's and metrics'
+    last row says it (eval_every last + 1: no round evaluated before it, which crashed the
+    summary with max() of an empty list; last - 1: an earlier round evaluated, and a null
+    final accuracy crashed the command line's last line)."""
+    target = 11.0
+    config = dp_config(f"privacy.dp.target_epsilon={target}", rounds=20)
+    last = PrivacyAccountant(config.privacy.dp, config.clients,
+                             config.clients_per_round).rounds_within(target, 20)
+    every = last + 1 if past_last == 1 else last - 1
+    assert last % every != 0
+    config = replace(config, eval_every=every)
+    summary = simulate(config, tmp_path, workers=2, progress=False)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert summary["rounds"] == len(records) == last
+    assert summary["stopped"]["reason"] == "privacy_budget"
+    assert records[-1]["test_accuracy"] is not None
+    assert summary["final_accuracy"] == records[-1]["test_accuracy"]
+    assert json.loads((tmp_path / "summary.json").read_text())["final_accuracy"] == \
+        records[-1]["test_accuracy"]
+
+
 def test_a_target_the_first_round_passes_is_a_config_error():
     with pytest.raises(ConfigError, match=r"privacy.dp.target_epsilon: 0.5 is spent by the "
                                           r"first round"):
@@ -193,6 +217,20 @@ def test_same_model_over_mosquitto_as_in_process(mosquitto_server, tmp_path):
     assert over["stopped"]["reason"] == "privacy_budget"
     eps = [r["dp_epsilon"] for r in read_jsonl(tmp_path / "mqtt" / "metrics.jsonl")]
     assert eps == [r["dp_epsilon"] for r in read_jsonl(tmp_path / "inproc" / "metrics.jsonl")]
+
+
+def test_a_budget_stop_over_mosquitto_evaluates_its_last_round(mosquitto_server, tmp_path):
+    """The aggregator role closes its rounds with the same engine: a budget stop between two
+    evaluations still ends with the final model evaluated, as in process."""
+    config = replace(dp_config("privacy.dp.target_epsilon=11", rounds=20), eval_every=50)
+    inproc = simulate(config, tmp_path / "inproc", workers=2, progress=False)
+    over = simulate(config, tmp_path / "mqtt", workers=2, progress=False, transport="mqtt",
+                    broker=mosquitto_server.url)
+    assert over["model_sha256"] == inproc["model_sha256"]
+    assert over["stopped"]["reason"] == "privacy_budget"
+    last = read_jsonl(tmp_path / "mqtt" / "metrics.jsonl")[-1]
+    assert last["test_accuracy"] is not None
+    assert over["final_accuracy"] == inproc["final_accuracy"] == last["test_accuracy"]
 
 
 def test_stopped_has_one_shape_whether_the_budget_or_a_stop_request_ends_the_run(tmp_path):

@@ -36,6 +36,9 @@ class PrivacyHooks:
         On the server, before round `round` opens: raise BudgetExhausted when the round
         could not be applied anyway, so no client trains for nothing (a DP budget is
         known in advance; `server_sum` keeps the same check as the guard).
+    allows(round) -> bool
+        Whether round `round` may run (before_round would not raise): the engine asks it for
+        the round after the one it closes, which is the run's last when the answer is no.
     """
 
     def client_delta(self, delta: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -49,6 +52,13 @@ class PrivacyHooks:
 
     def before_round(self, round: int) -> None:
         return None
+
+    def allows(self, round: int) -> bool:
+        try:
+            self.before_round(round)
+        except BudgetExhausted:
+            return False
+        return True
 
 
 NO_HOOKS = PrivacyHooks()
