@@ -168,3 +168,31 @@ def test_a_worker_whose_clients_cannot_connect_sends_the_error_and_exits_non_zer
         if proc.is_alive():
             proc.kill()
         parent.close()
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_stop_while_the_clients_connect_is_a_stop_not_an_error(tmp_path, small_queue_broker,
+                                                                   processes):
+    # Ctrl-C while a large fleet was still connecting (seconds at a thousand clients) ended
+    # `edgefl simulate` with a RuntimeError's traceback and exit 1, not the stop (exit 130,
+    # summary.json saying it stopped before round 1) that the same Ctrl-C gives in process.
+    # The flag is set before the call: the stop is seen while the clients connect, as a
+    # signal then would be.
+    from edgefl.errors import RunStopped
+    from edgefl.kernels import StopFlag
+
+    config = load_small_run(tmp_path, dataset={"name": "digits"},
+                            partition={"name": "iid", "clients": 40}, clients_per_round=10,
+                            rounds=2)
+    flag = StopFlag()
+    flag.set()
+    out = tmp_path / "out"
+    with pytest.raises(RunStopped) as stopped:
+        simulate(config, out, workers=2, progress=False, transport="mqtt",
+                 broker=small_queue_broker.url,
+                 mqtt={"round_timeout_s": 20.0, "client_processes": processes}, stop=flag)
+    assert (stopped.value.round, stopped.value.rounds_planned) == (1, 2)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"]["reason"] == "stop_requested"
+    assert summary["stopped"]["rounds_done"] == 0 and summary["rounds"] == 0
+    assert not (out / "model.npz").exists()

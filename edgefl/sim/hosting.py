@@ -166,6 +166,15 @@ class ClientHost:
             list(pool.map(finish_one, started))
 
 
+class ConnectStopped(RuntimeError):
+    """The stop flag was set while the clients were connecting: in the simulating process,
+    a stop request before round 1 (run_over_broker raises RunStopped for it); in a worker,
+    its own stop."""
+
+    def __init__(self):
+        super().__init__("stopped while the simulation's clients were connecting")
+
+
 class ReadyWaiter:
     """Waits until fewer than n of the client roles started so far are not yet ready
     (connected and subscribed). Fails when one raised, or when none became ready for
@@ -193,7 +202,7 @@ class ReadyWaiter:
                 self.stop.set()
                 raise self.errors[0]
             if self.stop.is_set():
-                raise RuntimeError("stopped while the simulation's clients were connecting")
+                raise ConnectStopped()
             if time.monotonic() - self.progress_at > self.stall_s:
                 self.stop.set()
                 raise TimeoutError(f"simulation clients did not connect to {self.address}: "

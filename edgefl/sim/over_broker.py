@@ -195,7 +195,7 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
     from ..transport.broker import EmbeddedBroker, packet_bytes_for
     from ..transport.mqtt import MqttTransport, parse_broker_url
     from ..transport.netloop import NetworkLoop
-    from .hosting import ClientHost, start_clients, tick_for
+    from .hosting import ClientHost, ConnectStopped, start_clients, tick_for
 
     from ..roles.aggregator import Aggregator
 
@@ -278,27 +278,35 @@ def run_over_broker(run: "PreparedRun", url: str | None = None, *, broker_kind: 
                            announcements=announcements, train_pool=pool)
                     for c in indices]
 
-        if processes == 0:
-            # One network thread for every connection, which also drives every client
-            # (sim.hosting): thousands of role threads, each woken by every announcement,
-            # used to saturate the interpreter (docs/scaling.md).
-            network = NetworkLoop(name=f"edgefl-{federation}-net")
-            pool = ThreadPoolExecutor(max_workers=max(1, workers),
-                                      thread_name_prefix="edgefl-train")
-            clients = make_clients(range(len(ids)), stop,
-                                   threading.Semaphore(max(1, workers)), network, pool)
-            host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)),
-                              network=network)
-            hosting = threading.Thread(target=host.run, name="edgefl-client-host",
-                                       daemon=True)
-            hosting.start()
-            start_clients(clients, host, errors, stop, connect_timeout, address)
-        else:
-            procs = _fork_workers(processes, len(ids), workers, make_clients, connect_timeout,
-                                  address)
-            _wait_ready(procs, len(ids), stop, connect_timeout, address)
-            # after the fork: a child has no copy of this loop or its thread
-            network = NetworkLoop(name=f"edgefl-{federation}-net")
+        try:
+            if processes == 0:
+                # One network thread for every connection, which also drives every client
+                # (sim.hosting): thousands of role threads, each woken by every
+                # announcement, used to saturate the interpreter (docs/scaling.md).
+                network = NetworkLoop(name=f"edgefl-{federation}-net")
+                pool = ThreadPoolExecutor(max_workers=max(1, workers),
+                                          thread_name_prefix="edgefl-train")
+                clients = make_clients(range(len(ids)), stop,
+                                       threading.Semaphore(max(1, workers)), network, pool)
+                host = ClientHost(clients, stop, errors, tick_s=tick_for(len(clients)),
+                                  network=network)
+                hosting = threading.Thread(target=host.run, name="edgefl-client-host",
+                                           daemon=True)
+                hosting.start()
+                start_clients(clients, host, errors, stop, connect_timeout, address)
+            else:
+                procs = _fork_workers(processes, len(ids), workers, make_clients,
+                                      connect_timeout, address)
+                _wait_ready(procs, len(ids), stop, connect_timeout, address)
+                # after the fork: a child has no copy of this loop or its thread
+                network = NetworkLoop(name=f"edgefl-{federation}-net")
+        except ConnectStopped:
+            # a Ctrl-C while a large fleet connects is the same stop as one in round 1
+            # (exit 130, summary.json saying so), not an error; a worker's own stop, with
+            # this process's flag not set, stays the error it is
+            if not stop.is_set():
+                raise
+            raise RunStopped(1, None, run.setup.rounds) from None
         # overlap_evaluation: a round's test-set evaluation runs while the next round does,
         # as run_federation's does (its record then reaches on_round a round later, as there).
         # task_in_copy: a tasked client's task comes in its copy of the model, not on its
@@ -402,11 +410,13 @@ def _fork_workers(processes: int, clients: int, workers: int, make_clients, stal
 def _wait_ready(procs: list, clients: int, stop, stall_s: float, address) -> None:
     """Until every worker reports all its clients connected and subscribed. Fails on a
     worker's error, a worker that died, or no progress for `stall_s` seconds."""
+    from .hosting import ConnectStopped
+
     ready = [0] * len(procs)
     progress_at = time.monotonic()
     while sum(ready) < clients:
         if stop.is_set():
-            raise RuntimeError("stopped while the simulation's clients were connecting")
+            raise ConnectStopped()
         for k, (proc, conn, share) in enumerate(procs):
             done = None
             try:
