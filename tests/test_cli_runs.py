@@ -58,6 +58,27 @@ def test_force_writes_into_a_non_empty_out_dir(cwd, capsys):
     assert "outputs in old" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("export_every", [None, "1"])
+def test_force_over_a_finished_run_that_diverges_leaves_no_output_of_the_earlier_run(
+        cwd, capsys, export_every):
+    # A run forced into an earlier run's directory that diverged in round 1 left the
+    # earlier run's summary.json (its accuracy, its config), model.npz, model.onnx and
+    # curves.png beside its own empty metrics.jsonl: the directory said the run had
+    # succeeded. Once the new run has started, none of the earlier run's outputs may stay.
+    (cwd / "prev" / "sub").mkdir(parents=True)
+    (cwd / "prev" / "notes.txt").write_text("mine")
+    assert simulate("--out", "prev", "--force") == 0
+    assert {"summary.json", "model.npz", "model.onnx", "curves.png"} <= \
+        set(os.listdir(cwd / "prev"))
+    capsys.readouterr()
+    extra = ["--export-every", export_every] if export_every else []
+    assert simulate("--out", "prev", "--force", "--set", "train.lr=1e38", *extra) == 1
+    assert "training diverged" in capsys.readouterr().err
+    assert sorted(os.listdir(cwd / "prev")) == ["metrics.jsonl", "notes.txt", "sub"]
+    assert (cwd / "prev" / "metrics.jsonl").read_text() == ""
+    assert (cwd / "prev" / "notes.txt").read_text() == "mine"          # not an output
+
+
 def test_an_empty_existing_out_dir_is_fine(cwd):
     (cwd / "empty").mkdir()
     assert simulate("--out", "empty") == 0

@@ -40,8 +40,9 @@ def check_out_dir(path: str, force: bool) -> None:
         raise UsageError(f"--out {path}: exists and is not a directory")
     if os.path.isdir(path) and os.listdir(path) and not force:
         raise UsageError(f"--out {path}: directory is not empty (it holds an earlier run?); "
-                         f"pass --force to write into it anyway (files of the same names are "
-                         f"replaced, nothing is deleted), choose another --out, or drop --out "
+                         f"pass --force to write into it anyway (an earlier run's outputs "
+                         f"there go once this run starts, other files are kept), choose "
+                         f"another --out, or drop --out "
                          f"and the run gets a directory of its own under {RUNS_ROOT}/")
 
 

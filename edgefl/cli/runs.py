@@ -74,8 +74,9 @@ def _simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: a new runs/NAME-YYYYmmdd-HHMMSS, NAME the config's "
                              "name, and runs/NAME links to the latest finished run)")
     parser.add_argument("--force", action="store_true",
-                        help="write into a non-empty --out DIR (files of the same names are "
-                             "replaced; nothing is deleted); only with --out")
+                        help="write into a non-empty --out DIR (an earlier run's outputs "
+                             "there go once this run starts; other files are kept); only "
+                             "with --out")
     parser.add_argument("--no-plot", action="store_true",
                         help="do not draw curves.png (saves importing matplotlib, about "
                              "0.6 s)")

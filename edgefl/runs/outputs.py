@@ -35,8 +35,13 @@ from .phases import phase
 
 log = logging.getLogger("edgefl.runs.outputs")
 
-__all__ = ["MetricsLog", "RoundExporter", "absolute_dataset_paths", "dp_summary",
+__all__ = ["MetricsLog", "RUN_OUTPUTS", "RoundExporter", "absolute_dataset_paths", "dp_summary",
            "export_final_onnx", "plot_curves", "run_summary", "write_outputs"]
+
+
+# what a run leaves besides metrics.jsonl: an earlier run's, in a directory a run writes into
+# (--force), go when that run starts, so the directory never holds two runs' outputs
+RUN_OUTPUTS = ("summary.json", "model.npz", "model.onnx", "curves.png")
 
 
 class MetricsLog:
@@ -59,10 +64,18 @@ class MetricsLog:
 
     def open(self) -> "MetricsLog":
         """Create the directory and start metrics.jsonl afresh (replacing a file there):
-        from here the directory is this run's. Once only; later calls do nothing."""
+        from here the directory is this run's, and an earlier run's RUN_OUTPUTS in it are
+        removed (a run that then stops or diverges writes only some of its own, and would
+        leave them beside, say, the earlier summary.json; other files, and a directory in
+        an output's place, are left). Once only, before the run writes any output (the
+        caller's first round export too); later calls do nothing."""
         if self._file is None:
             os.makedirs(self.out_dir, exist_ok=True)
             self._file = open(self.path, "w", encoding="utf-8")
+            for name in RUN_OUTPUTS:
+                path = os.path.join(self.out_dir, name)
+                if os.path.islink(path) or os.path.isfile(path):
+                    os.unlink(path)
         return self
 
     def write(self, record: dict) -> None:

@@ -129,6 +129,14 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
             metrics.write(record)
         bar.update(record)
 
+    def export_round(r, params):
+        if exporter is None:
+            return None
+        # a round's export can come before the first record (deferred evaluation): the
+        # directory becomes this run's first, so MetricsLog.open never removes it
+        metrics.open()
+        return exporter(r, params)
+
     broker_info = None
     clock = None if config.fleet is None else \
         Clock.for_fleet(config.fleet, setup.clients, config.seed, model.n_params)
@@ -138,18 +146,18 @@ def simulate(config: RunConfig, out_dir: str | os.PathLike | None, *, workers: i
                                       config.clients_per_round, clock=clock,
                                       test=(dataset.x_test, dataset.y_test),
                                       eval_every=config.eval_every, workers=workers,
-                                      on_round=on_round, on_model=exporter, stop=stop)
+                                      on_round=on_round, on_model=export_round, stop=stop)
         elif transport == "inproc":
             result = run_federation(strategy, init_params, clients, setup,
                                     config.clients_per_round,
                                     test=(dataset.x_test, dataset.y_test),
                                     eval_every=config.eval_every, workers=workers,
-                                    on_round=on_round, on_model=exporter, clock=clock,
+                                    on_round=on_round, on_model=export_round, clock=clock,
                                     stop=stop, **_privacy_rounds(config, run.hooks))
         else:
             result, broker_info = run_over_broker(run, broker, broker_kind=broker_kind,
                                                   workers=workers, on_round=on_round,
-                                                  on_model=exporter, stop=stop,
+                                                  on_model=export_round, stop=stop,
                                                   **dict(mqtt or {}))
     except RunStopped as stopped:
         stopped.summary = stopped_summary(config, model, stopped, workers)
