@@ -299,11 +299,13 @@ def test_a_stopped_runs_summary_without_accuracy_is_compared(runs, tmp_path, cap
 
 
 def test_a_run_going_on_in_an_earlier_runs_directory_is_refused(runs, tmp_path, capsys):
-    # `simulate --out DIR --force` into a finished run's directory starts metrics.jsonl afresh
-    # while the earlier run's summary.json stays until the new run ends (runs.outputs
-    # MetricsLog). compare used to read that mix as one run: the old run's final and best
-    # accuracy beside the new run's rounds to target and curves, silently. A real simulate,
-    # compared while it runs and again after it is killed (a board losing power).
+    # `simulate --out DIR --force` into a finished run's directory started metrics.jsonl
+    # afresh while the earlier run's summary.json stayed until the new run ended. compare
+    # read that mix as one run: the old run's final and best accuracy beside the new run's
+    # rounds to target and curves, silently. The new run now removes the earlier run's
+    # outputs as it takes the directory (runs.outputs MetricsLog), so compare says it is no
+    # finished run; a directory an older edgefl left so (or copied together by hand) is
+    # refused by its two counts of rounds. A real simulate, compared while it runs.
     import signal
     import subprocess
     import sys
@@ -328,12 +330,13 @@ def test_a_run_going_on_in_an_earlier_runs_directory_is_refused(runs, tmp_path, 
                 break
             assert time.monotonic() < deadline, "the new run wrote too few rounds"
             time.sleep(0.05)
+        assert not (run / "summary.json").exists()
         code, err = refused(["compare", str(run), "--no-plot"], capsys)
-        assert code == 1 and f"{run}: summary.json counts {summary['rounds']} rounds" in err
-        assert "still running" in err
+        assert code == 1 and f"{run}: no summary.json" in err and "still running" in err
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert read_files(run)[0] == summary        # the earlier run's summary is still there
+    shutil.copy(os.path.join(runs["fedavg"], "summary.json"), run / "summary.json")  # older
     code, err = refused(["compare", str(run), "--no-plot", "--json"], capsys)
-    assert code == 1 and "metrics.jsonl holds" in err
+    assert code == 1 and f"{run}: summary.json counts {summary['rounds']} rounds" in err
+    assert "metrics.jsonl holds" in err
