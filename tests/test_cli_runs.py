@@ -91,6 +91,10 @@ def test_an_out_that_is_a_file_is_refused(cwd, capsys):
     assert simulate("--out", "f", "--force") == 2
     assert "--out f: exists and is not a directory" in one_line_error(capsys, "simulate")
     assert (cwd / "f").read_text() == "x"
+    # under a file: refused before any round (it trained round 1, then said "[Errno 20]
+    # Not a directory" naming no option)
+    assert simulate("--out", "f/sub/run") == 2
+    assert "--out f/sub/run: f is not a directory" in one_line_error(capsys, "simulate")
 
 
 # ---------------------------------------------------------------------------------------

@@ -38,6 +38,12 @@ def check_out_dir(path: str, force: bool) -> None:
     directory is fine; a path that is not a directory never is."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise UsageError(f"--out {path}: exists and is not a directory")
+    # a directory to be made under a file: refused now, not after the first round
+    above = os.path.dirname(os.path.normpath(path))
+    while above and not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if above and not os.path.isdir(above):
+        raise UsageError(f"--out {path}: {above} is not a directory")
     if os.path.isdir(path) and os.listdir(path) and not force:
         raise UsageError(f"--out {path}: directory is not empty (it holds an earlier run?); "
                          f"pass --force to write into it anyway (an earlier run's outputs "
